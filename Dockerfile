@@ -1,0 +1,26 @@
+# ckptd: a static binary on a minimal base, running as a non-root user.
+#
+# The staging arena lives in /dev/shm, which Docker limits to 64 MiB by
+# default: give the container room for --staging-bytes, and share /dev/shm
+# and the socket folder with the trainer containers, e.g.
+#
+#   docker run --ipc=shareable --shm-size=16g -v /run/ckptd:/run/ckptd \
+#     -v /lustre/ckpt:/ckpt ckptd serve --socket /run/ckptd/ckptd.sock \
+#     --storage /ckpt --staging-bytes 12GiB
+#
+# and start trainers with --ipc=container:<ckptd> (or a shared /dev/shm
+# volume) and CKPTD_SOCKET=/run/ckptd/ckptd.sock. Locking the arena in
+# memory needs --ulimit memlock=-1 (or CAP_IPC_LOCK); without it ckptd warns
+# and runs unlocked.
+FROM golang:1.26 AS build
+WORKDIR /src
+COPY go.mod go.sum ./
+RUN go mod download
+COPY . .
+RUN CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o /out/ckptd ./cmd/ckptd
+
+FROM gcr.io/distroless/static-debian12:nonroot
+COPY --from=build /out/ckptd /usr/local/bin/ckptd
+USER nonroot:nonroot
+ENTRYPOINT ["/usr/local/bin/ckptd"]
+CMD ["serve", "--socket", "/run/ckptd/ckptd.sock", "--storage", "/ckpt"]

@@ -1,0 +1,236 @@
+package checkpoint
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"math"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/ckptd/ckptd/internal/codec"
+	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/storage"
+	"github.com/ckptd/ckptd/storage/posix"
+)
+
+func newBackend(t *testing.T) (storage.Backend, string) { return newBackendTB(t) }
+
+func newBackendTB(t testing.TB) (storage.Backend, string) {
+	t.Helper()
+	dir := t.TempDir()
+	b, err := posix.New(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close() })
+	return b, dir
+}
+
+// floats returns n float32 values of a trained-weight-like spread.
+func floats(n int, seed uint64) []byte {
+	r := rand.New(rand.NewPCG(seed, 1))
+	b := make([]byte, 4*n)
+	for i := range n {
+		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(float32(r.NormFloat64()*0.02)))
+	}
+	return b
+}
+
+// testShard builds a packed shard: an fp32 matrix, a small int64 tensor, a
+// 0-d tensor, an empty one, and a bf16 tensor.
+func testShard(step int64, rank, world int) *Shard {
+	var ts []Tensor
+	var data []byte
+	add := func(name string, dt dtype.DType, shape []int64, b []byte) {
+		ts = append(ts, Tensor{Name: name, DType: dt, Shape: shape, Offset: int64(len(data)), Length: int64(len(b))})
+		data = append(data, b...)
+	}
+	add("layer.0.weight", dtype.F32, []int64{512, 700}, floats(512*700, uint64(step)+uint64(rank)))
+	add("step_count", dtype.I64, []int64{3}, make([]byte, 24))
+	add("scalar", dtype.F32, []int64{}, floats(1, 7))
+	add("empty", dtype.F16, []int64{0, 5}, nil)
+	add("layer.0.bias", dtype.BF16, []int64{700}, floats(350, 9))
+	l, err := NewLayout(ts)
+	if err != nil {
+		panic(err)
+	}
+	return &Shard{Target: Target{Job: "job", Step: step, Rank: rank, WorldSize: world}, Layout: l, Data: data, Metadata: []byte("loader=42")}
+}
+
+func writeStep(t *testing.T, b storage.Backend, w *Writer, step int64, world int) []*Shard {
+	t.Helper()
+	var shards []*Shard
+	for rank := range world {
+		sh := testShard(step, rank, world)
+		if _, err := w.WriteShard(context.Background(), sh); err != nil {
+			t.Fatal(err)
+		}
+		ok, won, err := TryCommit(context.Background(), b, "job", step, world)
+		if err != nil || ok != (rank == world-1) || won != ok {
+			t.Fatalf("TryCommit after rank %d = %v, %v", rank, ok, err)
+		}
+		shards = append(shards, sh)
+	}
+	return shards
+}
+
+func TestWriteCommitRestore(t *testing.T) {
+	for _, c := range []codec.Codec{codec.Zstd, codec.LZ4, codec.None} {
+		t.Run(string(c), func(t *testing.T) {
+			b, _ := newBackend(t)
+			w, err := NewWriter(b, WriterOptions{ChunkSize: 64 << 10, Codec: c, Workers: 3})
+			if err != nil {
+				t.Fatal(err)
+			}
+			shards := writeStep(t, b, w, 7, 2)
+			store, _ := NewStore(b, "job")
+			rec, err := store.Resolve(context.Background(), 0, true)
+			if err != nil || rec.Step != 7 || rec.WorldSize != 2 {
+				t.Fatalf("Resolve latest = %+v, %v", rec, err)
+			}
+			for rank, sh := range shards {
+				m, err := store.Manifest(context.Background(), rec, rank)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if string(m.Metadata) != "loader=42" {
+					t.Errorf("metadata %q", m.Metadata)
+				}
+				got := make(BufferSink, m.DataSize)
+				if err := store.ReadShard(context.Background(), m, got, ReadOptions{}); err != nil {
+					t.Fatal(err)
+				}
+				if string(got) != string(sh.Data) {
+					t.Fatal("restored bytes differ")
+				}
+			}
+			if _, err := store.Verify(context.Background(), 7, false, ReadOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+func TestCorruptChunkNamed(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		damage func(path string) error
+		want   string
+	}{
+		{"flipped byte", func(p string) error {
+			f, err := os.OpenFile(p, os.O_RDWR, 0)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			_, err = f.WriteAt([]byte{0xff, 0x00, 0xff}, 70000)
+			return err
+		}, "chunk 1"},
+		{"truncated", func(p string) error { return os.Truncate(p, 1000) }, "truncated"},
+		{"deleted", os.Remove, "not found"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b, dir := newBackend(t)
+			w, _ := NewWriter(b, WriterOptions{ChunkSize: 64 << 10, Codec: codec.None})
+			writeStep(t, b, w, 3, 1)
+			if err := tc.damage(filepath.Join(dir, "job/steps/000000000003/rank-00000.data")); err != nil {
+				t.Fatal(err)
+			}
+			store, _ := NewStore(b, "job")
+			_, err := store.Verify(context.Background(), 3, false, ReadOptions{})
+			if !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "step 3 rank 0") || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Verify = %v; want ErrCorrupt naming step 3 rank 0 and %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestUnknownStepNamesLatest(t *testing.T) {
+	b, _ := newBackend(t)
+	store, _ := NewStore(b, "job")
+	if _, err := store.Resolve(context.Background(), 5, false); !errors.Is(err, ErrStepNotFound) || !strings.Contains(err.Error(), "no committed steps") {
+		t.Fatalf("empty store: %v", err)
+	}
+	w, _ := NewWriter(b, WriterOptions{})
+	writeStep(t, b, w, 10, 1)
+	_, err := store.Resolve(context.Background(), 11, false)
+	if !errors.Is(err, ErrStepNotFound) || !strings.Contains(err.Error(), "latest committed step: 10") {
+		t.Fatalf("Resolve(11) = %v", err)
+	}
+}
+
+func TestCommitNeedsAllRanks(t *testing.T) {
+	b, _ := newBackend(t)
+	w, _ := NewWriter(b, WriterOptions{})
+	if _, err := w.WriteShard(context.Background(), testShard(1, 1, 3)); err != nil {
+		t.Fatal(err)
+	}
+	store, _ := NewStore(b, "job")
+	if ok, _, _ := TryCommit(context.Background(), b, "job", 1, 3); ok {
+		t.Fatal("committed with 1 of 3 ranks")
+	}
+	if steps, _ := store.Steps(context.Background()); len(steps) != 0 {
+		t.Fatalf("uncommitted step listed: %v", steps)
+	}
+	// A rank of the same step claiming another world size is a conflict.
+	for _, r := range []int{0, 2} {
+		if _, err := w.WriteShard(context.Background(), testShard(1, r, 3)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if ok, won, err := TryCommit(context.Background(), b, "job", 1, 3); !ok || !won || err != nil {
+		t.Fatalf("TryCommit = %v, %v, %v", ok, won, err)
+	}
+	if ok, won, err := TryCommit(context.Background(), b, "job", 1, 3); !ok || won || err != nil {
+		t.Fatalf("second TryCommit = %v, %v, %v", ok, won, err)
+	}
+}
+
+func TestPrune(t *testing.T) {
+	b, dir := newBackend(t)
+	w, _ := NewWriter(b, WriterOptions{})
+	for _, s := range []int64{1, 2, 3, 4} {
+		writeStep(t, b, w, s, 1)
+	}
+	// An incomplete step older than what we keep, and one newer (in flight).
+	for _, s := range []int64{2, 5} {
+		if _, err := w.WriteShard(context.Background(), testShard(s, 1, 2)); err != nil && s == 5 {
+			t.Fatal(err)
+		}
+	}
+	if _, err := w.WriteShard(context.Background(), testShard(0, 0, 2)); err != nil {
+		t.Fatal(err)
+	}
+	store, _ := NewStore(b, "job")
+	dry, err := store.Prune(context.Background(), 2, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "job/steps/000000000001/COMMIT.json")); err != nil {
+		t.Fatal("dry run deleted something")
+	}
+	rep, err := store.Prune(context.Background(), 2, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Objects != dry.Objects || len(rep.Removed) != 2 || rep.Removed[1] != 2 || len(rep.Partial) != 1 || rep.Partial[0] != 0 {
+		t.Fatalf("report %+v (dry %+v)", rep, dry)
+	}
+	steps, _ := store.Steps(context.Background())
+	if len(steps) != 2 || steps[0].Step != 3 {
+		t.Fatalf("left %v", steps)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "job/steps/000000000005")); err != nil {
+		t.Fatal("in-flight newer step was pruned")
+	}
+	if _, err := store.Verify(context.Background(), 3, false, ReadOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := store.Prune(context.Background(), 0, false); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("keep-last 0: %v", err)
+	}
+}

@@ -1,0 +1,53 @@
+// Package checkpoint is ckptd's checkpoint core: it validates staged shards,
+// drains them to a storage.Backend as compressed, hashed chunks, commits
+// steps, and lists, verifies, restores and prunes them. It knows nothing of
+// gRPC; the daemon's server adapter and the CLI both call into it.
+//
+// # Storage layout
+//
+// Under a store's root, each job owns a folder (see ObjectNames):
+//
+//	<job>/steps/<step, 12 digits>/rank-<rank, 5 digits>.data           chunk data
+//	<job>/steps/<step>/rank-<rank>.manifest.json                       per-rank manifest
+//	<job>/steps/<step>/COMMIT.json                                     written last
+//
+// A rank's .data object is its chunks' stored bytes back to back. Chunks
+// are cut from the shard's tensor data laid out back to back in tensor
+// order (the "data space", which is also a safetensors file's data section):
+// a chunk never mixes dtypes, small tensors of one dtype share a chunk, and
+// a large tensor is split at element boundaries every ChunkSize bytes.
+//
+// # Manifest (format "ckptd.manifest", version 1)
+//
+// JSON, one per rank:
+//
+//	{
+//	  "format": "ckptd.manifest", "version": 1,
+//	  "job": "llama", "step": 9000, "rank": 0, "world_size": 8,
+//	  "created": "2026-11-29T14:00:00Z",
+//	  "data_size": 1073741824,          // bytes of tensor data (data space)
+//	  "stored_size": 912345678,         // bytes of chunk data stored
+//	  "tensors": [{"name": "w", "dtype": "BF16", "shape": [4096, 4096],
+//	               "offset": 0, "length": 33554432}],  // in data space
+//	  "chunks": [{"object": "steps/000000009000/rank-00000.data",
+//	              "offset": 0, "stored": 3000000,   // where in the object
+//	              "raw_offset": 0, "raw": 4194304,  // where in data space
+//	              "codec": "zstd", "hash": "xxh3:0123456789abcdef"}],
+//	  "metadata": "<base64 of the trainer's opaque bytes>"
+//	}
+//
+// Chunk objects are relative to the job's folder, so a chunk may point into
+// an earlier step's object (incremental checkpoints); that is why Prune is
+// reference-aware. The hash is of the raw (decompressed) bytes. Readers
+// reject any other format name or a version they do not know.
+//
+// # Commit
+//
+// After writing a rank's data and manifest, a sidecar lists the step's
+// folder; once world_size manifests are there it creates COMMIT.json with
+// storage.Backend.PutIfAbsent. Several sidecars sharing one store commit a
+// step exactly once with no coordinator: the last manifest written is always
+// followed by a listing that sees all of them, and the conditional create
+// picks one winner. Readers ignore steps without COMMIT.json, so a crash at
+// any point leaves the previous committed step restorable.
+package checkpoint

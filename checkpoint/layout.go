@@ -1,0 +1,121 @@
+package checkpoint
+
+import (
+	"fmt"
+	"sort"
+
+	"github.com/ckptd/ckptd/internal/dtype"
+)
+
+// MaxTensors bounds a tensor table, so a request cannot make the daemon
+// build an unbounded manifest.
+const MaxTensors = 1 << 20
+
+// Layout is a validated staging tensor table. Staged tensors sit anywhere in
+// their region (gaps allowed, overlaps not); stored tensors are packed back
+// to back in the same order.
+type Layout struct {
+	Region     []Tensor // offsets relative to the region, sorted by offset
+	Packed     []Tensor // the same tensors, offsets in data space
+	RegionSize int64    // bytes of region the table needs
+	DataSize   int64    // bytes of tensor data
+}
+
+// NewLayout validates a staging tensor table: names, dtypes, dtype × shape
+// == length, and ranges that neither overlap nor go negative. Zero-length
+// tensors are allowed anywhere.
+func NewLayout(tensors []Tensor) (*Layout, error) {
+	if len(tensors) > MaxTensors {
+		return nil, fmt.Errorf("%w: %d tensors, more than %d", ErrInvalid, len(tensors), MaxTensors)
+	}
+	ts := append([]Tensor(nil), tensors...)
+	sort.SliceStable(ts, func(i, j int) bool { return ts[i].Offset < ts[j].Offset })
+	l := &Layout{Region: ts, Packed: make([]Tensor, len(ts))}
+	seen := make(map[string]bool, len(ts))
+	var end int64
+	var prev string
+	for i, t := range ts {
+		if err := checkTensor(t, seen); err != nil {
+			return nil, err
+		}
+		if t.Offset < 0 {
+			return nil, fmt.Errorf("%w: tensor %q has negative offset %d", ErrInvalid, t.Name, t.Offset)
+		}
+		if t.Offset < end && t.Length > 0 {
+			return nil, fmt.Errorf("%w: tensor %q [%d, %d) overlaps tensor %q", ErrInvalid, t.Name, t.Offset, t.Offset+t.Length, prev)
+		}
+		p := t
+		p.Offset = l.DataSize
+		l.Packed[i] = p
+		l.DataSize += t.Length
+		if t.Length > 0 {
+			end, prev = t.Offset+t.Length, t.Name
+		}
+		l.RegionSize = max(l.RegionSize, t.Offset+t.Length)
+	}
+	return l, nil
+}
+
+// CheckRegion fails when the table does not fit a region of n bytes.
+func (l *Layout) CheckRegion(n int64) error {
+	if l.RegionSize > n {
+		return fmt.Errorf("%w: tensor table needs %d bytes, region has %d", ErrInvalid, l.RegionSize, n)
+	}
+	return nil
+}
+
+// span is a byte range of the staging region.
+type span struct{ off, n int64 }
+
+// chunkPlan is one chunk to cut: its place in data space and the region
+// spans that hold its bytes (one, unless tensors have gaps between them).
+type chunkPlan struct {
+	rawOffset, raw int64
+	dtype          dtype.DType
+	spans          []span
+}
+
+// planChunks cuts the data space into chunks of at most size bytes that
+// never mix dtypes, so a float-aware codec sees one element type per chunk.
+// size must be a multiple of 8 so that splits fall on element boundaries.
+func planChunks(l *Layout, size int64) []chunkPlan {
+	var out []chunkPlan
+	var cur chunkPlan
+	flush := func() {
+		if cur.raw > 0 {
+			out = append(out, cur)
+		}
+		cur = chunkPlan{rawOffset: cur.rawOffset + cur.raw}
+	}
+	for _, t := range l.Region {
+		if t.Length == 0 {
+			continue
+		}
+		if cur.raw > 0 && cur.dtype != t.DType {
+			flush()
+		}
+		cur.dtype = t.DType
+		for off, rem := t.Offset, t.Length; rem > 0; {
+			n := min(rem, size-cur.raw)
+			cur.spans = appendSpan(cur.spans, span{off, n})
+			cur.raw += n
+			off, rem = off+n, rem-n
+			if cur.raw == size {
+				flush()
+				cur.dtype = t.DType
+			}
+		}
+	}
+	flush()
+	return out
+}
+
+// appendSpan merges adjacent spans so that a packed table yields one span
+// per chunk, which the writer can compress without copying.
+func appendSpan(ss []span, s span) []span {
+	if n := len(ss); n > 0 && ss[n-1].off+ss[n-1].n == s.off {
+		ss[n-1].n += s.n
+		return ss
+	}
+	return append(ss, s)
+}

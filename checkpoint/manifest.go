@@ -1,0 +1,269 @@
+package checkpoint
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"github.com/ckptd/ckptd/internal/codec"
+	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/storage"
+)
+
+// Format names and versions written by this build. Readers refuse others.
+const (
+	ManifestFormat  = "ckptd.manifest"
+	ManifestVersion = 1
+	CommitFormat    = "ckptd.commit"
+	CommitVersion   = 1
+
+	// maxManifestBytes bounds what a reader accepts, so a corrupt or hostile
+	// object cannot make it allocate without limit.
+	maxManifestBytes = 256 << 20
+	// MaxChunkSize bounds a chunk's raw length, and so the buffer a decoder
+	// may be asked to fill.
+	MaxChunkSize = 256 << 20
+)
+
+// Tensor is one entry of a tensor table. In a manifest, Offset is in data
+// space (tensors back to back); in a staging request it is relative to the
+// region.
+type Tensor struct {
+	Name   string      `json:"name"`
+	DType  dtype.DType `json:"dtype"`
+	Shape  []int64     `json:"shape"`
+	Offset int64       `json:"offset"`
+	Length int64       `json:"length"`
+}
+
+// Chunk locates one compressed piece of a shard.
+type Chunk struct {
+	Object    string      `json:"object"` // relative to the job folder
+	Offset    int64       `json:"offset"` // of the stored bytes in Object
+	Stored    int64       `json:"stored"`
+	RawOffset int64       `json:"raw_offset"` // in data space
+	Raw       int64       `json:"raw"`
+	Codec     codec.Codec `json:"codec"`
+	Hash      string      `json:"hash"` // of the raw bytes
+}
+
+// Manifest describes one rank's shard of one step.
+type Manifest struct {
+	Format     string    `json:"format"`
+	Version    int       `json:"version"`
+	Job        string    `json:"job"`
+	Step       int64     `json:"step"`
+	Rank       int       `json:"rank"`
+	WorldSize  int       `json:"world_size"`
+	Created    time.Time `json:"created"`
+	DataSize   int64     `json:"data_size"`
+	StoredSize int64     `json:"stored_size"`
+	Tensors    []Tensor  `json:"tensors"`
+	Chunks     []Chunk   `json:"chunks"`
+	Metadata   []byte    `json:"metadata"`
+}
+
+// Target returns the shard the manifest describes.
+func (m *Manifest) Target() Target {
+	return Target{Job: m.Job, Step: m.Step, Rank: m.Rank, WorldSize: m.WorldSize}
+}
+
+// Encode renders the manifest as indented JSON (people read these).
+func (m *Manifest) Encode() ([]byte, error) {
+	for i := range m.Tensors {
+		if m.Tensors[i].Shape == nil {
+			m.Tensors[i].Shape = []int64{} // a 0-d tensor: [] not null
+		}
+	}
+	return json.MarshalIndent(m, "", " ")
+}
+
+// ParseManifest decodes and fully validates a manifest from untrusted
+// bytes: every later step (restore, verify, prune) relies on the checks
+// here to stay within bounds.
+func ParseManifest(b []byte) (*Manifest, error) {
+	if len(b) > maxManifestBytes {
+		return nil, fmt.Errorf("%w: manifest is %d bytes, more than %d", ErrCorrupt, len(b), maxManifestBytes)
+	}
+	var head struct {
+		Format  string `json:"format"`
+		Version int    `json:"version"`
+	}
+	if err := json.Unmarshal(b, &head); err != nil {
+		return nil, fmt.Errorf("%w: manifest is not valid JSON: %v", ErrCorrupt, err)
+	}
+	if err := checkFormat(head.Format, head.Version, ManifestFormat, ManifestVersion); err != nil {
+		return nil, err
+	}
+	var m Manifest
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&m); err != nil {
+		return nil, fmt.Errorf("%w: manifest: %v", ErrCorrupt, err)
+	}
+	if err := m.validate(); err != nil {
+		return nil, fmt.Errorf("%w: manifest of %s: %v", ErrCorrupt, m.Target(), err)
+	}
+	return &m, nil
+}
+
+func checkFormat(format string, version int, wantFormat string, wantVersion int) error {
+	if format != wantFormat {
+		return fmt.Errorf("%w: format %q, want %q", ErrCorrupt, format, wantFormat)
+	}
+	if version != wantVersion {
+		return fmt.Errorf("%w: %s version %d is not supported by this ckptd (it reads version %d); use a ckptd release that supports it",
+			ErrCorrupt, format, version, wantVersion)
+	}
+	return nil
+}
+
+func (m *Manifest) validate() error {
+	if err := m.Target().Validate(); err != nil {
+		return err
+	}
+	size, err := validatePacked(m.Tensors)
+	if err != nil {
+		return err
+	}
+	if size != m.DataSize {
+		return fmt.Errorf("tensors hold %d bytes but data_size is %d", size, m.DataSize)
+	}
+	stored, err := validateChunks(m.Chunks, m.DataSize)
+	if err != nil {
+		return err
+	}
+	if stored != m.StoredSize {
+		return fmt.Errorf("chunks store %d bytes but stored_size is %d", stored, m.StoredSize)
+	}
+	return nil
+}
+
+// validatePacked checks a manifest's tensor table: valid, unique names and
+// dtypes, and tensors back to back from offset 0. It returns the total size.
+func validatePacked(ts []Tensor) (int64, error) {
+	seen := make(map[string]bool, len(ts))
+	var off int64
+	for i, t := range ts {
+		if err := checkTensor(t, seen); err != nil {
+			return 0, err
+		}
+		if t.Offset != off {
+			return 0, fmt.Errorf("tensor %d (%q) at offset %d, want %d", i, t.Name, t.Offset, off)
+		}
+		off += t.Length
+	}
+	return off, nil
+}
+
+// checkTensor validates one table entry's name, dtype and length.
+func checkTensor(t Tensor, seen map[string]bool) error {
+	if err := ValidateName("tensor", t.Name); err != nil {
+		return err
+	}
+	if seen[t.Name] {
+		return fmt.Errorf("%w: tensor %q appears twice", ErrInvalid, t.Name)
+	}
+	seen[t.Name] = true
+	if _, err := dtype.Parse(string(t.DType)); err != nil {
+		return fmt.Errorf("%w: tensor %q: %v", ErrInvalid, t.Name, err)
+	}
+	n, err := t.DType.NumBytes(t.Shape)
+	if err != nil {
+		return fmt.Errorf("%w: tensor %q: %v", ErrInvalid, t.Name, err)
+	}
+	if n != t.Length {
+		return fmt.Errorf("%w: tensor %q: %s%v needs %d bytes, length is %d", ErrInvalid, t.Name, t.DType, t.Shape, n, t.Length)
+	}
+	return nil
+}
+
+// validateChunks checks that chunks tile [0, dataSize) in order with sane
+// sizes, codecs, hashes and object names; it returns the stored total.
+func validateChunks(cs []Chunk, dataSize int64) (int64, error) {
+	var raw, stored int64
+	for i, c := range cs {
+		if err := checkChunk(c); err != nil {
+			return 0, fmt.Errorf("chunk %d: %w", i, err)
+		}
+		if c.RawOffset != raw {
+			return 0, fmt.Errorf("chunk %d at raw offset %d, want %d", i, c.RawOffset, raw)
+		}
+		raw += c.Raw
+		stored += c.Stored
+	}
+	if raw != dataSize {
+		return 0, fmt.Errorf("chunks cover %d bytes, data_size is %d", raw, dataSize)
+	}
+	return stored, nil
+}
+
+func checkChunk(c Chunk) error {
+	if !strings.HasPrefix(c.Object, "steps/") {
+		return fmt.Errorf("object %q is not under steps/", c.Object)
+	}
+	if err := storage.ValidName(c.Object); err != nil {
+		return err
+	}
+	if c.Raw <= 0 || c.Raw > MaxChunkSize {
+		return fmt.Errorf("raw length %d out of range (0, %d]", c.Raw, MaxChunkSize)
+	}
+	if c.Offset < 0 || c.Stored < 0 || c.Stored > 2*MaxChunkSize {
+		return fmt.Errorf("stored range %d+%d out of range", c.Offset, c.Stored)
+	}
+	if _, err := codec.Parse(string(c.Codec)); err != nil {
+		return err
+	}
+	if c.Codec == codec.None && c.Stored != c.Raw {
+		return fmt.Errorf("codec none but stored %d != raw %d", c.Stored, c.Raw)
+	}
+	_, err := codec.ParseHash(c.Hash)
+	return err
+}
+
+// CommitRecord is COMMIT.json: the proof a step is complete, and a summary
+// so that listing steps needs no manifest reads.
+type CommitRecord struct {
+	Format      string    `json:"format"`
+	Version     int       `json:"version"`
+	Job         string    `json:"job"`
+	Step        int64     `json:"step"`
+	WorldSize   int       `json:"world_size"`
+	Bytes       int64     `json:"bytes"`
+	StoredBytes int64     `json:"stored_bytes"`
+	CommittedAt time.Time `json:"committed_at"`
+}
+
+// ParseCommit decodes and validates a commit record.
+func ParseCommit(b []byte) (*CommitRecord, error) {
+	if len(b) > 1<<20 {
+		return nil, fmt.Errorf("%w: commit record is %d bytes", ErrCorrupt, len(b))
+	}
+	var c CommitRecord
+	if err := json.Unmarshal(b, &c); err != nil {
+		return nil, fmt.Errorf("%w: commit record is not valid JSON: %v", ErrCorrupt, err)
+	}
+	if err := checkFormat(c.Format, c.Version, CommitFormat, CommitVersion); err != nil {
+		return nil, err
+	}
+	t := Target{Job: c.Job, Step: c.Step, WorldSize: c.WorldSize}
+	if err := t.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: commit record: %v", ErrCorrupt, err)
+	}
+	return &c, nil
+}
+
+// readAll reads a whole small object, refusing one larger than limit.
+func readAll(r io.Reader, limit int64) ([]byte, error) {
+	b, err := io.ReadAll(io.LimitReader(r, limit+1))
+	if err != nil {
+		return nil, err
+	}
+	if int64(len(b)) > limit {
+		return nil, fmt.Errorf("%w: object larger than %d bytes", ErrCorrupt, limit)
+	}
+	return b, nil
+}

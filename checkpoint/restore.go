@@ -1,0 +1,96 @@
+package checkpoint
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// RestoreHeader describes a restored shard.
+type RestoreHeader struct {
+	Step      int64
+	WorldSize int
+	Tensors   []Tensor // offsets relative to the region
+	Metadata  []byte
+	Size      int64
+}
+
+// BeginRestore fills a region of the arena with one rank's shard of a
+// committed step (the newest when latest is set), every chunk verified.
+// The caller reads the region and then calls Release.
+func (mgr *Manager) BeginRestore(ctx context.Context, job string, step int64, latest bool, rank int) (LeaseInfo, *RestoreHeader, error) {
+	store, err := NewStore(mgr.b, mgr.job(job))
+	if err != nil {
+		return LeaseInfo{}, nil, err
+	}
+	rec, err := store.Resolve(ctx, step, latest)
+	if err != nil {
+		return LeaseInfo{}, nil, err
+	}
+	m, err := store.Manifest(ctx, rec, rank)
+	if err != nil {
+		return LeaseInfo{}, nil, err
+	}
+	mgr.mu.Lock()
+	closing := mgr.closing
+	mgr.mu.Unlock()
+	if closing {
+		return LeaseInfo{}, nil, ErrClosing
+	}
+	region, err := mgr.alloc(ctx, m.DataSize)
+	if err != nil {
+		return LeaseInfo{}, nil, fmt.Errorf("restore step %d rank %d: %w", rec.Step, rank, err)
+	}
+	buf := BufferSink(mgr.arena.Bytes()[region.Offset : region.Offset+m.DataSize])
+	if err := store.ReadShard(ctx, m, buf, mgr.cfg.Read); err != nil {
+		mgr.m.Error("restore")
+		mgr.mu.Lock()
+		mgr.freeRegion(region)
+		mgr.mu.Unlock()
+		return LeaseInfo{}, nil, err
+	}
+	mgr.m.Restored.Add(float64(m.DataSize))
+	l := &lease{
+		id: mgr.newLeaseID(), kind: restoreLease, region: region, size: m.DataSize,
+		begun: time.Now(), expires: time.Now().Add(mgr.cfg.LeaseTimeout),
+	}
+	mgr.mu.Lock()
+	mgr.leases[l.id] = l
+	mgr.mu.Unlock()
+	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Tensors: m.Tensors, Metadata: m.Metadata, Size: m.DataSize}
+	return l.info(), h, nil
+}
+
+// Release returns a restore region, or an uncommitted save region, to the
+// arena.
+func (mgr *Manager) Release(id string) error {
+	mgr.mu.Lock()
+	defer mgr.mu.Unlock()
+	l := mgr.leases[id]
+	if l == nil || l.committed {
+		return fmt.Errorf("%w: no releasable lease %q", ErrUnknownLease, id)
+	}
+	mgr.dropLease(l)
+	return nil
+}
+
+// Bytes returns a lease's bytes in the daemon's mapping (for streaming
+// restores to clients that cannot map the arena).
+func (mgr *Manager) Bytes(id string) ([]byte, error) {
+	mgr.mu.Lock()
+	defer mgr.mu.Unlock()
+	l := mgr.leases[id]
+	if l == nil {
+		return nil, fmt.Errorf("%w: %q", ErrUnknownLease, id)
+	}
+	return mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size], nil
+}
+
+// Steps lists the committed steps of job, oldest first.
+func (mgr *Manager) Steps(ctx context.Context, job string) ([]*CommitRecord, error) {
+	store, err := NewStore(mgr.b, mgr.job(job))
+	if err != nil {
+		return nil, err
+	}
+	return store.Steps(ctx)
+}

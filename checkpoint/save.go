@@ -1,0 +1,210 @@
+package checkpoint
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"time"
+)
+
+// MaxMetadata bounds the trainer's opaque metadata per save.
+const MaxMetadata = 64 << 20
+
+// BeginSave validates a save request and leases a region for its tensors,
+// waiting up to StagingWait for space. The region is the caller's to fill
+// until CommitSave or AbortSave.
+func (mgr *Manager) BeginSave(ctx context.Context, t Target, tensors []Tensor) (LeaseInfo, error) {
+	start := time.Now()
+	t.Job = mgr.job(t.Job)
+	if err := t.Validate(); err != nil {
+		return LeaseInfo{}, err
+	}
+	layout, err := NewLayout(tensors)
+	if err != nil {
+		return LeaseInfo{}, err
+	}
+	if err := mgr.reserveSave(ctx, t); err != nil {
+		return LeaseInfo{}, err
+	}
+	region, err := mgr.alloc(ctx, layout.RegionSize)
+	if err != nil {
+		mgr.mu.Lock()
+		mgr.clearStaging(t)
+		mgr.mu.Unlock()
+		return LeaseInfo{}, fmt.Errorf("stage %s: %w", t, err)
+	}
+	l := &lease{
+		id: mgr.newLeaseID(), kind: saveLease, region: region, size: layout.RegionSize, target: t, layout: layout,
+		begun: start, expires: time.Now().Add(mgr.cfg.LeaseTimeout),
+	}
+	mgr.mu.Lock()
+	mgr.leases[l.id] = l
+	mgr.mu.Unlock()
+	return l.info(), nil
+}
+
+// reserveSave refuses a save of a step already committed or of a rank this
+// daemon is already saving, and marks the rank as being staged.
+func (mgr *Manager) reserveSave(ctx context.Context, t Target) error {
+	store := &Store{B: mgr.b, Job: t.Job}
+	if ok, err := store.Committed(ctx, t.Step); err != nil {
+		return fmt.Errorf("check step %d: %w", t.Step, err)
+	} else if ok {
+		return fmt.Errorf("%w: step %d of job %q is already committed", ErrExists, t.Step, t.Job)
+	}
+	mgr.mu.Lock()
+	defer mgr.mu.Unlock()
+	if mgr.closing {
+		return ErrClosing
+	}
+	k := keyOf(t)
+	if st := mgr.saves[k]; st != nil && st.state != StateFailed && st.state != StateCommitted {
+		return fmt.Errorf("%w: %s is already being saved (%s)", ErrExists, t, st.state)
+	}
+	mgr.setState(k, StateStaging, nil)
+	mgr.saves[k].worldSize = t.WorldSize
+	return nil
+}
+
+// CommitSave accepts a filled region: once it returns, the save is
+// journaled in shared memory and will become durable even if the daemon
+// crashes.
+func (mgr *Manager) CommitSave(id string, metadata []byte) (Target, int64, error) {
+	if len(metadata) > MaxMetadata {
+		return Target{}, 0, fmt.Errorf("%w: metadata is %d bytes, more than %d", ErrInvalid, len(metadata), MaxMetadata)
+	}
+	mgr.mu.Lock()
+	defer mgr.mu.Unlock()
+	l := mgr.leases[id]
+	if l == nil || l.kind != saveLease || l.committed {
+		return Target{}, 0, fmt.Errorf("%w: no open save lease %q", ErrUnknownLease, id)
+	}
+	l.metadata = append([]byte(nil), metadata...)
+	if err := mgr.journal(l); err != nil {
+		mgr.m.Error("journal")
+		return Target{}, 0, err
+	}
+	l.committed = true
+	mgr.setState(keyOf(l.target), StateStaged, nil)
+	mgr.enqueue(l)
+	mgr.m.StagedBytes.Add(float64(l.layout.DataSize))
+	mgr.m.SaveStall.Observe(time.Since(l.begun).Seconds())
+	return l.target, l.layout.DataSize, nil
+}
+
+// AbortSave gives back an uncommitted save lease.
+func (mgr *Manager) AbortSave(id string) error {
+	mgr.mu.Lock()
+	defer mgr.mu.Unlock()
+	l := mgr.leases[id]
+	if l == nil || l.kind != saveLease || l.committed {
+		return fmt.Errorf("%w: no open save lease %q", ErrUnknownLease, id)
+	}
+	mgr.dropLease(l)
+	return nil
+}
+
+// SaveFrom is the path for clients that cannot map the arena: it stages
+// exactly the region's bytes read from r and commits them, so the rest of
+// the pipeline is the same as for a mapped save.
+func (mgr *Manager) SaveFrom(ctx context.Context, t Target, tensors []Tensor, metadata []byte, r io.Reader) (Target, int64, error) {
+	info, err := mgr.BeginSave(ctx, t, tensors)
+	if err != nil {
+		return Target{}, 0, err
+	}
+	region := mgr.arena.Bytes()[info.Offset : info.Offset+info.Length]
+	if err := readExactly(r, region); err != nil {
+		_ = mgr.AbortSave(info.ID)
+		return Target{}, 0, err
+	}
+	return mgr.CommitSave(info.ID, metadata)
+}
+
+// readExactly fills dst from r and requires r to end there.
+func readExactly(r io.Reader, dst []byte) error {
+	if _, err := io.ReadFull(r, dst); err != nil {
+		return fmt.Errorf("%w: stream ended before the %d bytes the tensor table needs: %v", ErrInvalid, len(dst), err)
+	}
+	var one [1]byte
+	if n, _ := r.Read(one[:]); n > 0 {
+		return fmt.Errorf("%w: stream is longer than the %d bytes the tensor table needs", ErrInvalid, len(dst))
+	}
+	return nil
+}
+
+// journalEntry is what survives a daemon crash for an accepted save.
+type journalEntry struct {
+	Lease    string    `json:"lease"`
+	Offset   int64     `json:"offset"`
+	Length   int64     `json:"length"`
+	Target   Target    `json:"target"`
+	Tensors  []Tensor  `json:"tensors"` // region-relative
+	Metadata []byte    `json:"metadata"`
+	StagedAt time.Time `json:"staged_at"`
+}
+
+func (mgr *Manager) journal(l *lease) error {
+	b, err := json.Marshal(journalEntry{
+		Lease: l.id, Offset: l.region.Offset, Length: l.region.Length, Target: l.target,
+		Tensors: l.layout.Region, Metadata: l.metadata, StagedAt: time.Now().UTC(),
+	})
+	if err != nil {
+		return err
+	}
+	if err := mgr.arena.Journal().Put(l.id, b); err != nil {
+		return fmt.Errorf("journal %s: %w", l.target, err)
+	}
+	return nil
+}
+
+// recover re-queues the saves an earlier process accepted but did not make
+// durable, reserving their regions so nothing overwrites them.
+func (mgr *Manager) recover() error {
+	entries, err := mgr.arena.Journal().List()
+	if err != nil {
+		return fmt.Errorf("read staging journal: %w", err)
+	}
+	for _, e := range entries {
+		l, err := mgr.leaseFromJournal(e.Data)
+		if err != nil {
+			mgr.log.Error("journal entry unusable; left in place", "entry", e.ID, "err", err)
+			continue
+		}
+		mgr.leases[l.id] = l
+		mgr.setState(keyOf(l.target), StateStaged, nil)
+		mgr.saves[keyOf(l.target)].worldSize = l.target.WorldSize
+		mgr.enqueue(l)
+		mgr.log.Info("recovered staged save", "target", l.target.String(), "bytes", l.layout.DataSize)
+	}
+	mgr.m.ArenaUsed.Set(float64(mgr.arena.Used()))
+	return nil
+}
+
+func (mgr *Manager) leaseFromJournal(data []byte) (*lease, error) {
+	var e journalEntry
+	if err := json.Unmarshal(data, &e); err != nil {
+		return nil, err
+	}
+	if err := e.Target.Validate(); err != nil {
+		return nil, err
+	}
+	layout, err := NewLayout(e.Tensors)
+	if err != nil {
+		return nil, err
+	}
+	l := &lease{
+		id: e.Lease, kind: saveLease, target: e.Target, layout: layout,
+		metadata: e.Metadata, committed: true, begun: e.StagedAt,
+	}
+	l.region.Offset, l.region.Length, l.size = e.Offset, e.Length, layout.RegionSize
+	if err := layout.CheckRegion(l.region.Length); err != nil {
+		return nil, err
+	}
+	if l.region.Length > 0 {
+		if err := mgr.arena.Reserve(l.region); err != nil {
+			return nil, err
+		}
+	}
+	return l, nil
+}

@@ -1,0 +1,143 @@
+package ckptd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
+)
+
+// Tensor is one named tensor: dtype in safetensors spelling (F32, BF16,
+// ...), shape, and its bytes in row-major order.
+type Tensor struct {
+	Name  string
+	DType string
+	Shape []int64
+	Data  []byte
+}
+
+// SaveRequest is one rank's shard of one step.
+type SaveRequest struct {
+	Job       string // "" for the daemon's default
+	Step      int64
+	Rank      int
+	WorldSize int
+	Tensors   []Tensor
+	Metadata  []byte
+}
+
+// SaveHandle refers to an accepted save.
+type SaveHandle struct {
+	c    *Client
+	job  string
+	step int64
+	rank int
+}
+
+func (r *SaveRequest) target() *pb.SaveTarget {
+	return &pb.SaveTarget{Job: r.Job, Step: r.Step, Rank: int32(r.Rank), WorldSize: int32(r.WorldSize)}
+}
+
+// table lays the tensors out back to back, which lets the daemon compress
+// each chunk in place.
+func (r *SaveRequest) table() []*pb.Tensor {
+	out := make([]*pb.Tensor, len(r.Tensors))
+	var off uint64
+	for i, t := range r.Tensors {
+		out[i] = &pb.Tensor{Name: t.Name, Dtype: t.DType, Shape: t.Shape, Offset: off, Length: uint64(len(t.Data))}
+		off += uint64(len(t.Data))
+	}
+	return out
+}
+
+// Save copies the shard into the staging arena and returns once the daemon
+// has accepted it; the data becomes durable in the background (Wait).
+func (c *Client) Save(ctx context.Context, req *SaveRequest) (*SaveHandle, error) {
+	mem, err := c.arena(ctx)
+	if err != nil {
+		return nil, err
+	}
+	table := req.table()
+	resp, err := c.api.BeginSave(ctx, &pb.BeginSaveRequest{Target: req.target(), Tensors: table})
+	if err != nil {
+		return nil, c.wrap(err)
+	}
+	lease := resp.GetLease()
+	region := mem[lease.GetOffset() : lease.GetOffset()+lease.GetLength()]
+	for i, t := range req.Tensors {
+		copy(region[table[i].Offset:], t.Data)
+	}
+	cr, err := c.api.CommitSave(ctx, &pb.CommitSaveRequest{LeaseId: lease.GetId(), Metadata: req.Metadata})
+	if err != nil {
+		_, _ = c.api.AbortSave(context.WithoutCancel(ctx), &pb.AbortSaveRequest{LeaseId: lease.GetId()})
+		return nil, c.wrap(err)
+	}
+	return c.handle(cr.GetTarget()), nil
+}
+
+func (c *Client) handle(t *pb.SaveTarget) *SaveHandle {
+	return &SaveHandle{c: c, job: t.GetJob(), step: t.GetStep(), rank: int(t.GetRank())}
+}
+
+// SaveStream sends the shard over gRPC instead of shared memory.
+func (c *Client) SaveStream(ctx context.Context, req *SaveRequest) (*SaveHandle, error) {
+	stream, err := c.api.SaveStream(ctx)
+	if err != nil {
+		return nil, c.wrap(err)
+	}
+	hdr := &pb.SaveStreamHeader{Target: req.target(), Tensors: req.table(), Metadata: req.Metadata}
+	if err := stream.Send(&pb.SaveStreamRequest{Msg: &pb.SaveStreamRequest_Header{Header: hdr}}); err != nil {
+		return nil, c.closeStream(stream, err)
+	}
+	for _, t := range req.Tensors {
+		for d := t.Data; len(d) > 0; {
+			n := min(len(d), 1<<20)
+			if err := stream.Send(&pb.SaveStreamRequest{Msg: &pb.SaveStreamRequest_Data{Data: d[:n]}}); err != nil {
+				return nil, c.closeStream(stream, err)
+			}
+			d = d[n:]
+		}
+	}
+	resp, err := stream.CloseAndRecv()
+	if err != nil {
+		return nil, c.wrap(err)
+	}
+	return c.handle(resp.GetTarget()), nil
+}
+
+// closeStream reports the server's error rather than a bare io.EOF when a
+// send fails because the server already answered.
+func (c *Client) closeStream(stream interface {
+	CloseAndRecv() (*pb.CommitSaveResponse, error)
+}, err error) error {
+	if _, rerr := stream.CloseAndRecv(); rerr != nil {
+		return c.wrap(rerr)
+	}
+	return c.wrap(err)
+}
+
+// ErrSaveFailed is returned by Wait when the daemon gave up on a save.
+var ErrSaveFailed = errors.New("save failed")
+
+// Wait blocks until the save is durable and its step committed, the save
+// failed, or ctx ends.
+func (h *SaveHandle) Wait(ctx context.Context) error {
+	resp, err := h.c.api.WaitSave(ctx, &pb.WaitSaveRequest{Job: h.job, Step: h.step, Rank: int32(h.rank)})
+	if err != nil {
+		return h.c.wrap(err)
+	}
+	if resp.GetState() != pb.SaveState_SAVE_STATE_COMMITTED {
+		return fmt.Errorf("%w: step %d rank %d: %s: %s", ErrSaveFailed, h.step, h.rank, resp.GetState(), resp.GetError())
+	}
+	return nil
+}
+
+// Step is the handle's step.
+func (h *SaveHandle) Step() int64 { return h.step }
+
+// Handle returns a handle for a save made earlier, possibly by another
+// process or before a daemon restart, so that it can be waited on.
+func (c *Client) Handle(job string, step int64, rank int) *SaveHandle {
+	return &SaveHandle{c: c, job: job, step: step, rank: rank}
+}

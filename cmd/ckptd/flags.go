@@ -1,0 +1,101 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/spf13/pflag"
+
+	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/storage"
+)
+
+// storageOptions are the flags every command that touches storage takes.
+type storageOptions struct {
+	URL        string
+	Job        string
+	S3Endpoint string
+	S3Region   string
+}
+
+func (o *storageOptions) register(fs *pflag.FlagSet) {
+	fs.StringVar(&o.URL, "storage", defaultStorage(), "storage URL: file:///path, a plain path, or s3://bucket/prefix")
+	fs.StringVar(&o.Job, "job", "default", "job name (a folder under the storage root)")
+	fs.StringVar(&o.S3Endpoint, "s3-endpoint", "", "S3 endpoint URL, e.g. http://127.0.0.1:9000 (env AWS_ENDPOINT_URL too)")
+	fs.StringVar(&o.S3Region, "s3-region", "", "S3 region")
+}
+
+// defaultStorage is where `ckptd serve` keeps checkpoints when given no
+// --storage, so that it works out of the box: $XDG_DATA_HOME/ckptd or
+// ~/.local/share/ckptd.
+func defaultStorage() string {
+	if d := os.Getenv("XDG_DATA_HOME"); d != "" {
+		return filepath.Join(d, "ckptd")
+	}
+	if h, err := os.UserHomeDir(); err == nil {
+		return filepath.Join(h, ".local", "share", "ckptd")
+	}
+	return filepath.Join(os.TempDir(), "ckptd-data")
+}
+
+func (o *storageOptions) open(ctx context.Context) (storage.Backend, error) {
+	return openStorage(ctx, o.URL, o.S3Endpoint, o.S3Region)
+}
+
+// openStore opens the backend and a Store for the job.
+func (o *storageOptions) openStore(ctx context.Context) (*checkpoint.Store, func(), error) {
+	b, err := o.open(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	s, err := checkpoint.NewStore(b, o.Job)
+	if err != nil {
+		b.Close()
+		return nil, nil, usageError{err}
+	}
+	return s, func() { b.Close() }, nil
+}
+
+// byteSize is a flag value that accepts 1073741824, 1GiB, 512MiB, 4k, 2G.
+type byteSize int64
+
+func (b *byteSize) String() string { return strconv.FormatInt(int64(*b), 10) }
+func (b *byteSize) Type() string   { return "bytes" }
+
+func (b *byteSize) Set(s string) error {
+	n, err := parseBytes(s)
+	if err != nil {
+		return err
+	}
+	*b = byteSize(n)
+	return nil
+}
+
+var units = []struct {
+	suffix string
+	mult   int64
+}{
+	{"kib", 1 << 10}, {"mib", 1 << 20}, {"gib", 1 << 30}, {"tib", 1 << 40},
+	{"kb", 1e3}, {"mb", 1e6}, {"gb", 1e9}, {"tb", 1e12},
+	{"k", 1 << 10}, {"m", 1 << 20}, {"g", 1 << 30}, {"t", 1 << 40}, {"b", 1},
+}
+
+func parseBytes(s string) (int64, error) {
+	t := strings.ToLower(strings.TrimSpace(s))
+	mult := int64(1)
+	for _, u := range units {
+		if strings.HasSuffix(t, u.suffix) {
+			t, mult = strings.TrimSpace(strings.TrimSuffix(t, u.suffix)), u.mult
+			break
+		}
+	}
+	n, err := strconv.ParseFloat(t, 64)
+	if err != nil || n < 0 || n*float64(mult) > 1<<62 {
+		return 0, fmt.Errorf("invalid size %q (want e.g. 1073741824, 512MiB, 8GiB)", s)
+	}
+	return int64(n * float64(mult)), nil
+}

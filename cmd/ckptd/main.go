@@ -1,0 +1,61 @@
+// Command ckptd is the checkpoint and data-prefetch sidecar: `ckptd serve`
+// runs the daemon; restore, list, verify and prune work on storage directly.
+//
+// Every flag may also come from the environment (CKPTD_<FLAG>, e.g.
+// CKPTD_STAGING_BYTES) or from a YAML config file (--config, keys named as
+// the flags); the command line wins, then the environment, then the file.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spf13/cobra"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := newRootCmd().ExecuteContext(ctx)
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "ckptd:", err)
+		os.Exit(exitCode(err))
+	}
+}
+
+// exitCode is 1 for failures and 2 for usage errors.
+func exitCode(err error) int {
+	var ue usageError
+	if errors.As(err, &ue) {
+		return 2
+	}
+	return 1
+}
+
+type usageError struct{ error }
+
+func (e usageError) Unwrap() error { return e.error }
+
+func newRootCmd() *cobra.Command {
+	root := &cobra.Command{
+		Use:           "ckptd",
+		Short:         "Asynchronous checkpointing and data prefetching sidecar for GPU training",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
+			if err := applyConfig(cmd); err != nil {
+				return usageError{err}
+			}
+			return setupLogging(cmd)
+		},
+	}
+	root.PersistentFlags().String("config", "", "YAML file of flag values (env CKPTD_CONFIG)")
+	root.PersistentFlags().String("log-level", "info", "debug, info, warn or error")
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
+	root.AddCommand(newServeCmd(), newRestoreCmd(), newListCmd(), newVerifyCmd(), newPruneCmd())
+	return root
+}

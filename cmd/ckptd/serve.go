@@ -1,0 +1,227 @@
+package main
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/spf13/cobra"
+	"google.golang.org/grpc"
+
+	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/internal/arena"
+	"github.com/ckptd/ckptd/internal/codec"
+	"github.com/ckptd/ckptd/internal/metrics"
+	"github.com/ckptd/ckptd/internal/server"
+)
+
+type serveOptions struct {
+	storageOptions
+	Socket       string
+	SocketGroup  string
+	ArenaDir     string
+	StagingBytes byteSize
+	StagingWait  time.Duration
+	LeaseTimeout time.Duration
+	Codec        string
+	ChunkSize    byteSize
+	Workers      int
+	Drains       int
+	MetricsAddr  string
+	Grace        time.Duration
+	DrainDelay   time.Duration
+}
+
+// DefaultSocket is where serve listens and clients connect when neither
+// --socket nor CKPTD_SOCKET is given. The Python client uses the same rule.
+func DefaultSocket() string {
+	return filepath.Join(os.TempDir(), fmt.Sprintf("ckptd-%d.sock", os.Getuid()))
+}
+
+func newServeCmd() *cobra.Command {
+	o := &serveOptions{StagingBytes: 1 << 30, ChunkSize: 4 << 20}
+	cmd := &cobra.Command{
+		Use:   "serve",
+		Short: "Run the sidecar: accept saves over a unix socket and drain them to storage",
+		Args:  cobra.NoArgs,
+		RunE:  func(cmd *cobra.Command, _ []string) error { return runServe(cmd.Context(), o) },
+	}
+	fs := cmd.Flags()
+	o.storageOptions.register(fs)
+	fs.StringVar(&o.Socket, "socket", DefaultSocket(), "unix socket to listen on")
+	fs.StringVar(&o.SocketGroup, "socket-group", "", "group allowed to use the socket besides its owner")
+	fs.StringVar(&o.ArenaDir, "arena-dir", "", "shared-memory folder of the staging arena (default /dev/shm/ckptd-<hash of socket path>)")
+	fs.Var(&o.StagingBytes, "staging-bytes", "size of the shared-memory staging arena (e.g. 8GiB)")
+	fs.DurationVar(&o.StagingWait, "staging-wait", 30*time.Second, "how long a save waits for arena space before failing")
+	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", 30*time.Minute, "reclaim regions of saves never committed and restores never released after this")
+	fs.StringVar(&o.Codec, "codec", "zstd", "chunk codec: zstd, lz4 or none")
+	fs.Var(&o.ChunkSize, "chunk-size", "raw bytes per chunk")
+	fs.IntVar(&o.Workers, "workers", 0, "chunks compressed at once (default: number of CPUs)")
+	fs.IntVar(&o.Drains, "drains", 2, "shards drained at once")
+	fs.StringVar(&o.MetricsAddr, "metrics-addr", "", "serve Prometheus /metrics on this address, e.g. 127.0.0.1:9464")
+	fs.DurationVar(&o.Grace, "shutdown-grace", time.Minute, "on SIGTERM, how long to keep draining before leaving saves journaled for the next start")
+	fs.DurationVar(&o.DrainDelay, "debug-drain-delay", 0, "delay every drain (for crash tests)")
+	_ = fs.MarkHidden("debug-drain-delay")
+	return cmd
+}
+
+func runServe(ctx context.Context, o *serveOptions) error {
+	log := slog.Default()
+	c, err := codec.Parse(o.Codec)
+	if err != nil {
+		return usageError{err}
+	}
+	b, err := o.open(ctx)
+	if err != nil {
+		return err
+	}
+	defer b.Close()
+	if o.ArenaDir == "" {
+		o.ArenaDir = defaultArenaDir(o.Socket)
+	}
+	a, err := arena.Open(arena.Options{Dir: o.ArenaDir, Size: int64(o.StagingBytes), Lock: true, Logger: log})
+	if err != nil {
+		return err
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	mgr, err := checkpoint.NewManager(a, b, checkpoint.ManagerConfig{
+		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout,
+		Drains: o.Drains, DrainDelay: o.DrainDelay, Logger: log, Metrics: metrics.NewCheckpoint(reg),
+		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
+	})
+	if err != nil {
+		a.Close()
+		return err
+	}
+	lis, err := listenUnix(o.Socket, o.SocketGroup)
+	if err != nil {
+		mgr.Close(ctx)
+		a.Close()
+		return err
+	}
+	srv := grpc.NewServer(grpc.MaxRecvMsgSize(16 << 20))
+	server.Register(srv, mgr)
+	stopMetrics := serveMetrics(o.MetricsAddr, reg)
+	log.Info("ckptd serving", "socket", o.Socket, "storage", b.Location(), "job", o.Job,
+		"arena", a.Path(), "staging_bytes", a.Size(), "locked", a.Locked(), "codec", c)
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(lis) }()
+	select {
+	case <-ctx.Done():
+		log.Info("shutting down: no new requests; draining staged saves", "grace", o.Grace)
+	case err = <-errc:
+		log.Error("grpc server stopped", "err", err)
+	}
+	stopMetrics()
+	stopGRPC(srv, 5*time.Second)
+	return shutdown(mgr, a, o.Grace, err)
+}
+
+// shutdown drains what it can within grace, then leaves the rest journaled
+// in the arena, which is kept for the next start only in that case.
+func shutdown(mgr *checkpoint.Manager, a *arena.Arena, grace time.Duration, err error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	if left := mgr.Close(ctx); left > 0 {
+		slog.Warn("saves left journaled; they drain when ckptd serve starts again with the same arena", "saves", left, "arena", a.Path())
+		return errors.Join(err, a.Close())
+	}
+	return errors.Join(err, a.Remove())
+}
+
+// stopGRPC finishes in-flight calls (a save being staged, a wait) for up
+// to d, then cuts the rest off.
+func stopGRPC(srv *grpc.Server, d time.Duration) {
+	done := make(chan struct{})
+	go func() { srv.GracefulStop(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(d):
+		srv.Stop()
+	}
+}
+
+// defaultArenaDir derives the arena folder from the socket path, so that
+// several daemons on one machine (one per socket) get their own arenas and
+// a restarted daemon finds its predecessor's.
+func defaultArenaDir(socket string) string {
+	abs, err := filepath.Abs(socket)
+	if err != nil {
+		abs = socket
+	}
+	sum := sha256.Sum256([]byte(abs))
+	return filepath.Join("/dev/shm", "ckptd-"+hex.EncodeToString(sum[:6]))
+}
+
+// listenUnix listens on path, replacing a stale socket file left by a dead
+// daemon but refusing to steal one that a live daemon answers on. Only the
+// owner (and group, if given) may connect: that is the access control.
+func listenUnix(path, group string) (net.Listener, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, err
+	}
+	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+		c.Close()
+		return nil, fmt.Errorf("another ckptd is already serving on %s", path)
+	}
+	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket != 0 {
+		_ = os.Remove(path)
+	}
+	lis, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("listen on %s: %w", path, err)
+	}
+	mode := os.FileMode(0o600)
+	if group != "" {
+		if err := chgrp(path, group); err != nil {
+			lis.Close()
+			return nil, err
+		}
+		mode = 0o660
+	}
+	if err := os.Chmod(path, mode); err != nil {
+		lis.Close()
+		return nil, err
+	}
+	return lis, nil
+}
+
+func chgrp(path, group string) error {
+	g, err := user.LookupGroup(group)
+	if err != nil {
+		return fmt.Errorf("--socket-group: %w", err)
+	}
+	gid, _ := strconv.Atoi(g.Gid)
+	return os.Chown(path, -1, gid)
+}
+
+// serveMetrics serves /metrics on addr (nothing when addr is empty) and
+// returns a function that stops it.
+func serveMetrics(addr string, reg *prometheus.Registry) func() {
+	if addr == "" {
+		return func() {}
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	hs := &http.Server{Addr: addr, Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		if err := hs.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			slog.Error("metrics server failed", "addr", addr, "err", err)
+		}
+	}()
+	return func() { _ = hs.Close() }
+}

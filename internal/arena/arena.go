@@ -1,0 +1,322 @@
+package arena
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// Options configures Open.
+type Options struct {
+	// Dir holds the arena, its lock and its journal; it should be on tmpfs
+	// (e.g. /dev/shm/ckptd-<id>) so that the staged bytes are memory, not
+	// disk, and survive a daemon crash.
+	Dir string
+	// Size is the staging budget in bytes, rounded down to a whole 4 KiB
+	// page so that the arena never exceeds it.
+	Size int64
+	// Lock mlocks the arena so that staged data is never swapped and CUDA
+	// can register it as pinned memory cheaply. Failure is logged, not fatal.
+	Lock bool
+	// Logger defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// Arena is the daemon's side of the staging arena: the mapping, the region
+// allocator and the journal. All methods are safe for concurrent use.
+type Arena struct {
+	dir     string
+	path    string
+	size    int64
+	locked  bool
+	log     *slog.Logger
+	alloc   *allocator
+	journal *Journal
+
+	mu       sync.Mutex // guards mem and lockFile against Close
+	mem      []byte
+	lockFile *os.File
+}
+
+const (
+	arenaFile   = "arena"
+	lockFile    = "lock"
+	journalDir  = "journal"
+	dirMode     = 0o700
+	privateMode = 0o600
+)
+
+// Open creates or reopens the arena in opts.Dir. An existing arena of the
+// same size is reused as is: that is how staged data survives a restart.
+func Open(opts Options) (*Arena, error) {
+	log := opts.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	if opts.Dir == "" {
+		return nil, errors.New("arena: no directory given")
+	}
+	size := opts.Size &^ (pageSize - 1)
+	if size <= 0 {
+		return nil, fmt.Errorf("arena: size %d bytes is less than one %d-byte page", opts.Size, pageSize)
+	}
+	if err := prepareDir(opts.Dir); err != nil {
+		return nil, err
+	}
+	lf, err := acquireLock(filepath.Join(opts.Dir, lockFile))
+	if err != nil {
+		return nil, err
+	}
+	a, err := open(opts, size, log, lf)
+	if err != nil {
+		lf.Close()
+		return nil, err
+	}
+	return a, nil
+}
+
+func open(opts Options, want int64, log *slog.Logger, lf *os.File) (*Arena, error) {
+	j, err := openJournal(filepath.Join(opts.Dir, journalDir))
+	if err != nil {
+		return nil, err
+	}
+	path := filepath.Join(opts.Dir, arenaFile)
+	f, size, err := openArenaFile(path, want, j.Len(), log)
+	if err != nil {
+		return nil, err
+	}
+	// The mapping outlives the descriptor; nothing else needs it.
+	mem, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE,
+		unix.MAP_SHARED|unix.MAP_POPULATE)
+	f.Close()
+	if err != nil {
+		return nil, fmt.Errorf("arena: mmap %s (%d bytes): %w", path, size, err)
+	}
+	a := &Arena{
+		dir:      opts.Dir,
+		path:     path,
+		size:     size,
+		log:      log,
+		alloc:    newAllocator(size &^ (pageSize - 1)),
+		journal:  j,
+		mem:      mem,
+		lockFile: lf,
+	}
+	if opts.Lock {
+		a.locked = lockMemory(mem, log)
+	}
+	log.Info("arena: opened", "path", path, "bytes", size, "locked", a.locked, "journal_entries", j.Len())
+	return a, nil
+}
+
+// prepareDir makes Dir private to us. /dev/shm is world-writable, so a
+// directory someone else created there, or a symlink planted in its place,
+// must not become memory that trainers copy their weights into.
+func prepareDir(dir string) error {
+	if err := os.MkdirAll(dir, dirMode); err != nil {
+		return fmt.Errorf("arena: create %s: %w", dir, err)
+	}
+	fi, err := os.Lstat(dir)
+	if err != nil {
+		return fmt.Errorf("arena: %w", err)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("arena: %s is not a directory (%s)", dir, fi.Mode().Type())
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Geteuid() {
+		return fmt.Errorf("arena: %s is owned by uid %d, not by us (uid %d); refusing to use it",
+			dir, st.Uid, os.Geteuid())
+	}
+	if fi.Mode().Perm() != dirMode {
+		if err := os.Chmod(dir, dirMode); err != nil {
+			return fmt.Errorf("arena: %w", err)
+		}
+	}
+	return nil
+}
+
+// openArenaFile opens or creates the arena file and makes sure its pages
+// exist. It returns the size to map, which is want unless the journal says
+// the existing file holds staged data.
+func openArenaFile(path string, want int64, journaled int, log *slog.Logger) (*os.File, int64, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, privateMode)
+	if err != nil {
+		return nil, 0, fmt.Errorf("arena: open %s: %w", path, err)
+	}
+	size, err := chooseSize(f, want, journaled, log)
+	if err == nil {
+		err = f.Chmod(privateMode)
+	}
+	if err == nil {
+		err = preallocate(f, size)
+	}
+	if err != nil {
+		f.Close()
+		return nil, 0, err
+	}
+	return f, size, nil
+}
+
+func chooseSize(f *os.File, want int64, journaled int, log *slog.Logger) (int64, error) {
+	fi, err := f.Stat()
+	if err != nil {
+		return 0, fmt.Errorf("arena: %w", err)
+	}
+	have := fi.Size()
+	switch {
+	case have == want:
+		return want, nil
+	case have == 0:
+		if journaled > 0 {
+			log.Warn("arena: the arena file is new or empty but the journal holds entries; "+
+				"the bytes they refer to are gone", "path", f.Name(), "journal_entries", journaled)
+		}
+		return want, nil
+	case journaled == 0:
+		log.Info("arena: resizing; the journal is empty so nothing staged is lost",
+			"path", f.Name(), "old_bytes", have, "new_bytes", want)
+		// Drop the old pages first so that tmpfs never holds both sizes.
+		if err := f.Truncate(0); err != nil {
+			return 0, fmt.Errorf("arena: truncate %s: %w", f.Name(), err)
+		}
+		return want, nil
+	case have < pageSize:
+		return 0, fmt.Errorf("arena: %s is only %d bytes but the journal holds %d entries",
+			f.Name(), have, journaled)
+	default:
+		log.Warn("arena: keeping the existing arena size because its journal holds staged saves; "+
+			"restart with the new size once they have drained",
+			"path", f.Name(), "existing_bytes", have, "configured_bytes", want, "journal_entries", journaled)
+		return have, nil
+	}
+}
+
+// preallocate makes tmpfs allocate every page now: copying into cold tmpfs
+// pages runs at well under 1 GB/s, into allocated ones at memory speed, and
+// the copy is exactly the stall the trainer sees.
+func preallocate(f *os.File, size int64) error {
+	err := unix.Fallocate(int(f.Fd()), 0, 0, size)
+	if errors.Is(err, unix.EOPNOTSUPP) {
+		err = f.Truncate(size)
+	}
+	if err != nil {
+		return fmt.Errorf("arena: allocate %d bytes for %s (is its file system big enough?): %w",
+			size, f.Name(), err)
+	}
+	return nil
+}
+
+// lockMemory reports whether mlock succeeded. A failure only costs
+// performance (swapping, slower CUDA registration), so it is a warning.
+func lockMemory(mem []byte, log *slog.Logger) bool {
+	err := unix.Mlock(mem)
+	if err == nil {
+		return true
+	}
+	limit := "unknown"
+	var rl unix.Rlimit
+	if unix.Getrlimit(unix.RLIMIT_MEMLOCK, &rl) == nil {
+		limit = "unlimited"
+		if rl.Cur != unix.RLIM_INFINITY {
+			limit = fmt.Sprintf("%d bytes", rl.Cur)
+		}
+	}
+	log.Warn("arena: cannot lock the staging arena in memory; continuing unlocked "+
+		"(it may be swapped, and CUDA pinning will be slower). Raise the limit with "+
+		"`ulimit -l unlimited`, LimitMEMLOCK=infinity in the systemd unit, "+
+		"or grant CAP_IPC_LOCK",
+		"bytes", len(mem), "memlock_limit", limit, "err", err)
+	return false
+}
+
+// Path is the arena file that clients pass to Map.
+func (a *Arena) Path() string { return a.path }
+
+// Size is the arena's size in bytes; clients pass it to Map.
+func (a *Arena) Size() int64 { return a.size }
+
+// Bytes is the daemon's mapping of the whole arena. It is invalid after
+// Close or Remove.
+func (a *Arena) Bytes() []byte {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.mem
+}
+
+// Locked reports whether the arena is mlocked.
+func (a *Arena) Locked() bool { return a.locked }
+
+// Journal is the arena's journal of staged saves.
+func (a *Arena) Journal() *Journal { return a.journal }
+
+// Alloc returns a free region of n bytes: 4 KiB aligned, 2 MiB aligned when
+// n >= 2 MiB. When the arena is full it waits until enough is freed or ctx
+// is done, then fails with an error wrapping ErrFull and ctx.Err().
+func (a *Arena) Alloc(ctx context.Context, n int64) (Region, error) {
+	return a.alloc.alloc(ctx, n)
+}
+
+// Free returns a region obtained from Alloc or Reserve. Freeing anything
+// else fails with ErrNotAllocated and changes nothing.
+func (a *Arena) Free(r Region) error { return a.alloc.freeRegion(r) }
+
+// Reserve marks a specific region as used; on restart the daemon reserves
+// the regions its journal names before handing out new ones.
+func (a *Arena) Reserve(r Region) error { return a.alloc.reserve(r) }
+
+// Used is the number of bytes allocated, counting whole pages.
+func (a *Arena) Used() int64 { return a.alloc.usedBytes() }
+
+// Available is the number of free bytes; fragmentation and alignment may
+// keep a request of this size from fitting.
+func (a *Arena) Available() int64 { return a.alloc.size - a.alloc.usedBytes() }
+
+// Close unmaps the arena and releases the directory lock. The files stay:
+// they are what a restarted daemon recovers from. Waiting Allocs fail with
+// ErrClosed.
+func (a *Arena) Close() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.lockFile == nil {
+		return nil
+	}
+	a.journal.close()
+	return a.closeLocked(false)
+}
+
+// Remove closes the arena and deletes its directory. It refuses, leaving
+// the arena open, while the journal holds entries: those are acknowledged
+// saves that are not durable yet.
+func (a *Arena) Remove() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.lockFile == nil {
+		return ErrClosed
+	}
+	// Checked and closed in one step so that no Put can slip in between.
+	if n := a.journal.closeIfEmpty(); n > 0 {
+		return fmt.Errorf("arena: remove %s: %w: %d staged saves not yet durable", a.dir, ErrJournalNotEmpty, n)
+	}
+	return a.closeLocked(true)
+}
+
+func (a *Arena) closeLocked(remove bool) error {
+	a.alloc.close()
+	err := unix.Munmap(a.mem)
+	a.mem = nil
+	if remove {
+		// Still holding the lock, so a daemon starting now cannot have its
+		// fresh arena deleted under it.
+		err = errors.Join(err, os.RemoveAll(a.dir))
+	}
+	err = errors.Join(err, a.lockFile.Close())
+	a.lockFile = nil
+	return err
+}

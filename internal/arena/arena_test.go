@@ -1,0 +1,347 @@
+package arena
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+)
+
+// fileSystems are where the arena directory may live: tmpfs in production,
+// an ordinary disk (t.TempDir) in development.
+func fileSystems(t *testing.T) map[string]func(t *testing.T) string {
+	return map[string]func(t *testing.T) string{
+		"disk": func(t *testing.T) string { return filepath.Join(t.TempDir(), "arena") },
+		"tmpfs": func(t *testing.T) string {
+			parent, err := os.MkdirTemp("/dev/shm", "ckptd-arena-test-")
+			if err != nil {
+				t.Skipf("no /dev/shm: %v", err)
+			}
+			t.Cleanup(func() { os.RemoveAll(parent) })
+			return filepath.Join(parent, "arena")
+		},
+	}
+}
+
+func eachFS(t *testing.T, f func(t *testing.T, dir string)) {
+	for name, mkdir := range fileSystems(t) {
+		t.Run(name, func(t *testing.T) { f(t, mkdir(t)) })
+	}
+}
+
+// logBuffer collects log output from concurrent goroutines.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *logBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+func testLogger() (*slog.Logger, *logBuffer) {
+	var b logBuffer
+	return slog.New(slog.NewTextHandler(&b, nil)), &b
+}
+
+func mustOpen(t *testing.T, opts Options) *Arena {
+	t.Helper()
+	if opts.Logger == nil {
+		opts.Logger, _ = testLogger()
+	}
+	a, err := Open(opts)
+	if err != nil {
+		t.Fatalf("Open(%+v): %v", opts, err)
+	}
+	t.Cleanup(func() { a.Close() })
+	return a
+}
+
+func TestOpenCreates(t *testing.T) {
+	eachFS(t, func(t *testing.T, dir string) {
+		a := mustOpen(t, Options{Dir: dir, Size: 8*mib + 123})
+		if a.Size() != 8*mib {
+			t.Errorf("Size() = %d, want the budget rounded down to a page, %d", a.Size(), 8*mib)
+		}
+		if a.Path() != filepath.Join(dir, "arena") {
+			t.Errorf("Path() = %s", a.Path())
+		}
+		if len(a.Bytes()) != int(a.Size()) {
+			t.Errorf("len(Bytes()) = %d", len(a.Bytes()))
+		}
+		checkMode(t, dir, os.ModeDir|0o700)
+		checkMode(t, a.Path(), 0o600)
+		fi, err := os.Stat(a.Path())
+		if err != nil || fi.Size() != a.Size() {
+			t.Fatalf("arena file: %v, %v", fi, err)
+		}
+		// fallocate, not a sparse file: the blocks exist already.
+		if st := fi.Sys().(*syscall.Stat_t); st.Blocks*512 < a.Size() {
+			t.Errorf("arena file has %d bytes allocated, want all %d", st.Blocks*512, a.Size())
+		}
+		pid, _ := os.ReadFile(filepath.Join(dir, "lock"))
+		if strings.TrimSpace(string(pid)) != fmt.Sprint(os.Getpid()) {
+			t.Errorf("lock file holds %q, want our pid", pid)
+		}
+		if a.Available() != a.Size() || a.Used() != 0 {
+			t.Errorf("Available %d Used %d", a.Available(), a.Used())
+		}
+	})
+}
+
+func checkMode(t *testing.T, path string, want os.FileMode) {
+	t.Helper()
+	fi, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi.Mode() != want {
+		t.Errorf("%s: mode %v, want %v", path, fi.Mode(), want)
+	}
+}
+
+func TestOpenTightensDirMode(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "arena")
+	if err := os.Mkdir(dir, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o777)
+	mustOpen(t, Options{Dir: dir, Size: 1 * mib})
+	checkMode(t, dir, os.ModeDir|0o700)
+}
+
+func TestOpenRejects(t *testing.T) {
+	tmp := t.TempDir()
+	symlink := filepath.Join(tmp, "link")
+	os.Symlink(t.TempDir(), symlink)
+	file := filepath.Join(tmp, "file")
+	os.WriteFile(file, nil, 0o600)
+	tests := []struct {
+		name string
+		opts Options
+	}{
+		{"no dir", Options{Size: mib}},
+		{"zero size", Options{Dir: filepath.Join(tmp, "a"), Size: 0}},
+		{"below a page", Options{Dir: filepath.Join(tmp, "b"), Size: 4095}},
+		{"symlink dir", Options{Dir: symlink, Size: mib}},
+		{"file as dir", Options{Dir: file, Size: mib}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			a, err := Open(tt.opts)
+			if err == nil {
+				a.Close()
+				t.Fatal("Open succeeded")
+			}
+		})
+	}
+}
+
+func TestReopenPreservesContent(t *testing.T) {
+	eachFS(t, func(t *testing.T, dir string) {
+		a := mustOpen(t, Options{Dir: dir, Size: 4 * mib})
+		r, err := a.Alloc(context.Background(), 3*mib)
+		if err != nil {
+			t.Fatal(err)
+		}
+		payload := bytes.Repeat([]byte("staged shard "), 1000)
+		copy(a.Bytes()[r.Offset:], payload)
+		if err := a.Journal().Put("save-1", []byte(fmt.Sprintf(`{"offset":%d,"length":%d}`, r.Offset, r.Length))); err != nil {
+			t.Fatal(err)
+		}
+		if err := a.Close(); err != nil {
+			t.Fatal(err)
+		}
+
+		for _, size := range []int64{4 * mib, 8 * mib} { // same size, then a new one
+			log, logs := testLogger()
+			b := mustOpen(t, Options{Dir: dir, Size: size, Logger: log})
+			if b.Size() != 4*mib {
+				t.Fatalf("reopen with size %d: Size() = %d, want the journaled arena's %d", size, b.Size(), 4*mib)
+			}
+			if size != 4*mib && !strings.Contains(logs.String(), "level=WARN") {
+				t.Errorf("no warning about keeping the old size: %s", logs)
+			}
+			if got := b.Bytes()[r.Offset : r.Offset+int64(len(payload))]; !bytes.Equal(got, payload) {
+				t.Fatal("staged bytes lost on reopen")
+			}
+			if b.Journal().Len() != 1 {
+				t.Fatalf("journal has %d entries, want 1", b.Journal().Len())
+			}
+			if err := b.Reserve(r); err != nil {
+				t.Fatalf("recovery reserve: %v", err)
+			}
+			if err := b.Close(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
+}
+
+func TestReopenWarnsWhenArenaFileLost(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "arena")
+	a := mustOpen(t, Options{Dir: dir, Size: mib})
+	a.Journal().Put("orphan", nil)
+	a.Close()
+	os.Remove(a.Path())
+	log, logs := testLogger()
+	b := mustOpen(t, Options{Dir: dir, Size: mib, Logger: log})
+	if b.Size() != mib || !strings.Contains(logs.String(), "level=WARN") {
+		t.Fatalf("Size %d, log: %s", b.Size(), logs)
+	}
+}
+
+func TestReopenResizesWhenJournalEmpty(t *testing.T) {
+	eachFS(t, func(t *testing.T, dir string) {
+		a := mustOpen(t, Options{Dir: dir, Size: 4 * mib})
+		copy(a.Bytes(), "old")
+		a.Close()
+
+		for _, size := range []int64{8 * mib, 2 * mib} {
+			b := mustOpen(t, Options{Dir: dir, Size: size})
+			if b.Size() != size || int64(len(b.Bytes())) != size {
+				t.Fatalf("Size() = %d, len(Bytes()) = %d, want %d", b.Size(), len(b.Bytes()), size)
+			}
+			if fi, _ := os.Stat(b.Path()); fi.Size() != size {
+				t.Fatalf("file is %d bytes, want %d", fi.Size(), size)
+			}
+			if !bytes.Equal(b.Bytes()[:3], make([]byte, 3)) {
+				t.Fatal("old content survived a resize: the file was not recreated")
+			}
+			b.Close()
+		}
+	})
+}
+
+func TestOpenInUse(t *testing.T) {
+	eachFS(t, func(t *testing.T, dir string) {
+		a := mustOpen(t, Options{Dir: dir, Size: mib})
+		_, err := Open(Options{Dir: dir, Size: mib})
+		if !errors.Is(err, ErrInUse) {
+			t.Fatalf("second Open = %v, want ErrInUse", err)
+		}
+		for _, want := range []string{filepath.Join(dir, "lock"), fmt.Sprint(os.Getpid())} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("error %q does not name %s", err, want)
+			}
+		}
+		if a.Journal().Put("x", nil) != nil || int64(len(a.Bytes())) != mib {
+			t.Fatal("failed Open disturbed the open arena")
+		}
+		a.Journal().Delete("x")
+		a.Close()
+		b := mustOpen(t, Options{Dir: dir, Size: mib})
+		b.Close()
+	})
+}
+
+func TestClose(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "arena")
+	a := mustOpen(t, Options{Dir: dir, Size: mib})
+	if err := a.Journal().Put("keep", []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	if a.Bytes() != nil {
+		t.Error("Bytes() after Close")
+	}
+	if _, err := a.Alloc(context.Background(), 1); !errors.Is(err, ErrClosed) {
+		t.Errorf("Alloc after Close = %v", err)
+	}
+	if err := a.Journal().Put("y", nil); !errors.Is(err, ErrClosed) {
+		t.Errorf("Put after Close = %v", err)
+	}
+	for _, name := range []string{"arena", "lock", "journal/keep"} {
+		if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
+			t.Errorf("Close removed %s: %v", name, err)
+		}
+	}
+	if err := a.Remove(); !errors.Is(err, ErrClosed) {
+		t.Errorf("Remove after Close = %v", err)
+	}
+}
+
+func TestRemove(t *testing.T) {
+	eachFS(t, func(t *testing.T, dir string) {
+		a := mustOpen(t, Options{Dir: dir, Size: mib})
+		a.Journal().Put("pending", []byte("{}"))
+		if err := a.Remove(); !errors.Is(err, ErrJournalNotEmpty) {
+			t.Fatalf("Remove with a journal entry = %v, want ErrJournalNotEmpty", err)
+		}
+		if int64(len(a.Bytes())) != mib {
+			t.Fatal("a refused Remove closed the arena")
+		}
+		a.Journal().Delete("pending")
+		if err := a.Remove(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := os.Stat(dir); !os.IsNotExist(err) {
+			t.Fatalf("dir still there: %v", err)
+		}
+	})
+}
+
+func TestLockMemory(t *testing.T) {
+	log, logs := testLogger()
+	a := mustOpen(t, Options{Dir: filepath.Join(t.TempDir(), "a"), Size: 16 * mib, Lock: true, Logger: log})
+	if a.Locked() {
+		t.Log("mlock succeeded")
+		return
+	}
+	out := logs.String()
+	t.Logf("mlock failed, warned: %s", out)
+	for _, want := range []string{"level=WARN", "bytes=16777216", "memlock_limit=", "ulimit -l", "LimitMEMLOCK", "CAP_IPC_LOCK"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("mlock warning lacks %q: %s", want, out)
+		}
+	}
+}
+
+func TestArenaAllocConcurrent(t *testing.T) {
+	a := mustOpen(t, Options{Dir: filepath.Join(t.TempDir(), "a"), Size: 8 * mib})
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Go(func() {
+			for i := range 50 {
+				r, err := a.Alloc(context.Background(), int64(1+(g*50+i)%3)*mib)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				mem := a.Bytes()[r.Offset : r.Offset+r.Length]
+				mem[0], mem[len(mem)-1] = byte(g), byte(g)
+				if mem[0] != byte(g) || mem[len(mem)-1] != byte(g) {
+					t.Error("region shared with another goroutine")
+				}
+				if err := a.Free(r); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if a.Used() != 0 {
+		t.Fatalf("Used() = %d after all frees", a.Used())
+	}
+}

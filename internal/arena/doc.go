@@ -1,0 +1,29 @@
+// Package arena owns the staging arena: the shared-memory file that trainers
+// copy checkpoint shards into and that the daemon drains to storage, plus the
+// small journal that remembers which staged regions are not yet durable.
+//
+// Layout of the arena directory (Options.Dir, normally on tmpfs, e.g.
+// /dev/shm/ckptd-<id>):
+//
+//	Dir/           mode 0700, owned by the daemon's user: only it may map the arena
+//	Dir/lock       flock(LOCK_EX) held by the daemon that owns the arena; holds its pid
+//	Dir/arena      the staging memory, Size bytes, mode 0600, fallocated up front
+//	               and mapped MAP_SHARED by the daemon and by every client
+//	Dir/journal/   one file per staged-but-not-yet-durable save, named by its id,
+//	               content opaque to this package (the caller writes JSON);
+//	               files named .tmp-* are torn writes and are ignored
+//
+// The arena file has no header: every byte belongs to the regions handed out by
+// Alloc, so offsets the daemon hands to clients are plain file offsets. The
+// allocator's state lives only in the daemon's memory; after a crash the
+// daemon rebuilds it by calling Reserve for each region its journal names.
+//
+// Both the arena file and the journal live in tmpfs, so they survive a daemon
+// crash (kill -9) but not a reboot. That is the guarantee "nothing
+// acknowledged is lost" needs: a save is acknowledged once its journal entry
+// is written, and a restarted daemon finds both the entry and the bytes.
+// Close therefore never deletes anything; Remove does, and only when the
+// journal is empty.
+//
+// The package is Linux-only (fallocate, MAP_POPULATE, flock).
+package arena

@@ -1,0 +1,67 @@
+// Package metrics defines ckptd's Prometheus metrics. The core packages
+// take a *Checkpoint and update it directly; tests use an unregistered set
+// (NewCheckpoint(nil)).
+package metrics
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Checkpoint holds the metrics of the checkpoint path.
+type Checkpoint struct {
+	StagedBytes  prometheus.Counter
+	DrainedBytes prometheus.Counter
+	StoredBytes  prometheus.Counter
+	Restored     prometheus.Counter
+	QueueDepth   prometheus.Gauge
+	ArenaUsed    prometheus.Gauge
+	SaveStall    prometheus.Histogram
+	DrainTime    prometheus.Histogram
+	Errors       *prometheus.CounterVec
+}
+
+// NewCheckpoint creates the metrics and registers them with reg (nil: not
+// registered, for tests).
+func NewCheckpoint(reg prometheus.Registerer) *Checkpoint {
+	m := &Checkpoint{
+		StagedBytes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_staged_bytes_total", Help: "Tensor bytes accepted into the staging arena."}),
+		DrainedBytes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_drained_bytes_total", Help: "Tensor bytes made durable in storage."}),
+		StoredBytes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_stored_bytes_total", Help: "Bytes written to storage after compression."}),
+		Restored: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_restored_bytes_total", Help: "Tensor bytes restored into the arena."}),
+		QueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "ckptd_drain_queue_depth", Help: "Staged saves not yet durable."}),
+		ArenaUsed: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "ckptd_arena_used_bytes", Help: "Bytes of the staging arena held by leases."}),
+		SaveStall: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "ckptd_save_stall_seconds", Help: "Time from BeginSave to CommitSave accepted, as the trainer sees it.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
+		DrainTime: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "ckptd_drain_seconds", Help: "Time from a save accepted to durable.",
+			Buckets: prometheus.ExponentialBuckets(0.01, 2, 16)}),
+		Errors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ckptd_errors_total", Help: "Errors by operation."}, []string{"op"}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.StagedBytes, m.DrainedBytes, m.StoredBytes, m.Restored,
+			m.QueueDepth, m.ArenaUsed, m.SaveStall, m.DrainTime, m.Errors)
+	}
+	return m
+}
+
+// Error counts an error of operation op.
+func (m *Checkpoint) Error(op string) {
+	if m != nil {
+		m.Errors.WithLabelValues(op).Inc()
+	}
+}
+
+// Since observes the seconds since start on h.
+func Since(h prometheus.Histogram, start time.Time) {
+	h.Observe(time.Since(start).Seconds())
+}

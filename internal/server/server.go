@@ -1,0 +1,257 @@
+// Package server adapts the checkpoint core to the gRPC API in proto/: it
+// converts messages, calls checkpoint.Manager, and maps errors to gRPC
+// status codes with errors.Is. It holds no logic of its own.
+package server
+
+import (
+	"context"
+	"errors"
+	"io"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/internal/arena"
+	"github.com/ckptd/ckptd/internal/dtype"
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
+	"github.com/ckptd/ckptd/storage"
+)
+
+// streamChunk is the size of data messages in streamed restores.
+const streamChunk = 1 << 20
+
+// Checkpoint implements pb.CheckpointServer.
+type Checkpoint struct {
+	pb.UnimplementedCheckpointServer
+	mgr *checkpoint.Manager
+}
+
+// Register adds the checkpoint service for mgr to s.
+func Register(s *grpc.Server, mgr *checkpoint.Manager) {
+	pb.RegisterCheckpointServer(s, &Checkpoint{mgr: mgr})
+}
+
+// toStatus maps core errors to gRPC codes, keeping the core's message.
+func toStatus(err error) error {
+	if err == nil {
+		return nil
+	}
+	code := codes.Internal
+	switch {
+	case errors.Is(err, checkpoint.ErrInvalid), errors.Is(err, storage.ErrInvalidName):
+		code = codes.InvalidArgument
+	case errors.Is(err, checkpoint.ErrStepNotFound), errors.Is(err, checkpoint.ErrUnknownLease),
+		errors.Is(err, storage.ErrNotFound):
+		code = codes.NotFound
+	case errors.Is(err, checkpoint.ErrExists):
+		code = codes.AlreadyExists
+	case errors.Is(err, arena.ErrFull), errors.Is(err, arena.ErrTooLarge), errors.Is(err, storage.ErrNoSpace):
+		code = codes.ResourceExhausted
+	case errors.Is(err, checkpoint.ErrCorrupt):
+		code = codes.DataLoss
+	case errors.Is(err, checkpoint.ErrClosing):
+		code = codes.Unavailable
+	case errors.Is(err, context.DeadlineExceeded):
+		code = codes.DeadlineExceeded
+	case errors.Is(err, context.Canceled):
+		code = codes.Canceled
+	}
+	return status.Error(code, err.Error())
+}
+
+func (s *Checkpoint) GetArena(context.Context, *pb.GetArenaRequest) (*pb.ArenaInfo, error) {
+	a := s.mgr.Arena()
+	return &pb.ArenaInfo{Path: a.Path(), Size: uint64(a.Size()), Locked: a.Locked(), DefaultJob: s.mgr.DefaultJob()}, nil
+}
+
+func (s *Checkpoint) BeginSave(ctx context.Context, req *pb.BeginSaveRequest) (*pb.BeginSaveResponse, error) {
+	lease, err := s.mgr.BeginSave(ctx, fromTarget(req.GetTarget()), fromTensors(req.GetTensors()))
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &pb.BeginSaveResponse{Lease: toLease(lease)}, nil
+}
+
+func (s *Checkpoint) CommitSave(_ context.Context, req *pb.CommitSaveRequest) (*pb.CommitSaveResponse, error) {
+	t, n, err := s.mgr.CommitSave(req.GetLeaseId(), req.GetMetadata())
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &pb.CommitSaveResponse{Target: toTarget(t), Bytes: uint64(n)}, nil
+}
+
+func (s *Checkpoint) AbortSave(_ context.Context, req *pb.AbortSaveRequest) (*pb.AbortSaveResponse, error) {
+	return &pb.AbortSaveResponse{}, toStatus(s.mgr.AbortSave(req.GetLeaseId()))
+}
+
+func (s *Checkpoint) SaveStream(stream grpc.ClientStreamingServer[pb.SaveStreamRequest, pb.CommitSaveResponse]) error {
+	first, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	h := first.GetHeader()
+	if h == nil {
+		return status.Error(codes.InvalidArgument, "SaveStream: the first message must be a header")
+	}
+	r := &streamReader{recv: stream.Recv}
+	t, n, err := s.mgr.SaveFrom(stream.Context(), fromTarget(h.GetTarget()), fromTensors(h.GetTensors()), h.GetMetadata(), r)
+	if err != nil {
+		return toStatus(err)
+	}
+	return stream.SendAndClose(&pb.CommitSaveResponse{Target: toTarget(t), Bytes: uint64(n)})
+}
+
+// streamReader turns SaveStream's data messages into an io.Reader.
+type streamReader struct {
+	recv func() (*pb.SaveStreamRequest, error)
+	buf  []byte
+}
+
+func (r *streamReader) Read(p []byte) (int, error) {
+	for len(r.buf) == 0 {
+		msg, err := r.recv()
+		if err != nil {
+			return 0, err // io.EOF at the end of the stream
+		}
+		if msg.GetHeader() != nil {
+			return 0, status.Error(codes.InvalidArgument, "SaveStream: a second header")
+		}
+		r.buf = msg.GetData()
+	}
+	n := copy(p, r.buf)
+	r.buf = r.buf[n:]
+	return n, nil
+}
+
+func (s *Checkpoint) WaitSave(ctx context.Context, req *pb.WaitSaveRequest) (*pb.WaitSaveResponse, error) {
+	res, err := s.mgr.Wait(ctx, req.GetJob(), req.GetStep(), int(req.GetRank()))
+	if err != nil && res.State == checkpoint.StateUnknown {
+		return nil, toStatus(err)
+	}
+	if err != nil {
+		msg := "save is " + res.State.String()
+		if res.Err != nil {
+			msg += "; last error: " + res.Err.Error()
+		}
+		return nil, status.Error(status.Code(toStatus(err)), msg)
+	}
+	resp := &pb.WaitSaveResponse{State: toState(res.State)}
+	if res.Err != nil {
+		resp.Error = res.Err.Error()
+	}
+	return resp, nil
+}
+
+func (s *Checkpoint) ListSteps(ctx context.Context, req *pb.ListStepsRequest) (*pb.ListStepsResponse, error) {
+	recs, err := s.mgr.Steps(ctx, req.GetJob())
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	resp := &pb.ListStepsResponse{}
+	for _, r := range recs {
+		resp.Steps = append(resp.Steps, &pb.StepInfo{
+			Step: r.Step, WorldSize: int32(r.WorldSize), Bytes: uint64(r.Bytes),
+			StoredBytes: uint64(r.StoredBytes), CommittedUnixNano: r.CommittedAt.UnixNano(),
+		})
+	}
+	return resp, nil
+}
+
+func (s *Checkpoint) BeginRestore(ctx context.Context, req *pb.BeginRestoreRequest) (*pb.BeginRestoreResponse, error) {
+	lease, h, err := s.mgr.BeginRestore(ctx, req.GetJob(), req.GetStep(), req.GetLatest(), int(req.GetRank()))
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &pb.BeginRestoreResponse{Lease: toLease(lease), Header: toHeader(h)}, nil
+}
+
+func (s *Checkpoint) RestoreStream(req *pb.BeginRestoreRequest, stream grpc.ServerStreamingServer[pb.RestoreStreamResponse]) error {
+	lease, h, err := s.mgr.BeginRestore(stream.Context(), req.GetJob(), req.GetStep(), req.GetLatest(), int(req.GetRank()))
+	if err != nil {
+		return toStatus(err)
+	}
+	defer func() { _ = s.mgr.Release(lease.ID) }()
+	if err := stream.Send(&pb.RestoreStreamResponse{Msg: &pb.RestoreStreamResponse_Header{Header: toHeader(h)}}); err != nil {
+		return err
+	}
+	data, err := s.mgr.Bytes(lease.ID)
+	if err != nil {
+		return toStatus(err)
+	}
+	for len(data) > 0 {
+		n := min(len(data), streamChunk)
+		if err := stream.Send(&pb.RestoreStreamResponse{Msg: &pb.RestoreStreamResponse_Data{Data: data[:n]}}); err != nil {
+			return err
+		}
+		data = data[n:]
+	}
+	return nil
+}
+
+func (s *Checkpoint) ReleaseRegion(_ context.Context, req *pb.ReleaseRegionRequest) (*pb.ReleaseRegionResponse, error) {
+	return &pb.ReleaseRegionResponse{}, toStatus(s.mgr.Release(req.GetLeaseId()))
+}
+
+var _ io.Reader = (*streamReader)(nil)
+
+func fromTarget(t *pb.SaveTarget) checkpoint.Target {
+	return checkpoint.Target{Job: t.GetJob(), Step: t.GetStep(), Rank: int(t.GetRank()), WorldSize: int(t.GetWorldSize())}
+}
+
+func toTarget(t checkpoint.Target) *pb.SaveTarget {
+	return &pb.SaveTarget{Job: t.Job, Step: t.Step, Rank: int32(t.Rank), WorldSize: int32(t.WorldSize)}
+}
+
+// fromTensors converts a request's table; offsets beyond int64 become -1
+// so that validation rejects them instead of wrapping around.
+func fromTensors(ts []*pb.Tensor) []checkpoint.Tensor {
+	out := make([]checkpoint.Tensor, len(ts))
+	for i, t := range ts {
+		out[i] = checkpoint.Tensor{
+			Name: t.GetName(), DType: dtype.DType(t.GetDtype()), Shape: t.GetShape(),
+			Offset: clampInt64(t.GetOffset()), Length: clampInt64(t.GetLength()),
+		}
+	}
+	return out
+}
+
+func clampInt64(v uint64) int64 {
+	if v > 1<<62 {
+		return -1
+	}
+	return int64(v)
+}
+
+func toTensors(ts []checkpoint.Tensor) []*pb.Tensor {
+	out := make([]*pb.Tensor, len(ts))
+	for i, t := range ts {
+		out[i] = &pb.Tensor{Name: t.Name, Dtype: string(t.DType), Shape: t.Shape, Offset: uint64(t.Offset), Length: uint64(t.Length)}
+	}
+	return out
+}
+
+func toLease(l checkpoint.LeaseInfo) *pb.Lease {
+	return &pb.Lease{Id: l.ID, Offset: uint64(l.Offset), Length: uint64(l.Length)}
+}
+
+func toHeader(h *checkpoint.RestoreHeader) *pb.RestoreHeader {
+	return &pb.RestoreHeader{Step: h.Step, WorldSize: int32(h.WorldSize), Tensors: toTensors(h.Tensors), Metadata: h.Metadata, Size: uint64(h.Size)}
+}
+
+func toState(s checkpoint.State) pb.SaveState {
+	switch s {
+	case checkpoint.StateStaging, checkpoint.StateStaged:
+		return pb.SaveState_SAVE_STATE_STAGED
+	case checkpoint.StateDraining:
+		return pb.SaveState_SAVE_STATE_DRAINING
+	case checkpoint.StateDurable:
+		return pb.SaveState_SAVE_STATE_DURABLE
+	case checkpoint.StateCommitted:
+		return pb.SaveState_SAVE_STATE_COMMITTED
+	case checkpoint.StateFailed:
+		return pb.SaveState_SAVE_STATE_FAILED
+	}
+	return pb.SaveState_SAVE_STATE_UNSPECIFIED
+}

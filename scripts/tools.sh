@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs the pinned developer tools into .tools/ (Go binaries) and .venv/
+# (Python: protoc via grpcio-tools, test dependencies). Idempotent and quick
+# when everything is already there. Sourced by the Makefile's targets.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PROTOC_GEN_GO_VERSION=v1.36.12
+PROTOC_GEN_GO_GRPC_VERSION=v1.6.2
+GRPCIO_TOOLS_VERSION=1.85.1
+
+TOOLS="$PWD/.tools"
+VENV="$PWD/.venv"
+mkdir -p "$TOOLS/bin"
+
+install_go() { # name module@version
+	local bin="$TOOLS/bin/$1" stamp="$TOOLS/$1.version"
+	if [[ -x "$bin" && "$(cat "$stamp" 2>/dev/null)" == "$2" ]]; then return; fi
+	echo "installing $2" >&2
+	GOBIN="$TOOLS/bin" go install "$2"
+	echo "$2" >"$stamp"
+}
+
+install_go protoc-gen-go "google.golang.org/protobuf/cmd/protoc-gen-go@$PROTOC_GEN_GO_VERSION"
+install_go protoc-gen-go-grpc "google.golang.org/grpc/cmd/protoc-gen-go-grpc@$PROTOC_GEN_GO_GRPC_VERSION"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+	echo "creating $VENV" >&2
+	python3 -m venv "$VENV"
+fi
+want="grpcio-tools==$GRPCIO_TOOLS_VERSION"
+if [[ "$(cat "$VENV/.tools.version" 2>/dev/null)" != "$want" ]]; then
+	"$VENV/bin/python" -m pip install -q --disable-pip-version-check "$want"
+	echo "$want" >"$VENV/.tools.version"
+fi

@@ -1,0 +1,85 @@
+// Package storage defines the object store that checkpoints and datasets
+// live in, and its implementations: a POSIX directory (local disk, NFS,
+// Lustre) and, later, S3.
+//
+// The interface is deliberately small and context-first, in the manner of
+// restic's backend: everything ckptd needs is expressible as whole-object
+// puts, ranged gets, prefix listing, stat, delete and one conditional create.
+// Cross-cutting behaviour (retries, concurrency limits, metrics) belongs in
+// decorators that wrap a Backend, not inside an implementation.
+//
+// Object names are slash-separated relative keys such as
+// "job/steps/000000009000/rank-00000.data". ValidName says which names are
+// acceptable; every implementation rejects the rest with ErrInvalidName
+// before touching storage.
+package storage
+
+import (
+	"context"
+	"errors"
+	"io"
+	"time"
+)
+
+// Errors every Backend returns (wrapped) so callers can match them with
+// errors.Is without knowing the implementation.
+var (
+	// ErrNotFound: the object does not exist.
+	ErrNotFound = errors.New("object not found")
+	// ErrExists: PutIfAbsent found the object already there.
+	ErrExists = errors.New("object already exists")
+	// ErrInvalidName: the name is empty, absolute, has "." or ".." or empty
+	// segments, a NUL byte, or a segment longer than 255 bytes.
+	ErrInvalidName = errors.New("invalid object name")
+	// ErrNoSpace: the store is out of space (ENOSPC, quota).
+	ErrNoSpace = errors.New("storage full")
+)
+
+// ObjectInfo describes a stored object.
+type ObjectInfo struct {
+	Name    string // full name, as passed to Put
+	Size    int64
+	ModTime time.Time
+}
+
+// Backend is an object store. Implementations are safe for concurrent use.
+type Backend interface {
+	// Location names the store for messages ("file:///data/ckpt", "s3://b/p").
+	Location() string
+
+	// Put stores the bytes read from r under name, replacing any object of
+	// that name. size is the exact length when known, or -1; a reader that
+	// yields a different number of bytes than a non-negative size is an
+	// error. Put is atomic: readers see the old object or the whole new one,
+	// never a part, and when Put returns nil the object is durable. On any
+	// error (including ctx cancellation) nothing of the new object remains.
+	// Put streams: it never holds the whole object in memory.
+	Put(ctx context.Context, name string, r io.Reader, size int64) error
+
+	// PutIfAbsent stores data under name only if no object of that name
+	// exists, atomically with respect to concurrent callers on any node
+	// sharing the store: of several racing callers exactly one gets nil and
+	// the others get ErrExists. The object is durable when it returns nil.
+	PutIfAbsent(ctx context.Context, name string, data []byte) error
+
+	// Get returns length bytes of the object starting at offset; length < 0
+	// reads to the end. Reading past the end returns fewer bytes (the reader
+	// hits io.EOF early), an offset beyond the end an empty reader. The
+	// caller closes the reader.
+	Get(ctx context.Context, name string, offset, length int64) (io.ReadCloser, error)
+
+	// Stat returns the object's info or ErrNotFound.
+	Stat(ctx context.Context, name string) (ObjectInfo, error)
+
+	// List calls fn for every object whose name starts with prefix, in
+	// lexical order of name. Objects being written by Put are not listed.
+	// An error from fn stops the listing and is returned.
+	List(ctx context.Context, prefix string, fn func(ObjectInfo) error) error
+
+	// Delete removes the object. Deleting a missing object returns
+	// ErrNotFound.
+	Delete(ctx context.Context, name string) error
+
+	// Close releases resources held by the backend.
+	Close() error
+}

@@ -1,0 +1,39 @@
+// Package posix implements storage.Backend on a directory of a POSIX file
+// system: a local disk, NFS, or a parallel file system such as Lustre.
+//
+// # Layout
+//
+// The object "a/b/c" is the regular file <root>/a/b/c; the slashes of a name
+// become directories, created on demand and removed again by Delete when they
+// become empty. Because a name is a path, one name cannot be both an object
+// and a directory of other objects here ("a" and "a/b" cannot coexist); such
+// a Put fails with the file system's error. Directories, and files that are
+// not regular, are not objects: Stat, Get and Delete report ErrNotFound for
+// them and List skips them.
+//
+// While Put or PutIfAbsent runs, the bytes go to a temporary file next to the
+// destination named
+//
+//	.<base>.tmp-<16 lowercase hex digits>
+//
+// where <base> is the last segment of the name, cut short if needed so the
+// whole fits in 255 bytes. List never shows such files, and the backend
+// rejects object names whose last segment has that form with
+// storage.ErrInvalidName, so they cannot be confused with objects. A crash
+// can leave one behind; it is garbage and safe to remove once no Put runs.
+//
+// # Durability and atomicity
+//
+// Put writes the temporary file, fsyncs it, renames it over the destination
+// and fsyncs the directory (and the parent of every directory it created), so
+// readers see the old object or the whole new one and the new one survives a
+// crash once Put returns nil. PutIfAbsent does the same but publishes with
+// link(2), which fails atomically when the name exists, even between nodes
+// sharing the file system.
+//
+// # Direct I/O
+//
+// Large writes bypass the page cache with O_DIRECT where the file system
+// allows it, so that streaming a checkpoint does not evict the page cache
+// or pile up dirty pages that fsync must then flush. See Options.
+package posix

@@ -1,0 +1,134 @@
+package posix
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ckptd/ckptd/storage"
+)
+
+// List implements storage.Backend. It walks only the directory named by the
+// part of prefix up to its last slash, reading one directory at a time, so
+// its memory is bounded by the largest directory, not the store.
+func (b *Backend) List(ctx context.Context, prefix string, fn func(storage.ObjectInfo) error) error {
+	if err := storage.ValidPrefix(prefix); err != nil {
+		return fmt.Errorf("posix: list: %w", err)
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("posix: list %q: %w", prefix, err)
+	}
+	dir := prefix[:strings.LastIndexByte(prefix, '/')+1] // "" or ends in "/"
+	l := &lister{root: b.root, prefix: prefix, fn: fn}
+	err := l.walk(ctx, dir)
+	var fe fnError
+	if errors.As(err, &fe) {
+		return fe.err // the caller's own error, as it gave it
+	}
+	if err != nil {
+		return fmt.Errorf("posix: list %q: %w", prefix, err)
+	}
+	return nil
+}
+
+// fnError carries an error from List's callback out of the walk.
+type fnError struct{ err error }
+
+func (e fnError) Error() string { return e.err.Error() }
+
+type lister struct {
+	root   string
+	prefix string
+	fn     func(storage.ObjectInfo) error
+}
+
+// entry is a directory entry with the key it sorts by.
+type entry struct {
+	key string // object name, or directory name plus "/"
+	de  fs.DirEntry
+}
+
+// walk lists the objects under dir ("" or a name ending in "/") in lexical
+// order of their full names. Sorting a directory's entries with a "/"
+// appended to subdirectory names makes a depth-first walk produce that
+// order: "a/x" must come after "a.b" and before "a0", and so must "a/".
+func (l *lister) walk(ctx context.Context, dir string) error {
+	entries, err := readDir(filepath.Join(l.root, filepath.FromSlash(dir)))
+	if err != nil {
+		return err
+	}
+	sorted := make([]entry, 0, len(entries))
+	for _, de := range entries {
+		if isTempName(de.Name()) {
+			continue
+		}
+		key := dir + de.Name()
+		if de.IsDir() {
+			key += "/"
+		}
+		sorted = append(sorted, entry{key: key, de: de})
+	}
+	slices.SortFunc(sorted, func(a, b entry) int { return strings.Compare(a.key, b.key) })
+	for _, e := range sorted {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if err := l.visit(ctx, e); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (l *lister) visit(ctx context.Context, e entry) error {
+	if e.de.IsDir() {
+		// Descend only where names can still match the prefix.
+		if strings.HasPrefix(e.key, l.prefix) || strings.HasPrefix(l.prefix, e.key) {
+			return l.walk(ctx, e.key)
+		}
+		return nil
+	}
+	if !strings.HasPrefix(e.key, l.prefix) {
+		return nil
+	}
+	info, err := l.stat(e)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil // deleted since the directory was read
+	}
+	if err != nil {
+		return err
+	}
+	if !info.Mode().IsRegular() {
+		return nil
+	}
+	if err := l.fn(storage.ObjectInfo{Name: e.key, Size: info.Size(), ModTime: info.ModTime()}); err != nil {
+		return fnError{err}
+	}
+	return nil
+}
+
+// stat returns the entry's file info, following a symbolic link so that a
+// link to a regular file lists as an object, as Stat and Get see it.
+func (l *lister) stat(e entry) (fs.FileInfo, error) {
+	if e.de.Type()&fs.ModeSymlink != 0 {
+		return os.Stat(filepath.Join(l.root, filepath.FromSlash(e.key)))
+	}
+	return e.de.Info()
+}
+
+// readDir reads a directory; a missing one (or a file where a directory
+// would be) holds no objects.
+func readDir(path string) ([]fs.DirEntry, error) {
+	entries, err := os.ReadDir(path)
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENOTDIR) {
+		return nil, nil
+	}
+	return entries, err
+}

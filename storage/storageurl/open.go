@@ -1,0 +1,107 @@
+// Package storageurl opens the storage.Backend a user names with a storage
+// URL (ckptd's --storage flag). It is separate from package storage because
+// it imports the implementations, which import storage.
+//
+// Accepted forms:
+//
+//	/abs/path, rel/path     a POSIX directory; relative paths are made absolute
+//	file:///abs/path        the same, as a URL (file://localhost/abs/path too)
+//	s3://bucket/prefix      S3 (not available in this build yet)
+package storageurl
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"path/filepath"
+	"strings"
+
+	"github.com/ckptd/ckptd/storage"
+	"github.com/ckptd/ckptd/storage/posix"
+)
+
+// OpenOptions carry the settings that do not fit in a storage URL.
+type OpenOptions struct {
+	// S3Endpoint is the S3 endpoint URL (MinIO, a private cloud); empty
+	// means AWS. Credentials come from the usual environment variables.
+	S3Endpoint string
+	// S3Region is the S3 region; empty means the environment's default.
+	S3Region string
+	// DisableDirectIO makes POSIX stores write through the page cache only.
+	DisableDirectIO bool
+}
+
+// Open returns the backend for rawURL. The caller closes it.
+func Open(ctx context.Context, rawURL string, opts OpenOptions) (storage.Backend, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if rawURL == "" {
+		return nil, errors.New("empty storage URL: want a directory path, file:///abs/path or s3://bucket/prefix")
+	}
+	scheme, ok := urlScheme(rawURL)
+	if !ok {
+		return openDir(rawURL, opts)
+	}
+	switch scheme {
+	case "file":
+		return openFileURL(rawURL, opts)
+	case "s3":
+		return nil, fmt.Errorf("storage URL %q: S3 storage is not available in this build yet; use a directory path or a file:// URL", rawURL)
+	default:
+		return nil, fmt.Errorf("storage URL %q: unsupported scheme %q: want a directory path, file:///abs/path or s3://bucket/prefix", rawURL, scheme)
+	}
+}
+
+// urlScheme returns the lower-cased scheme of a "scheme://..." URL, and
+// reports whether s is one; anything else is a plain path. "file:" and "s3:"
+// without the slashes count as (malformed) URLs rather than odd relative
+// paths, since that is what the user meant.
+func urlScheme(s string) (string, bool) {
+	i := strings.Index(s, ":")
+	if i <= 0 || !validScheme(s[:i]) {
+		return "", false
+	}
+	scheme := strings.ToLower(s[:i])
+	if strings.HasPrefix(s[i:], "://") || scheme == "file" || scheme == "s3" {
+		return scheme, true
+	}
+	return "", false
+}
+
+// validScheme applies RFC 3986: a letter, then letters, digits, "+", "-", ".".
+func validScheme(s string) bool {
+	for i, c := range s {
+		letter := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z'
+		other := c >= '0' && c <= '9' || c == '+' || c == '-' || c == '.'
+		if !letter && (i == 0 || !other) {
+			return false
+		}
+	}
+	return true
+}
+
+func openFileURL(rawURL string, opts OpenOptions) (storage.Backend, error) {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return nil, fmt.Errorf("storage URL %q: %w", rawURL, err)
+	}
+	switch {
+	case u.Opaque != "" || (u.Host != "" && u.Host != "localhost"):
+		return nil, fmt.Errorf("storage URL %q: a file URL needs an absolute path, as in file:///abs/path (three slashes); or give a plain path", rawURL)
+	case u.User != nil || u.RawQuery != "" || u.Fragment != "":
+		return nil, fmt.Errorf("storage URL %q: a file URL takes only a path (escape '?' and '#' as %%3F and %%23)", rawURL)
+	case !filepath.IsAbs(u.Path):
+		return nil, fmt.Errorf("storage URL %q: a file URL needs an absolute path, as in file:///abs/path", rawURL)
+	}
+	return openDir(u.Path, opts)
+}
+
+func openDir(dir string, opts OpenOptions) (storage.Backend, error) {
+	b, err := posix.NewWithOptions(dir, posix.Options{DirectIO: !opts.DisableDirectIO})
+	if err != nil {
+		return nil, fmt.Errorf("storage %q: %w", dir, err)
+	}
+	return b, nil
+}
