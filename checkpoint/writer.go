@@ -8,8 +8,6 @@ import (
 	"runtime"
 	"time"
 
-	"golang.org/x/sync/errgroup"
-
 	"github.com/ckptd/ckptd/internal/codec"
 	"github.com/ckptd/ckptd/storage"
 )
@@ -139,41 +137,31 @@ type pending struct {
 }
 
 // writeData compresses chunks in parallel and streams them, in order, into
-// one object. Chunks compress out of order but are written in order, so the
+// one object. Chunks compress out of order but are read in order, so the
 // object's layout matches the manifest and the backend sees a plain stream.
+// The backend's Put pulls finished chunks itself (chunkReader): no pipe and
+// no extra goroutine between compression and the write, which matters when
+// every core is busy compressing and each hand-off waits for a free one.
 func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, plan []chunkPlan) ([]Chunk, error) {
-	g, gctx := errgroup.WithContext(ctx)
-	pr, pw := io.Pipe()
-	queue := make(chan *pending, cap(w.bufs))
-	g.Go(func() error {
-		err := w.b.Put(gctx, inJob(job, obj), pr, -1)
-		pr.CloseWithError(err) // unblock the consumer if Put gave up early
-		return err
-	})
-	g.Go(func() error { return w.produce(gctx, data, plan, queue) })
-	chunks := make([]Chunk, 0, len(plan))
-	g.Go(func() error {
-		var offset int64
-		err := w.consume(queue, func(p *pending) error {
-			p.chunk.Object, p.chunk.Offset = obj, offset
-			offset += p.chunk.Stored
-			chunks = append(chunks, p.chunk)
-			_, err := pw.Write(p.out)
-			return err
-		})
-		pw.CloseWithError(err) // nil: end of stream, the Put may commit
-		return err
-	})
-	if err := g.Wait(); err != nil {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	r := &chunkReader{w: w, obj: obj, want: len(plan), queue: make(chan *pending, cap(w.bufs))}
+	go func() {
+		r.err = w.produce(ctx, data, plan, r.queue)
+		close(r.queue) // publishes r.err to the reader
+	}()
+	err := w.b.Put(ctx, inJob(job, obj), r, -1)
+	cancel() // stop the producer if Put gave up early
+	r.drain()
+	if err != nil {
 		return nil, err
 	}
-	return chunks, nil
+	return r.chunks, nil
 }
 
 // produce starts one compression per chunk, in order, as buffers and CPU
-// slots allow, and queues them for the consumer. It closes queue on return.
+// slots allow, and queues them for the reader.
 func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, queue chan<- *pending) error {
-	defer close(queue)
 	for _, cp := range plan {
 		var buf *chunkBuf
 		select {
@@ -192,18 +180,65 @@ func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, que
 	return nil
 }
 
-// consume writes finished chunks in order. After the first error it keeps
-// draining the queue so that every buffer returns to the pool.
-func (w *Writer) consume(queue <-chan *pending, write func(*pending) error) error {
-	var err error
-	for p := range queue {
-		<-p.done
-		if err == nil {
-			err = write(p)
+// chunkReader is a data object's byte stream as the backend reads it:
+// finished chunks in plan order, each buffer back in the pool once read.
+type chunkReader struct {
+	w      *Writer
+	obj    string
+	queue  chan *pending
+	err    error // the producer's, valid once queue is closed
+	want   int
+	cur    *pending
+	rest   []byte
+	chunks []Chunk
+	offset int64
+}
+
+func (r *chunkReader) Read(p []byte) (int, error) {
+	for len(r.rest) == 0 {
+		r.release()
+		next, ok := <-r.queue
+		if !ok {
+			return 0, r.end()
 		}
-		w.bufs <- p.buf
+		<-next.done
+		c := next.chunk
+		c.Object, c.Offset = r.obj, r.offset
+		r.offset += c.Stored
+		r.chunks = append(r.chunks, c)
+		r.cur, r.rest = next, next.out
 	}
-	return err
+	n := copy(p, r.rest)
+	r.rest = r.rest[n:]
+	return n, nil
+}
+
+// end is the error at the end of the queue: io.EOF only when every chunk
+// was produced, so that a cancelled drain can never commit a short object.
+func (r *chunkReader) end() error {
+	if r.err != nil {
+		return r.err
+	}
+	if len(r.chunks) != r.want {
+		return fmt.Errorf("chunk stream ended after %d of %d chunks", len(r.chunks), r.want)
+	}
+	return io.EOF
+}
+
+func (r *chunkReader) release() {
+	if r.cur != nil {
+		r.w.bufs <- r.cur.buf
+		r.cur, r.rest = nil, nil
+	}
+}
+
+// drain waits for every chunk still compressing and returns all buffers.
+func (r *chunkReader) drain() {
+	r.release()
+	for p := range r.queue {
+		<-p.done
+		r.w.bufs <- p.buf
+	}
 }
 
 // encode hashes and compresses one chunk into p.out; a chunk that does not

@@ -1,0 +1,162 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/storage/posix"
+)
+
+func TestParseBytes(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want int64
+		ok   bool
+	}{
+		{"1073741824", 1 << 30, true}, {"1GiB", 1 << 30, true}, {"512MiB", 512 << 20, true},
+		{"4k", 4096, true}, {"2G", 2 << 30, true}, {"1.5GiB", 3 << 29, true}, {"10MB", 10e6, true},
+		{"", 0, false}, {"-1", 0, false}, {"lots", 0, false}, {"1e30", 0, false},
+	} {
+		got, err := parseBytes(tc.in)
+		if (err == nil) != tc.ok || got != tc.want {
+			t.Errorf("parseBytes(%q) = %d, %v", tc.in, got, err)
+		}
+	}
+}
+
+// Command line beats environment beats config file.
+func TestConfigPrecedence(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "ckptd.yaml")
+	if err := os.WriteFile(cfg, []byte("job: fromfile\ncodec: lz4\nstaging-bytes: 2GiB\nstorage: /from/file\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("CKPTD_CODEC", "none")
+	t.Setenv("CKPTD_STAGING_BYTES", "3GiB")
+	cmd := newServeCmd()
+	cmd.Flags().String("config", "", "") // normally a persistent flag of the root
+	if err := cmd.ParseFlags([]string{"--config", cfg, "--staging-bytes", "4GiB"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyConfig(cmd); err != nil {
+		t.Fatal(err)
+	}
+	get := func(name string) string { return cmd.Flags().Lookup(name).Value.String() }
+	if get("staging-bytes") != "4294967296" || get("codec") != "none" || get("job") != "fromfile" || get("storage") != "/from/file" {
+		t.Fatalf("staging-bytes %s codec %s job %s storage %s", get("staging-bytes"), get("codec"), get("job"), get("storage"))
+	}
+}
+
+// writeStep saves a one-rank step 1 of job "j" under root.
+func writeStep(t *testing.T, root string) []byte {
+	t.Helper()
+	b, err := posix.New(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	data := bytes.Repeat([]byte("0123456789abcdef"), 1<<16) // 1 MiB
+	l, err := checkpoint.NewLayout([]checkpoint.Tensor{{Name: "w", DType: dtype.U8, Shape: []int64{int64(len(data))}, Length: int64(len(data))}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := checkpoint.NewWriter(b, checkpoint.WriterOptions{ChunkSize: 256 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh := &checkpoint.Shard{Target: checkpoint.Target{Job: "j", Step: 1, WorldSize: 1}, Layout: l, Data: data, Metadata: []byte("m")}
+	if _, err := w.WriteShard(context.Background(), sh); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _, err := checkpoint.TryCommit(context.Background(), b, "j", 1, 1); !ok || err != nil {
+		t.Fatalf("commit: %v %v", ok, err)
+	}
+	return data
+}
+
+func TestRestoreAndList(t *testing.T) {
+	root := t.TempDir()
+	writeStep(t, root)
+	so := storageOptions{URL: root, Job: "j"}
+	var out bytes.Buffer
+	if err := runList(context.Background(), &listOptions{storageOptions: so, JSON: true}, &out); err != nil {
+		t.Fatal(err)
+	}
+	var steps []stepJSON
+	if err := json.Unmarshal(out.Bytes(), &steps); err != nil || len(steps) != 1 || steps[0].Step != 1 {
+		t.Fatalf("list --json: %s %v", out.String(), err)
+	}
+	dir := filepath.Join(t.TempDir(), "out")
+	if err := runRestore(context.Background(), &restoreOptions{storageOptions: so, Latest: true, Out: dir, Rank: -1}, &out); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"rank-00000.safetensors", "metadata.json"} {
+		if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
+			t.Error(err)
+		}
+	}
+	err := runRestore(context.Background(), &restoreOptions{storageOptions: so, Step: 2, Out: dir, Rank: -1}, &out)
+	if !errors.Is(err, checkpoint.ErrStepNotFound) || !strings.Contains(err.Error(), "latest committed step: 1") {
+		t.Fatalf("unknown step: %v", err)
+	}
+	err = runRestore(context.Background(), &restoreOptions{storageOptions: so, Step: 1, Out: dir, Rank: 3}, &out)
+	if !strings.Contains(fmtErr(err), "--rank 3 out of range") || exitCode(err) != 2 {
+		t.Fatalf("bad rank: %v", err)
+	}
+}
+
+func fmtErr(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
+}
+
+// A corrupt chunk fails the restore naming step, rank and chunk, and
+// leaves nothing in --out that could pass for a checkpoint.
+func TestRestoreCorrupt(t *testing.T) {
+	root := t.TempDir()
+	writeStep(t, root)
+	data := filepath.Join(root, "j/steps/000000000001/rank-00000.data")
+	f, err := os.OpenFile(data, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fi, _ := f.Stat()
+	if _, err := f.WriteAt([]byte("garbage!"), fi.Size()-100); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	dir := t.TempDir()
+	so := storageOptions{URL: root, Job: "j"}
+	err = runRestore(context.Background(), &restoreOptions{storageOptions: so, Step: 1, Out: dir, Rank: -1}, &bytes.Buffer{})
+	if !errors.Is(err, checkpoint.ErrCorrupt) || !strings.Contains(err.Error(), "step 1 rank 0 chunk ") {
+		t.Fatalf("corrupt restore: %v", err)
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 0 {
+		t.Fatalf("restore left %v in --out", ents)
+	}
+	err = runVerify(context.Background(), &verifyOptions{storageOptions: so, Latest: true}, &bytes.Buffer{})
+	if !errors.Is(err, checkpoint.ErrCorrupt) {
+		t.Fatalf("verify: %v", err)
+	}
+}
+
+func TestBadStorageURL(t *testing.T) {
+	so := storageOptions{URL: "ftp://host/x", Job: "j"}
+	err := runList(context.Background(), &listOptions{storageOptions: so}, &bytes.Buffer{})
+	if err == nil || !strings.Contains(err.Error(), "unsupported scheme") {
+		t.Fatalf("ftp: %v", err)
+	}
+	so = storageOptions{URL: t.TempDir(), Job: "a/../b"}
+	if err := runList(context.Background(), &listOptions{storageOptions: so}, &bytes.Buffer{}); exitCode(err) != 2 {
+		t.Fatalf("bad job: %v", err)
+	}
+}

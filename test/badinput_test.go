@@ -1,0 +1,184 @@
+package test
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/ckptd/ckptd/clients/go/ckptd"
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
+)
+
+func f32Tensor(name string, off, n uint64) *pb.Tensor {
+	return &pb.Tensor{Name: name, Dtype: "F32", Shape: []int64{int64(n)}, Offset: off, Length: 4 * n}
+}
+
+// Every malformed request gets a clear error with the right code, and
+// leaves storage untouched.
+func TestBadRequestsChangeNothing(t *testing.T) {
+	d := startDaemon(t, "", "--staging-bytes", "16MiB", "--staging-wait", "300ms")
+	c := d.client()
+	api := c.API()
+	ctx := ctxT(t)
+	target := func(job string, step int64, rank, world int32) *pb.SaveTarget {
+		return &pb.SaveTarget{Job: job, Step: step, Rank: rank, WorldSize: world}
+	}
+	for _, tc := range []struct {
+		name    string
+		req     *pb.BeginSaveRequest
+		code    codes.Code
+		message string
+	}{
+		{"job with ..", &pb.BeginSaveRequest{Target: target("../etc", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 1)}}, codes.InvalidArgument, `"/" or ".."`},
+		{"job with /", &pb.BeginSaveRequest{Target: target("a/b", 1, 0, 1)}, codes.InvalidArgument, `"/" or ".."`},
+		{"job with NUL", &pb.BeginSaveRequest{Target: target("a\x00", 1, 0, 1)}, codes.InvalidArgument, "control byte"},
+		{"long job", &pb.BeginSaveRequest{Target: target(strings.Repeat("j", 256), 1, 0, 1)}, codes.InvalidArgument, "more than 255"},
+		{"tensor with ..", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("../x", 0, 1)}}, codes.InvalidArgument, "tensor name"},
+		{"rank out of range", &pb.BeginSaveRequest{Target: target("", 1, 2, 2)}, codes.InvalidArgument, "rank 2 out of range"},
+		{"negative step", &pb.BeginSaveRequest{Target: target("", -5, 0, 1)}, codes.InvalidArgument, "step -5"},
+		{"overlap", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 4), f32Tensor("b", 8, 4)}}, codes.InvalidArgument, "overlaps"},
+		{"dtype x shape", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{{Name: "a", Dtype: "BF16", Shape: []int64{3}, Length: 12}}}, codes.InvalidArgument, "needs 6 bytes"},
+		{"unknown dtype", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{{Name: "a", Dtype: "float32", Shape: []int64{1}, Length: 4}}}, codes.InvalidArgument, "unknown dtype"},
+		{"huge offset", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 1<<63, 1)}}, codes.InvalidArgument, "negative offset"},
+		{"larger than the arena", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 8<<20)}}, codes.ResourceExhausted, "16777216"},
+	} {
+		_, err := api.BeginSave(ctx, tc.req)
+		if status.Code(err) != tc.code || !strings.Contains(err.Error(), tc.message) {
+			t.Errorf("%s: %v; want %s containing %q", tc.name, err, tc.code, tc.message)
+		}
+	}
+
+	// A full arena: hold 12 of 16 MiB, ask for 8 more.
+	held, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 3<<20)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target("", 2, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 2<<20)}})
+	if status.Code(err) != codes.ResourceExhausted || !strings.Contains(err.Error(), "16777216") {
+		t.Errorf("full arena: %v; want RESOURCE_EXHAUSTED naming the 16 MiB budget", err)
+	}
+	// The same rank twice while the first is staging.
+	_, err = api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 1)}})
+	if status.Code(err) != codes.AlreadyExists {
+		t.Errorf("second save of one rank: %v", err)
+	}
+	if _, err := api.AbortSave(ctx, &pb.AbortSaveRequest{LeaseId: held.GetLease().GetId()}); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{held.GetLease().GetId(), "no-such-lease"} {
+		if _, err := api.CommitSave(ctx, &pb.CommitSaveRequest{LeaseId: id}); status.Code(err) != codes.NotFound {
+			t.Errorf("commit of released lease %q: %v", id, err)
+		}
+	}
+	// A stream shorter than its table says.
+	stream, _ := api.SaveStream(ctx)
+	_ = stream.Send(&pb.SaveStreamRequest{Msg: &pb.SaveStreamRequest_Header{Header: &pb.SaveStreamHeader{
+		Target: target("", 3, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 100)}}}})
+	_ = stream.Send(&pb.SaveStreamRequest{Msg: &pb.SaveStreamRequest_Data{Data: make([]byte, 10)}})
+	if _, err := stream.CloseAndRecv(); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "ended before") {
+		t.Errorf("short stream: %v", err)
+	}
+
+	// Restores of what does not exist.
+	_, err = api.BeginRestore(ctx, &pb.BeginRestoreRequest{Step: 9000})
+	if status.Code(err) != codes.NotFound || !strings.Contains(err.Error(), "step 9000") {
+		t.Errorf("unknown step: %v", err)
+	}
+	if _, err := c.Save(ctx, shard(5, 0, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Handle("", 5, 0).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	_, err = api.BeginRestore(ctx, &pb.BeginRestoreRequest{Step: 9000})
+	if status.Code(err) != codes.NotFound || !strings.Contains(err.Error(), "latest committed step: 5") {
+		t.Errorf("unknown step names the latest: %v", err)
+	}
+	if _, err := api.BeginRestore(ctx, &pb.BeginRestoreRequest{Step: 5, Rank: 1}); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("rank beyond world size: %v", err)
+	}
+	if _, err := c.Save(ctx, shard(5, 0, 1)); status.Code(unwrapStatus(err)) != codes.AlreadyExists {
+		t.Errorf("saving a committed step again: %v", err)
+	}
+
+	// Storage holds step 5 and nothing else.
+	var names []string
+	_ = filepath.Walk(d.storage, func(p string, fi os.FileInfo, err error) error {
+		if err == nil && !fi.IsDir() {
+			rel, _ := filepath.Rel(d.storage, p)
+			names = append(names, rel)
+		}
+		return nil
+	})
+	want := "e2e/steps/000000000005/COMMIT.json e2e/steps/000000000005/rank-00000.data e2e/steps/000000000005/rank-00000.manifest.json"
+	if strings.Join(names, " ") != want {
+		t.Errorf("storage holds %v, want only step 5", names)
+	}
+}
+
+func unwrapStatus(err error) error {
+	for e := err; e != nil; {
+		if _, ok := status.FromError(e); ok {
+			return e
+		}
+		u, ok := e.(interface{ Unwrap() error })
+		if !ok {
+			break
+		}
+		e = u.Unwrap()
+	}
+	return err
+}
+
+func TestNoDaemonError(t *testing.T) {
+	c, err := ckptd.Dial(filepath.Join(t.TempDir(), "nobody.sock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err = c.Steps(ctx, "")
+	if err == nil || !strings.Contains(err.Error(), "nobody.sock") {
+		t.Fatalf("no daemon: %v", err)
+	}
+}
+
+func TestMetricsEndpoint(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := lis.Addr().String()
+	lis.Close()
+	d := startDaemon(t, "", "--metrics-addr", addr)
+	c := d.client()
+	h, err := c.Save(ctxT(t), shard(1, 0, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, m := range []string{"ckptd_staged_bytes_total 6.299864e+06", "ckptd_drained_bytes_total 6.299864e+06", "ckptd_save_stall_seconds_count 1",
+		"ckptd_drain_seconds_count 1", "ckptd_drain_queue_depth 0", "ckptd_arena_used_bytes 0"} {
+		if !strings.Contains(string(body), m) {
+			t.Errorf("metrics lack %q", m)
+		}
+	}
+}
