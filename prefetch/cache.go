@@ -1,0 +1,100 @@
+package prefetch
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"sync/atomic"
+
+	"github.com/dgraph-io/ristretto/v2"
+	"golang.org/x/sync/singleflight"
+
+	"github.com/ckptd/ckptd/storage"
+)
+
+// Cache holds whole shards in memory within a byte budget, shared by every
+// dataset iteration of the daemon. See the package comment for the policy.
+type Cache struct {
+	rc    *ristretto.Cache[string, []byte]
+	fill  singleflight.Group
+	reads atomic.Int64 // shard reads from storage, for tests and metrics
+}
+
+// NewCache makes a cache of budget bytes (0 disables caching).
+func NewCache(budget int64) (*Cache, error) {
+	if budget < 0 {
+		return nil, fmt.Errorf("%w: negative cache budget %d", ErrInvalid, budget)
+	}
+	counters := max(budget/(1<<20)*10, 10_000) // ~10 per expected 1 MiB+ shard
+	rc, err := ristretto.NewCache(&ristretto.Config[string, []byte]{
+		NumCounters: counters, MaxCost: max(budget, 1), BufferItems: 64,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Cache{rc: rc}, nil
+}
+
+// Close releases the cache.
+func (c *Cache) Close() { c.rc.Close() }
+
+// StorageReads is how many shard reads went to storage.
+func (c *Cache) StorageReads() int64 { return c.reads.Load() }
+
+// fetch is how Get got a shard.
+type fetch int
+
+const (
+	fromCache   fetch = iota
+	fromStorage       // this call read it
+	fromFill          // another caller was reading it; we waited
+)
+
+// Get returns a shard's bytes, from the cache or else from b under a
+// per-shard lock. onMiss is called, before any storage read, when the
+// shard is not cached, so the caller can account the wait to storage.
+func (c *Cache) Get(ctx context.Context, b storage.Backend, sh Shard, onMiss func()) ([]byte, fetch, error) {
+	key := b.Location() + "\x00" + sh.Name
+	if data, ok := c.rc.Get(key); ok {
+		return data, fromCache, nil
+	}
+	onMiss()
+	ran := false // set when this call, not another, reads storage
+	ch := c.fill.DoChan(key, func() (any, error) {
+		ran = true
+		data, err := readShard(context.WithoutCancel(ctx), b, sh)
+		if err == nil {
+			c.reads.Add(1)
+			c.rc.Set(key, data, int64(len(data)))
+			c.rc.Wait() // make it visible to the next Get
+		}
+		return data, err
+	})
+	select {
+	case r := <-ch:
+		if r.Err != nil {
+			return nil, fromStorage, r.Err
+		}
+		how := fromStorage
+		if !ran {
+			how = fromFill
+		}
+		return r.Val.([]byte), how, nil
+	case <-ctx.Done():
+		return nil, fromStorage, ctx.Err()
+	}
+}
+
+// readShard reads a whole shard, checking that it has the listed size.
+func readShard(ctx context.Context, b storage.Backend, sh Shard) ([]byte, error) {
+	rc, err := b.Get(ctx, sh.Name, 0, -1)
+	if err != nil {
+		return nil, fmt.Errorf("read shard %s: %w", sh.Name, err)
+	}
+	defer rc.Close()
+	data := make([]byte, sh.Size)
+	if _, err := io.ReadFull(rc, data); err != nil {
+		return nil, fmt.Errorf("read shard %s: %w (expected %d bytes)", sh.Name, err, sh.Size)
+	}
+	return data, nil
+}

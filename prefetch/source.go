@@ -1,0 +1,66 @@
+package prefetch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/ckptd/ckptd/storage"
+)
+
+// Format is how a dataset's objects hold samples.
+type Format string
+
+// The supported formats.
+const (
+	WebDataset Format = "webdataset"
+	Raw        Format = "raw"
+)
+
+// ErrInvalid: a dataset request is malformed.
+var ErrInvalid = errors.New("invalid dataset request")
+
+// ErrCorruptShard: a shard could not be parsed.
+var ErrCorruptShard = errors.New("corrupt shard")
+
+// ParseFormat checks a format name.
+func ParseFormat(s string) (Format, error) {
+	switch f := Format(s); f {
+	case WebDataset, Raw:
+		return f, nil
+	case "":
+		return WebDataset, nil
+	}
+	return "", fmt.Errorf("%w: unknown format %q (want webdataset or raw)", ErrInvalid, s)
+}
+
+// Shard is one object of a dataset.
+type Shard struct {
+	Name string // full object name in the backend
+	Size int64
+}
+
+// ListShards lists a dataset's shards under prefix, in name order: .tar
+// objects for WebDataset, every object for Raw. An empty dataset is an
+// error, since iterating it would deliver nothing without saying why.
+func ListShards(ctx context.Context, b storage.Backend, prefix string, f Format) ([]Shard, error) {
+	var shards []Shard
+	err := b.List(ctx, prefix, func(oi storage.ObjectInfo) error {
+		if f == Raw || strings.HasSuffix(oi.Name, ".tar") {
+			shards = append(shards, Shard{Name: oi.Name, Size: oi.Size})
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list dataset %s/%s: %w", b.Location(), prefix, err)
+	}
+	if len(shards) == 0 {
+		what := "objects"
+		if f == WebDataset {
+			what = ".tar shards"
+		}
+		return nil, fmt.Errorf("%w: %s has no %s under prefix %q", ErrInvalid, b.Location(), what, prefix)
+	}
+	return shards, nil
+}
