@@ -44,6 +44,7 @@ type daemon struct {
 	storage string
 	arena   string
 	args    []string
+	env     []string // added to the test's environment (S3 endpoint, credentials)
 	cmd     *exec.Cmd
 	mu      sync.Mutex
 	log     bytes.Buffer
@@ -55,12 +56,18 @@ type daemon struct {
 // with SIGTERM at the end of the test.
 func startDaemon(t *testing.T, storage string, extra ...string) *daemon {
 	t.Helper()
+	return startDaemonEnv(t, storage, nil, extra...)
+}
+
+// startDaemonEnv is startDaemon with env added to the daemon's environment.
+func startDaemonEnv(t *testing.T, storage string, env []string, extra ...string) *daemon {
+	t.Helper()
 	dir := t.TempDir()
 	if storage == "" {
 		storage = filepath.Join(dir, "store")
 	}
 	d := &daemon{
-		t: t, socket: filepath.Join(dir, "ckptd.sock"), storage: storage,
+		t: t, socket: filepath.Join(dir, "ckptd.sock"), storage: storage, env: env,
 		arena: filepath.Join("/dev/shm", "ckptd-test-"+filepath.Base(dir)),
 	}
 	d.args = append([]string{"serve", "--socket", d.socket, "--storage", storage, "--arena-dir", d.arena,
@@ -73,6 +80,7 @@ func startDaemon(t *testing.T, storage string, extra ...string) *daemon {
 func (d *daemon) start(extra ...string) {
 	d.t.Helper()
 	d.cmd = exec.Command(ckptdBin, append(append([]string{}, d.args...), extra...)...)
+	d.cmd.Env = append(os.Environ(), d.env...)
 	pr, pw, _ := os.Pipe()
 	d.cmd.Stdout, d.cmd.Stderr = pw, pw
 	if err := d.cmd.Start(); err != nil {
@@ -161,7 +169,14 @@ func (d *daemon) client() *ckptd.Client {
 // ckptdCLI runs a ckptd subcommand and returns its stdout, stderr and error.
 func ckptdCLI(t *testing.T, args ...string) (string, string, error) {
 	t.Helper()
+	return ckptdCLIEnv(t, nil, args...)
+}
+
+// ckptdCLIEnv is ckptdCLI with env added to the command's environment.
+func ckptdCLIEnv(t *testing.T, env []string, args ...string) (string, string, error) {
+	t.Helper()
 	cmd := exec.Command(ckptdBin, args...)
+	cmd.Env = append(os.Environ(), env...)
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
 	err := cmd.Run()

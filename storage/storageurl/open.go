@@ -6,7 +6,8 @@
 //
 //	/abs/path, rel/path     a POSIX directory; relative paths are made absolute
 //	file:///abs/path        the same, as a URL (file://localhost/abs/path too)
-//	s3://bucket/prefix      S3 (not available in this build yet)
+//	s3://bucket/prefix      an S3 bucket, under the key prefix "prefix/" (optional);
+//	                        the endpoint, region and credentials as package s3 says
 package storageurl
 
 import (
@@ -19,14 +20,17 @@ import (
 
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/posix"
+	"github.com/ckptd/ckptd/storage/s3"
 )
 
 // OpenOptions carry the settings that do not fit in a storage URL.
 type OpenOptions struct {
 	// S3Endpoint is the S3 endpoint URL (MinIO, a private cloud); empty
-	// means AWS. Credentials come from the usual environment variables.
+	// means AWS_ENDPOINT_URL, else AWS. Credentials come from the usual
+	// environment variables, ~/.aws/credentials or the instance role.
 	S3Endpoint string
-	// S3Region is the S3 region; empty means the environment's default.
+	// S3Region is the S3 region; empty means AWS_REGION, else the
+	// bucket's.
 	S3Region string
 	// DisableDirectIO makes POSIX stores write through the page cache only.
 	DisableDirectIO bool
@@ -48,7 +52,7 @@ func Open(ctx context.Context, rawURL string, opts OpenOptions) (storage.Backend
 	case "file":
 		return openFileURL(rawURL, opts)
 	case "s3":
-		return nil, fmt.Errorf("storage URL %q: S3 storage is not available in this build yet; use a directory path or a file:// URL", rawURL)
+		return openS3(ctx, rawURL, opts)
 	default:
 		return nil, fmt.Errorf("storage URL %q: unsupported scheme %q: want a directory path, file:///abs/path or s3://bucket/prefix", rawURL, scheme)
 	}
@@ -102,6 +106,30 @@ func openDir(dir string, opts OpenOptions) (storage.Backend, error) {
 	b, err := posix.NewWithOptions(dir, posix.Options{DirectIO: !opts.DisableDirectIO})
 	if err != nil {
 		return nil, fmt.Errorf("storage %q: %w", dir, err)
+	}
+	return b, nil
+}
+
+// openS3 opens s3://bucket/prefix. Messages about a URL with user
+// information do not repeat it: that part could hold a secret.
+func openS3(ctx context.Context, rawURL string, opts OpenOptions) (storage.Backend, error) {
+	u, err := url.Parse(rawURL)
+	switch {
+	case err != nil:
+		return nil, fmt.Errorf("storage URL %q: %w", rawURL, err)
+	case u.User != nil:
+		return nil, errors.New("storage URL: an s3 URL must not hold credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY instead")
+	case u.Opaque != "" || u.Host == "":
+		return nil, fmt.Errorf("storage URL %q: want s3://bucket or s3://bucket/prefix", rawURL)
+	case u.RawQuery != "" || u.Fragment != "":
+		return nil, fmt.Errorf("storage URL %q: an s3 URL takes only a bucket and a prefix (the endpoint goes in --s3-endpoint)", rawURL)
+	}
+	b, err := s3.New(ctx, s3.Config{
+		Bucket: u.Host, Prefix: strings.Trim(u.Path, "/"),
+		Endpoint: opts.S3Endpoint, Region: opts.S3Region,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("storage %q: %w", rawURL, err)
 	}
 	return b, nil
 }

@@ -6,6 +6,10 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/minio/minio-go/v7"
+
+	"github.com/ckptd/ckptd/internal/miniotest"
 )
 
 func TestOpen(t *testing.T) {
@@ -32,9 +36,14 @@ func TestOpen(t *testing.T) {
 		{url: "file://" + dir + "/x?q=1", errHas: "only a path"},
 		{url: "file://" + dir + "/x#frag", errHas: "only a path"},
 		{url: "file://", errHas: "absolute path"},
-		{url: "s3://bucket/prefix", errHas: "S3 storage is not available in this build yet"},
-		{url: "S3://bucket", errHas: "S3 storage is not available"},
-		{url: "s3:bucket", errHas: "S3 storage is not available"},
+		{url: "s3:bucket", errHas: "want s3://bucket"},
+		{url: "s3://", errHas: "want s3://bucket"},
+		{url: "s3:///prefix", errHas: "want s3://bucket"},
+		{url: "s3://bucket/p?versionId=1", errHas: "only a bucket and a prefix"},
+		{url: "s3://bucket/p#frag", errHas: "only a bucket and a prefix"},
+		{url: "s3://Not_A_Bucket/p", errHas: "bucket name"},
+		{url: "s3://bucket/a//b", errHas: "prefix"},
+		{url: "s3://bucket/a/../b", errHas: "prefix"},
 		{url: "gs://bucket", errHas: `unsupported scheme "gs"`},
 		{url: "http://host/x", errHas: `unsupported scheme "http"`},
 	}
@@ -80,5 +89,45 @@ func TestOpenCancelled(t *testing.T) {
 	cancel()
 	if _, err := Open(ctx, t.TempDir(), OpenOptions{}); err == nil {
 		t.Fatal("Open with a cancelled context succeeded")
+	}
+}
+
+// TestOpenS3 opens s3:// URLs on a real MinIO, with the endpoint from the
+// options or the environment and credentials from the environment.
+func TestOpenS3(t *testing.T) {
+	srv := miniotest.Start(t)
+	bucket := srv.NewBucket(t)
+	for _, kv := range srv.Env() {
+		k, v, _ := strings.Cut(kv, "=")
+		t.Setenv(k, v)
+	}
+	b, err := Open(t.Context(), "s3://"+bucket+"/pre/fix/", OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if got, want := b.Location(), "s3://"+bucket+"/pre/fix"; got != want {
+		t.Errorf("Location() = %q, want %q", got, want)
+	}
+	if err := b.PutIfAbsent(t.Context(), "x", []byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := srv.Client().StatObject(t.Context(), bucket, "pre/fix/x", minio.StatObjectOptions{}); err != nil {
+		t.Errorf("object not under the URL's prefix: %v", err)
+	}
+
+	t.Setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1") // the option wins
+	b2, err := Open(t.Context(), "s3://"+bucket, OpenOptions{S3Endpoint: srv.Endpoint(), S3Region: miniotest.Region})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b2.Close()
+	_, err = Open(t.Context(), "s3://missing-bucket/p", OpenOptions{S3Endpoint: srv.Endpoint()})
+	if err == nil || !strings.Contains(err.Error(), `bucket "missing-bucket" does not exist`) {
+		t.Fatalf("Open of a missing bucket = %v", err)
+	}
+	_, err = Open(t.Context(), "s3://key:s3cr3t@"+bucket, OpenOptions{S3Endpoint: srv.Endpoint()})
+	if err == nil || strings.Contains(err.Error(), "s3cr3t") {
+		t.Fatalf("Open of a URL with credentials = %v", err)
 	}
 }

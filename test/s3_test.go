@@ -1,0 +1,301 @@
+package test
+
+import (
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/minio/minio-go/v7"
+
+	"github.com/ckptd/ckptd/clients/go/ckptd"
+	"github.com/ckptd/ckptd/internal/miniotest"
+)
+
+// s3Store starts MinIO with a fresh bucket and returns the server and a
+// storage URL in it.
+func s3Store(t *testing.T) (*miniotest.Server, string, string) {
+	t.Helper()
+	srv := miniotest.Start(t)
+	bucket := srv.NewBucket(t)
+	return srv, bucket, "s3://" + bucket + "/ckpt"
+}
+
+func checkNoUploads(t *testing.T, srv *miniotest.Server, bucket string) {
+	t.Helper()
+	left, err := srv.IncompleteUploads(t.Context(), bucket, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(left) > 0 {
+		t.Errorf("multipart uploads left behind: %q", left)
+	}
+}
+
+// Save through `ckptd serve --storage s3://...`, then restore, list,
+// verify and prune with the CLI, as with a directory.
+func TestS3SaveRestore(t *testing.T) {
+	srv, bucket, store := s3Store(t)
+	d := startDaemonEnv(t, store, srv.Env(), "--chunk-size", "1MiB")
+	c := d.client()
+	const world = 2
+	saveAll(t, c, []int64{100, 200}, world, false)
+	saveAll(t, c, []int64{300}, world, true)
+
+	steps, err := c.Steps(ctxT(t), "")
+	if err != nil || len(steps) != 3 || steps[2].Step != 300 {
+		t.Fatalf("Steps = %+v, %v", steps, err)
+	}
+	for rank := range world {
+		got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 100, Rank: rank})
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkShard(t, got, shard(100, rank, world))
+	}
+	// The layout is the contract's, under the URL's prefix.
+	if _, err := srv.Client().StatObject(t.Context(), bucket, "ckpt/e2e/steps/000000000200/COMMIT.json", minio.StatObjectOptions{}); err != nil {
+		t.Fatalf("commit record not where the layout says: %v", err)
+	}
+
+	// The endpoint from the flag rather than the environment.
+	env := withoutEndpoint(srv.Env())
+	out := t.TempDir()
+	if _, stderr, err := ckptdCLIEnv(t, env, "restore", "--storage", store, "--s3-endpoint", srv.Endpoint(), "--job", "e2e", "--step", "200", "--out", out); err != nil {
+		t.Fatalf("restore: %v\n%s", err, stderr)
+	}
+	for rank := range world {
+		checkSafetensors(t, filepath.Join(out, fmt.Sprintf("rank-%05d.safetensors", rank)), shard(200, rank, world))
+	}
+	stdout, stderr, err := ckptdCLIEnv(t, srv.Env(), "list", "--storage", store, "--job", "e2e", "--json")
+	var listed []struct{ Step int64 }
+	if err != nil || json.Unmarshal([]byte(stdout), &listed) != nil || len(listed) != 3 {
+		t.Fatalf("list --json: %v\n%s%s", err, stdout, stderr)
+	}
+	if stdout, stderr, err = ckptdCLIEnv(t, srv.Env(), "verify", "--storage", store, "--job", "e2e", "--latest"); err != nil || !strings.Contains(stdout, "step 300 OK") {
+		t.Fatalf("verify: %v %s%s", err, stdout, stderr)
+	}
+	if stdout, stderr, err = ckptdCLIEnv(t, srv.Env(), "prune", "--storage", store, "--job", "e2e", "--keep-last", "1"); err != nil {
+		t.Fatalf("prune: %v %s%s", err, stdout, stderr)
+	}
+	if steps, _ := c.Steps(ctxT(t), ""); len(steps) != 1 || steps[0].Step != 300 {
+		t.Fatalf("after prune: %+v", steps)
+	}
+	var keys []string
+	for o := range srv.Client().ListObjects(t.Context(), bucket, minio.ListObjectsOptions{Recursive: true}) {
+		keys = append(keys, o.Key)
+	}
+	for _, k := range keys {
+		if !strings.HasPrefix(k, "ckpt/e2e/steps/000000000300/") {
+			t.Errorf("%s left after prune", k)
+		}
+	}
+	checkNoUploads(t, srv, bucket)
+}
+
+func withoutEndpoint(env []string) []string {
+	var out []string
+	for _, kv := range env {
+		if !strings.HasPrefix(kv, "AWS_ENDPOINT_URL=") {
+			out = append(out, kv)
+		}
+	}
+	return out
+}
+
+// Two sidecars sharing one bucket, each saving half the ranks of a step,
+// commit it exactly once: the commit record is a conditional PUT.
+func TestS3TwoDaemonsCommitOnce(t *testing.T) {
+	srv, bucket, store := s3Store(t)
+	a, b := startDaemonEnv(t, store, srv.Env()), startDaemonEnv(t, store, srv.Env())
+	ca, cb := a.client(), b.client()
+	const world = 4
+	for _, step := range []int64{1, 2, 3} {
+		var wg sync.WaitGroup
+		errs := make(chan error, world)
+		for rank := range world {
+			c := ca
+			if rank%2 == 1 {
+				c = cb
+			}
+			wg.Go(func() {
+				h, err := c.Save(ctxT(t), shard(step, rank, world))
+				if err == nil {
+					err = h.Wait(ctxT(t))
+				}
+				errs <- err
+			})
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	time.Sleep(200 * time.Millisecond) // let log lines arrive
+	logs := a.logs() + b.logs()
+	for _, step := range []string{"step=1", "step=2", "step=3"} {
+		n := 0
+		for _, l := range strings.Split(logs, "\n") {
+			if strings.Contains(l, `msg="step committed"`) && strings.Contains(l, step) {
+				n++
+			}
+		}
+		if n != 1 {
+			t.Errorf("%s committed %d times\n%s", step, n, logs)
+		}
+	}
+	for rank := range world {
+		got, err := cb.Load(ctxT(t), &ckptd.LoadRequest{Step: 2, Rank: rank})
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkShard(t, got, shard(2, rank, world))
+	}
+	checkNoUploads(t, srv, bucket)
+}
+
+// bigShard is one rank's shard with a single tensor of mib MiB of
+// weights, large enough to go up as a multipart upload of several parts.
+func bigShard(step int64, mib int) *ckptd.SaveRequest {
+	r := rand.New(rand.NewPCG(uint64(step), 99))
+	n := mib << 20 / 4
+	b := make([]byte, 4*n)
+	for i := range n {
+		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(float32(r.NormFloat64()*0.02)))
+	}
+	return &ckptd.SaveRequest{
+		Step: step, Rank: 0, WorldSize: 1, Metadata: []byte("big"),
+		Tensors: []ckptd.Tensor{{Name: "w", DType: "F32", Shape: []int64{int64(n)}, Data: b}},
+	}
+}
+
+// MinIO is killed and restarted, then frozen, in the middle of drains;
+// each step still commits with the right bytes and no multipart upload is
+// left behind.
+func TestS3DrainSurvivesOutage(t *testing.T) {
+	srv, bucket, store := s3Store(t)
+	d := startDaemonEnv(t, store, srv.Env())
+	c := d.client()
+	outages := []struct {
+		name string
+		hit  func()
+	}{
+		{"kill and restart", func() {
+			srv.Kill()
+			time.Sleep(time.Second)
+			if err := srv.Restart(); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"freeze", func() {
+			srv.Freeze()
+			time.Sleep(3 * time.Second)
+			srv.Thaw()
+		}},
+	}
+	for i, o := range outages {
+		step := int64(i + 1)
+		req := bigShard(step, 96)
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+		defer cancel()
+		h, err := c.Save(ctx, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !waitForUpload(t, srv, bucket) {
+			t.Fatalf("%s: the drain finished before a multipart upload was seen; make the shard larger", o.name)
+		}
+		o.hit()
+		if err := h.Wait(ctx); err != nil {
+			t.Fatalf("%s: step %d did not commit: %v\n%s", o.name, step, err, d.logs())
+		}
+		got, err := c.Load(ctx, &ckptd.LoadRequest{Step: step})
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkShard(t, got, req)
+		if stdout, stderr, err := ckptdCLIEnv(t, srv.Env(), "verify", "--storage", store, "--job", "e2e", "--step", fmt.Sprint(step)); err != nil {
+			t.Fatalf("verify after %s: %v %s%s", o.name, err, stdout, stderr)
+		}
+		checkNoUploads(t, srv, bucket)
+	}
+}
+
+// waitForUpload polls until a multipart upload is in progress in bucket.
+func waitForUpload(t *testing.T, srv *miniotest.Server, bucket string) bool {
+	deadline := time.Now().Add(time.Minute)
+	for time.Now().Before(deadline) {
+		ups, err := srv.IncompleteUploads(t.Context(), bucket, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(ups) > 0 {
+			return true
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return false
+}
+
+// Wrong credentials and a missing bucket fail at once with messages that
+// name the bucket and the endpoint, and never print the secret.
+func TestS3Errors(t *testing.T) {
+	srv, bucket, store := s3Store(t)
+	const wrongSecret = "wrong-secret-0123456789"
+	wrongCreds := append(srv.Env(), "AWS_SECRET_ACCESS_KEY="+wrongSecret)
+	tests := []struct {
+		name string
+		env  []string
+		args []string
+		want []string
+	}{
+		{"wrong credentials", wrongCreds, []string{"list", "--storage", store}, []string{"access denied", bucket, srv.Endpoint()}},
+		{"missing bucket", srv.Env(), []string{"list", "--storage", "s3://missing-bucket/x"}, []string{"missing-bucket", "does not exist", srv.Endpoint()}},
+		{"restore, missing bucket", srv.Env(), []string{"restore", "--storage", "s3://missing-bucket", "--latest", "--out", t.TempDir()}, []string{"missing-bucket", "does not exist"}},
+		{"bad endpoint", srv.Env(), []string{"list", "--storage", store, "--s3-endpoint", "127.0.0.1:9000"}, []string{"http:// or https://"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			start := time.Now()
+			_, stderr, err := ckptdCLIEnv(t, tt.env, tt.args...)
+			if err == nil {
+				t.Fatalf("%v succeeded", tt.args)
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(stderr, w) {
+					t.Errorf("stderr %q does not contain %q", stderr, w)
+				}
+			}
+			if strings.Contains(stderr, wrongSecret) || strings.Contains(stderr, srv.SecretKey) {
+				t.Errorf("stderr reveals a secret: %s", stderr)
+			}
+			if el := time.Since(start); el > 20*time.Second {
+				t.Errorf("took %v to fail", el)
+			}
+		})
+	}
+
+	// serve refuses to start on a store it cannot use.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dir := t.TempDir()
+	cmd := exec.CommandContext(ctx, ckptdBin, "serve", "--socket", filepath.Join(dir, "s.sock"),
+		"--arena-dir", filepath.Join("/dev/shm", "ckptd-test-"+filepath.Base(dir)), "--staging-bytes", "64MiB",
+		"--storage", "s3://missing-bucket")
+	cmd.Env = append(cmd.Environ(), srv.Env()...)
+	out, err := cmd.CombinedOutput()
+	if err == nil || ctx.Err() != nil || !strings.Contains(string(out), "does not exist") {
+		t.Fatalf("serve on a missing bucket: %v\n%s", err, out)
+	}
+}
