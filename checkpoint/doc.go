@@ -32,14 +32,16 @@
 //	  "chunks": [{"object": "steps/000000009000/rank-00000.data",
 //	              "offset": 0, "stored": 3000000,   // where in the object
 //	              "raw_offset": 0, "raw": 4194304,  // where in data space
-//	              "codec": "zstd", "hash": "xxh3:0123456789abcdef"}],
+//	              "codec": "float-bf16", "hash": "xxh3:0123456789abcdef"}],
 //	  "metadata": "<base64 of the trainer's opaque bytes>"
 //	}
 //
 // Chunk objects are relative to the job's folder, so a chunk may point into
 // an earlier step's object (incremental checkpoints); that is why Prune is
-// reference-aware. The hash is of the raw (decompressed) bytes. Readers
-// reject any other format name or a version they do not know.
+// reference-aware. The hash is of the raw (decompressed) bytes. A chunk's
+// codec is what it was written with (package codec documents each: none,
+// zstd, lz4, float-bf16, float-f16, float-f32, float-f64), never "auto".
+// Readers reject any other format name or a version they do not know.
 //
 // # Commit
 //

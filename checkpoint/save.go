@@ -8,8 +8,9 @@ import (
 	"time"
 )
 
-// MaxMetadata bounds the trainer's opaque metadata per save.
-const MaxMetadata = 64 << 20
+// MaxMetadata bounds the trainer's opaque metadata per save. It stays well
+// under the daemon's 16 MiB gRPC message limit, which CommitSave must fit.
+const MaxMetadata = 8 << 20
 
 // BeginSave validates a save request and leases a region for its tensors,
 // waiting up to StagingWait for space. The region is the caller's to fill

@@ -129,6 +129,24 @@ func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int) 
 	}
 }
 
+// Status returns a save's current state without waiting: from memory when
+// this daemon knows the save, else from storage.
+func (mgr *Manager) Status(ctx context.Context, job string, step int64, rank int) (WaitResult, error) {
+	job = mgr.job(job)
+	k := saveKey{job, step, rank}
+	mgr.mu.Lock()
+	st := mgr.saves[k]
+	var res WaitResult
+	if st != nil {
+		res = WaitResult{st.state, st.err}
+	}
+	mgr.mu.Unlock()
+	if st != nil {
+		return res, nil
+	}
+	return mgr.stateFromStorage(ctx, &Store{B: mgr.b, Job: job}, k)
+}
+
 // stateFromStorage answers Wait for a save not in memory.
 func (mgr *Manager) stateFromStorage(ctx context.Context, store *Store, k saveKey) (WaitResult, error) {
 	if ok, err := store.Committed(ctx, k.step); err != nil || ok {

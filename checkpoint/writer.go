@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"runtime"
+	"sync"
 	"time"
 
 	"github.com/ckptd/ckptd/internal/codec"
@@ -17,8 +18,10 @@ type WriterOptions struct {
 	// ChunkSize is the raw size of a chunk (default 4 MiB; a multiple of 8,
 	// at most MaxChunkSize).
 	ChunkSize int64
-	// Codec compresses every chunk; a chunk that does not shrink is stored
-	// raw whatever the codec.
+	// Codec compresses every chunk, or with codec.Auto (the default) is
+	// picked per chunk from its dtype and the measured drain rates (see
+	// codec.Selector). A chunk that does not shrink is stored raw whatever
+	// the codec; the manifest records each chunk's codec.
 	Codec codec.Codec
 	// Workers is how many chunks are compressed at once across all shards
 	// (default GOMAXPROCS).
@@ -36,10 +39,10 @@ func (o *WriterOptions) setDefaults() error {
 		return fmt.Errorf("%w: chunk size %d must be a multiple of 8 in [4096, %d]", ErrInvalid, o.ChunkSize, MaxChunkSize)
 	}
 	if o.Codec == "" {
-		o.Codec = codec.Zstd
+		o.Codec = codec.Auto
 	}
-	if _, err := codec.Parse(string(o.Codec)); err != nil {
-		return fmt.Errorf("%w: %v", ErrInvalid, err)
+	if _, err := codec.ParseSetting(string(o.Codec)); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	if o.Workers <= 0 {
 		o.Workers = runtime.GOMAXPROCS(0)
@@ -55,11 +58,13 @@ func (o *WriterOptions) setDefaults() error {
 // for chunks is at most InFlight × (ChunkSize + codec bound), preallocated
 // lazily in a fixed pool, and at most Workers chunks compress at once.
 type Writer struct {
-	b    storage.Backend
-	opts WriterOptions
-	bufs chan *chunkBuf   // the pool; a drain blocks when it is empty
-	cpu  chan struct{}    // compression slots
-	now  func() time.Time // for tests
+	b     storage.Backend
+	opts  WriterOptions
+	bufs  chan *chunkBuf   // the pool; a drain blocks when it is empty
+	cpu   chan struct{}    // compression slots
+	now   func() time.Time // for tests
+	sel   *codec.Selector  // the Auto policy
+	meter storageMeter     // feeds sel with how fast the backend takes bytes
 }
 
 type chunkBuf struct{ gather, enc []byte }
@@ -74,7 +79,9 @@ func NewWriter(b storage.Backend, opts WriterOptions) (*Writer, error) {
 		bufs: make(chan *chunkBuf, opts.InFlight),
 		cpu:  make(chan struct{}, opts.Workers),
 		now:  time.Now,
+		sel:  codec.NewSelector(codec.SelectorOptions{Workers: opts.Workers}),
 	}
+	w.meter.sel = w.sel
 	for range opts.InFlight {
 		w.bufs <- &chunkBuf{}
 	}
@@ -151,7 +158,8 @@ func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, pl
 		close(r.queue) // publishes r.err to the reader
 	}()
 	err := w.b.Put(ctx, inJob(job, obj), r, -1)
-	cancel() // stop the producer if Put gave up early
+	r.backendDone() // the time Put spent after the last Read (fsync) was storage's
+	cancel()        // stop the producer if Put gave up early
 	r.drain()
 	if err != nil {
 		return nil, err
@@ -182,19 +190,41 @@ func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, que
 
 // chunkReader is a data object's byte stream as the backend reads it:
 // finished chunks in plan order, each buffer back in the pool once read.
+// It also times the backend for the Auto policy: between two Reads the
+// backend is writing (storage time); inside Read, waiting for a chunk, the
+// drain is compression-bound.
 type chunkReader struct {
-	w      *Writer
-	obj    string
-	queue  chan *pending
-	err    error // the producer's, valid once queue is closed
-	want   int
-	cur    *pending
-	rest   []byte
-	chunks []Chunk
-	offset int64
+	w       *Writer
+	obj     string
+	queue   chan *pending
+	err     error // the producer's, valid once queue is closed
+	want    int
+	cur     *pending
+	rest    []byte
+	chunks  []Chunk
+	offset  int64
+	writing bool // the backend holds data from the last Read
 }
 
 func (r *chunkReader) Read(p []byte) (int, error) {
+	r.backendDone()
+	n, err := r.read(p)
+	if n > 0 {
+		r.w.meter.start(int64(n))
+		r.writing = true
+	}
+	return n, err
+}
+
+// backendDone ends the backend's current stretch of writing, if any.
+func (r *chunkReader) backendDone() {
+	if r.writing {
+		r.w.meter.stop()
+		r.writing = false
+	}
+}
+
+func (r *chunkReader) read(p []byte) (int, error) {
 	for len(r.rest) == 0 {
 		r.release()
 		next, ok := <-r.queue
@@ -242,19 +272,64 @@ func (r *chunkReader) drain() {
 }
 
 // encode hashes and compresses one chunk into p.out; a chunk that does not
-// shrink is stored raw.
+// shrink is stored raw. With codec.Auto the Selector picks the codec and
+// learns from how long this took and how well it shrank.
 func (w *Writer) encode(data []byte, p *pending) {
+	start := time.Now()
 	raw := gather(data, p.plan, &p.buf.gather)
 	c := Chunk{RawOffset: p.plan.rawOffset, Raw: p.plan.raw, Hash: codec.FormatHash(codec.Hash(raw))}
+	hashed := time.Now()
 	p.out, c.Codec = raw, codec.None
-	if w.opts.Codec != codec.None {
-		enc, err := codec.Encode(w.opts.Codec, p.buf.enc, raw)
+	use := w.opts.Codec
+	if use == codec.Auto {
+		use = w.sel.Choose(p.plan.dtype)
+	}
+	if use != codec.None {
+		enc, err := codec.Encode(use, p.buf.enc, raw)
 		if err == nil && len(enc) < len(raw) {
-			p.buf.enc, p.out, c.Codec = enc, enc, w.opts.Codec
+			p.buf.enc, p.out, c.Codec = enc, enc, use
 		}
 	}
 	c.Stored = int64(len(p.out))
 	p.chunk = c
+	if w.opts.Codec == codec.Auto {
+		w.sel.ObserveChunk(p.plan.dtype, use, len(raw), len(p.out), hashed.Sub(start), time.Since(hashed))
+	}
+}
+
+// storageMeter measures how fast the backend takes bytes: bytes handed to
+// it over the time during which at least one drain's backend was busy
+// writing them (between Reads, and from the last Read until Put returns,
+// which covers a final fsync). Concurrent drains are measured together, as
+// the union of their busy time, because they share the storage.
+type storageMeter struct {
+	sel   *codec.Selector
+	mu    sync.Mutex
+	busy  int       // backends writing now
+	since time.Time // when busy last went from 0 to 1
+	bytes int64     // handed over since the last report
+}
+
+// start records that a backend was handed n bytes and is writing.
+func (m *storageMeter) start(n int64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.busy == 0 {
+		m.since = time.Now()
+	}
+	m.busy++
+	m.bytes += n
+}
+
+// stop records that a backend is back for more (or done).
+func (m *storageMeter) stop() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.busy--
+	if m.busy == 0 {
+		m.sel.ObserveStorage(m.bytes, time.Since(m.since))
+		m.bytes = 0
+	}
 }
 
 // gather returns the chunk's bytes: a slice of data when they are

@@ -51,17 +51,34 @@ type Stats struct {
 	WaitStorage    time.Duration // waiting on a shard read from storage
 	WaitCache      time.Duration // waiting on a shard another rank was reading
 	WaitWork       time.Duration // waiting while shards were parsed and batched
+	WaitRing       time.Duration // (daemon) waiting while the consumer held every ring slot
 	CacheHits      int64
 	CacheMisses    int64
 	CorruptSkipped int64
 	Shards         int // shards this rank reads this epoch
 }
 
-// What the producer is waiting on, for stall accounting.
+// Cause is why a consumer waited for a batch.
+type Cause int32
+
+// The causes of waiting. CauseRing is the daemon's: every ring slot was
+// held by the consumer.
 const (
-	stateWork int32 = iota
-	stateStorage
-	stateCache
+	CauseWork    Cause = iota // parsing, batching, copying
+	CauseStorage              // a shard read from storage (a cache miss)
+	CauseCache                // a shard another rank was reading into the cache
+	CauseRing
+)
+
+func (c Cause) String() string {
+	return [...]string{"work", "storage", "cache", "ring"}[c]
+}
+
+// The producer's states are the causes it can be waiting on.
+const (
+	stateWork    = int32(CauseWork)
+	stateStorage = int32(CauseStorage)
+	stateCache   = int32(CauseCache)
 )
 
 // Iterator delivers one rank's batches for one epoch. Next and Stats may
@@ -154,6 +171,10 @@ func (it *Iterator) account(state int32, d time.Duration) {
 		it.stats.WaitWork += d
 	}
 }
+
+// Waiting says what the iteration is waiting on now: CauseStorage,
+// CauseCache, or CauseWork (parsing and batching, or nothing).
+func (it *Iterator) Waiting() Cause { return Cause(it.state.Load()) }
 
 // Stats returns the iteration's accounting so far.
 func (it *Iterator) Stats() Stats {

@@ -300,3 +300,35 @@ func TestGracefulShutdownDrains(t *testing.T) {
 		t.Fatalf("arena left in /dev/shm after a clean shutdown: %v", err)
 	}
 }
+
+// A daemon restarted after a clean exit makes a new arena file; a client
+// that mapped the old one must notice and map the new one, or its bytes
+// would never reach the daemon.
+func TestClientRemapsAfterDaemonRestart(t *testing.T) {
+	d := startDaemon(t, "")
+	c := d.client()
+	h, err := c.Save(ctxT(t), shard(1, 0, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := h.Status(ctxT(t)); err != nil || st.String() != "SAVE_STATE_COMMITTED" {
+		t.Fatalf("Status = %v, %v", st, err)
+	}
+	d.stop()
+	d.start()
+	h, err = c.Save(ctxT(t), shard(2, 0, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkShard(t, got, shard(2, 0, 1))
+}

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/user"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"time"
 
@@ -26,6 +27,8 @@ import (
 	"github.com/ckptd/ckptd/internal/codec"
 	"github.com/ckptd/ckptd/internal/metrics"
 	"github.com/ckptd/ckptd/internal/server"
+	"github.com/ckptd/ckptd/prefetch"
+	"github.com/ckptd/ckptd/storage"
 )
 
 type serveOptions struct {
@@ -43,6 +46,9 @@ type serveOptions struct {
 	MetricsAddr  string
 	Grace        time.Duration
 	DrainDelay   time.Duration
+	CacheBytes   byteSize
+	RingSlots    int
+	SlotBytes    byteSize
 }
 
 // DefaultSocket is where serve listens and clients connect when neither
@@ -52,7 +58,7 @@ func DefaultSocket() string {
 }
 
 func newServeCmd() *cobra.Command {
-	o := &serveOptions{StagingBytes: 1 << 30, ChunkSize: 4 << 20}
+	o := &serveOptions{StagingBytes: 1 << 30, ChunkSize: 4 << 20, CacheBytes: 1 << 30, SlotBytes: 16 << 20}
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Run the sidecar: accept saves over a unix socket and drain them to storage",
@@ -67,7 +73,7 @@ func newServeCmd() *cobra.Command {
 	fs.Var(&o.StagingBytes, "staging-bytes", "size of the shared-memory staging arena (e.g. 8GiB)")
 	fs.DurationVar(&o.StagingWait, "staging-wait", 30*time.Second, "how long a save waits for arena space before failing")
 	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", 30*time.Minute, "reclaim regions of saves never committed and restores never released after this")
-	fs.StringVar(&o.Codec, "codec", "zstd", "chunk codec: zstd, lz4 or none")
+	fs.StringVar(&o.Codec, "codec", string(codec.Auto), "chunk codec: auto (per chunk by dtype: float-aware for floats, zstd otherwise, cheaper when storage outruns compression), zstd, lz4, none, or float-bf16|f16|f32|f64")
 	fs.Var(&o.ChunkSize, "chunk-size", "raw bytes per chunk")
 	fs.IntVar(&o.Workers, "workers", 0, "chunks compressed at once (default: number of CPUs)")
 	fs.IntVar(&o.Drains, "drains", 2, "shards drained at once")
@@ -75,12 +81,15 @@ func newServeCmd() *cobra.Command {
 	fs.DurationVar(&o.Grace, "shutdown-grace", time.Minute, "on SIGTERM, how long to keep draining before leaving saves journaled for the next start")
 	fs.DurationVar(&o.DrainDelay, "debug-drain-delay", 0, "delay every drain (for crash tests)")
 	_ = fs.MarkHidden("debug-drain-delay")
+	fs.Var(&o.CacheBytes, "cache-bytes", "dataset shard cache budget, shared by every rank on the node (0 disables it)")
+	fs.IntVar(&o.RingSlots, "ring-slots", 4, "batches each dataset session delivers ahead of the trainer")
+	fs.Var(&o.SlotBytes, "slot-bytes", "size of a ring slot in the arena (a larger batch gets a region of its own)")
 	return cmd
 }
 
 func runServe(ctx context.Context, o *serveOptions) error {
 	log := slog.Default()
-	c, err := codec.Parse(o.Codec)
+	c, err := codec.ParseSetting(o.Codec)
 	if err != nil {
 		return usageError{err}
 	}
@@ -96,6 +105,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	if err != nil {
 		return err
 	}
+	o.Workers = reserveIOProc(o.Workers)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mgr, err := checkpoint.NewManager(a, b, checkpoint.ManagerConfig{
@@ -113,8 +123,22 @@ func runServe(ctx context.Context, o *serveOptions) error {
 		a.Close()
 		return err
 	}
+	pf, err := prefetch.NewService(a, prefetch.ServiceConfig{
+		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes),
+		Logger: log, Metrics: metrics.NewPrefetch(reg),
+		Open: func(ctx context.Context, url string) (storage.Backend, error) {
+			return openStorage(ctx, url, o.S3Endpoint, o.S3Region)
+		},
+	})
+	if err != nil {
+		lis.Close()
+		mgr.Close(ctx)
+		a.Close()
+		return err
+	}
 	srv := grpc.NewServer(grpc.MaxRecvMsgSize(16 << 20))
 	server.Register(srv, mgr)
+	server.RegisterPrefetch(srv, pf)
 	stopMetrics := serveMetrics(o.MetricsAddr, reg)
 	log.Info("ckptd serving", "socket", o.Socket, "storage", b.Location(), "job", o.Job,
 		"arena", a.Path(), "staging_bytes", a.Size(), "locked", a.Locked(), "codec", c)
@@ -128,7 +152,26 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	}
 	stopMetrics()
 	stopGRPC(srv, 5*time.Second)
+	pf.Close()
 	return shutdown(mgr, a, o.Grace, err)
+}
+
+// reserveIOProc returns the number of compression workers (workers, or one
+// per available CPU) and, unless GOMAXPROCS is set by the user, gives the Go
+// scheduler one processor more than that. During a drain the workers keep
+// every processor busy; without a spare one, the backend's writer and the
+// gRPC handlers wait up to a scheduler time slice (10 ms) each time they
+// wake from a syscall, which starves the disk and lengthens the trainer's
+// save stall.
+func reserveIOProc(workers int) int {
+	procs := runtime.GOMAXPROCS(0)
+	if workers <= 0 {
+		workers = procs
+	}
+	if os.Getenv("GOMAXPROCS") == "" {
+		runtime.GOMAXPROCS(max(procs, workers) + 1)
+	}
+	return workers
 }
 
 // shutdown drains what it can within grace, then leaves the rest journaled

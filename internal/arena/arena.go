@@ -34,6 +34,7 @@ type Options struct {
 type Arena struct {
 	dir     string
 	path    string
+	id      string // device:inode of the arena file
 	size    int64
 	locked  bool
 	log     *slog.Logger
@@ -92,6 +93,11 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File) (*Arena, erro
 	if err != nil {
 		return nil, err
 	}
+	id, err := fileID(f)
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
 	// The mapping outlives the descriptor; nothing else needs it.
 	mem, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE,
 		unix.MAP_SHARED|unix.MAP_POPULATE)
@@ -102,6 +108,7 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File) (*Arena, erro
 	a := &Arena{
 		dir:      opts.Dir,
 		path:     path,
+		id:       id,
 		size:     size,
 		log:      log,
 		alloc:    newAllocator(size &^ (pageSize - 1)),
@@ -236,6 +243,12 @@ func lockMemory(mem []byte, log *slog.Logger) bool {
 	return false
 }
 
+// ID identifies the arena file (device and inode). A client compares it
+// with the file it mapped: a daemon restarted after a clean exit makes a
+// new file at the same path, and bytes copied into the old mapping would
+// never reach it.
+func (a *Arena) ID() string { return a.id }
+
 // Path is the arena file that clients pass to Map.
 func (a *Arena) Path() string { return a.path }
 
@@ -319,4 +332,13 @@ func (a *Arena) closeLocked(remove bool) error {
 	err = errors.Join(err, a.lockFile.Close())
 	a.lockFile = nil
 	return err
+}
+
+// fileID returns "device:inode" of an open file.
+func fileID(f *os.File) (string, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return "", fmt.Errorf("arena: stat %s: %w", f.Name(), err)
+	}
+	return fmt.Sprintf("%d:%d", st.Dev, st.Ino), nil
 }

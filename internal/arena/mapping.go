@@ -14,6 +14,7 @@ import (
 type Mapping struct {
 	mu  sync.Mutex
 	mem []byte
+	id  string
 }
 
 // Map maps the arena file at path, which must be size bytes (both as told
@@ -36,13 +37,20 @@ func Map(path string, size int64) (*Mapping, error) {
 		return nil, fmt.Errorf("arena: map %s: file is %d bytes, expected %d (was the daemon restarted with another size?)",
 			path, fi.Size(), size)
 	}
+	id, err := fileID(f)
+	if err != nil {
+		return nil, err
+	}
 	mem, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE,
 		unix.MAP_SHARED|unix.MAP_POPULATE)
 	if err != nil {
 		return nil, fmt.Errorf("arena: mmap %s (%d bytes): %w", path, size, err)
 	}
-	return &Mapping{mem: mem}, nil
+	return &Mapping{mem: mem, id: id}, nil
 }
+
+// ID identifies the mapped file, as Arena.ID does on the daemon's side.
+func (m *Mapping) ID() string { return m.id }
 
 // Bytes is the whole arena; region offsets index it directly. It is invalid
 // after Close.

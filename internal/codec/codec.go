@@ -3,18 +3,29 @@ package codec
 import (
 	"errors"
 	"fmt"
+	"slices"
+	"strconv"
+	"strings"
 )
 
 // Codec names how a chunk's bytes are compressed. The string is what
 // manifests store; see the package documentation for each format.
 type Codec string
 
-// The known codecs.
+// The general-purpose codecs; the float-aware ones are in float.go.
 const (
 	None Codec = "none"
 	Zstd Codec = "zstd"
 	LZ4  Codec = "lz4"
 )
+
+// Auto is a writer setting, never a stored codec: pick one per chunk from
+// its dtype and the measured drain rates (see Selector).
+const Auto Codec = "auto"
+
+// stored lists every codec a manifest may name, in the order error
+// messages give them.
+var stored = []Codec{None, Zstd, LZ4, FloatBF16, FloatF16, FloatF32, FloatF64}
 
 // MaxChunkLen is the largest raw chunk Encode and Decode accept. It bounds
 // what a decoder allocates for a raw length read from an untrusted manifest.
@@ -27,13 +38,32 @@ var ErrCorrupt = errors.New("corrupt chunk")
 // ErrUnknownCodec is wrapped by errors about a codec name ckptd does not know.
 var ErrUnknownCodec = errors.New("unknown codec")
 
-// Parse returns the Codec named s.
+// Parse returns the stored codec named s (not Auto: a manifest records
+// what a chunk was written with).
 func Parse(s string) (Codec, error) {
-	switch c := Codec(s); c {
-	case None, Zstd, LZ4:
-		return c, nil
+	if slices.Contains(stored, Codec(s)) {
+		return Codec(s), nil
 	}
-	return "", fmt.Errorf("%w %q (want one of %q, %q, %q)", ErrUnknownCodec, s, None, Zstd, LZ4)
+	return "", fmt.Errorf("%w %q (want one of %s)", ErrUnknownCodec, s, quoted(stored))
+}
+
+// ParseSetting returns the codec setting named s: Auto or a stored codec.
+func ParseSetting(s string) (Codec, error) {
+	if Codec(s) == Auto {
+		return Auto, nil
+	}
+	if _, err := Parse(s); err != nil {
+		return "", fmt.Errorf("%w %q (want %q or one of %s)", ErrUnknownCodec, s, Auto, quoted(stored))
+	}
+	return Codec(s), nil
+}
+
+func quoted(cs []Codec) string {
+	q := make([]string, len(cs))
+	for i, c := range cs {
+		q[i] = strconv.Quote(string(c))
+	}
+	return strings.Join(q, ", ")
 }
 
 // MaxEncodedLen returns how many bytes Encode may need for n raw bytes.
@@ -48,7 +78,10 @@ func MaxEncodedLen(c Codec, n int) int {
 	case LZ4:
 		return lz4Bound(n)
 	}
-	return max(n, zstdBound(n), lz4Bound(n))
+	if w := floatWidth(c); w > 0 {
+		return floatBound(w, n)
+	}
+	return max(n, zstdBound(n), lz4Bound(n), floatBound(2, n), floatBound(4, n), floatBound(8, n))
 }
 
 // Encode compresses src with c and returns the stored bytes, appended to
@@ -66,6 +99,9 @@ func Encode(c Codec, dst, src []byte) ([]byte, error) {
 		return encodeZstd(sized(dst, zstdBound(len(src))), src)
 	case LZ4:
 		return encodeLZ4(sized(dst, lz4Bound(len(src))), src)
+	}
+	if w := floatWidth(c); w > 0 {
+		return encodeFloat(w, sized(dst, floatBound(w, len(src))), src)
 	}
 	_, err := Parse(string(c))
 	return nil, fmt.Errorf("codec: encode: %w", err)
@@ -88,6 +124,9 @@ func Decode(c Codec, dst, src []byte, rawLen int) ([]byte, error) {
 		return decodeZstd(dst, src, rawLen)
 	case LZ4:
 		return decodeLZ4(dst, src, rawLen)
+	}
+	if w := floatWidth(c); w > 0 {
+		return decodeFloat(c, w, dst, src, rawLen)
 	}
 	_, err := Parse(string(c))
 	return nil, fmt.Errorf("codec: decode: %w", err)

@@ -53,4 +53,4 @@ func textLike(n int) []byte {
 	return b
 }
 
-var allCodecs = []Codec{None, Zstd, LZ4}
+var allCodecs = []Codec{None, Zstd, LZ4, FloatBF16, FloatF16, FloatF32, FloatF64}

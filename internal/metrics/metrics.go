@@ -65,3 +65,37 @@ func (m *Checkpoint) Error(op string) {
 func Since(h prometheus.Histogram, start time.Time) {
 	h.Observe(time.Since(start).Seconds())
 }
+
+// Prefetch holds the metrics of the dataset prefetcher.
+type Prefetch struct {
+	Wait        *prometheus.CounterVec // seconds trainers waited, by cause
+	Samples     prometheus.Counter
+	CacheHits   prometheus.Counter
+	CacheMisses prometheus.Counter
+	Corrupt     prometheus.Counter
+	Sessions    prometheus.Gauge
+}
+
+// NewPrefetch creates the prefetch metrics and registers them with reg
+// (nil: not registered).
+func NewPrefetch(reg prometheus.Registerer) *Prefetch {
+	m := &Prefetch{
+		Wait: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ckptd_prefetch_wait_seconds_total",
+			Help: "Seconds trainers waited for a batch, by cause (storage, cache, ring, work)."}, []string{"cause"}),
+		Samples: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_prefetch_samples_total", Help: "Samples delivered."}),
+		CacheHits: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_prefetch_cache_hits_total", Help: "Shards served from the cache."}),
+		CacheMisses: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_prefetch_cache_misses_total", Help: "Shards read from storage."}),
+		Corrupt: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_prefetch_corrupt_shards_total", Help: "Shards skipped because they failed to parse."}),
+		Sessions: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "ckptd_prefetch_sessions", Help: "Open dataset sessions."}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.Wait, m.Samples, m.CacheHits, m.CacheMisses, m.Corrupt, m.Sessions)
+	}
+	return m
+}

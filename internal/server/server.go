@@ -63,7 +63,7 @@ func toStatus(err error) error {
 
 func (s *Checkpoint) GetArena(context.Context, *pb.GetArenaRequest) (*pb.ArenaInfo, error) {
 	a := s.mgr.Arena()
-	return &pb.ArenaInfo{Path: a.Path(), Size: uint64(a.Size()), Locked: a.Locked(), DefaultJob: s.mgr.DefaultJob()}, nil
+	return &pb.ArenaInfo{Path: a.Path(), Size: uint64(a.Size()), Locked: a.Locked(), DefaultJob: s.mgr.DefaultJob(), Id: a.ID()}, nil
 }
 
 func (s *Checkpoint) BeginSave(ctx context.Context, req *pb.BeginSaveRequest) (*pb.BeginSaveResponse, error) {
@@ -71,7 +71,7 @@ func (s *Checkpoint) BeginSave(ctx context.Context, req *pb.BeginSaveRequest) (*
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	return &pb.BeginSaveResponse{Lease: toLease(lease)}, nil
+	return &pb.BeginSaveResponse{Lease: s.toLease(lease)}, nil
 }
 
 func (s *Checkpoint) CommitSave(_ context.Context, req *pb.CommitSaveRequest) (*pb.CommitSaveResponse, error) {
@@ -126,7 +126,11 @@ func (r *streamReader) Read(p []byte) (int, error) {
 }
 
 func (s *Checkpoint) WaitSave(ctx context.Context, req *pb.WaitSaveRequest) (*pb.WaitSaveResponse, error) {
-	res, err := s.mgr.Wait(ctx, req.GetJob(), req.GetStep(), int(req.GetRank()))
+	wait := s.mgr.Wait
+	if req.GetNowait() {
+		wait = s.mgr.Status
+	}
+	res, err := wait(ctx, req.GetJob(), req.GetStep(), int(req.GetRank()))
 	if err != nil && res.State == checkpoint.StateUnknown {
 		return nil, toStatus(err)
 	}
@@ -164,7 +168,7 @@ func (s *Checkpoint) BeginRestore(ctx context.Context, req *pb.BeginRestoreReque
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	return &pb.BeginRestoreResponse{Lease: toLease(lease), Header: toHeader(h)}, nil
+	return &pb.BeginRestoreResponse{Lease: s.toLease(lease), Header: toHeader(h)}, nil
 }
 
 func (s *Checkpoint) RestoreStream(req *pb.BeginRestoreRequest, stream grpc.ServerStreamingServer[pb.RestoreStreamResponse]) error {
@@ -232,8 +236,8 @@ func toTensors(ts []checkpoint.Tensor) []*pb.Tensor {
 	return out
 }
 
-func toLease(l checkpoint.LeaseInfo) *pb.Lease {
-	return &pb.Lease{Id: l.ID, Offset: uint64(l.Offset), Length: uint64(l.Length)}
+func (s *Checkpoint) toLease(l checkpoint.LeaseInfo) *pb.Lease {
+	return &pb.Lease{Id: l.ID, Offset: uint64(l.Offset), Length: uint64(l.Length), ArenaId: s.mgr.Arena().ID()}
 }
 
 func toHeader(h *checkpoint.RestoreHeader) *pb.RestoreHeader {

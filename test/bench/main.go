@@ -68,8 +68,13 @@ func main() {
 		}
 		defer pprof.StopCPUProfile()
 	}
+	// As `ckptd serve` does: one processor more than compression workers,
+	// so I/O goroutines run as soon as they wake.
+	if os.Getenv("GOMAXPROCS") == "" {
+		runtime.GOMAXPROCS(cfg.workers + 1)
+	}
 	var err error
-	if cfg.codec, err = codec.Parse(codecName); err != nil {
+	if cfg.codec, err = codec.ParseSetting(codecName); err != nil {
 		fail(err)
 	}
 	if err := run(cfg); err != nil {
@@ -119,6 +124,11 @@ func run(cfg config) error {
 	}
 	rows = append(rows, r...)
 	r, err = benchRestore(cfg, d, work)
+	if err != nil {
+		return err
+	}
+	rows = append(rows, r...)
+	r, err = benchS3(cfg, data, work)
 	if err != nil {
 		return err
 	}

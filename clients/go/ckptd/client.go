@@ -33,10 +33,11 @@ type Client struct {
 	socket string
 	conn   *grpc.ClientConn
 	api    pb.CheckpointClient
+	pf     pb.PrefetchClient
 
-	mapOnce sync.Once
+	mu      sync.Mutex
 	mapping *arena.Mapping
-	mapErr  error
+	retired []*arena.Mapping // old mappings; slices of them may still be in use
 }
 
 // Dial connects to the daemon on socket ("" for DefaultSocket). The
@@ -54,36 +55,62 @@ func Dial(socket string) (*Client, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ckptd socket %s: %w", socket, err)
 	}
-	return &Client{socket: socket, conn: conn, api: pb.NewCheckpointClient(conn)}, nil
+	return &Client{socket: socket, conn: conn, api: pb.NewCheckpointClient(conn), pf: pb.NewPrefetchClient(conn)}, nil
 }
 
 // Close closes the connection and unmaps the arena.
 func (c *Client) Close() error {
-	var err error
-	if c.mapping != nil {
-		err = c.mapping.Close()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var errs []error
+	for _, m := range append(c.retired, c.mapping) {
+		if m != nil {
+			errs = append(errs, m.Close())
+		}
 	}
-	return errors.Join(err, c.conn.Close())
+	c.mapping, c.retired = nil, nil
+	return errors.Join(append(errs, c.conn.Close())...)
 }
 
 // API exposes the raw gRPC client, for tests of the protocol itself.
 func (c *Client) API() pb.CheckpointClient { return c.api }
 
-// arena maps the daemon's staging arena on first use and keeps the mapping:
-// mapping per save would pay page faults on every save.
-func (c *Client) arena(ctx context.Context) ([]byte, error) {
-	c.mapOnce.Do(func() {
-		info, err := c.api.GetArena(ctx, &pb.GetArenaRequest{})
-		if err != nil {
-			c.mapErr = c.wrap(err)
-			return
+// region returns a lease's bytes in the client's mapping of the arena. The
+// arena is mapped once and kept (mapping per save would pay page faults on
+// every save), and mapped again only when the lease names another arena
+// file: a daemon restarted after a clean exit makes a new one, and bytes
+// copied into the old mapping would never reach it.
+func (c *Client) region(ctx context.Context, l *pb.Lease) ([]byte, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.mapping == nil || c.mapping.ID() != l.GetArenaId() {
+		if err := c.remap(ctx); err != nil {
+			return nil, err
 		}
-		c.mapping, c.mapErr = arena.Map(info.GetPath(), int64(info.GetSize()))
-	})
-	if c.mapErr != nil {
-		return nil, c.mapErr
 	}
-	return c.mapping.Bytes(), nil
+	mem := c.mapping.Bytes()
+	off, n := l.GetOffset(), l.GetLength()
+	if off > uint64(len(mem)) || n > uint64(len(mem))-off {
+		return nil, fmt.Errorf("ckptd at %s: lease [%d, +%d) outside the %d-byte arena", c.socket, off, n, len(mem))
+	}
+	return mem[off : off+n : off+n], nil
+}
+
+// remap maps the arena the daemon names now. Call with mu held.
+func (c *Client) remap(ctx context.Context) error {
+	info, err := c.api.GetArena(ctx, &pb.GetArenaRequest{})
+	if err != nil {
+		return c.wrap(err)
+	}
+	m, err := arena.Map(info.GetPath(), int64(info.GetSize()))
+	if err != nil {
+		return err
+	}
+	if c.mapping != nil {
+		c.retired = append(c.retired, c.mapping)
+	}
+	c.mapping = m
+	return nil
 }
 
 // wrap adds the socket to errors so an unreachable daemon is obvious.

@@ -31,10 +31,6 @@ func (r *LoadRequest) pb() *pb.BeginRestoreRequest {
 
 // Load restores one rank's shard through the arena.
 func (c *Client) Load(ctx context.Context, req *LoadRequest) (*Shard, error) {
-	mem, err := c.arena(ctx)
-	if err != nil {
-		return nil, err
-	}
 	resp, err := c.api.BeginRestore(ctx, req.pb())
 	if err != nil {
 		return nil, c.wrap(err)
@@ -43,7 +39,10 @@ func (c *Client) Load(ctx context.Context, req *LoadRequest) (*Shard, error) {
 	defer func() {
 		_, _ = c.api.ReleaseRegion(context.WithoutCancel(ctx), &pb.ReleaseRegionRequest{LeaseId: lease.GetId()})
 	}()
-	region := mem[lease.GetOffset() : lease.GetOffset()+lease.GetLength()]
+	region, err := c.region(ctx, lease)
+	if err != nil {
+		return nil, err
+	}
 	return shardFrom(resp.GetHeader(), region), nil
 }
 

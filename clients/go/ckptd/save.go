@@ -54,17 +54,17 @@ func (r *SaveRequest) table() []*pb.Tensor {
 // Save copies the shard into the staging arena and returns once the daemon
 // has accepted it; the data becomes durable in the background (Wait).
 func (c *Client) Save(ctx context.Context, req *SaveRequest) (*SaveHandle, error) {
-	mem, err := c.arena(ctx)
-	if err != nil {
-		return nil, err
-	}
 	table := req.table()
 	resp, err := c.api.BeginSave(ctx, &pb.BeginSaveRequest{Target: req.target(), Tensors: table})
 	if err != nil {
 		return nil, c.wrap(err)
 	}
 	lease := resp.GetLease()
-	region := mem[lease.GetOffset() : lease.GetOffset()+lease.GetLength()]
+	region, err := c.region(ctx, lease)
+	if err != nil {
+		_, _ = c.api.AbortSave(context.WithoutCancel(ctx), &pb.AbortSaveRequest{LeaseId: lease.GetId()})
+		return nil, err
+	}
 	for i, t := range req.Tensors {
 		copy(region[table[i].Offset:], t.Data)
 	}
@@ -131,6 +131,15 @@ func (h *SaveHandle) Wait(ctx context.Context) error {
 		return fmt.Errorf("%w: step %d rank %d: %s: %s", ErrSaveFailed, h.step, h.rank, resp.GetState(), resp.GetError())
 	}
 	return nil
+}
+
+// Status returns the save's state now, without waiting.
+func (h *SaveHandle) Status(ctx context.Context) (pb.SaveState, error) {
+	resp, err := h.c.api.WaitSave(ctx, &pb.WaitSaveRequest{Job: h.job, Step: h.step, Rank: int32(h.rank), Nowait: true})
+	if err != nil {
+		return pb.SaveState_SAVE_STATE_UNSPECIFIED, h.c.wrap(err)
+	}
+	return resp.GetState(), nil
 }
 
 // Step is the handle's step.

@@ -136,7 +136,11 @@ type ArenaInfo struct {
 	// Whether the daemon locked the pages in memory.
 	Locked bool `protobuf:"varint,3,opt,name=locked,proto3" json:"locked,omitempty"`
 	// Job used when a request leaves job empty.
-	DefaultJob    string `protobuf:"bytes,4,opt,name=default_job,json=defaultJob,proto3" json:"default_job,omitempty"`
+	DefaultJob string `protobuf:"bytes,4,opt,name=default_job,json=defaultJob,proto3" json:"default_job,omitempty"`
+	// Identity of the arena file. Every lease carries it: a client whose
+	// mapping has another id (the daemon restarted and made a new file) must
+	// map the arena again before touching the region.
+	Id            string `protobuf:"bytes,5,opt,name=id,proto3" json:"id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -195,6 +199,13 @@ func (x *ArenaInfo) GetLocked() bool {
 func (x *ArenaInfo) GetDefaultJob() string {
 	if x != nil {
 		return x.DefaultJob
+	}
+	return ""
+}
+
+func (x *ArenaInfo) GetId() string {
+	if x != nil {
+		return x.Id
 	}
 	return ""
 }
@@ -400,10 +411,12 @@ func (x *BeginSaveRequest) GetTensors() []*Tensor {
 }
 
 type Lease struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
-	Offset        uint64                 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
-	Length        uint64                 `protobuf:"varint,3,opt,name=length,proto3" json:"length,omitempty"`
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Id     string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	Offset uint64                 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
+	Length uint64                 `protobuf:"varint,3,opt,name=length,proto3" json:"length,omitempty"`
+	// ArenaInfo.id of the arena the region is in.
+	ArenaId       string `protobuf:"bytes,4,opt,name=arena_id,json=arenaId,proto3" json:"arena_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -457,6 +470,13 @@ func (x *Lease) GetLength() uint64 {
 		return x.Length
 	}
 	return 0
+}
+
+func (x *Lease) GetArenaId() string {
+	if x != nil {
+		return x.ArenaId
+	}
+	return ""
 }
 
 type BeginSaveResponse struct {
@@ -833,10 +853,12 @@ func (*SaveStreamRequest_Header) isSaveStreamRequest_Msg() {}
 func (*SaveStreamRequest_Data) isSaveStreamRequest_Msg() {}
 
 type WaitSaveRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Job           string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
-	Step          int64                  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
-	Rank          int32                  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Job   string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
+	Step  int64                  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
+	Rank  int32                  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
+	// Answer with the current state at once instead of waiting.
+	Nowait        bool `protobuf:"varint,4,opt,name=nowait,proto3" json:"nowait,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -890,6 +912,13 @@ func (x *WaitSaveRequest) GetRank() int32 {
 		return x.Rank
 	}
 	return 0
+}
+
+func (x *WaitSaveRequest) GetNowait() bool {
+	if x != nil {
+		return x.Nowait
+	}
+	return false
 }
 
 type WaitSaveResponse struct {
@@ -1471,18 +1500,610 @@ func (*ReleaseRegionResponse) Descriptor() ([]byte, []int) {
 	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{23}
 }
 
+type OpenDatasetRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A folder path, file:///path or s3://bucket/prefix.
+	Source string `protobuf:"bytes,1,opt,name=source,proto3" json:"source,omitempty"`
+	// "webdataset" (default) or "raw".
+	Format    string `protobuf:"bytes,2,opt,name=format,proto3" json:"format,omitempty"`
+	BatchSize int32  `protobuf:"varint,3,opt,name=batch_size,json=batchSize,proto3" json:"batch_size,omitempty"`
+	Rank      int32  `protobuf:"varint,4,opt,name=rank,proto3" json:"rank,omitempty"`
+	WorldSize int32  `protobuf:"varint,5,opt,name=world_size,json=worldSize,proto3" json:"world_size,omitempty"`
+	Seed      uint64 `protobuf:"varint,6,opt,name=seed,proto3" json:"seed,omitempty"`
+	Epoch     int64  `protobuf:"varint,7,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	Start     int64  `protobuf:"varint,8,opt,name=start,proto3" json:"start,omitempty"`
+	// Samples shuffled within this window (0: the daemon's default, 1: none).
+	ShuffleWindow int32 `protobuf:"varint,9,opt,name=shuffle_window,json=shuffleWindow,proto3" json:"shuffle_window,omitempty"`
+	// Skip and count shards that fail to parse instead of failing.
+	SkipCorrupt   bool `protobuf:"varint,10,opt,name=skip_corrupt,json=skipCorrupt,proto3" json:"skip_corrupt,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenDatasetRequest) Reset() {
+	*x = OpenDatasetRequest{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenDatasetRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenDatasetRequest) ProtoMessage() {}
+
+func (x *OpenDatasetRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenDatasetRequest.ProtoReflect.Descriptor instead.
+func (*OpenDatasetRequest) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *OpenDatasetRequest) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *OpenDatasetRequest) GetFormat() string {
+	if x != nil {
+		return x.Format
+	}
+	return ""
+}
+
+func (x *OpenDatasetRequest) GetBatchSize() int32 {
+	if x != nil {
+		return x.BatchSize
+	}
+	return 0
+}
+
+func (x *OpenDatasetRequest) GetRank() int32 {
+	if x != nil {
+		return x.Rank
+	}
+	return 0
+}
+
+func (x *OpenDatasetRequest) GetWorldSize() int32 {
+	if x != nil {
+		return x.WorldSize
+	}
+	return 0
+}
+
+func (x *OpenDatasetRequest) GetSeed() uint64 {
+	if x != nil {
+		return x.Seed
+	}
+	return 0
+}
+
+func (x *OpenDatasetRequest) GetEpoch() int64 {
+	if x != nil {
+		return x.Epoch
+	}
+	return 0
+}
+
+func (x *OpenDatasetRequest) GetStart() int64 {
+	if x != nil {
+		return x.Start
+	}
+	return 0
+}
+
+func (x *OpenDatasetRequest) GetShuffleWindow() int32 {
+	if x != nil {
+		return x.ShuffleWindow
+	}
+	return 0
+}
+
+func (x *OpenDatasetRequest) GetSkipCorrupt() bool {
+	if x != nil {
+		return x.SkipCorrupt
+	}
+	return false
+}
+
+type OpenDatasetResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Session string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
+	// Shards this rank reads this epoch.
+	Shards        int64 `protobuf:"varint,2,opt,name=shards,proto3" json:"shards,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenDatasetResponse) Reset() {
+	*x = OpenDatasetResponse{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenDatasetResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenDatasetResponse) ProtoMessage() {}
+
+func (x *OpenDatasetResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenDatasetResponse.ProtoReflect.Descriptor instead.
+func (*OpenDatasetResponse) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *OpenDatasetResponse) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+func (x *OpenDatasetResponse) GetShards() int64 {
+	if x != nil {
+		return x.Shards
+	}
+	return 0
+}
+
+type NextBatchRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Session       string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
+	Release       []string               `protobuf:"bytes,2,rep,name=release,proto3" json:"release,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NextBatchRequest) Reset() {
+	*x = NextBatchRequest{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NextBatchRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NextBatchRequest) ProtoMessage() {}
+
+func (x *NextBatchRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NextBatchRequest.ProtoReflect.Descriptor instead.
+func (*NextBatchRequest) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *NextBatchRequest) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+func (x *NextBatchRequest) GetRelease() []string {
+	if x != nil {
+		return x.Release
+	}
+	return nil
+}
+
+type SampleField struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The extension: "jpg", "cls", "txt", ...
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Relative to the lease's region.
+	Offset        uint64 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
+	Length        uint64 `protobuf:"varint,3,opt,name=length,proto3" json:"length,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SampleField) Reset() {
+	*x = SampleField{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SampleField) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SampleField) ProtoMessage() {}
+
+func (x *SampleField) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SampleField.ProtoReflect.Descriptor instead.
+func (*SampleField) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *SampleField) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *SampleField) GetOffset() uint64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *SampleField) GetLength() uint64 {
+	if x != nil {
+		return x.Length
+	}
+	return 0
+}
+
+type Sample struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Key           string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	Fields        []*SampleField         `protobuf:"bytes,2,rep,name=fields,proto3" json:"fields,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Sample) Reset() {
+	*x = Sample{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Sample) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Sample) ProtoMessage() {}
+
+func (x *Sample) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Sample.ProtoReflect.Descriptor instead.
+func (*Sample) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *Sample) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *Sample) GetFields() []*SampleField {
+	if x != nil {
+		return x.Fields
+	}
+	return nil
+}
+
+// PrefetchStats are a session's totals: where the trainer's waiting went.
+type PrefetchStats struct {
+	state          protoimpl.MessageState `protogen:"open.v1"`
+	WaitStorageNs  int64                  `protobuf:"varint,1,opt,name=wait_storage_ns,json=waitStorageNs,proto3" json:"wait_storage_ns,omitempty"`
+	WaitCacheNs    int64                  `protobuf:"varint,2,opt,name=wait_cache_ns,json=waitCacheNs,proto3" json:"wait_cache_ns,omitempty"`
+	WaitRingNs     int64                  `protobuf:"varint,3,opt,name=wait_ring_ns,json=waitRingNs,proto3" json:"wait_ring_ns,omitempty"`
+	WaitWorkNs     int64                  `protobuf:"varint,4,opt,name=wait_work_ns,json=waitWorkNs,proto3" json:"wait_work_ns,omitempty"`
+	CacheHits      int64                  `protobuf:"varint,5,opt,name=cache_hits,json=cacheHits,proto3" json:"cache_hits,omitempty"`
+	CacheMisses    int64                  `protobuf:"varint,6,opt,name=cache_misses,json=cacheMisses,proto3" json:"cache_misses,omitempty"`
+	CorruptSkipped int64                  `protobuf:"varint,7,opt,name=corrupt_skipped,json=corruptSkipped,proto3" json:"corrupt_skipped,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *PrefetchStats) Reset() {
+	*x = PrefetchStats{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PrefetchStats) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PrefetchStats) ProtoMessage() {}
+
+func (x *PrefetchStats) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PrefetchStats.ProtoReflect.Descriptor instead.
+func (*PrefetchStats) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *PrefetchStats) GetWaitStorageNs() int64 {
+	if x != nil {
+		return x.WaitStorageNs
+	}
+	return 0
+}
+
+func (x *PrefetchStats) GetWaitCacheNs() int64 {
+	if x != nil {
+		return x.WaitCacheNs
+	}
+	return 0
+}
+
+func (x *PrefetchStats) GetWaitRingNs() int64 {
+	if x != nil {
+		return x.WaitRingNs
+	}
+	return 0
+}
+
+func (x *PrefetchStats) GetWaitWorkNs() int64 {
+	if x != nil {
+		return x.WaitWorkNs
+	}
+	return 0
+}
+
+func (x *PrefetchStats) GetCacheHits() int64 {
+	if x != nil {
+		return x.CacheHits
+	}
+	return 0
+}
+
+func (x *PrefetchStats) GetCacheMisses() int64 {
+	if x != nil {
+		return x.CacheMisses
+	}
+	return 0
+}
+
+func (x *PrefetchStats) GetCorruptSkipped() int64 {
+	if x != nil {
+		return x.CorruptSkipped
+	}
+	return 0
+}
+
+type NextBatchResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The slot holding the batch; release it with the next NextBatch.
+	Lease   *Lease    `protobuf:"bytes,1,opt,name=lease,proto3" json:"lease,omitempty"`
+	Samples []*Sample `protobuf:"bytes,2,rep,name=samples,proto3" json:"samples,omitempty"`
+	// Samples this rank has consumed this epoch with this batch: the start
+	// to resume from.
+	Position      int64          `protobuf:"varint,3,opt,name=position,proto3" json:"position,omitempty"`
+	End           bool           `protobuf:"varint,4,opt,name=end,proto3" json:"end,omitempty"`
+	Stats         *PrefetchStats `protobuf:"bytes,5,opt,name=stats,proto3" json:"stats,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NextBatchResponse) Reset() {
+	*x = NextBatchResponse{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NextBatchResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NextBatchResponse) ProtoMessage() {}
+
+func (x *NextBatchResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NextBatchResponse.ProtoReflect.Descriptor instead.
+func (*NextBatchResponse) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *NextBatchResponse) GetLease() *Lease {
+	if x != nil {
+		return x.Lease
+	}
+	return nil
+}
+
+func (x *NextBatchResponse) GetSamples() []*Sample {
+	if x != nil {
+		return x.Samples
+	}
+	return nil
+}
+
+func (x *NextBatchResponse) GetPosition() int64 {
+	if x != nil {
+		return x.Position
+	}
+	return 0
+}
+
+func (x *NextBatchResponse) GetEnd() bool {
+	if x != nil {
+		return x.End
+	}
+	return false
+}
+
+func (x *NextBatchResponse) GetStats() *PrefetchStats {
+	if x != nil {
+		return x.Stats
+	}
+	return nil
+}
+
+type CloseDatasetRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Session       string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CloseDatasetRequest) Reset() {
+	*x = CloseDatasetRequest{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CloseDatasetRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CloseDatasetRequest) ProtoMessage() {}
+
+func (x *CloseDatasetRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CloseDatasetRequest.ProtoReflect.Descriptor instead.
+func (*CloseDatasetRequest) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *CloseDatasetRequest) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+type CloseDatasetResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CloseDatasetResponse) Reset() {
+	*x = CloseDatasetResponse{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CloseDatasetResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CloseDatasetResponse) ProtoMessage() {}
+
+func (x *CloseDatasetResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CloseDatasetResponse.ProtoReflect.Descriptor instead.
+func (*CloseDatasetResponse) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{32}
+}
+
 var File_ckptd_v1_ckptd_proto protoreflect.FileDescriptor
 
 const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\n" +
 	"\x14ckptd/v1/ckptd.proto\x12\bckptd.v1\"\x11\n" +
-	"\x0fGetArenaRequest\"l\n" +
+	"\x0fGetArenaRequest\"|\n" +
 	"\tArenaInfo\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x16\n" +
 	"\x06locked\x18\x03 \x01(\bR\x06locked\x12\x1f\n" +
 	"\vdefault_job\x18\x04 \x01(\tR\n" +
-	"defaultJob\"x\n" +
+	"defaultJob\x12\x0e\n" +
+	"\x02id\x18\x05 \x01(\tR\x02id\"x\n" +
 	"\x06Tensor\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05dtype\x18\x02 \x01(\tR\x05dtype\x12\x14\n" +
@@ -1498,11 +2119,12 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"world_size\x18\x04 \x01(\x05R\tworldSize\"l\n" +
 	"\x10BeginSaveRequest\x12,\n" +
 	"\x06target\x18\x01 \x01(\v2\x14.ckptd.v1.SaveTargetR\x06target\x12*\n" +
-	"\atensors\x18\x02 \x03(\v2\x10.ckptd.v1.TensorR\atensors\"G\n" +
+	"\atensors\x18\x02 \x03(\v2\x10.ckptd.v1.TensorR\atensors\"b\n" +
 	"\x05Lease\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x04R\x06offset\x12\x16\n" +
-	"\x06length\x18\x03 \x01(\x04R\x06length\":\n" +
+	"\x06length\x18\x03 \x01(\x04R\x06length\x12\x19\n" +
+	"\barena_id\x18\x04 \x01(\tR\aarenaId\":\n" +
 	"\x11BeginSaveResponse\x12%\n" +
 	"\x05lease\x18\x01 \x01(\v2\x0f.ckptd.v1.LeaseR\x05lease\"J\n" +
 	"\x11CommitSaveRequest\x12\x19\n" +
@@ -1521,11 +2143,12 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x11SaveStreamRequest\x124\n" +
 	"\x06header\x18\x01 \x01(\v2\x1a.ckptd.v1.SaveStreamHeaderH\x00R\x06header\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x05\n" +
-	"\x03msg\"K\n" +
+	"\x03msg\"c\n" +
 	"\x0fWaitSaveRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x12\n" +
-	"\x04rank\x18\x03 \x01(\x05R\x04rank\"S\n" +
+	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x16\n" +
+	"\x06nowait\x18\x04 \x01(\bR\x06nowait\"S\n" +
 	"\x10WaitSaveResponse\x12)\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x13.ckptd.v1.SaveStateR\x05state\x12\x14\n" +
 	"\x05error\x18\x02 \x01(\tR\x05error\"$\n" +
@@ -1561,7 +2184,54 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x03msg\"1\n" +
 	"\x14ReleaseRegionRequest\x12\x19\n" +
 	"\blease_id\x18\x01 \x01(\tR\aleaseId\"\x17\n" +
-	"\x15ReleaseRegionResponse*\xa0\x01\n" +
+	"\x15ReleaseRegionResponse\"\xa0\x02\n" +
+	"\x12OpenDatasetRequest\x12\x16\n" +
+	"\x06source\x18\x01 \x01(\tR\x06source\x12\x16\n" +
+	"\x06format\x18\x02 \x01(\tR\x06format\x12\x1d\n" +
+	"\n" +
+	"batch_size\x18\x03 \x01(\x05R\tbatchSize\x12\x12\n" +
+	"\x04rank\x18\x04 \x01(\x05R\x04rank\x12\x1d\n" +
+	"\n" +
+	"world_size\x18\x05 \x01(\x05R\tworldSize\x12\x12\n" +
+	"\x04seed\x18\x06 \x01(\x04R\x04seed\x12\x14\n" +
+	"\x05epoch\x18\a \x01(\x03R\x05epoch\x12\x14\n" +
+	"\x05start\x18\b \x01(\x03R\x05start\x12%\n" +
+	"\x0eshuffle_window\x18\t \x01(\x05R\rshuffleWindow\x12!\n" +
+	"\fskip_corrupt\x18\n" +
+	" \x01(\bR\vskipCorrupt\"G\n" +
+	"\x13OpenDatasetResponse\x12\x18\n" +
+	"\asession\x18\x01 \x01(\tR\asession\x12\x16\n" +
+	"\x06shards\x18\x02 \x01(\x03R\x06shards\"F\n" +
+	"\x10NextBatchRequest\x12\x18\n" +
+	"\asession\x18\x01 \x01(\tR\asession\x12\x18\n" +
+	"\arelease\x18\x02 \x03(\tR\arelease\"Q\n" +
+	"\vSampleField\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
+	"\x06offset\x18\x02 \x01(\x04R\x06offset\x12\x16\n" +
+	"\x06length\x18\x03 \x01(\x04R\x06length\"I\n" +
+	"\x06Sample\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12-\n" +
+	"\x06fields\x18\x02 \x03(\v2\x15.ckptd.v1.SampleFieldR\x06fields\"\x8a\x02\n" +
+	"\rPrefetchStats\x12&\n" +
+	"\x0fwait_storage_ns\x18\x01 \x01(\x03R\rwaitStorageNs\x12\"\n" +
+	"\rwait_cache_ns\x18\x02 \x01(\x03R\vwaitCacheNs\x12 \n" +
+	"\fwait_ring_ns\x18\x03 \x01(\x03R\n" +
+	"waitRingNs\x12 \n" +
+	"\fwait_work_ns\x18\x04 \x01(\x03R\n" +
+	"waitWorkNs\x12\x1d\n" +
+	"\n" +
+	"cache_hits\x18\x05 \x01(\x03R\tcacheHits\x12!\n" +
+	"\fcache_misses\x18\x06 \x01(\x03R\vcacheMisses\x12'\n" +
+	"\x0fcorrupt_skipped\x18\a \x01(\x03R\x0ecorruptSkipped\"\xc3\x01\n" +
+	"\x11NextBatchResponse\x12%\n" +
+	"\x05lease\x18\x01 \x01(\v2\x0f.ckptd.v1.LeaseR\x05lease\x12*\n" +
+	"\asamples\x18\x02 \x03(\v2\x10.ckptd.v1.SampleR\asamples\x12\x1a\n" +
+	"\bposition\x18\x03 \x01(\x03R\bposition\x12\x10\n" +
+	"\x03end\x18\x04 \x01(\bR\x03end\x12-\n" +
+	"\x05stats\x18\x05 \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats\"/\n" +
+	"\x13CloseDatasetRequest\x12\x18\n" +
+	"\asession\x18\x01 \x01(\tR\asession\"\x16\n" +
+	"\x14CloseDatasetResponse*\xa0\x01\n" +
 	"\tSaveState\x12\x1a\n" +
 	"\x16SAVE_STATE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11SAVE_STATE_STAGED\x10\x01\x12\x17\n" +
@@ -1582,7 +2252,11 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\tListSteps\x12\x1a.ckptd.v1.ListStepsRequest\x1a\x1b.ckptd.v1.ListStepsResponse\x12M\n" +
 	"\fBeginRestore\x12\x1d.ckptd.v1.BeginRestoreRequest\x1a\x1e.ckptd.v1.BeginRestoreResponse\x12Q\n" +
 	"\rRestoreStream\x12\x1d.ckptd.v1.BeginRestoreRequest\x1a\x1f.ckptd.v1.RestoreStreamResponse0\x01\x12P\n" +
-	"\rReleaseRegion\x12\x1e.ckptd.v1.ReleaseRegionRequest\x1a\x1f.ckptd.v1.ReleaseRegionResponseB/Z-github.com/ckptd/ckptd/proto/ckptd/v1;ckptdv1b\x06proto3"
+	"\rReleaseRegion\x12\x1e.ckptd.v1.ReleaseRegionRequest\x1a\x1f.ckptd.v1.ReleaseRegionResponse2\xeb\x01\n" +
+	"\bPrefetch\x12J\n" +
+	"\vOpenDataset\x12\x1c.ckptd.v1.OpenDatasetRequest\x1a\x1d.ckptd.v1.OpenDatasetResponse\x12D\n" +
+	"\tNextBatch\x12\x1a.ckptd.v1.NextBatchRequest\x1a\x1b.ckptd.v1.NextBatchResponse\x12M\n" +
+	"\fCloseDataset\x12\x1d.ckptd.v1.CloseDatasetRequest\x1a\x1e.ckptd.v1.CloseDatasetResponseB/Z-github.com/ckptd/ckptd/proto/ckptd/v1;ckptdv1b\x06proto3"
 
 var (
 	file_ckptd_v1_ckptd_proto_rawDescOnce sync.Once
@@ -1597,7 +2271,7 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 }
 
 var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(SaveState)(0),                // 0: ckptd.v1.SaveState
 	(*GetArenaRequest)(nil),       // 1: ckptd.v1.GetArenaRequest
@@ -1624,6 +2298,15 @@ var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(*RestoreStreamResponse)(nil), // 22: ckptd.v1.RestoreStreamResponse
 	(*ReleaseRegionRequest)(nil),  // 23: ckptd.v1.ReleaseRegionRequest
 	(*ReleaseRegionResponse)(nil), // 24: ckptd.v1.ReleaseRegionResponse
+	(*OpenDatasetRequest)(nil),    // 25: ckptd.v1.OpenDatasetRequest
+	(*OpenDatasetResponse)(nil),   // 26: ckptd.v1.OpenDatasetResponse
+	(*NextBatchRequest)(nil),      // 27: ckptd.v1.NextBatchRequest
+	(*SampleField)(nil),           // 28: ckptd.v1.SampleField
+	(*Sample)(nil),                // 29: ckptd.v1.Sample
+	(*PrefetchStats)(nil),         // 30: ckptd.v1.PrefetchStats
+	(*NextBatchResponse)(nil),     // 31: ckptd.v1.NextBatchResponse
+	(*CloseDatasetRequest)(nil),   // 32: ckptd.v1.CloseDatasetRequest
+	(*CloseDatasetResponse)(nil),  // 33: ckptd.v1.CloseDatasetResponse
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	4,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
@@ -1639,31 +2322,41 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	6,  // 10: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
 	20, // 11: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
 	20, // 12: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
-	1,  // 13: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
-	5,  // 14: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
-	8,  // 15: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
-	10, // 16: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
-	13, // 17: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
-	14, // 18: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
-	16, // 19: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
-	19, // 20: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
-	19, // 21: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
-	23, // 22: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
-	2,  // 23: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	7,  // 24: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	9,  // 25: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	11, // 26: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	9,  // 27: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	15, // 28: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	18, // 29: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	21, // 30: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	22, // 31: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	24, // 32: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	23, // [23:33] is the sub-list for method output_type
-	13, // [13:23] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	28, // 13: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
+	6,  // 14: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
+	29, // 15: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
+	30, // 16: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
+	1,  // 17: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
+	5,  // 18: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
+	8,  // 19: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
+	10, // 20: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
+	13, // 21: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
+	14, // 22: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
+	16, // 23: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
+	19, // 24: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
+	19, // 25: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
+	23, // 26: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
+	25, // 27: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
+	27, // 28: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
+	32, // 29: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
+	2,  // 30: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	7,  // 31: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	9,  // 32: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	11, // 33: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	9,  // 34: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	15, // 35: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	18, // 36: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	21, // 37: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	22, // 38: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	24, // 39: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	26, // 40: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	31, // 41: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	33, // 42: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	30, // [30:43] is the sub-list for method output_type
+	17, // [17:30] is the sub-list for method input_type
+	17, // [17:17] is the sub-list for extension type_name
+	17, // [17:17] is the sub-list for extension extendee
+	0,  // [0:17] is the sub-list for field type_name
 }
 
 func init() { file_ckptd_v1_ckptd_proto_init() }
@@ -1685,9 +2378,9 @@ func file_ckptd_v1_ckptd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   24,
+			NumMessages:   33,
 			NumExtensions: 0,
-			NumServices:   1,
+			NumServices:   2,
 		},
 		GoTypes:           file_ckptd_v1_ckptd_proto_goTypes,
 		DependencyIndexes: file_ckptd_v1_ckptd_proto_depIdxs,

@@ -62,7 +62,7 @@ type CheckpointClient interface {
 	SaveStream(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[SaveStreamRequest, CommitSaveResponse], error)
 	// WaitSave returns once the rank's shard is durable and its step is
 	// committed (all world_size ranks), or the save failed; bounded by the
-	// call's deadline.
+	// call's deadline. With nowait it returns the current state at once.
 	WaitSave(ctx context.Context, in *WaitSaveRequest, opts ...grpc.CallOption) (*WaitSaveResponse, error)
 	// ListSteps lists committed steps, oldest first.
 	ListSteps(ctx context.Context, in *ListStepsRequest, opts ...grpc.CallOption) (*ListStepsResponse, error)
@@ -218,7 +218,7 @@ type CheckpointServer interface {
 	SaveStream(grpc.ClientStreamingServer[SaveStreamRequest, CommitSaveResponse]) error
 	// WaitSave returns once the rank's shard is durable and its step is
 	// committed (all world_size ranks), or the save failed; bounded by the
-	// call's deadline.
+	// call's deadline. With nowait it returns the current state at once.
 	WaitSave(context.Context, *WaitSaveRequest) (*WaitSaveResponse, error)
 	// ListSteps lists committed steps, oldest first.
 	ListSteps(context.Context, *ListStepsRequest) (*ListStepsResponse, error)
@@ -505,5 +505,205 @@ var Checkpoint_ServiceDesc = grpc.ServiceDesc{
 			ServerStreams: true,
 		},
 	},
+	Metadata: "ckptd/v1/ckptd.proto",
+}
+
+const (
+	Prefetch_OpenDataset_FullMethodName  = "/ckptd.v1.Prefetch/OpenDataset"
+	Prefetch_NextBatch_FullMethodName    = "/ckptd.v1.Prefetch/NextBatch"
+	Prefetch_CloseDataset_FullMethodName = "/ckptd.v1.Prefetch/CloseDataset"
+)
+
+// PrefetchClient is the client API for Prefetch service.
+//
+// For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
+//
+// Prefetch delivers dataset samples through ring slots in the staging
+// arena. A session is one rank's pass over one epoch; the daemon reads
+// shards ahead, caches them for every rank on the node, and fills slots
+// before the trainer asks.
+type PrefetchClient interface {
+	// OpenDataset starts a session. The order of samples is a pure function
+	// of (seed, epoch, world_size, rank); start skips samples this rank
+	// already consumed this epoch (resume).
+	OpenDataset(ctx context.Context, in *OpenDatasetRequest, opts ...grpc.CallOption) (*OpenDatasetResponse, error)
+	// NextBatch releases the slots named in release, then returns the next
+	// batch (waiting for it if needed), or end = true after the last one.
+	NextBatch(ctx context.Context, in *NextBatchRequest, opts ...grpc.CallOption) (*NextBatchResponse, error)
+	// CloseDataset ends a session and frees its ring.
+	CloseDataset(ctx context.Context, in *CloseDatasetRequest, opts ...grpc.CallOption) (*CloseDatasetResponse, error)
+}
+
+type prefetchClient struct {
+	cc grpc.ClientConnInterface
+}
+
+func NewPrefetchClient(cc grpc.ClientConnInterface) PrefetchClient {
+	return &prefetchClient{cc}
+}
+
+func (c *prefetchClient) OpenDataset(ctx context.Context, in *OpenDatasetRequest, opts ...grpc.CallOption) (*OpenDatasetResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(OpenDatasetResponse)
+	err := c.cc.Invoke(ctx, Prefetch_OpenDataset_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *prefetchClient) NextBatch(ctx context.Context, in *NextBatchRequest, opts ...grpc.CallOption) (*NextBatchResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(NextBatchResponse)
+	err := c.cc.Invoke(ctx, Prefetch_NextBatch_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *prefetchClient) CloseDataset(ctx context.Context, in *CloseDatasetRequest, opts ...grpc.CallOption) (*CloseDatasetResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CloseDatasetResponse)
+	err := c.cc.Invoke(ctx, Prefetch_CloseDataset_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// PrefetchServer is the server API for Prefetch service.
+// All implementations must embed UnimplementedPrefetchServer
+// for forward compatibility.
+//
+// Prefetch delivers dataset samples through ring slots in the staging
+// arena. A session is one rank's pass over one epoch; the daemon reads
+// shards ahead, caches them for every rank on the node, and fills slots
+// before the trainer asks.
+type PrefetchServer interface {
+	// OpenDataset starts a session. The order of samples is a pure function
+	// of (seed, epoch, world_size, rank); start skips samples this rank
+	// already consumed this epoch (resume).
+	OpenDataset(context.Context, *OpenDatasetRequest) (*OpenDatasetResponse, error)
+	// NextBatch releases the slots named in release, then returns the next
+	// batch (waiting for it if needed), or end = true after the last one.
+	NextBatch(context.Context, *NextBatchRequest) (*NextBatchResponse, error)
+	// CloseDataset ends a session and frees its ring.
+	CloseDataset(context.Context, *CloseDatasetRequest) (*CloseDatasetResponse, error)
+	mustEmbedUnimplementedPrefetchServer()
+}
+
+// UnimplementedPrefetchServer must be embedded to have
+// forward compatible implementations.
+//
+// NOTE: this should be embedded by value instead of pointer to avoid a nil
+// pointer dereference when methods are called.
+type UnimplementedPrefetchServer struct{}
+
+func (UnimplementedPrefetchServer) OpenDataset(context.Context, *OpenDatasetRequest) (*OpenDatasetResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method OpenDataset not implemented")
+}
+func (UnimplementedPrefetchServer) NextBatch(context.Context, *NextBatchRequest) (*NextBatchResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method NextBatch not implemented")
+}
+func (UnimplementedPrefetchServer) CloseDataset(context.Context, *CloseDatasetRequest) (*CloseDatasetResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method CloseDataset not implemented")
+}
+func (UnimplementedPrefetchServer) mustEmbedUnimplementedPrefetchServer() {}
+func (UnimplementedPrefetchServer) testEmbeddedByValue()                  {}
+
+// UnsafePrefetchServer may be embedded to opt out of forward compatibility for this service.
+// Use of this interface is not recommended, as added methods to PrefetchServer will
+// result in compilation errors.
+type UnsafePrefetchServer interface {
+	mustEmbedUnimplementedPrefetchServer()
+}
+
+func RegisterPrefetchServer(s grpc.ServiceRegistrar, srv PrefetchServer) {
+	// If the following call panics, it indicates UnimplementedPrefetchServer was
+	// embedded by pointer and is nil.  This will cause panics if an
+	// unimplemented method is ever invoked, so we test this at initialization
+	// time to prevent it from happening at runtime later due to I/O.
+	if t, ok := srv.(interface{ testEmbeddedByValue() }); ok {
+		t.testEmbeddedByValue()
+	}
+	s.RegisterService(&Prefetch_ServiceDesc, srv)
+}
+
+func _Prefetch_OpenDataset_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(OpenDatasetRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PrefetchServer).OpenDataset(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Prefetch_OpenDataset_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PrefetchServer).OpenDataset(ctx, req.(*OpenDatasetRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Prefetch_NextBatch_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(NextBatchRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PrefetchServer).NextBatch(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Prefetch_NextBatch_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PrefetchServer).NextBatch(ctx, req.(*NextBatchRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Prefetch_CloseDataset_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CloseDatasetRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PrefetchServer).CloseDataset(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Prefetch_CloseDataset_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PrefetchServer).CloseDataset(ctx, req.(*CloseDatasetRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+// Prefetch_ServiceDesc is the grpc.ServiceDesc for Prefetch service.
+// It's only intended for direct use with grpc.RegisterService,
+// and not to be introspected or modified (even as a copy)
+var Prefetch_ServiceDesc = grpc.ServiceDesc{
+	ServiceName: "ckptd.v1.Prefetch",
+	HandlerType: (*PrefetchServer)(nil),
+	Methods: []grpc.MethodDesc{
+		{
+			MethodName: "OpenDataset",
+			Handler:    _Prefetch_OpenDataset_Handler,
+		},
+		{
+			MethodName: "NextBatch",
+			Handler:    _Prefetch_NextBatch_Handler,
+		},
+		{
+			MethodName: "CloseDataset",
+			Handler:    _Prefetch_CloseDataset_Handler,
+		},
+	},
+	Streams:  []grpc.StreamDesc{},
 	Metadata: "ckptd/v1/ckptd.proto",
 }

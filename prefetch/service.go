@@ -1,0 +1,368 @@
+package prefetch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ckptd/ckptd/internal/arena"
+	"github.com/ckptd/ckptd/internal/metrics"
+	"github.com/ckptd/ckptd/storage"
+)
+
+// ErrUnknownSession: no dataset session (or delivery) of that id.
+var ErrUnknownSession = errors.New("unknown dataset session")
+
+// OpenFunc opens the backend a source URL names (storageurl.Open).
+type OpenFunc func(ctx context.Context, url string) (storage.Backend, error)
+
+// ServiceConfig configures the daemon's prefetch service.
+type ServiceConfig struct {
+	// CacheBytes is the shard cache budget shared by all sessions.
+	CacheBytes int64
+	// Slots and SlotBytes size each session's ring (defaults 4 × 16 MiB).
+	Slots     int
+	SlotBytes int64
+	// IdleTimeout closes sessions nobody asked for a batch for (default 10m),
+	// so a trainer that died does not pin its ring.
+	IdleTimeout time.Duration
+	Options     Options
+	Open        OpenFunc
+	Logger      *slog.Logger
+	Metrics     *metrics.Prefetch
+}
+
+// Service runs dataset sessions for the daemon: one per rank's epoch, each
+// an Iterator feeding a Ring. It knows nothing of gRPC.
+type Service struct {
+	cfg   ServiceConfig
+	arena *arena.Arena
+	cache *Cache
+
+	mu       sync.Mutex
+	backends map[string]storage.Backend
+	sessions map[string]*session
+	seq      atomic.Uint64
+	stop     chan struct{}
+	wg       sync.WaitGroup
+}
+
+// NewService starts the prefetch service on the daemon's arena.
+func NewService(a *arena.Arena, cfg ServiceConfig) (*Service, error) {
+	if cfg.Slots <= 0 {
+		cfg.Slots = 4
+	}
+	if cfg.SlotBytes <= 0 {
+		cfg.SlotBytes = 16 << 20
+	}
+	if cfg.IdleTimeout <= 0 {
+		cfg.IdleTimeout = 10 * time.Minute
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = metrics.NewPrefetch(nil)
+	}
+	c, err := NewCache(cfg.CacheBytes)
+	if err != nil {
+		return nil, err
+	}
+	s := &Service{
+		cfg: cfg, arena: a, cache: c, stop: make(chan struct{}),
+		backends: map[string]storage.Backend{}, sessions: map[string]*session{},
+	}
+	s.wg.Go(s.reapLoop)
+	return s, nil
+}
+
+// ArenaID identifies the arena the rings live in.
+func (s *Service) ArenaID() string { return s.arena.ID() }
+
+// Cache returns the shard cache (for metrics).
+func (s *Service) Cache() *Cache { return s.cache }
+
+// Close ends every session and releases their rings and the cache.
+func (s *Service) Close() {
+	close(s.stop)
+	s.wg.Wait()
+	s.mu.Lock()
+	sessions := s.sessions
+	s.sessions = map[string]*session{}
+	s.mu.Unlock()
+	for _, ss := range sessions {
+		ss.close()
+	}
+	for _, b := range s.backends {
+		b.Close()
+	}
+	s.cache.Close()
+}
+
+func (s *Service) backend(ctx context.Context, url string) (storage.Backend, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if b, ok := s.backends[url]; ok {
+		return b, nil
+	}
+	b, err := s.cfg.Open(ctx, url)
+	if err != nil {
+		return nil, fmt.Errorf("%w: dataset source %q: %v", ErrInvalid, url, err)
+	}
+	s.backends[url] = b
+	return b, nil
+}
+
+// OpenSession starts one rank's iteration over one epoch of source.
+func (s *Service) OpenSession(ctx context.Context, source string, spec Spec) (string, Stats, error) {
+	b, err := s.backend(ctx, source)
+	if err != nil {
+		return "", Stats{}, err
+	}
+	it, err := Open(ctx, b, "", s.cache, spec, s.cfg.Options)
+	if err != nil {
+		return "", Stats{}, err
+	}
+	ring, err := NewRing(ctx, s.arena, s.cfg.Slots, s.cfg.SlotBytes)
+	if err != nil {
+		it.Close()
+		return "", Stats{}, err
+	}
+	ss := newSession(fmt.Sprintf("ds%d", s.seq.Add(1)), it, ring, s.cfg.Slots, s.cfg.Metrics)
+	s.mu.Lock()
+	s.sessions[ss.id] = ss
+	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
+	s.mu.Unlock()
+	return ss.id, it.Stats(), nil
+}
+
+func (s *Service) session(id string) (*session, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ss := s.sessions[id]
+	if ss == nil {
+		return nil, fmt.Errorf("%w: %q (closed, idle too long, or never opened)", ErrUnknownSession, id)
+	}
+	ss.touch()
+	return ss, nil
+}
+
+// Next releases the deliveries named in release, then returns the
+// session's next batch, or io.EOF after the last one. Stats are the
+// session's totals so far.
+func (s *Service) Next(ctx context.Context, id string, release []string) (*Delivery, string, Stats, error) {
+	ss, err := s.session(id)
+	if err != nil {
+		return nil, "", Stats{}, err
+	}
+	for _, lease := range release {
+		if err := ss.release(lease); err != nil {
+			return nil, "", Stats{}, err
+		}
+	}
+	return ss.next(ctx)
+}
+
+// CloseSession ends a session and frees its ring.
+func (s *Service) CloseSession(id string) error {
+	s.mu.Lock()
+	ss := s.sessions[id]
+	delete(s.sessions, id)
+	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
+	s.mu.Unlock()
+	if ss == nil {
+		return fmt.Errorf("%w: %q", ErrUnknownSession, id)
+	}
+	ss.close()
+	return nil
+}
+
+func (s *Service) reapLoop() {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case now := <-t.C:
+			for _, id := range s.idle(now) {
+				s.cfg.Logger.Warn("closing idle dataset session", "session", id, "idle", s.cfg.IdleTimeout)
+				_ = s.CloseSession(id)
+			}
+		}
+	}
+}
+
+func (s *Service) idle(now time.Time) []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var ids []string
+	for id, ss := range s.sessions {
+		if now.Sub(ss.lastUsed()) > s.cfg.IdleTimeout {
+			ids = append(ids, id)
+		}
+	}
+	return ids
+}
+
+// session is one rank's epoch: a filler goroutine moves batches from the
+// iterator into ring slots, ahead of the consumer by up to the ring's size.
+type session struct {
+	id     string
+	it     *Iterator
+	ring   *Ring
+	filled chan *Delivery
+	state  atomic.Int32 // fillerIterating, or a Cause the filler waits on
+	err    error        // the filler's, valid once filled is closed
+	cancel context.CancelFunc
+	done   chan struct{}
+	used   atomic.Int64 // unix nanos of the last call
+	m      *metrics.Prefetch
+	last   Stats // as last reported to metrics
+
+	mu    sync.Mutex
+	held  map[string]*Delivery
+	seq   int
+	stall [4]time.Duration // by Cause
+}
+
+const fillerIterating = -1
+
+func newSession(id string, it *Iterator, ring *Ring, slots int, m *metrics.Prefetch) *session {
+	ctx, cancel := context.WithCancel(context.Background())
+	ss := &session{
+		id: id, it: it, ring: ring, filled: make(chan *Delivery, slots),
+		cancel: cancel, done: make(chan struct{}), held: map[string]*Delivery{}, m: m,
+	}
+	ss.touch()
+	go func() {
+		defer close(ss.done)
+		ss.err = ss.fill(ctx)
+		close(ss.filled)
+	}()
+	return ss
+}
+
+func (ss *session) touch()              { ss.used.Store(time.Now().UnixNano()) }
+func (ss *session) lastUsed() time.Time { return time.Unix(0, ss.used.Load()) }
+
+// fill runs the iterator into the ring until the epoch ends.
+func (ss *session) fill(ctx context.Context) error {
+	for {
+		ss.state.Store(fillerIterating)
+		b, err := ss.it.Next(ctx)
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		d, err := ss.ring.Fill(ctx, b, func() { ss.state.Store(int32(CauseRing)) })
+		if err != nil {
+			return err
+		}
+		ss.state.Store(int32(CauseWork))
+		select {
+		case ss.filled <- d:
+		case <-ctx.Done():
+			ss.ring.Release(d)
+			return ctx.Err()
+		}
+	}
+}
+
+// cause is what a consumer that starts waiting now is waiting on.
+func (ss *session) cause() Cause {
+	st := ss.state.Load()
+	if st == fillerIterating {
+		return ss.it.Waiting()
+	}
+	if Cause(st) == CauseRing && len(ss.ring.free) > 0 {
+		return CauseWork // a slot just came free; the filler is about to copy
+	}
+	return Cause(st)
+}
+
+func (ss *session) next(ctx context.Context) (*Delivery, string, Stats, error) {
+	start, cause := time.Now(), ss.cause()
+	var d *Delivery
+	var ok bool
+	select {
+	case d, ok = <-ss.filled:
+	case <-ctx.Done():
+		return nil, "", ss.stats(), ctx.Err()
+	}
+	waited := time.Since(start)
+	ss.mu.Lock()
+	ss.stall[cause] += waited
+	ss.mu.Unlock()
+	ss.m.Wait.WithLabelValues(cause.String()).Add(waited.Seconds())
+	if !ok {
+		if ss.err != nil {
+			return nil, "", ss.stats(), ss.err
+		}
+		return nil, "", ss.stats(), io.EOF
+	}
+	ss.mu.Lock()
+	ss.seq++
+	lease := fmt.Sprintf("%s-%d", ss.id, ss.seq)
+	ss.held[lease] = d
+	ss.mu.Unlock()
+	st := ss.stats()
+	ss.report(st, len(d.Samples))
+	return d, lease, st, nil
+}
+
+func (ss *session) release(lease string) error {
+	ss.mu.Lock()
+	d := ss.held[lease]
+	delete(ss.held, lease)
+	ss.mu.Unlock()
+	if d == nil {
+		return fmt.Errorf("%w: no delivery %q held in session %s", ErrUnknownSession, lease, ss.id)
+	}
+	ss.ring.Release(d)
+	return nil
+}
+
+// stats merges the iterator's cache counts with the consumer's stalls.
+func (ss *session) stats() Stats {
+	st := ss.it.Stats()
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	st.WaitWork, st.WaitStorage, st.WaitCache, st.WaitRing = ss.stall[CauseWork], ss.stall[CauseStorage], ss.stall[CauseCache], ss.stall[CauseRing]
+	return st
+}
+
+// report adds what happened since the last report to the metrics.
+func (ss *session) report(st Stats, samples int) {
+	ss.mu.Lock()
+	defer ss.mu.Unlock()
+	ss.m.Samples.Add(float64(samples))
+	ss.m.CacheHits.Add(float64(st.CacheHits - ss.last.CacheHits))
+	ss.m.CacheMisses.Add(float64(st.CacheMisses - ss.last.CacheMisses))
+	ss.m.Corrupt.Add(float64(st.CorruptSkipped - ss.last.CorruptSkipped))
+	ss.last = st
+}
+
+// close stops the filler and frees every region, held or queued.
+func (ss *session) close() {
+	ss.cancel()
+	ss.it.Close()
+	<-ss.done
+	for d := range ss.filled {
+		ss.ring.Release(d)
+	}
+	ss.mu.Lock()
+	for k, d := range ss.held {
+		ss.ring.Release(d)
+		delete(ss.held, k)
+	}
+	ss.mu.Unlock()
+	ss.ring.Close()
+}

@@ -1,0 +1,153 @@
+package test
+
+import (
+	"archive/tar"
+	"bytes"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/ckptd/ckptd/clients/go/ckptd"
+)
+
+// writeShards writes n WebDataset shards of per samples ("cls" and "txt")
+// into dir and returns every sample's txt content by key.
+func writeShards(t *testing.T, dir string, n, per int) map[string]string {
+	t.Helper()
+	want := map[string]string{}
+	for s := range n {
+		var buf bytes.Buffer
+		tw := tar.NewWriter(&buf)
+		for i := range per {
+			key := fmt.Sprintf("s%02d/%04d", s, i)
+			txt := strings.Repeat(key+" ", 50+i)
+			want[key] = txt
+			for _, f := range [][2]string{{"cls", fmt.Sprint(i % 7)}, {"txt", txt}} {
+				_ = tw.WriteHeader(&tar.Header{Name: key + "." + f[0], Mode: 0o644, Size: int64(len(f[1]))})
+				_, _ = tw.Write([]byte(f[1]))
+			}
+		}
+		_ = tw.Close()
+		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("train-%03d.tar", s)), buf.Bytes(), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return want
+}
+
+// epoch reads one rank's epoch through the daemon and checks every sample.
+func epoch(t *testing.T, c *ckptd.Client, req ckptd.DatasetRequest, want map[string]string) ([]string, ckptd.PrefetchStats) {
+	t.Helper()
+	ds, err := c.Dataset(ctxT(t), &req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ds.Close(ctxT(t))
+	var keys []string
+	for {
+		batch, err := ds.Next(ctxT(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if batch == nil {
+			return keys, ds.Stats()
+		}
+		for _, s := range batch {
+			if string(s.Fields["txt"]) != want[s.Key] || len(s.Fields["cls"]) != 1 {
+				t.Fatalf("sample %s: wrong bytes", s.Key)
+			}
+			keys = append(keys, s.Key)
+		}
+		if ds.Position() != req.Start+int64(len(keys)) {
+			t.Fatalf("position %d after %d samples", ds.Position(), len(keys))
+		}
+	}
+}
+
+func TestPrefetchThroughDaemon(t *testing.T) {
+	data := t.TempDir()
+	want := writeShards(t, data, 6, 25)
+	d := startDaemon(t, "", "--slot-bytes", "64KiB", "--ring-slots", "3")
+	c := d.client()
+	const world = 2
+	var all []string
+	var first []string
+	for rank := range world {
+		ks, st := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 8, Rank: rank, WorldSize: world, Seed: 5}, want)
+		all = append(all, ks...)
+		if rank == 0 {
+			first = ks
+		}
+		if st.CacheMisses != 3 {
+			t.Errorf("rank %d epoch 0: %+v", rank, st)
+		}
+	}
+	slices.Sort(all)
+	if len(all) != 150 || len(slices.Compact(all)) != 150 {
+		t.Fatalf("%d samples, want each of 150 once", len(all))
+	}
+	// Resume mid-epoch: the tail of the same sequence.
+	tail, _ := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 8, Rank: 0, WorldSize: world, Seed: 5, Start: 11}, want)
+	if !slices.Equal(tail, first[11:]) {
+		t.Fatal("resume at 11 is not the tail of the epoch")
+	}
+	// Epoch 1 comes from the cache and in another order.
+	ks, st := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 8, Rank: 0, WorldSize: world, Seed: 5, Epoch: 1}, want)
+	if st.CacheMisses != 0 || st.CacheHits != 3 || slices.Equal(ks, first) {
+		t.Fatalf("epoch 1: %+v (same order: %v)", st, slices.Equal(ks, first))
+	}
+	// A batch larger than a slot is still delivered.
+	big, _ := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 150, WorldSize: 1}, want)
+	if len(big) != 150 {
+		t.Fatalf("oversized batch: %d samples", len(big))
+	}
+}
+
+func TestPrefetchBadInput(t *testing.T) {
+	data := t.TempDir()
+	writeShards(t, data, 2, 3)
+	if err := os.WriteFile(filepath.Join(data, "train-999.tar"), []byte("truncated garbage"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	d := startDaemon(t, "")
+	c := d.client()
+	for _, tc := range []struct {
+		req  ckptd.DatasetRequest
+		code codes.Code
+		msg  string
+	}{
+		{ckptd.DatasetRequest{Source: data, BatchSize: 0, WorldSize: 1}, codes.InvalidArgument, "batch_size"},
+		{ckptd.DatasetRequest{Source: data, BatchSize: 1, Rank: 2, WorldSize: 2}, codes.InvalidArgument, "rank 2"},
+		{ckptd.DatasetRequest{Source: t.TempDir(), BatchSize: 1, WorldSize: 1}, codes.InvalidArgument, "no .tar shards"},
+		{ckptd.DatasetRequest{Source: "ftp://x/y", BatchSize: 1, WorldSize: 1}, codes.InvalidArgument, "unsupported scheme"},
+	} {
+		_, err := c.Dataset(ctxT(t), &tc.req)
+		if status.Code(unwrapStatus(err)) != tc.code || !strings.Contains(fmt.Sprint(err), tc.msg) {
+			t.Errorf("%+v: %v, want %s %q", tc.req, err, tc.code, tc.msg)
+		}
+	}
+	// The corrupt shard fails the epoch with its name, or is skipped.
+	ds, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1, ShuffleWindow: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for err == nil {
+		var b []ckptd.Sample
+		if b, err = ds.Next(ctxT(t)); b == nil && err == nil {
+			t.Fatal("epoch ended without reporting the corrupt shard")
+		}
+	}
+	if status.Code(unwrapStatus(err)) != codes.DataLoss || !strings.Contains(err.Error(), "train-999.tar") {
+		t.Fatalf("corrupt shard: %v", err)
+	}
+	ks, st := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1, SkipCorrupt: true}, writeShards(t, data, 2, 3))
+	if len(ks) != 6 || st.CorruptSkipped != 1 {
+		t.Fatalf("skip corrupt: %d samples, %+v", len(ks), st)
+	}
+}
