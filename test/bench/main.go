@@ -53,7 +53,7 @@ func main() {
 	flag.Int64Var(&cfg.size, "size", 1<<30, "shard bytes")
 	flag.IntVar(&cfg.runs, "runs", 3, "repetitions; the median is reported")
 	flag.StringVar(&cfg.dir, "dir", ".bench", "folder on the disk to benchmark (storage and raw writes)")
-	flag.StringVar(&codecName, "codec", "zstd", "chunk codec")
+	flag.StringVar(&codecName, "codec", "auto", "chunk codec (auto, as ckptd serve defaults to, or zstd, lz4, none, float-bf16)")
 	flag.Int64Var(&cfg.chunkSize, "chunk-size", 4<<20, "chunk bytes")
 	flag.IntVar(&cfg.workers, "workers", runtime.GOMAXPROCS(0), "compression workers")
 	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile here")
@@ -183,7 +183,6 @@ func startDaemon(cfg config, work string) (*daemon, error) {
 	mgr, err := checkpoint.NewManager(a, b, checkpoint.ManagerConfig{
 		DefaultJob: "bench",
 		Writer:     checkpoint.WriterOptions{ChunkSize: cfg.chunkSize, Codec: cfg.codec, Workers: cfg.workers},
-		Read:       checkpoint.ReadOptions{Concurrency: 2 * cfg.workers},
 	})
 	if err != nil {
 		return nil, err
