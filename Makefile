@@ -3,7 +3,7 @@
 GO       ?= go
 FUZZTIME ?= 5s
 
-.PHONY: all build run test lint test-go fuzz bench proto tools clean
+.PHONY: all build run test lint test-go test-python fuzz bench bench-python bench-codec proto tools clean
 
 all: build
 
@@ -17,10 +17,11 @@ run: build
 
 # Everything CI checks: formatting, vet, generated code, the race-enabled
 # test suite (unit, conformance, end-to-end) and a short fuzz of every parser.
-test: tools lint test-go fuzz
+test: tools lint test-go test-python fuzz
 
 tools:
 	scripts/tools.sh
+	scripts/minio.sh >/dev/null
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
@@ -30,11 +31,36 @@ lint:
 test-go:
 	CKPTD_PROTO_CHECK=1 $(GO) test -race -count=1 ./...
 
+# The Python client: ruff, then pytest against a real `ckptd serve` built
+# from this tree (torch tests included; under CI a skipped test fails).
+test-python:
+	scripts/tools.sh
+	.venv/bin/ruff check clients/python examples
+	.venv/bin/ruff format --check clients/python examples
+	.venv/bin/python -m pytest -q clients/python/tests
+
 fuzz:
 	FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
 
 bench:
 	$(GO) run ./test/bench $(BENCHFLAGS)
+	$(MAKE) bench-python
+	$(MAKE) bench-codec
+
+# save() stall from Python vs a numpy copy into shared memory, and torch.save;
+# then Client.dataset's samples/s and stall vs torch DataLoader + webdataset and
+# the disk's raw read bandwidth (about a minute).
+bench-python:
+	scripts/tools.sh
+	.venv/bin/python clients/python/bench/bench_save.py $(PYBENCHFLAGS)
+	.venv/bin/python clients/python/bench/bench_dataset.py $(PYDSBENCHFLAGS)
+
+# The chunk codecs (float-aware, zstd, lz4) and zipnn on the weights and Adam
+# states of a small transformer trained on the spot (torch, CPU, ~1 minute):
+# ratio and GB/s per core against issue 5's targets.
+bench-codec:
+	scripts/tools.sh
+	.venv/bin/python test/bench/floatcodec/bench.py $(CODECBENCHFLAGS)
 
 proto:
 	scripts/gen-proto.sh

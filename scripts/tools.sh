@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the pinned developer tools into .tools/ (Go binaries) and .venv/
-# (Python: protoc via grpcio-tools, test dependencies). Idempotent and quick
-# when everything is already there. Sourced by the Makefile's targets.
+# (Python: protoc via grpcio-tools; the Python client, editable, with its
+# pinned test dependencies). Idempotent and quick when everything is already
+# there. Sourced by the Makefile's targets.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,3 +34,17 @@ if [[ "$(cat "$VENV/.tools.version" 2>/dev/null)" != "$want" ]]; then
 	"$VENV/bin/python" -m pip install -q --disable-pip-version-check "$want"
 	echo "$want" >"$VENV/.tools.version"
 fi
+
+# The Python client (clients/python): its pinned runtime and test
+# dependencies, then the package itself, editable. Redone only when the pins
+# or its pyproject change; the first run takes about a minute (torch).
+py_want="$(cat clients/python/requirements-dev.txt clients/python/pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [[ "$(cat "$VENV/.python-client.version" 2>/dev/null)" != "$py_want" ]]; then
+	echo "installing the Python client and its test dependencies into $VENV" >&2
+	"$VENV/bin/python" -m pip install -q --disable-pip-version-check -r clients/python/requirements-dev.txt
+	"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e clients/python
+	echo "$py_want" >"$VENV/.python-client.version"
+fi
+
+# zipnn, the baseline of the float codec benchmark (make bench-codec; issue 5).
+[[ "$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("zipnn"))' 2>/dev/null)" == 0.5.4 ]] || "$VENV/bin/python" -m pip install -q --disable-pip-version-check zipnn==0.5.4

@@ -1,0 +1,246 @@
+"""Benchmark: the stall a trainer sees in ckptd.Client.save(), from Python.
+
+Builds ckptd from the repository, starts `ckptd serve` on a temporary socket
+with its storage on --dir, and times, on the same 1 GiB state (bf16-like
+weights) in the same process:
+
+    numpy copy       np.copyto of the same bytes into a warm MAP_SHARED
+                     mapping of a /dev/shm file: the floor for any
+                     shared-memory hand-off
+    save() stall     Client.save (begin, copy into the arena, commit) until
+                     it returns, with the arena mapped and warm (the first
+                     save, which maps it, is shown apart)
+    torch.save       of the same state to a file on the same disk as ckptd's
+                     storage, returning (page cache) and with fsync (durable,
+                     which is what ckptd gives once the save is committed)
+
+and prints a table of ratios. Absolute numbers on a shared machine are
+noise; the ratios are the point (target: save() stall <= 1.3x the numpy
+copy). `make bench` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import mmap
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import ckptd
+
+REPO = Path(__file__).resolve().parents[3]
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def parse_args() -> argparse.Namespace:
+    """Parse the command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-mib", type=int, default=1024, help="state size in MiB")
+    p.add_argument("--tensors", type=int, default=64, help="tensors the state is cut into")
+    p.add_argument("--runs", type=int, default=5, help="repetitions; the median is reported")
+    p.add_argument(
+        "--dir", default=str(REPO / ".bench" / "python"), help="folder on the disk to benchmark"
+    )
+    p.add_argument("--ckptd", default=None, help="a ckptd binary (default: go build one)")
+    return p.parse_args()
+
+
+def make_state(size: int, n: int) -> dict[str, torch.Tensor]:
+    """bf16 weights of a plausible scale, as a model's state dict would hold."""
+    g = torch.Generator().manual_seed(0)
+    per = size // n // 2
+    return {
+        f"layers.{i}.weight": (torch.randn(per, generator=g) * 0.02).to(torch.bfloat16)
+        for i in range(n)
+    }
+
+
+def timed(fn: Callable[[], object], runs: int) -> list[float]:
+    """Wall time of each of runs calls of fn."""
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+@contextlib.contextmanager
+def warm_mapping(nbytes: int) -> Iterator[np.ndarray]:
+    """A MAP_SHARED mapping of a /dev/shm file, as the client maps the arena.
+
+    The caller warms it with a first copy, as the daemon pre-faults the arena.
+    """
+    fd, path = tempfile.mkstemp(prefix="ckptd-pybench-base-", dir="/dev/shm")
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        holder = [np.frombuffer(mm, np.uint8)]
+        try:
+            yield holder[0]
+        finally:
+            holder.clear()
+            with contextlib.suppress(BufferError):  # a caller's view still alive
+                mm.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def numpy_copy(arrays: list[np.ndarray], mem: np.ndarray) -> None:
+    """Copy the arrays back to back into mem, as save() lays them out."""
+    off = 0
+    for a in arrays:
+        n = a.nbytes
+        np.copyto(mem[off : off + n].view(a.dtype), a.reshape(-1))
+        off += n
+
+
+@contextlib.contextmanager
+def daemon(binary: str, storage: Path, staging: int) -> Iterator[str]:
+    """A `ckptd serve` with a temporary socket and arena; yields the socket."""
+    tmp = Path(tempfile.mkdtemp(prefix="ckptd-bench-"))
+    sock = str(tmp / "ckptd.sock")
+    arena = f"/dev/shm/ckptd-pybench-{os.getpid()}"
+    log = open(tmp / "ckptd.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [binary, "serve", "--socket", sock, "--storage", str(storage), "--arena-dir", arena,
+         "--staging-bytes", str(staging), "--job", "bench"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with ckptd.Client(sock, timeout=2) as c:
+                    c.steps()
+                break
+            except ckptd.DaemonUnavailableError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    sys.exit(f"ckptd serve did not start:\n{(tmp / 'ckptd.log').read_text()}")
+                time.sleep(0.05)
+        yield sock
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+        log.close()
+        shutil.rmtree(arena, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build(binary: str | None, tmp: Path) -> str:
+    """The ckptd binary: the one given, or built from the repository."""
+    if binary:
+        return binary
+    out = tmp / "ckptd"
+    subprocess.run(["go", "build", "-o", str(out), "./cmd/ckptd"], cwd=REPO, check=True)
+    return str(out)
+
+
+def torch_save(state: dict[str, torch.Tensor], path: Path, fsync: bool) -> None:
+    """torch.save to path, optionally made durable as ckptd's commit is."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def main() -> int:
+    """Run the benchmark and print the table."""
+    args = parse_args()
+    size = args.size_mib * MiB
+    work = Path(args.dir)
+    work.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="ckptd-bench-bin-"))
+    storage = work / "store"
+    shutil.rmtree(storage, ignore_errors=True)
+    try:
+        return run(args, size, work, storage, build(args.ckptd, tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(storage, ignore_errors=True)
+        (work / "torch.pt").unlink(missing_ok=True)
+
+
+def run(args: argparse.Namespace, size: int, work: Path, storage: Path, binary: str) -> int:
+    """Measure everything; return the exit code."""
+    print(f"making a {size / GiB:.2f} GiB state of {args.tensors} bf16 tensors...", file=sys.stderr)
+    state = make_state(size, args.tensors)
+    arrays = [t.view(torch.int16).numpy() for t in state.values()]  # the same bytes, for numpy
+    np_state = dict(zip(state, arrays, strict=True))
+    nbytes = sum(a.nbytes for a in arrays)
+
+    step = iter(range(1, 1_000_000))
+    drains: list[float] = []
+
+    def save(c: ckptd.Client, st: dict) -> float:
+        t0 = time.perf_counter()
+        h = c.save(next(step), st)
+        stall = time.perf_counter() - t0
+        h.wait()  # untimed: the drain runs in the daemon, not in the trainer
+        drains.append(time.perf_counter() - t0 - stall)
+        return stall
+
+    # The machine is shared: each save is paired with a baseline copy taken
+    # just before it, and the ratio is the median of the pairs' ratios.
+    t_np: list[float] = []
+    pairs: dict[str, list[tuple[float, float]]] = {"torch": [], "numpy": []}
+    with (
+        warm_mapping(nbytes) as mem,
+        daemon(binary, storage, nbytes + 256 * MiB) as sock,
+        ckptd.Client(sock) as c,
+    ):
+        numpy_copy(arrays, mem)  # warm: fault every page in once
+        t_first = save(c, state)
+        for _ in range(args.runs):
+            for kind, st in (("torch", state), ("numpy", np_state)):
+                (base,) = timed(lambda: numpy_copy(arrays, mem), 1)
+                t_np.append(base)
+                pairs[kind].append((save(c, st), base))
+    t_ts = statistics.median(timed(lambda: torch_save(state, work / "torch.pt", False), args.runs))
+    t_tsf = statistics.median(timed(lambda: torch_save(state, work / "torch.pt", True), args.runs))
+
+    def stall(kind: str) -> tuple[float, float]:
+        return (
+            statistics.median(s for s, _ in pairs[kind]),
+            statistics.median(s / b for s, b in pairs[kind]),
+        )
+
+    (t_torch, r_torch), (t_numpy, r_numpy) = stall("torch"), stall("numpy")
+    base = statistics.median(t_np)
+    target = "  (target <= 1.30x)"
+    rows = [
+        ("numpy copy into warm shm mapping", base, "1.00x (baseline)"),
+        ("save() stall, torch tensors", t_torch, f"{r_torch:.2f}x numpy copy{target}"),
+        ("save() stall, numpy arrays", t_numpy, f"{r_numpy:.2f}x numpy copy{target}"),
+        ("first save() stall (maps the arena)", t_first, f"{t_first / base:.2f}x numpy copy"),
+        ("torch.save, same state, same disk", t_ts, f"{t_ts / t_torch:.1f}x the save() stall"),
+        ("torch.save + fsync", t_tsf, f"{t_tsf / t_torch:.1f}x the save() stall"),
+        ("save() returned -> committed (drain)", statistics.median(drains), "in the background"),
+    ]
+    print(
+        f"\nckptd Python client, {nbytes / GiB:.2f} GiB state ({args.tensors} bf16 tensors), "
+        f"median of {args.runs}, storage on {work}\n"
+    )
+    print(f"{'what':<40} {'seconds':>9} {'GB/s':>7}  ratio")
+    for what, t, ratio in rows:
+        print(f"{what:<40} {t:>9.3f} {nbytes / t / 1e9:>7.2f}  {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

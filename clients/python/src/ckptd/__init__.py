@@ -1,0 +1,61 @@
+"""Python client of the ckptd sidecar.
+
+Save checkpoint shards of numpy and torch state through the daemon's
+shared-memory arena -- the trainer's stall is one memory copy -- and load
+them back::
+
+    import ckptd
+
+    with ckptd.Client() as c:                 # socket: $CKPTD_SOCKET or the daemon's default
+        h = c.save(9000, state, metadata=b"loader position")
+        ...                                   # keep training; ckptd drains in the background
+        h.wait()                              # durable and committed
+        state = c.load(latest=True)           # state.step, state.metadata
+
+Read a dataset through the daemon's prefetching cache, batch by batch::
+
+    for batch in c.dataset("s3://bucket/train/", batch_size=32, rank=r, world_size=w):
+        ...                                   # [{"__key__": ..., "jpg": b"...", "cls": b"3"}, ...]
+
+``ckptd.torch`` saves and restores a model, its optimizer and extra values
+(RNG states, data-loader position) bit-exactly, and adapts datasets to a
+torch DataLoader (``ckptd.torch.CkptdIterableDataset``).
+"""
+
+from ._client import Client, LoadedState, SaveHandle, SaveStatus, StepInfo, default_socket
+from ._dataset import Dataset, DatasetStats
+from ._errors import (
+    AlreadyExistsError,
+    CkptdError,
+    ClientClosedError,
+    CorruptShardError,
+    DaemonUnavailableError,
+    DataLossError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    SaveFailedError,
+    TimeoutError,
+)
+
+__all__ = [
+    "AlreadyExistsError",
+    "CkptdError",
+    "Client",
+    "ClientClosedError",
+    "CorruptShardError",
+    "DaemonUnavailableError",
+    "DataLossError",
+    "Dataset",
+    "DatasetStats",
+    "InvalidArgumentError",
+    "LoadedState",
+    "NotFoundError",
+    "ResourceExhaustedError",
+    "SaveFailedError",
+    "SaveHandle",
+    "SaveStatus",
+    "StepInfo",
+    "TimeoutError",
+    "default_socket",
+]

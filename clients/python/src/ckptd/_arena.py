@@ -1,0 +1,161 @@
+"""The client's mapping of the daemon's shared-memory staging arena.
+
+The arena is mapped once per client and kept: mapping per save would pay a
+page fault per 4 KiB on every save, which is most of the cost of a copy into
+cold memory. With CUDA, the mapping is registered once as pinned memory, so
+device-to-host copies into it are DMA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import sys
+import threading
+import warnings
+
+import numpy as np
+
+from ._errors import CkptdError
+
+# cudaHostRegisterPortable: the memory counts as pinned in every CUDA
+# context of the process, not only the current device's.
+_CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+class Arena:
+    """A read-write MAP_SHARED view of the arena file.
+
+    ``mem`` is the whole arena as a uint8 array; lease offsets index it.
+    """
+
+    def __init__(self, path: str, size: int) -> None:
+        if size <= 0:
+            raise CkptdError(f"daemon reported an arena of {size} bytes at {path}")
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if st.st_size != size:
+                raise CkptdError(
+                    f"arena {path} is {st.st_size} bytes but the daemon says {size} "
+                    "(was the daemon restarted with another --staging-bytes?)"
+                )
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.size = size
+        self._ident = (st.st_dev, st.st_ino)
+        self.mem: np.ndarray = np.frombuffer(self._mm, dtype=np.uint8)
+        self._pin_lock = threading.Lock()
+        self._pinned: bool | None = None
+
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The mapping itself: slicing it copies straight into a bytes object."""
+        return self._mm
+
+    def is_current(self) -> bool:
+        """Whether the file at path is still the one mapped.
+
+        A daemon that restarts after a clean shutdown creates a new arena
+        file; writing into the old mapping would lose the save silently.
+        """
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._ident
+
+    def region(self, offset: int, length: int) -> np.ndarray:
+        """The bytes of a lease, bounds-checked against the mapping."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise CkptdError(
+                f"daemon leased [{offset}, {offset + length}) of a {self.size}-byte arena; "
+                "client and daemon disagree about the arena"
+            )
+        return self.mem[offset : offset + length]
+
+    def pin(self) -> bool:
+        """Register the mapping with CUDA once; return whether it is pinned.
+
+        Called only when a CUDA tensor is saved or loaded, so a process that
+        never touches CUDA never creates a CUDA context, and the context is
+        made on the device the trainer selected. Failure is not fatal: the
+        copies then go through pageable memory, synchronously.
+        """
+        with self._pin_lock:
+            if self._pinned is None:
+                self._pinned = _cuda_host_register(int(self.mem.ctypes.data), self.size)
+            return self._pinned
+
+    def close(self) -> None:
+        """Unregister from CUDA and unmap. Safe to call twice."""
+        with self._pin_lock:
+            if self._pinned:
+                _cuda_host_unregister(int(self.mem.ctypes.data))
+            self._pinned = False
+        if getattr(self, "mem", None) is None:
+            return
+        self.mem = None  # type: ignore[assignment]
+        # BufferError: a view of the arena is still referenced somewhere;
+        # the mapping then goes away with the last view.
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+
+
+def _cuda_host_register(ptr: int, size: int) -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return False
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, _CUDA_HOST_REGISTER_PORTABLE)
+    except Exception as e:
+        warnings.warn(
+            f"ckptd: cannot register the arena with CUDA ({e}); "
+            "device copies will not be asynchronous",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return False
+    if int(err) != 0:
+        _clear_cuda_error()
+        warnings.warn(
+            f"ckptd: cudaHostRegister of the {size}-byte arena failed (cudaError {int(err)}); "
+            "device copies will be staged through pageable memory",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return False
+    return True
+
+
+def _cuda_host_unregister(ptr: int) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    try:
+        torch.cuda.synchronize()
+        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+            _clear_cuda_error()
+    except Exception:
+        pass
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's per-thread last error after a failed runtime call.
+
+    torch's kernel-launch checks read cudaGetLastError, so a failure left
+    behind here would surface later as a confusing error in an unrelated
+    kernel. torch does not expose cudaGetLastError; call the loaded cudart.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {ln.split()[-1] for ln in f if "libcudart" in ln and "/" in ln}
+        for lib in libs:
+            ctypes.CDLL(lib).cudaGetLastError()
+    except (OSError, AttributeError):
+        pass

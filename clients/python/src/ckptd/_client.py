@@ -1,0 +1,787 @@
+"""The ckptd client: save and load shards through the daemon's arena.
+
+The protocol (see proto/ckptd/v1/ckptd.proto and the Go client in
+clients/go/ckptd): GetArena once and map it; BeginSave with the tensor table
+leases a region; the client copies each tensor straight into the region;
+CommitSave returns once the daemon has journaled it. That copy is the whole
+stall a trainer sees. Restores fill a region that the client copies out of
+and releases. Clients that cannot map the arena stream the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import enum
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import grpc
+import numpy as np
+
+from . import _names, _tensors
+from ._arena import Arena
+from ._dataset import Dataset, make_spec
+from ._errors import (
+    CkptdError,
+    ClientClosedError,
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    SaveFailedError,
+    TimeoutError,
+    from_rpc_error,
+)
+from .v1 import ckptd_pb2 as pb
+from .v1 import ckptd_pb2_grpc as pb_grpc
+
+_STREAM_CHUNK = 1 << 20  # bytes per data message, as the daemon sends them
+_MAX_SEND = 16 << 20  # the daemon's gRPC receive limit
+_MAX_METADATA = 8 << 20  # the daemon's limit (checkpoint.MaxMetadata)
+_RECONNECT_WAIT = 30.0  # how long wait() waits for a restarted daemon
+
+Transport = Literal["auto", "shm", "stream"]
+
+
+def default_socket() -> str:
+    """The socket the daemon listens on by default.
+
+    The same rule as ``ckptd serve`` (Go): $CKPTD_SOCKET, else
+    ckptd-<uid>.sock in $TMPDIR, else in /tmp.
+    """
+    if s := os.environ.get("CKPTD_SOCKET"):
+        return s
+    tmp = os.environ.get("TMPDIR") or "/tmp"
+    return os.path.normpath(os.path.join(tmp, f"ckptd-{os.getuid()}.sock"))
+
+
+class SaveStatus(str, enum.Enum):
+    """Where an accepted save stands, as far as its handle knows."""
+
+    STAGED = "staged"  # in the arena and journaled; not known durable yet
+    COMMITTED = "committed"  # durable, and the step's commit record exists
+    FAILED = "failed"  # the daemon gave up; wait() raises SaveFailedError
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """A committed step."""
+
+    step: int
+    world_size: int
+    bytes: int  # tensor bytes over all ranks
+    stored_bytes: int  # bytes in storage, after compression
+    committed_at: _dt.datetime
+
+
+class LoadedState(dict):  # type: ignore[type-arg]
+    """The state dict a load returns, with the shard's step and metadata.
+
+    It is a plain dict (nested as saved) plus three attributes, so code that
+    only wants the tensors can ignore them.
+    """
+
+    step: int
+    world_size: int
+    metadata: bytes
+
+
+class SaveHandle:
+    """An accepted save, being made durable in the background.
+
+    The handle starts one WaitSave call as soon as the save is accepted, so
+    done() and status are free to poll and wait() only blocks.
+    """
+
+    def __init__(self, client: Client, job: str, step: int, rank: int) -> None:
+        self._client = client
+        self.job = job
+        self.step = step
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._future: grpc.Future | None = None
+        self._result: pb.WaitSaveResponse | None = None
+        self._watch()
+
+    def __repr__(self) -> str:
+        return (
+            f"SaveHandle(job={self.job!r}, step={self.step}, rank={self.rank}, "
+            f"status={self.status.value})"
+        )
+
+    def _request(self) -> pb.WaitSaveRequest:
+        return pb.WaitSaveRequest(job=self.job, step=self.step, rank=self.rank)
+
+    def _watch(self) -> None:
+        self._future = self._client._stub.WaitSave.future(self._request())
+
+    def _poll(self) -> pb.WaitSaveResponse | grpc.RpcError | None:
+        """The finished call's answer or error, or None while it runs."""
+        with self._lock:
+            if self._result is not None:
+                return self._result
+            fut = self._future
+            if fut is None or not fut.done():
+                return None
+            try:
+                self._result = fut.result()
+            except grpc.RpcError as e:
+                if self._client.closed:
+                    return None  # cancelled by close(): the outcome is unknown, not failed
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._watch()  # the daemon restarted: ask the new one
+                    return None
+                return e
+            return self._result
+
+    def done(self) -> bool:
+        """Whether the save is committed or has failed (never blocks)."""
+        return self._poll() is not None
+
+    @property
+    def status(self) -> SaveStatus:
+        """STAGED until the daemon reports the step committed or the save failed."""
+        r = self._poll()
+        if r is None:
+            return SaveStatus.STAGED
+        if isinstance(r, pb.WaitSaveResponse) and r.state == pb.SAVE_STATE_COMMITTED:
+            return SaveStatus.COMMITTED
+        return SaveStatus.FAILED
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save is durable and its step committed.
+
+        The step commits once every rank of world_size has saved, so with
+        several ranks this waits for the others too.
+
+        Raises:
+            SaveFailedError: the daemon gave up on the save (it says why).
+            TimeoutError: timeout seconds passed first; the save goes on and
+                wait can be called again.
+            DaemonUnavailableError: the daemon went away and did not come
+                back within 30 seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            r = self._poll()
+            if r is None and self._client.closed:
+                raise ClientClosedError(f"wait for {self._what()}: the client is closed")
+            if isinstance(r, pb.WaitSaveResponse):
+                return self._check(r)
+            if isinstance(r, grpc.RpcError):
+                raise from_rpc_error(r, self._client.socket, f"wait for {self._what()}")
+            self._block(deadline)
+
+    def _block(self, deadline: float | None) -> None:
+        fut = self._future
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError(f"{self._what()} not committed within the timeout; it goes on")
+        try:
+            fut.result(timeout=left)  # type: ignore[union-attr]
+        except grpc.FutureTimeoutError:
+            raise TimeoutError(
+                f"{self._what()} not committed within the timeout; it goes on"
+            ) from None
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and not self._client.closed:
+                self._client._await_daemon(deadline, f"wait for {self._what()}")
+                time.sleep(0.1)  # a daemon that is shutting down answers UNAVAILABLE at once
+
+    def _check(self, r: pb.WaitSaveResponse) -> None:
+        if r.state != pb.SAVE_STATE_COMMITTED:
+            state = pb.SaveState.Name(r.state).removeprefix("SAVE_STATE_").lower()
+            raise SaveFailedError(f"{self._what()} failed ({state}): {r.error}", details=r.error)
+
+    def _what(self) -> str:
+        job = f"job {self.job!r} " if self.job else ""
+        return f"save of {job}step {self.step} rank {self.rank}"
+
+
+class Client:
+    """A connection to one ``ckptd serve`` over its unix socket.
+
+    Args:
+        socket: the daemon's socket; default $CKPTD_SOCKET, else the daemon's
+            own default (ckptd-<uid>.sock in $TMPDIR or /tmp).
+        timeout: seconds allowed for each call to the daemon (None: no limit).
+            A save that finds the arena full waits up to the daemon's
+            --staging-wait before failing, whatever this says.
+        transport: "shm" maps the arena (the fast path); "stream" sends the
+            bytes over gRPC (for a client that cannot see the daemon's
+            /dev/shm); "auto" maps and falls back to streaming, with a
+            warning, when the arena cannot be opened.
+
+    The connection is lazy: creating a client never fails because no daemon
+    runs; the first call does, naming the socket. Use it as a context
+    manager, or call close(). It may be shared between threads.
+    """
+
+    def __init__(
+        self, socket: str | None = None, timeout: float | None = None, transport: Transport = "auto"
+    ) -> None:
+        if transport not in ("auto", "shm", "stream"):
+            raise ValueError(f"transport must be 'auto', 'shm' or 'stream', not {transport!r}")
+        self.socket = os.path.abspath(socket or default_socket())
+        self.timeout = timeout
+        self.transport: Transport = transport
+        self._channel = grpc.insecure_channel(
+            f"unix://{self.socket}",
+            options=[
+                ("grpc.max_receive_message_length", -1),
+                ("grpc.max_send_message_length", _MAX_SEND),
+                # Reconnect fast after a daemon restart; the defaults back
+                # off up to two minutes.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
+        )
+        self._stub = pb_grpc.CheckpointStub(self._channel)
+        self._prefetch = pb_grpc.PrefetchStub(self._channel)
+        self._datasets: weakref.WeakSet[Dataset] = weakref.WeakSet()
+        self._map_lock = threading.Lock()
+        self._arena: Arena | None = None
+        self._arena_id = ""
+        self.closed = False
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client(socket={self.socket!r}, transport={self.transport!r})"
+
+    def close(self) -> None:
+        """Close the connection and unmap the arena.
+
+        Pending saves go on in the daemon; only their handles stop working.
+        """
+        if self.closed:
+            return
+        for ds in list(self._datasets):
+            ds.close()  # frees their rings in the daemon now, not after its idle timeout
+        self.closed = True
+        self._channel.close()
+        with self._map_lock:
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+
+    # ---- calls ---------------------------------------------------------
+
+    def _call(self, method: str, request: Any, what: str, stub: Any = None) -> Any:
+        """One unary call with the client's timeout, errors mapped.
+
+        It goes to the Checkpoint service unless stub names another.
+        """
+        if self.closed:
+            raise ClientClosedError(f"{what}: the client is closed")
+        try:
+            return getattr(stub or self._stub, method)(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.socket, what) from None
+
+    def _await_daemon(self, deadline: float | None, what: str) -> None:
+        """Wait for a restarted daemon to accept connections again."""
+        limit = _RECONNECT_WAIT if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=min(limit, _RECONNECT_WAIT))
+        except grpc.FutureTimeoutError:
+            raise DaemonUnavailableError(
+                f"{what}: the daemon at {self.socket} went away and did not come back; "
+                f"start it again with `ckptd serve --socket {self.socket}`"
+            ) from None
+
+    def _mapping(self, refresh: bool = False) -> Arena | None:
+        """The arena mapping, made on first use; None when streaming.
+
+        refresh remaps when the daemon's arena file changed (a restart).
+        """
+        if self.transport == "stream":
+            return None
+        with self._map_lock:
+            if self._arena is not None and not refresh:
+                return self._arena
+            info = self._call("GetArena", pb.GetArenaRequest(), "get the staging arena")
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+            try:
+                self._arena = Arena(info.path, info.size)
+                self._arena_id = info.id
+            except OSError as e:
+                if self.transport == "shm":
+                    raise CkptdError(f"cannot map the daemon's arena {info.path}: {e}") from e
+                warnings.warn(
+                    f"ckptd: cannot map the daemon's arena {info.path} ({e}); "
+                    "streaming saves and loads over the socket instead (slower)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                self.transport = "stream"
+                return None
+            return self._arena
+
+    def _current_mapping(self, arena: Arena) -> Arena:
+        """Check, after a lease, that the mapping is still the daemon's arena."""
+        if arena.is_current():
+            return arena
+        fresh = self._mapping(refresh=True)
+        if fresh is None:  # pragma: no cover - remapping failed over to streaming
+            raise DaemonUnavailableError("the daemon's arena changed and cannot be mapped again")
+        return fresh
+
+    def _lease_mapping(self, arena_id: str) -> Arena:
+        """The mapping a lease of arena arena_id indexes, remapped if the daemon's changed.
+
+        A daemon that restarted has a new arena file (and id); reading a
+        lease's offsets in the old mapping would return stale bytes.
+        """
+        arena = self._mapping()
+        if arena is not None and (arena_id == self._arena_id if arena_id else arena.is_current()):
+            return arena
+        fresh = self._mapping(refresh=True)
+        if fresh is None or (arena_id and arena_id != self._arena_id):
+            raise DaemonUnavailableError(
+                f"the daemon's arena changed (lease in arena {arena_id!r}) and cannot be mapped"
+            )
+        return fresh
+
+    # ---- datasets ------------------------------------------------------
+
+    def dataset(
+        self,
+        source: str | os.PathLike[str],
+        format: str = "webdataset",
+        batch_size: int = 32,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        epoch: int = 0,
+        start: int = 0,
+        shuffle_window: int | None = None,
+        skip_corrupt: bool = False,
+        *,
+        copy: bool = True,
+        prefetch: int = 2,
+    ) -> Dataset:
+        """Open one rank's pass over one epoch of a dataset; iterate it for batches.
+
+        The daemon lists the source, reads shards ahead of the trainer into
+        its cache (shared by every rank on the node), cuts them into
+        samples and delivers batches through ring slots in the arena. A
+        batch is a list of samples; a sample is a dict with ``"__key__"``
+        and one entry per extension (``"jpg"``, ``"cls"``, ...), as the
+        webdataset library gives them.
+
+        The order is a pure function of (seed, epoch, rank, world_size):
+        shards are shuffled per epoch and dealt round-robin to the ranks, so
+        each sample comes exactly once per epoch across all ranks, and
+        samples are shuffled within a window. ``Dataset.state()`` is what to
+        checkpoint; ``client.dataset(**state)`` resumes exactly.
+
+        Args:
+            source: a folder (relative paths are resolved here, not in the
+                daemon), ``file:///path`` or ``s3://bucket/prefix``.
+            format: "webdataset" (``.tar`` shards; a sample is the run of
+                members sharing a key) or "raw" (each object one sample,
+                its field named by its extension, "bin" without one).
+            batch_size: samples per batch (the last one may be smaller).
+            rank: this rank, in [0, world_size).
+            world_size: ranks reading the dataset; shards are split among them.
+            seed: the shuffling seed, the same on every rank.
+            epoch: which epoch: each epoch has its own order.
+            start: samples of this epoch this rank already consumed (resume).
+            shuffle_window: samples shuffled together (None: the daemon's
+                default, 1000; 1: shard order, no shuffling).
+            skip_corrupt: skip shards that cannot be parsed, counting them
+                in stats().corrupt_skipped, instead of raising.
+            copy: True (default) copies each field into ``bytes`` that the
+                caller owns. False gives read-only memoryviews into the
+                shared-memory slot, without a copy, valid only until the
+                next batch is requested (then released: using one raises
+                ValueError). Numpy arrays made from them are not protected.
+            prefetch: batches a background thread fetches ahead (RPC,
+                decoding, copies), so that they overlap with the training
+                step and next() only takes a ready batch; 0 fetches inside
+                next(). With copy=False the views pin their slot, so the
+                thread fetches one batch ahead at most (two ring slots
+                always suffice).
+
+        Raises:
+            InvalidArgumentError: batch_size <= 0, rank outside
+                [0, world_size), a source with no objects (no ``.tar``
+                shards for webdataset), an unknown format or scheme.
+            CorruptShardError: (while iterating) a shard cannot be parsed;
+                it names the shard.
+            DaemonUnavailableError: no daemon answers on the socket.
+        """
+        spec = make_spec(
+            source, format, batch_size, rank, world_size, seed, epoch, start, shuffle_window,
+            skip_corrupt,
+        )  # fmt: skip
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, not {prefetch!r}")
+        return Dataset(self, spec, copy=bool(copy), prefetch=prefetch)
+
+    # ---- save ----------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        rank: int = 0,
+        world_size: int = 1,
+        metadata: bytes = b"",
+        job: str | None = None,
+    ) -> SaveHandle:
+        """Stage one rank's shard of a step; return as soon as the daemon has it.
+
+        ``state`` is a dict, possibly nested, of numpy arrays and torch tensors
+        (any dtype ckptd knows, any strides, on CPU or CUDA). Each tensor is
+        copied once, straight into the shared-memory region; after that the
+        caller may change or free its tensors. The shard becomes durable in
+        the background: see SaveHandle.wait().
+
+        Raises:
+            TypeError: a value or key of state cannot be stored.
+            InvalidArgumentError: the step, rank, job or a name is refused.
+            AlreadyExistsError: the step is committed or this rank is being saved.
+            ResourceExhaustedError: the arena stayed full (or is too small).
+            DaemonUnavailableError: no daemon answers on the socket.
+        """
+        meta = _metadata_bytes(metadata)
+        target = _target(job, step, rank, world_size)
+        leaves = [_tensors.make_leaf(n, v) for n, v in _flatten(state)]
+        size = _tensors.layout(leaves)
+        table = [
+            pb.Tensor(
+                name=x.name, dtype=x.dtype.name, shape=x.shape, offset=x.offset, length=x.nbytes
+            )
+            for x in leaves
+        ]
+        what = f"save step {step} rank {rank}"
+        arena = self._mapping()
+        if arena is None:
+            resp = self._save_stream(target, table, leaves, size, meta, what)
+        else:
+            resp = self._save_shm(arena, target, table, leaves, size, meta, what)
+        t = resp.target
+        return SaveHandle(self, t.job, t.step, t.rank)
+
+    def _save_shm(
+        self,
+        arena: Arena,
+        target: pb.SaveTarget,
+        table: list[pb.Tensor],
+        leaves: list[_tensors.Leaf],
+        size: int,
+        meta: bytes,
+        what: str,
+    ) -> pb.CommitSaveResponse:
+        lease = self._call(
+            "BeginSave", pb.BeginSaveRequest(target=target, tensors=table), what
+        ).lease
+        try:
+            if lease.length < size:
+                raise CkptdError(
+                    f"{what}: daemon leased {lease.length} bytes for a {size}-byte table"
+                )
+            arena = self._current_mapping(arena)
+            region = arena.region(lease.offset, size)
+            _copy_leaves(leaves, region, arena.pin)
+            return self._call(
+                "CommitSave", pb.CommitSaveRequest(lease_id=lease.id, metadata=meta), what
+            )
+        except BaseException:
+            # Give the region back at once rather than after --lease-timeout.
+            # (A failed commit leaves nothing to abort; this then fails quietly.)
+            self._abort(lease.id)
+            raise
+
+    def _abort(self, lease_id: str) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            self._stub.AbortSave(pb.AbortSaveRequest(lease_id=lease_id), timeout=5)
+
+    def _save_stream(
+        self,
+        target: pb.SaveTarget,
+        table: list[pb.Tensor],
+        leaves: list[_tensors.Leaf],
+        size: int,
+        meta: bytes,
+        what: str,
+    ) -> pb.CommitSaveResponse:
+        header = pb.SaveStreamHeader(target=target, tensors=table, metadata=meta)
+
+        def messages() -> Iterator[pb.SaveStreamRequest]:
+            yield pb.SaveStreamRequest(header=header)
+            for piece in _stream_bytes(leaves, size):
+                yield pb.SaveStreamRequest(data=piece)
+
+        if self.closed:
+            raise ClientClosedError(f"{what}: the client is closed")
+        try:
+            return self._stub.SaveStream(messages(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.socket, what) from None
+
+    def handle(self, step: int, rank: int = 0, job: str | None = None) -> SaveHandle:
+        """A handle on a save made earlier, to wait for it.
+
+        For a trainer that restarted (or another process) while its last save
+        was still draining. wait() raises NotFoundError when the daemon knows
+        of no such save and storage has none.
+        """
+        return SaveHandle(self, job or "", _int("step", step), _int("rank", rank))
+
+    # ---- load ----------------------------------------------------------
+
+    def load(
+        self,
+        step: int | None = None,
+        latest: bool = False,
+        rank: int = 0,
+        job: str | None = None,
+        *,
+        as_torch: bool = False,
+        device: Any = None,
+        nested: bool = True,
+    ) -> LoadedState:
+        """Restore one rank's shard of a committed step.
+
+        Every chunk is verified against its hash by the daemon. Tensors are
+        copied once out of the shared-memory region into memory they own
+        (the region is released before load returns), so they stay valid
+        and writable for as long as the caller keeps them.
+
+        Args:
+            step: the step to load; or None with latest=True for the newest.
+            latest: load the newest committed step.
+            rank: which rank's shard.
+            job: the job (None: the daemon's default).
+            as_torch: return torch tensors (CPU unless device says otherwise)
+                instead of numpy arrays.
+            device: a torch device ("cuda:0", ...) to load straight onto;
+                implies as_torch. From CUDA-registered memory this is DMA.
+            nested: rebuild the nesting of the saved dict (default); False
+                returns the flat tensor names as stored.
+
+        Without as_torch, numpy arrays come back, except bfloat16 and float8
+        tensors, which numpy cannot represent: they come back as torch
+        tensors when torch is installed, else as their raw bits (uint16 or
+        uint8 arrays).
+
+        Returns:
+            The state dict, with .step, .world_size and .metadata attributes.
+
+        Raises:
+            NotFoundError: no such committed step, or no such rank.
+            DataLossError: stored data failed verification.
+        """
+        req = _restore_request(step, latest, rank, job)
+        what = f"load {'latest step' if latest else f'step {step}'} rank {rank}"
+        out = _Outputs(as_torch or device is not None, device)
+        arena = self._mapping()
+        if arena is None:
+            header, items = self._load_stream(req, out, what)
+        else:
+            header, items = self._load_shm(arena, req, out, what)
+        result = LoadedState(_names.unflatten(items) if nested else dict(items))
+        result.step, result.world_size, result.metadata = (
+            header.step,
+            header.world_size,
+            header.metadata,
+        )
+        return result
+
+    def _load_shm(
+        self, arena: Arena, req: pb.BeginRestoreRequest, out: _Outputs, what: str
+    ) -> tuple[pb.RestoreHeader, list[tuple[str, Any]]]:
+        resp = self._call("BeginRestore", req, what)
+        try:
+            header = resp.header
+            arena = self._current_mapping(arena)
+            region = arena.region(resp.lease.offset, header.size)
+            if out.needs_pin:
+                out.pinned = arena.pin()
+            return header, out.build(header, region)
+        finally:
+            # On failure the daemon reclaims the region after --lease-timeout.
+            with contextlib.suppress(grpc.RpcError):
+                self._stub.ReleaseRegion(pb.ReleaseRegionRequest(lease_id=resp.lease.id), timeout=5)
+
+    def _load_stream(
+        self, req: pb.BeginRestoreRequest, out: _Outputs, what: str
+    ) -> tuple[pb.RestoreHeader, list[tuple[str, Any]]]:
+        if self.closed:
+            raise ClientClosedError(f"{what}: the client is closed")
+        try:
+            stream = self._stub.RestoreStream(req, timeout=self.timeout)
+            first = next(stream, None)
+            if first is None or not first.HasField("header"):
+                raise CkptdError(f"{what}: the daemon's stream did not start with a header")
+            header = first.header
+            data = np.empty(header.size, np.uint8)
+            n = 0
+            for msg in stream:
+                piece = np.frombuffer(msg.data, np.uint8)
+                if n + piece.size > data.size:
+                    raise CkptdError(
+                        f"{what}: the daemon streamed more than the {data.size} bytes announced"
+                    )
+                data[n : n + piece.size] = piece
+                n += piece.size
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self.socket, what) from None
+        if n != data.size:
+            raise CkptdError(f"{what}: the stream ended after {n} of {data.size} bytes")
+        return header, out.build(header, data)
+
+    # ---- listing -------------------------------------------------------
+
+    def steps(self, job: str | None = None) -> list[StepInfo]:
+        """The committed steps of job (default: the daemon's), oldest first."""
+        resp = self._call("ListSteps", pb.ListStepsRequest(job=job or ""), "list steps")
+        return [
+            StepInfo(
+                step=s.step,
+                world_size=s.world_size,
+                bytes=s.bytes,
+                stored_bytes=s.stored_bytes,
+                committed_at=_dt.datetime.fromtimestamp(
+                    s.committed_unix_nano / 1e9, tz=_dt.timezone.utc
+                ),
+            )
+            for s in resp.steps
+        ]
+
+    def latest_step(self, job: str | None = None) -> int | None:
+        """The newest committed step of job, or None when there is none."""
+        steps = self.steps(job)
+        return steps[-1].step if steps else None
+
+
+# ---- helpers -----------------------------------------------------------------
+
+
+def _flatten(state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Flatten state, reporting a bad structure as InvalidArgumentError."""
+    try:
+        yield from _names.flatten(state)
+    except ValueError as e:
+        raise InvalidArgumentError(str(e)) from None
+
+
+def _metadata_bytes(metadata: Any) -> bytes:
+    if isinstance(metadata, str):
+        raise TypeError("metadata must be bytes, not str (encode it, e.g. metadata.encode())")
+    if not isinstance(metadata, (bytes, bytearray, memoryview)):
+        raise TypeError(f"metadata must be bytes, not {type(metadata).__name__}")
+    if len(metadata) > _MAX_METADATA:
+        raise InvalidArgumentError(
+            f"metadata is {len(metadata)} bytes; at most {_MAX_METADATA} fit in one request "
+            "to the daemon (save large state as tensors instead)"
+        )
+    return bytes(metadata)
+
+
+def _int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, not {type(v).__name__}")
+    return int(v)
+
+
+def _target(job: str | None, step: int, rank: int, world_size: int) -> pb.SaveTarget:
+    """Build the save target; range checks are the daemon's, so one rule holds."""
+    step, rank, world_size = _int("step", step), _int("rank", rank), _int("world_size", world_size)
+    for name, v, bits in (("step", step, 63), ("rank", rank, 31), ("world_size", world_size, 31)):
+        if not -(1 << bits) <= v < (1 << bits):
+            raise InvalidArgumentError(f"{name} {v} is out of range")
+    return pb.SaveTarget(job=job or "", step=step, rank=rank, world_size=world_size)
+
+
+def _restore_request(
+    step: int | None, latest: bool, rank: int, job: str | None
+) -> pb.BeginRestoreRequest:
+    if latest and step is not None:
+        raise ValueError("give either step or latest=True, not both")
+    if not latest and step is None:
+        raise ValueError("give the step to load, or latest=True")
+    rank = _int("rank", rank)
+    step = 0 if step is None else _int("step", step)
+    if not -(1 << 31) <= rank < (1 << 31) or not -(1 << 63) <= step < (1 << 63):
+        raise InvalidArgumentError(f"step {step} or rank {rank} is out of range")
+    return pb.BeginRestoreRequest(job=job or "", step=step, latest=latest, rank=rank)
+
+
+def _copy_leaves(leaves: list[_tensors.Leaf], region: np.ndarray, pin: Any) -> None:
+    """Copy every leaf into its place in region, then wait for device copies."""
+    devices = set()
+    for leaf in leaves:
+        if _tensors.copy_in(leaf, region[leaf.offset : leaf.offset + leaf.nbytes], pin):
+            devices.add(leaf.value.device)
+    if devices:
+        torch = _tensors.loaded_torch()
+        for d in devices:
+            torch.cuda.current_stream(d).synchronize()
+
+
+def _stream_bytes(leaves: list[_tensors.Leaf], size: int) -> Iterator[bytes]:
+    """The region's bytes as streamed: each tensor at its offset, gaps zeroed."""
+    pos = 0
+    for leaf in sorted(leaves, key=lambda x: x.offset):
+        if leaf.nbytes == 0:
+            continue
+        if leaf.offset > pos:
+            yield bytes(leaf.offset - pos)
+        buf = np.empty(leaf.nbytes, np.uint8)
+        _tensors.copy_in(leaf, buf, lambda: False)  # unpinned: a synchronous copy
+        for i in range(0, buf.size, _STREAM_CHUNK):
+            yield buf[i : i + _STREAM_CHUNK].tobytes()
+        pos = leaf.offset + leaf.nbytes
+    if size > pos:  # pragma: no cover - layout never ends in a gap
+        yield bytes(size - pos)
+
+
+class _Outputs:
+    """Builds the restored tensors in the form load was asked for."""
+
+    def __init__(self, as_torch: bool, device: Any) -> None:
+        self.torch = _tensors.torch_module() if as_torch else None
+        if as_torch and self.torch is None:
+            raise ImportError("load(as_torch=True) or load(device=...) needs torch installed")
+        self.device = self.torch.device(device or "cpu") if self.torch is not None else None
+        self.needs_pin = self.device is not None and self.device.type == "cuda"
+        self.pinned = False
+
+    def build(self, header: pb.RestoreHeader, data: np.ndarray) -> list[tuple[str, Any]]:
+        items = []
+        for t in header.tensors:
+            dt = _tensors.BY_NAME.get(t.dtype)
+            if dt is None:
+                raise CkptdError(f"tensor {t.name!r} has dtype {t.dtype}, unknown to this client")
+            if t.offset + t.length > data.size:
+                raise CkptdError(f"tensor {t.name!r} lies outside the restored region")
+            src = data[t.offset : t.offset + t.length]
+            shape = tuple(t.shape)
+            if self.torch is None:
+                items.append((t.name, _tensors.default_out(dt, shape, src)))
+            else:
+                items.append(
+                    (
+                        t.name,
+                        _tensors.torch_out(self.torch, dt, shape, src, self.device, self.pinned),
+                    )
+                )
+        if self.pinned:
+            _tensors.loaded_torch().cuda.current_stream(self.device).synchronize()
+        return items

@@ -1,0 +1,615 @@
+"""Datasets delivered by the daemon's prefetcher through ring slots in the arena.
+
+The protocol (proto/ckptd/v1/ckptd.proto, service Prefetch; the Go client in
+clients/go/ckptd/dataset.go): OpenDataset starts a session for one rank's
+pass over one epoch; each NextBatch gives back the slots named in
+``release`` and returns the next batch -- a lease on a region of the arena
+plus, per sample, where each field lies in it; CloseDataset frees the
+session's ring. The daemon reads, caches, parses and copies ahead of the
+trainer, so a batch is normally waiting when next() asks for it.
+
+A batch's fields live in the arena slot until the next batch is asked for.
+With ``copy=True`` (the default) each field is copied out into ``bytes`` --
+one memcpy, which costs far less than decoding a sample -- so batches can
+be kept, pickled and sent to other processes. With ``copy=False`` fields
+are read-only memoryviews into the slot: no copy at all, but each view is
+released (any use raises ValueError) when the next batch is requested, so
+decode or copy what you keep before then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+import queue
+import re
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from ._errors import CkptdError, CorruptShardError, DataLossError, InvalidArgumentError
+from .v1 import ckptd_pb2 as pb
+
+if TYPE_CHECKING:
+    from ._arena import Arena
+    from ._client import Client
+    from .v1 import ckptd_pb2_grpc as pb_grpc
+
+Sample = dict[str, Any]
+"""A sample: ``"__key__"`` (str) and one bytes-like value per extension."""
+
+_CLOSE_TIMEOUT = 5.0  # seconds for a CloseDataset sent on cleanup
+_CORRUPT = re.compile(r"corrupt shard: (.+?): ")
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """What identifies one rank's position in a dataset: the resumable state.
+
+    The sample order is a pure function of (source, format, seed, epoch,
+    rank, world_size, shuffle_window), and start counts the samples of it
+    already consumed, so ``client.dataset(**spec.as_dict())`` resumes
+    exactly. batch_size and skip_corrupt are kept so that the resumed
+    iteration looks the same; changing batch_size does not change the order.
+    """
+
+    source: str
+    format: str
+    batch_size: int
+    rank: int
+    world_size: int
+    seed: int
+    epoch: int
+    start: int
+    shuffle_window: int | None
+    skip_corrupt: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        """The spec as keyword arguments of Client.dataset (JSON-serializable)."""
+        return asdict(self)
+
+    def request(self) -> pb.OpenDatasetRequest:
+        """The OpenDataset request for this spec."""
+        return pb.OpenDatasetRequest(
+            source=self.source,
+            format=self.format,
+            batch_size=self.batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            seed=self.seed,
+            epoch=self.epoch,
+            start=self.start,
+            shuffle_window=self.shuffle_window or 0,
+            skip_corrupt=self.skip_corrupt,
+        )
+
+
+@dataclass(frozen=True)
+class DatasetStats:
+    """Where the consumer's waiting went, and what the cache did.
+
+    The ``wait_*`` times (seconds) are the daemon's: how long NextBatch calls
+    of this session waited for a batch, by what the prefetcher was doing
+    then -- reading a shard from storage, waiting for a shard another rank
+    was reading into the cache, waiting for the consumer to give a ring
+    slot back, or parsing and copying. ``client_wait`` is what the trainer
+    saw: seconds spent inside next(), RPC and copies included, and
+    ``elapsed`` the seconds since the first batch was asked for, so
+    ``stall_fraction`` is the share of the consumer's time spent waiting on
+    data.
+    """
+
+    wait_storage: float = 0.0
+    wait_cache: float = 0.0
+    wait_ring: float = 0.0
+    wait_work: float = 0.0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    corrupt_skipped: int = 0
+    batches: int = 0
+    samples: int = 0
+    client_wait: float = 0.0
+    elapsed: float = 0.0
+
+    @property
+    def wait(self) -> float:
+        """The daemon-side wait over all causes, in seconds."""
+        return self.wait_storage + self.wait_cache + self.wait_ring + self.wait_work
+
+    @property
+    def stall_fraction(self) -> float:
+        """client_wait / elapsed: 0 when data was always ready."""
+        return self.client_wait / self.elapsed if self.elapsed > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The stats as a flat dict, derived values included (for logging)."""
+        return {**asdict(self), "wait": self.wait, "stall_fraction": self.stall_fraction}
+
+
+def make_spec(
+    source: str | os.PathLike[str],
+    format: str,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    epoch: int,
+    start: int,
+    shuffle_window: int | None,
+    skip_corrupt: bool,
+) -> DatasetSpec:
+    """Check the arguments' types and protobuf ranges; the rules are the daemon's.
+
+    Range rules (batch_size > 0, 0 <= rank < world_size, ...) are checked by
+    the daemon so that one rule holds for every client; here only what
+    could not even be sent is refused.
+    """
+    if not isinstance(format, str):
+        raise TypeError(f"format must be a str, not {type(format).__name__}")
+    if not isinstance(skip_corrupt, bool):
+        raise TypeError(f"skip_corrupt must be a bool, not {type(skip_corrupt).__name__}")
+    ints = {"batch_size": batch_size, "rank": rank, "world_size": world_size, "epoch": epoch}
+    ints |= {"start": start, "seed": seed}
+    if shuffle_window is not None:
+        ints["shuffle_window"] = shuffle_window
+    for name, v in ints.items():
+        _check_int(name, v)
+    return DatasetSpec(
+        source=resolve_source(source),
+        format=format,
+        batch_size=operator.index(batch_size),
+        rank=operator.index(rank),
+        world_size=operator.index(world_size),
+        seed=operator.index(seed),
+        epoch=operator.index(epoch),
+        start=operator.index(start),
+        shuffle_window=None if shuffle_window is None else operator.index(shuffle_window),
+        skip_corrupt=skip_corrupt,
+    )
+
+
+_BITS = {"seed": (0, 64), "epoch": (-63, 63), "start": (-63, 63)}
+
+
+def _check_int(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not hasattr(v, "__index__"):
+        raise TypeError(f"{name} must be an int, not {type(v).__name__}")
+    v = operator.index(v)
+    lo, hi = _BITS.get(name, (-31, 31))
+    low = 0 if lo == 0 else -(1 << -lo)
+    if not low <= v < (1 << hi):
+        raise InvalidArgumentError(f"{name} {v} is out of range [{low}, {1 << hi})")
+
+
+def resolve_source(source: str | os.PathLike[str]) -> str:
+    """A URL as given; a plain path made absolute against this process's cwd.
+
+    The daemon runs elsewhere, so a relative path must mean what it means
+    to the trainer, not to the daemon.
+    """
+    s = os.fspath(source)
+    if not isinstance(s, str):
+        raise TypeError(f"source must be a str or a path, not {type(source).__name__}")
+    if not s:
+        raise InvalidArgumentError("dataset source is empty")
+    if "://" in s or s.startswith(("s3:", "file:")):
+        return s
+    return os.path.abspath(s)
+
+
+@dataclass
+class _Item:
+    """One fetched batch and what the consumer gives back when done with it."""
+
+    batch: list[Sample]
+    lease: str
+    position: int
+    stats: pb.PrefetchStats
+    views: list[memoryview]  # copy=False: the batch's field views, released when retired
+
+
+class _Session:
+    """A dataset session in the daemon: fetches batches, gives slots back.
+
+    Shared by the consumer and the prefetch thread (the lock guards the
+    leases to give back), and never refers to the Dataset, so that an
+    abandoned Dataset can be garbage-collected while the thread runs.
+    """
+
+    def __init__(self, client: Client, session: str, copy: bool, what: str) -> None:
+        self.client = client
+        self.stub: pb_grpc.PrefetchStub = client._prefetch
+        self.id = session
+        self.copy = copy
+        self.what = what
+        self._cond = threading.Condition()
+        self._to_release: list[str] = []
+        self._held = 0  # copy=False: fetched batches whose slot is not given back
+        self._closed = False
+
+    def give_back(self, lease: str, held: bool = False) -> None:
+        """Queue a slot for release with the next NextBatch (or CloseDataset)."""
+        with self._cond:
+            self._to_release.append(lease)
+            if held:
+                self._held -= 1
+                self._cond.notify_all()
+
+    def wait_for_slot(self, stop: threading.Event) -> bool:
+        """Wait until fetching another batch cannot wait for a slot we hold.
+
+        With copy=False the consumer holds its batch's slot until it asks for
+        the next one. A NextBatch sent while the client holds every ring slot
+        would wait forever for a slot whose release it does not carry, so
+        the thread fetches only while at most the consumer's batch is held:
+        two slots always suffice. False when stopped or closed meanwhile.
+        """
+        with self._cond:
+            while self._held > 1 and not stop.is_set() and not self._closed:
+                self._cond.wait(timeout=0.1)
+            return not stop.is_set() and not self._closed
+
+    def fetch(self) -> _Item | pb.PrefetchStats:
+        """The next batch, or the final stats at the end of the epoch."""
+        with self._cond:
+            release, self._to_release = self._to_release, []
+        req = pb.NextBatchRequest(session=self.id, release=release)
+        try:
+            resp = self.client._call("NextBatch", req, f"next batch of {self.what}", self.stub)
+        except CkptdError as e:
+            raise _corrupt_shard(e) from None
+        if resp.end:
+            return resp.stats
+        lease = resp.lease
+        arena = self.client._lease_mapping(lease.arena_id)
+        arena.region(lease.offset, lease.length)  # bounds check against the mapping
+        views: list[memoryview] = []
+        if self.copy:
+            batch = _copied(resp.samples, arena, lease.offset, lease.length, self.what)
+            self.give_back(lease.id)  # the bytes are ours: the slot can go back at once
+        else:
+            region = memoryview(arena.mem)[lease.offset : lease.offset + lease.length]
+            views.append(region.toreadonly())
+            with self._cond:
+                self._held += 1
+            batch = _viewed(resp.samples, views[0], views, self.what)
+        return _Item(batch, lease.id, resp.position, resp.stats, views)
+
+    def retire(self, item: _Item) -> None:
+        """The consumer is done with item: invalidate its views, free its slot."""
+        for v in item.views:
+            v.release()  # slices of the region register with the buffer, not the view
+        item.views.clear()
+        if not self.copy:
+            self.give_back(item.lease, held=True)
+
+    def close(self) -> None:
+        """CloseDataset: the daemon frees the ring (and wakes a waiting NextBatch)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        _close_session(self.stub, self.id)
+
+
+class _Prefetcher:
+    """A thread that keeps up to depth batches fetched ahead of the consumer.
+
+    The RPC, the protobuf decoding and the copies out of the slot then
+    overlap with the training step (which, on a GPU, mostly waits with the
+    GIL released), so next() only takes a ready batch off a queue: a
+    SimpleQueue, whose get is one C call, because after each training step
+    the consumer pays for every Python call on its way to the batch. (With
+    copy=False, one batch ahead at most: see _Session.wait_for_slot.)
+    """
+
+    def __init__(self, session: _Session, depth: int) -> None:
+        self.session = session
+        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.graveyard: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.room = threading.Semaphore(depth)  # batches fetched and not yet taken
+        self.stop = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name=f"ckptd-dataset-{session.id}", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self) -> None:
+        while self._wait_room() and self.session.wait_for_slot(self.stop):
+            self._bury()
+            try:
+                out: Any = self.session.fetch()
+            except BaseException as e:  # handed to the consumer, raised there
+                out = e
+            if self.stop.is_set():
+                if isinstance(out, _Item):
+                    self.session.retire(out)
+                return
+            self.items.put(out)
+            if not isinstance(out, _Item):
+                return
+
+    def _bury(self) -> None:
+        """Free the batches the consumer is done with, here rather than in its thread.
+
+        Freeing a batch of 100 KiB samples costs about as much as copying
+        it (the allocator gives the pages back to the kernel), and the
+        consumer would pay it when it drops the previous batch -- right
+        after its training step, where every microsecond is stall.
+        """
+        while True:
+            try:
+                self.graveyard.get_nowait()
+            except queue.Empty:
+                return
+
+    def _wait_room(self) -> bool:
+        """Wait until fewer than depth batches are ahead; False once stopped."""
+        while not self.stop.is_set():
+            if self.room.acquire(timeout=0.1):
+                return True
+        return False
+
+    def get(self) -> Any:
+        """The next fetched item, waiting for it; a dead thread is an error, not a hang."""
+        while True:
+            try:
+                out = self.items.get(timeout=0.5)
+            except queue.Empty:
+                if not self.thread.is_alive() and self.items.empty():
+                    raise CkptdError(f"{self.session.what}: the prefetch thread died") from None
+                continue
+            self.room.release()
+            return out
+
+    def close(self) -> None:
+        """Stop the thread and retire what it fetched; the session is closed by the caller."""
+        self.stop.set()
+        self.room.release()  # wake it if it waits for room
+        if threading.current_thread() is not self.thread:  # a GC pass may run us there
+            self.thread.join(timeout=_CLOSE_TIMEOUT)
+        while True:
+            try:
+                out = self.items.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(out, _Item):
+                self.session.retire(out)
+
+
+def _cleanup(session: _Session, prefetcher: _Prefetcher | None) -> None:
+    """Close a dataset: on close(), at the end, on error, or when it is collected."""
+    if prefetcher is not None:
+        prefetcher.stop.set()  # before CloseDataset wakes its NextBatch
+        prefetcher.room.release()
+    session.close()
+    if prefetcher is not None:
+        prefetcher.close()
+
+
+class Dataset:
+    """One rank's pass over one epoch of a dataset, batch by batch.
+
+    Made by Client.dataset(). Iterate it (once) for batches: a batch is a
+    list of samples, a sample a dict with ``"__key__"`` and one entry per
+    field (extension), as the webdataset library does. state() is what to
+    store in a checkpoint; ``client.dataset(**state)`` resumes exactly
+    after the last batch returned.
+
+    The session is closed, and its ring slots freed in the daemon, when the
+    epoch ends, on close() or leaving a ``with`` block, and when the object
+    is garbage-collected (so ``break`` out of a for loop over
+    ``client.dataset(...)`` frees it too). Use it from one thread.
+    """
+
+    def __init__(self, client: Client, spec: DatasetSpec, copy: bool, prefetch: int) -> None:
+        self._client = client
+        self._spec = spec
+        what = f"dataset {spec.source!r} epoch {spec.epoch} rank {spec.rank}"
+        if client._mapping() is None:
+            raise CkptdError(
+                f"{what}: datasets are delivered through the daemon's shared-memory "
+                f"arena, which this client cannot map (transport={client.transport!r})"
+            )
+        resp = client._call("OpenDataset", spec.request(), f"open {what}", client._prefetch)
+        self.session: str = resp.session
+        self.shards: int = resp.shards  # shards this rank reads this epoch
+        self._session = _Session(client, resp.session, copy, what)
+        self._prefetch = prefetch
+        self._prefetcher: _Prefetcher | None = None
+        self._current: _Item | None = None
+        self._previous: _Item | None = None
+        self._position = spec.start
+        self._stats = pb.PrefetchStats()
+        self._counts = [0, 0]  # batches, samples
+        self._client_wait = 0.0
+        self._t_first: float | None = None
+        self._t_end: float | None = None
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _cleanup, self._session, None)
+        self._finalizer.atexit = False  # at exit the daemon's idle reaper frees it
+        client._datasets.add(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"Dataset({self._spec.source!r}, epoch={self._spec.epoch}, rank={self._spec.rank}/"
+            f"{self._spec.world_size}, position={self._position}, closed={self._closed})"
+        )
+
+    def __enter__(self) -> Dataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[list[Sample]]:
+        return self
+
+    def __next__(self) -> list[Sample]:
+        # Lean on purpose: the time spent here is the trainer's stall.
+        if self._closed:
+            raise StopIteration
+        t0 = time.perf_counter()
+        if self._t_first is None:
+            self._t_first = t0
+        if self._current is not None:
+            if not self._session.copy:  # copied batches gave their slot back at once
+                self._session.retire(self._current)
+            if self._prefetcher is not None:
+                # The caller drops the previous batch when it takes this one: keep
+                # it one more round, then let the prefetch thread free it.
+                if self._previous is not None:
+                    self._prefetcher.graveyard.put(self._previous)
+                self._previous = self._current
+            self._current = None
+        try:
+            out = self._session.fetch() if self._prefetch <= 0 else self._prefetched()
+        except BaseException:
+            self._client_wait += time.perf_counter() - t0
+            self.close()
+            raise
+        t1 = time.perf_counter()
+        self._client_wait += t1 - t0
+        if not isinstance(out, _Item):
+            self._stats = out
+            self._t_end = t1
+            self.close()
+            raise StopIteration
+        self._current = out
+        self._stats = out.stats
+        self._position = out.position
+        self._counts[0] += 1
+        self._counts[1] += len(out.batch)
+        return out.batch
+
+    def _prefetched(self) -> _Item | pb.PrefetchStats:
+        """The next item from the prefetch thread (started on the first call)."""
+        if self._prefetcher is None:
+            self._start_prefetcher()
+        out = self._prefetcher.get()  # type: ignore[union-attr]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def _start_prefetcher(self) -> None:
+        """Start the thread on the first next(), so an unused dataset costs no thread."""
+        self._prefetcher = _Prefetcher(self._session, self._prefetch)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _cleanup, self._session, self._prefetcher)
+        self._finalizer.atexit = False
+
+    @property
+    def position(self) -> int:
+        """Samples this rank has consumed this epoch, the last batch included."""
+        return self._position
+
+    def state(self) -> dict[str, Any]:
+        """What to store in a checkpoint: ``client.dataset(**state)`` resumes here.
+
+        A dict of plain values (JSON-serializable): source, format,
+        batch_size, rank, world_size, seed, epoch, shuffle_window,
+        skip_corrupt and start, the samples consumed so far this epoch
+        (batches fetched ahead by the prefetch thread do not count).
+        """
+        return replace(self._spec, start=self._position).as_dict()
+
+    def stats(self) -> DatasetStats:
+        """The session's totals as of the last batch (see DatasetStats)."""
+        s = self._stats
+        end = self._t_end if self._t_end is not None else time.perf_counter()
+        return DatasetStats(
+            wait_storage=s.wait_storage_ns / 1e9,
+            wait_cache=s.wait_cache_ns / 1e9,
+            wait_ring=s.wait_ring_ns / 1e9,
+            wait_work=s.wait_work_ns / 1e9,
+            cache_hits=s.cache_hits,
+            cache_misses=s.cache_misses,
+            corrupt_skipped=s.corrupt_skipped,
+            batches=self._counts[0],
+            samples=self._counts[1],
+            client_wait=self._client_wait,
+            elapsed=0.0 if self._t_first is None else end - self._t_first,
+        )
+
+    @property
+    def closed(self) -> bool:
+        """Whether the session is over (epoch done, closed, or failed)."""
+        return self._closed
+
+    def close(self) -> None:
+        """End the session: the daemon frees its ring; safe to call twice.
+
+        Memoryviews of the last batch (copy=False) are released too.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._current is not None:
+            self._session.retire(self._current)
+            self._current = None
+        self._previous = None
+        self._client._datasets.discard(self)
+        self._finalizer()
+
+
+def _copied(samples: Any, arena: Arena, base: int, size: int, what: str) -> list[Sample]:
+    """Samples whose fields are bytes copied out of the slot (one memcpy each)."""
+    mm = arena.mapping
+    out = []
+    for s in samples:
+        d: Sample = {"__key__": s.key}
+        for f in s.fields:
+            off, end = f.offset, f.offset + f.length
+            if end > size:
+                raise _outside(what, s.key, f.name)
+            d[f.name] = mm[base + off : base + end]
+        out.append(d)
+    return out
+
+
+def _viewed(samples: Any, region: memoryview, views: list[memoryview], what: str) -> list[Sample]:
+    """Samples whose fields are read-only views of the slot, recorded for release."""
+    size = len(region)
+    out = []
+    for s in samples:
+        d: Sample = {"__key__": s.key}
+        for f in s.fields:
+            off, end = f.offset, f.offset + f.length
+            if end > size:
+                raise _outside(what, s.key, f.name)
+            v = region[off:end]
+            views.append(v)
+            d[f.name] = v
+        out.append(d)
+    return out
+
+
+def _outside(what: str, key: str, field: str) -> CkptdError:
+    return CkptdError(f"{what}: field {field!r} of sample {key!r} lies outside its slot")
+
+
+def _corrupt_shard(e: CkptdError) -> CkptdError:
+    """Turn the daemon's DATA_LOSS for an unparsable shard into CorruptShardError."""
+    if type(e) is not DataLossError or "corrupt shard" not in e.details:
+        return e
+    m = _CORRUPT.search(e.details)
+    shard = m.group(1) if m else None
+    hint = " (skip_corrupt=True skips such shards and counts them)"
+    return CorruptShardError(str(e) + hint, shard=shard, code=e.code, details=e.details)
+
+
+def _close_session(stub: pb_grpc.PrefetchStub, session: str) -> None:
+    """Free a session's ring in the daemon; quietly, as it runs on cleanup.
+
+    A client closed first, a daemon gone, or a session the daemon already
+    reaped all leave nothing to do.
+    """
+    with contextlib.suppress(grpc.RpcError, ValueError):
+        stub.CloseDataset(pb.CloseDatasetRequest(session=session), timeout=_CLOSE_TIMEOUT)

@@ -1,0 +1,278 @@
+"""Tensor leaves: dtypes, validation, and copies into and out of byte buffers.
+
+Everything here works on flat ``uint8`` numpy buffers (a region of the
+arena, or a scratch buffer for the streaming fallback), so the same code
+serves both transports. torch is never imported here unless the caller
+already did (a torch tensor can only exist once torch is imported), or a
+restored dtype needs it (bfloat16, float8), because importing torch costs
+seconds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+
+@dataclass(frozen=True)
+class DType:
+    """One element type as the daemon spells it (safetensors names).
+
+    ``raw`` is the little-endian numpy dtype that holds the bits: the real
+    numpy type where one exists, an unsigned integer of the same width for
+    bfloat16 and float8, which numpy lacks.
+    """
+
+    name: str
+    raw: np.dtype[Any]
+    torch_name: str
+    numpy_native: bool = True
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return self.raw.itemsize
+
+
+DTYPES: tuple[DType, ...] = (
+    DType("BOOL", np.dtype("?"), "bool"),
+    DType("U8", np.dtype("u1"), "uint8"),
+    DType("I8", np.dtype("i1"), "int8"),
+    DType("F8_E4M3", np.dtype("u1"), "float8_e4m3fn", numpy_native=False),
+    DType("F8_E5M2", np.dtype("u1"), "float8_e5m2", numpy_native=False),
+    DType("U16", np.dtype("<u2"), "uint16"),
+    DType("I16", np.dtype("<i2"), "int16"),
+    DType("F16", np.dtype("<f2"), "float16"),
+    DType("BF16", np.dtype("<u2"), "bfloat16", numpy_native=False),
+    DType("U32", np.dtype("<u4"), "uint32"),
+    DType("I32", np.dtype("<i4"), "int32"),
+    DType("F32", np.dtype("<f4"), "float32"),
+    DType("U64", np.dtype("<u8"), "uint64"),
+    DType("I64", np.dtype("<i8"), "int64"),
+    DType("F64", np.dtype("<f8"), "float64"),
+    DType("C64", np.dtype("<c8"), "complex64"),
+)
+BY_NAME = {d.name: d for d in DTYPES}
+_BY_NUMPY = {(d.raw.kind, d.raw.itemsize): d for d in DTYPES if d.numpy_native}
+# ml_dtypes' extension types (what JAX uses), recognised by name so that
+# ml_dtypes need not be a dependency.
+_BY_NUMPY_NAME = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+SUPPORTED = ", ".join(d.name for d in DTYPES)
+
+
+def torch_module() -> Any | None:
+    """Return torch if it is installed (importing it if needed), else None."""
+    try:
+        return importlib.import_module("torch")
+    except ImportError:
+        return None
+
+
+def _imported_torch() -> Any | None:
+    """Return torch only if the process already imported it."""
+    return sys.modules.get("torch")
+
+
+def loaded_torch() -> Any:
+    """Return torch where a torch tensor proves it is imported."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # pragma: no cover - only reached with torch tensors in hand
+        raise RuntimeError("torch is not imported")
+    return torch
+
+
+@dataclass
+class Leaf:
+    """One tensor to save: its table entry and the object that holds its data."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    value: Any  # np.ndarray (possibly strided) or a detached torch.Tensor
+    kind: Literal["numpy", "torch"]
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor takes in the region."""
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether the data lives on a CUDA device (copied by DMA)."""
+        return self.kind == "torch" and self.value.device.type == "cuda"
+
+
+def make_leaf(name: str, value: Any) -> Leaf:
+    """Check one state value and describe it for the tensor table.
+
+    Raises:
+        TypeError: the value is not an array or tensor, or its dtype or
+            layout cannot be stored.
+    """
+    torch = _imported_torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        return _torch_leaf(torch, name, value)
+    if isinstance(value, (np.ndarray, np.generic)):
+        return _numpy_leaf(name, np.asarray(value))
+    raise TypeError(
+        f"{name!r} is a {type(value).__module__}.{type(value).__qualname__}; state values must be "
+        "numpy arrays or torch tensors (wrap Python scalars with numpy.asarray, or use "
+        "ckptd.torch.save_state_dict for non-tensor values)"
+    )
+
+
+def _numpy_leaf(name: str, arr: np.ndarray) -> Leaf:
+    dt = _BY_NUMPY.get((arr.dtype.kind, arr.dtype.itemsize))
+    if dt is None and arr.dtype.name in _BY_NUMPY_NAME:
+        dt = BY_NAME[_BY_NUMPY_NAME[arr.dtype.name]]
+        arr = arr.view(dt.raw)  # keep the bits; numpy cannot convert these itself
+    if dt is None:
+        raise TypeError(
+            f"{name!r} has numpy dtype {arr.dtype}, which ckptd cannot store ({SUPPORTED})"
+        )
+    return Leaf(name, dt, tuple(int(d) for d in arr.shape), arr, "numpy")
+
+
+def _torch_leaf(torch: Any, name: str, t: torch.Tensor) -> Leaf:
+    if t.layout != torch.strided or t.is_quantized or getattr(t, "is_nested", False):
+        raise TypeError(
+            f"{name!r} is a {t.layout} tensor; only dense (strided) tensors can be saved"
+        )
+    if t.device.type == "meta":
+        raise TypeError(f"{name!r} is on the meta device and has no data to save")
+    dt = _torch_dtypes(torch).get(t.dtype)
+    if dt is None:
+        raise TypeError(
+            f"{name!r} has torch dtype {t.dtype}, which ckptd cannot store ({SUPPORTED})"
+        )
+    return Leaf(name, dt, tuple(int(d) for d in t.shape), t.detach(), "torch")
+
+
+def _torch_dtypes(torch: Any) -> dict[Any, DType]:
+    """Map torch dtypes to ours; dtypes missing from an older torch are skipped."""
+    out = {}
+    for d in DTYPES:
+        td = getattr(torch, d.torch_name, None)
+        if td is not None:
+            out[td] = d
+    return out
+
+
+def torch_dtype(torch: Any, dt: DType) -> Any:
+    """The torch dtype for dt, or a clear error on a torch too old to have it."""
+    td = getattr(torch, dt.torch_name, None)
+    if td is None:
+        raise TypeError(f"torch {torch.__version__} has no {dt.torch_name} (needed for {dt.name})")
+    return td
+
+
+def layout(leaves: list[Leaf]) -> int:
+    """Assign region offsets in order and return the region size.
+
+    Each tensor starts at a multiple of its element size (regions start on a
+    page), so the region can be viewed with the tensor's own dtype; the gaps
+    this leaves are at most 7 bytes, and only where the width shrinks.
+    """
+    end = 0
+    for leaf in leaves:
+        a = leaf.dtype.itemsize
+        leaf.offset = (end + a - 1) // a * a
+        end = leaf.offset + leaf.nbytes
+    return end
+
+
+def copy_in(leaf: Leaf, dst: np.ndarray, pin: Callable[[], bool]) -> bool:
+    """Copy a leaf's elements into dst, a uint8 buffer of exactly leaf.nbytes.
+
+    Host data is copied by numpy: one single-threaded, strided-aware pass
+    (no temporary for non-contiguous sources), which is the memcpy the
+    stall is measured against and does not stall on a busy core the way a
+    multi-threaded copy does. A CUDA tensor is copied by torch with
+    non_blocking=True when pin() says the destination is registered with
+    CUDA; the caller must then synchronize before handing the bytes on, and
+    the return value says so.
+    """
+    if leaf.nbytes == 0:
+        return False
+    if leaf.kind == "torch" and leaf.value.device.type != "cpu":
+        return _copy_from_device(leaf, dst, pin)
+    src = leaf.value if leaf.kind == "numpy" else _host_numpy(leaf.value, leaf.dtype)
+    np.copyto(dst.view(src.dtype.newbyteorder("<")).reshape(leaf.shape), src, casting="equiv")
+    return False
+
+
+def _host_numpy(t: torch.Tensor, dt: DType) -> np.ndarray:
+    """A numpy view of a CPU tensor's elements (no copy unless lazily conjugated)."""
+    t = t.resolve_conj().resolve_neg()
+    if not dt.numpy_native:  # bfloat16, float8: numpy sees the same bits as ints
+        torch = loaded_torch()
+        t = t.view(torch.int16 if dt.itemsize == 2 else torch.int8)
+    return t.numpy()
+
+
+def _copy_from_device(leaf: Leaf, dst: np.ndarray, pin: Callable[[], bool]) -> bool:
+    torch = loaded_torch()
+    out = torch.from_numpy(dst).view(torch_dtype(torch, leaf.dtype)).view(leaf.shape)
+    asynchronous = leaf.is_cuda and pin()
+    out.copy_(leaf.value, non_blocking=asynchronous)
+    return asynchronous
+
+
+def numpy_out(dt: DType, shape: tuple[int, ...], src: np.ndarray) -> np.ndarray:
+    """Copy src (the tensor's bytes, maybe unaligned) into a new array.
+
+    The result owns its memory: the region it came from is released as soon
+    as load returns.
+    """
+    if src.size == 0:
+        return np.zeros(shape, dt.raw)
+    out = np.empty(src.size, np.uint8)
+    np.copyto(out, src)
+    return out.view(dt.raw).reshape(shape)
+
+
+def torch_out(
+    torch: Any, dt: DType, shape: tuple[int, ...], src: np.ndarray, device: Any, pinned: bool
+) -> torch.Tensor:
+    """Copy src into a new torch tensor on device.
+
+    Bytes are copied as uint8 and reinterpreted on arrival, because restored
+    tensors are packed back to back and may be unaligned for their dtype.
+    """
+    td = torch_dtype(torch, dt)
+    if src.size == 0:
+        return torch.zeros(shape, dtype=td, device=device)
+    if device.type == "cpu":
+        return torch.from_numpy(numpy_out(BY_NAME["U8"], (src.size,), src)).view(td).view(shape)
+    out = torch.empty(src.size, dtype=torch.uint8, device=device)
+    out.copy_(torch.from_numpy(src), non_blocking=pinned)
+    return out.view(td).view(shape)
+
+
+def default_out(dt: DType, shape: tuple[int, ...], src: np.ndarray) -> Any:
+    """A restored tensor for load's default (numpy) mode.
+
+    numpy has no bfloat16 or float8: those come back as torch tensors when
+    torch is installed, else as their raw bits (uint16 / uint8 arrays).
+    """
+    arr = numpy_out(dt, shape, src)
+    if dt.numpy_native:
+        return arr
+    torch = torch_module()
+    if torch is None:
+        return arr
+    signed = arr.view(np.int16 if dt.itemsize == 2 else np.int8)  # torch's oldest bit-holders
+    return torch.from_numpy(signed).view(torch_dtype(torch, dt))

@@ -1,0 +1,335 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SaveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAVE_STATE_UNSPECIFIED: _ClassVar[SaveState]
+    SAVE_STATE_STAGED: _ClassVar[SaveState]
+    SAVE_STATE_DRAINING: _ClassVar[SaveState]
+    SAVE_STATE_DURABLE: _ClassVar[SaveState]
+    SAVE_STATE_COMMITTED: _ClassVar[SaveState]
+    SAVE_STATE_FAILED: _ClassVar[SaveState]
+SAVE_STATE_UNSPECIFIED: SaveState
+SAVE_STATE_STAGED: SaveState
+SAVE_STATE_DRAINING: SaveState
+SAVE_STATE_DURABLE: SaveState
+SAVE_STATE_COMMITTED: SaveState
+SAVE_STATE_FAILED: SaveState
+
+class GetArenaRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ArenaInfo(_message.Message):
+    __slots__ = ("path", "size", "locked", "default_job", "id")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCKED_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_JOB_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    locked: bool
+    default_job: str
+    id: str
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., locked: _Optional[bool] = ..., default_job: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "length")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    length: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class SaveTarget(_message.Message):
+    __slots__ = ("job", "step", "rank", "world_size")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class BeginSaveRequest(_message.Message):
+    __slots__ = ("target", "tensors")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    target: SaveTarget
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, target: _Optional[_Union[SaveTarget, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("id", "offset", "length", "arena_id")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    offset: int
+    length: int
+    arena_id: str
+    def __init__(self, id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., arena_id: _Optional[str] = ...) -> None: ...
+
+class BeginSaveResponse(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class CommitSaveRequest(_message.Message):
+    __slots__ = ("lease_id", "metadata")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    metadata: bytes
+    def __init__(self, lease_id: _Optional[str] = ..., metadata: _Optional[bytes] = ...) -> None: ...
+
+class CommitSaveResponse(_message.Message):
+    __slots__ = ("target", "bytes")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    target: SaveTarget
+    bytes: int
+    def __init__(self, target: _Optional[_Union[SaveTarget, _Mapping]] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class AbortSaveRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class AbortSaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SaveStreamHeader(_message.Message):
+    __slots__ = ("target", "tensors", "metadata")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    target: SaveTarget
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    metadata: bytes
+    def __init__(self, target: _Optional[_Union[SaveTarget, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metadata: _Optional[bytes] = ...) -> None: ...
+
+class SaveStreamRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: SaveStreamHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[SaveStreamHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WaitSaveRequest(_message.Message):
+    __slots__ = ("job", "step", "rank", "nowait")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NOWAIT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    nowait: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., nowait: _Optional[bool] = ...) -> None: ...
+
+class WaitSaveResponse(_message.Message):
+    __slots__ = ("state", "error")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    state: SaveState
+    error: str
+    def __init__(self, state: _Optional[_Union[SaveState, str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ListStepsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class StepInfo(_message.Message):
+    __slots__ = ("step", "world_size", "bytes", "stored_bytes", "committed_unix_nano")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    world_size: int
+    bytes: int
+    stored_bytes: int
+    committed_unix_nano: int
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., committed_unix_nano: _Optional[int] = ...) -> None: ...
+
+class ListStepsResponse(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepInfo]
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepInfo, _Mapping]]] = ...) -> None: ...
+
+class BeginRestoreRequest(_message.Message):
+    __slots__ = ("job", "step", "latest", "rank")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    latest: bool
+    rank: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class RestoreHeader(_message.Message):
+    __slots__ = ("step", "world_size", "tensors", "metadata", "size")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    world_size: int
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    metadata: bytes
+    size: int
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metadata: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
+
+class BeginRestoreResponse(_message.Message):
+    __slots__ = ("lease", "header")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    header: RestoreHeader
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., header: _Optional[_Union[RestoreHeader, _Mapping]] = ...) -> None: ...
+
+class RestoreStreamResponse(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: RestoreHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[RestoreHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReleaseRegionRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseRegionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenDatasetRequest(_message.Message):
+    __slots__ = ("source", "format", "batch_size", "rank", "world_size", "seed", "epoch", "start", "shuffle_window", "skip_corrupt")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    format: str
+    batch_size: int
+    rank: int
+    world_size: int
+    seed: int
+    epoch: int
+    start: int
+    shuffle_window: int
+    skip_corrupt: bool
+    def __init__(self, source: _Optional[str] = ..., format: _Optional[str] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., shuffle_window: _Optional[int] = ..., skip_corrupt: _Optional[bool] = ...) -> None: ...
+
+class OpenDatasetResponse(_message.Message):
+    __slots__ = ("session", "shards")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    shards: int
+    def __init__(self, session: _Optional[str] = ..., shards: _Optional[int] = ...) -> None: ...
+
+class NextBatchRequest(_message.Message):
+    __slots__ = ("session", "release")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    release: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session: _Optional[str] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SampleField(_message.Message):
+    __slots__ = ("name", "offset", "length")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    length: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class Sample(_message.Message):
+    __slots__ = ("key", "fields")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    fields: _containers.RepeatedCompositeFieldContainer[SampleField]
+    def __init__(self, key: _Optional[str] = ..., fields: _Optional[_Iterable[_Union[SampleField, _Mapping]]] = ...) -> None: ...
+
+class PrefetchStats(_message.Message):
+    __slots__ = ("wait_storage_ns", "wait_cache_ns", "wait_ring_ns", "wait_work_ns", "cache_hits", "cache_misses", "corrupt_skipped")
+    WAIT_STORAGE_NS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_CACHE_NS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_RING_NS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_WORK_NS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    wait_storage_ns: int
+    wait_cache_ns: int
+    wait_ring_ns: int
+    wait_work_ns: int
+    cache_hits: int
+    cache_misses: int
+    corrupt_skipped: int
+    def __init__(self, wait_storage_ns: _Optional[int] = ..., wait_cache_ns: _Optional[int] = ..., wait_ring_ns: _Optional[int] = ..., wait_work_ns: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., corrupt_skipped: _Optional[int] = ...) -> None: ...
+
+class NextBatchResponse(_message.Message):
+    __slots__ = ("lease", "samples", "position", "end", "stats")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    position: int
+    end: bool
+    stats: PrefetchStats
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., position: _Optional[int] = ..., end: _Optional[bool] = ..., stats: _Optional[_Union[PrefetchStats, _Mapping]] = ...) -> None: ...
+
+class CloseDatasetRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class CloseDatasetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,180 @@
+"""ckptd.torch.CkptdIterableDataset under torch's DataLoader, workers included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, default_collate
+from wds import write_shards
+
+import ckptd
+from ckptd.torch import Batch, BatchDict, CkptdIterableDataset
+
+SHARDS, PER, BATCH = 7, 20, 8
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*pin_memory.*:UserWarning",  # a CPU-only machine has nothing to pin into
+    "ignore:.*worker.*:UserWarning",  # more workers than this machine's CPUs
+)
+
+
+@pytest.fixture
+def data(tmp_path):
+    return tmp_path / "data", write_shards(tmp_path / "data", SHARDS, PER)
+
+
+def to_tensors(sample: dict) -> dict:
+    """A decode step, as a trainer's would be: bytes to tensors."""
+    return {
+        "label": torch.tensor(int(sample["cls"])),
+        "length": torch.tensor(len(sample["txt"])),
+        "key": sample["__key__"],
+    }
+
+
+def loader(ds: CkptdIterableDataset, workers: int, **kw) -> DataLoader:
+    return DataLoader(ds, batch_size=None, num_workers=workers, **kw)
+
+
+def keys_of(batches) -> list[str]:
+    return [s["__key__"] for b in batches for s in b]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_sample_once_through_a_dataloader(dataset_daemon, data, workers):
+    folder, want = data
+    ds = CkptdIterableDataset(folder, batch_size=BATCH, socket=dataset_daemon.socket)
+    batches = list(loader(ds, workers, pin_memory=True))
+    assert all(isinstance(b, Batch) for b in batches)
+    assert {b.worker for b in batches} == set(range(max(workers, 1)))
+    got = keys_of(batches)
+    assert len(got) == len(set(got)) == len(want)
+    for b in batches:
+        for s in b:
+            assert s["txt"] == want[s["__key__"]]["txt"]
+
+
+def test_ranks_times_workers_split_the_epoch_exactly_once(dataset_daemon, data):
+    folder, want = data
+    per_rank = []
+    for rank in range(2):
+        ds = CkptdIterableDataset(
+            folder, batch_size=BATCH, rank=rank, world_size=2, seed=4,
+            socket=dataset_daemon.socket,
+        )  # fmt: skip
+        per_rank.append(keys_of(loader(ds, 2)))
+    flat = per_rank[0] + per_rank[1]
+    assert len(flat) == len(set(flat)) == len(want)
+
+
+def test_a_worker_reads_as_a_finer_rank(dataset_daemon, data):
+    """Worker w of W on rank r reads exactly what Client.dataset gives rank r*W+w of R*W."""
+    folder, _ = data
+    ds = CkptdIterableDataset(
+        folder, batch_size=BATCH, rank=1, world_size=2, seed=4, epoch=3,
+        socket=dataset_daemon.socket,
+    )  # fmt: skip
+    by_worker: dict[int, list[str]] = {0: [], 1: []}
+    for b in loader(ds, 2):
+        by_worker[b.worker] += [s["__key__"] for s in b]
+    with dataset_daemon.client() as c:
+        for w in (0, 1):
+            d = c.dataset(folder, batch_size=BATCH, rank=2 + w, world_size=4, seed=4, epoch=3)
+            assert by_worker[w] == [s["__key__"] for b in d for s in b]
+
+
+def test_transform_collate_and_pin_memory(dataset_daemon, data):
+    folder, want = data
+    ds = CkptdIterableDataset(
+        folder, batch_size=BATCH, socket=dataset_daemon.socket, transform=to_tensors,
+        collate_fn=default_collate,
+    )  # fmt: skip
+    n = 0
+    for b in loader(ds, 2, pin_memory=True):
+        assert isinstance(b, BatchDict)
+        assert isinstance(b["label"], torch.Tensor) and b["label"].dtype == torch.int64
+        for key, label, length in zip(b["key"], b["label"], b["length"], strict=True):
+            assert int(label) == int(want[key]["cls"])
+            assert int(length) == len(want[key]["txt"])
+        n += len(b["key"])
+    assert n == len(want)
+
+
+def test_set_epoch_changes_the_order(dataset_daemon, data):
+    folder, _ = data
+    ds = CkptdIterableDataset(folder, batch_size=BATCH, socket=dataset_daemon.socket)
+    first = keys_of(loader(ds, 0))
+    assert keys_of(loader(ds, 0)) == first
+    ds.set_epoch(1)
+    second = keys_of(loader(ds, 0))
+    assert second != first
+    assert sorted(second) == sorted(first)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_dict_resumes_after_the_observed_batches(dataset_daemon, data, workers):
+    folder, want = data
+    kw = {"batch_size": BATCH, "seed": 8, "epoch": 2, "socket": dataset_daemon.socket}
+    ds = CkptdIterableDataset(folder, **kw)
+    seen: list[str] = []
+    for i, b in enumerate(loader(ds, workers)):
+        ds.observe(b)
+        seen += [s["__key__"] for s in b]
+        if i == 4:
+            break
+    state = ds.state_dict()
+    assert state["num_workers"] == max(workers, 1)
+    assert sum(state["positions"]) == len(seen)
+
+    fresh = CkptdIterableDataset(folder, **{**kw, "epoch": 0})
+    fresh.load_state_dict(state)
+    assert fresh.epoch == 2
+    fresh.set_epoch(2)  # the loop's set_epoch for the resumed epoch keeps the positions
+    rest = keys_of(loader(fresh, workers))
+    assert len(seen) + len(rest) == len(want)
+    assert set(seen) | set(rest) == set(want)
+
+    fresh.set_epoch(3)  # a new epoch starts from the beginning
+    assert len(keys_of(loader(fresh, workers))) == len(want)
+
+
+def test_resuming_with_other_workers_is_refused(dataset_daemon, data):
+    folder, _ = data
+    ds = CkptdIterableDataset(folder, batch_size=BATCH, socket=dataset_daemon.socket)
+    ds.load_state_dict(
+        {"epoch": 0, "seed": 0, "rank": 0, "world_size": 1, "num_workers": 2, "positions": [8, 8]}
+    )
+    with pytest.raises(ValueError, match="2 DataLoader workers"):
+        list(loader(ds, 0))
+    with pytest.raises(ValueError, match="seed=5"):
+        ds.load_state_dict(
+            {"epoch": 0, "seed": 5, "rank": 0, "world_size": 1, "num_workers": 1, "positions": [0]}
+        )
+
+
+def test_observe_needs_a_tagged_batch(dataset_daemon, data):
+    folder, _ = data
+    ds = CkptdIterableDataset(folder, batch_size=BATCH, socket=dataset_daemon.socket)
+    with pytest.raises(TypeError, match="observe"):
+        ds.observe([{"__key__": "x"}])
+
+
+def test_bad_arguments_surface_from_the_workers(dataset_daemon, data):
+    folder, _ = data
+    ds = CkptdIterableDataset(folder, batch_size=0, socket=dataset_daemon.socket)
+    with pytest.raises(ckptd.InvalidArgumentError, match="batch_size must be positive"):
+        list(loader(ds, 0))
+    with pytest.raises(ValueError, match="batch_size must be positive"):
+        list(loader(ds, 2))
+
+
+def test_spawned_workers_with_a_client_open_in_the_parent(dataset_daemon, data):
+    """Workers open their own clients; the parent's channel is never shared."""
+    folder, want = data
+    with dataset_daemon.client() as parent:
+        parent.steps()  # gRPC is live in the parent when the workers start
+        ds = CkptdIterableDataset(folder, batch_size=BATCH, socket=dataset_daemon.socket)
+        for ctx in ("fork", "spawn"):
+            got = keys_of(loader(ds, 2, multiprocessing_context=ctx))
+            assert sorted(got) == sorted(want), ctx
+        assert parent.steps() == []

@@ -1,0 +1,176 @@
+"""ckptd.torch: model, optimizer and extra state come back bit-exact."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+import ckptd
+import ckptd.torch as ct
+from ckptd import _arena
+
+
+def make_model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 4),
+    )
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(32, 8, generator=g)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor):
+            assert v.dtype == b[k].dtype, k
+            assert torch.equal(v, b[k]), k
+        elif isinstance(v, dict):
+            assert_same_state(v, b[k])
+        else:
+            assert v == b[k], k
+            assert type(v) is type(b[k]), k
+
+
+def test_model_and_adamw_round_trip_bit_exact(client, job):
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1)
+    train(model, opt, 5, seed=1)
+    extra = {
+        "step": 5,
+        "torch_rng": torch.get_rng_state(),
+        "numpy_rng": np.random.default_rng(3).bit_generator.state,
+        "legacy_numpy_rng": np.random.RandomState(4).get_state(),
+        "python_rng": random.Random(5).getstate(),
+        "loader": {"epoch": 2, "offset": 1234, "order": [3, 1, 2], "shard": "train-0007.tar"},
+        "lr_history": (1e-3, float("inf"), -0.0, 1 / 3),
+        "blob": b"\x00\x01",
+        "none": None,
+        "int_keys": {1: "a", "1": "b", (2, 3): "c"},
+        "dtype": torch.bfloat16,
+        "np_scalar": np.float32(1.25),
+        "empty": {},
+        "tensors": [torch.arange(3), torch.ones(2, 2, dtype=torch.bfloat16)],
+    }
+    ct.save_state_dict(client, 5, model, opt, extra=extra, job=job, metadata=b"m").wait(30)
+
+    torch.manual_seed(99)
+    model2 = make_model()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=5.0)
+    got = ct.load_state_dict(client, 5, model2, opt2, job=job)
+
+    assert_same_state(model.state_dict(), model2.state_dict())
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]
+    assert s1["state"].keys() == s2["state"].keys()
+    for i in s1["state"]:
+        assert_same_state(s1["state"][i], s2["state"][i])
+    assert torch.equal(got["torch_rng"], extra["torch_rng"])
+    assert got["numpy_rng"] == extra["numpy_rng"]
+    assert got["legacy_numpy_rng"][0] == extra["legacy_numpy_rng"][0]
+    assert np.array_equal(got["legacy_numpy_rng"][1], extra["legacy_numpy_rng"][1])
+    assert got["legacy_numpy_rng"][2:] == extra["legacy_numpy_rng"][2:]
+    assert got["python_rng"] == extra["python_rng"]
+    for k in ("step", "loader", "lr_history", "blob", "none", "int_keys", "dtype", "empty"):
+        assert got[k] == extra[k] and type(got[k]) is type(extra[k]), k
+    assert str(got["lr_history"][2]) == "-0.0"
+    assert type(got["np_scalar"]) is np.float32 and got["np_scalar"] == extra["np_scalar"]
+    assert all(torch.equal(a, b) for a, b in zip(got["tensors"], extra["tensors"], strict=True))
+
+    # Training on from both gives identical weights: nothing was lost.
+    train(model, opt, 3, seed=7)
+    train(model2, opt2, 3, seed=7)
+    assert_same_state(model.state_dict(), model2.state_dict())
+
+
+def test_random_state_restores_the_same_stream(client, job):
+    model = torch.nn.Linear(2, 2)
+    ct.save_state_dict(client, 1, model, extra={"rng": torch.get_rng_state()}, job=job).wait(30)
+    expected = torch.rand(5)
+    torch.rand(100)
+    extra = ct.load_state_dict(client, 1, model, job=job)
+    torch.set_rng_state(extra["rng"])
+    assert torch.equal(torch.rand(5), expected)
+
+
+def test_names_are_readable_in_the_shard(client, job):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_sgd = model(torch.ones(1, 3)).sum()
+    train_sgd.backward()
+    opt.step()
+    ct.save_state_dict(client, 1, model, opt, extra={"rng": torch.get_rng_state()}, job=job).wait(
+        30
+    )
+    flat = client.load(1, job=job, nested=False)
+    assert {
+        "model:weight",
+        "model:bias",
+        "optimizer:state:0:momentum_buffer",
+        "extra:rng",
+        "ckptd.torch",
+    } <= set(flat)
+
+
+def test_state_dict_mappings_and_latest(client, job):
+    model = torch.nn.Linear(4, 4)
+    sd = OrderedDict((k, v.clone()) for k, v in model.state_dict().items())
+    ct.save_state_dict(client, 3, sd, job=job).wait(30)
+    ct.save_state_dict(client, 4, model, extra=4, job=job).wait(30)
+    with torch.no_grad():
+        model.weight.zero_()
+    assert ct.load_state_dict(client, None, model, latest=True, job=job) == 4
+    assert torch.equal(model.weight, sd["weight"])
+
+
+def test_errors(client, job):
+    model = torch.nn.Linear(2, 2)
+    client.save(1, {"w": np.zeros(2)}, job=job).wait(30)
+    with pytest.raises(ckptd.CkptdError, match=r"not saved with ckptd\.torch"):
+        ct.load_state_dict(client, 1, model, job=job)
+    ct.save_state_dict(client, 2, model, job=job).wait(30)
+    with pytest.raises(ValueError, match="without an optimizer"):
+        ct.load_state_dict(client, 2, model, torch.optim.SGD(model.parameters(), lr=1), job=job)
+    with pytest.raises(TypeError, match="extra:bad is a object"):
+        ct.save_state_dict(client, 3, model, extra={"bad": object()}, job=job)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        ct.load_state_dict(client, 2, torch.nn.Linear(3, 2), job=job)
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_round_trip(client, job, device):
+    """CUDA tensors go by DMA through the registered arena; CPU ones by memcpy.
+
+    Without CUDA (CI) this runs the CPU case and checks that nothing tried
+    to register the arena; on a GPU machine it covers the CUDA path too.
+    """
+    src = {
+        "w": torch.randn(64, 33, device=device).t(),
+        "b": torch.arange(5, device=device, dtype=torch.bfloat16),
+    }
+    client.save(1, src, job=job).wait(30)
+    got = client.load(1, job=job, device=device)
+    for k, v in src.items():
+        assert got[k].device.type == device and torch.equal(got[k], v), k
+    assert client._arena is not None
+    assert client._arena.pin() is torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        assert _arena._cuda_host_register(0, 4096) is False
