@@ -185,7 +185,14 @@ func TestSaveRestoreSeveralRanksAndSteps(t *testing.T) {
 // a step, commit it exactly once with no coordinator.
 func TestTwoDaemonsCommitOnce(t *testing.T) {
 	store := filepath.Join(t.TempDir(), "shared")
-	a, b := startDaemon(t, store), startDaemon(t, store)
+	commitOnceAcross(t, startDaemon(t, store), startDaemon(t, store))
+}
+
+// commitOnceAcross saves steps 1-3 of world size 4 through two daemons
+// sharing one store, even ranks through a and odd ones through b, and
+// checks that each step was committed by exactly one of them and restores.
+func commitOnceAcross(t *testing.T, a, b *daemon) {
+	t.Helper()
 	ca, cb := a.client(), b.client()
 	const world = 4
 	for _, step := range []int64{1, 2, 3} {
@@ -226,7 +233,7 @@ func TestTwoDaemonsCommitOnce(t *testing.T) {
 		}
 	}
 	for rank := range world {
-		got, err := ca.Load(ctxT(t), &ckptd.LoadRequest{Step: 2, Rank: rank})
+		got, err := cb.Load(ctxT(t), &ckptd.LoadRequest{Step: 2, Rank: rank})
 		if err != nil {
 			t.Fatal(err)
 		}

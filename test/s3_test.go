@@ -10,7 +10,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -115,53 +114,7 @@ func withoutEndpoint(env []string) []string {
 // commit it exactly once: the commit record is a conditional PUT.
 func TestS3TwoDaemonsCommitOnce(t *testing.T) {
 	srv, bucket, store := s3Store(t)
-	a, b := startDaemonEnv(t, store, srv.Env()), startDaemonEnv(t, store, srv.Env())
-	ca, cb := a.client(), b.client()
-	const world = 4
-	for _, step := range []int64{1, 2, 3} {
-		var wg sync.WaitGroup
-		errs := make(chan error, world)
-		for rank := range world {
-			c := ca
-			if rank%2 == 1 {
-				c = cb
-			}
-			wg.Go(func() {
-				h, err := c.Save(ctxT(t), shard(step, rank, world))
-				if err == nil {
-					err = h.Wait(ctxT(t))
-				}
-				errs <- err
-			})
-		}
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			if err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	time.Sleep(200 * time.Millisecond) // let log lines arrive
-	logs := a.logs() + b.logs()
-	for _, step := range []string{"step=1", "step=2", "step=3"} {
-		n := 0
-		for _, l := range strings.Split(logs, "\n") {
-			if strings.Contains(l, `msg="step committed"`) && strings.Contains(l, step) {
-				n++
-			}
-		}
-		if n != 1 {
-			t.Errorf("%s committed %d times\n%s", step, n, logs)
-		}
-	}
-	for rank := range world {
-		got, err := cb.Load(ctxT(t), &ckptd.LoadRequest{Step: 2, Rank: rank})
-		if err != nil {
-			t.Fatal(err)
-		}
-		checkShard(t, got, shard(2, rank, world))
-	}
+	commitOnceAcross(t, startDaemonEnv(t, store, srv.Env()), startDaemonEnv(t, store, srv.Env()))
 	checkNoUploads(t, srv, bucket)
 }
 

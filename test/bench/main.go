@@ -19,7 +19,6 @@ import (
 	"log/slog"
 	"math"
 	"math/rand/v2"
-	"net"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -34,7 +33,7 @@ import (
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/codec"
-	"github.com/ckptd/ckptd/internal/server"
+	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/posix"
 )
 
@@ -168,7 +167,7 @@ type daemon struct {
 	mgr    *checkpoint.Manager
 	srv    *grpc.Server
 	client *ckptd.Client
-	store  *posix.Backend
+	store  storage.Backend
 }
 
 func startDaemon(cfg config, work string) (*daemon, error) {
@@ -176,30 +175,7 @@ func startDaemon(cfg config, work string) (*daemon, error) {
 	if err != nil {
 		return nil, err
 	}
-	a, err := arena.Open(arena.Options{Dir: fmt.Sprintf("/dev/shm/ckptd-bench-%d", os.Getpid()), Size: cfg.size + 64<<20, Lock: true})
-	if err != nil {
-		return nil, err
-	}
-	mgr, err := checkpoint.NewManager(a, b, checkpoint.ManagerConfig{
-		DefaultJob: "bench",
-		Writer:     checkpoint.WriterOptions{ChunkSize: cfg.chunkSize, Codec: cfg.codec, Workers: cfg.workers},
-	})
-	if err != nil {
-		return nil, err
-	}
-	sock := filepath.Join(work, "ckptd.sock")
-	lis, err := net.Listen("unix", sock)
-	if err != nil {
-		return nil, err
-	}
-	srv := grpc.NewServer()
-	server.Register(srv, mgr)
-	go func() { _ = srv.Serve(lis) }()
-	c, err := ckptd.Dial(sock)
-	if err != nil {
-		return nil, err
-	}
-	return &daemon{arena: a, mgr: mgr, srv: srv, client: c, store: b}, nil
+	return startDaemonOn(cfg, b, work, "local")
 }
 
 func (d *daemon) close() {

@@ -74,7 +74,7 @@ func benchS3(cfg config, data []byte, work string) ([]row, error) {
 		return nil, err
 	}
 	defer b.Close()
-	d, err := startDaemonOn(cfg, b, work)
+	d, err := startDaemonOn(cfg, b, work, "s3")
 	if err != nil {
 		return nil, err
 	}
@@ -93,10 +93,10 @@ func benchS3(cfg config, data []byte, work string) ([]row, error) {
 	return append(drain, restore...), nil
 }
 
-// startDaemonOn is startDaemon on backend b, with the read concurrency of
-// ckptd serve.
-func startDaemonOn(cfg config, b storage.Backend, work string) (*daemon, error) {
-	a, err := arena.Open(arena.Options{Dir: fmt.Sprintf("/dev/shm/ckptd-bench-s3-%d", os.Getpid()), Size: cfg.size + 64<<20, Lock: true})
+// startDaemonOn starts an in-process daemon (the Manager and gRPC server of
+// ckptd serve) on backend b, with its own arena and socket named by name.
+func startDaemonOn(cfg config, b storage.Backend, work, name string) (*daemon, error) {
+	a, err := arena.Open(arena.Options{Dir: fmt.Sprintf("/dev/shm/ckptd-bench-%s-%d", name, os.Getpid()), Size: cfg.size + 64<<20, Lock: true})
 	if err != nil {
 		return nil, err
 	}
@@ -109,7 +109,7 @@ func startDaemonOn(cfg config, b storage.Backend, work string) (*daemon, error) 
 		_ = a.Remove()
 		return nil, err
 	}
-	sock := filepath.Join(work, "ckptd-s3.sock")
+	sock := filepath.Join(work, "ckptd-"+name+".sock")
 	lis, err := net.Listen("unix", sock)
 	if err != nil {
 		return nil, err
@@ -121,7 +121,7 @@ func startDaemonOn(cfg config, b storage.Backend, work string) (*daemon, error) 
 	if err != nil {
 		return nil, err
 	}
-	return &daemon{arena: a, mgr: mgr, srv: srv, client: c}, nil
+	return &daemon{arena: a, mgr: mgr, srv: srv, client: c, store: b}, nil
 }
 
 // rate runs fn and returns n bytes over the time it took.
