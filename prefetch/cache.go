@@ -54,7 +54,9 @@ const (
 // per-shard lock. onMiss is called, before any storage read, when the
 // shard is not cached, so the caller can account the wait to storage.
 func (c *Cache) Get(ctx context.Context, b storage.Backend, sh Shard, onMiss func()) ([]byte, fetch, error) {
-	key := b.Location() + "\x00" + sh.Name
+	// Size and time in the key: a shard rewritten in place is a new entry,
+	// never the stale bytes of the old one.
+	key := fmt.Sprintf("%s\x00%s\x00%d\x00%d", b.Location(), sh.Name, sh.Size, sh.ModTime.UnixNano())
 	if data, ok := c.rc.Get(key); ok {
 		return data, fromCache, nil
 	}

@@ -58,29 +58,39 @@ func ShardsForRank(shards []Shard, seed uint64, epoch int64, rank, worldSize int
 	return mine
 }
 
-// shuffler shuffles a stream of samples within a window: each incoming
-// sample replaces a random one of the window, which is emitted. The output
-// is a pure function of the input and the seed.
+// shuffler shuffles a stream of samples within a window: once the window
+// holds `initial` samples, each push emits a random one. The window then
+// grows by one every second push up to `size`, as WebDataset's does, so the
+// first batch needs a few samples, not a whole window. The output is a pure
+// function of the input and the seed.
 type shuffler struct {
-	rng    *rand.Rand
-	window []Sample
-	size   int
+	rng     *rand.Rand
+	window  []Sample
+	size    int
+	initial int
+	pushes  int
 }
 
 func newShuffler(spec *Spec) *shuffler {
 	seed2 := uint64(spec.Epoch)<<20 ^ uint64(spec.Rank)
-	return &shuffler{rng: rand.New(rand.NewPCG(spec.Seed^0x9e3779b97f4a7c15, seed2)), size: spec.ShuffleWindow}
+	return &shuffler{
+		rng:  rand.New(rand.NewPCG(spec.Seed^0x9e3779b97f4a7c15, seed2)),
+		size: spec.ShuffleWindow, initial: min(spec.ShuffleWindow, 100),
+	}
 }
 
 // push adds s and returns a sample to emit once the window is full.
 func (sh *shuffler) push(s Sample) (Sample, bool) {
-	if len(sh.window) < sh.size {
-		sh.window = append(sh.window, s)
+	sh.window = append(sh.window, s)
+	sh.pushes++
+	n := len(sh.window)
+	if n < sh.initial || n < sh.size && sh.pushes%2 == 1 {
 		return Sample{}, false
 	}
-	j := sh.rng.IntN(len(sh.window))
+	j := sh.rng.IntN(n)
 	out := sh.window[j]
-	sh.window[j] = s
+	sh.window[j] = sh.window[n-1]
+	sh.window = sh.window[:n-1]
 	return out, true
 }
 

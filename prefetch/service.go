@@ -28,6 +28,9 @@ type ServiceConfig struct {
 	// Slots and SlotBytes size each session's ring (defaults 4 × 16 MiB).
 	Slots     int
 	SlotBytes int64
+	// AllocWait bounds the wait for arena space for a new session's ring
+	// (default 30s), as --staging-wait does for saves.
+	AllocWait time.Duration
 	// IdleTimeout closes sessions nobody asked for a batch for (default 10m),
 	// so a trainer that died does not pin its ring.
 	IdleTimeout time.Duration
@@ -59,6 +62,9 @@ func NewService(a *arena.Arena, cfg ServiceConfig) (*Service, error) {
 	}
 	if cfg.SlotBytes <= 0 {
 		cfg.SlotBytes = 16 << 20
+	}
+	if cfg.AllocWait <= 0 {
+		cfg.AllocWait = 30 * time.Second
 	}
 	if cfg.IdleTimeout <= 0 {
 		cfg.IdleTimeout = 10 * time.Minute
@@ -128,7 +134,9 @@ func (s *Service) OpenSession(ctx context.Context, source string, spec Spec) (st
 	if err != nil {
 		return "", Stats{}, err
 	}
-	ring, err := NewRing(ctx, s.arena, s.cfg.Slots, s.cfg.SlotBytes)
+	rctx, cancel := context.WithTimeout(ctx, s.cfg.AllocWait)
+	ring, err := NewRing(rctx, s.arena, s.cfg.Slots, s.cfg.SlotBytes)
+	cancel()
 	if err != nil {
 		it.Close()
 		return "", Stats{}, err

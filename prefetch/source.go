@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/ckptd/ckptd/storage"
 )
@@ -37,8 +38,9 @@ func ParseFormat(s string) (Format, error) {
 
 // Shard is one object of a dataset.
 type Shard struct {
-	Name string // full object name in the backend
-	Size int64
+	Name    string // full object name in the backend
+	Size    int64
+	ModTime time.Time
 }
 
 // ListShards lists a dataset's shards under prefix, in name order: .tar
@@ -48,7 +50,7 @@ func ListShards(ctx context.Context, b storage.Backend, prefix string, f Format)
 	var shards []Shard
 	err := b.List(ctx, prefix, func(oi storage.ObjectInfo) error {
 		if f == Raw || strings.HasSuffix(oi.Name, ".tar") {
-			shards = append(shards, Shard{Name: oi.Name, Size: oi.Size})
+			shards = append(shards, Shard{Name: oi.Name, Size: oi.Size, ModTime: oi.ModTime})
 		}
 		return nil
 	})

@@ -160,3 +160,16 @@ func TestBadStorageURL(t *testing.T) {
 		t.Fatalf("bad job: %v", err)
 	}
 }
+
+// Readers never create storage: a mistyped path is an error, not a new
+// empty folder.
+func TestReadersDoNotCreateStorage(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "typo")
+	err := runList(context.Background(), &listOptions{storageOptions: storageOptions{URL: missing, Job: "j"}}, &bytes.Buffer{})
+	if err == nil || !strings.Contains(err.Error(), "no such folder") {
+		t.Fatalf("list of a missing folder: %v", err)
+	}
+	if _, err := os.Stat(missing); !os.IsNotExist(err) {
+		t.Fatalf("list created %s", missing)
+	}
+}

@@ -42,13 +42,13 @@ func defaultStorage() string {
 	return filepath.Join(os.TempDir(), "ckptd-data")
 }
 
-func (o *storageOptions) open(ctx context.Context) (storage.Backend, error) {
-	return openStorage(ctx, o.URL, o.S3Endpoint, o.S3Region)
+func (o *storageOptions) open(ctx context.Context, create bool) (storage.Backend, error) {
+	return openStorage(ctx, o.URL, o.S3Endpoint, o.S3Region, create)
 }
 
 // openStore opens the backend and a Store for the job.
 func (o *storageOptions) openStore(ctx context.Context) (*checkpoint.Store, func(), error) {
-	b, err := o.open(ctx)
+	b, err := o.open(ctx, false)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -93,7 +93,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	if err != nil {
 		return usageError{err}
 	}
-	b, err := o.open(ctx)
+	b, err := o.open(ctx, true)
 	if err != nil {
 		return err
 	}
@@ -124,10 +124,10 @@ func runServe(ctx context.Context, o *serveOptions) error {
 		return err
 	}
 	pf, err := prefetch.NewService(a, prefetch.ServiceConfig{
-		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes),
+		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
 		Logger: log, Metrics: metrics.NewPrefetch(reg),
 		Open: func(ctx context.Context, url string) (storage.Backend, error) {
-			return openStorage(ctx, url, o.S3Endpoint, o.S3Region)
+			return openStorage(ctx, url, o.S3Endpoint, o.S3Region, false)
 		},
 	})
 	if err != nil {

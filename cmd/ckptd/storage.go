@@ -7,6 +7,8 @@ import (
 	"github.com/ckptd/ckptd/storage/storageurl"
 )
 
-func openStorage(ctx context.Context, url, s3Endpoint, s3Region string) (storage.Backend, error) {
-	return storageurl.Open(ctx, url, storageurl.OpenOptions{S3Endpoint: s3Endpoint, S3Region: s3Region})
+// openStorage opens a storage URL; only serve's checkpoint store may be
+// created (create), everything else must already exist.
+func openStorage(ctx context.Context, url, s3Endpoint, s3Region string, create bool) (storage.Backend, error) {
+	return storageurl.Open(ctx, url, storageurl.OpenOptions{S3Endpoint: s3Endpoint, S3Region: s3Region, MustExist: !create})
 }

@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"os"
 	"path/filepath"
 	"strings"
 
@@ -34,6 +35,10 @@ type OpenOptions struct {
 	S3Region string
 	// DisableDirectIO makes POSIX stores write through the page cache only.
 	DisableDirectIO bool
+	// MustExist refuses a POSIX folder that does not exist instead of
+	// creating it: readers (list, restore, a dataset source) must not leave
+	// an empty folder behind for a mistyped path.
+	MustExist bool
 }
 
 // Open returns the backend for rawURL. The caller closes it.
@@ -103,6 +108,11 @@ func openFileURL(rawURL string, opts OpenOptions) (storage.Backend, error) {
 }
 
 func openDir(dir string, opts OpenOptions) (storage.Backend, error) {
+	if opts.MustExist {
+		if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
+			return nil, fmt.Errorf("storage %q: no such folder", dir)
+		}
+	}
 	b, err := posix.NewWithOptions(dir, posix.Options{DirectIO: !opts.DisableDirectIO})
 	if err != nil {
 		return nil, fmt.Errorf("storage %q: %w", dir, err)

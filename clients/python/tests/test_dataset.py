@@ -335,8 +335,12 @@ def test_sources_without_samples_are_invalid_argument(dc, tmp_path):
     (empty / "notes.txt").write_text("no shards here")
     with pytest.raises(ckptd.InvalidArgumentError, match=r"no \.tar shards"):
         dc.dataset(empty, batch_size=4)
+    (tmp_path / "raw-empty").mkdir()
     with pytest.raises(ckptd.InvalidArgumentError, match="no objects"):
-        dc.dataset(tmp_path / "empty2", format="raw", batch_size=4)
+        dc.dataset(tmp_path / "raw-empty", format="raw", batch_size=4)
+    with pytest.raises(ckptd.InvalidArgumentError, match="no such folder"):
+        dc.dataset(tmp_path / "missing", batch_size=4)
+    assert not (tmp_path / "missing").exists(), "a bad source must change nothing"
     with pytest.raises(ckptd.InvalidArgumentError, match="empty"):
         dc.dataset("", batch_size=4)
     with pytest.raises(ckptd.InvalidArgumentError, match='unsupported scheme "http"'):
