@@ -19,7 +19,8 @@ def test_save_while_an_earlier_save_still_drains(make_daemon, job):
         h2 = c.save(2, {"w": a * 2}, job=job)  # the first is still in the arena
         assert time.monotonic() - t0 < 1.0  # neither save waited for a drain
         assert not h1.done() and not h2.done()
-        assert h1.status == ckptd.SaveStatus.STAGED
+        assert h1.status == ckptd.SaveStatus.DRAINING  # held by the delayed drain worker
+        assert h2.status == ckptd.SaveStatus.STAGED  # queued behind it (--drains 1)
         a[:] = -1  # the caller owns its tensors again as soon as save returns
         h1.wait(30)
         h2.wait(30)

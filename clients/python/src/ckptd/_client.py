@@ -63,9 +63,19 @@ def default_socket() -> str:
 class SaveStatus(str, enum.Enum):
     """Where an accepted save stands, as far as its handle knows."""
 
-    STAGED = "staged"  # in the arena and journaled; not known durable yet
+    STAGED = "staged"  # in the arena and journaled, waiting for a drain worker
+    DRAINING = "draining"  # being compressed and written
+    DURABLE = "durable"  # this rank is durable; other ranks of the step are missing
     COMMITTED = "committed"  # durable, and the step's commit record exists
     FAILED = "failed"  # the daemon gave up; wait() raises SaveFailedError
+
+
+_LIVE = {
+    pb.SAVE_STATE_DRAINING: SaveStatus.DRAINING,
+    pb.SAVE_STATE_DURABLE: SaveStatus.DURABLE,
+    pb.SAVE_STATE_COMMITTED: SaveStatus.COMMITTED,
+    pb.SAVE_STATE_FAILED: SaveStatus.FAILED,
+}
 
 
 @dataclass(frozen=True)
@@ -145,13 +155,24 @@ class SaveHandle:
 
     @property
     def status(self) -> SaveStatus:
-        """STAGED until the daemon reports the step committed or the save failed."""
+        """Where the save stands now; asks the daemon (without waiting) while it runs."""
         r = self._poll()
         if r is None:
-            return SaveStatus.STAGED
+            return self._live_status()
         if isinstance(r, pb.WaitSaveResponse) and r.state == pb.SAVE_STATE_COMMITTED:
             return SaveStatus.COMMITTED
         return SaveStatus.FAILED
+
+    def _live_status(self) -> SaveStatus:
+        if self._client.closed:
+            return SaveStatus.STAGED  # unknown here; the daemon still has it journaled
+        req = self._request()
+        req.nowait = True
+        try:
+            state = self._client._stub.WaitSave(req, timeout=5).state
+        except grpc.RpcError:
+            return SaveStatus.STAGED  # the daemon is away; the save is journaled
+        return _LIVE.get(state, SaveStatus.STAGED)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save is durable and its step committed.
