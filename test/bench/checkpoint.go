@@ -220,21 +220,7 @@ func readDecodeBaseline(cfg config, d *daemon, step int64, work string) (float64
 		if _, err := f.ReadAt(stored, 0); err != nil {
 			return 0, err
 		}
-		var g errgroup.Group
-		g.SetLimit(cfg.workers)
-		for _, c := range m.Chunks {
-			g.Go(func() error {
-				src := stored[c.Offset : c.Offset+c.Stored]
-				dst := out[c.RawOffset : c.RawOffset : c.RawOffset+c.Raw]
-				if c.Codec == codec.None {
-					copy(dst[:c.Raw], src)
-					return nil
-				}
-				_, err := codec.Decode(c.Codec, dst, src, int(c.Raw))
-				return err
-			})
-		}
-		if err := g.Wait(); err != nil {
+		if err := decodeAll(cfg, m, stored, out); err != nil {
 			return 0, err
 		}
 		ts = append(ts, float64(m.DataSize)/time.Since(start).Seconds())

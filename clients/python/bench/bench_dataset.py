@@ -39,18 +39,18 @@ import contextlib
 import io
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from _serve import serve
 
 import ckptd
 
@@ -211,36 +211,12 @@ def wds_loader(paths: list[Path], batch: int) -> Iterable[list]:
     return DataLoader(ds, batch_size=None, num_workers=2)
 
 
-@contextlib.contextmanager
-def daemon(binary: str, work: Path) -> Iterator[str]:
+def daemon(binary: str, work: Path) -> contextlib.AbstractContextManager[str]:
     """A fresh `ckptd serve` (empty cache) with a temporary socket and arena."""
-    tmp = Path(tempfile.mkdtemp(prefix="ckptd-dsbench-"))
-    sock = str(tmp / "ckptd.sock")
-    arena = f"/dev/shm/ckptd-dsbench-{os.getpid()}"
-    log = open(tmp / "ckptd.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [binary, "serve", "--socket", sock, "--storage", str(work / "store"), "--arena-dir", arena,
-         "--staging-bytes", "256MiB", "--cache-bytes", "4GiB", "--job", "bench"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with ckptd.Client(sock, timeout=2) as c:
-                    c.steps()
-                break
-            except ckptd.DaemonUnavailableError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    sys.exit(f"ckptd serve did not start:\n{(tmp / 'ckptd.log').read_text()}")
-                time.sleep(0.05)
-        yield sock
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
-        log.close()
-        shutil.rmtree(arena, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+    store = str(work / "store")
+    return serve(
+        binary, "dsbench", "--storage", store, "--staging-bytes", "256MiB", "--cache-bytes", "4GiB"
+    )
 
 
 def ckptd_epochs(

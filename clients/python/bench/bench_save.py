@@ -26,7 +26,6 @@ import contextlib
 import mmap
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _serve import serve
 
 import ckptd
 
@@ -109,36 +109,9 @@ def numpy_copy(arrays: list[np.ndarray], mem: np.ndarray) -> None:
         off += n
 
 
-@contextlib.contextmanager
-def daemon(binary: str, storage: Path, staging: int) -> Iterator[str]:
+def daemon(binary: str, storage: Path, staging: int) -> contextlib.AbstractContextManager[str]:
     """A `ckptd serve` with a temporary socket and arena; yields the socket."""
-    tmp = Path(tempfile.mkdtemp(prefix="ckptd-bench-"))
-    sock = str(tmp / "ckptd.sock")
-    arena = f"/dev/shm/ckptd-pybench-{os.getpid()}"
-    log = open(tmp / "ckptd.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [binary, "serve", "--socket", sock, "--storage", str(storage), "--arena-dir", arena,
-         "--staging-bytes", str(staging), "--job", "bench"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with ckptd.Client(sock, timeout=2) as c:
-                    c.steps()
-                break
-            except ckptd.DaemonUnavailableError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    sys.exit(f"ckptd serve did not start:\n{(tmp / 'ckptd.log').read_text()}")
-                time.sleep(0.05)
-        yield sock
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
-        log.close()
-        shutil.rmtree(arena, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+    return serve(binary, "pybench", "--storage", str(storage), "--staging-bytes", str(staging))
 
 
 def build(binary: str | None, tmp: Path) -> str:

@@ -1,0 +1,49 @@
+"""A `ckptd serve` for the benchmarks: temporary socket and arena, stopped after."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import ckptd
+
+
+@contextlib.contextmanager
+def serve(binary: str, name: str, *args: str) -> Iterator[str]:
+    """Start `binary serve` with args plus its own socket and arena; yield the socket."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"ckptd-{name}-"))
+    sock = str(tmp / "ckptd.sock")
+    arena = f"/dev/shm/ckptd-{name}-{os.getpid()}"
+    log = open(tmp / "ckptd.log", "wb")  # noqa: SIM115 - closed below
+    cmd = [binary, "serve", "--socket", sock, "--arena-dir", arena, "--job", "bench", *args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_ready(sock, proc, tmp / "ckptd.log")
+        yield sock
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+        log.close()
+        shutil.rmtree(arena, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_ready(sock: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with ckptd.Client(sock, timeout=2) as c:
+                c.steps()
+            return
+        except ckptd.DaemonUnavailableError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"ckptd serve did not start:\n{log.read_text()}")
+            time.sleep(0.05)
