@@ -36,10 +36,10 @@ const DefaultDirectIOThreshold = 8 << 20
 // Backend stores objects as files under a root directory. It is safe for
 // concurrent use, also by several processes and nodes sharing the directory.
 //
-// Memory: every Put or PutIfAbsent in progress holds one BufferSize buffer
-// from a shared pool, so write memory is bounded by the number of concurrent
-// writes × BufferSize (4 MiB); idle buffers are released by the garbage
-// collector.
+// Memory: every Put or PutIfAbsent in progress holds two BufferSize buffers
+// from a shared pool (one being written while the other fills), so write
+// memory is bounded by the number of concurrent writes × 2 × BufferSize
+// (8 MiB); idle buffers are released by the garbage collector.
 type Backend struct {
 	root string // absolute and clean
 	opts Options

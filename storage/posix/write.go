@@ -13,8 +13,8 @@ import (
 )
 
 const (
-	// BufferSize is the size of the buffer each write holds, and of the
-	// blocks it writes.
+	// BufferSize is the size of each of the two buffers a write holds, and
+	// of the blocks it writes.
 	BufferSize = 4 << 20
 	// alignment satisfies O_DIRECT's rules for buffer address, file offset
 	// and length on the block devices and file systems we meet (512 or 4096
@@ -143,49 +143,87 @@ func (w *blockWriter) stopDirect() error {
 }
 
 // writeFile copies r into f block by block, checking ctx between blocks and
-// the length against size (unless size < 0). It does not sync.
+// the length against size (unless size < 0). It does not sync. Two buffers
+// alternate: one is written while the next is read from r, so a drain's
+// compression and the device's write overlap instead of taking turns.
 func (b *Backend) writeFile(ctx context.Context, f *os.File, r io.Reader, size int64) error {
-	bufp := bufPool.Get().(*[]byte)
-	defer bufPool.Put(bufp)
-	buf := *bufp
-
+	bufs := [2]*[]byte{bufPool.Get().(*[]byte), bufPool.Get().(*[]byte)}
 	w := &blockWriter{f: f, onFallback: func() { b.directFallback.Add(1) }}
-	if b.opts.DirectIO && (size < 0 || size >= b.opts.DirectIOThreshold) {
-		ok, err := w.startDirect()
-		if err != nil {
-			return err
-		}
-		if ok {
-			b.directWrites.Add(1)
-		} else {
-			b.directFallback.Add(1)
-		}
+	if err := b.maybeDirect(w, size); err != nil {
+		return err
 	}
-	for {
+	aw := &asyncWriter{w: w, errc: make(chan error, 1)}
+	defer func() {
+		_ = aw.wait() // the buffers go back to the pool only once no write uses them
+		bufPool.Put(bufs[0])
+		bufPool.Put(bufs[1])
+	}()
+	var read int64
+	for i := 0; ; i ^= 1 {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
+		buf := *bufs[i]
 		n, err := io.ReadFull(r, buf)
-		if size >= 0 && w.off+int64(n) > size {
+		read += int64(n)
+		if size >= 0 && read > size {
 			return fmt.Errorf("reader yielded more than the %d bytes announced", size)
+		}
+		if werr := aw.wait(); werr != nil {
+			return werr
 		}
 		switch err {
 		case nil:
-			if err := w.write(buf); err != nil {
-				return err
-			}
+			aw.start(buf)
 		case io.EOF, io.ErrUnexpectedEOF:
 			if err := w.finish(buf[:n]); err != nil {
 				return err
 			}
-			if size >= 0 && w.off != size {
-				return fmt.Errorf("reader yielded %d bytes, %d announced", w.off, size)
+			if size >= 0 && read != size {
+				return fmt.Errorf("reader yielded %d bytes, %d announced", read, size)
 			}
 			return nil
 		default:
 			return fmt.Errorf("read: %w", err)
 		}
 	}
+}
+
+// maybeDirect turns on O_DIRECT for large (or unsized) objects.
+func (b *Backend) maybeDirect(w *blockWriter, size int64) error {
+	if !b.opts.DirectIO || (size >= 0 && size < b.opts.DirectIOThreshold) {
+		return nil
+	}
+	ok, err := w.startDirect()
+	if err != nil {
+		return err
+	}
+	if ok {
+		b.directWrites.Add(1)
+	} else {
+		b.directFallback.Add(1)
+	}
+	return nil
+}
+
+// asyncWriter runs one blockWriter.write at a time in the background.
+type asyncWriter struct {
+	w       *blockWriter
+	errc    chan error
+	pending bool
+}
+
+func (a *asyncWriter) start(p []byte) {
+	a.pending = true
+	go func() { a.errc <- a.w.write(p) }()
+}
+
+func (a *asyncWriter) wait() error {
+	if !a.pending {
+		return nil
+	}
+	a.pending = false
+	return <-a.errc
 }
 
 // WriteDirect writes data to the file path, creating or truncating it, with
