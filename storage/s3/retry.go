@@ -97,7 +97,7 @@ func (b *Backend) do(ctx context.Context, op, key string, fn func(ctx context.Co
 // retryable reports whether a failed attempt is worth another, and waits
 // for it if so.
 func (b *Backend) retryable(ctx context.Context, bo *backoff, op, key string, err error) bool {
-	if ctx.Err() != nil || !isTransient(err) {
+	if ctx.Err() != nil || !isTransient(err) && !spuriousDenial(op, bo, err) {
 		return false
 	}
 	b.log.Warn("s3 request failed; retrying", "op", op, "object", "s3://"+path(b.bucket, key),
@@ -106,6 +106,15 @@ func (b *Backend) retryable(ctx context.Context, bo *backoff, op, key string, er
 		return false
 	}
 	return true
+}
+
+// spuriousDenial reports an AccessDenied on a write worth one more try.
+// MinIO on a single drive answers AccessDenied when a delete removes an
+// object's parent path while another object is being written under it; the
+// bucket and credentials were checked when the backend opened, so a
+// denial of a put or delete is retried once before it counts as real.
+func spuriousDenial(op string, bo *backoff, err error) bool {
+	return bo.attempt == 0 && (op == "put" || op == "delete") && errorCode(err) == minio.AccessDenied
 }
 
 // errStalled is the cause of an attempt the watchdog cancelled.
