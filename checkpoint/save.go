@@ -76,17 +76,25 @@ func (mgr *Manager) CommitSave(id string, metadata []byte) (Target, int64, error
 		return Target{}, 0, fmt.Errorf("%w: metadata is %d bytes, more than %d", ErrInvalid, len(metadata), MaxMetadata)
 	}
 	mgr.mu.Lock()
-	defer mgr.mu.Unlock()
 	l := mgr.leases[id]
 	if l == nil || l.kind != saveLease || l.committed {
+		mgr.mu.Unlock()
 		return Target{}, 0, fmt.Errorf("%w: no open save lease %q", ErrUnknownLease, id)
 	}
+	// Marked committed before the journal write, so that nothing (abort,
+	// release, the reaper) frees the region meanwhile; the write itself
+	// runs without the lock, which every other request needs.
+	l.committed = true
 	l.metadata = append([]byte(nil), metadata...)
-	if err := mgr.journal(l); err != nil {
+	mgr.mu.Unlock()
+	err := mgr.journal(l)
+	mgr.mu.Lock()
+	defer mgr.mu.Unlock()
+	if err != nil {
+		l.committed = false
 		mgr.m.Error("journal")
 		return Target{}, 0, err
 	}
-	l.committed = true
 	mgr.setState(keyOf(l.target), StateStaged, nil)
 	mgr.enqueue(l)
 	mgr.m.StagedBytes.Add(float64(l.layout.DataSize))
