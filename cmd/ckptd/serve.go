@@ -61,7 +61,7 @@ func newServeCmd() *cobra.Command {
 	o := &serveOptions{StagingBytes: 1 << 30, ChunkSize: 4 << 20, CacheBytes: 1 << 30, SlotBytes: 16 << 20}
 	cmd := &cobra.Command{
 		Use:   "serve",
-		Short: "Run the sidecar: accept saves over a unix socket and drain them to storage",
+		Short: "Run the sidecar: accept saves over a unix socket, drain them to storage, and serve datasets",
 		Args:  cobra.NoArgs,
 		RunE:  func(cmd *cobra.Command, _ []string) error { return runServe(cmd.Context(), o) },
 	}
