@@ -23,10 +23,11 @@ tools:
 	scripts/tools.sh
 	scripts/minio.sh >/dev/null
 
-lint:
+lint: tools
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
 	  if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
+	.tools/bin/staticcheck ./...
 
 test-go:
 	CKPTD_PROTO_CHECK=1 $(GO) test -race -count=1 ./...

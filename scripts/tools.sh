@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 
 PROTOC_GEN_GO_VERSION=v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION=v1.6.2
+STATICCHECK_VERSION=v0.8.2
 GRPCIO_TOOLS_VERSION=1.85.1
 
 TOOLS="$PWD/.tools"
@@ -24,6 +25,7 @@ install_go() { # name module@version
 
 install_go protoc-gen-go "google.golang.org/protobuf/cmd/protoc-gen-go@$PROTOC_GEN_GO_VERSION"
 install_go protoc-gen-go-grpc "google.golang.org/grpc/cmd/protoc-gen-go-grpc@$PROTOC_GEN_GO_GRPC_VERSION"
+install_go staticcheck "honnef.co/go/tools/cmd/staticcheck@$STATICCHECK_VERSION"
 
 if [[ ! -x "$VENV/bin/python" ]]; then
 	echo "creating $VENV" >&2

@@ -8,7 +8,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -181,14 +180,4 @@ func ckptdCLIEnv(t *testing.T, env []string, args ...string) (string, string, er
 	cmd.Stdout, cmd.Stderr = &out, &errb
 	err := cmd.Run()
 	return out.String(), errb.String(), err
-}
-
-func countLines(s, substr string) int {
-	n := 0
-	for _, l := range strings.Split(s, "\n") {
-		if strings.Contains(l, substr) {
-			n++
-		}
-	}
-	return n
 }

@@ -28,7 +28,8 @@ func acquireLock(path string) (*os.File, error) {
 		return nil, fmt.Errorf("arena: lock %s: %w", path, err)
 	}
 	pid := []byte(strconv.Itoa(os.Getpid()) + "\n")
-	if err := f.Truncate(0); err == nil {
+	err = f.Truncate(0)
+	if err == nil {
 		_, err = f.WriteAt(pid, 0)
 	}
 	if err != nil {

@@ -102,10 +102,7 @@ func (b *Backend) retryable(ctx context.Context, bo *backoff, op, key string, er
 	}
 	b.log.Warn("s3 request failed; retrying", "op", op, "object", "s3://"+path(b.bucket, key),
 		"endpoint", b.endpoint, "attempt", bo.attempt+1, "err", err)
-	if !bo.wait(ctx) {
-		return false
-	}
-	return true
+	return bo.wait(ctx)
 }
 
 // spuriousDenial reports an AccessDenied on a write worth one more try.

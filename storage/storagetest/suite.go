@@ -276,7 +276,7 @@ func (r *cancellingReader) Read(p []byte) (int, error) {
 	if r.n >= r.cancelAfter {
 		r.cancel()
 		if r.n-r.cancelAfter > cancelSlack {
-			return 0, fmt.Errorf("Put read %d bytes after its context was cancelled", r.n-r.cancelAfter)
+			return 0, fmt.Errorf("read %d bytes after Put's context was cancelled", r.n-r.cancelAfter)
 		}
 	}
 	r.n += int64(len(p))
@@ -440,7 +440,7 @@ func testListInProgress(t *testing.T, b storage.Backend) {
 	putErr := make(chan error, 1)
 	go func() {
 		err := b.Put(t.Context(), "prog/busy", pr, -1)
-		pr.CloseWithError(errors.New("Put returned early")) // unblock the writer
+		pr.CloseWithError(errors.New("the Put returned early")) // unblock the writer
 		putErr <- err
 	}()
 	// Pipe writes return once Put has read the bytes, so Put is

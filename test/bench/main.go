@@ -91,7 +91,6 @@ func fail(err error) {
 type row struct {
 	name, unit      string
 	ckptd, baseline float64
-	better          string // "lower" or "higher"
 	target          string
 }
 
