@@ -28,17 +28,6 @@ func s3Store(t *testing.T) (*miniotest.Server, string, string) {
 	return srv, bucket, "s3://" + bucket + "/ckpt"
 }
 
-func checkNoUploads(t *testing.T, srv *miniotest.Server, bucket string) {
-	t.Helper()
-	left, err := srv.IncompleteUploads(t.Context(), bucket, "")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(left) > 0 {
-		t.Errorf("multipart uploads left behind: %q", left)
-	}
-}
-
 // Save through `ckptd serve --storage s3://...`, then restore, list,
 // verify and prune with the CLI, as with a directory.
 func TestS3SaveRestore(t *testing.T) {
@@ -97,7 +86,7 @@ func TestS3SaveRestore(t *testing.T) {
 			t.Errorf("%s left after prune", k)
 		}
 	}
-	checkNoUploads(t, srv, bucket)
+	srv.CheckNoUploads(t, bucket)
 }
 
 func withoutEndpoint(env []string) []string {
@@ -115,7 +104,7 @@ func withoutEndpoint(env []string) []string {
 func TestS3TwoDaemonsCommitOnce(t *testing.T) {
 	srv, bucket, store := s3Store(t)
 	commitOnceAcross(t, startDaemonEnv(t, store, srv.Env()), startDaemonEnv(t, store, srv.Env()))
-	checkNoUploads(t, srv, bucket)
+	srv.CheckNoUploads(t, bucket)
 }
 
 // bigShard is one rank's shard with a single tensor of mib MiB of
@@ -181,7 +170,7 @@ func TestS3DrainSurvivesOutage(t *testing.T) {
 		if stdout, stderr, err := ckptdCLIEnv(t, srv.Env(), "verify", "--storage", store, "--job", "e2e", "--step", fmt.Sprint(step)); err != nil {
 			t.Fatalf("verify after %s: %v %s%s", o.name, err, stdout, stderr)
 		}
-		checkNoUploads(t, srv, bucket)
+		srv.CheckNoUploads(t, bucket)
 	}
 }
 

@@ -332,3 +332,16 @@ func (s *Server) Logs() string {
 	defer s.mu.Unlock()
 	return s.log.String()
 }
+
+// CheckNoUploads fails t if multipart uploads are left in bucket: every
+// failed or cancelled upload must have been aborted.
+func (s *Server) CheckNoUploads(t testing.TB, bucket string) {
+	t.Helper()
+	left, err := s.IncompleteUploads(context.Background(), bucket, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(left) > 0 {
+		t.Errorf("multipart uploads left behind: %q", left)
+	}
+}

@@ -9,7 +9,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/prefetch"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
@@ -25,22 +24,6 @@ func RegisterPrefetch(s *grpc.Server, svc *prefetch.Service) {
 	pb.RegisterPrefetchServer(s, &Prefetch{svc: svc})
 }
 
-func prefetchStatus(err error) error {
-	switch {
-	case err == nil:
-		return nil
-	case errors.Is(err, prefetch.ErrInvalid):
-		return status.Error(codes.InvalidArgument, err.Error())
-	case errors.Is(err, prefetch.ErrUnknownSession):
-		return status.Error(codes.NotFound, err.Error())
-	case errors.Is(err, prefetch.ErrCorruptShard):
-		return status.Error(codes.DataLoss, err.Error())
-	case errors.Is(err, arena.ErrFull), errors.Is(err, arena.ErrTooLarge):
-		return status.Error(codes.ResourceExhausted, err.Error())
-	}
-	return toStatus(err)
-}
-
 func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) (*pb.OpenDatasetResponse, error) {
 	spec := prefetch.Spec{
 		Format: prefetch.Format(req.GetFormat()), BatchSize: int(req.GetBatchSize()),
@@ -53,7 +36,7 @@ func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) 
 	}
 	id, st, err := p.svc.OpenSession(ctx, req.GetSource(), spec)
 	if err != nil {
-		return nil, prefetchStatus(err)
+		return nil, toStatus(err)
 	}
 	return &pb.OpenDatasetResponse{Session: id, Shards: int64(st.Shards)}, nil
 }
@@ -64,7 +47,7 @@ func (p *Prefetch) NextBatch(ctx context.Context, req *pb.NextBatchRequest) (*pb
 		return &pb.NextBatchResponse{End: true, Stats: toPrefetchStats(st)}, nil
 	}
 	if err != nil {
-		return nil, prefetchStatus(err)
+		return nil, toStatus(err)
 	}
 	resp := &pb.NextBatchResponse{
 		Lease:    &pb.Lease{Id: lease, Offset: uint64(d.Region.Offset), Length: uint64(d.Region.Length), ArenaId: p.svc.ArenaID()},
@@ -81,7 +64,7 @@ func (p *Prefetch) NextBatch(ctx context.Context, req *pb.NextBatchRequest) (*pb
 }
 
 func (p *Prefetch) CloseDataset(_ context.Context, req *pb.CloseDatasetRequest) (*pb.CloseDatasetResponse, error) {
-	return &pb.CloseDatasetResponse{}, prefetchStatus(p.svc.CloseSession(req.GetSession()))
+	return &pb.CloseDatasetResponse{}, toStatus(p.svc.CloseSession(req.GetSession()))
 }
 
 func toPrefetchStats(st prefetch.Stats) *pb.PrefetchStats {

@@ -15,6 +15,7 @@ import (
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/prefetch"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 	"github.com/ckptd/ckptd/storage"
 )
@@ -33,23 +34,24 @@ func Register(s *grpc.Server, mgr *checkpoint.Manager) {
 	pb.RegisterCheckpointServer(s, &Checkpoint{mgr: mgr})
 }
 
-// toStatus maps core errors to gRPC codes, keeping the core's message.
+// toStatus maps core errors (checkpoint, prefetch, arena, storage) to gRPC
+// codes, keeping the core's message. Both services use it.
 func toStatus(err error) error {
 	if err == nil {
 		return nil
 	}
 	code := codes.Internal
 	switch {
-	case errors.Is(err, checkpoint.ErrInvalid), errors.Is(err, storage.ErrInvalidName):
+	case errors.Is(err, checkpoint.ErrInvalid), errors.Is(err, storage.ErrInvalidName), errors.Is(err, prefetch.ErrInvalid):
 		code = codes.InvalidArgument
 	case errors.Is(err, checkpoint.ErrStepNotFound), errors.Is(err, checkpoint.ErrUnknownLease),
-		errors.Is(err, storage.ErrNotFound):
+		errors.Is(err, storage.ErrNotFound), errors.Is(err, prefetch.ErrUnknownSession):
 		code = codes.NotFound
 	case errors.Is(err, checkpoint.ErrExists):
 		code = codes.AlreadyExists
 	case errors.Is(err, arena.ErrFull), errors.Is(err, arena.ErrTooLarge), errors.Is(err, storage.ErrNoSpace):
 		code = codes.ResourceExhausted
-	case errors.Is(err, checkpoint.ErrCorrupt):
+	case errors.Is(err, checkpoint.ErrCorrupt), errors.Is(err, prefetch.ErrCorruptShard):
 		code = codes.DataLoss
 	case errors.Is(err, checkpoint.ErrClosing):
 		code = codes.Unavailable

@@ -216,7 +216,7 @@ func TestCorruptUploadsResent(t *testing.T) {
 	if got := mustGetAll(t, b, "big", 0, -1); !bytes.Equal(got, big) {
 		t.Fatal("big object differs")
 	}
-	checkNoUploads(t, srv, bucket)
+	srv.CheckNoUploads(t, bucket)
 }
 
 // TestRetriesThroughFaults runs every operation through a proxy that fails
@@ -295,7 +295,7 @@ func TestRetriesThroughFaults(t *testing.T) {
 	if retries.n.Load() == 0 {
 		t.Error("no retries logged")
 	}
-	checkNoUploads(t, srv, bucket)
+	srv.CheckNoUploads(t, bucket)
 }
 
 // TestLostResponses: a PutIfAbsent or a multipart completion whose answer
@@ -342,7 +342,7 @@ func TestLostResponses(t *testing.T) {
 	if got := mustGetAll(t, b, "big", 0, -1); !bytes.Equal(got, data) {
 		t.Fatal("object differs")
 	}
-	checkNoUploads(t, srv, bucket)
+	srv.CheckNoUploads(t, bucket)
 }
 
 // gatedReader yields data, stopping once at gate bytes until released.
@@ -407,7 +407,7 @@ func TestFreezeDuringPut(t *testing.T) {
 	if got := mustGetAll(t, b, "frozen", 0, -1); !bytes.Equal(got, data) {
 		t.Fatal("object differs")
 	}
-	checkNoUploads(t, srv, bucket)
+	srv.CheckNoUploads(t, bucket)
 }
 
 // TestRestartDuringPut: MinIO is killed midway through a multipart upload
@@ -435,7 +435,7 @@ func TestRestartDuringPut(t *testing.T) {
 	if got := mustGetAll(t, b, "restarted", 0, -1); !bytes.Equal(got, data) {
 		t.Fatal("object differs")
 	}
-	checkNoUploads(t, srv, bucket)
+	srv.CheckNoUploads(t, bucket)
 }
 
 // TestFreezeDuringGet: a Get whose body stalls reopens the rest of its

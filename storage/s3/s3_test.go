@@ -35,18 +35,6 @@ func open(t *testing.T, srv *miniotest.Server, bucket, prefix string, mod func(*
 	return b
 }
 
-// checkNoUploads fails if multipart uploads are left in the bucket.
-func checkNoUploads(t *testing.T, srv *miniotest.Server, bucket string) {
-	t.Helper()
-	left, err := srv.IncompleteUploads(t.Context(), bucket, "")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(left) > 0 {
-		t.Errorf("multipart uploads left behind: %q", left)
-	}
-}
-
 func TestConformance(t *testing.T) {
 	srv := miniotest.Start(t)
 	bucket := srv.NewBucket(t)
@@ -54,7 +42,7 @@ func TestConformance(t *testing.T) {
 	storagetest.Run(t, func(t *testing.T) storage.Backend {
 		return open(t, srv, bucket, fmt.Sprintf("suite/%d", n.Add(1)), nil)
 	})
-	checkNoUploads(t, srv, bucket)
+	srv.CheckNoUploads(t, bucket)
 }
 
 // TestConformanceBucketRoot runs the suite with no prefix, one bucket per
@@ -71,7 +59,7 @@ func TestConformanceBucketRoot(t *testing.T) {
 		return open(t, srv, bucket, "", func(c *s3.Config) { c.PartSize = 0 })
 	})
 	for _, b := range buckets {
-		checkNoUploads(t, srv, b)
+		srv.CheckNoUploads(t, b)
 	}
 }
 
