@@ -1,7 +1,7 @@
 # ckptd developer entry points. The README names two: `make run` and
 # `make test`; CI runs .ci/run, which calls `make test`.
 GO       ?= go
-FUZZTIME ?= 5s
+FUZZTIME ?= 50000x
 
 .PHONY: all build run test lint test-go test-python fuzz bench bench-python bench-codec proto tools clean
 
