@@ -150,9 +150,10 @@ func TestAutoMeasuresStorage(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The backend's busy time is its sleeps plus the real writes, so the
-	// measurement is a little under the sleeps' rate, never above.
+	// measurement is under the sleeps' rate, never above; how far under
+	// depends on the machine's load, hence the loose lower bound.
 	got, want := w.sel.StorageRate(), float64(*b.bytes)/b.slept.Seconds()
-	if got < want/2 || got > want*1.1 {
+	if got < want/4 || got > want*1.1 {
 		t.Errorf("measured storage at %.3g B/s, want about %.3g", got, want)
 	}
 }

@@ -11,13 +11,15 @@ import ckptd
 
 
 def test_save_while_an_earlier_save_still_drains(make_daemon, job):
-    d = make_daemon("--debug-drain-delay", "1500ms", "--drains", "1")
+    # The drain delay leaves room for a slow machine: both saves and both
+    # status checks must happen while the first drain is still held.
+    d = make_daemon("--debug-drain-delay", "4s", "--drains", "1")
     a = np.arange(1 << 20, dtype=np.float32)
     with d.client() as c:
         t0 = time.monotonic()
         h1 = c.save(1, {"w": a}, job=job)
         h2 = c.save(2, {"w": a * 2}, job=job)  # the first is still in the arena
-        assert time.monotonic() - t0 < 1.0  # neither save waited for a drain
+        assert time.monotonic() - t0 < 3.0  # neither save waited for a drain
         assert not h1.done() and not h2.done()
         assert h1.status == ckptd.SaveStatus.DRAINING  # held by the delayed drain worker
         assert h2.status == ckptd.SaveStatus.STAGED  # queued behind it (--drains 1)
