@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -232,5 +233,39 @@ func TestPrune(t *testing.T) {
 	}
 	if _, err := store.Prune(context.Background(), 0, false); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("keep-last 0: %v", err)
+	}
+}
+
+// TestStepsFromDirectories: steps come from the step folders; a folder
+// that is not a 12-digit step, or a step with no commit record, is not a
+// committed step, and Latest skips a newer step still in flight.
+func TestStepsFromDirectories(t *testing.T) {
+	b, _ := newBackend(t)
+	w, _ := NewWriter(b, WriterOptions{})
+	for _, s := range []int64{3, 1, 20} {
+		writeStep(t, b, w, s, 1)
+	}
+	if _, err := w.WriteShard(context.Background(), testShard(21, 0, 2)); err != nil { // in flight
+		t.Fatal(err)
+	}
+	for _, stray := range []string{"+00000000002", "2", "abc", "0000000000022x"} {
+		if err := b.Put(context.Background(), "job/steps/"+stray+"/COMMIT.json", strings.NewReader("{}"), 2); err != nil {
+			t.Fatal(err)
+		}
+	}
+	store, _ := NewStore(b, "job")
+	recs, err := store.Steps(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []int64
+	for _, r := range recs {
+		got = append(got, r.Step)
+	}
+	if !slices.Equal(got, []int64{1, 3, 20}) {
+		t.Fatalf("Steps = %v, want [1 3 20]", got)
+	}
+	if latest, err := store.Latest(context.Background()); err != nil || latest != 20 {
+		t.Fatalf("Latest = %d, %v, want 20", latest, err)
 	}
 }

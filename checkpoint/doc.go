@@ -52,4 +52,9 @@
 // followed by a listing that sees all of them, and the conditional create
 // picks one winner. Readers ignore steps without COMMIT.json, so a crash at
 // any point leaves the previous committed step restorable.
+//
+// Listing a job's steps reads the step folders (storage.Backend.ListDirs,
+// a delimiter listing on S3) and one COMMIT.json per step, never the
+// objects inside the folders, so `ckptd list` and --latest stay cheap on a
+// store holding thousands of ranks per step.
 package checkpoint

@@ -72,8 +72,12 @@ func validateStep(step int64) error {
 // are relative to the job folder (jobRelative) so they survive a job rename.
 
 func stepDir(job string, step int64) string {
-	return fmt.Sprintf("%s/steps/%012d/", job, step)
+	return stepsPrefix(job) + stepSegment(step) + "/"
 }
+
+// stepSegment is a step's folder name: 12 digits, so that lexical order is
+// numeric order.
+func stepSegment(step int64) string { return fmt.Sprintf("%012d", step) }
 
 func stepsPrefix(job string) string { return job + "/steps/" }
 

@@ -29,11 +29,11 @@ func (s *Store) Prune(ctx context.Context, keepLast int, dryRun bool) (*PruneRep
 	if keepLast < 1 {
 		return nil, fmt.Errorf("%w: --keep-last must be at least 1, got %d", ErrInvalid, keepLast)
 	}
-	committed, err := s.stepNumbers(ctx, true)
+	all, err := s.allSteps(ctx)
 	if err != nil {
 		return nil, err
 	}
-	all, err := s.stepNumbers(ctx, false)
+	committed, err := s.committedSteps(ctx, all)
 	if err != nil {
 		return nil, err
 	}

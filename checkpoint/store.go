@@ -4,9 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sort"
+	"slices"
 	"strconv"
-	"strings"
+
+	"golang.org/x/sync/errgroup"
 
 	"github.com/ckptd/ckptd/storage"
 )
@@ -26,59 +27,95 @@ func NewStore(b storage.Backend, job string) (*Store, error) {
 	return &Store{B: b, Job: job}, nil
 }
 
+// metaConcurrency bounds the small metadata requests (a Stat or a GET of
+// COMMIT.json per step) that listing a job's steps makes at once: enough to
+// hide an object store's latency, few enough not to be throttled.
+const metaConcurrency = 16
+
 // Steps returns the commit records of all committed steps, oldest first.
+// It costs one directory listing of the job's steps plus one small read
+// per step, whatever the number of ranks and chunks.
 func (s *Store) Steps(ctx context.Context) ([]*CommitRecord, error) {
-	steps, err := s.stepNumbers(ctx, true)
+	steps, err := s.allSteps(ctx)
 	if err != nil {
 		return nil, err
 	}
-	recs := make([]*CommitRecord, 0, len(steps))
-	for _, step := range steps {
-		rec, err := s.readCommit(ctx, step)
-		if err != nil {
-			return nil, err
-		}
-		recs = append(recs, rec)
+	recs := make([]*CommitRecord, len(steps))
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(metaConcurrency)
+	for i, step := range steps {
+		g.Go(func() error {
+			rec, err := s.readCommit(gctx, step)
+			if errors.Is(err, storage.ErrNotFound) {
+				return nil // in flight, or left by a crash
+			}
+			recs[i] = rec
+			return err
+		})
 	}
-	return recs, nil
+	if err := g.Wait(); err != nil {
+		return nil, err
+	}
+	return slices.DeleteFunc(recs, func(r *CommitRecord) bool { return r == nil }), nil
 }
 
-// stepNumbers lists the steps that have any object (committedOnly: a
-// COMMIT.json), ascending.
-func (s *Store) stepNumbers(ctx context.Context, committedOnly bool) ([]int64, error) {
-	prefix := stepsPrefix(s.Job)
-	set := map[int64]bool{}
-	err := s.B.List(ctx, prefix, func(oi storage.ObjectInfo) error {
-		dir, file, ok := strings.Cut(strings.TrimPrefix(oi.Name, prefix), "/")
-		if !ok || (committedOnly && file != commitFile) {
-			return nil
-		}
-		if step, err := strconv.ParseInt(dir, 10, 64); err == nil && len(dir) == 12 {
-			set[step] = true
+// allSteps lists the steps that have any object, ascending, from the
+// directories under the job's steps/ (the objects in them are not read).
+func (s *Store) allSteps(ctx context.Context) ([]int64, error) {
+	var steps []int64
+	err := s.B.ListDirs(ctx, stepsPrefix(s.Job), func(seg string) error {
+		if step, err := strconv.ParseInt(seg, 10, 64); err == nil && step >= 0 && stepSegment(step) == seg {
+			steps = append(steps, step)
 		}
 		return nil
 	})
 	if err != nil {
 		return nil, fmt.Errorf("list steps of job %q in %s: %w", s.Job, s.B.Location(), err)
 	}
-	steps := make([]int64, 0, len(set))
-	for step := range set {
-		steps = append(steps, step)
-	}
-	sort.Slice(steps, func(i, j int) bool { return steps[i] < steps[j] })
+	slices.Sort(steps)
 	return steps, nil
 }
 
-// Latest returns the newest committed step, or ErrStepNotFound.
+// committedSteps returns the steps of all that have a commit record.
+func (s *Store) committedSteps(ctx context.Context, all []int64) ([]int64, error) {
+	ok := make([]bool, len(all))
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(metaConcurrency)
+	for i, step := range all {
+		g.Go(func() (err error) {
+			ok[i], err = s.Committed(gctx, step)
+			return err
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return nil, fmt.Errorf("list steps of job %q in %s: %w", s.Job, s.B.Location(), err)
+	}
+	var out []int64
+	for i, step := range all {
+		if ok[i] {
+			out = append(out, step)
+		}
+	}
+	return out, nil
+}
+
+// Latest returns the newest committed step, or ErrStepNotFound. It checks
+// steps newest first, so it usually costs one listing and one Stat.
 func (s *Store) Latest(ctx context.Context) (int64, error) {
-	steps, err := s.stepNumbers(ctx, true)
+	steps, err := s.allSteps(ctx)
 	if err != nil {
 		return 0, err
 	}
-	if len(steps) == 0 {
-		return 0, fmt.Errorf("%w: job %q has no committed steps in %s", ErrStepNotFound, s.Job, s.B.Location())
+	for _, step := range slices.Backward(steps) {
+		ok, err := s.Committed(ctx, step)
+		if err != nil {
+			return 0, fmt.Errorf("latest step of job %q in %s: %w", s.Job, s.B.Location(), err)
+		}
+		if ok {
+			return step, nil
+		}
 	}
-	return steps[len(steps)-1], nil
+	return 0, fmt.Errorf("%w: job %q has no committed steps in %s", ErrStepNotFound, s.Job, s.B.Location())
 }
 
 // Resolve returns the commit record of step, or of the newest committed

@@ -76,6 +76,16 @@ type Backend interface {
 	// An error from fn stops the listing and is returned.
 	List(ctx context.Context, prefix string, fn func(ObjectInfo) error) error
 
+	// ListDirs calls fn with each name segment seg for which some object
+	// is named dir+seg+"/…": S3's common prefixes with delimiter "/".
+	// dir is "" or ends in "/". The order is lexical by seg+"/" (the order
+	// of the common prefixes), so "a-b" comes before "a". It lists
+	// directories without reading the objects below them, which is what
+	// keeps `ckptd list` cheap on a bucket with millions of chunks. A
+	// directory holding only objects being written by Put is not listed.
+	// An error from fn stops the listing and is returned.
+	ListDirs(ctx context.Context, dir string, fn func(seg string) error) error
+
 	// Delete removes the object. Deleting a missing object returns
 	// ErrNotFound.
 	Delete(ctx context.Context, name string) error

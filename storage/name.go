@@ -54,6 +54,15 @@ func ValidPrefix(prefix string) error {
 	return checkBytes(prefix, last)
 }
 
+// ValidDir reports whether dir can be passed to ListDirs: "" or a valid
+// prefix ending in "/".
+func ValidDir(dir string) error {
+	if dir != "" && !strings.HasSuffix(dir, "/") {
+		return invalid(dir, `a directory must be "" or end in "/"`)
+	}
+	return ValidPrefix(dir)
+}
+
 // checkSegments applies the segment rules to every segment of s and
 // reports errors against whole, the string the caller was given.
 func checkSegments(whole, s string) error {

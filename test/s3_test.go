@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"net"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -196,6 +197,7 @@ func TestS3Errors(t *testing.T) {
 	srv, bucket, store := s3Store(t)
 	const wrongSecret = "wrong-secret-0123456789"
 	wrongCreds := append(srv.Env(), "AWS_SECRET_ACCESS_KEY="+wrongSecret)
+	dead := "http://" + closedAddr(t)
 	tests := []struct {
 		name string
 		env  []string
@@ -206,6 +208,7 @@ func TestS3Errors(t *testing.T) {
 		{"missing bucket", srv.Env(), []string{"list", "--storage", "s3://missing-bucket/x"}, []string{"missing-bucket", "does not exist", srv.Endpoint()}},
 		{"restore, missing bucket", srv.Env(), []string{"restore", "--storage", "s3://missing-bucket", "--latest", "--out", t.TempDir()}, []string{"missing-bucket", "does not exist"}},
 		{"bad endpoint", srv.Env(), []string{"list", "--storage", store, "--s3-endpoint", "127.0.0.1:9000"}, []string{"http:// or https://"}},
+		{"dead endpoint", srv.Env(), []string{"list", "--storage", store, "--s3-endpoint", dead, "--s3-retry-deadline", "1s"}, []string{dead, "connection refused"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -240,4 +243,15 @@ func TestS3Errors(t *testing.T) {
 	if err == nil || ctx.Err() != nil || !strings.Contains(string(out), "does not exist") {
 		t.Fatalf("serve on a missing bucket: %v\n%s", err, out)
 	}
+}
+
+// closedAddr returns a 127.0.0.1 address nothing listens on.
+func closedAddr(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	return addr
 }

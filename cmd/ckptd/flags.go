@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/spf13/pflag"
 
@@ -20,6 +21,7 @@ type storageOptions struct {
 	Job        string
 	S3Endpoint string
 	S3Region   string
+	S3Retry    time.Duration
 }
 
 func (o *storageOptions) register(fs *pflag.FlagSet) {
@@ -27,6 +29,7 @@ func (o *storageOptions) register(fs *pflag.FlagSet) {
 	fs.StringVar(&o.Job, "job", "default", "job name (a folder under the storage root)")
 	fs.StringVar(&o.S3Endpoint, "s3-endpoint", "", "S3 endpoint URL, e.g. http://127.0.0.1:9000 (env AWS_ENDPOINT_URL too)")
 	fs.StringVar(&o.S3Region, "s3-region", "", "S3 region")
+	fs.DurationVar(&o.S3Retry, "s3-retry-deadline", 2*time.Minute, "how long one S3 request is retried through throttling, 5xx and resets before it fails")
 }
 
 // defaultStorage is where `ckptd serve` keeps checkpoints when given no
@@ -43,7 +46,7 @@ func defaultStorage() string {
 }
 
 func (o *storageOptions) open(ctx context.Context, create bool) (storage.Backend, error) {
-	return openStorage(ctx, o.URL, o.S3Endpoint, o.S3Region, create)
+	return openStorage(ctx, o.URL, o, create)
 }
 
 // openStore opens the backend and a Store for the job.

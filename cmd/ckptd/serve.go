@@ -127,7 +127,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
 		Logger: log, Metrics: metrics.NewPrefetch(reg),
 		Open: func(ctx context.Context, url string) (storage.Backend, error) {
-			return openStorage(ctx, url, o.S3Endpoint, o.S3Region, false)
+			return openStorage(ctx, url, &o.storageOptions, false)
 		},
 	})
 	if err != nil {

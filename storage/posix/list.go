@@ -132,3 +132,53 @@ func readDir(path string) ([]fs.DirEntry, error) {
 	}
 	return entries, err
 }
+
+// ListDirs implements storage.Backend with one read of dir. A subdirectory
+// counts only if it holds an object somewhere below it (a walk that stops
+// at the first), so neither an empty directory nor one holding only a
+// Put's temporary file is listed.
+func (b *Backend) ListDirs(ctx context.Context, dir string, fn func(seg string) error) error {
+	if err := storage.ValidDir(dir); err != nil {
+		return fmt.Errorf("posix: list dirs: %w", err)
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("posix: list dirs %q: %w", dir, err)
+	}
+	entries, err := readDir(filepath.Join(b.root, filepath.FromSlash(dir)))
+	if err != nil {
+		return fmt.Errorf("posix: list dirs %q: %w", dir, err)
+	}
+	var segs []string
+	for _, de := range entries {
+		if de.IsDir() && !isTempName(de.Name()) {
+			segs = append(segs, de.Name()+"/")
+		}
+	}
+	slices.Sort(segs) // by seg+"/", the order S3 gives common prefixes
+	for _, seg := range segs {
+		found, err := b.holdsObject(ctx, dir+seg)
+		if err != nil {
+			return fmt.Errorf("posix: list dirs %q: %w", dir, err)
+		}
+		if !found {
+			continue
+		}
+		if err := fn(strings.TrimSuffix(seg, "/")); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// errFound stops holdsObject's walk at the first object.
+var errFound = errors.New("found an object")
+
+func (b *Backend) holdsObject(ctx context.Context, dir string) (bool, error) {
+	l := &lister{root: b.root, prefix: dir, fn: func(storage.ObjectInfo) error { return errFound }}
+	err := l.walk(ctx, dir)
+	var fe fnError
+	if errors.As(err, &fe) {
+		return true, nil
+	}
+	return false, err
+}

@@ -95,3 +95,64 @@ func (b *Backend) listFrom(ctx context.Context, keyPrefix, ask string, after *st
 	// The listing stops silently when its context ends.
 	return wd.result(actx.Err())
 }
+
+// ListDirs implements storage.Backend with ListObjectsV2 and delimiter
+// "/": one request per 1000 directories, whatever lies below them. A
+// listing that fails midway starts again after the last directory it
+// gave; the store may then report that directory once more (its keys sort
+// after it), and such repeats are dropped.
+func (b *Backend) ListDirs(ctx context.Context, dir string, fn func(seg string) error) error {
+	if err := storage.ValidDir(dir); err != nil {
+		return fmt.Errorf("s3: list dirs: %w", err)
+	}
+	if !utf8.ValidString(dir) {
+		return fmt.Errorf("s3: list dirs: %w %q: not valid UTF-8", storage.ErrInvalidName, dir)
+	}
+	keyPrefix := b.root + dir
+	bo := b.newBackoff()
+	after := ""
+	for {
+		if err := ctx.Err(); err != nil {
+			return b.opError("list", keyPrefix, err)
+		}
+		err := b.listDirsFrom(ctx, keyPrefix, &after, fn)
+		var fe fnError
+		switch {
+		case err == nil:
+			return nil
+		case errors.As(err, &fe):
+			return fe.err
+		case !b.retryable(ctx, bo, "list", keyPrefix, err):
+			return b.opError("list", keyPrefix, err)
+		}
+	}
+}
+
+// listDirsFrom lists the common prefixes after *after, advancing it.
+func (b *Backend) listDirsFrom(ctx context.Context, keyPrefix string, after *string, fn func(string) error) error {
+	actx, wd := b.startAttempt(ctx, true)
+	defer wd.stop()
+	noOwner := false
+	opts := minio.ListObjectsOptions{Prefix: keyPrefix, Recursive: false, StartAfter: *after, FetchOwner: &noOwner}
+	for obj := range b.client.ListObjectsIter(actx, b.bucket, opts) {
+		if obj.Err != nil {
+			return wd.result(obj.Err)
+		}
+		rest, ok := strings.CutPrefix(obj.Key, keyPrefix)
+		seg, isDir := strings.CutSuffix(rest, "/")
+		if !ok || !isDir || strings.Contains(seg, "/") || obj.Key <= *after {
+			continue // an object directly in dir, or a repeat after a resume
+		}
+		*after = obj.Key
+		if validName(seg) != nil {
+			continue
+		}
+		wd.pause()
+		err := fn(seg)
+		wd.resume()
+		if err != nil {
+			return fnError{err}
+		}
+	}
+	return wd.result(actx.Err())
+}

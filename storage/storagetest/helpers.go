@@ -140,3 +140,16 @@ func checkList(t *testing.T, b storage.Backend, prefix string, want []string) {
 		t.Fatalf("List(%q) = %q, want %q", prefix, got, want)
 	}
 }
+
+func listDirs(t *testing.T, b storage.Backend, dir string) []string {
+	t.Helper()
+	var segs []string
+	err := b.ListDirs(t.Context(), dir, func(seg string) error {
+		segs = append(segs, seg)
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("ListDirs(%q): %v", dir, err)
+	}
+	return segs
+}

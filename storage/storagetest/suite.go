@@ -44,6 +44,8 @@ func Run(t *testing.T, newBackend func(t *testing.T) storage.Backend) {
 		{"List", testList},
 		{"ListInProgress", testListInProgress},
 		{"ListStops", testListStops},
+		{"ListDirs", testListDirs},
+		{"ListDirsStops", testListDirsStops},
 		{"InvalidNames", testInvalidNames},
 		{"EdgeNames", testEdgeNames},
 		{"ConcurrentPuts", testConcurrentPuts},
@@ -481,6 +483,64 @@ func testListStops(t *testing.T, b storage.Backend) {
 	err = b.List(ctx, "", func(storage.ObjectInfo) error { return nil })
 	if !errors.Is(err, context.Canceled) {
 		t.Fatalf("List with cancelled ctx = %v, want context.Canceled", err)
+	}
+}
+
+func testListDirs(t *testing.T, b storage.Backend) {
+	// "a-b/" sorts before "a/" ('-' < '/'), though "a" < "a-b".
+	for _, n := range []string{
+		"d/a/x", "d/a/y/z", "d/a-b/x", "d/a.b", "d/b/c/d/e", "d/.h/x", "d/file", "top",
+	} {
+		mustPut(t, b, n, []byte(n))
+	}
+	tests := []struct {
+		dir  string
+		want []string
+	}{
+		{"", []string{"d"}},
+		{"d/", []string{".h", "a-b", "a", "b"}},
+		{"d/a/", []string{"y"}},
+		{"d/b/", []string{"c"}},
+		{"d/b/c/d/", nil},
+		{"d/missing/", nil},
+		{"nothing/", nil},
+	}
+	for _, tt := range tests {
+		if got := listDirs(t, b, tt.dir); !slices.Equal(got, tt.want) {
+			t.Errorf("ListDirs(%q) = %q, want %q", tt.dir, got, tt.want)
+		}
+	}
+	// A directory whose last object is deleted is no longer listed.
+	mustDelete(t, b, "d/b/c/d/e")
+	if got := listDirs(t, b, "d/"); !slices.Equal(got, []string{".h", "a-b", "a"}) {
+		t.Errorf("ListDirs(d/) after deleting d/b's only object = %q", got)
+	}
+	for _, dir := range []string{"d", "/d/", "d//", "../", "d/../", "a\x00/"} {
+		err := b.ListDirs(t.Context(), dir, func(string) error { return nil })
+		if !errors.Is(err, storage.ErrInvalidName) {
+			t.Errorf("ListDirs(%q) = %v, want ErrInvalidName", dir, err)
+		}
+	}
+}
+
+func testListDirsStops(t *testing.T, b storage.Backend) {
+	for _, n := range []string{"s/1/x", "s/2/x", "s/3/x"} {
+		mustPut(t, b, n, []byte(n))
+	}
+	stop := errors.New("stop here")
+	var seen []string
+	err := b.ListDirs(t.Context(), "s/", func(seg string) error {
+		seen = append(seen, seg)
+		return stop
+	})
+	if !errors.Is(err, stop) || !slices.Equal(seen, []string{"1"}) {
+		t.Fatalf("ListDirs stopped by fn = %v after %q, want fn's error after [1]", err, seen)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	err = b.ListDirs(ctx, "s/", func(string) error { return nil })
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("ListDirs with cancelled ctx = %v, want context.Canceled", err)
 	}
 }
 

@@ -18,6 +18,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/posix"
@@ -33,6 +34,10 @@ type OpenOptions struct {
 	// S3Region is the S3 region; empty means AWS_REGION, else the
 	// bucket's.
 	S3Region string
+	// S3RetryDeadline bounds how long one S3 request is retried through
+	// transient errors (5xx, throttling, resets); 0 means the backend's
+	// default of 2 minutes.
+	S3RetryDeadline time.Duration
 	// DisableDirectIO makes POSIX stores write through the page cache only.
 	DisableDirectIO bool
 	// MustExist refuses a POSIX folder that does not exist instead of
@@ -137,6 +142,7 @@ func openS3(ctx context.Context, rawURL string, opts OpenOptions) (storage.Backe
 	b, err := s3.New(ctx, s3.Config{
 		Bucket: u.Host, Prefix: strings.Trim(u.Path, "/"),
 		Endpoint: opts.S3Endpoint, Region: opts.S3Region,
+		Retry: s3.RetryPolicy{Deadline: opts.S3RetryDeadline},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("storage %q: %w", rawURL, err)
