@@ -28,13 +28,21 @@ func (b *Backend) List(ctx context.Context, prefix string, fn func(storage.Objec
 		return fmt.Errorf("s3: list: %w %q: not valid UTF-8", storage.ErrInvalidName, prefix)
 	}
 	keyPrefix := b.root + prefix
+	return b.resumeList(ctx, keyPrefix, func(after *string) error {
+		return b.listFrom(ctx, keyPrefix, serverPrefix(keyPrefix), after, fn)
+	})
+}
+
+// resumeList runs page, a listing from *after on, until it finishes, and
+// again from where it stopped after each transient failure.
+func (b *Backend) resumeList(ctx context.Context, keyPrefix string, page func(after *string) error) error {
 	bo := b.newBackoff()
 	after := ""
 	for {
 		if err := ctx.Err(); err != nil {
 			return b.opError("list", keyPrefix, err)
 		}
-		err := b.listFrom(ctx, keyPrefix, serverPrefix(keyPrefix), &after, fn)
+		err := page(&after)
 		var fe fnError
 		switch {
 		case err == nil:
@@ -109,23 +117,9 @@ func (b *Backend) ListDirs(ctx context.Context, dir string, fn func(seg string) 
 		return fmt.Errorf("s3: list dirs: %w %q: not valid UTF-8", storage.ErrInvalidName, dir)
 	}
 	keyPrefix := b.root + dir
-	bo := b.newBackoff()
-	after := ""
-	for {
-		if err := ctx.Err(); err != nil {
-			return b.opError("list", keyPrefix, err)
-		}
-		err := b.listDirsFrom(ctx, keyPrefix, &after, fn)
-		var fe fnError
-		switch {
-		case err == nil:
-			return nil
-		case errors.As(err, &fe):
-			return fe.err
-		case !b.retryable(ctx, bo, "list", keyPrefix, err):
-			return b.opError("list", keyPrefix, err)
-		}
-	}
+	return b.resumeList(ctx, keyPrefix, func(after *string) error {
+		return b.listDirsFrom(ctx, keyPrefix, after, fn)
+	})
 }
 
 // listDirsFrom lists the common prefixes after *after, advancing it.
