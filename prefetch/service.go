@@ -15,8 +15,12 @@ import (
 	"github.com/ckptd/ckptd/storage"
 )
 
-// ErrUnknownSession: no dataset session (or delivery) of that id.
-var ErrUnknownSession = errors.New("unknown dataset session")
+var (
+	// ErrUnknownSession: no dataset session (or delivery) of that id.
+	ErrUnknownSession = errors.New("unknown dataset session")
+	// ErrClosed: the service is shutting down.
+	ErrClosed = errors.New("dataset service is shutting down")
+)
 
 // OpenFunc opens the backend a source URL names (storageurl.Open).
 type OpenFunc func(ctx context.Context, url string) (storage.Backend, error)
@@ -98,27 +102,46 @@ func (s *Service) Close() {
 	close(s.stop)
 	s.wg.Wait()
 	s.mu.Lock()
-	sessions := s.sessions
-	s.sessions = map[string]*session{}
+	sessions, backends := s.sessions, s.backends
+	s.sessions, s.backends = map[string]*session{}, nil
 	s.mu.Unlock()
 	for _, ss := range sessions {
 		ss.close()
 	}
-	for _, b := range s.backends {
+	for _, b := range backends {
 		b.Close()
 	}
 	s.cache.Close()
 }
 
+// backend returns the open backend of a source URL, opening it on first
+// use. The open runs without s.mu: against an unreachable store it retries
+// for the retry deadline, and other sessions must not wait on it. An
+// unreachable store is reported as such (storage.ErrUnavailable); any other
+// failure to open means the URL is wrong (ErrInvalid).
 func (s *Service) backend(ctx context.Context, url string) (storage.Backend, error) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	if b, ok := s.backends[url]; ok {
+	b, ok := s.backends[url]
+	s.mu.Unlock()
+	if ok {
 		return b, nil
 	}
 	b, err := s.cfg.Open(ctx, url)
-	if err != nil {
-		return nil, fmt.Errorf("%w: dataset source %q: %v", ErrInvalid, url, err)
+	switch {
+	case errors.Is(err, storage.ErrUnavailable), ctx.Err() != nil:
+		return nil, fmt.Errorf("dataset source %q: %w", url, err)
+	case err != nil:
+		return nil, fmt.Errorf("%w: dataset source %q: %w", ErrInvalid, url, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.backends == nil {
+		b.Close()
+		return nil, ErrClosed
+	}
+	if first, ok := s.backends[url]; ok { // opened meanwhile by another session
+		b.Close()
+		return first, nil
 	}
 	s.backends[url] = b
 	return b, nil

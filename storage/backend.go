@@ -33,6 +33,10 @@ var (
 	ErrInvalidName = errors.New("invalid object name")
 	// ErrNoSpace: the store is out of space (ENOSPC, quota).
 	ErrNoSpace = errors.New("storage full")
+	// ErrUnavailable: the store could not be reached, or kept failing
+	// transiently (5xx, throttling, resets) past the retry deadline. The
+	// request may succeed later; nothing about it was wrong.
+	ErrUnavailable = errors.New("storage unavailable")
 )
 
 // ObjectInfo describes a stored object.

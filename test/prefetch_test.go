@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -149,5 +150,37 @@ func TestPrefetchBadInput(t *testing.T) {
 	ks, st := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1, SkipCorrupt: true}, writeShards(t, data, 2, 3))
 	if len(ks) != 6 || st.CorruptSkipped != 1 {
 		t.Fatalf("skip corrupt: %d samples, %+v", len(ks), st)
+	}
+}
+
+// A dataset on a storage server that does not answer fails UNAVAILABLE
+// (it may come back; the request was fine), and while the daemon retries
+// it, datasets on other sources are served without waiting for it.
+func TestPrefetchDeadSource(t *testing.T) {
+	data := t.TempDir()
+	want := writeShards(t, data, 2, 3)
+	dead := "http://" + closedAddr(t)
+	d := startDaemonEnv(t, "", []string{"AWS_ACCESS_KEY_ID=k", "AWS_SECRET_ACCESS_KEY=s"},
+		"--s3-endpoint", dead, "--s3-region", "us-east-1", "--s3-retry-deadline", "10s")
+	c := d.client()
+	deadErr := make(chan error, 1)
+	go func() {
+		_, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: "s3://bucket/shards", BatchSize: 1, WorldSize: 1})
+		deadErr <- err
+	}()
+	time.Sleep(500 * time.Millisecond) // let the dead source's open start retrying
+	ks, _ := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1}, want)
+	select {
+	case err := <-deadErr:
+		t.Fatalf("the dead source answered (%v) before the live one was served: opens are serialized", err)
+	default:
+	}
+	if len(ks) != 6 {
+		t.Fatalf("live source: %d samples, want 6", len(ks))
+	}
+	err := <-deadErr
+	if status.Code(unwrapStatus(err)) != codes.Unavailable || !strings.Contains(fmt.Sprint(err), "storage unavailable") ||
+		!strings.Contains(fmt.Sprint(err), dead) {
+		t.Fatalf("dead source: %v, want UNAVAILABLE naming the endpoint", err)
 	}
 }

@@ -53,7 +53,7 @@ func toStatus(err error) error {
 		code = codes.ResourceExhausted
 	case errors.Is(err, checkpoint.ErrCorrupt), errors.Is(err, prefetch.ErrCorruptShard):
 		code = codes.DataLoss
-	case errors.Is(err, checkpoint.ErrClosing):
+	case errors.Is(err, checkpoint.ErrClosing), errors.Is(err, prefetch.ErrClosed), errors.Is(err, storage.ErrUnavailable):
 		code = codes.Unavailable
 	case errors.Is(err, context.DeadlineExceeded):
 		code = codes.DeadlineExceeded

@@ -18,6 +18,9 @@ func (b *Backend) opError(op, key string, err error) error {
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return fmt.Errorf("s3: %s %s: %w", op, where, err)
 	}
+	if isTransient(err) { // still failing when the retries ran out
+		return fmt.Errorf("s3: %s %s: %w: %w", op, where, storage.ErrUnavailable, err)
+	}
 	var er minio.ErrorResponse
 	if !errors.As(err, &er) {
 		return fmt.Errorf("s3: %s %s: %w", op, where, err)

@@ -1,13 +1,16 @@
 package s3_test
 
 import (
+	"errors"
 	"fmt"
+	"net"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/minio/minio-go/v7"
+	"github.com/minio/minio-go/v7/pkg/credentials"
 
 	"github.com/ckptd/ckptd/internal/miniotest"
 	"github.com/ckptd/ckptd/storage"
@@ -76,3 +79,23 @@ func TestLocation(t *testing.T) {
 }
 
 func minioPutOpts() minio.PutObjectOptions { return minio.PutObjectOptions{} }
+
+// TestUnreachableIsUnavailable: a store that never answers is reported as
+// storage.ErrUnavailable once the retry deadline passes, naming the
+// endpoint, so that callers can tell an outage from a wrong request.
+func TestUnreachableIsUnavailable(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	endpoint := "http://" + l.Addr().String()
+	l.Close()
+	_, err = s3.New(t.Context(), s3.Config{
+		Bucket: "bucket", Endpoint: endpoint, Region: "us-east-1",
+		Credentials: credentials.NewStaticV4("k", "s", ""),
+		Retry:       s3.RetryPolicy{Initial: time.Millisecond, Deadline: 300 * time.Millisecond},
+	})
+	if !errors.Is(err, storage.ErrUnavailable) || !strings.Contains(err.Error(), endpoint) {
+		t.Fatalf("New on a closed port = %v, want ErrUnavailable naming %s", err, endpoint)
+	}
+}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 
 import numpy as np
@@ -153,3 +154,18 @@ def test_unmappable_arena_falls_back_to_streaming(make_daemon, job):
             c.save(1, {"a": np.arange(5)}, job=job).wait(30)
         assert c.transport == "stream"
         assert np.array_equal(c.load(1, job=job)["a"], np.arange(5))
+
+
+def test_dead_storage_is_storage_unavailable(make_daemon):
+    """The daemon answers, its store does not: not "no daemon on the socket"."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        host, port = s.getsockname()
+        dead = f"http://{host}:{port}"
+    d = make_daemon("--s3-endpoint", dead, "--s3-region", "us-east-1", "--s3-retry-deadline", "1s")
+    with d.client() as c:
+        with pytest.raises(ckptd.StorageUnavailableError, match="storage unavailable") as e:
+            c.dataset("s3://bucket/shards/", batch_size=4)
+        assert dead in str(e.value) and "ckptd serve" not in str(e.value)
+        assert isinstance(e.value, ConnectionError)
+        c.steps()  # the daemon itself is fine

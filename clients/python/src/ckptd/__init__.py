@@ -35,6 +35,7 @@ from ._errors import (
     NotFoundError,
     ResourceExhaustedError,
     SaveFailedError,
+    StorageUnavailableError,
     TimeoutError,
 )
 
@@ -56,6 +57,7 @@ __all__ = [
     "SaveHandle",
     "SaveStatus",
     "StepInfo",
+    "StorageUnavailableError",
     "TimeoutError",
     "default_socket",
 ]

@@ -31,6 +31,15 @@ class DaemonUnavailableError(CkptdError, ConnectionError):
     """No daemon answers on the socket, or it is shutting down."""
 
 
+class StorageUnavailableError(CkptdError, ConnectionError):
+    """The daemon could not reach its storage (or a dataset's source).
+
+    The store did not answer, or kept failing with throttling or server
+    errors, until the daemon's ``--s3-retry-deadline`` passed. The request
+    itself was fine and may succeed later.
+    """
+
+
 class InvalidArgumentError(CkptdError, ValueError):
     """The request was malformed; nothing was changed."""
 
@@ -106,14 +115,19 @@ def from_rpc_error(err: grpc.RpcError, socket: str, what: str) -> CkptdError:
     if code == grpc.StatusCode.CANCELLED and "closed" in details.lower():
         return ClientClosedError(f"{what}: the client is closed", code=code.name, details=details)
     cls = _BY_CODE.get(code, CkptdError)
-    if cls is DaemonUnavailableError and _is_connect_failure(details):
+    msg = f"{what}: {details}" if details else f"{what}: {code.name}"
+    if cls is DaemonUnavailableError and _STORAGE_UNAVAILABLE in details:
+        cls = StorageUnavailableError  # the daemon answered: its storage did not
+    elif cls is DaemonUnavailableError and _is_connect_failure(details):
         msg = (
             f"{what}: no ckptd daemon answers on {socket} ({details}); "
             f"start one with `ckptd serve --socket {socket}` or set CKPTD_SOCKET"
         )
-    else:
-        msg = f"{what}: {details}" if details else f"{what}: {code.name}"
     return cls(msg, code=code.name, details=details)
+
+
+# The daemon's words for an unreachable store (Go's storage.ErrUnavailable).
+_STORAGE_UNAVAILABLE = "storage unavailable"
 
 
 def _is_connect_failure(details: str) -> bool:
