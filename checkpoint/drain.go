@@ -1,6 +1,13 @@
 package checkpoint
 
-import "time"
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/ckptd/ckptd/storage"
+)
 
 // enqueue adds an accepted save to the drain queue. Call with mu.
 func (mgr *Manager) enqueue(l *lease) {
@@ -70,7 +77,11 @@ func (mgr *Manager) drain(l *lease) {
 	}
 	backoff := 500 * time.Millisecond
 	for {
-		m, err := mgr.w.WriteShard(mgr.ctx, sh)
+		m, stored, err := mgr.writeUnlessCommitted(sh)
+		if err == nil && stored != nil {
+			mgr.skipDrain(l, stored)
+			return
+		}
 		if err == nil {
 			mgr.finishDrain(l, m, start)
 			return
@@ -87,6 +98,50 @@ func (mgr *Manager) drain(l *lease) {
 		}
 		backoff = min(2*backoff, 30*time.Second)
 	}
+}
+
+// writeUnlessCommitted writes the shard, unless its step is committed
+// already; then it writes nothing and returns the committed manifest of
+// the rank. Rewriting the data object under a committed manifest would
+// corrupt the step. This happens when a journaled save is replayed after a
+// crash that came between its commit and its journal delete (the bytes are
+// already stored), or when another node saved the same rank.
+func (mgr *Manager) writeUnlessCommitted(sh *Shard) (written, stored *Manifest, err error) {
+	store := &Store{B: mgr.b, Job: sh.Target.Job}
+	rec, err := store.readCommit(mgr.ctx, sh.Target.Step)
+	switch {
+	case errors.Is(err, storage.ErrNotFound):
+		written, err = mgr.w.WriteShard(mgr.ctx, sh)
+		return written, nil, err
+	case err != nil:
+		return nil, nil, fmt.Errorf("check step %d: %w", sh.Target.Step, err)
+	}
+	if stored, err = store.Manifest(mgr.ctx, rec, sh.Target.Rank); err != nil {
+		return nil, nil, err
+	}
+	return nil, stored, nil
+}
+
+// skipDrain ends a save whose step was committed before it was written:
+// committed if the stored rank holds the same tensors (this very save,
+// replayed), failed otherwise.
+func (mgr *Manager) skipDrain(l *lease, stored *Manifest) {
+	state, err := StateCommitted, error(nil)
+	if stored.DataSize != l.layout.DataSize || !slices.EqualFunc(stored.Tensors, l.layout.Packed, Tensor.equal) {
+		state = StateFailed
+		err = fmt.Errorf("%w: step %d of job %q was committed with another rank %d before this save was written; not overwritten",
+			ErrExists, l.target.Step, l.target.Job, l.target.Rank)
+	}
+	mgr.log.Warn("step already committed; save not rewritten", "target", l.target.String(), "state", state.String())
+	if jerr := mgr.arena.Journal().Delete(l.id); jerr != nil {
+		mgr.log.Error("journal delete failed", "lease", l.id, "err", jerr)
+	}
+	mgr.mu.Lock()
+	delete(mgr.leases, l.id)
+	mgr.freeRegion(l.region)
+	mgr.setState(keyOf(l.target), state, err)
+	mgr.mu.Unlock()
+	mgr.m.QueueDepth.Dec()
 }
 
 // finishDrain releases a durable save's region and journal entry, then

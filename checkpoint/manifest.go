@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"time"
 
@@ -37,6 +38,10 @@ type Tensor struct {
 	Shape  []int64     `json:"shape"`
 	Offset int64       `json:"offset"`
 	Length int64       `json:"length"`
+}
+
+func (t Tensor) equal(u Tensor) bool {
+	return t.Name == u.Name && t.DType == u.DType && slices.Equal(t.Shape, u.Shape) && t.Offset == u.Offset && t.Length == u.Length
 }
 
 // Chunk locates one compressed piece of a shard.

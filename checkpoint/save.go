@@ -3,9 +3,12 @@ package checkpoint
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"time"
+
+	"github.com/ckptd/ckptd/storage"
 )
 
 // MaxMetadata bounds the trainer's opaque metadata per save. It stays well
@@ -48,8 +51,7 @@ func (mgr *Manager) BeginSave(ctx context.Context, t Target, tensors []Tensor) (
 // reserveSave refuses a save of a step already committed or of a rank this
 // daemon is already saving, and marks the rank as being staged.
 func (mgr *Manager) reserveSave(ctx context.Context, t Target) error {
-	store := &Store{B: mgr.b, Job: t.Job}
-	if ok, err := store.Committed(ctx, t.Step); err != nil {
+	if ok, err := mgr.committedHint(ctx, t); err != nil {
 		return fmt.Errorf("check step %d: %w", t.Step, err)
 	} else if ok {
 		return fmt.Errorf("%w: step %d of job %q is already committed", ErrExists, t.Step, t.Job)
@@ -66,6 +68,26 @@ func (mgr *Manager) reserveSave(ctx context.Context, t Target) error {
 	mgr.setState(k, StateStaging, nil)
 	mgr.saves[k].worldSize = t.WorldSize
 	return nil
+}
+
+// precheckTimeout bounds BeginSave's look at storage. A slow or
+// unreachable store must not stall a trainer's save: the drain checks
+// again before it writes anything (writeUnlessCommitted), and meanwhile
+// the save waits in the arena.
+const precheckTimeout = time.Second
+
+// committedHint reports whether t's step is committed, so that a save of
+// it is refused early and clearly. When storage does not answer in time
+// it says no and logs why.
+func (mgr *Manager) committedHint(ctx context.Context, t Target) (bool, error) {
+	cctx, cancel := context.WithTimeout(ctx, precheckTimeout)
+	defer cancel()
+	ok, err := (&Store{B: mgr.b, Job: t.Job}).Committed(cctx, t.Step)
+	if err != nil && ctx.Err() == nil && (errors.Is(err, storage.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded)) {
+		mgr.log.Warn("storage did not say whether the step is committed; the drain will check", "target", t.String(), "err", err)
+		return false, nil
+	}
+	return ok, err
 }
 
 // CommitSave accepts a filled region: once it returns, the save is

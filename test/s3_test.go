@@ -255,3 +255,35 @@ func closedAddr(t *testing.T) string {
 	l.Close()
 	return addr
 }
+
+// A save made while the store is down is accepted at once (the trainer
+// must not stall on storage) and commits once the store is back.
+func TestS3SaveWhileStoreDown(t *testing.T) {
+	srv, bucket, store := s3Store(t)
+	d := startDaemonEnv(t, store, srv.Env())
+	c := d.client()
+	srv.Kill()
+	req := shard(5, 0, 1)
+	start := time.Now()
+	h, err := c.Save(ctxT(t), req)
+	if err != nil {
+		t.Fatalf("save with the store down: %v", err)
+	}
+	// The precheck gives up after 1s; the retry deadline is 2 minutes.
+	if el := time.Since(start); el > 20*time.Second {
+		t.Errorf("save with the store down took %v", el)
+	}
+	time.Sleep(time.Second) // let the drain fail and retry at least once
+	if err := srv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Wait(ctxT(t)); err != nil {
+		t.Fatalf("step did not commit after the store came back: %v\n%s", err, d.logs())
+	}
+	got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkShard(t, got, req)
+	srv.CheckNoUploads(t, bucket)
+}
