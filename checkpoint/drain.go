@@ -133,6 +133,12 @@ func (mgr *Manager) skipDrain(l *lease, stored *Manifest) {
 			ErrExists, l.target.Step, l.target.Job, l.target.Rank)
 	}
 	mgr.log.Warn("step already committed; save not rewritten", "target", l.target.String(), "state", state.String())
+	mgr.endDrain(l, state, err)
+}
+
+// endDrain forgets a drained save: its journal entry, lease and region go,
+// and its state becomes state.
+func (mgr *Manager) endDrain(l *lease, state State, err error) {
 	if jerr := mgr.arena.Journal().Delete(l.id); jerr != nil {
 		mgr.log.Error("journal delete failed", "lease", l.id, "err", jerr)
 	}
@@ -147,15 +153,7 @@ func (mgr *Manager) skipDrain(l *lease, stored *Manifest) {
 // finishDrain releases a durable save's region and journal entry, then
 // tries to commit its step.
 func (mgr *Manager) finishDrain(l *lease, m *Manifest, start time.Time) {
-	if err := mgr.arena.Journal().Delete(l.id); err != nil {
-		mgr.log.Error("journal delete failed", "lease", l.id, "err", err)
-	}
-	mgr.mu.Lock()
-	delete(mgr.leases, l.id)
-	mgr.freeRegion(l.region)
-	mgr.setState(keyOf(l.target), StateDurable, nil)
-	mgr.mu.Unlock()
-	mgr.m.QueueDepth.Dec()
+	mgr.endDrain(l, StateDurable, nil)
 	mgr.m.DrainedBytes.Add(float64(m.DataSize))
 	mgr.m.StoredBytes.Add(float64(m.StoredSize))
 	mgr.m.DrainTime.Observe(time.Since(start).Seconds())
