@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -170,15 +171,58 @@ func (b *Backend) ListDirs(ctx context.Context, dir string, fn func(seg string) 
 	return nil
 }
 
-// errFound stops holdsObject's walk at the first object.
-var errFound = errors.New("found an object")
-
+// holdsObject reports whether any object lies below dir. It reads the
+// directory in batches and stops at the first object, so a step folder of
+// thousands of ranks costs one small read, not a listing; subdirectories
+// are searched only when dir itself holds no object.
 func (b *Backend) holdsObject(ctx context.Context, dir string) (bool, error) {
-	l := &lister{root: b.root, prefix: dir, fn: func(storage.ObjectInfo) error { return errFound }}
-	err := l.walk(ctx, dir)
-	var fe fnError
-	if errors.As(err, &fe) {
-		return true, nil
+	if err := ctx.Err(); err != nil {
+		return false, err
 	}
-	return false, err
+	f, err := os.Open(filepath.Join(b.root, filepath.FromSlash(dir)))
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENOTDIR) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	var subdirs []string
+	for {
+		entries, err := f.ReadDir(256)
+		for _, de := range entries {
+			switch {
+			case isTempName(de.Name()):
+			case de.IsDir():
+				subdirs = append(subdirs, de.Name())
+			case b.isObject(dir, de):
+				return true, nil
+			}
+		}
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return false, err
+		}
+	}
+	for _, sub := range subdirs {
+		if found, err := b.holdsObject(ctx, dir+sub+"/"); found || err != nil {
+			return found, err
+		}
+	}
+	return false, nil
+}
+
+// isObject reports whether a directory entry is one List would list: a
+// regular file, or a link to one.
+func (b *Backend) isObject(dir string, de fs.DirEntry) bool {
+	if de.Type().IsRegular() {
+		return true
+	}
+	if de.Type()&fs.ModeSymlink == 0 {
+		return false
+	}
+	fi, err := os.Stat(filepath.Join(b.root, filepath.FromSlash(dir+de.Name())))
+	return err == nil && fi.Mode().IsRegular()
 }

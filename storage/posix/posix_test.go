@@ -9,6 +9,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -429,5 +430,42 @@ func TestWriteDirect(t *testing.T) {
 	posix.SimulateNoDirectIO(t)
 	if err := posix.WriteDirect(filepath.Join(dir, "no"), data); !errors.Is(err, posix.ErrDirectIOUnsupported) {
 		t.Errorf("WriteDirect without O_DIRECT = %v, want ErrDirectIOUnsupported", err)
+	}
+}
+
+// TestListDirsSkipsDirsWithoutObjects: a folder counts as a directory only
+// if List would list something below it.
+func TestListDirsSkipsDirsWithoutObjects(t *testing.T) {
+	root := t.TempDir()
+	b, err := posix.New(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mk := func(p string) string {
+		p = filepath.Join(root, filepath.FromSlash(p))
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	mk("s/empty/nested")
+	if err := os.WriteFile(filepath.Join(mk("s/temponly"), ".x.tmp-0123456789abcdef"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(mk("s/deep/a/b"), "obj"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("../deep/a/b/obj", filepath.Join(mk("s/link"), "l")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("missing", filepath.Join(mk("s/dangling"), "l")); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	if err := b.ListDirs(t.Context(), "s/", func(seg string) error { got = append(got, seg); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(got, []string{"deep", "link"}) {
+		t.Fatalf("ListDirs(s/) = %q, want [deep link]", got)
 	}
 }
