@@ -6,8 +6,11 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/user"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -180,5 +183,45 @@ func TestMetricsEndpoint(t *testing.T) {
 		if !strings.Contains(string(body), m) {
 			t.Errorf("metrics lack %q", m)
 		}
+	}
+}
+
+// --socket-group opens the socket and the arena (to map, so that group
+// members get the zero-copy path too) to a group; an unknown group is a
+// clear error before anything is created.
+func TestSocketGroup(t *testing.T) {
+	g, err := user.LookupGroupId(strconv.Itoa(os.Getgid()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := startDaemon(t, "", "--socket-group", g.Name)
+	for path, want := range map[string]os.FileMode{
+		d.socket:                        os.ModeSocket | 0o660,
+		d.arena:                         os.ModeDir | 0o750,
+		filepath.Join(d.arena, "arena"): 0o660,
+	} {
+		fi, err := os.Stat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fi.Mode() != want || int(fi.Sys().(*syscall.Stat_t).Gid) != os.Getgid() {
+			t.Errorf("%s: mode %v gid %d, want %v gid %d", path, fi.Mode(), fi.Sys().(*syscall.Stat_t).Gid, want, os.Getgid())
+		}
+	}
+	if _, err := d.client().Save(ctxT(t), shard(1, 0, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitStep(t, d.client(), 1, 0); err != nil {
+		t.Fatal(err)
+	}
+
+	dir := t.TempDir()
+	_, stderr, err := ckptdCLI(t, "serve", "--socket", filepath.Join(dir, "s.sock"), "--storage", filepath.Join(dir, "store"),
+		"--arena-dir", filepath.Join(dir, "arena"), "--socket-group", "no-such-group-ckptd")
+	if err == nil || !strings.Contains(stderr, `--socket-group "no-such-group-ckptd": no such group`) {
+		t.Fatalf("unknown group: %v, %s", err, stderr)
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		t.Errorf("a refused serve left %d entries behind", len(entries))
 	}
 }

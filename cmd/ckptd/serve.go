@@ -68,7 +68,7 @@ func newServeCmd() *cobra.Command {
 	fs := cmd.Flags()
 	o.storageOptions.register(fs)
 	fs.StringVar(&o.Socket, "socket", DefaultSocket(), "unix socket to listen on")
-	fs.StringVar(&o.SocketGroup, "socket-group", "", "group allowed to use the socket besides its owner")
+	fs.StringVar(&o.SocketGroup, "socket-group", "", "group (name or gid) whose members may use the socket and map the arena, besides its owner")
 	fs.StringVar(&o.ArenaDir, "arena-dir", "", "shared-memory folder of the staging arena (default /dev/shm/ckptd-<hash of socket path>)")
 	fs.Var(&o.StagingBytes, "staging-bytes", "size of the shared-memory staging arena (e.g. 8GiB)")
 	fs.DurationVar(&o.StagingWait, "staging-wait", 30*time.Second, "how long a save waits for arena space before failing")
@@ -93,6 +93,10 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	if err != nil {
 		return usageError{err}
 	}
+	gid, err := lookupGID(o.SocketGroup)
+	if err != nil {
+		return usageError{err}
+	}
 	b, err := o.open(ctx, true)
 	if err != nil {
 		return err
@@ -101,7 +105,10 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	if o.ArenaDir == "" {
 		o.ArenaDir = defaultArenaDir(o.Socket)
 	}
-	a, err := arena.Open(arena.Options{Dir: o.ArenaDir, Size: int64(o.StagingBytes), Lock: true, Logger: log})
+	a, err := arena.Open(arena.Options{
+		Dir: o.ArenaDir, Size: int64(o.StagingBytes), Lock: true, Logger: log,
+		Shared: gid >= 0, SharedGID: gid,
+	})
 	if err != nil {
 		return err
 	}
@@ -117,7 +124,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 		a.Close()
 		return err
 	}
-	lis, err := listenUnix(o.Socket, o.SocketGroup)
+	lis, err := listenUnix(o.Socket, gid)
 	if err != nil {
 		mgr.Close(ctx)
 		a.Close()
@@ -212,8 +219,8 @@ func defaultArenaDir(socket string) string {
 
 // listenUnix listens on path, replacing a stale socket file left by a dead
 // daemon but refusing to steal one that a live daemon answers on. Only the
-// owner (and group, if given) may connect: that is the access control.
-func listenUnix(path, group string) (net.Listener, error) {
+// owner (and group gid, unless -1) may connect: that is the access control.
+func listenUnix(path string, gid int) (net.Listener, error) {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, err
 	}
@@ -229,10 +236,10 @@ func listenUnix(path, group string) (net.Listener, error) {
 		return nil, fmt.Errorf("listen on %s: %w", path, err)
 	}
 	mode := os.FileMode(0o600)
-	if group != "" {
-		if err := chgrp(path, group); err != nil {
+	if gid >= 0 {
+		if err := os.Chown(path, -1, gid); err != nil {
 			lis.Close()
-			return nil, err
+			return nil, fmt.Errorf("--socket-group: %w", err)
 		}
 		mode = 0o660
 	}
@@ -243,13 +250,23 @@ func listenUnix(path, group string) (net.Listener, error) {
 	return lis, nil
 }
 
-func chgrp(path, group string) error {
+// lookupGID resolves --socket-group (a name or a number) to a gid, or -1
+// when none is given.
+func lookupGID(group string) (int, error) {
+	if group == "" {
+		return -1, nil
+	}
 	g, err := user.LookupGroup(group)
 	if err != nil {
-		return fmt.Errorf("--socket-group: %w", err)
+		if g, err = user.LookupGroupId(group); err != nil {
+			return 0, fmt.Errorf("--socket-group %q: no such group", group)
+		}
 	}
-	gid, _ := strconv.Atoi(g.Gid)
-	return os.Chown(path, -1, gid)
+	gid, err := strconv.Atoi(g.Gid)
+	if err != nil {
+		return 0, fmt.Errorf("--socket-group %q: gid %q is not a number", group, g.Gid)
+	}
+	return gid, nil
 }
 
 // serveMetrics serves /metrics on addr (nothing when addr is empty) and

@@ -25,8 +25,28 @@ type Options struct {
 	// Lock mlocks the arena so that staged data is never swapped and CUDA
 	// can register it as pinned memory cheaply. Failure is logged, not fatal.
 	Lock bool
+	// Shared lets the members of group SharedGID map the arena too (serve's
+	// --socket-group): the directory becomes 0750 and the arena file 0660,
+	// both of that group. The lock and the journal stay private to the
+	// daemon's user. Members can read every staged save: the group is the
+	// trust boundary, as it is for the socket.
+	Shared    bool
+	SharedGID int
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
+}
+
+// access is who may use the arena directory and file.
+type access struct {
+	dirMode, fileMode os.FileMode
+	gid               int // -1: leave the group alone
+}
+
+func (o Options) access() access {
+	if o.Shared {
+		return access{dirMode: sharedDirMode, fileMode: sharedMode, gid: o.SharedGID}
+	}
+	return access{dirMode: dirMode, fileMode: privateMode, gid: -1}
 }
 
 // Arena is the daemon's side of the staging arena: the mapping, the region
@@ -50,8 +70,10 @@ const (
 	arenaFile   = "arena"
 	lockFile    = "lock"
 	journalDir  = "journal"
-	dirMode     = 0o700
-	privateMode = 0o600
+	dirMode       = 0o700
+	privateMode   = 0o600
+	sharedDirMode = 0o750
+	sharedMode    = 0o660
 )
 
 // Open creates or reopens the arena in opts.Dir. An existing arena of the
@@ -68,7 +90,7 @@ func Open(opts Options) (*Arena, error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("arena: size %d bytes is less than one %d-byte page", opts.Size, pageSize)
 	}
-	if err := prepareDir(opts.Dir); err != nil {
+	if err := prepareDir(opts.Dir, opts.access()); err != nil {
 		return nil, err
 	}
 	lf, err := acquireLock(filepath.Join(opts.Dir, lockFile))
@@ -89,7 +111,7 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File) (*Arena, erro
 		return nil, err
 	}
 	path := filepath.Join(opts.Dir, arenaFile)
-	f, size, err := openArenaFile(path, want, j.Len(), log)
+	f, size, err := openArenaFile(path, want, j.Len(), opts.access(), log)
 	if err != nil {
 		return nil, err
 	}
@@ -123,10 +145,11 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File) (*Arena, erro
 	return a, nil
 }
 
-// prepareDir makes Dir private to us. /dev/shm is world-writable, so a
-// directory someone else created there, or a symlink planted in its place,
-// must not become memory that trainers copy their weights into.
-func prepareDir(dir string) error {
+// prepareDir makes Dir ours, with the access asked for. /dev/shm is
+// world-writable, so a directory someone else created there, or a symlink
+// planted in its place, must not become memory that trainers copy their
+// weights into.
+func prepareDir(dir string, ac access) error {
 	if err := os.MkdirAll(dir, dirMode); err != nil {
 		return fmt.Errorf("arena: create %s: %w", dir, err)
 	}
@@ -141,10 +164,19 @@ func prepareDir(dir string) error {
 		return fmt.Errorf("arena: %s is owned by uid %d, not by us (uid %d); refusing to use it",
 			dir, st.Uid, os.Geteuid())
 	}
-	if fi.Mode().Perm() != dirMode {
-		if err := os.Chmod(dir, dirMode); err != nil {
-			return fmt.Errorf("arena: %w", err)
+	return setAccess(dir, ac.dirMode, ac.gid)
+}
+
+// setAccess sets path's mode, and its group unless gid is -1. The group
+// goes first, so the path is never group-readable by the wrong group.
+func setAccess(path string, mode os.FileMode, gid int) error {
+	if gid >= 0 {
+		if err := os.Lchown(path, -1, gid); err != nil {
+			return fmt.Errorf("arena: give %s to group %d: %w", path, gid, err)
 		}
+	}
+	if err := os.Chmod(path, mode); err != nil {
+		return fmt.Errorf("arena: %w", err)
 	}
 	return nil
 }
@@ -152,14 +184,17 @@ func prepareDir(dir string) error {
 // openArenaFile opens or creates the arena file and makes sure its pages
 // exist. It returns the size to map, which is want unless the journal says
 // the existing file holds staged data.
-func openArenaFile(path string, want int64, journaled int, log *slog.Logger) (*os.File, int64, error) {
+func openArenaFile(path string, want int64, journaled int, ac access, log *slog.Logger) (*os.File, int64, error) {
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, privateMode)
 	if err != nil {
 		return nil, 0, fmt.Errorf("arena: open %s: %w", path, err)
 	}
 	size, err := chooseSize(f, want, journaled, log)
+	if err == nil && ac.gid >= 0 {
+		err = f.Chown(-1, ac.gid) // before the mode, as in setAccess
+	}
 	if err == nil {
-		err = f.Chmod(privateMode)
+		err = f.Chmod(ac.fileMode)
 	}
 	if err == nil {
 		err = preallocate(f, size)

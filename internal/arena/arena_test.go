@@ -345,3 +345,31 @@ func TestArenaAllocConcurrent(t *testing.T) {
 		t.Fatalf("Used() = %d after all frees", a.Used())
 	}
 }
+
+// TestOpenShared: a shared arena is open to its group (to map, not to
+// take over: the lock and journal stay private), and reopening it
+// unshared makes it private again.
+func TestOpenShared(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "arena")
+	gid := os.Getgid() // a group we may give files to without privileges
+	a := mustOpen(t, Options{Dir: dir, Size: 1 * mib, Shared: true, SharedGID: gid})
+	checkMode(t, dir, os.ModeDir|0o750)
+	checkMode(t, a.Path(), 0o660)
+	checkMode(t, filepath.Join(dir, "journal"), os.ModeDir|0o700)
+	checkMode(t, filepath.Join(dir, "lock"), 0o600)
+	for _, p := range []string{dir, a.Path()} {
+		fi, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if g := int(fi.Sys().(*syscall.Stat_t).Gid); g != gid {
+			t.Errorf("%s: group %d, want %d", p, g, gid)
+		}
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	a = mustOpen(t, Options{Dir: dir, Size: 1 * mib})
+	checkMode(t, dir, os.ModeDir|0o700)
+	checkMode(t, a.Path(), 0o600)
+}

@@ -6,8 +6,9 @@
 // /dev/shm/ckptd-<id>):
 //
 //	Dir/           mode 0700, owned by the daemon's user: only it may map the arena
+//	               (0750 and of group SharedGID when Options.Shared is set)
 //	Dir/lock       flock(LOCK_EX) held by the daemon that owns the arena; holds its pid
-//	Dir/arena      the staging memory, Size bytes, mode 0600, fallocated up front
+//	Dir/arena      the staging memory, Size bytes, mode 0600 (0660 when shared), fallocated up front
 //	               and mapped MAP_SHARED by the daemon and by every client
 //	Dir/journal/   one file per staged-but-not-yet-durable save, named by its id,
 //	               content opaque to this package (the caller writes JSON);
