@@ -156,6 +156,10 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, start time.Time) {
 	mgr.endDrain(l, StateDurable, nil)
 	mgr.m.DrainedBytes.Add(float64(m.DataSize))
 	mgr.m.StoredBytes.Add(float64(m.StoredSize))
+	for _, c := range m.Chunks {
+		mgr.m.CodecRaw.WithLabelValues(string(c.Codec)).Add(float64(c.Raw))
+		mgr.m.CodecStored.WithLabelValues(string(c.Codec)).Add(float64(c.Stored))
+	}
 	mgr.m.DrainTime.Observe(time.Since(start).Seconds())
 	mgr.log.Debug("save durable", "target", l.target.String(), "bytes", m.DataSize, "stored", m.StoredSize, "took", time.Since(start))
 

@@ -184,6 +184,21 @@ func TestMetricsEndpoint(t *testing.T) {
 			t.Errorf("metrics lack %q", m)
 		}
 	}
+	// Every drained byte is counted under the codec its chunk got.
+	var raw float64
+	for line := range strings.Lines(string(body)) {
+		if rest, ok := strings.CutPrefix(line, `ckptd_codec_raw_bytes_total{codec="`); ok {
+			_, v, _ := strings.Cut(rest, "} ")
+			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			if err != nil {
+				t.Fatalf("bad metric line %q", line)
+			}
+			raw += f
+		}
+	}
+	if raw != 6299864 {
+		t.Errorf("ckptd_codec_raw_bytes_total sums to %v, want the 6299864 bytes drained", raw)
+	}
 }
 
 // --socket-group opens the socket and the arena (to map, so that group

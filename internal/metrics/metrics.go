@@ -20,6 +20,10 @@ type Checkpoint struct {
 	SaveStall    prometheus.Histogram
 	DrainTime    prometheus.Histogram
 	Errors       *prometheus.CounterVec
+	// CodecRaw and CodecStored count chunk bytes by the codec they were
+	// stored with: what --codec auto chose, and what it saved.
+	CodecRaw    *prometheus.CounterVec
+	CodecStored *prometheus.CounterVec
 }
 
 // NewCheckpoint creates the metrics and registers them with reg (nil: not
@@ -46,10 +50,14 @@ func NewCheckpoint(reg prometheus.Registerer) *Checkpoint {
 			Buckets: prometheus.ExponentialBuckets(0.01, 2, 16)}),
 		Errors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ckptd_errors_total", Help: "Errors by operation."}, []string{"op"}),
+		CodecRaw: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ckptd_codec_raw_bytes_total", Help: "Tensor bytes drained, by the codec their chunk was stored with."}, []string{"codec"}),
+		CodecStored: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ckptd_codec_stored_bytes_total", Help: "Bytes written to storage, by codec."}, []string{"codec"}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.StagedBytes, m.DrainedBytes, m.StoredBytes, m.Restored,
-			m.QueueDepth, m.ArenaUsed, m.SaveStall, m.DrainTime, m.Errors)
+			m.QueueDepth, m.ArenaUsed, m.SaveStall, m.DrainTime, m.Errors, m.CodecRaw, m.CodecStored)
 	}
 	return m
 }
