@@ -2,7 +2,6 @@ package checkpoint
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/ckptd/ckptd/storage"
@@ -108,7 +107,7 @@ func (s *Store) removeStep(ctx context.Context, step int64, refs map[string]bool
 	}
 	for _, oi := range objs {
 		if !dryRun {
-			if err := s.B.Delete(ctx, oi.Name); err != nil && !errors.Is(err, storage.ErrNotFound) {
+			if err := s.B.Delete(ctx, oi.Name); err != nil { // a concurrent prune's delete is fine: Delete is idempotent
 				return fmt.Errorf("prune step %d: %w", step, err)
 			}
 		}

@@ -90,8 +90,9 @@ type Backend interface {
 	// An error from fn stops the listing and is returned.
 	ListDirs(ctx context.Context, dir string, fn func(seg string) error) error
 
-	// Delete removes the object. Deleting a missing object returns
-	// ErrNotFound.
+	// Delete removes the object. Deleting a missing object succeeds, as an
+	// S3 DELETE does: a retried or concurrent delete is not an error, and
+	// the object store needs no lookup first.
 	Delete(ctx context.Context, name string) error
 
 	// Close releases resources held by the backend.

@@ -296,10 +296,10 @@ func (b *Backend) Delete(ctx context.Context, name string) error {
 	// unlink(2), not os.Remove: that would also remove an empty directory
 	// of the same name, which is not an object.
 	if err := unix.Unlink(p); err != nil {
-		if errors.Is(err, unix.EISDIR) {
-			err = fs.ErrNotExist
+		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.EISDIR) {
+			return nil // no such object (a directory is not one)
 		}
-		return notFoundOr("delete", name, &fs.PathError{Op: "unlink", Path: p, Err: err})
+		return wrapErr("delete", name, &fs.PathError{Op: "unlink", Path: p, Err: err})
 	}
 	b.removeEmptyDirs(filepath.Dir(p))
 	return nil

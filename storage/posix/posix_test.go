@@ -371,8 +371,11 @@ func TestNameConflicts(t *testing.T) {
 	if _, err := b.Stat(ctx, "x"); !errors.Is(err, storage.ErrNotFound) {
 		t.Errorf("Stat of a directory = %v, want ErrNotFound", err)
 	}
-	if err := b.Delete(ctx, "x"); !errors.Is(err, storage.ErrNotFound) {
-		t.Errorf("Delete of a directory = %v, want ErrNotFound", err)
+	if err := b.Delete(ctx, "x"); err != nil {
+		t.Errorf("Delete of a directory = %v, want nil (no such object)", err)
+	}
+	if fi, err := os.Stat(filepath.Join(b.Root(), "x")); err != nil || !fi.IsDir() {
+		t.Errorf("Delete of a name that is a directory removed it: %v", err)
 	}
 }
 

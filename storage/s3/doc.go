@@ -36,8 +36,8 @@
 // others get 412 Precondition Failed (storage.ErrExists). AWS S3 supports
 // this since August 2024, MinIO for longer.
 //
-// Delete checks that the object exists first, because S3 deletes missing
-// keys silently; two racing Deletes of one object may both succeed.
+// Delete is one DELETE: deleting a missing key succeeds, which is the
+// storage.Backend contract too.
 //
 // # Integrity
 //

@@ -330,9 +330,6 @@ func (b *Backend) Delete(ctx context.Context, name string) error {
 	if err != nil {
 		return fmt.Errorf("s3: delete: %w", err)
 	}
-	if _, err := b.stat(ctx, "delete", key); err != nil {
-		return err
-	}
 	return b.do(ctx, "delete", key, func(ctx context.Context, _ *watchdog) error {
 		return b.client.RemoveObject(ctx, b.bucket, key, minio.RemoveObjectOptions{})
 	})
