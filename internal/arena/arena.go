@@ -67,9 +67,9 @@ type Arena struct {
 }
 
 const (
-	arenaFile   = "arena"
-	lockFile    = "lock"
-	journalDir  = "journal"
+	arenaFile     = "arena"
+	lockFile      = "lock"
+	journalDir    = "journal"
 	dirMode       = 0o700
 	privateMode   = 0o600
 	sharedDirMode = 0o750
