@@ -26,12 +26,18 @@
 //
 // # Cache
 //
-// Shards are cached whole in a ristretto cache with a byte budget. Its
-// TinyLFU admission suits epoch scans: a dataset that fits is read from
-// storage once, and a larger one keeps a stable subset instead of evicting
-// each shard just before it is needed again (what LRU would do). Each shard
-// is filled under a per-key lock, so ranks asking for the same shard at once
-// read it from storage once.
+// Shards are cached whole in a ristretto cache with a byte budget. A
+// dataset that fits is read from storage once. For one that does not, the
+// cache admits shards only while it has room: epoch scans read every shard
+// once per epoch, so a frequency sketch (ristretto's TinyLFU) sees them all
+// alike and each admission would evict a random shard, often one about to
+// be read, and LRU would evict each shard just before it is needed again.
+// Keeping the first subset that fits hits budget/dataset of the reads from
+// the second epoch on, the most any policy can. A full cache that has gone
+// DefaultStaleAfter without a hit (its dataset is no longer read) admits
+// new shards again, evicting by ristretto's policy. Each shard is filled
+// under a per-key lock, so ranks asking for the same shard at once read it
+// from storage once.
 //
 // This package knows nothing of gRPC or of the shared-memory ring that
 // delivers batches; the daemon's server does that.
