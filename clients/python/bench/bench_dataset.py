@@ -211,12 +211,28 @@ def wds_loader(paths: list[Path], batch: int) -> Iterable[list]:
     return DataLoader(ds, batch_size=None, num_workers=2)
 
 
-def daemon(binary: str, work: Path) -> contextlib.AbstractContextManager[str]:
+def daemon(
+    binary: str, work: Path, cache_bytes: int = 4 << 30
+) -> contextlib.AbstractContextManager[str]:
     """A fresh `ckptd serve` (empty cache) with a temporary socket and arena."""
     store = str(work / "store")
     return serve(
-        binary, "dsbench", "--storage", store, "--staging-bytes", "256MiB", "--cache-bytes", "4GiB"
-    )
+        binary, "dsbench", "--storage", store, "--staging-bytes", "256MiB",
+        "--cache-bytes", str(cache_bytes),
+    )  # fmt: skip
+
+
+def hit_rates(binary: str, work: Path, paths: list[Path], batch: int, cache: int) -> list[float]:
+    """Shard hit rate of epochs 0-3 through a daemon whose cache holds cache bytes."""
+    with daemon(binary, work, cache) as sock, ckptd.Client(sock) as c:
+        out = []
+        for epoch in range(4):
+            with c.dataset(paths[0].parent, batch_size=batch, epoch=epoch) as ds:
+                for _ in ds:
+                    pass
+                st = ds.stats()
+            out.append(st.cache_hits / max(1, st.cache_hits + st.cache_misses))
+        return out
 
 
 def ckptd_epochs(
@@ -361,6 +377,13 @@ def run(args: argparse.Namespace, work: Path, paths: list[Path], binary: str) ->
     print("\nckptd epoch 0 (from storage), copy=True, by what the consumer needs:")
     for demand, r in sorted(sweep.items()):
         print(f"  {demand:.2f}x the backend: stall {r.stall:.2%}, in next() {r.in_next:.2%}")
+    print("\nshard hit rate per epoch with a cache smaller than the dataset (ideal: what fits):")
+    for frac in (2, 4):
+        cache = total // frac
+        ideal = (cache // max(p.stat().st_size for p in paths)) / len(paths)
+        rates = hit_rates(binary, work, paths, args.batch, cache)
+        shown = " ".join(f"{r:.0%}" for r in rates)
+        print(f"  dataset {frac}x the cache: epochs 0-3: {shown}; ideal {ideal:.0%}")
     return 0
 
 
