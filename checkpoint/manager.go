@@ -257,6 +257,9 @@ func (mgr *Manager) alloc(ctx context.Context, n int64) (arena.Region, error) {
 	ctx, cancel := context.WithTimeout(ctx, mgr.cfg.StagingWait)
 	defer cancel()
 	r, err := mgr.arena.Alloc(ctx, n)
+	if errors.Is(err, arena.ErrTooLarge) {
+		err = fmt.Errorf("%w; the shard must fit the staging arena: restart the daemon with --staging-bytes of at least %d", err, n)
+	}
 	if err != nil {
 		mgr.m.Error("alloc")
 		return r, err
