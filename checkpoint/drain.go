@@ -1,11 +1,13 @@
 package checkpoint
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"slices"
 	"time"
 
+	"github.com/ckptd/ckptd/internal/codec"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -77,13 +79,14 @@ func (mgr *Manager) drain(l *lease) {
 	}
 	backoff := 500 * time.Millisecond
 	for {
-		m, stored, err := mgr.writeUnlessCommitted(sh)
-		if err == nil && stored != nil {
-			mgr.skipDrain(l, stored)
-			return
-		}
+		m, err := mgr.writeShard(sh)
 		if err == nil {
 			mgr.finishDrain(l, m, start)
+			return
+		}
+		if errors.Is(err, ErrExists) {
+			mgr.log.Error("save refused: its step is committed", "target", l.target.String(), "err", err)
+			mgr.endDrain(l, StateFailed, err)
 			return
 		}
 		if mgr.ctx.Err() != nil {
@@ -100,40 +103,58 @@ func (mgr *Manager) drain(l *lease) {
 	}
 }
 
-// writeUnlessCommitted writes the shard, unless its step is committed
-// already; then it writes nothing and returns the committed manifest of
-// the rank. Rewriting the data object under a committed manifest would
-// corrupt the step. This happens when a journaled save is replayed after a
-// crash that came between its commit and its journal delete (the bytes are
-// already stored), or when another node saved the same rank.
-func (mgr *Manager) writeUnlessCommitted(sh *Shard) (written, stored *Manifest, err error) {
-	store := &Store{B: mgr.b, Job: sh.Target.Job}
-	rec, err := store.readCommit(mgr.ctx, sh.Target.Step)
+// writeShard makes sh durable, without ever rewriting a rank that a
+// committed step may point to. Before writing it reads the rank's stored
+// manifest:
+//
+//   - none: nothing of this rank is stored, so no commit can include it;
+//     write.
+//   - the same bytes (every chunk hash matches the staged data): a
+//     journaled save replayed after a crash that came after its write. Keep
+//     what is stored; rewriting it could race a commit that other ranks
+//     make meanwhile, and with --codec auto the new chunks could differ
+//     from the manifest a reader has just fetched.
+//   - other bytes, or an unreadable manifest: an earlier attempt at this
+//     step. Overwrite it unless the step is committed; then fail with
+//     ErrExists, since the step is final and this save was not part of it.
+func (mgr *Manager) writeShard(sh *Shard) (*Manifest, error) {
+	t := sh.Target
+	store := &Store{B: mgr.b, Job: t.Job}
+	stored, err := readManifest(mgr.ctx, mgr.b, manifestName(t.Job, t.Step, t.Rank))
 	switch {
 	case errors.Is(err, storage.ErrNotFound):
-		written, err = mgr.w.WriteShard(mgr.ctx, sh)
-		return written, nil, err
-	case err != nil:
-		return nil, nil, fmt.Errorf("check step %d: %w", sh.Target.Step, err)
+		return mgr.w.WriteShard(mgr.ctx, sh)
+	case err == nil && holdsSame(stored, sh):
+		mgr.log.Warn("rank already stored with these bytes; not rewritten", "target", t.String())
+		return stored, nil
+	case err != nil && !errors.Is(err, ErrCorrupt) && !errors.Is(err, ErrInvalid):
+		return nil, fmt.Errorf("read the stored copy of %s: %w", t, err) // retried
 	}
-	if stored, err = store.Manifest(mgr.ctx, rec, sh.Target.Rank); err != nil {
-		return nil, nil, err
+	_, err = store.readCommit(mgr.ctx, t.Step)
+	switch {
+	case errors.Is(err, storage.ErrNotFound):
+		return mgr.w.WriteShard(mgr.ctx, sh)
+	case err != nil && !errors.Is(err, ErrCorrupt):
+		return nil, fmt.Errorf("check step %d: %w", t.Step, err) // retried
 	}
-	return nil, stored, nil
+	return nil, fmt.Errorf("%w: step %d of job %q was committed with other bytes for rank %d; this save was not written",
+		ErrExists, t.Step, t.Job, t.Rank)
 }
 
-// skipDrain ends a save whose step was committed before it was written:
-// committed if the stored rank holds the same tensors (this very save,
-// replayed), failed otherwise.
-func (mgr *Manager) skipDrain(l *lease, stored *Manifest) {
-	state, err := StateCommitted, error(nil)
-	if stored.DataSize != l.layout.DataSize || !slices.EqualFunc(stored.Tensors, l.layout.Packed, Tensor.equal) {
-		state = StateFailed
-		err = fmt.Errorf("%w: step %d of job %q was committed with another rank %d before this save was written; not overwritten",
-			ErrExists, l.target.Step, l.target.Job, l.target.Rank)
+// holdsSame reports whether m describes exactly sh: same target, tensors
+// and metadata, and every chunk's hash that of sh's bytes.
+func holdsSame(m *Manifest, sh *Shard) bool {
+	if m.Target() != sh.Target || m.DataSize != sh.Layout.DataSize || !bytes.Equal(m.Metadata, sh.Metadata) ||
+		!slices.EqualFunc(m.Tensors, sh.Layout.Packed, Tensor.equal) {
+		return false
 	}
-	mgr.log.Warn("step already committed; save not rewritten", "target", l.target.String(), "state", state.String())
-	mgr.endDrain(l, state, err)
+	for _, c := range m.Chunks {
+		if c.RawOffset < 0 || c.Raw < 0 || c.RawOffset+c.Raw > int64(len(sh.Data)) ||
+			codec.FormatHash(codec.Hash(sh.Data[c.RawOffset:c.RawOffset+c.Raw])) != c.Hash {
+			return false
+		}
+	}
+	return true
 }
 
 // endDrain forgets a drained save: its journal entry, lease and region go,

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/ckptd/ckptd/storage"
 )
 
 // State is where a rank's save stands.
@@ -154,7 +156,7 @@ func (mgr *Manager) stateFromStorage(ctx context.Context, store *Store, k saveKe
 	}
 	m, err := readManifest(ctx, mgr.b, manifestName(k.job, k.step, k.rank))
 	if err != nil {
-		if errors.Is(err, ErrCorrupt) {
+		if !errors.Is(err, storage.ErrNotFound) { // corrupt, or storage down: not "unknown"
 			return WaitResult{}, err
 		}
 		return WaitResult{}, fmt.Errorf("%w: no save of job %q step %d rank %d is known to this daemon or in %s",

@@ -340,52 +340,57 @@ func TestClientRemapsAfterDaemonRestart(t *testing.T) {
 	checkShard(t, got, shard(2, 0, 1))
 }
 
-// A journaled save whose step got committed before its drain wrote it (a
-// replay after a crash that followed the commit, or the same rank saved
-// through another daemon) must not rewrite the committed step's objects:
-// the step stays as committed. The save reports committed when the stored
-// rank holds the same tensors, and fails, naming the conflict, otherwise.
+// A journaled save replayed after a crash must never rewrite a rank a
+// committed step may point to. When storage already holds the save's very
+// bytes (a crash between the write and the journal delete), the replay
+// keeps them and reports committed; when the step was committed with
+// other bytes for the rank (another daemon saved it meanwhile), the replay
+// fails, naming the conflict, and the committed step is left as it was.
 func TestReplayDoesNotRewriteCommittedStep(t *testing.T) {
+	otherBytes := shard(9, 0, 1)
+	otherBytes.Tensors[0].Data = append([]byte(nil), otherBytes.Tensors[0].Data...)
+	otherBytes.Tensors[0].Data[0] ^= 0xff
+	otherTensors := shard(9, 0, 1)
+	otherTensors.Tensors = otherTensors.Tensors[:1]
 	for _, tc := range []struct {
-		name     string
-		other    func() *ckptd.SaveRequest
-		wantFail bool
+		name  string
+		other *ckptd.SaveRequest // what a second daemon commits for the rank
+		fail  bool
 	}{
-		{"same tensors", func() *ckptd.SaveRequest { return shard(9, 0, 1) }, false},
-		{"other tensors", func() *ckptd.SaveRequest {
-			req := shard(9, 0, 1)
-			req.Tensors = req.Tensors[:1]
-			return req
-		}, true},
+		{"same bytes", shard(9, 0, 1), false},
+		{"other bytes", otherBytes, true},
+		{"other tensors", otherTensors, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a := startDaemon(t, "", "--debug-drain-delay", "1h")
-			ours := shard(9, 0, 1)
-			ours.Tensors[0].Data[0] ^= 0xff // same tensors, other bytes than the committed ones
-			if _, err := a.client().Save(ctxT(t), ours); err != nil {
+			if _, err := a.client().Save(ctxT(t), shard(9, 0, 1)); err != nil {
 				t.Fatal(err)
 			}
 			a.kill9() // accepted and journaled, not written
 			b := startDaemon(t, a.storage)
-			other := tc.other()
-			if _, err := b.client().Save(ctxT(t), other); err != nil {
+			if _, err := b.client().Save(ctxT(t), tc.other); err != nil {
 				t.Fatal(err)
 			}
 			if err := waitStep(t, b.client(), 9, 0); err != nil {
 				t.Fatal(err)
 			}
+			data := filepath.Join(a.storage, "e2e/steps/000000000009/rank-00000.data")
+			before, err := os.Stat(data)
+			if err != nil {
+				t.Fatal(err)
+			}
 			a.start("--debug-drain-delay", "0s") // replays the journal
-			err := waitStep(t, a.client(), 9, 0)
-			if tc.wantFail != (err != nil) || tc.wantFail && !strings.Contains(err.Error(), "not overwritten") {
-				t.Fatalf("replayed save: %v (want failure: %v)\n%s", err, tc.wantFail, a.logs())
+			err = waitStep(t, a.client(), 9, 0)
+			if tc.fail != (err != nil) || tc.fail && !strings.Contains(err.Error(), "was not written") {
+				t.Fatalf("replayed save: %v (want failure: %v)\n%s", err, tc.fail, a.logs())
 			}
 			got, err := a.client().Load(ctxT(t), &ckptd.LoadRequest{Step: 9, Rank: 0})
 			if err != nil {
 				t.Fatal(err)
 			}
-			checkShard(t, got, other)
-			if !strings.Contains(a.logs(), "save not rewritten") {
-				t.Errorf("no skip logged:\n%s", a.logs())
+			checkShard(t, got, tc.other)
+			if after, err := os.Stat(data); err != nil || !after.ModTime().Equal(before.ModTime()) {
+				t.Errorf("the committed rank's data object was rewritten (%v)", err)
 			}
 		})
 	}
