@@ -4,31 +4,29 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"path"
 	"sync/atomic"
 	"time"
 
 	"github.com/dgraph-io/ristretto/v2"
+	"github.com/dgraph-io/ristretto/v2/z"
 	"golang.org/x/sync/singleflight"
 
 	"github.com/ckptd/ckptd/storage"
 )
 
 // Cache holds whole shards in memory within a byte budget, shared by every
-// dataset iteration of the daemon. See the package comment for the policy.
+// dataset iteration of the daemon. See the package comment for the policy;
+// admission implements it.
 type Cache struct {
-	rc       *ristretto.Cache[string, []byte]
-	budget   int64
-	fill     singleflight.Group
-	reads    atomic.Int64 // shard reads from storage, for tests and metrics
-	resident atomic.Int64 // bytes admitted and not evicted
-	lastUse  atomic.Int64 // unix nanoseconds of the last hit, or of the last shard admitted to free room
-	// staleAfter is how long a full cache goes without a hit before it
-	// admits new shards again (by evicting others).
-	staleAfter time.Duration
+	rc    *ristretto.Cache[string, []byte]
+	adm   *admission
+	fill  singleflight.Group
+	reads atomic.Int64 // shard reads from storage, for tests and metrics
 }
 
-// DefaultStaleAfter is how long a full cache must go without a hit before
-// new shards displace the ones it holds.
+// DefaultStaleAfter is how long a dataset folder's cached shards must go
+// unread before the shards of another may displace them.
 const DefaultStaleAfter = time.Minute
 
 // NewCache makes a cache of budget bytes (0 disables caching).
@@ -36,39 +34,21 @@ func NewCache(budget int64) (*Cache, error) {
 	if budget < 0 {
 		return nil, fmt.Errorf("%w: negative cache budget %d", ErrInvalid, budget)
 	}
-	c := &Cache{budget: budget, staleAfter: DefaultStaleAfter}
-	gone := func(it *ristretto.Item[[]byte]) { c.resident.Add(-it.Cost) }
+	c := &Cache{adm: newAdmission(budget, DefaultStaleAfter)}
+	gone := func(it *ristretto.Item[[]byte]) { c.adm.release(it.Key, it.Conflict) }
 	counters := max(budget/(1<<20)*10, 10_000) // ~10 per expected 1 MiB+ shard
 	rc, err := ristretto.NewCache(&ristretto.Config[string, []byte]{
 		NumCounters: counters, MaxCost: max(budget, 1), BufferItems: 64,
-		IgnoreInternalCost: true, // the budget is shard bytes
+		IgnoreInternalCost: true, // the budget is shard bytes, as admission counts them
+		KeyToHash:          z.KeyToHash[string],
 		OnEvict:            gone, OnReject: gone,
 	})
 	if err != nil {
 		return nil, err
 	}
 	c.rc = rc
-	c.touch()
 	return c, nil
 }
-
-// admits reports whether a shard of size bytes goes into the cache: when
-// there is room, or when the full cache has had no hit for staleAfter
-// (what it holds is no longer read: another dataset is being read now). A full cache that is being hit keeps what it
-// has. That is the policy for epoch scans of a dataset larger than the
-// budget: each shard is read once per epoch, so every shard looks alike to
-// a frequency sketch, and admitting each miss would evict a shard at
-// random, often one about to be read; keeping a fixed subset hits a
-// budget/dataset fraction of reads, the best possible.
-func (c *Cache) admits(size int64) bool {
-	if c.resident.Load()+size <= c.budget {
-		c.touch()
-		return true
-	}
-	return time.Since(time.Unix(0, c.lastUse.Load())) >= c.staleAfter
-}
-
-func (c *Cache) touch() { c.lastUse.Store(time.Now().UnixNano()) }
 
 // Close releases the cache.
 func (c *Cache) Close() { c.rc.Close() }
@@ -92,8 +72,9 @@ func (c *Cache) Get(ctx context.Context, b storage.Backend, sh Shard, onMiss fun
 	// Size and time in the key: a shard rewritten in place is a new entry,
 	// never the stale bytes of the old one.
 	key := fmt.Sprintf("%s\x00%s\x00%d\x00%d", b.Location(), sh.Name, sh.Size, sh.ModTime.UnixNano())
+	group := b.Location() + "\x00" + path.Dir(sh.Name)
 	if data, ok := c.rc.Get(key); ok {
-		c.touch()
+		c.adm.used(group)
 		return data, fromCache, nil
 	}
 	onMiss()
@@ -106,7 +87,7 @@ func (c *Cache) Get(ctx context.Context, b storage.Backend, sh Shard, onMiss fun
 		data, err := readShard(context.WithoutCancel(ctx), b, sh)
 		if err == nil {
 			c.reads.Add(1)
-			c.store(key, data)
+			c.store(key, group, data)
 		}
 		return data, err
 	})
@@ -126,13 +107,17 @@ func (c *Cache) Get(ctx context.Context, b storage.Backend, sh Shard, onMiss fun
 }
 
 // store caches a shard the policy admits.
-func (c *Cache) store(key string, data []byte) {
-	size := int64(len(data))
-	if !c.admits(size) {
+func (c *Cache) store(key, group string, data []byte) {
+	evict, ok := c.adm.reserve(key, group, int64(len(data)))
+	if !ok {
 		return
 	}
-	if c.rc.Set(key, data, size) {
-		c.resident.Add(size) // undone by OnReject or OnEvict
+	for _, k := range evict {
+		c.rc.Del(k)
+	}
+	if !c.rc.Set(key, data, int64(len(data))) {
+		h, conflict := z.KeyToHash(key)
+		c.adm.release(h, conflict) // dropped by a full buffer
 	}
 	c.rc.Wait() // make it visible to the next Get
 }

@@ -27,17 +27,17 @@
 // # Cache
 //
 // Shards are cached whole in a ristretto cache with a byte budget. A
-// dataset that fits is read from storage once. For one that does not, the
-// cache admits shards only while it has room: epoch scans read every shard
-// once per epoch, so a frequency sketch (ristretto's TinyLFU) sees them all
-// alike and each admission would evict a random shard, often one about to
-// be read, and LRU would evict each shard just before it is needed again.
-// Keeping the first subset that fits hits budget/dataset of the reads from
-// the second epoch on, the most any policy can. A full cache that has gone
-// DefaultStaleAfter without a hit (its dataset is no longer read) admits
-// new shards again, evicting by ristretto's policy. Each shard is filled
-// under a per-key lock, so ranks asking for the same shard at once read it
-// from storage once.
+// dataset that fits is read from storage once. For one that does not, a
+// full cache keeps what it holds while that is being read: epoch scans
+// read every shard once per epoch, so a frequency sketch (ristretto's
+// TinyLFU) sees them all alike and admitting each miss would evict a
+// random shard, often one about to be read (and LRU would evict each shard
+// just before it is needed again). Keeping the subset that fits hits
+// budget/dataset of the reads from the second epoch on, the most any
+// policy can. Shards are grouped by folder; the shards of a folder nobody
+// has read for DefaultStaleAfter (a dataset no longer in use) give way to
+// new ones. Each shard is filled under a per-key lock, so ranks asking for
+// the same shard at once read it from storage once.
 //
 // This package knows nothing of gRPC or of the shared-memory ring that
 // delivers batches; the daemon's server does that.

@@ -128,9 +128,10 @@ func (s *Service) backend(ctx context.Context, url string) (storage.Backend, err
 	}
 	b, err := s.cfg.Open(ctx, url)
 	switch {
+	case err == nil:
 	case errors.Is(err, storage.ErrUnavailable), ctx.Err() != nil:
 		return nil, fmt.Errorf("dataset source %q: %w", url, err)
-	case err != nil:
+	default:
 		return nil, fmt.Errorf("%w: dataset source %q: %w", ErrInvalid, url, err)
 	}
 	s.mu.Lock()

@@ -1,0 +1,137 @@
+package prefetch
+
+import (
+	"sync"
+	"time"
+
+	"github.com/dgraph-io/ristretto/v2/z"
+)
+
+// admission decides which shards enter the cache and keeps its books:
+// which keys are resident, in which group (a dataset folder), and when
+// each group was last used. It makes the policy of the package comment:
+// a shard is admitted when there is room, or when room can be made by
+// evicting the shards of groups nobody has used for staleAfter. So a full
+// cache keeps what it holds while that is being read (epoch scans of a
+// dataset larger than the budget hit the fraction that fits), and a
+// dataset that is no longer read gives way to the one that is.
+//
+// The cache never evicts on its own: admission reserves room first, so
+// ristretto is never over budget. Its OnEvict and OnReject (a Set its
+// buffers dropped; Close) still release the books, so they cannot drift.
+type admission struct {
+	mu         sync.Mutex
+	budget     int64
+	staleAfter time.Duration
+	now        func() time.Time
+	resident   int64
+	groups     map[string]*group
+	entries    map[uint64]*entry // by ristretto's key hash
+}
+
+type group struct {
+	lastUse time.Time
+	keys    map[string]bool
+}
+
+type entry struct {
+	key, group string
+	conflict   uint64
+	size       int64
+}
+
+func newAdmission(budget int64, staleAfter time.Duration) *admission {
+	return &admission{
+		budget: budget, staleAfter: staleAfter, now: time.Now,
+		groups: map[string]*group{}, entries: map[uint64]*entry{},
+	}
+}
+
+// used marks g as being read now.
+func (a *admission) used(g string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.group(g).lastUse = a.now()
+}
+
+func (a *admission) group(g string) *group {
+	gr := a.groups[g]
+	if gr == nil {
+		gr = &group{keys: map[string]bool{}}
+		a.groups[g] = gr
+	}
+	return gr
+}
+
+// reserve books size bytes for key in group g, if the policy admits it.
+// It returns the keys of stale groups that must be deleted from the cache
+// to make the room (already gone from the books).
+func (a *admission) reserve(key, g string, size int64) (evict []string, ok bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if size > a.budget {
+		return nil, false
+	}
+	now := a.now()
+	need := a.resident + size - a.budget
+	var stale []string
+	for name, gr := range a.groups {
+		if need <= 0 {
+			break
+		}
+		if name == g || now.Sub(gr.lastUse) < a.staleAfter {
+			continue
+		}
+		for k := range gr.keys {
+			stale = append(stale, k)
+			need -= a.entries[hashOf(k)].size
+			if need <= 0 {
+				break
+			}
+		}
+	}
+	if need > 0 {
+		return nil, false // full of shards in use: keep them
+	}
+	for _, k := range stale {
+		a.drop(hashOf(k))
+	}
+	h, conflict := z.KeyToHash(key)
+	a.entries[h] = &entry{key: key, group: g, conflict: conflict, size: size}
+	a.resident += size
+	gr := a.group(g)
+	gr.keys[key] = true
+	gr.lastUse = now
+	return stale, true
+}
+
+// release forgets an entry the cache no longer holds.
+func (a *admission) release(h, conflict uint64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if e := a.entries[h]; e != nil && (conflict == 0 || e.conflict == conflict) {
+		a.drop(h)
+	}
+}
+
+func (a *admission) drop(h uint64) {
+	e := a.entries[h]
+	if e == nil {
+		return
+	}
+	delete(a.entries, h)
+	a.resident -= e.size
+	if gr := a.groups[e.group]; gr != nil {
+		delete(gr.keys, e.key)
+		if len(gr.keys) == 0 && a.now().Sub(gr.lastUse) >= a.staleAfter {
+			delete(a.groups, e.group)
+		}
+	}
+}
+
+func hashOf(key string) uint64 {
+	h, _ := z.KeyToHash(key)
+	return h
+}
+
+func hashAndConflict(key string) (uint64, uint64) { return z.KeyToHash(key) }
