@@ -256,11 +256,12 @@ func lookupGID(group string) (int, error) {
 	if group == "" {
 		return -1, nil
 	}
+	if gid, err := strconv.Atoi(group); err == nil && gid >= 0 {
+		return gid, nil // a gid need not have a name (a container's fsGroup)
+	}
 	g, err := user.LookupGroup(group)
 	if err != nil {
-		if g, err = user.LookupGroupId(group); err != nil {
-			return 0, fmt.Errorf("--socket-group %q: no such group", group)
-		}
+		return 0, fmt.Errorf("--socket-group %q: no such group", group)
 	}
 	gid, err := strconv.Atoi(g.Gid)
 	if err != nil {

@@ -28,8 +28,8 @@ type Options struct {
 	// Shared lets the members of group SharedGID map the arena too (serve's
 	// --socket-group): the directory becomes 0750 and the arena file 0660,
 	// both of that group. The lock and the journal stay private to the
-	// daemon's user. Members can read every staged save: the group is the
-	// trust boundary, as it is for the socket.
+	// daemon's user. Members can read and write every staged region: the
+	// group is the trust boundary, as it is for the socket.
 	Shared    bool
 	SharedGID int
 	// Logger defaults to slog.Default().

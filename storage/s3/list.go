@@ -34,7 +34,9 @@ func (b *Backend) List(ctx context.Context, prefix string, fn func(storage.Objec
 }
 
 // resumeList runs page, a listing from *after on, until it finishes, and
-// again from where it stopped after each transient failure.
+// again from where it stopped after each transient failure. The retry
+// deadline runs from the last progress, not from the start: a long
+// listing is not one request.
 func (b *Backend) resumeList(ctx context.Context, keyPrefix string, page func(after *string) error) error {
 	bo := b.newBackoff()
 	after := ""
@@ -42,7 +44,11 @@ func (b *Backend) resumeList(ctx context.Context, keyPrefix string, page func(af
 		if err := ctx.Err(); err != nil {
 			return b.opError("list", keyPrefix, err)
 		}
+		from := after
 		err := page(&after)
+		if after != from {
+			bo = b.newBackoff()
+		}
 		var fe fnError
 		switch {
 		case err == nil:
