@@ -120,7 +120,7 @@ def test_arena_full_then_recovers(make_daemon, job):
         c.save(2, {"a": np.ones(6 * MiB, np.uint8)}, job=job).wait(30)
         assert c.load(2, job=job)["a"].sum() == 6 * MiB
         with pytest.raises(
-            ckptd.ResourceExhaustedError, match="larger than the arena.*--staging-bytes"
+            ckptd.ResourceExhaustedError, match=r"larger than the arena.*--staging-bytes"
         ):
             c.save(3, {"a": np.zeros(9 * MiB, np.uint8)}, job=job)
 
