@@ -269,3 +269,43 @@ func TestStepsFromDirectories(t *testing.T) {
 		t.Fatalf("Latest = %d, %v, want 20", latest, err)
 	}
 }
+
+// TestHoldsSameWithGaps: the replay check hashes each chunk's bytes where
+// they sit in the region, which differs from data space when the client
+// leaves gaps between tensors (aligning each to its element size).
+func TestHoldsSameWithGaps(t *testing.T) {
+	b, _ := newBackend(t)
+	w, err := NewWriter(b, WriterOptions{ChunkSize: 4096})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tensors := []Tensor{
+		{Name: "bias", DType: dtype.BF16, Shape: []int64{3}, Offset: 0, Length: 6},
+		{Name: "w", DType: dtype.BF16, Shape: []int64{5000}, Offset: 8, Length: 10000},    // 2-byte gap before
+		{Name: "x", DType: dtype.F32, Shape: []int64{3000}, Offset: 10012, Length: 12000}, // 4-byte gap before
+	}
+	l, err := NewLayout(tensors)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := floats(22012/4, 9)
+	sh := &Shard{Target: Target{Job: "job", Step: 1, Rank: 0, WorldSize: 1}, Layout: l, Data: data}
+	m, err := w.WriteShard(context.Background(), sh)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(m.Chunks) < 3 {
+		t.Fatalf("%d chunks; the test wants several", len(m.Chunks))
+	}
+	if !holdsSame(m, sh) {
+		t.Fatal("the stored copy of these very bytes is not recognised")
+	}
+	data[6] ^= 0xff // a gap byte: not tensor data
+	if !holdsSame(m, sh) {
+		t.Fatal("a byte between tensors changed the verdict")
+	}
+	data[20000] ^= 0xff // inside x
+	if holdsSame(m, sh) {
+		t.Fatal("other bytes were taken for the stored copy")
+	}
+}

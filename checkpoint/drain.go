@@ -79,9 +79,9 @@ func (mgr *Manager) drain(l *lease) {
 	}
 	backoff := 500 * time.Millisecond
 	for {
-		m, err := mgr.writeShard(sh)
+		m, reused, err := mgr.writeShard(sh)
 		if err == nil {
-			mgr.finishDrain(l, m, start)
+			mgr.finishDrain(l, m, reused, start)
 			return
 		}
 		if errors.Is(err, ErrExists) {
@@ -117,27 +117,27 @@ func (mgr *Manager) drain(l *lease) {
 //   - other bytes, or an unreadable manifest: an earlier attempt at this
 //     step. Overwrite it unless the step is committed; then fail with
 //     ErrExists, since the step is final and this save was not part of it.
-func (mgr *Manager) writeShard(sh *Shard) (*Manifest, error) {
+func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) {
 	t := sh.Target
-	store := &Store{B: mgr.b, Job: t.Job}
 	stored, err := readManifest(mgr.ctx, mgr.b, manifestName(t.Job, t.Step, t.Rank))
 	switch {
-	case errors.Is(err, storage.ErrNotFound):
-		return mgr.w.WriteShard(mgr.ctx, sh)
 	case err == nil && holdsSame(stored, sh):
 		mgr.log.Warn("rank already stored with these bytes; not rewritten", "target", t.String())
-		return stored, nil
-	case err != nil && !errors.Is(err, ErrCorrupt) && !errors.Is(err, ErrInvalid):
-		return nil, fmt.Errorf("read the stored copy of %s: %w", t, err) // retried
+		return stored, true, nil
+	case err != nil && !errors.Is(err, storage.ErrNotFound) && !errors.Is(err, ErrCorrupt) && !errors.Is(err, ErrInvalid):
+		return nil, false, fmt.Errorf("read the stored copy of %s: %w", t, err) // retried
 	}
-	_, err = store.readCommit(mgr.ctx, t.Step)
+	// Nothing, other bytes, or an unreadable copy: write, unless the step
+	// is final (committed by other ranks, maybe with another world size).
+	_, err = (&Store{B: mgr.b, Job: t.Job}).readCommit(mgr.ctx, t.Step)
 	switch {
 	case errors.Is(err, storage.ErrNotFound):
-		return mgr.w.WriteShard(mgr.ctx, sh)
+		m, err = mgr.w.WriteShard(mgr.ctx, sh)
+		return m, false, err
 	case err != nil && !errors.Is(err, ErrCorrupt):
-		return nil, fmt.Errorf("check step %d: %w", t.Step, err) // retried
+		return nil, false, fmt.Errorf("check step %d: %w", t.Step, err) // retried
 	}
-	return nil, fmt.Errorf("%w: step %d of job %q was committed with other bytes for rank %d; this save was not written",
+	return nil, false, fmt.Errorf("%w: step %d of job %q was committed without these bytes for rank %d; this save was not written",
 		ErrExists, t.Step, t.Job, t.Rank)
 }
 
@@ -148,9 +148,14 @@ func holdsSame(m *Manifest, sh *Shard) bool {
 		!slices.EqualFunc(m.Tensors, sh.Layout.Packed, Tensor.equal) {
 		return false
 	}
+	var buf []byte
 	for _, c := range m.Chunks {
-		if c.RawOffset < 0 || c.Raw < 0 || c.RawOffset+c.Raw > int64(len(sh.Data)) ||
-			codec.FormatHash(codec.Hash(sh.Data[c.RawOffset:c.RawOffset+c.Raw])) != c.Hash {
+		spans, ok := sh.Layout.regionSpans(c.RawOffset, c.Raw)
+		if !ok {
+			return false
+		}
+		raw := gather(sh.Data, chunkPlan{spans: spans}, &buf)
+		if codec.FormatHash(codec.Hash(raw)) != c.Hash {
 			return false
 		}
 	}
@@ -173,15 +178,17 @@ func (mgr *Manager) endDrain(l *lease, state State, err error) {
 
 // finishDrain releases a durable save's region and journal entry, then
 // tries to commit its step.
-func (mgr *Manager) finishDrain(l *lease, m *Manifest, start time.Time) {
+func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.Time) {
 	mgr.endDrain(l, StateDurable, nil)
-	mgr.m.DrainedBytes.Add(float64(m.DataSize))
-	mgr.m.StoredBytes.Add(float64(m.StoredSize))
-	for _, c := range m.Chunks {
-		mgr.m.CodecRaw.WithLabelValues(string(c.Codec)).Add(float64(c.Raw))
-		mgr.m.CodecStored.WithLabelValues(string(c.Codec)).Add(float64(c.Stored))
+	if !reused { // the drain metrics count what this drain wrote
+		mgr.m.DrainedBytes.Add(float64(m.DataSize))
+		mgr.m.StoredBytes.Add(float64(m.StoredSize))
+		for _, c := range m.Chunks {
+			mgr.m.CodecRaw.WithLabelValues(string(c.Codec)).Add(float64(c.Raw))
+			mgr.m.CodecStored.WithLabelValues(string(c.Codec)).Add(float64(c.Stored))
+		}
+		mgr.m.DrainTime.Observe(time.Since(start).Seconds())
 	}
-	mgr.m.DrainTime.Observe(time.Since(start).Seconds())
 	mgr.log.Debug("save durable", "target", l.target.String(), "bytes", m.DataSize, "stored", m.StoredSize, "took", time.Since(start))
 
 	t := l.target

@@ -119,3 +119,21 @@ func appendSpan(ss []span, s span) []span {
 	}
 	return append(ss, s)
 }
+
+// regionSpans returns the region spans that hold data-space bytes
+// [off, off+n), or false when the range is not inside the data. Tensors
+// may have gaps between them in the region (a client aligning each to its
+// element size), so data and region offsets differ.
+func (l *Layout) regionSpans(off, n int64) ([]span, bool) {
+	if off < 0 || n < 0 || off+n > l.DataSize {
+		return nil, false
+	}
+	var out []span
+	for i, p := range l.Packed {
+		lo, hi := max(off, p.Offset), min(off+n, p.Offset+p.Length)
+		if lo < hi {
+			out = append(out, span{off: l.Region[i].Offset + lo - p.Offset, n: hi - lo})
+		}
+	}
+	return out, true
+}

@@ -72,7 +72,7 @@ func (mgr *Manager) reserveSave(ctx context.Context, t Target) error {
 
 // precheckTimeout bounds BeginSave's look at storage. A slow or
 // unreachable store must not stall a trainer's save: the drain checks
-// again before it writes anything (writeUnlessCommitted), and meanwhile
+// again before it writes anything (writeShard), and meanwhile
 // the save waits in the arena.
 const precheckTimeout = time.Second
 

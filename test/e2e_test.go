@@ -395,3 +395,28 @@ func TestReplayDoesNotRewriteCommittedStep(t *testing.T) {
 		})
 	}
 }
+
+// A replayed save of a rank the committed step does not include (the step
+// was committed with another world size meanwhile) fails rather than
+// writing into a final step and reporting success.
+func TestReplayIntoStepCommittedWithOtherWorldSize(t *testing.T) {
+	a := startDaemon(t, "", "--debug-drain-delay", "1h")
+	if _, err := a.client().Save(ctxT(t), shard(9, 3, 4)); err != nil {
+		t.Fatal(err)
+	}
+	a.kill9()
+	b := startDaemon(t, a.storage)
+	if _, err := b.client().Save(ctxT(t), shard(9, 0, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitStep(t, b.client(), 9, 0); err != nil {
+		t.Fatal(err)
+	}
+	a.start("--debug-drain-delay", "0s")
+	if err := waitStep(t, a.client(), 9, 3); err == nil || !strings.Contains(err.Error(), "was not written") {
+		t.Fatalf("replayed rank 3 of 4 into a step committed with world size 1: %v\n%s", err, a.logs())
+	}
+	if _, err := os.Stat(filepath.Join(a.storage, "e2e/steps/000000000009/rank-00003.manifest.json")); err == nil {
+		t.Error("the replay wrote into the committed step")
+	}
+}
