@@ -8,10 +8,11 @@ import (
 )
 
 // admission decides which shards enter the cache and keeps its books:
-// which keys are resident, in which group (a dataset folder), and when
-// each group was last used. It makes the policy of the package comment:
-// a shard is admitted when there is room, or when room can be made by
-// evicting the shards of groups nobody has used for staleAfter. So a full
+// which keys are resident, in which group (a dataset: a source's backend
+// and prefix), and when each group was last used. It makes the policy of
+// the package comment: a shard is admitted when there is room, or when
+// room can be made by evicting the shards of groups nobody has used for
+// staleAfter. So a full
 // cache keeps what it holds while that is being read (epoch scans of a
 // dataset larger than the budget hit the fraction that fits), and a
 // dataset that is no longer read gives way to the one that is.
@@ -76,10 +77,12 @@ func (a *admission) reserve(key, g string, size int64) (evict []string, ok bool)
 	need := a.resident + size - a.budget
 	var stale []string
 	for name, gr := range a.groups {
-		if need <= 0 {
-			break
+		fresh := now.Sub(gr.lastUse) < a.staleAfter
+		if len(gr.keys) == 0 && !fresh && name != g {
+			delete(a.groups, name) // forget datasets gone for good
+			continue
 		}
-		if name == g || now.Sub(gr.lastUse) < a.staleAfter {
+		if need <= 0 || name == g || fresh {
 			continue
 		}
 		for k := range gr.keys {

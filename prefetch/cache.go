@@ -4,7 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"path"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -19,10 +19,11 @@ import (
 // dataset iteration of the daemon. See the package comment for the policy;
 // admission implements it.
 type Cache struct {
-	rc    *ristretto.Cache[string, []byte]
-	adm   *admission
-	fill  singleflight.Group
-	reads atomic.Int64 // shard reads from storage, for tests and metrics
+	rc      *ristretto.Cache[string, []byte]
+	adm     *admission
+	storeMu sync.Mutex
+	fill    singleflight.Group
+	reads   atomic.Int64 // shard reads from storage, for tests and metrics
 }
 
 // DefaultStaleAfter is how long a dataset folder's cached shards must go
@@ -66,13 +67,14 @@ const (
 )
 
 // Get returns a shard's bytes, from the cache or else from b under a
-// per-shard lock. onMiss is called, before any storage read, when the
-// shard is not cached, so the caller can account the wait to storage.
-func (c *Cache) Get(ctx context.Context, b storage.Backend, sh Shard, onMiss func()) ([]byte, fetch, error) {
+// per-shard lock. dataset (the source's prefix in b) groups the shards
+// admission ages together. onMiss is called, before any storage read, when
+// the shard is not cached, so the caller can account the wait to storage.
+func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh Shard, onMiss func()) ([]byte, fetch, error) {
 	// Size and time in the key: a shard rewritten in place is a new entry,
 	// never the stale bytes of the old one.
 	key := fmt.Sprintf("%s\x00%s\x00%d\x00%d", b.Location(), sh.Name, sh.Size, sh.ModTime.UnixNano())
-	group := b.Location() + "\x00" + path.Dir(sh.Name)
+	group := b.Location() + "\x00" + dataset
 	if data, ok := c.rc.Get(key); ok {
 		c.adm.used(group)
 		return data, fromCache, nil
@@ -106,8 +108,12 @@ func (c *Cache) Get(ctx context.Context, b storage.Backend, sh Shard, onMiss fun
 	}
 }
 
-// store caches a shard the policy admits.
+// store caches a shard the policy admits. Stores run one at a time, so
+// that one's Set never reaches ristretto before another's Dels have made
+// the room admission counted on (ristretto would then evict on its own).
 func (c *Cache) store(key, group string, data []byte) {
+	c.storeMu.Lock()
+	defer c.storeMu.Unlock()
 	evict, ok := c.adm.reserve(key, group, int64(len(data)))
 	if !ok {
 		return

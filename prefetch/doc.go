@@ -34,9 +34,8 @@
 // random shard, often one about to be read (and LRU would evict each shard
 // just before it is needed again). Keeping the subset that fits hits
 // budget/dataset of the reads from the second epoch on, the most any
-// policy can. Shards are grouped by folder; the shards of a folder nobody
-// has read for DefaultStaleAfter (a dataset no longer in use) give way to
-// new ones. Each shard is filled under a per-key lock, so ranks asking for
+// policy can. The shards of a dataset (a source's backend and prefix)
+// nobody has read for DefaultStaleAfter give way to new ones. Each shard is filled under a per-key lock, so ranks asking for
 // the same shard at once read it from storage once.
 //
 // This package knows nothing of gRPC or of the shared-memory ring that

@@ -130,7 +130,7 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 	}
 	it.stats.Shards = len(mine)
 	queue := make(chan *pendingShard, opts.MaxReads)
-	go it.fetchAll(ctx, b, cache, mine, opts, queue)
+	go it.fetchAll(ctx, b, prefix, cache, mine, opts, queue)
 	go func() {
 		defer close(it.done)
 		it.assemble(ctx, prefix, queue, opts)
@@ -187,7 +187,7 @@ func (it *Iterator) Stats() Stats {
 // (through queue's capacity) by concurrent reads, and queues them for
 // assemble, which returns each shard's weight when done with it. It closes
 // queue.
-func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, cache *Cache, shards []Shard, opts Options, queue chan<- *pendingShard) {
+func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix string, cache *Cache, shards []Shard, opts Options, queue chan<- *pendingShard) {
 	defer close(queue)
 	budget := semaphore.NewWeighted(opts.ReadAheadBytes)
 	for _, sh := range shards {
@@ -203,7 +203,7 @@ func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, cache *Cach
 		}
 		go func() {
 			defer close(p.done)
-			p.data, p.how, p.err = cache.Get(ctx, b, sh, func() { p.miss.Store(true) })
+			p.data, p.how, p.err = cache.Get(ctx, b, prefix, sh, func() { p.miss.Store(true) })
 		}()
 	}
 }
