@@ -420,3 +420,63 @@ func TestReplayIntoStepCommittedWithOtherWorldSize(t *testing.T) {
 		t.Error("the replay wrote into the committed step")
 	}
 }
+
+// A step saved again by a restarted job (a new run) never commits with
+// ranks the first attempt left behind: it waits until this run has
+// written every rank, then commits this run's bytes only.
+func TestRunsDoNotMix(t *testing.T) {
+	d := startDaemon(t, "")
+	c := d.client()
+	first := shard(5, 0, 2)
+	first.Run = "job-1.attempt-0"
+	if _, err := c.Save(ctxT(t), first); err != nil {
+		t.Fatal(err)
+	}
+	manifest := func(rank int) string {
+		return filepath.Join(d.storage, fmt.Sprintf("e2e/steps/000000000005/rank-%05d.manifest.json", rank))
+	}
+	waitFile(t, manifest(0)) // rank 0 of attempt 0 is durable; rank 1 never comes
+
+	again := []*ckptd.SaveRequest{shard(5, 1, 2), shard(5, 0, 2)}
+	for _, req := range again {
+		req.Run = "job-1.attempt-1"
+		req.Tensors[0].Data = append([]byte(nil), req.Tensors[0].Data...)
+		req.Tensors[0].Data[0] ^= 0xff // other weights than attempt 0's
+	}
+	if _, err := c.Save(ctxT(t), again[0]); err != nil {
+		t.Fatal(err)
+	}
+	waitFile(t, manifest(1))
+	time.Sleep(time.Second) // time for a wrong commit to happen
+	if _, err := os.Stat(filepath.Join(d.storage, "e2e/steps/000000000005/COMMIT.json")); err == nil {
+		t.Fatal("step 5 committed with rank 0 of the first attempt and rank 1 of the second")
+	}
+	h, err := c.Save(ctxT(t), again[1]) // supersedes attempt 0's durable rank 0
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	for rank, req := range []*ckptd.SaveRequest{again[1], again[0]} {
+		got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 5, Rank: rank})
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkShard(t, got, req)
+	}
+}
+
+func waitFile(t *testing.T, path string) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if _, err := os.Stat(path); err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s did not appear within 30s", path)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

@@ -23,8 +23,11 @@ type SaveRequest struct {
 	Step      int64
 	Rank      int
 	WorldSize int
-	Tensors   []Tensor
-	Metadata  []byte
+	// Run names the attempt (the same on every rank, new when the job
+	// restarts); a step commits only from manifests of one run.
+	Run      string
+	Tensors  []Tensor
+	Metadata []byte
 }
 
 // SaveHandle refers to an accepted save.
@@ -36,7 +39,7 @@ type SaveHandle struct {
 }
 
 func (r *SaveRequest) target() *pb.SaveTarget {
-	return &pb.SaveTarget{Job: r.Job, Step: r.Step, Rank: int32(r.Rank), WorldSize: int32(r.WorldSize)}
+	return &pb.SaveTarget{Job: r.Job, Step: r.Step, Rank: int32(r.Rank), WorldSize: int32(r.WorldSize), Run: r.Run}
 }
 
 // table lays the tensors out back to back, which lets the daemon compress
