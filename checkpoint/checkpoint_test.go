@@ -70,7 +70,7 @@ func writeStep(t *testing.T, b storage.Backend, w *Writer, step int64, world int
 		if _, err := w.WriteShard(context.Background(), sh); err != nil {
 			t.Fatal(err)
 		}
-		ok, won, err := TryCommit(context.Background(), b, "job", step, world, "")
+		ok, won, err := TryCommit(context.Background(), b, "job", step, world)
 		if err != nil || ok != (rank == world-1) || won != ok {
 			t.Fatalf("TryCommit after rank %d = %v, %v", rank, ok, err)
 		}
@@ -171,7 +171,7 @@ func TestCommitNeedsAllRanks(t *testing.T) {
 		t.Fatal(err)
 	}
 	store, _ := NewStore(b, "job")
-	if ok, _, _ := TryCommit(context.Background(), b, "job", 1, 3, ""); ok {
+	if ok, _, _ := TryCommit(context.Background(), b, "job", 1, 3); ok {
 		t.Fatal("committed with 1 of 3 ranks")
 	}
 	if steps, _ := store.Steps(context.Background()); len(steps) != 0 {
@@ -183,10 +183,10 @@ func TestCommitNeedsAllRanks(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if ok, won, err := TryCommit(context.Background(), b, "job", 1, 3, ""); !ok || !won || err != nil {
+	if ok, won, err := TryCommit(context.Background(), b, "job", 1, 3); !ok || !won || err != nil {
 		t.Fatalf("TryCommit = %v, %v, %v", ok, won, err)
 	}
-	if ok, won, err := TryCommit(context.Background(), b, "job", 1, 3, ""); !ok || won || err != nil {
+	if ok, won, err := TryCommit(context.Background(), b, "job", 1, 3); !ok || won || err != nil {
 		t.Fatalf("second TryCommit = %v, %v, %v", ok, won, err)
 	}
 }

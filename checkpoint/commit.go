@@ -17,11 +17,7 @@ import (
 // coordinator (see the package comment). It reports whether the step is
 // committed (by this call or another) and whether this call wrote the
 // commit record.
-//
-// Every manifest must carry run (see Target.Run): while some rank's
-// manifest is one an earlier attempt left, the step waits for this
-// attempt to rewrite it.
-func TryCommit(ctx context.Context, b storage.Backend, job string, step int64, worldSize int, run string) (committed, won bool, err error) {
+func TryCommit(ctx context.Context, b storage.Backend, job string, step int64, worldSize int) (committed, won bool, err error) {
 	if worldSize < 1 || worldSize > MaxWorldSize {
 		return false, false, fmt.Errorf("%w: world size %d", ErrInvalid, worldSize)
 	}
@@ -34,10 +30,7 @@ func TryCommit(ctx context.Context, b storage.Backend, job string, step int64, w
 	if err != nil || len(names) < worldSize {
 		return false, false, err
 	}
-	rec, err := summarize(ctx, b, job, step, worldSize, run, names)
-	if errors.Is(err, errOtherRun) {
-		return false, false, nil
-	}
+	rec, err := summarize(ctx, b, job, step, worldSize, names)
 	if err != nil {
 		return false, false, err
 	}
@@ -66,12 +59,9 @@ func listManifests(ctx context.Context, b storage.Backend, job string, step int6
 	return names, err
 }
 
-// errOtherRun: a rank's manifest belongs to another attempt.
-var errOtherRun = errors.New("a rank's manifest is of another run")
-
 // summarize reads every rank's manifest, checks that they describe ranks
-// 0..worldSize-1 of one step of run, and builds the commit record.
-func summarize(ctx context.Context, b storage.Backend, job string, step int64, worldSize int, run string, names []string) (*CommitRecord, error) {
+// 0..worldSize-1 of one step, and builds the commit record.
+func summarize(ctx context.Context, b storage.Backend, job string, step int64, worldSize int, names []string) (*CommitRecord, error) {
 	rec := &CommitRecord{
 		Format: CommitFormat, Version: CommitVersion,
 		Job: job, Step: step, WorldSize: worldSize, CommittedAt: time.Now().UTC(),
@@ -85,9 +75,6 @@ func summarize(ctx context.Context, b storage.Backend, job string, step int64, w
 		if m.WorldSize != worldSize || m.Step != step || m.Job != job || seen[m.Rank] {
 			return nil, fmt.Errorf("%w: %s describes %s, conflicting with a world size of %d for step %d",
 				ErrCorrupt, name, m.Target(), worldSize, step)
-		}
-		if m.Run != run {
-			return nil, fmt.Errorf("%w: %s is of run %q, not %q", errOtherRun, name, m.Run, run)
 		}
 		seen[m.Rank] = true
 		rec.Bytes += m.DataSize

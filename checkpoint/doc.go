@@ -24,7 +24,6 @@
 //	{
 //	  "format": "ckptd.manifest", "version": 1,
 //	  "job": "llama", "step": 9000, "rank": 0, "world_size": 8,
-//	  "run": "torchelastic-abc-1",      // optional: the attempt (Target.Run)
 //	  "created": "2026-11-29T14:00:00Z",
 //	  "data_size": 1073741824,          // bytes of tensor data (data space)
 //	  "stored_size": 912345678,         // bytes of chunk data stored
@@ -47,9 +46,8 @@
 // # Commit
 //
 // After writing a rank's data and manifest, a sidecar lists the step's
-// folder; once world_size manifests of its run are there (a manifest of
-// another run is a rank an earlier attempt left, which this run will
-// rewrite) it creates COMMIT.json with storage.Backend.PutIfAbsent. Several sidecars sharing one store commit a
+// folder; once world_size manifests are there it creates COMMIT.json with
+// storage.Backend.PutIfAbsent. Several sidecars sharing one store commit a
 // step exactly once with no coordinator: the last manifest written is always
 // followed by a listing that sees all of them, and the conditional create
 // picks one winner. Readers ignore steps without COMMIT.json, so a crash at

@@ -192,7 +192,7 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.T
 	mgr.log.Debug("save durable", "target", l.target.String(), "bytes", m.DataSize, "stored", m.StoredSize, "took", time.Since(start))
 
 	t := l.target
-	ok, won, err := TryCommit(mgr.ctx, mgr.b, t.Job, t.Step, t.WorldSize, t.Run)
+	ok, won, err := TryCommit(mgr.ctx, mgr.b, t.Job, t.Step, t.WorldSize)
 	if err != nil {
 		mgr.m.Error("commit")
 		mgr.log.Warn("commit check failed; waiters will retry", "step", t.Step, "err", err)

@@ -63,7 +63,6 @@ type Manifest struct {
 	Step       int64     `json:"step"`
 	Rank       int       `json:"rank"`
 	WorldSize  int       `json:"world_size"`
-	Run        string    `json:"run,omitempty"` // see Target.Run
 	Created    time.Time `json:"created"`
 	DataSize   int64     `json:"data_size"`
 	StoredSize int64     `json:"stored_size"`
@@ -74,7 +73,7 @@ type Manifest struct {
 
 // Target returns the shard the manifest describes.
 func (m *Manifest) Target() Target {
-	return Target{Job: m.Job, Step: m.Step, Rank: m.Rank, WorldSize: m.WorldSize, Run: m.Run}
+	return Target{Job: m.Job, Step: m.Step, Rank: m.Rank, WorldSize: m.WorldSize}
 }
 
 // Encode renders the manifest as indented JSON (people read these).

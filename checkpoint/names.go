@@ -3,7 +3,6 @@ package checkpoint
 import (
 	"fmt"
 	"strings"
-	"unicode/utf8"
 )
 
 // Limits on identifiers. Steps have 12 digits and ranks 5 in object names.
@@ -39,20 +38,9 @@ type Target struct {
 	Step      int64
 	Rank      int
 	WorldSize int
-	// Run names the attempt the save belongs to (empty: none). A step
-	// commits only when every rank's manifest carries the same run, so the
-	// ranks a crashed attempt left behind are never committed together
-	// with those of the attempt that saves the step again.
-	Run string `json:",omitempty"`
 }
 
-// MaxRunLen bounds Target.Run.
-const MaxRunLen = 128
-
 func (t Target) String() string {
-	if t.Run != "" {
-		return fmt.Sprintf("job %q step %d rank %d/%d run %q", t.Job, t.Step, t.Rank, t.WorldSize, t.Run)
-	}
 	return fmt.Sprintf("job %q step %d rank %d/%d", t.Job, t.Step, t.Rank, t.WorldSize)
 }
 
@@ -69,9 +57,6 @@ func (t Target) Validate() error {
 	}
 	if t.Rank < 0 || t.Rank >= t.WorldSize {
 		return fmt.Errorf("%w: rank %d out of range [0, world_size %d)", ErrInvalid, t.Rank, t.WorldSize)
-	}
-	if len(t.Run) > MaxRunLen || strings.ContainsFunc(t.Run, func(r rune) bool { return r < 0x20 || r == 0x7f || r == utf8.RuneError }) {
-		return fmt.Errorf("%w: run %q: at most %d bytes of printable UTF-8", ErrInvalid, t.Run, MaxRunLen)
 	}
 	return nil
 }

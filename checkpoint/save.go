@@ -62,26 +62,12 @@ func (mgr *Manager) reserveSave(ctx context.Context, t Target) error {
 		return ErrClosing
 	}
 	k := keyOf(t)
-	if st := mgr.saves[k]; st != nil && !supersedes(t, st) {
+	if st := mgr.saves[k]; st != nil && st.state != StateFailed && st.state != StateCommitted {
 		return fmt.Errorf("%w: %s is already being saved (%s)", ErrExists, t, st.state)
 	}
 	mgr.setState(k, StateStaging, nil)
-	mgr.saves[k].worldSize, mgr.saves[k].run = t.WorldSize, t.Run
+	mgr.saves[k].worldSize = t.WorldSize
 	return nil
-}
-
-// supersedes reports whether a save of t may replace the one st tracks:
-// that one failed or is committed, or it is durable but waits for ranks of
-// its run that will never come, because a new run (a restarted job) saves
-// the step again.
-func supersedes(t Target, st *saveStatus) bool {
-	switch st.state {
-	case StateFailed, StateCommitted:
-		return true
-	case StateDurable:
-		return st.run != t.Run
-	}
-	return false
 }
 
 // precheckTimeout bounds BeginSave's look at storage. A slow or
@@ -218,7 +204,7 @@ func (mgr *Manager) recover() error {
 		}
 		mgr.leases[l.id] = l
 		mgr.setState(keyOf(l.target), StateStaged, nil)
-		mgr.saves[keyOf(l.target)].worldSize, mgr.saves[keyOf(l.target)].run = l.target.WorldSize, l.target.Run
+		mgr.saves[keyOf(l.target)].worldSize = l.target.WorldSize
 		mgr.enqueue(l)
 		mgr.log.Info("recovered staged save", "target", l.target.String(), "bytes", l.layout.DataSize)
 	}

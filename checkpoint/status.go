@@ -41,7 +41,6 @@ type saveStatus struct {
 	state     State
 	err       error // why it failed, or the last transient drain error
 	worldSize int
-	run       string
 	updated   time.Time
 	changed   chan struct{}
 }
@@ -115,7 +114,7 @@ func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int) 
 		case StateDurable:
 			// Other ranks commit the step, maybe on other nodes: poll storage,
 			// committing ourselves if the last manifest appeared without one.
-			if ok, won, err := TryCommit(ctx, mgr.b, job, step, mgr.worldSize(k), mgr.run(k)); err == nil && ok {
+			if ok, won, err := TryCommit(ctx, mgr.b, job, step, mgr.worldSize(k)); err == nil && ok {
 				mgr.logCommit(job, step, won)
 				mgr.markCommitted(k)
 				return WaitResult{State: StateCommitted}, nil
@@ -165,7 +164,7 @@ func (mgr *Manager) stateFromStorage(ctx context.Context, store *Store, k saveKe
 	}
 	mgr.mu.Lock()
 	mgr.setState(k, StateDurable, nil)
-	mgr.saves[k].worldSize, mgr.saves[k].run = m.WorldSize, m.Run
+	mgr.saves[k].worldSize = m.WorldSize
 	mgr.mu.Unlock()
 	return WaitResult{State: StateDurable}, nil
 }
@@ -177,15 +176,6 @@ func (mgr *Manager) worldSize(k saveKey) int {
 		return st.worldSize
 	}
 	return 0
-}
-
-func (mgr *Manager) run(k saveKey) string {
-	mgr.mu.Lock()
-	defer mgr.mu.Unlock()
-	if st := mgr.saves[k]; st != nil {
-		return st.run
-	}
-	return ""
 }
 
 func (mgr *Manager) markCommitted(k saveKey) {

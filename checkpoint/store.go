@@ -179,7 +179,7 @@ func (s *Store) Manifest(ctx context.Context, rec *CommitRecord, rank int) (*Man
 	if err != nil {
 		return nil, fmt.Errorf("step %d rank %d: %w", rec.Step, rank, err)
 	}
-	if m.Target() != (Target{Job: s.Job, Step: rec.Step, Rank: rank, WorldSize: rec.WorldSize, Run: m.Run}) {
+	if m.Target() != (Target{Job: s.Job, Step: rec.Step, Rank: rank, WorldSize: rec.WorldSize}) {
 		return nil, fmt.Errorf("%w: manifest of step %d rank %d describes %s", ErrCorrupt, rec.Step, rank, m.Target())
 	}
 	return m, nil

@@ -108,7 +108,7 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (*Manifest, error) {
 	t := sh.Target
 	m := &Manifest{
 		Format: ManifestFormat, Version: ManifestVersion,
-		Job: t.Job, Step: t.Step, Rank: t.Rank, WorldSize: t.WorldSize, Run: t.Run,
+		Job: t.Job, Step: t.Step, Rank: t.Rank, WorldSize: t.WorldSize,
 		Created: w.now().UTC(), DataSize: sh.Layout.DataSize,
 		Tensors: sh.Layout.Packed, Metadata: sh.Metadata,
 	}

@@ -75,7 +75,7 @@ func writeStep(t *testing.T, root string) []byte {
 	if _, err := w.WriteShard(context.Background(), sh); err != nil {
 		t.Fatal(err)
 	}
-	if ok, _, err := checkpoint.TryCommit(context.Background(), b, "j", 1, 1, ""); !ok || err != nil {
+	if ok, _, err := checkpoint.TryCommit(context.Background(), b, "j", 1, 1); !ok || err != nil {
 		t.Fatalf("commit: %v %v", ok, err)
 	}
 	return data

@@ -203,11 +203,11 @@ func (s *Checkpoint) ReleaseRegion(_ context.Context, req *pb.ReleaseRegionReque
 var _ io.Reader = (*streamReader)(nil)
 
 func fromTarget(t *pb.SaveTarget) checkpoint.Target {
-	return checkpoint.Target{Job: t.GetJob(), Step: t.GetStep(), Rank: int(t.GetRank()), WorldSize: int(t.GetWorldSize()), Run: t.GetRun()}
+	return checkpoint.Target{Job: t.GetJob(), Step: t.GetStep(), Rank: int(t.GetRank()), WorldSize: int(t.GetWorldSize())}
 }
 
 func toTarget(t checkpoint.Target) *pb.SaveTarget {
-	return &pb.SaveTarget{Job: t.Job, Step: t.Step, Rank: int32(t.Rank), WorldSize: int32(t.WorldSize), Run: t.Run}
+	return &pb.SaveTarget{Job: t.Job, Step: t.Step, Rank: int32(t.Rank), WorldSize: int32(t.WorldSize)}
 }
 
 // fromTensors converts a request's table; offsets beyond int64 become -1

@@ -23,11 +23,8 @@ type SaveRequest struct {
 	Step      int64
 	Rank      int
 	WorldSize int
-	// Run names the attempt (the same on every rank, new when the job
-	// restarts); a step commits only from manifests of one run.
-	Run      string
-	Tensors  []Tensor
-	Metadata []byte
+	Tensors   []Tensor
+	Metadata  []byte
 }
 
 // SaveHandle refers to an accepted save.
@@ -39,7 +36,7 @@ type SaveHandle struct {
 }
 
 func (r *SaveRequest) target() *pb.SaveTarget {
-	return &pb.SaveTarget{Job: r.Job, Step: r.Step, Rank: int32(r.Rank), WorldSize: int32(r.WorldSize), Run: r.Run}
+	return &pb.SaveTarget{Job: r.Job, Step: r.Step, Rank: int32(r.Rank), WorldSize: int32(r.WorldSize)}
 }
 
 // table lays the tensors out back to back, which lets the daemon compress

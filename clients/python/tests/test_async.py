@@ -96,34 +96,3 @@ def test_handles_of_a_closed_client(make_daemon, job):
         assert h2.status == ckptd.SaveStatus.COMMITTED
         with pytest.raises(ckptd.NotFoundError, match="no save"):
             c2.handle(2, job=job).wait(30)
-
-
-def test_a_new_run_never_commits_with_an_old_runs_ranks(daemon, job):
-    """A step saved again after a restart commits only this run's ranks."""
-    old = np.full(1000, 1.0, np.float32)
-    new = np.full(1000, 2.0, np.float32)
-    with daemon.client() as c:
-        c.run = "attempt-0"
-        c.save(3, {"w": old}, rank=0, world_size=2, job=job)  # rank 1 never comes
-        c.run = "attempt-1"
-        h1 = c.save(3, {"w": new}, rank=1, world_size=2, job=job)
-        time.sleep(1)
-        assert not h1.done()  # not committed with attempt 0's rank 0
-        c.save(3, {"w": new}, rank=0, world_size=2, job=job).wait(30)  # replaces it
-        h1.wait(30)
-        for rank in (0, 1):
-            assert np.array_equal(c.load(3, rank=rank, job=job)["w"], new)
-
-
-def test_default_run(monkeypatch):
-    for var in ("CKPTD_RUN", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID"):
-        monkeypatch.delenv(var, raising=False)
-    assert ckptd.default_run() == ""
-    monkeypatch.setenv("SLURM_JOB_ID", "42")
-    assert ckptd.default_run() == "slurm-42-0"
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
-    assert ckptd.default_run() == "torchelastic-abc-3"
-    monkeypatch.setenv("CKPTD_RUN", "mine")
-    assert ckptd.default_run() == "mine"
-    assert ckptd.Client("/nonexistent.sock", run="given").run == "given"

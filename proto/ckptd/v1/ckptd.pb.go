@@ -292,15 +292,10 @@ func (x *Tensor) GetLength() uint64 {
 type SaveTarget struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Empty means the daemon's default job.
-	Job       string `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
-	Step      int64  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
-	Rank      int32  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
-	WorldSize int32  `protobuf:"varint,4,opt,name=world_size,json=worldSize,proto3" json:"world_size,omitempty"`
-	// The attempt this save belongs to (e.g. a job id plus its restart
-	// count), the same on every rank; empty means none. A step commits only
-	// when all its ranks' manifests carry the same run, so a step re-saved by
-	// a restarted job never mixes ranks of the two attempts.
-	Run           string `protobuf:"bytes,5,opt,name=run,proto3" json:"run,omitempty"`
+	Job           string `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
+	Step          int64  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
+	Rank          int32  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
+	WorldSize     int32  `protobuf:"varint,4,opt,name=world_size,json=worldSize,proto3" json:"world_size,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -361,13 +356,6 @@ func (x *SaveTarget) GetWorldSize() int32 {
 		return x.WorldSize
 	}
 	return 0
-}
-
-func (x *SaveTarget) GetRun() string {
-	if x != nil {
-		return x.Run
-	}
-	return ""
 }
 
 type BeginSaveRequest struct {
@@ -2121,15 +2109,14 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x05dtype\x18\x02 \x01(\tR\x05dtype\x12\x14\n" +
 	"\x05shape\x18\x03 \x03(\x03R\x05shape\x12\x16\n" +
 	"\x06offset\x18\x04 \x01(\x04R\x06offset\x12\x16\n" +
-	"\x06length\x18\x05 \x01(\x04R\x06length\"w\n" +
+	"\x06length\x18\x05 \x01(\x04R\x06length\"e\n" +
 	"\n" +
 	"SaveTarget\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x12\n" +
 	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x1d\n" +
 	"\n" +
-	"world_size\x18\x04 \x01(\x05R\tworldSize\x12\x10\n" +
-	"\x03run\x18\x05 \x01(\tR\x03run\"l\n" +
+	"world_size\x18\x04 \x01(\x05R\tworldSize\"l\n" +
 	"\x10BeginSaveRequest\x12,\n" +
 	"\x06target\x18\x01 \x01(\v2\x14.ckptd.v1.SaveTargetR\x06target\x12*\n" +
 	"\atensors\x18\x02 \x03(\v2\x10.ckptd.v1.TensorR\atensors\"b\n" +

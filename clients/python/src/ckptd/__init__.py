@@ -22,15 +22,7 @@ Read a dataset through the daemon's prefetching cache, batch by batch::
 torch DataLoader (``ckptd.torch.CkptdIterableDataset``).
 """
 
-from ._client import (
-    Client,
-    LoadedState,
-    SaveHandle,
-    SaveStatus,
-    StepInfo,
-    default_run,
-    default_socket,
-)
+from ._client import Client, LoadedState, SaveHandle, SaveStatus, StepInfo, default_socket
 from ._dataset import Dataset, DatasetStats
 from ._errors import (
     AlreadyExistsError,
@@ -67,6 +59,5 @@ __all__ = [
     "StepInfo",
     "StorageUnavailableError",
     "TimeoutError",
-    "default_run",
     "default_socket",
 ]

@@ -237,12 +237,6 @@ class Client:
             bytes over gRPC (for a client that cannot see the daemon's
             /dev/shm); "auto" maps and falls back to streaming, with a
             warning, when the arena cannot be opened.
-        run: the attempt this job's saves belong to, the same on every rank
-            and new after each restart (default: default_run(), from
-            $CKPTD_RUN, torchrun or Slurm). A step commits only from ranks
-            of one run, so a step saved again after a crash never mixes
-            ranks of the two attempts; a new run may also replace a rank an
-            earlier one left durable but uncommitted.
 
     The connection is lazy: creating a client never fails because no daemon
     runs; the first call does, naming the socket. Use it as a context
@@ -250,16 +244,11 @@ class Client:
     """
 
     def __init__(
-        self,
-        socket: str | None = None,
-        timeout: float | None = None,
-        transport: Transport = "auto",
-        run: str | None = None,
+        self, socket: str | None = None, timeout: float | None = None, transport: Transport = "auto"
     ) -> None:
         if transport not in ("auto", "shm", "stream"):
             raise ValueError(f"transport must be 'auto', 'shm' or 'stream', not {transport!r}")
         self.socket = os.path.abspath(socket or default_socket())
-        self.run = default_run() if run is None else run
         self.timeout = timeout
         self.transport: Transport = transport
         self._channel = grpc.insecure_channel(
@@ -492,7 +481,6 @@ class Client:
         """
         meta = _metadata_bytes(metadata)
         target = _target(job, step, rank, world_size)
-        target.run = self.run
         leaves = [_tensors.make_leaf(n, v) for n, v in _flatten(state)]
         size = _tensors.layout(leaves)
         table = [
@@ -731,26 +719,6 @@ def _int(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"{name} must be an int, not {type(v).__name__}")
     return int(v)
-
-
-def default_run() -> str:
-    """The attempt a save belongs to, when Client(run=...) is not given.
-
-    ``$CKPTD_RUN``; else, under torchrun, the rendezvous id and restart
-    count; else, under Slurm, the job id and requeue count; else none. It
-    must be the same on every rank and change when the job restarts: a
-    step then commits only from ranks of one attempt, never mixing those a
-    crashed attempt left with those of the restarted one.
-    """
-    env = os.environ
-    if "CKPTD_RUN" in env:
-        return env["CKPTD_RUN"]
-    if "TORCHELASTIC_RUN_ID" in env:
-        restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return f"torchelastic-{env['TORCHELASTIC_RUN_ID']}-{restarts}"
-    if "SLURM_JOB_ID" in env:
-        return f"slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_RESTART_COUNT', '0')}"
-    return ""
 
 
 def _target(job: str | None, step: int, rank: int, world_size: int) -> pb.SaveTarget:
