@@ -107,16 +107,15 @@ func (mgr *Manager) drain(l *lease) {
 // committed step may point to. Before writing it reads the rank's stored
 // manifest:
 //
-//   - none: nothing of this rank is stored, so no commit can include it;
-//     write.
 //   - the same bytes (every chunk hash matches the staged data): a
 //     journaled save replayed after a crash that came after its write. Keep
 //     what is stored; rewriting it could race a commit that other ranks
 //     make meanwhile, and with --codec auto the new chunks could differ
 //     from the manifest a reader has just fetched.
-//   - other bytes, or an unreadable manifest: an earlier attempt at this
-//     step. Overwrite it unless the step is committed; then fail with
-//     ErrExists, since the step is final and this save was not part of it.
+//   - none, other bytes (an earlier attempt at this step), or an
+//     unreadable manifest: write, unless the step is committed already
+//     (without this save: by other ranks, or with another world size);
+//     then fail with ErrExists, since the step is final.
 func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) {
 	t := sh.Target
 	stored, err := readManifest(mgr.ctx, mgr.b, manifestName(t.Job, t.Step, t.Rank))
