@@ -87,7 +87,9 @@ func (a *admission) reserve(key, g string, size int64) (evict []string, ok bool)
 		}
 		for k := range gr.keys {
 			stale = append(stale, k)
-			need -= a.entries[hashOf(k)].size
+			if e := a.entries[hashOf(k)]; e != nil {
+				need -= e.size
+			}
 			if need <= 0 {
 				break
 			}
