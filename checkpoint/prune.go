@@ -32,9 +32,13 @@ func (s *Store) Prune(ctx context.Context, keepLast int, dryRun bool) (*PruneRep
 	if err != nil {
 		return nil, err
 	}
-	committed, err := s.committedSteps(ctx, all)
+	recs, err := s.commitRecords(ctx, all)
 	if err != nil {
 		return nil, err
+	}
+	committed := make([]int64, len(recs))
+	for i, rec := range recs {
+		committed[i] = rec.Step
 	}
 	rep := &PruneReport{}
 	if len(committed) <= keepLast {

@@ -40,6 +40,12 @@ func (s *Store) Steps(ctx context.Context) ([]*CommitRecord, error) {
 	if err != nil {
 		return nil, err
 	}
+	return s.commitRecords(ctx, steps)
+}
+
+// commitRecords reads the commit records of those of steps that have one,
+// metaConcurrency at a time, in the order of steps.
+func (s *Store) commitRecords(ctx context.Context, steps []int64) ([]*CommitRecord, error) {
 	recs := make([]*CommitRecord, len(steps))
 	g, gctx := errgroup.WithContext(ctx)
 	g.SetLimit(metaConcurrency)
@@ -74,29 +80,6 @@ func (s *Store) allSteps(ctx context.Context) ([]int64, error) {
 	}
 	slices.Sort(steps)
 	return steps, nil
-}
-
-// committedSteps returns the steps of all that have a commit record.
-func (s *Store) committedSteps(ctx context.Context, all []int64) ([]int64, error) {
-	ok := make([]bool, len(all))
-	g, gctx := errgroup.WithContext(ctx)
-	g.SetLimit(metaConcurrency)
-	for i, step := range all {
-		g.Go(func() (err error) {
-			ok[i], err = s.Committed(gctx, step)
-			return err
-		})
-	}
-	if err := g.Wait(); err != nil {
-		return nil, fmt.Errorf("list steps of job %q in %s: %w", s.Job, s.B.Location(), err)
-	}
-	var out []int64
-	for i, step := range all {
-		if ok[i] {
-			out = append(out, step)
-		}
-	}
-	return out, nil
 }
 
 // Latest returns the newest committed step, or ErrStepNotFound. It checks

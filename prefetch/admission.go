@@ -138,5 +138,3 @@ func hashOf(key string) uint64 {
 	h, _ := z.KeyToHash(key)
 	return h
 }
-
-func hashAndConflict(key string) (uint64, uint64) { return z.KeyToHash(key) }

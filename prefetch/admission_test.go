@@ -6,6 +6,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/dgraph-io/ristretto/v2/z"
 )
 
 func TestAdmission(t *testing.T) {
@@ -36,7 +38,7 @@ func TestAdmission(t *testing.T) {
 	if !slices.Equal(evicted, []string{"a1", "a2"}) || a.resident != 100 || a.groups["A"] != nil {
 		t.Fatalf("evicted %q, resident %d, group A %v; want A's two shards gone and B's in", evicted, a.resident, a.groups["A"])
 	}
-	h, c := hashAndConflict("b1")
+	h, c := z.KeyToHash("b1")
 	a.release(h, c)
 	if a.resident != 50 {
 		t.Fatalf("resident %d after releasing b1, want 50", a.resident)

@@ -3,7 +3,6 @@ package test
 import (
 	"context"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/user"
@@ -157,12 +156,7 @@ func TestNoDaemonError(t *testing.T) {
 }
 
 func TestMetricsEndpoint(t *testing.T) {
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := lis.Addr().String()
-	lis.Close()
+	addr := closedAddr(t) // free for the daemon to listen on
 	d := startDaemon(t, "", "--metrics-addr", addr)
 	c := d.client()
 	h, err := c.Save(ctxT(t), shard(1, 0, 1))

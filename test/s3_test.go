@@ -245,7 +245,8 @@ func TestS3Errors(t *testing.T) {
 	}
 }
 
-// closedAddr returns a 127.0.0.1 address nothing listens on.
+// closedAddr returns a 127.0.0.1 address nothing listens on (to refuse
+// connections, or for a server to take).
 func closedAddr(t *testing.T) string {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
