@@ -292,10 +292,15 @@ func (x *Tensor) GetLength() uint64 {
 type SaveTarget struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Empty means the daemon's default job.
-	Job           string `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
-	Step          int64  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
-	Rank          int32  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
-	WorldSize     int32  `protobuf:"varint,4,opt,name=world_size,json=worldSize,proto3" json:"world_size,omitempty"`
+	Job       string `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
+	Step      int64  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
+	Rank      int32  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
+	WorldSize int32  `protobuf:"varint,4,opt,name=world_size,json=worldSize,proto3" json:"world_size,omitempty"`
+	// The run of the job this save belongs to: an id shared by every rank of
+	// one run and different for the next run (after a crash or a resize),
+	// [a-z0-9._-]{1,64}. A step commits only from the manifests of one
+	// attempt, so a committed step never mixes ranks of two runs. Required.
+	Attempt       string `protobuf:"bytes,5,opt,name=attempt,proto3" json:"attempt,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -356,6 +361,13 @@ func (x *SaveTarget) GetWorldSize() int32 {
 		return x.WorldSize
 	}
 	return 0
+}
+
+func (x *SaveTarget) GetAttempt() string {
+	if x != nil {
+		return x.Attempt
+	}
+	return ""
 }
 
 type BeginSaveRequest struct {
@@ -858,7 +870,10 @@ type WaitSaveRequest struct {
 	Step  int64                  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
 	Rank  int32                  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
 	// Answer with the current state at once instead of waiting.
-	Nowait        bool `protobuf:"varint,4,opt,name=nowait,proto3" json:"nowait,omitempty"`
+	Nowait bool `protobuf:"varint,4,opt,name=nowait,proto3" json:"nowait,omitempty"`
+	// The attempt that saved; empty: whichever this daemon knows of. A step
+	// committed by another attempt answers FAILED, naming that attempt.
+	Attempt       string `protobuf:"bytes,5,opt,name=attempt,proto3" json:"attempt,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -919,6 +934,13 @@ func (x *WaitSaveRequest) GetNowait() bool {
 		return x.Nowait
 	}
 	return false
+}
+
+func (x *WaitSaveRequest) GetAttempt() string {
+	if x != nil {
+		return x.Attempt
+	}
+	return ""
 }
 
 type WaitSaveResponse struct {
@@ -1027,8 +1049,11 @@ type StepInfo struct {
 	StoredBytes uint64 `protobuf:"varint,4,opt,name=stored_bytes,json=storedBytes,proto3" json:"stored_bytes,omitempty"`
 	// Commit time, Unix nanoseconds.
 	CommittedUnixNano int64 `protobuf:"varint,5,opt,name=committed_unix_nano,json=committedUnixNano,proto3" json:"committed_unix_nano,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// The attempt whose ranks the step holds (empty for steps written before
+	// attempts existed).
+	Attempt       string `protobuf:"bytes,6,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StepInfo) Reset() {
@@ -1094,6 +1119,13 @@ func (x *StepInfo) GetCommittedUnixNano() int64 {
 		return x.CommittedUnixNano
 	}
 	return 0
+}
+
+func (x *StepInfo) GetAttempt() string {
+	if x != nil {
+		return x.Attempt
+	}
+	return ""
 }
 
 type ListStepsResponse struct {
@@ -1214,9 +1246,12 @@ type RestoreHeader struct {
 	Step      int64                  `protobuf:"varint,1,opt,name=step,proto3" json:"step,omitempty"`
 	WorldSize int32                  `protobuf:"varint,2,opt,name=world_size,json=worldSize,proto3" json:"world_size,omitempty"`
 	// Tensor offsets are relative to the region (or the streamed bytes).
-	Tensors       []*Tensor `protobuf:"bytes,3,rep,name=tensors,proto3" json:"tensors,omitempty"`
-	Metadata      []byte    `protobuf:"bytes,4,opt,name=metadata,proto3" json:"metadata,omitempty"`
-	Size          uint64    `protobuf:"varint,5,opt,name=size,proto3" json:"size,omitempty"`
+	Tensors  []*Tensor `protobuf:"bytes,3,rep,name=tensors,proto3" json:"tensors,omitempty"`
+	Metadata []byte    `protobuf:"bytes,4,opt,name=metadata,proto3" json:"metadata,omitempty"`
+	Size     uint64    `protobuf:"varint,5,opt,name=size,proto3" json:"size,omitempty"`
+	// The attempt that wrote the step (empty for steps written before
+	// attempts existed).
+	Attempt       string `protobuf:"bytes,6,opt,name=attempt,proto3" json:"attempt,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1284,6 +1319,13 @@ func (x *RestoreHeader) GetSize() uint64 {
 		return x.Size
 	}
 	return 0
+}
+
+func (x *RestoreHeader) GetAttempt() string {
+	if x != nil {
+		return x.Attempt
+	}
+	return ""
 }
 
 type BeginRestoreResponse struct {
@@ -2109,14 +2151,15 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x05dtype\x18\x02 \x01(\tR\x05dtype\x12\x14\n" +
 	"\x05shape\x18\x03 \x03(\x03R\x05shape\x12\x16\n" +
 	"\x06offset\x18\x04 \x01(\x04R\x06offset\x12\x16\n" +
-	"\x06length\x18\x05 \x01(\x04R\x06length\"e\n" +
+	"\x06length\x18\x05 \x01(\x04R\x06length\"\x7f\n" +
 	"\n" +
 	"SaveTarget\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x12\n" +
 	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x1d\n" +
 	"\n" +
-	"world_size\x18\x04 \x01(\x05R\tworldSize\"l\n" +
+	"world_size\x18\x04 \x01(\x05R\tworldSize\x12\x18\n" +
+	"\aattempt\x18\x05 \x01(\tR\aattempt\"l\n" +
 	"\x10BeginSaveRequest\x12,\n" +
 	"\x06target\x18\x01 \x01(\v2\x14.ckptd.v1.SaveTargetR\x06target\x12*\n" +
 	"\atensors\x18\x02 \x03(\v2\x10.ckptd.v1.TensorR\atensors\"b\n" +
@@ -2143,38 +2186,41 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x11SaveStreamRequest\x124\n" +
 	"\x06header\x18\x01 \x01(\v2\x1a.ckptd.v1.SaveStreamHeaderH\x00R\x06header\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x05\n" +
-	"\x03msg\"c\n" +
+	"\x03msg\"}\n" +
 	"\x0fWaitSaveRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x12\n" +
 	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x16\n" +
-	"\x06nowait\x18\x04 \x01(\bR\x06nowait\"S\n" +
+	"\x06nowait\x18\x04 \x01(\bR\x06nowait\x12\x18\n" +
+	"\aattempt\x18\x05 \x01(\tR\aattempt\"S\n" +
 	"\x10WaitSaveResponse\x12)\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x13.ckptd.v1.SaveStateR\x05state\x12\x14\n" +
 	"\x05error\x18\x02 \x01(\tR\x05error\"$\n" +
 	"\x10ListStepsRequest\x12\x10\n" +
-	"\x03job\x18\x01 \x01(\tR\x03job\"\xa6\x01\n" +
+	"\x03job\x18\x01 \x01(\tR\x03job\"\xc0\x01\n" +
 	"\bStepInfo\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x1d\n" +
 	"\n" +
 	"world_size\x18\x02 \x01(\x05R\tworldSize\x12\x14\n" +
 	"\x05bytes\x18\x03 \x01(\x04R\x05bytes\x12!\n" +
 	"\fstored_bytes\x18\x04 \x01(\x04R\vstoredBytes\x12.\n" +
-	"\x13committed_unix_nano\x18\x05 \x01(\x03R\x11committedUnixNano\"=\n" +
+	"\x13committed_unix_nano\x18\x05 \x01(\x03R\x11committedUnixNano\x12\x18\n" +
+	"\aattempt\x18\x06 \x01(\tR\aattempt\"=\n" +
 	"\x11ListStepsResponse\x12(\n" +
 	"\x05steps\x18\x01 \x03(\v2\x12.ckptd.v1.StepInfoR\x05steps\"g\n" +
 	"\x13BeginRestoreRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x16\n" +
 	"\x06latest\x18\x03 \x01(\bR\x06latest\x12\x12\n" +
-	"\x04rank\x18\x04 \x01(\x05R\x04rank\"\x9e\x01\n" +
+	"\x04rank\x18\x04 \x01(\x05R\x04rank\"\xb8\x01\n" +
 	"\rRestoreHeader\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x1d\n" +
 	"\n" +
 	"world_size\x18\x02 \x01(\x05R\tworldSize\x12*\n" +
 	"\atensors\x18\x03 \x03(\v2\x10.ckptd.v1.TensorR\atensors\x12\x1a\n" +
 	"\bmetadata\x18\x04 \x01(\fR\bmetadata\x12\x12\n" +
-	"\x04size\x18\x05 \x01(\x04R\x04size\"n\n" +
+	"\x04size\x18\x05 \x01(\x04R\x04size\x12\x18\n" +
+	"\aattempt\x18\x06 \x01(\tR\aattempt\"n\n" +
 	"\x14BeginRestoreResponse\x12%\n" +
 	"\x05lease\x18\x01 \x01(\v2\x0f.ckptd.v1.LeaseR\x05lease\x12/\n" +
 	"\x06header\x18\x02 \x01(\v2\x17.ckptd.v1.RestoreHeaderR\x06header\"g\n" +

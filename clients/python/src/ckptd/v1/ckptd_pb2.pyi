@@ -55,16 +55,18 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class SaveTarget(_message.Message):
-    __slots__ = ("job", "step", "rank", "world_size")
+    __slots__ = ("job", "step", "rank", "world_size", "attempt")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     rank: int
     world_size: int
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    attempt: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class BeginSaveRequest(_message.Message):
     __slots__ = ("target", "tensors")
@@ -137,16 +139,18 @@ class SaveStreamRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[SaveStreamHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WaitSaveRequest(_message.Message):
-    __slots__ = ("job", "step", "rank", "nowait")
+    __slots__ = ("job", "step", "rank", "nowait", "attempt")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NOWAIT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     rank: int
     nowait: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., nowait: _Optional[bool] = ...) -> None: ...
+    attempt: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., nowait: _Optional[bool] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class WaitSaveResponse(_message.Message):
     __slots__ = ("state", "error")
@@ -163,18 +167,20 @@ class ListStepsRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class StepInfo(_message.Message):
-    __slots__ = ("step", "world_size", "bytes", "stored_bytes", "committed_unix_nano")
+    __slots__ = ("step", "world_size", "bytes", "stored_bytes", "committed_unix_nano", "attempt")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     bytes: int
     stored_bytes: int
     committed_unix_nano: int
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., committed_unix_nano: _Optional[int] = ...) -> None: ...
+    attempt: str
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., committed_unix_nano: _Optional[int] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class ListStepsResponse(_message.Message):
     __slots__ = ("steps",)
@@ -195,18 +201,20 @@ class BeginRestoreRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RestoreHeader(_message.Message):
-    __slots__ = ("step", "world_size", "tensors", "metadata", "size")
+    __slots__ = ("step", "world_size", "tensors", "metadata", "size", "attempt")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     metadata: bytes
     size: int
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metadata: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
+    attempt: str
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metadata: _Optional[bytes] = ..., size: _Optional[int] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class BeginRestoreResponse(_message.Message):
     __slots__ = ("lease", "header")
