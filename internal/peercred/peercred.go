@@ -158,8 +158,10 @@ func (c *conn) Close() error {
 // Addr is the peer address of a connection from a Listener.
 type Addr struct{ Info *Info }
 
-func (Addr) Network() string  { return "unix" }
-func (a Addr) String() string { return fmt.Sprintf("uid=%d,pid=%d,conn=%s", a.Info.UID, a.Info.PID, a.Info.ID) }
+func (Addr) Network() string { return "unix" }
+func (a Addr) String() string {
+	return fmt.Sprintf("uid=%d,pid=%d,conn=%s", a.Info.UID, a.Info.PID, a.Info.ID)
+}
 
 // FromContext returns the connection of a gRPC call, when it came through
 // a Listener.
