@@ -164,5 +164,5 @@ func bigShard(n int) *Shard {
 	if err != nil {
 		panic(err)
 	}
-	return &Shard{Target: Target{Job: "job", Step: 1, Rank: 0, WorldSize: 1}, Layout: l, Data: data}
+	return &Shard{Target: Target{Job: "job", Step: 1, Rank: 0, WorldSize: 1, Attempt: testAttempt}, Layout: l, Data: data}
 }

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ckptd/ckptd/internal/codec"
 	"github.com/ckptd/ckptd/internal/dtype"
@@ -41,6 +42,9 @@ func floats(n int, seed uint64) []byte {
 	return b
 }
 
+// testAttempt is the attempt the tests' shards are saved by.
+const testAttempt = "run-1"
+
 // testShard builds a packed shard: an fp32 matrix, a small int64 tensor, a
 // 0-d tensor, an empty one, and a bf16 tensor.
 func testShard(step int64, rank, world int) *Shard {
@@ -59,7 +63,7 @@ func testShard(step int64, rank, world int) *Shard {
 	if err != nil {
 		panic(err)
 	}
-	return &Shard{Target: Target{Job: "job", Step: step, Rank: rank, WorldSize: world}, Layout: l, Data: data, Metadata: []byte("loader=42")}
+	return &Shard{Target: Target{Job: "job", Step: step, Rank: rank, WorldSize: world, Attempt: testAttempt}, Layout: l, Data: data, Metadata: []byte("loader=42")}
 }
 
 func writeStep(t *testing.T, b storage.Backend, w *Writer, step int64, world int) []*Shard {
@@ -70,9 +74,9 @@ func writeStep(t *testing.T, b storage.Backend, w *Writer, step int64, world int
 		if _, err := w.WriteShard(context.Background(), sh); err != nil {
 			t.Fatal(err)
 		}
-		ok, won, err := TryCommit(context.Background(), b, "job", step, world)
-		if err != nil || ok != (rank == world-1) || won != ok {
-			t.Fatalf("TryCommit after rank %d = %v, %v", rank, ok, err)
+		rec, won, err := TryCommit(context.Background(), b, "job", step, testAttempt, world)
+		if ok := rec != nil; err != nil || ok != (rank == world-1) || won != ok {
+			t.Fatalf("TryCommit after rank %d = %v, %v", rank, rec, err)
 		}
 		shards = append(shards, sh)
 	}
@@ -138,7 +142,7 @@ func TestCorruptChunkNamed(t *testing.T) {
 			b, dir := newBackend(t)
 			w, _ := NewWriter(b, WriterOptions{ChunkSize: 64 << 10, Codec: codec.None})
 			writeStep(t, b, w, 3, 1)
-			if err := tc.damage(filepath.Join(dir, "job/steps/000000000003/rank-00000.data")); err != nil {
+			if err := tc.damage(filepath.Join(dir, "job/steps/000000000003/"+testAttempt+"/rank-00000.data")); err != nil {
 				t.Fatal(err)
 			}
 			store, _ := NewStore(b, "job")
@@ -171,7 +175,7 @@ func TestCommitNeedsAllRanks(t *testing.T) {
 		t.Fatal(err)
 	}
 	store, _ := NewStore(b, "job")
-	if ok, _, _ := TryCommit(context.Background(), b, "job", 1, 3); ok {
+	if rec, _, _ := TryCommit(context.Background(), b, "job", 1, testAttempt, 3); rec != nil {
 		t.Fatal("committed with 1 of 3 ranks")
 	}
 	if steps, _ := store.Steps(context.Background()); len(steps) != 0 {
@@ -183,11 +187,11 @@ func TestCommitNeedsAllRanks(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if ok, won, err := TryCommit(context.Background(), b, "job", 1, 3); !ok || !won || err != nil {
-		t.Fatalf("TryCommit = %v, %v, %v", ok, won, err)
+	if rec, won, err := TryCommit(context.Background(), b, "job", 1, testAttempt, 3); rec == nil || !won || err != nil {
+		t.Fatalf("TryCommit = %v, %v, %v", rec, won, err)
 	}
-	if ok, won, err := TryCommit(context.Background(), b, "job", 1, 3); !ok || won || err != nil {
-		t.Fatalf("second TryCommit = %v, %v, %v", ok, won, err)
+	if rec, won, err := TryCommit(context.Background(), b, "job", 1, testAttempt, 3); rec == nil || won || err != nil {
+		t.Fatalf("second TryCommit = %v, %v, %v", rec, won, err)
 	}
 }
 
@@ -207,31 +211,52 @@ func TestPrune(t *testing.T) {
 		t.Fatal(err)
 	}
 	store, _ := NewStore(b, "job")
-	dry, err := store.Prune(context.Background(), 2, true)
+	opts := PruneOptions{KeepLast: 2, DryRun: true, Now: time.Now().Add(2 * time.Hour)}
+	dry, err := store.Prune(context.Background(), opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(filepath.Join(dir, "job/steps/000000000001/COMMIT.json")); err != nil {
 		t.Fatal("dry run deleted something")
 	}
-	rep, err := store.Prune(context.Background(), 2, false)
+	// Step 5's attempt is younger than the grace: in flight, kept.
+	opts.DryRun, opts.Now = false, time.Now()
+	rep, err := store.Prune(context.Background(), opts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rep.Objects != dry.Objects || len(rep.Removed) != 2 || rep.Removed[1] != 2 || len(rep.Partial) != 1 || rep.Partial[0] != 0 {
-		t.Fatalf("report %+v (dry %+v)", rep, dry)
+	want := []AttemptRef{{0, testAttempt}}
+	if len(rep.Removed) != 2 || rep.Removed[1] != 2 || !slices.Equal(rep.Garbage, []AttemptRef{}) && len(rep.Garbage) != 0 {
+		t.Fatalf("report %+v", rep)
+	}
+	if len(dry.Garbage) != 2 || dry.Garbage[0] != want[0] {
+		t.Fatalf("dry run past the grace: garbage %v, want step 0 and step 5", dry.Garbage)
 	}
 	steps, _ := store.Steps(context.Background())
 	if len(steps) != 2 || steps[0].Step != 3 {
 		t.Fatalf("left %v", steps)
 	}
-	if _, err := os.Stat(filepath.Join(dir, "job/steps/000000000005")); err != nil {
-		t.Fatal("in-flight newer step was pruned")
+	for _, s := range []string{"000000000005", "000000000000"} {
+		if _, err := os.Stat(filepath.Join(dir, "job/steps", s)); err != nil {
+			t.Fatalf("step %s, in flight within the grace, was pruned", s)
+		}
 	}
 	if _, err := store.Verify(context.Background(), 3, false, ReadOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := store.Prune(context.Background(), 0, false); !errors.Is(err, ErrInvalid) {
+	// Past the grace, the uncommitted attempts go; the kept steps stay.
+	opts.Now = time.Now().Add(2 * time.Hour)
+	rep, err = store.Prune(context.Background(), opts)
+	if err != nil || len(rep.Garbage) != 2 {
+		t.Fatalf("past the grace: %+v, %v", rep, err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "job/steps/000000000005")); !os.IsNotExist(err) {
+		t.Fatal("an abandoned attempt survived prune past the grace")
+	}
+	if _, err := store.Verify(context.Background(), 4, false, ReadOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := store.Prune(context.Background(), PruneOptions{}); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("keep-last 0: %v", err)
 	}
 }
@@ -289,7 +314,7 @@ func TestHoldsSameWithGaps(t *testing.T) {
 		t.Fatal(err)
 	}
 	data := floats(22012/4, 9)
-	sh := &Shard{Target: Target{Job: "job", Step: 1, Rank: 0, WorldSize: 1}, Layout: l, Data: data}
+	sh := &Shard{Target: Target{Job: "job", Step: 1, Rank: 0, WorldSize: 1, Attempt: testAttempt}, Layout: l, Data: data}
 	m, err := w.WriteShard(context.Background(), sh)
 	if err != nil {
 		t.Fatal(err)

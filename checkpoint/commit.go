@@ -8,49 +8,57 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ckptd/ckptd/internal/codec"
 	"github.com/ckptd/ckptd/storage"
 )
 
-// TryCommit commits the step when all world_size rank manifests are in
-// storage, creating COMMIT.json only if absent. It decides from storage,
+// TryCommit commits step for attempt when all world_size of that
+// attempt's rank manifests are in storage, creating COMMIT.json only if
+// absent. Manifests of other attempts never count, so a committed step
+// holds the ranks of exactly one run of the job. It decides from storage,
 // not from memory, so sidecars on several nodes sharing a store need no
-// coordinator (see the package comment). It reports whether the step is
-// committed (by this call or another) and whether this call wrote the
-// commit record.
-func TryCommit(ctx context.Context, b storage.Backend, job string, step int64, worldSize int) (committed, won bool, err error) {
-	if worldSize < 1 || worldSize > MaxWorldSize {
-		return false, false, fmt.Errorf("%w: world size %d", ErrInvalid, worldSize)
+// coordinator (see the package comment).
+//
+// It returns the step's commit record when the step is committed, by this
+// call or earlier, by this attempt or another (the caller compares
+// rec.Attempt), and whether this call wrote it. A nil record and nil
+// error mean the attempt's manifests are not all there yet.
+func TryCommit(ctx context.Context, b storage.Backend, job string, step int64, attempt string, worldSize int) (rec *CommitRecord, won bool, err error) {
+	t := Target{Job: job, Step: step, WorldSize: worldSize, Attempt: attempt}
+	if err := t.Validate(); err != nil {
+		return nil, false, err
 	}
-	if _, err := b.Stat(ctx, commitName(job, step)); err == nil {
-		return true, false, nil
-	} else if !errors.Is(err, storage.ErrNotFound) {
-		return false, false, err
+	s := &Store{B: b, Job: job}
+	if rec, err := s.readCommit(ctx, step); !errors.Is(err, storage.ErrNotFound) {
+		return rec, false, err
 	}
-	names, err := listManifests(ctx, b, job, step)
+	names, err := listManifests(ctx, b, job, step, attempt)
 	if err != nil || len(names) < worldSize {
-		return false, false, err
+		return nil, false, err
 	}
-	rec, err := summarize(ctx, b, job, step, worldSize, names)
+	rec, err = summarize(ctx, b, t, names)
 	if err != nil {
-		return false, false, err
+		return nil, false, err
 	}
 	data, err := json.MarshalIndent(rec, "", " ")
 	if err != nil {
-		return false, false, err
+		return nil, false, err
 	}
 	err = b.PutIfAbsent(ctx, commitName(job, step), data)
-	if errors.Is(err, storage.ErrExists) {
-		return true, false, nil
+	if errors.Is(err, storage.ErrExists) { // another sidecar (or attempt) won
+		rec, err = s.readCommit(ctx, step)
+		return rec, false, err
 	}
 	if err != nil {
-		return false, false, fmt.Errorf("commit step %d: %w", step, err)
+		return nil, false, fmt.Errorf("commit step %d: %w", step, err)
 	}
-	return true, true, nil
+	return rec, true, nil
 }
 
-func listManifests(ctx context.Context, b storage.Backend, job string, step int64) ([]string, error) {
+// listManifests lists the manifests of one attempt of a step.
+func listManifests(ctx context.Context, b storage.Backend, job string, step int64, attempt string) ([]string, error) {
 	var names []string
-	err := b.List(ctx, stepDir(job, step), func(oi storage.ObjectInfo) error {
+	err := b.List(ctx, inJob(job, attemptDir(step, attempt)), func(oi storage.ObjectInfo) error {
 		if strings.HasSuffix(oi.Name, manifestSuffix) {
 			names = append(names, oi.Name)
 		}
@@ -59,24 +67,32 @@ func listManifests(ctx context.Context, b storage.Backend, job string, step int6
 	return names, err
 }
 
-// summarize reads every rank's manifest, checks that they describe ranks
-// 0..worldSize-1 of one step, and builds the commit record.
-func summarize(ctx context.Context, b storage.Backend, job string, step int64, worldSize int, names []string) (*CommitRecord, error) {
+// summarize reads every manifest of the attempt, checks that they describe
+// ranks 0..worldSize-1 of it, and builds the commit record.
+func summarize(ctx context.Context, b storage.Backend, t Target, names []string) (*CommitRecord, error) {
 	rec := &CommitRecord{
-		Format: CommitFormat, Version: CommitVersion,
-		Job: job, Step: step, WorldSize: worldSize, CommittedAt: time.Now().UTC(),
+		Format: CommitFormat, Version: CommitVersion, Job: t.Job, Step: t.Step, Attempt: t.Attempt,
+		WorldSize: t.WorldSize, CommittedAt: time.Now().UTC(), Manifests: make([]ManifestRef, t.WorldSize),
 	}
-	seen := make([]bool, worldSize)
 	for _, name := range names {
-		m, err := readManifest(ctx, b, name)
+		data, err := readObject(ctx, b, name, maxManifestBytes)
 		if err != nil {
 			return nil, err
 		}
-		if m.WorldSize != worldSize || m.Step != step || m.Job != job || seen[m.Rank] {
-			return nil, fmt.Errorf("%w: %s describes %s, conflicting with a world size of %d for step %d",
-				ErrCorrupt, name, m.Target(), worldSize, step)
+		m, err := ParseManifest(data)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", name, err)
 		}
-		seen[m.Rank] = true
+		mt := m.Target()
+		mt.Rank = 0
+		if mt != t {
+			return nil, fmt.Errorf("%w: %s describes %s; attempt %q of step %d has ranks saved with a world size of %d",
+				ErrInvalid, name, m.Target(), t.Attempt, t.Step, t.WorldSize)
+		}
+		if name != manifestName(m.Target()) || rec.Manifests[m.Rank].Object != "" {
+			return nil, fmt.Errorf("%w: %s describes rank %d, stored elsewhere", ErrCorrupt, name, m.Rank)
+		}
+		rec.Manifests[m.Rank] = ManifestRef{Object: manifestObject(t.Step, t.Attempt, m.Rank), Hash: codec.FormatHash(codec.Hash(data))}
 		rec.Bytes += m.DataSize
 		rec.StoredBytes += m.StoredSize
 	}
@@ -84,15 +100,22 @@ func summarize(ctx context.Context, b storage.Backend, job string, step int64, w
 }
 
 func readManifest(ctx context.Context, b storage.Backend, name string) (*Manifest, error) {
+	m, _, err := readManifestHash(ctx, b, name)
+	return m, err
+}
+
+// readManifestHash reads and parses a manifest and returns the hash of its
+// bytes, which a commit record pins.
+func readManifestHash(ctx context.Context, b storage.Backend, name string) (*Manifest, string, error) {
 	data, err := readObject(ctx, b, name, maxManifestBytes)
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	m, err := ParseManifest(data)
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", name, err)
+		return nil, "", fmt.Errorf("%s: %w", name, err)
 	}
-	return m, nil
+	return m, codec.FormatHash(codec.Hash(data)), nil
 }
 
 func readObject(ctx context.Context, b storage.Backend, name string, limit int64) ([]byte, error) {

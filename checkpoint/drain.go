@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"slices"
@@ -84,8 +85,8 @@ func (mgr *Manager) drain(l *lease) {
 			mgr.finishDrain(l, m, reused, start)
 			return
 		}
-		if errors.Is(err, ErrExists) {
-			mgr.log.Error("save refused: its step is committed", "target", l.target.String(), "err", err)
+		if errors.Is(err, ErrExists) || errors.Is(err, ErrInvalid) {
+			mgr.log.Error("save refused", "target", l.target.String(), "err", err)
 			mgr.endDrain(l, StateFailed, err)
 			return
 		}
@@ -103,41 +104,55 @@ func (mgr *Manager) drain(l *lease) {
 	}
 }
 
-// writeShard makes sh durable, without ever rewriting a rank that a
-// committed step may point to. Before writing it reads the rank's stored
-// manifest:
+// writeShard makes sh durable in its attempt's folder, without ever
+// rewriting a rank that a committed step may point to. It reads the
+// step's commit record first, then the rank's stored manifest:
 //
-//   - the same bytes (every chunk hash matches the staged data): a
-//     journaled save replayed after a crash that came after its write. Keep
-//     what is stored; rewriting it could race a commit that other ranks
-//     make meanwhile, and with --codec auto the new chunks could differ
-//     from the manifest a reader has just fetched.
-//   - none, other bytes (an earlier attempt at this step), or an
-//     unreadable manifest: write, unless the step is committed already
-//     (without this save: by other ranks, or with another world size);
-//     then fail with ErrExists, since the step is final.
+//   - committed by another attempt: the save can never be part of the
+//     step. Whatever an earlier drain of it left is removed, and the save
+//     fails with a CommittedError naming the winner.
+//   - committed by this attempt: a journaled save replayed after a crash
+//     that came after the commit. Keep what is stored if it holds the same
+//     bytes; anything else fails, since the step is final.
+//   - not committed, the same bytes stored (every chunk hash matches): a
+//     replay after a crash that came after the write. Keep what is stored;
+//     rewriting could race a commit other ranks make meanwhile, and with
+//     --codec auto the new chunks could differ from a manifest a reader
+//     has just fetched.
+//   - not committed, nothing or other bytes stored: write.
 func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) {
 	t := sh.Target
-	stored, err := readManifest(mgr.ctx, mgr.b, manifestName(t.Job, t.Step, t.Rank))
+	rec, err := (&Store{B: mgr.b, Job: t.Job}).readCommit(mgr.ctx, t.Step)
+	if err != nil && !errors.Is(err, storage.ErrNotFound) {
+		return nil, false, fmt.Errorf("check step %d: %w", t.Step, err) // retried
+	}
+	stored, err := readManifest(mgr.ctx, mgr.b, manifestName(t))
 	switch {
+	case err != nil && !errors.Is(err, storage.ErrNotFound) && !errors.Is(err, ErrCorrupt) && !errors.Is(err, ErrInvalid):
+		return nil, false, fmt.Errorf("read the stored copy of %s: %w", t, err) // retried
+	case rec != nil && rec.Attempt != t.Attempt:
+		mgr.removeRank(t) // an earlier drain of this save may have written some of it
+		return nil, false, &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Detail: "this save was not written"}
 	case err == nil && holdsSame(stored, sh):
 		mgr.log.Warn("rank already stored with these bytes; not rewritten", "target", t.String())
 		return stored, true, nil
-	case err != nil && !errors.Is(err, storage.ErrNotFound) && !errors.Is(err, ErrCorrupt) && !errors.Is(err, ErrInvalid):
-		return nil, false, fmt.Errorf("read the stored copy of %s: %w", t, err) // retried
+	case rec != nil:
+		return nil, false, &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Mine: true,
+			Detail: fmt.Sprintf("it was committed without these bytes for rank %d; this save was not written", t.Rank)}
 	}
-	// Nothing, other bytes, or an unreadable copy: write, unless the step
-	// is final (committed by other ranks, maybe with another world size).
-	_, err = (&Store{B: mgr.b, Job: t.Job}).readCommit(mgr.ctx, t.Step)
-	switch {
-	case errors.Is(err, storage.ErrNotFound):
-		m, err = mgr.w.WriteShard(mgr.ctx, sh)
-		return m, false, err
-	case err != nil && !errors.Is(err, ErrCorrupt):
-		return nil, false, fmt.Errorf("check step %d: %w", t.Step, err) // retried
+	m, err = mgr.w.WriteShard(mgr.ctx, sh)
+	return m, false, err
+}
+
+// removeRank deletes what a drain of t wrote, best effort: the step was
+// committed by another attempt, so it is garbage (prune would remove it
+// later if this fails).
+func (mgr *Manager) removeRank(t Target) {
+	for _, name := range []string{manifestName(t), inJob(t.Job, dataObject(t.Step, t.Attempt, t.Rank))} {
+		if err := mgr.b.Delete(mgr.ctx, name); err != nil {
+			mgr.log.Warn("could not remove the objects of a save its step will never use; prune removes them", "object", name, "err", err)
+		}
 	}
-	return nil, false, fmt.Errorf("%w: step %d of job %q was committed without these bytes for rank %d; this save was not written",
-		ErrExists, t.Step, t.Job, t.Rank)
 }
 
 // holdsSame reports whether m describes exactly sh: same target, tensors
@@ -169,6 +184,7 @@ func (mgr *Manager) endDrain(l *lease, state State, err error) {
 	}
 	mgr.mu.Lock()
 	delete(mgr.leases, l.id)
+	mgr.uncharge(l)
 	mgr.freeRegion(l.region)
 	mgr.setState(keyOf(l.target), state, err)
 	mgr.mu.Unlock()
@@ -190,24 +206,34 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.T
 	}
 	mgr.log.Debug("save durable", "target", l.target.String(), "bytes", m.DataSize, "stored", m.StoredSize, "took", time.Since(start))
 
-	t := l.target
-	ok, won, err := TryCommit(mgr.ctx, mgr.b, t.Job, t.Step, t.WorldSize)
-	if err != nil {
-		mgr.m.Error("commit")
-		mgr.log.Warn("commit check failed; waiters will retry", "step", t.Step, "err", err)
-	}
-	if ok {
-		mgr.markCommitted(keyOf(t))
-		mgr.logCommit(t.Job, t.Step, won)
-	}
+	mgr.tryCommit(mgr.ctx, l.target)
 }
 
-// logCommit logs the commit record this daemon wrote; the end-to-end tests
-// count these lines to check that a step is committed exactly once.
-func (mgr *Manager) logCommit(job string, step int64, won bool) {
-	if won {
-		mgr.log.Info("step committed", "job", job, "step", step)
+// tryCommit commits t's step if t's attempt has every rank, and records
+// the outcome for t's waiters: committed, or failed when another attempt
+// committed the step (t's objects are then garbage, and removed). It
+// reports whether the step is committed, by any attempt.
+func (mgr *Manager) tryCommit(ctx context.Context, t Target) bool {
+	rec, won, err := TryCommit(ctx, mgr.b, t.Job, t.Step, t.Attempt, t.WorldSize)
+	switch {
+	case err != nil:
+		mgr.m.Error("commit")
+		mgr.log.Warn("commit check failed; waiters will retry", "target", t.String(), "err", err)
+		return false
+	case rec == nil:
+		return false
+	case rec.Attempt == t.Attempt:
+		mgr.markDone(keyOf(t), StateCommitted, nil)
+		if won { // the end-to-end tests count these lines: one per step
+			mgr.log.Info("step committed", "job", t.Job, "step", t.Step, "attempt", t.Attempt, "world_size", t.WorldSize)
+		}
+	default:
+		mgr.removeRank(t)
+		err := &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Detail: "this attempt's ranks were removed"}
+		mgr.log.Warn("another attempt committed the step; this save's objects removed", "target", t.String(), "committed_attempt", rec.Attempt)
+		mgr.markDone(keyOf(t), StateFailed, err)
 	}
+	return true
 }
 
 func (mgr *Manager) setStateLocked(k saveKey, s State, err error) {

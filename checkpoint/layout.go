@@ -8,8 +8,10 @@ import (
 )
 
 // MaxTensors bounds a tensor table, so a request cannot make the daemon
-// build an unbounded manifest.
-const MaxTensors = 1 << 20
+// build an unbounded manifest. The largest real shards (a mixture of
+// experts' weights and optimizer state on one rank) hold tens of
+// thousands.
+const MaxTensors = 1 << 18
 
 // Layout is a validated staging tensor table. Staged tensors sit anywhere in
 // their region (gaps allowed, overlaps not); stored tensors are packed back
@@ -41,17 +43,23 @@ func NewLayout(tensors []Tensor) (*Layout, error) {
 		if t.Offset < 0 {
 			return nil, fmt.Errorf("%w: tensor %q has negative offset %d", ErrInvalid, t.Name, t.Offset)
 		}
+		tEnd, ok := addInt64(t.Offset, t.Length)
+		if !ok {
+			return nil, fmt.Errorf("%w: tensor %q: offset %d + length %d overflows", ErrInvalid, t.Name, t.Offset, t.Length)
+		}
 		if t.Offset < end && t.Length > 0 {
-			return nil, fmt.Errorf("%w: tensor %q [%d, %d) overlaps tensor %q", ErrInvalid, t.Name, t.Offset, t.Offset+t.Length, prev)
+			return nil, fmt.Errorf("%w: tensor %q [%d, %d) overlaps tensor %q", ErrInvalid, t.Name, t.Offset, tEnd, prev)
 		}
 		p := t
 		p.Offset = l.DataSize
 		l.Packed[i] = p
-		l.DataSize += t.Length
-		if t.Length > 0 {
-			end, prev = t.Offset+t.Length, t.Name
+		if l.DataSize, ok = addInt64(l.DataSize, t.Length); !ok {
+			return nil, fmt.Errorf("%w: the tensors' total size overflows at tensor %q", ErrInvalid, t.Name)
 		}
-		l.RegionSize = max(l.RegionSize, t.Offset+t.Length)
+		if t.Length > 0 {
+			end, prev = tEnd, t.Name
+		}
+		l.RegionSize = max(l.RegionSize, tEnd)
 	}
 	return l, nil
 }
@@ -125,7 +133,7 @@ func appendSpan(ss []span, s span) []span {
 // may have gaps between them in the region (a client aligning each to its
 // element size), so data and region offsets differ.
 func (l *Layout) regionSpans(off, n int64) ([]span, bool) {
-	if off < 0 || n < 0 || off+n > l.DataSize {
+	if off < 0 || n < 0 || off > l.DataSize || n > l.DataSize-off {
 		return nil, false
 	}
 	var out []span

@@ -2,11 +2,12 @@ package checkpoint
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/ckptd/ckptd/internal/arena"
@@ -21,9 +22,14 @@ type ManagerConfig struct {
 	// StagingWait bounds how long BeginSave and BeginRestore wait for arena
 	// space before failing with arena.ErrFull (default 30s).
 	StagingWait time.Duration
-	// LeaseTimeout reclaims save leases never committed and restore leases
-	// never released, e.g. of a trainer that died (default 30m).
+	// LeaseTimeout ends save leases never committed and restore leases
+	// never released (default 30m). A lease whose owner is gone ends at
+	// once; see Owner.
 	LeaseTimeout time.Duration
+	// TableBudget bounds the memory held by the tensor tables and metadata
+	// of open saves (leased, staged or draining), so that requests with
+	// huge tables cannot exhaust the daemon (default 256 MiB).
+	TableBudget int64
 	// Drains is how many shards drain at once (default 2); chunk-level
 	// parallelism is WriterOptions.Workers.
 	Drains  int
@@ -43,6 +49,9 @@ func (c *ManagerConfig) setDefaults() {
 	if c.LeaseTimeout <= 0 {
 		c.LeaseTimeout = 30 * time.Minute
 	}
+	if c.TableBudget <= 0 {
+		c.TableBudget = 256 << 20
+	}
 	if c.Drains <= 0 {
 		c.Drains = 2
 	}
@@ -51,6 +60,29 @@ func (c *ManagerConfig) setDefaults() {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+}
+
+// Owner is who holds a lease: one client connection. Done is closed when
+// the connection goes away; what the owner still holds then (save leases
+// not yet committed, restore regions) is released at once, so a trainer
+// that dies between BeginSave and CommitSave does not pin arena space
+// until LeaseTimeout. The zero Owner is an in-process caller, never
+// released that way.
+type Owner struct {
+	ID   string
+	Done <-chan struct{}
+}
+
+func (o Owner) gone() bool {
+	if o.Done == nil {
+		return false
+	}
+	select {
+	case <-o.Done:
+		return true
+	default:
+		return false
 	}
 }
 
@@ -72,11 +104,17 @@ type Manager struct {
 	wake    chan struct{} // signalled when queue grows or on close
 	closing bool
 	active  int // drains in progress
+	tables  int64
+	// held are the regions of expired leases whose owners live: a writer
+	// may still be copying into them, so they are not reused until the
+	// owner goes.
+	held     map[string][]arena.Region
+	watching map[string]bool // owners with a watchOwner goroutine
 
-	seq    atomic.Uint64
-	ctx    context.Context // cancelled to abandon drains at shutdown
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	ctx      context.Context // cancelled to abandon drains at shutdown
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup // drains and the reaper
+	watchers sync.WaitGroup // watchOwner goroutines, stopped by cancel
 }
 
 type leaseKind int
@@ -86,16 +124,20 @@ const (
 	restoreLease
 )
 
+func (k leaseKind) String() string { return [...]string{"save", "restore"}[k] }
+
 // lease is a region of the arena held by a save or a restore.
 type lease struct {
 	id        string
 	kind      leaseKind
+	owner     string
 	region    arena.Region // Length 0: nothing allocated
 	size      int64        // bytes of the region the lease covers
 	target    Target
 	layout    *Layout
 	metadata  []byte
 	committed bool
+	cost      int64 // charged to TableBudget
 	begun     time.Time
 	expires   time.Time
 }
@@ -126,6 +168,7 @@ func NewManager(a *arena.Arena, b storage.Backend, cfg ManagerConfig) (*Manager,
 	mgr := &Manager{
 		cfg: cfg, arena: a, b: b, w: w, log: cfg.Logger, m: cfg.Metrics,
 		leases: map[string]*lease{}, saves: map[saveKey]*saveStatus{},
+		held: map[string][]arena.Region{}, watching: map[string]bool{},
 		wake: make(chan struct{}, 1),
 	}
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
@@ -155,8 +198,12 @@ func (mgr *Manager) job(j string) string {
 	return j
 }
 
-func (mgr *Manager) newLeaseID() string {
-	return fmt.Sprintf("%016x-%06x", time.Now().UnixNano(), mgr.seq.Add(1)&0xffffff)
+// newLeaseID returns 128 random bits: a lease id is a capability, so it
+// must not be guessable from another client's.
+func newLeaseID() string {
+	b := make([]byte, 16)
+	_, _ = rand.Read(b) // never fails (crypto/rand panics rather)
+	return hex.EncodeToString(b)
 }
 
 // ErrClosing is returned for new work while the daemon shuts down.
@@ -180,6 +227,7 @@ func (mgr *Manager) Close(ctx context.Context) int {
 		<-done
 	}
 	mgr.cancel()
+	mgr.watchers.Wait()
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
 	n := 0
@@ -198,7 +246,62 @@ func (mgr *Manager) signal() {
 	}
 }
 
-// reapLoop reclaims expired leases once a second.
+// addLease records a new lease for owner. A lease for an owner already
+// gone is dropped at once: its connection closed while the request was
+// being served, after the owner's leases were released. Call with mu.
+func (mgr *Manager) addLease(l *lease, o Owner) error {
+	l.owner = o.ID
+	mgr.leases[l.id] = l
+	if o.gone() {
+		mgr.dropLease(l)
+		return fmt.Errorf("%w: the client went away", context.Canceled)
+	}
+	if o.Done != nil && !mgr.watching[o.ID] {
+		mgr.watching[o.ID] = true
+		mgr.watchers.Go(func() { mgr.watchOwner(o) })
+	}
+	return nil
+}
+
+// lookup returns owner's open lease id of kind, or nil. Another owner's
+// lease is as unknown as one never granted.
+func (mgr *Manager) lookup(id string, o Owner) *lease {
+	l := mgr.leases[id]
+	if l == nil || l.owner != o.ID {
+		return nil
+	}
+	return l
+}
+
+// watchOwner releases what o holds once it goes away.
+func (mgr *Manager) watchOwner(o Owner) {
+	select {
+	case <-o.Done:
+	case <-mgr.ctx.Done():
+		return
+	}
+	mgr.mu.Lock()
+	defer mgr.mu.Unlock()
+	delete(mgr.watching, o.ID)
+	n := 0
+	for _, l := range mgr.leases {
+		if l.owner == o.ID && !l.committed {
+			mgr.dropLease(l)
+			n++
+		}
+	}
+	for _, r := range mgr.held[o.ID] {
+		mgr.freeRegion(r)
+		n++
+	}
+	delete(mgr.held, o.ID)
+	if n > 0 {
+		mgr.m.LeasesReleased.WithLabelValues("disconnect").Add(float64(n))
+		mgr.log.Info("client went away; released what it held", "leases", n)
+	}
+}
+
+// reapLoop ends expired leases once a second.
 func (mgr *Manager) reapLoop() {
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
@@ -218,6 +321,11 @@ func (mgr *Manager) reapLoop() {
 	}
 }
 
+// reap ends leases past their timeout. The lease id stops working at
+// once; its region is freed too unless its owner is connected, since a
+// live client may still be copying into it: that region is reused only
+// once the owner goes, so a slow writer can never scribble over a region
+// handed to someone else.
 func (mgr *Manager) reap(now time.Time) {
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
@@ -225,19 +333,45 @@ func (mgr *Manager) reap(now time.Time) {
 		if l.committed || now.Before(l.expires) {
 			continue
 		}
-		mgr.log.Warn("reclaiming expired lease", "lease", id, "kind", l.kind, "bytes", l.region.Length)
+		live := l.owner != "" && mgr.watching[l.owner]
+		mgr.log.Warn("lease expired", "lease", id, "kind", l.kind, "bytes", l.region.Length,
+			"region_held_until_client_disconnects", live)
+		mgr.m.LeasesReleased.WithLabelValues("expired").Inc()
+		if live {
+			mgr.held[l.owner] = append(mgr.held[l.owner], l.region)
+			l.region = arena.Region{}
+		}
 		mgr.dropLease(l)
 	}
 	mgr.gcStatuses(now)
 }
 
-// dropLease frees an uncommitted lease's region. Call with mu.
+// dropLease ends an uncommitted lease and frees its region. Call with mu.
 func (mgr *Manager) dropLease(l *lease) {
 	delete(mgr.leases, l.id)
 	if l.kind == saveLease {
 		mgr.clearStaging(l.target)
 	}
+	mgr.uncharge(l)
 	mgr.freeRegion(l.region)
+}
+
+// charge books n bytes of TableBudget for l. Call with mu.
+func (mgr *Manager) charge(l *lease, n int64) error {
+	if mgr.tables+n > mgr.cfg.TableBudget {
+		return fmt.Errorf("%w: the tensor tables and metadata of open saves would hold %d bytes, more than --tensor-table-bytes (%d); "+
+			"wait for saves to drain, save fewer tensors at once, or raise the budget", ErrOverBudget, mgr.tables+n, mgr.cfg.TableBudget)
+	}
+	mgr.tables += n
+	l.cost += n
+	mgr.m.TableBytes.Set(float64(mgr.tables))
+	return nil
+}
+
+func (mgr *Manager) uncharge(l *lease) {
+	mgr.tables -= l.cost
+	l.cost = 0
+	mgr.m.TableBytes.Set(float64(mgr.tables))
 }
 
 func (mgr *Manager) freeRegion(r arena.Region) {

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -15,11 +16,15 @@ import (
 )
 
 // Format names and versions written by this build. Readers refuse others.
+//
+// Version 2 of both formats carries the attempt (the run of the job) and
+// lives under the attempt's folder; version 1 (no attempt, objects in the
+// step folder) is still read, so stores written before attempts restore.
 const (
 	ManifestFormat  = "ckptd.manifest"
-	ManifestVersion = 1
+	ManifestVersion = 2
 	CommitFormat    = "ckptd.commit"
-	CommitVersion   = 1
+	CommitVersion   = 2
 
 	// maxManifestBytes bounds what a reader accepts, so a corrupt or hostile
 	// object cannot make it allocate without limit.
@@ -27,6 +32,9 @@ const (
 	// MaxChunkSize bounds a chunk's raw length, and so the buffer a decoder
 	// may be asked to fill.
 	MaxChunkSize = 256 << 20
+	// maxCommitBytes bounds a commit record: it lists one manifest per
+	// rank, about 100 bytes each at MaxWorldSize.
+	maxCommitBytes = 32 << 20
 )
 
 // Tensor is one entry of a tensor table. In a manifest, Offset is in data
@@ -63,6 +71,7 @@ type Manifest struct {
 	Step       int64     `json:"step"`
 	Rank       int       `json:"rank"`
 	WorldSize  int       `json:"world_size"`
+	Attempt    string    `json:"attempt,omitempty"` // version 2
 	Created    time.Time `json:"created"`
 	DataSize   int64     `json:"data_size"`
 	StoredSize int64     `json:"stored_size"`
@@ -73,7 +82,7 @@ type Manifest struct {
 
 // Target returns the shard the manifest describes.
 func (m *Manifest) Target() Target {
-	return Target{Job: m.Job, Step: m.Step, Rank: m.Rank, WorldSize: m.WorldSize}
+	return Target{Job: m.Job, Step: m.Step, Rank: m.Rank, WorldSize: m.WorldSize, Attempt: m.Attempt}
 }
 
 // Encode renders the manifest as indented JSON (people read these).
@@ -100,7 +109,7 @@ func ParseManifest(b []byte) (*Manifest, error) {
 	if err := json.Unmarshal(b, &head); err != nil {
 		return nil, fmt.Errorf("%w: manifest is not valid JSON: %v", ErrCorrupt, err)
 	}
-	if err := checkFormat(head.Format, head.Version, ManifestFormat, ManifestVersion); err != nil {
+	if err := checkFormat(head.Format, head.Version, ManifestFormat, 1, ManifestVersion); err != nil {
 		return nil, err
 	}
 	var m Manifest
@@ -115,19 +124,34 @@ func ParseManifest(b []byte) (*Manifest, error) {
 	return &m, nil
 }
 
-func checkFormat(format string, version int, wantFormat string, wantVersion int) error {
+func checkFormat(format string, version int, wantFormat string, oldest, newest int) error {
 	if format != wantFormat {
 		return fmt.Errorf("%w: format %q, want %q", ErrCorrupt, format, wantFormat)
 	}
-	if version != wantVersion {
-		return fmt.Errorf("%w: %s version %d is not supported by this ckptd (it reads version %d); use a ckptd release that supports it",
-			ErrCorrupt, format, version, wantVersion)
+	if version < oldest || version > newest {
+		return fmt.Errorf("%w: %s version %d is not supported by this ckptd (it reads versions %d to %d); use a ckptd release that supports it",
+			ErrCorrupt, format, version, oldest, newest)
+	}
+	return nil
+}
+
+// checkAttempt requires an attempt in version 2 records and none in
+// version 1.
+func checkAttempt(version int, attempt string) error {
+	if version == 1 && attempt != "" {
+		return fmt.Errorf("version 1 has no attempt, found %q", attempt)
+	}
+	if version >= 2 && attempt == "" {
+		return fmt.Errorf("version %d names no attempt", version)
 	}
 	return nil
 }
 
 func (m *Manifest) validate() error {
-	if err := m.Target().Validate(); err != nil {
+	if err := checkAttempt(m.Version, m.Attempt); err != nil {
+		return err
+	}
+	if err := m.Target().validateStored(); err != nil {
 		return err
 	}
 	size, err := validatePacked(m.Tensors)
@@ -159,9 +183,22 @@ func validatePacked(ts []Tensor) (int64, error) {
 		if t.Offset != off {
 			return 0, fmt.Errorf("tensor %d (%q) at offset %d, want %d", i, t.Name, t.Offset, off)
 		}
-		off += t.Length
+		var ok bool
+		if off, ok = addInt64(off, t.Length); !ok {
+			return 0, fmt.Errorf("tensor %d (%q): the tensors' total size overflows", i, t.Name)
+		}
 	}
 	return off, nil
+}
+
+// addInt64 returns a+b for non-negative a and b, and false when the sum
+// does not fit: every size a client or a stored file hands over is summed
+// with it, so that a crafted 2^62 cannot wrap around to a small number.
+func addInt64(a, b int64) (int64, bool) {
+	if a < 0 || b < 0 || a > math.MaxInt64-b {
+		return 0, false
+	}
+	return a + b, true
 }
 
 // checkTensor validates one table entry's name, dtype and length.
@@ -197,8 +234,12 @@ func validateChunks(cs []Chunk, dataSize int64) (int64, error) {
 		if c.RawOffset != raw {
 			return 0, fmt.Errorf("chunk %d at raw offset %d, want %d", i, c.RawOffset, raw)
 		}
-		raw += c.Raw
-		stored += c.Stored
+		var okRaw, okStored bool
+		raw, okRaw = addInt64(raw, c.Raw)
+		stored, okStored = addInt64(stored, c.Stored)
+		if !okRaw || !okStored {
+			return 0, fmt.Errorf("chunk %d: the chunks' total size overflows", i)
+		}
 	}
 	if raw != dataSize {
 		return 0, fmt.Errorf("chunks cover %d bytes, data_size is %d", raw, dataSize)
@@ -216,7 +257,7 @@ func checkChunk(c Chunk) error {
 	if c.Raw <= 0 || c.Raw > MaxChunkSize {
 		return fmt.Errorf("raw length %d out of range (0, %d]", c.Raw, MaxChunkSize)
 	}
-	if c.Offset < 0 || c.Stored < 0 || c.Stored > 2*MaxChunkSize {
+	if _, ok := addInt64(c.Offset, c.Stored); !ok || c.Stored > 2*MaxChunkSize {
 		return fmt.Errorf("stored range %d+%d out of range", c.Offset, c.Stored)
 	}
 	if _, err := codec.Parse(string(c.Codec)); err != nil {
@@ -229,36 +270,84 @@ func checkChunk(c Chunk) error {
 	return err
 }
 
-// CommitRecord is COMMIT.json: the proof a step is complete, and a summary
-// so that listing steps needs no manifest reads.
+// CommitRecord is COMMIT.json: the proof a step is complete, naming the
+// attempt whose ranks it holds and each rank's manifest, and a summary so
+// that listing steps needs no manifest reads.
 type CommitRecord struct {
 	Format      string    `json:"format"`
 	Version     int       `json:"version"`
 	Job         string    `json:"job"`
 	Step        int64     `json:"step"`
+	Attempt     string    `json:"attempt,omitempty"` // version 2
 	WorldSize   int       `json:"world_size"`
 	Bytes       int64     `json:"bytes"`
 	StoredBytes int64     `json:"stored_bytes"`
 	CommittedAt time.Time `json:"committed_at"`
+	// Manifests[r] is rank r's manifest (version 2).
+	Manifests []ManifestRef `json:"manifests,omitempty"`
+}
+
+// ManifestRef names one rank's manifest in a commit record: its object,
+// relative to the job folder, and the hash of its bytes, so a manifest
+// replaced after the commit is caught rather than trusted.
+type ManifestRef struct {
+	Object string `json:"object"`
+	Hash   string `json:"hash"`
 }
 
 // ParseCommit decodes and validates a commit record.
 func ParseCommit(b []byte) (*CommitRecord, error) {
-	if len(b) > 1<<20 {
-		return nil, fmt.Errorf("%w: commit record is %d bytes", ErrCorrupt, len(b))
+	if len(b) > maxCommitBytes {
+		return nil, fmt.Errorf("%w: commit record is %d bytes, more than %d", ErrCorrupt, len(b), maxCommitBytes)
 	}
 	var c CommitRecord
 	if err := json.Unmarshal(b, &c); err != nil {
 		return nil, fmt.Errorf("%w: commit record is not valid JSON: %v", ErrCorrupt, err)
 	}
-	if err := checkFormat(c.Format, c.Version, CommitFormat, CommitVersion); err != nil {
+	if err := checkFormat(c.Format, c.Version, CommitFormat, 1, CommitVersion); err != nil {
 		return nil, err
 	}
-	t := Target{Job: c.Job, Step: c.Step, WorldSize: c.WorldSize}
-	if err := t.Validate(); err != nil {
+	if err := c.validate(); err != nil {
 		return nil, fmt.Errorf("%w: commit record: %v", ErrCorrupt, err)
 	}
 	return &c, nil
+}
+
+func (c *CommitRecord) validate() error {
+	if err := checkAttempt(c.Version, c.Attempt); err != nil {
+		return err
+	}
+	t := Target{Job: c.Job, Step: c.Step, WorldSize: c.WorldSize, Attempt: c.Attempt}
+	if err := t.validateStored(); err != nil {
+		return err
+	}
+	if c.Version == 1 {
+		return nil
+	}
+	if len(c.Manifests) != c.WorldSize {
+		return fmt.Errorf("%d manifests listed for a world size of %d", len(c.Manifests), c.WorldSize)
+	}
+	for rank, ref := range c.Manifests {
+		// Exactly the canonical name: a record cannot send a reader
+		// anywhere else in the store.
+		if want := manifestObject(c.Step, c.Attempt, rank); ref.Object != want {
+			return fmt.Errorf("rank %d's manifest is %q, want %q", rank, ref.Object, want)
+		}
+		if _, err := codec.ParseHash(ref.Hash); err != nil {
+			return fmt.Errorf("rank %d's manifest hash: %v", rank, err)
+		}
+	}
+	return nil
+}
+
+// manifestObject returns the object of rank's manifest and its expected
+// hash ("" for version 1, which records none).
+func (c *CommitRecord) manifestObject(rank int) (object, hash string) {
+	if c.Version == 1 {
+		return manifestObject(c.Step, "", rank), ""
+	}
+	ref := c.Manifests[rank]
+	return ref.Object, ref.Hash
 }
 
 // readAll reads a whole small object, refusing one larger than limit.

@@ -39,9 +39,15 @@ func TestManifestRejects(t *testing.T) {
 	for _, tc := range []struct {
 		name, old, new, want string
 	}{
-		{"future version", `"version": 1`, `"version": 2`, "version 2 is not supported"},
+		{"future version", `"version": 2`, `"version": 3`, "version 3 is not supported"},
+		{"version 1 with an attempt", `"version": 2`, `"version": 1`, "version 1 has no attempt"},
+		{"no attempt", `"attempt": "run-1",`, ``, "names no attempt"},
+		{"bad attempt", `"attempt": "run-1"`, `"attempt": "../x"`, "attempt"},
+		{"huge offset", `"offset": 0,
+   "stored"`, `"offset": 9223372036854775807,
+   "stored"`, "out of range"},
 		{"other format", `"ckptd.manifest"`, `"other"`, "format"},
-		{"escaping object", `"object": "steps/000000000001/rank-00000.data"`, `"object": "steps/../../etc/passwd"`, "invalid object name"},
+		{"escaping object", `"object": "steps/000000000001/run-1/rank-00000.data"`, `"object": "steps/../../etc/passwd"`, "invalid object name"},
 		{"bad codec", `"codec": "zstd"`, `"codec": "brotli"`, "brotli"},
 		{"bad hash", `"hash": "xxh3:`, `"hash": "md5:`, "hash"},
 		{"data size", `"data_size": `, `"data_size": 1`, "data_size"},
@@ -63,6 +69,7 @@ func TestManifestRejects(t *testing.T) {
 func FuzzParseManifest(f *testing.F) {
 	f.Add(validManifest(f))
 	f.Add([]byte(`{"format":"ckptd.manifest","version":1}`))
+	f.Add([]byte(`{"format":"ckptd.manifest","version":2,"attempt":"a","job":"j","world_size":1,"tensors":[{"name":"a","dtype":"U8","shape":[4611686018427387904],"offset":0,"length":4611686018427387904}],"chunks":[{"object":"steps/x","offset":9223372036854775000,"raw":4,"stored":4000,"codec":"none","hash":"xxh3:0000000000000000"}],"data_size":4,"stored_size":4}`))
 	f.Add([]byte(`{"format":"ckptd.manifest","version":1,"job":"j","world_size":1,"tensors":[{"name":"a","dtype":"F32","shape":[1],"offset":0,"length":4}],"chunks":[{"object":"steps/x","raw":4,"stored":4,"codec":"none","hash":"xxh3:0000000000000000"}],"data_size":4,"stored_size":4}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		m, err := ParseManifest(data)

@@ -3,6 +3,7 @@ package checkpoint
 import (
 	"fmt"
 	"strings"
+	"unicode/utf8"
 )
 
 // Limits on identifiers. Steps have 12 digits and ranks 5 in object names.
@@ -10,7 +11,14 @@ const (
 	MaxNameLen   = 255
 	MaxStep      = 999_999_999_999
 	MaxWorldSize = 100_000
+	// MaxAttemptLen bounds an attempt id, which is a folder name.
+	MaxAttemptLen = 64
 )
+
+// reservedTensorNames are names a safetensors file cannot hold as tensors
+// (its header keeps "__metadata__" for itself): a save that used one would
+// commit a step that `ckptd restore` cannot write.
+var reservedTensorNames = map[string]bool{"__metadata__": true}
 
 // ValidateName checks a job or tensor name: non-empty, at most 255 bytes,
 // and free of "/", "..", NUL and other control bytes, so that it can never
@@ -23,6 +31,10 @@ func ValidateName(kind, name string) error {
 		return fmt.Errorf("%w: %s name is %d bytes, more than %d", ErrInvalid, kind, len(name), MaxNameLen)
 	case strings.Contains(name, "/"), strings.Contains(name, ".."), name == ".":
 		return fmt.Errorf("%w: %s name %q contains \"/\" or \"..\"", ErrInvalid, kind, name)
+	case !utf8.ValidString(name):
+		return fmt.Errorf("%w: %s name %q is not valid UTF-8", ErrInvalid, kind, name)
+	case kind == "tensor" && reservedTensorNames[name]:
+		return fmt.Errorf("%w: tensor name %q is reserved by the safetensors format that restore writes; rename the tensor", ErrInvalid, name)
 	}
 	for _, c := range []byte(name) {
 		if c < 0x20 || c == 0x7f {
@@ -32,20 +44,63 @@ func ValidateName(kind, name string) error {
 	return nil
 }
 
-// Target names one rank's shard of one step.
+// ValidateAttempt checks an attempt id: 1 to 64 bytes of [a-z0-9._-], not
+// starting with a dot. It names a folder under the step, so it must not be
+// able to climb out of it or hide.
+func ValidateAttempt(a string) error {
+	if a == "" {
+		return fmt.Errorf("%w: the save names no attempt (the run of the job it belongs to); "+
+			"set CKPTD_ATTEMPT or upgrade the client, which sets one", ErrInvalid)
+	}
+	if len(a) > MaxAttemptLen || a[0] == '.' {
+		return fmt.Errorf("%w: attempt %q: want 1-%d bytes of [a-z0-9._-], not starting with a dot", ErrInvalid, a, MaxAttemptLen)
+	}
+	for _, c := range []byte(a) {
+		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return fmt.Errorf("%w: attempt %q: want 1-%d bytes of [a-z0-9._-], not starting with a dot", ErrInvalid, a, MaxAttemptLen)
+		}
+	}
+	return nil
+}
+
+// Target names one rank's shard of one step, saved by one attempt (run)
+// of the job. Attempt is empty only for steps written before attempts
+// existed (manifest and commit format 1).
+//
+// Its JSON form (field names as in Go) is part of the staging journal.
 type Target struct {
 	Job       string
 	Step      int64
 	Rank      int
 	WorldSize int
+	Attempt   string
 }
 
 func (t Target) String() string {
-	return fmt.Sprintf("job %q step %d rank %d/%d", t.Job, t.Step, t.Rank, t.WorldSize)
+	s := fmt.Sprintf("job %q step %d rank %d/%d", t.Job, t.Step, t.Rank, t.WorldSize)
+	if t.Attempt != "" {
+		s += fmt.Sprintf(" attempt %q", t.Attempt)
+	}
+	return s
 }
 
-// Validate checks the job name and the step, rank and world size ranges.
+// Validate checks a save's target: the job name, the step, rank and world
+// size ranges, and the attempt, which a new save must name.
 func (t Target) Validate() error {
+	if err := ValidateAttempt(t.Attempt); err != nil {
+		return err
+	}
+	return t.validateStored()
+}
+
+// validateStored is Validate for a target read back from storage, where a
+// format-1 object has no attempt.
+func (t Target) validateStored() error {
+	if t.Attempt != "" {
+		if err := ValidateAttempt(t.Attempt); err != nil {
+			return err
+		}
+	}
 	if err := ValidateName("job", t.Job); err != nil {
 		return err
 	}
@@ -81,12 +136,28 @@ func stepSegment(step int64) string { return fmt.Sprintf("%012d", step) }
 
 func stepsPrefix(job string) string { return job + "/steps/" }
 
-func dataObject(step int64, rank int) string {
-	return fmt.Sprintf("steps/%012d/rank-%05d.data", step, rank)
+// attemptDir is the folder of one attempt's objects of a step, relative to
+// the job; a format-1 step (no attempt) keeps them in the step folder.
+func attemptDir(step int64, attempt string) string {
+	if attempt == "" {
+		return fmt.Sprintf("steps/%012d/", step)
+	}
+	return fmt.Sprintf("steps/%012d/%s/", step, attempt)
 }
 
-func manifestName(job string, step int64, rank int) string {
-	return fmt.Sprintf("%srank-%05d.manifest.json", stepDir(job, step), rank)
+// dataObject is a rank's chunk data, relative to the job.
+func dataObject(step int64, attempt string, rank int) string {
+	return fmt.Sprintf("%srank-%05d.data", attemptDir(step, attempt), rank)
+}
+
+// manifestObject is a rank's manifest, relative to the job.
+func manifestObject(step int64, attempt string, rank int) string {
+	return fmt.Sprintf("%srank-%05d%s", attemptDir(step, attempt), rank, manifestSuffix)
+}
+
+// manifestName is a rank's manifest in the store.
+func manifestName(t Target) string {
+	return inJob(t.Job, manifestObject(t.Step, t.Attempt, t.Rank))
 }
 
 func commitName(job string, step int64) string {

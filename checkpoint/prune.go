@@ -3,66 +3,94 @@ package checkpoint
 import (
 	"context"
 	"fmt"
+	"slices"
+	"time"
 
 	"github.com/ckptd/ckptd/storage"
 )
 
+// PruneOptions say what Prune keeps.
+type PruneOptions struct {
+	// KeepLast is how many of the newest committed steps to keep (>= 1).
+	KeepLast int
+	// GCGrace is how long an attempt that is not committed is left alone
+	// after its last write (default 1h): it may still be in flight.
+	GCGrace time.Duration
+	// DryRun reports what would be removed and removes nothing.
+	DryRun bool
+	// Now is the time GCGrace counts from (default time.Now()).
+	Now time.Time
+}
+
+// AttemptRef names one attempt of one step.
+type AttemptRef struct {
+	Step    int64
+	Attempt string
+}
+
 // PruneReport says what Prune removed (or, on a dry run, would remove).
 type PruneReport struct {
 	Kept    []int64
-	Removed []int64 // committed steps removed
-	Partial []int64 // uncommitted leftovers older than every kept step
-	Objects int     // objects deleted
-	Bytes   int64   // their size
+	Removed []int64      // committed steps removed
+	Garbage []AttemptRef // attempts removed that no commit record names
+	Damaged []int64      // steps with a damaged commit record: left alone
+	Objects int          // objects deleted
+	Bytes   int64        // their size
 }
 
-// Prune keeps the newest keepLast committed steps and removes the rest,
-// plus uncommitted steps older than the oldest kept one (left by crashes;
-// newer uncommitted steps may still be in flight and are left alone).
+// Prune keeps the newest KeepLast committed steps and removes the rest.
+// It also removes the attempts that no commit record names: those of
+// committed steps (a crashed run's ranks), and those of uncommitted steps
+// untouched for GCGrace. Steps whose commit record is damaged are left
+// alone and reported: they need a person.
 //
 // Deletion is reference-aware: a data object that a kept manifest points
 // to (an incremental checkpoint) is kept. A removed step's COMMIT.json goes
 // first, so a crash mid-prune leaves an uncommitted step, never a committed
 // one with missing data.
-func (s *Store) Prune(ctx context.Context, keepLast int, dryRun bool) (*PruneReport, error) {
-	if keepLast < 1 {
-		return nil, fmt.Errorf("%w: --keep-last must be at least 1, got %d", ErrInvalid, keepLast)
+func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, error) {
+	if opts.KeepLast < 1 {
+		return nil, fmt.Errorf("%w: --keep-last must be at least 1, got %d", ErrInvalid, opts.KeepLast)
 	}
-	all, err := s.allSteps(ctx)
+	if opts.GCGrace <= 0 {
+		opts.GCGrace = time.Hour
+	}
+	if opts.Now.IsZero() {
+		opts.Now = time.Now()
+	}
+	inv, err := s.Inventory(ctx)
 	if err != nil {
 		return nil, err
-	}
-	recs, err := s.commitRecords(ctx, all)
-	if err != nil {
-		return nil, err
-	}
-	committed := make([]int64, len(recs))
-	for i, rec := range recs {
-		committed[i] = rec.Step
 	}
 	rep := &PruneReport{}
-	if len(committed) <= keepLast {
-		rep.Kept = committed
-		return rep, nil
-	}
-	cut := len(committed) - keepLast
-	rep.Kept, rep.Removed = committed[cut:], committed[:cut]
-	oldestKept := rep.Kept[0]
-	isCommitted := map[int64]bool{}
-	for _, st := range committed {
-		isCommitted[st] = true
-	}
-	for _, st := range all {
-		if st < oldestKept && !isCommitted[st] {
-			rep.Partial = append(rep.Partial, st)
+	var committed []*StepInventory
+	for i := range inv {
+		switch si := &inv[i]; {
+		case si.Damaged != nil:
+			rep.Damaged = append(rep.Damaged, si.Step)
+			s.log().Warn("prune leaves a step with a damaged commit record alone", "job", s.Job, "step", si.Step, "err", si.Damaged)
+		case si.Commit != nil:
+			committed = append(committed, si)
 		}
 	}
-	refs, err := s.references(ctx, rep.Kept)
+	cut := max(0, len(committed)-opts.KeepLast)
+	kept := committed[cut:]
+	for _, si := range kept {
+		rep.Kept = append(rep.Kept, si.Step)
+	}
+	refs, err := s.references(ctx, kept)
 	if err != nil {
 		return nil, err
 	}
-	for _, st := range append(append([]int64{}, rep.Removed...), rep.Partial...) {
-		if err := s.removeStep(ctx, st, refs, dryRun, rep); err != nil {
+	p := &pruner{s: s, refs: refs, dryRun: opts.DryRun, rep: rep}
+	for _, si := range committed[:cut] {
+		rep.Removed = append(rep.Removed, si.Step)
+		if err := p.removeStep(ctx, si); err != nil {
+			return rep, err
+		}
+	}
+	for i := range inv {
+		if err := p.removeGarbage(ctx, &inv[i], opts.Now.Add(-opts.GCGrace)); err != nil {
 			return rep, err
 		}
 	}
@@ -70,15 +98,11 @@ func (s *Store) Prune(ctx context.Context, keepLast int, dryRun bool) (*PruneRep
 }
 
 // references returns the objects the kept steps' manifests point to.
-func (s *Store) references(ctx context.Context, kept []int64) (map[string]bool, error) {
+func (s *Store) references(ctx context.Context, kept []*StepInventory) (map[string]bool, error) {
 	refs := map[string]bool{}
-	for _, st := range kept {
-		rec, err := s.readCommit(ctx, st)
-		if err != nil {
-			return nil, err
-		}
-		for rank := range rec.WorldSize {
-			m, err := s.Manifest(ctx, rec, rank)
+	for _, si := range kept {
+		for rank := range si.Commit.WorldSize {
+			m, err := s.Manifest(ctx, si.Commit, rank)
 			if err != nil {
 				return nil, fmt.Errorf("prune needs every kept manifest: %w", err)
 			}
@@ -90,33 +114,67 @@ func (s *Store) references(ctx context.Context, kept []int64) (map[string]bool, 
 	return refs, nil
 }
 
-// removeStep deletes a step's objects, the commit record first and
-// referenced data never.
-func (s *Store) removeStep(ctx context.Context, step int64, refs map[string]bool, dryRun bool, rep *PruneReport) error {
-	var objs []storage.ObjectInfo
-	commit := commitName(s.Job, step)
-	err := s.B.List(ctx, stepDir(s.Job, step), func(oi storage.ObjectInfo) error {
-		if refs[oi.Name] {
-			return nil
+type pruner struct {
+	s      *Store
+	refs   map[string]bool
+	dryRun bool
+	rep    *PruneReport
+}
+
+// removeStep deletes a committed step: its commit record first, then every
+// object no kept manifest references.
+func (p *pruner) removeStep(ctx context.Context, si *StepInventory) error {
+	commit := commitName(p.s.Job, si.Step)
+	if err := p.delete(ctx, storage.ObjectInfo{Name: commit}); err != nil {
+		return fmt.Errorf("prune step %d: %w", si.Step, err)
+	}
+	for _, a := range si.Attempts {
+		if err := p.deleteAll(ctx, a.objects); err != nil {
+			return fmt.Errorf("prune step %d: %w", si.Step, err)
 		}
-		if oi.Name == commit {
-			objs = append([]storage.ObjectInfo{oi}, objs...)
-		} else {
-			objs = append(objs, oi)
-		}
+	}
+	return nil
+}
+
+// removeGarbage deletes the attempts of a step that its commit record does
+// not name: at once for a committed step, after the grace for an
+// uncommitted one (idle since before cutoff). A damaged step is left.
+func (p *pruner) removeGarbage(ctx context.Context, si *StepInventory, cutoff time.Time) error {
+	if si.Damaged != nil || slices.Contains(p.rep.Removed, si.Step) {
 		return nil
-	})
-	if err != nil {
-		return err
 	}
-	for _, oi := range objs {
-		if !dryRun {
-			if err := s.B.Delete(ctx, oi.Name); err != nil { // a concurrent prune's delete is fine: Delete is idempotent
-				return fmt.Errorf("prune step %d: %w", step, err)
-			}
+	winner, committed := si.Committed()
+	for _, a := range si.Attempts {
+		if committed && a.Attempt == winner || !committed && a.Newest.After(cutoff) {
+			continue
 		}
-		rep.Objects++
-		rep.Bytes += oi.Size
+		p.rep.Garbage = append(p.rep.Garbage, AttemptRef{Step: si.Step, Attempt: a.Attempt})
+		if err := p.deleteAll(ctx, a.objects); err != nil {
+			return fmt.Errorf("prune step %d attempt %q: %w", si.Step, a.Attempt, err)
+		}
 	}
+	return nil
+}
+
+func (p *pruner) deleteAll(ctx context.Context, objs []storage.ObjectInfo) error {
+	for _, oi := range objs {
+		if p.refs[oi.Name] {
+			continue
+		}
+		if err := p.delete(ctx, oi); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (p *pruner) delete(ctx context.Context, oi storage.ObjectInfo) error {
+	if !p.dryRun {
+		if err := p.s.B.Delete(ctx, oi.Name); err != nil { // a concurrent prune's delete is fine: Delete is idempotent
+			return err
+		}
+	}
+	p.rep.Objects++
+	p.rep.Bytes += oi.Size
 	return nil
 }

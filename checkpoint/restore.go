@@ -10,6 +10,7 @@ import (
 type RestoreHeader struct {
 	Step      int64
 	WorldSize int
+	Attempt   string   // "" for a step written before attempts existed
 	Tensors   []Tensor // offsets relative to the region
 	Metadata  []byte
 	Size      int64
@@ -17,8 +18,9 @@ type RestoreHeader struct {
 
 // BeginRestore fills a region of the arena with one rank's shard of a
 // committed step (the newest when latest is set), every chunk verified.
-// The caller reads the region and then calls Release.
-func (mgr *Manager) BeginRestore(ctx context.Context, job string, step int64, latest bool, rank int) (LeaseInfo, *RestoreHeader, error) {
+// The caller reads the region and then calls Release; the region is freed
+// too when owner goes away.
+func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, job string, step int64, latest bool, rank int) (LeaseInfo, *RestoreHeader, error) {
 	store, err := NewStore(mgr.b, mgr.job(job))
 	if err != nil {
 		return LeaseInfo{}, nil, err
@@ -51,22 +53,25 @@ func (mgr *Manager) BeginRestore(ctx context.Context, job string, step int64, la
 	}
 	mgr.m.Restored.Add(float64(m.DataSize))
 	l := &lease{
-		id: mgr.newLeaseID(), kind: restoreLease, region: region, size: m.DataSize,
+		id: newLeaseID(), kind: restoreLease, region: region, size: m.DataSize,
 		begun: time.Now(), expires: time.Now().Add(mgr.cfg.LeaseTimeout),
 	}
 	mgr.mu.Lock()
-	mgr.leases[l.id] = l
+	err = mgr.addLease(l, o)
 	mgr.mu.Unlock()
-	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Tensors: m.Tensors, Metadata: m.Metadata, Size: m.DataSize}
+	if err != nil {
+		return LeaseInfo{}, nil, err
+	}
+	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: m.Tensors, Metadata: m.Metadata, Size: m.DataSize}
 	return l.info(), h, nil
 }
 
 // Release returns a restore region, or an uncommitted save region, to the
 // arena.
-func (mgr *Manager) Release(id string) error {
+func (mgr *Manager) Release(o Owner, id string) error {
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
-	l := mgr.leases[id]
+	l := mgr.lookup(id, o)
 	if l == nil || l.committed {
 		return fmt.Errorf("%w: no releasable lease %q", ErrUnknownLease, id)
 	}
@@ -76,10 +81,10 @@ func (mgr *Manager) Release(id string) error {
 
 // Bytes returns a lease's bytes in the daemon's mapping (for streaming
 // restores to clients that cannot map the arena).
-func (mgr *Manager) Bytes(id string) ([]byte, error) {
+func (mgr *Manager) Bytes(o Owner, id string) ([]byte, error) {
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
-	l := mgr.leases[id]
+	l := mgr.lookup(id, o)
 	if l == nil {
 		return nil, fmt.Errorf("%w: %q", ErrUnknownLease, id)
 	}

@@ -16,9 +16,9 @@ import (
 const MaxMetadata = 8 << 20
 
 // BeginSave validates a save request and leases a region for its tensors,
-// waiting up to StagingWait for space. The region is the caller's to fill
-// until CommitSave or AbortSave.
-func (mgr *Manager) BeginSave(ctx context.Context, t Target, tensors []Tensor) (LeaseInfo, error) {
+// waiting up to StagingWait for space. The region is owner's to fill until
+// CommitSave or AbortSave, or until owner goes away.
+func (mgr *Manager) BeginSave(ctx context.Context, o Owner, t Target, tensors []Tensor) (LeaseInfo, error) {
 	start := time.Now()
 	t.Job = mgr.job(t.Job)
 	if err := t.Validate(); err != nil {
@@ -28,33 +28,32 @@ func (mgr *Manager) BeginSave(ctx context.Context, t Target, tensors []Tensor) (
 	if err != nil {
 		return LeaseInfo{}, err
 	}
-	if err := mgr.reserveSave(ctx, t); err != nil {
+	l := &lease{id: newLeaseID(), kind: saveLease, size: layout.RegionSize, target: t, layout: layout, begun: start}
+	if err := mgr.reserveSave(ctx, l); err != nil {
 		return LeaseInfo{}, err
 	}
 	region, err := mgr.alloc(ctx, layout.RegionSize)
+	mgr.mu.Lock()
+	defer mgr.mu.Unlock()
 	if err != nil {
-		mgr.mu.Lock()
 		mgr.clearStaging(t)
-		mgr.mu.Unlock()
+		mgr.uncharge(l)
 		return LeaseInfo{}, fmt.Errorf("stage %s: %w", t, err)
 	}
-	l := &lease{
-		id: mgr.newLeaseID(), kind: saveLease, region: region, size: layout.RegionSize, target: t, layout: layout,
-		begun: start, expires: time.Now().Add(mgr.cfg.LeaseTimeout),
+	l.region, l.expires = region, time.Now().Add(mgr.cfg.LeaseTimeout)
+	if err := mgr.addLease(l, o); err != nil {
+		return LeaseInfo{}, err
 	}
-	mgr.mu.Lock()
-	mgr.leases[l.id] = l
-	mgr.mu.Unlock()
 	return l.info(), nil
 }
 
 // reserveSave refuses a save of a step already committed or of a rank this
-// daemon is already saving, and marks the rank as being staged.
-func (mgr *Manager) reserveSave(ctx context.Context, t Target) error {
-	if ok, err := mgr.committedHint(ctx, t); err != nil {
-		return fmt.Errorf("check step %d: %w", t.Step, err)
-	} else if ok {
-		return fmt.Errorf("%w: step %d of job %q is already committed", ErrExists, t.Step, t.Job)
+// daemon is already saving for the same attempt, books the lease's tensor
+// table against TableBudget, and marks the rank as being staged.
+func (mgr *Manager) reserveSave(ctx context.Context, l *lease) error {
+	t := l.target
+	if err := mgr.committedHint(ctx, t); err != nil {
+		return err
 	}
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
@@ -63,11 +62,25 @@ func (mgr *Manager) reserveSave(ctx context.Context, t Target) error {
 	}
 	k := keyOf(t)
 	if st := mgr.saves[k]; st != nil && st.state != StateFailed && st.state != StateCommitted {
-		return fmt.Errorf("%w: %s is already being saved (%s)", ErrExists, t, st.state)
+		return &InProgressError{Target: t, State: st.state}
+	}
+	if err := mgr.charge(l, tableCost(l.layout)); err != nil {
+		return err
 	}
 	mgr.setState(k, StateStaging, nil)
 	mgr.saves[k].worldSize = t.WorldSize
 	return nil
+}
+
+// tableCost estimates the memory a lease's tensor table holds while the
+// save is open: the region and packed tables (which share names and
+// shapes), and the journal entry in shared memory.
+func tableCost(l *Layout) int64 {
+	n := int64(512)
+	for _, t := range l.Region {
+		n += 256 + 2*int64(len(t.Name)) + 24*int64(len(t.Shape))
+	}
+	return n
 }
 
 // precheckTimeout bounds BeginSave's look at storage. A slow or
@@ -76,36 +89,46 @@ func (mgr *Manager) reserveSave(ctx context.Context, t Target) error {
 // the save waits in the arena.
 const precheckTimeout = time.Second
 
-// committedHint reports whether t's step is committed, so that a save of
-// it is refused early and clearly. When storage does not answer in time
-// it says no and logs why.
-func (mgr *Manager) committedHint(ctx context.Context, t Target) (bool, error) {
+// committedHint refuses a save of a committed step early and clearly.
+// When storage does not answer in time it lets the save through and logs
+// why; the drain checks again before writing.
+func (mgr *Manager) committedHint(ctx context.Context, t Target) error {
 	cctx, cancel := context.WithTimeout(ctx, precheckTimeout)
 	defer cancel()
-	ok, err := (&Store{B: mgr.b, Job: t.Job}).Committed(cctx, t.Step)
-	if err != nil && ctx.Err() == nil && (errors.Is(err, storage.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded)) {
+	rec, err := (&Store{B: mgr.b, Job: t.Job}).readCommit(cctx, t.Step)
+	switch {
+	case err == nil:
+		return &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Mine: rec.Attempt == t.Attempt}
+	case errors.Is(err, storage.ErrNotFound):
+		return nil
+	case ctx.Err() == nil && (errors.Is(err, storage.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ErrCorrupt)):
 		mgr.log.Warn("storage did not say whether the step is committed; the drain will check", "target", t.String(), "err", err)
-		return false, nil
+		return nil
 	}
-	return ok, err
+	return fmt.Errorf("check step %d: %w", t.Step, err)
 }
 
 // CommitSave accepts a filled region: once it returns, the save is
 // journaled in shared memory and will become durable even if the daemon
 // crashes.
-func (mgr *Manager) CommitSave(id string, metadata []byte) (Target, int64, error) {
+func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (Target, int64, error) {
 	if len(metadata) > MaxMetadata {
 		return Target{}, 0, fmt.Errorf("%w: metadata is %d bytes, more than %d", ErrInvalid, len(metadata), MaxMetadata)
 	}
 	mgr.mu.Lock()
-	l := mgr.leases[id]
+	l := mgr.lookup(id, o)
 	if l == nil || l.kind != saveLease || l.committed {
 		mgr.mu.Unlock()
-		return Target{}, 0, fmt.Errorf("%w: no open save lease %q", ErrUnknownLease, id)
+		return Target{}, 0, fmt.Errorf("%w: no open save lease %q (expired, aborted, or never granted to this connection)", ErrUnknownLease, id)
+	}
+	if err := mgr.charge(l, int64(len(metadata))); err != nil {
+		mgr.mu.Unlock()
+		return Target{}, 0, err
 	}
 	// Marked committed before the journal write, so that nothing (abort,
-	// release, the reaper) frees the region meanwhile; the write itself
-	// runs without the lock, which every other request needs.
+	// release, the reaper, the owner going away) frees the region
+	// meanwhile; the write itself runs without the lock, which every
+	// other request needs.
 	l.committed = true
 	l.metadata = append([]byte(nil), metadata...)
 	mgr.mu.Unlock()
@@ -114,6 +137,8 @@ func (mgr *Manager) CommitSave(id string, metadata []byte) (Target, int64, error
 	defer mgr.mu.Unlock()
 	if err != nil {
 		l.committed = false
+		mgr.tables -= int64(len(metadata))
+		l.cost -= int64(len(metadata))
 		mgr.m.Error("journal")
 		return Target{}, 0, err
 	}
@@ -125,10 +150,10 @@ func (mgr *Manager) CommitSave(id string, metadata []byte) (Target, int64, error
 }
 
 // AbortSave gives back an uncommitted save lease.
-func (mgr *Manager) AbortSave(id string) error {
+func (mgr *Manager) AbortSave(o Owner, id string) error {
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
-	l := mgr.leases[id]
+	l := mgr.lookup(id, o)
 	if l == nil || l.kind != saveLease || l.committed {
 		return fmt.Errorf("%w: no open save lease %q", ErrUnknownLease, id)
 	}
@@ -139,17 +164,17 @@ func (mgr *Manager) AbortSave(id string) error {
 // SaveFrom is the path for clients that cannot map the arena: it stages
 // exactly the region's bytes read from r and commits them, so the rest of
 // the pipeline is the same as for a mapped save.
-func (mgr *Manager) SaveFrom(ctx context.Context, t Target, tensors []Tensor, metadata []byte, r io.Reader) (Target, int64, error) {
-	info, err := mgr.BeginSave(ctx, t, tensors)
+func (mgr *Manager) SaveFrom(ctx context.Context, o Owner, t Target, tensors []Tensor, metadata []byte, r io.Reader) (Target, int64, error) {
+	info, err := mgr.BeginSave(ctx, o, t, tensors)
 	if err != nil {
 		return Target{}, 0, err
 	}
 	region := mgr.arena.Bytes()[info.Offset : info.Offset+info.Length]
 	if err := readExactly(r, region); err != nil {
-		_ = mgr.AbortSave(info.ID)
+		_ = mgr.AbortSave(o, info.ID)
 		return Target{}, 0, err
 	}
-	return mgr.CommitSave(info.ID, metadata)
+	return mgr.CommitSave(o, info.ID, metadata)
 }
 
 // readExactly fills dst from r and requires r to end there.
@@ -176,7 +201,7 @@ type journalEntry struct {
 }
 
 func (mgr *Manager) journal(l *lease) error {
-	b, err := json.Marshal(journalEntry{
+	b, err := json.Marshal(journalEntry{ // the entry's id is the lease id
 		Lease: l.id, Offset: l.region.Offset, Length: l.region.Length, Target: l.target,
 		Tensors: l.layout.Region, Metadata: l.metadata, StagedAt: time.Now().UTC(),
 	})
@@ -199,15 +224,19 @@ func (mgr *Manager) recover() error {
 	for _, e := range entries {
 		l, err := mgr.leaseFromJournal(e.Data)
 		if err != nil {
-			mgr.log.Error("journal entry unusable; left in place", "entry", e.ID, "err", err)
+			mgr.quarantine(e.ID, err)
 			continue
 		}
+		l.id = e.ID
 		mgr.leases[l.id] = l
+		l.cost = tableCost(l.layout) + int64(len(l.metadata)) // booked even past the budget: it is acknowledged
+		mgr.tables += l.cost
 		mgr.setState(keyOf(l.target), StateStaged, nil)
 		mgr.saves[keyOf(l.target)].worldSize = l.target.WorldSize
 		mgr.enqueue(l)
 		mgr.log.Info("recovered staged save", "target", l.target.String(), "bytes", l.layout.DataSize)
 	}
+	mgr.m.TableBytes.Set(float64(mgr.tables))
 	mgr.m.ArenaUsed.Set(float64(mgr.arena.Used()))
 	return nil
 }
@@ -219,6 +248,9 @@ func (mgr *Manager) leaseFromJournal(data []byte) (*lease, error) {
 	}
 	if err := e.Target.Validate(); err != nil {
 		return nil, err
+	}
+	if len(e.Metadata) > MaxMetadata {
+		return nil, fmt.Errorf("metadata of %d bytes", len(e.Metadata))
 	}
 	layout, err := NewLayout(e.Tensors)
 	if err != nil {
@@ -232,10 +264,30 @@ func (mgr *Manager) leaseFromJournal(data []byte) (*lease, error) {
 	if err := layout.CheckRegion(l.region.Length); err != nil {
 		return nil, err
 	}
+	if l.region.Offset < 0 || l.region.Length < 0 || l.region.Length > mgr.arena.Size()-l.region.Offset || l.region.Offset > mgr.arena.Size() {
+		return nil, fmt.Errorf("region [%d, +%d) is outside the %d-byte arena", l.region.Offset, l.region.Length, mgr.arena.Size())
+	}
 	if l.region.Length > 0 {
 		if err := mgr.arena.Reserve(l.region); err != nil {
 			return nil, err
 		}
 	}
 	return l, nil
+}
+
+// quarantine sets aside a journal entry that no longer validates, so that
+// it is never replayed again: replaying it could crash the daemon on every
+// start. The entry's bytes are kept for a post-mortem.
+func (mgr *Manager) quarantine(id string, why error) {
+	mgr.m.Quarantined.Inc()
+	q, ok := any(mgr.arena.Journal()).(interface{ Quarantine(id, reason string) error })
+	if !ok {
+		mgr.log.Error("journal entry unusable; left in place", "entry", id, "why", why)
+		return
+	}
+	if err := q.Quarantine(id, why.Error()); err != nil {
+		mgr.log.Error("journal entry unusable, and could not be set aside", "entry", id, "why", why, "err", err)
+		return
+	}
+	mgr.log.Error("journal entry unusable; set aside in the journal's quarantine folder and not replayed", "entry", id, "why", why)
 }

@@ -28,12 +28,13 @@ func (s State) String() string {
 }
 
 type saveKey struct {
-	job  string
-	step int64
-	rank int
+	job     string
+	step    int64
+	rank    int
+	attempt string
 }
 
-func keyOf(t Target) saveKey { return saveKey{t.Job, t.Step, t.Rank} }
+func keyOf(t Target) saveKey { return saveKey{t.Job, t.Step, t.Rank, t.Attempt} }
 
 // saveStatus tracks one rank's save for Wait. changed is closed and
 // replaced on every change, so waiters never miss one.
@@ -85,26 +86,18 @@ type WaitResult struct {
 	Err   error // the failure, or the last transient error while retrying
 }
 
-// Wait blocks until the rank's save of step is committed or has failed, or
-// ctx ends; then it returns the current state and ctx's error. A save this
-// daemon does not know of is answered from storage.
-func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int) (WaitResult, error) {
-	job = mgr.job(job)
-	k := saveKey{job, step, rank}
-	store := &Store{B: mgr.b, Job: job}
+// Wait blocks until the rank's save of step by attempt is committed or
+// has failed, or ctx ends; then it returns the current state and ctx's
+// error. An empty attempt means whichever attempt this daemon knows of. A
+// save this daemon does not know of is answered from storage.
+func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int, attempt string) (WaitResult, error) {
+	k := saveKey{mgr.job(job), step, rank, attempt}
 	poll := 50 * time.Millisecond
 	for {
-		mgr.mu.Lock()
-		st := mgr.saves[k]
-		var res WaitResult
-		var changed chan struct{}
-		if st != nil {
-			res, changed = WaitResult{st.state, st.err}, st.changed
-		}
-		mgr.mu.Unlock()
-		if st == nil {
+		res, changed, known := mgr.status(&k)
+		if !known {
 			var err error
-			if res, err = mgr.stateFromStorage(ctx, store, k); err != nil {
+			if res, err = mgr.stateFromStorage(ctx, k); err != nil {
 				return res, err
 			}
 		}
@@ -114,10 +107,8 @@ func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int) 
 		case StateDurable:
 			// Other ranks commit the step, maybe on other nodes: poll storage,
 			// committing ourselves if the last manifest appeared without one.
-			if ok, won, err := TryCommit(ctx, mgr.b, job, step, mgr.worldSize(k)); err == nil && ok {
-				mgr.logCommit(job, step, won)
-				mgr.markCommitted(k)
-				return WaitResult{State: StateCommitted}, nil
+			if ws := mgr.worldSize(k); ws > 0 && mgr.tryCommit(ctx, Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: ws, Attempt: k.attempt}) {
+				continue // the outcome is recorded: committed, or failed for another attempt
 			}
 			changed = nil
 		}
@@ -131,36 +122,61 @@ func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int) 
 	}
 }
 
-// Status returns a save's current state without waiting: from memory when
-// this daemon knows the save, else from storage.
-func (mgr *Manager) Status(ctx context.Context, job string, step int64, rank int) (WaitResult, error) {
-	job = mgr.job(job)
-	k := saveKey{job, step, rank}
+// status returns what this daemon knows of the save k names. With no
+// attempt in k, it picks the most recently updated save of that rank and
+// step, and fills in k's attempt.
+func (mgr *Manager) status(k *saveKey) (WaitResult, chan struct{}, bool) {
 	mgr.mu.Lock()
-	st := mgr.saves[k]
-	var res WaitResult
-	if st != nil {
-		res = WaitResult{st.state, st.err}
+	defer mgr.mu.Unlock()
+	st := mgr.saves[*k]
+	if st == nil && k.attempt == "" {
+		for sk, s := range mgr.saves {
+			if sk.job == k.job && sk.step == k.step && sk.rank == k.rank && (st == nil || s.updated.After(st.updated)) {
+				st, k.attempt = s, sk.attempt
+			}
+		}
 	}
-	mgr.mu.Unlock()
-	if st != nil {
-		return res, nil
+	if st == nil {
+		return WaitResult{}, nil, false
 	}
-	return mgr.stateFromStorage(ctx, &Store{B: mgr.b, Job: job}, k)
+	return WaitResult{st.state, st.err}, st.changed, true
 }
 
-// stateFromStorage answers Wait for a save not in memory.
-func (mgr *Manager) stateFromStorage(ctx context.Context, store *Store, k saveKey) (WaitResult, error) {
-	if ok, err := store.Committed(ctx, k.step); err != nil || ok {
-		return WaitResult{State: StateCommitted}, err
+// Status returns a save's current state without waiting: from memory when
+// this daemon knows the save, else from storage.
+func (mgr *Manager) Status(ctx context.Context, job string, step int64, rank int, attempt string) (WaitResult, error) {
+	k := saveKey{mgr.job(job), step, rank, attempt}
+	if res, _, known := mgr.status(&k); known {
+		return res, nil
 	}
-	m, err := readManifest(ctx, mgr.b, manifestName(k.job, k.step, k.rank))
+	return mgr.stateFromStorage(ctx, k)
+}
+
+// stateFromStorage answers for a save not in memory: committed when the
+// step's commit record names its attempt (or k names none), failed when
+// it names another, durable when the attempt's manifest of the rank is
+// there.
+func (mgr *Manager) stateFromStorage(ctx context.Context, k saveKey) (WaitResult, error) {
+	rec, err := (&Store{B: mgr.b, Job: k.job}).readCommit(ctx, k.step)
+	switch {
+	case err == nil && (k.attempt == "" || rec.Attempt == k.attempt):
+		return WaitResult{State: StateCommitted}, nil
+	case err == nil:
+		return WaitResult{State: StateFailed, Err: &CommittedError{Job: k.job, Step: k.step, Attempt: rec.Attempt}}, nil
+	case !errors.Is(err, storage.ErrNotFound):
+		return WaitResult{}, err
+	}
+	notFound := fmt.Errorf("%w: no save of job %q step %d rank %d is known to this daemon or in %s",
+		ErrStepNotFound, k.job, k.step, k.rank, mgr.b.Location())
+	if k.attempt == "" {
+		return WaitResult{}, notFound
+	}
+	m, err := readManifest(ctx, mgr.b, manifestName(Target{Job: k.job, Step: k.step, Rank: k.rank, Attempt: k.attempt}))
 	if err != nil {
 		if !errors.Is(err, storage.ErrNotFound) { // corrupt, or storage down: not "unknown"
 			return WaitResult{}, err
 		}
-		return WaitResult{}, fmt.Errorf("%w: no save of job %q step %d rank %d is known to this daemon or in %s",
-			ErrStepNotFound, k.job, k.step, k.rank, mgr.b.Location())
+		return WaitResult{}, notFound
 	}
 	mgr.mu.Lock()
 	mgr.setState(k, StateDurable, nil)
@@ -178,10 +194,14 @@ func (mgr *Manager) worldSize(k saveKey) int {
 	return 0
 }
 
-func (mgr *Manager) markCommitted(k saveKey) {
+// markDone records a save's final state (committed or failed) unless it
+// has one already.
+func (mgr *Manager) markDone(k saveKey, s State, err error) {
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
-	if st := mgr.saves[k]; st != nil && st.state != StateCommitted {
-		mgr.setState(k, StateCommitted, nil)
+	if st := mgr.saves[k]; st != nil && st.state != StateCommitted && st.state != StateFailed {
+		ws := st.worldSize
+		mgr.setState(k, s, err)
+		mgr.saves[k].worldSize = ws
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strconv"
 
@@ -17,6 +18,9 @@ import (
 type Store struct {
 	B   storage.Backend
 	Job string
+	// Log receives warnings about damaged steps that listing skips
+	// (default slog.Default()).
+	Log *slog.Logger
 }
 
 // NewStore checks the job name and returns a Store for it.
@@ -25,6 +29,25 @@ func NewStore(b storage.Backend, job string) (*Store, error) {
 		return nil, err
 	}
 	return &Store{B: b, Job: job}, nil
+}
+
+func (s *Store) log() *slog.Logger {
+	if s.Log != nil {
+		return s.Log
+	}
+	return slog.Default()
+}
+
+// skipDamaged reports whether err means step's commit record is damaged
+// (unparseable, truncated, of another step), which listing skips with a
+// warning: one bad record must not hide every other step of the job.
+func (s *Store) skipDamaged(step int64, err error) bool {
+	if !errors.Is(err, ErrCorrupt) {
+		return false
+	}
+	s.log().Warn("skipping a step whose commit record is damaged; `ckptd verify` and `ckptd prune` name it too",
+		"job", s.Job, "step", step, "err", err)
+	return true
 }
 
 // metaConcurrency bounds the small metadata requests (a Stat or a GET of
@@ -52,8 +75,8 @@ func (s *Store) commitRecords(ctx context.Context, steps []int64) ([]*CommitReco
 	for i, step := range steps {
 		g.Go(func() error {
 			rec, err := s.readCommit(gctx, step)
-			if errors.Is(err, storage.ErrNotFound) {
-				return nil // in flight, or left by a crash
+			if errors.Is(err, storage.ErrNotFound) || s.skipDamaged(step, err) {
+				return nil // in flight, left by a crash, or damaged
 			}
 			recs[i] = rec
 			return err
@@ -82,34 +105,43 @@ func (s *Store) allSteps(ctx context.Context) ([]int64, error) {
 	return steps, nil
 }
 
-// Latest returns the newest committed step, or ErrStepNotFound. It checks
-// steps newest first, so it usually costs one listing and one Stat.
+// Latest returns the newest committed step whose commit record is
+// readable, or ErrStepNotFound. It checks steps newest first, so it
+// usually costs one listing and one small read; a damaged record is
+// skipped with a warning and the next older step is used.
 func (s *Store) Latest(ctx context.Context) (int64, error) {
-	steps, err := s.allSteps(ctx)
+	rec, err := s.latest(ctx)
 	if err != nil {
 		return 0, err
 	}
+	return rec.Step, nil
+}
+
+func (s *Store) latest(ctx context.Context) (*CommitRecord, error) {
+	steps, err := s.allSteps(ctx)
+	if err != nil {
+		return nil, err
+	}
 	for _, step := range slices.Backward(steps) {
-		ok, err := s.Committed(ctx, step)
-		if err != nil {
-			return 0, fmt.Errorf("latest step of job %q in %s: %w", s.Job, s.B.Location(), err)
-		}
-		if ok {
-			return step, nil
+		rec, err := s.readCommit(ctx, step)
+		switch {
+		case err == nil:
+			return rec, nil
+		case errors.Is(err, storage.ErrNotFound), s.skipDamaged(step, err):
+		default:
+			return nil, fmt.Errorf("latest step of job %q in %s: %w", s.Job, s.B.Location(), err)
 		}
 	}
-	return 0, fmt.Errorf("%w: job %q has no committed steps in %s", ErrStepNotFound, s.Job, s.B.Location())
+	return nil, fmt.Errorf("%w: job %q has no committed steps in %s", ErrStepNotFound, s.Job, s.B.Location())
 }
 
 // Resolve returns the commit record of step, or of the newest committed
 // step when latest is set. An unknown step's error names the latest one.
 func (s *Store) Resolve(ctx context.Context, step int64, latest bool) (*CommitRecord, error) {
 	if latest {
-		var err error
-		if step, err = s.Latest(ctx); err != nil {
-			return nil, err
-		}
-	} else if err := validateStep(step); err != nil {
+		return s.latest(ctx)
+	}
+	if err := validateStep(step); err != nil {
 		return nil, err
 	}
 	rec, err := s.readCommit(ctx, step)
@@ -139,7 +171,7 @@ func (s *Store) Committed(ctx context.Context, step int64) (bool, error) {
 
 func (s *Store) readCommit(ctx context.Context, step int64) (*CommitRecord, error) {
 	name := commitName(s.Job, step)
-	data, err := readObject(ctx, s.B, name, 1<<20)
+	data, err := readObject(ctx, s.B, name, maxCommitBytes)
 	if err != nil {
 		return nil, err
 	}
@@ -153,16 +185,22 @@ func (s *Store) readCommit(ctx context.Context, step int64) (*CommitRecord, erro
 	return rec, nil
 }
 
-// Manifest reads and validates one rank's manifest of a committed step.
+// Manifest reads and validates the manifest a commit record names for
+// rank, checking its hash where the record pins one.
 func (s *Store) Manifest(ctx context.Context, rec *CommitRecord, rank int) (*Manifest, error) {
 	if rank < 0 || rank >= rec.WorldSize {
 		return nil, fmt.Errorf("%w: rank %d out of range: step %d has world size %d", ErrInvalid, rank, rec.Step, rec.WorldSize)
 	}
-	m, err := readManifest(ctx, s.B, manifestName(s.Job, rec.Step, rank))
+	obj, want := rec.manifestObject(rank)
+	m, got, err := readManifestHash(ctx, s.B, inJob(s.Job, obj))
 	if err != nil {
 		return nil, fmt.Errorf("step %d rank %d: %w", rec.Step, rank, err)
 	}
-	if m.Target() != (Target{Job: s.Job, Step: rec.Step, Rank: rank, WorldSize: rec.WorldSize}) {
+	if want != "" && got != want {
+		return nil, fmt.Errorf("%w: manifest of step %d rank %d (%s) has hash %s, but the commit record says %s: it was replaced after the commit",
+			ErrCorrupt, rec.Step, rank, obj, got, want)
+	}
+	if m.Target() != (Target{Job: s.Job, Step: rec.Step, Rank: rank, WorldSize: rec.WorldSize, Attempt: rec.Attempt}) {
 		return nil, fmt.Errorf("%w: manifest of step %d rank %d describes %s", ErrCorrupt, rec.Step, rank, m.Target())
 	}
 	return m, nil

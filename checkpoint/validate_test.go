@@ -16,6 +16,7 @@ func TestValidateName(t *testing.T) {
 		{"llama-7b", true}, {"model.layers.0.weight", true}, {"a b", true},
 		{"", false}, {"a/b", false}, {"..", false}, {"a..b", false}, {".", false},
 		{"nul\x00", false}, {"tab\t", false}, {strings.Repeat("x", 255), true}, {strings.Repeat("x", 256), false},
+		{"bad\xffutf8", false}, {"__metadata__", true}, // reserved only for tensors
 	} {
 		err := ValidateName("job", tc.name)
 		if (err == nil) != tc.ok || (err != nil && !errors.Is(err, ErrInvalid)) {
@@ -29,14 +30,21 @@ func TestTargetValidate(t *testing.T) {
 		t  Target
 		ok bool
 	}{
-		{Target{"j", 0, 0, 1}, true},
-		{Target{"j", MaxStep, 7, 8}, true},
-		{Target{"j", -1, 0, 1}, false},
-		{Target{"j", MaxStep + 1, 0, 1}, false},
-		{Target{"j", 1, 1, 1}, false},
-		{Target{"j", 1, -1, 1}, false},
-		{Target{"j", 1, 0, 0}, false},
-		{Target{"../x", 1, 0, 1}, false},
+		{Target{"j", 0, 0, 1, "a"}, true},
+		{Target{"j", MaxStep, 7, 8, "slurm-123.4_x"}, true},
+		{Target{"j", -1, 0, 1, "a"}, false},
+		{Target{"j", MaxStep + 1, 0, 1, "a"}, false},
+		{Target{"j", 1, 1, 1, "a"}, false},
+		{Target{"j", 1, -1, 1, "a"}, false},
+		{Target{"j", 1, 0, 0, "a"}, false},
+		{Target{"../x", 1, 0, 1, "a"}, false},
+		{Target{"j", 0, 0, 1, ""}, false},
+		{Target{"j", 0, 0, 1, "Upper"}, false},
+		{Target{"j", 0, 0, 1, ".hidden"}, false},
+		{Target{"j", 0, 0, 1, ".."}, false},
+		{Target{"j", 0, 0, 1, "a/b"}, false},
+		{Target{"j", 0, 0, 1, strings.Repeat("a", 64)}, true},
+		{Target{"j", 0, 0, 1, strings.Repeat("a", 65)}, false},
 	} {
 		if err := tc.t.Validate(); (err == nil) != tc.ok {
 			t.Errorf("%v.Validate() = %v", tc.t, err)
@@ -61,6 +69,10 @@ func TestNewLayoutRejects(t *testing.T) {
 		{"slash", []Tensor{f32("a/b", 0, 1)}, "contains"},
 		{"negative dim", []Tensor{{Name: "a", DType: dtype.F32, Shape: []int64{-1}, Length: 4}}, "negative dimension"},
 		{"overflow", []Tensor{{Name: "a", DType: dtype.F64, Shape: []int64{1 << 40, 1 << 40}, Length: 4}}, "overflows"},
+		// 2^62 bytes at offset 2^62: the end wraps past int64.
+		{"end overflows", []Tensor{{Name: "a", DType: dtype.U8, Shape: []int64{1 << 62}, Offset: 1 << 62, Length: 1 << 62}, {Name: "b", DType: dtype.U8, Shape: []int64{1 << 62}, Offset: 3 << 61, Length: 1 << 62}}, "overflows"},
+		{"total overflows", []Tensor{{Name: "a", DType: dtype.U8, Shape: []int64{1<<63 - 1}, Offset: 0, Length: 1<<63 - 1}, {Name: "b", DType: dtype.U8, Shape: []int64{1}, Offset: 1<<63 - 1, Length: 1}}, "overflows"},
+		{"reserved name", []Tensor{f32("__metadata__", 0, 1)}, "reserved"},
 	} {
 		_, err := NewLayout(tc.ts)
 		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), tc.want) {

@@ -99,21 +99,25 @@ type Shard struct {
 	Metadata []byte
 }
 
-// WriteShard makes a shard durable: its chunks, then its manifest. It does
-// not commit the step (see TryCommit). Data is only read.
+// WriteShard makes a shard durable: its chunks, then its manifest, in the
+// folder of its attempt. It does not commit the step (see TryCommit). Data
+// is only read.
 func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (*Manifest, error) {
+	if err := sh.Target.Validate(); err != nil {
+		return nil, err
+	}
 	if err := sh.Layout.CheckRegion(int64(len(sh.Data))); err != nil {
 		return nil, err
 	}
 	t := sh.Target
 	m := &Manifest{
 		Format: ManifestFormat, Version: ManifestVersion,
-		Job: t.Job, Step: t.Step, Rank: t.Rank, WorldSize: t.WorldSize,
+		Job: t.Job, Step: t.Step, Rank: t.Rank, WorldSize: t.WorldSize, Attempt: t.Attempt,
 		Created: w.now().UTC(), DataSize: sh.Layout.DataSize,
 		Tensors: sh.Layout.Packed, Metadata: sh.Metadata,
 	}
 	if plan := planChunks(sh.Layout, w.opts.ChunkSize); len(plan) > 0 {
-		obj := dataObject(t.Step, t.Rank)
+		obj := dataObject(t.Step, t.Attempt, t.Rank)
 		chunks, err := w.writeData(ctx, t.Job, obj, sh.Data, plan)
 		if err != nil {
 			return nil, fmt.Errorf("write %s data: %w", t, err)
@@ -127,7 +131,7 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (*Manifest, error) {
 	if err != nil {
 		return nil, err
 	}
-	name := manifestName(t.Job, t.Step, t.Rank)
+	name := manifestName(t)
 	if err := w.b.Put(ctx, name, bytes.NewReader(b), int64(len(b))); err != nil {
 		return nil, fmt.Errorf("write %s manifest: %w", t, err)
 	}

@@ -32,7 +32,7 @@ func TestBadRequestsChangeNothing(t *testing.T) {
 	api := c.API()
 	ctx := ctxT(t)
 	target := func(job string, step int64, rank, world int32) *pb.SaveTarget {
-		return &pb.SaveTarget{Job: job, Step: step, Rank: rank, WorldSize: world}
+		return &pb.SaveTarget{Job: job, Step: step, Rank: rank, WorldSize: world, Attempt: testAttempt}
 	}
 	for _, tc := range []struct {
 		name    string
@@ -121,7 +121,7 @@ func TestBadRequestsChangeNothing(t *testing.T) {
 		}
 		return nil
 	})
-	want := "e2e/steps/000000000005/COMMIT.json e2e/steps/000000000005/rank-00000.data e2e/steps/000000000005/rank-00000.manifest.json"
+	want := "e2e/steps/000000000005/COMMIT.json e2e/steps/000000000005/run1/rank-00000.data e2e/steps/000000000005/run1/rank-00000.manifest.json"
 	if strings.Join(names, " ") != want {
 		t.Errorf("storage holds %v, want only step 5", names)
 	}

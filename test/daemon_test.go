@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -19,7 +20,15 @@ import (
 
 var ckptdBin string // the ckptd binary under test, built once by TestMain
 
+var arenaSeq atomic.Int64 // makes each daemon's arena folder unique
+
+// testAttempt is the attempt (run of the job) every client of these tests
+// saves under unless a test names another, as a launcher setting
+// CKPTD_ATTEMPT for all ranks would.
+const testAttempt = "run1"
+
 func TestMain(m *testing.M) {
+	os.Setenv("CKPTD_ATTEMPT", testAttempt)
 	dir, err := os.MkdirTemp("", "ckptd-e2e-bin")
 	if err != nil {
 		panic(err)
@@ -67,7 +76,7 @@ func startDaemonEnv(t *testing.T, storage string, env []string, extra ...string)
 	}
 	d := &daemon{
 		t: t, socket: filepath.Join(dir, "ckptd.sock"), storage: storage, env: env,
-		arena: filepath.Join("/dev/shm", "ckptd-test-"+filepath.Base(dir)),
+		arena: filepath.Join("/dev/shm", fmt.Sprintf("ckptd-test-%d-%d", os.Getpid(), arenaSeq.Add(1))),
 	}
 	d.args = append([]string{"serve", "--socket", d.socket, "--storage", storage, "--arena-dir", d.arena,
 		"--staging-bytes", "256MiB", "--job", "e2e", "--log-level", "debug"}, extra...)

@@ -374,7 +374,7 @@ func TestReplayDoesNotRewriteCommittedStep(t *testing.T) {
 			if err := waitStep(t, b.client(), 9, 0); err != nil {
 				t.Fatal(err)
 			}
-			data := filepath.Join(a.storage, "e2e/steps/000000000009/rank-00000.data")
+			data := filepath.Join(a.storage, "e2e/steps/000000000009/"+testAttempt+"/rank-00000.data")
 			before, err := os.Stat(data)
 			if err != nil {
 				t.Fatal(err)
@@ -416,7 +416,7 @@ func TestReplayIntoStepCommittedWithOtherWorldSize(t *testing.T) {
 	if err := waitStep(t, a.client(), 9, 3); err == nil || !strings.Contains(err.Error(), "was not written") {
 		t.Fatalf("replayed rank 3 of 4 into a step committed with world size 1: %v\n%s", err, a.logs())
 	}
-	if _, err := os.Stat(filepath.Join(a.storage, "e2e/steps/000000000009/rank-00003.manifest.json")); err == nil {
+	if _, err := os.Stat(filepath.Join(a.storage, "e2e/steps/000000000009/"+testAttempt+"/rank-00003.manifest.json")); err == nil {
 		t.Error("the replay wrote into the committed step")
 	}
 }

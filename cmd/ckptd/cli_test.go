@@ -71,12 +71,12 @@ func writeStep(t *testing.T, root string) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sh := &checkpoint.Shard{Target: checkpoint.Target{Job: "j", Step: 1, WorldSize: 1}, Layout: l, Data: data, Metadata: []byte("m")}
+	sh := &checkpoint.Shard{Target: checkpoint.Target{Job: "j", Step: 1, WorldSize: 1, Attempt: "a"}, Layout: l, Data: data, Metadata: []byte("m")}
 	if _, err := w.WriteShard(context.Background(), sh); err != nil {
 		t.Fatal(err)
 	}
-	if ok, _, err := checkpoint.TryCommit(context.Background(), b, "j", 1, 1); !ok || err != nil {
-		t.Fatalf("commit: %v %v", ok, err)
+	if rec, _, err := checkpoint.TryCommit(context.Background(), b, "j", 1, "a", 1); rec == nil || err != nil {
+		t.Fatalf("commit: %v %v", rec, err)
 	}
 	return data
 }
@@ -124,7 +124,7 @@ func fmtErr(err error) string {
 func TestRestoreCorrupt(t *testing.T) {
 	root := t.TempDir()
 	writeStep(t, root)
-	data := filepath.Join(root, "j/steps/000000000001/rank-00000.data")
+	data := filepath.Join(root, "j/steps/000000000001/a/rank-00000.data")
 	f, err := os.OpenFile(data, os.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)

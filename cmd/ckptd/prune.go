@@ -4,13 +4,18 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
+
+	"github.com/ckptd/ckptd/checkpoint"
 )
 
 type pruneOptions struct {
 	storageOptions
 	KeepLast int
+	GCGrace  time.Duration
 	DryRun   bool
 }
 
@@ -18,8 +23,14 @@ func newPruneCmd() *cobra.Command {
 	o := &pruneOptions{}
 	cmd := &cobra.Command{
 		Use:   "prune --keep-last N [--dry-run]",
-		Short: "Delete all but the newest N committed steps (and older incomplete ones)",
-		Args:  cobra.NoArgs,
+		Short: "Delete all but the newest N committed steps, and attempts no commit record names",
+		Long: `Delete all but the newest N committed steps. Also delete the attempts (runs
+of the job) that no commit record names: those of committed steps at once
+(a crashed run's ranks), and those of uncommitted steps once nothing was
+written to them for --gc-grace (they may still be in flight before that).
+Objects a kept step points to are never deleted, and neither is a step whose
+commit record is damaged (it is named, for a person to look at).`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if !cmd.Flags().Changed("keep-last") {
 				return usageError{fmt.Errorf("--keep-last N is required")}
@@ -29,6 +40,7 @@ func newPruneCmd() *cobra.Command {
 	}
 	o.storageOptions.register(cmd.Flags())
 	cmd.Flags().IntVar(&o.KeepLast, "keep-last", 0, "committed steps to keep")
+	cmd.Flags().DurationVar(&o.GCGrace, "gc-grace", time.Hour, "how long an uncommitted attempt is left alone after its last write")
 	cmd.Flags().BoolVar(&o.DryRun, "dry-run", false, "print what would be deleted, delete nothing")
 	return cmd
 }
@@ -39,7 +51,10 @@ func runPrune(ctx context.Context, o *pruneOptions, out io.Writer) error {
 		return err
 	}
 	defer closeStore()
-	rep, err := store.Prune(ctx, o.KeepLast, o.DryRun)
+	if o.GCGrace <= 0 {
+		return usageError{fmt.Errorf("--gc-grace must be positive, got %s", o.GCGrace)}
+	}
+	rep, err := store.Prune(ctx, checkpoint.PruneOptions{KeepLast: o.KeepLast, GCGrace: o.GCGrace, DryRun: o.DryRun})
 	if err != nil {
 		return err
 	}
@@ -47,7 +62,23 @@ func runPrune(ctx context.Context, o *pruneOptions, out io.Writer) error {
 	if o.DryRun {
 		verb = "would remove"
 	}
-	fmt.Fprintf(out, "kept steps %v\n%s steps %v and incomplete steps %v: %d objects, %s\n",
-		rep.Kept, verb, rep.Removed, rep.Partial, rep.Objects, human(rep.Bytes))
+	garbage := make([]string, len(rep.Garbage))
+	for i, g := range rep.Garbage {
+		garbage[i] = fmt.Sprintf("%d/%s", g.Step, attemptLabel(g.Attempt))
+	}
+	fmt.Fprintf(out, "kept steps %v\n%s steps %v and uncommitted attempts [%s]: %d objects, %s\n",
+		rep.Kept, verb, rep.Removed, strings.Join(garbage, " "), rep.Objects, human(rep.Bytes))
+	if len(rep.Damaged) > 0 {
+		fmt.Fprintf(out, "left alone: steps %v, whose commit record is damaged (see the warnings above)\n", rep.Damaged)
+	}
 	return nil
+}
+
+// attemptLabel names an attempt for people; objects written before
+// attempts existed have none.
+func attemptLabel(a string) string {
+	if a == "" {
+		return "(no attempt)"
+	}
+	return a
 }

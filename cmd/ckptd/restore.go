@@ -72,6 +72,7 @@ type rankMeta struct {
 type stepMeta struct {
 	Job         string     `json:"job"`
 	Step        int64      `json:"step"`
+	Attempt     string     `json:"attempt,omitempty"`
 	WorldSize   int        `json:"world_size"`
 	CommittedAt time.Time  `json:"committed_at"`
 	Ranks       []rankMeta `json:"ranks"`
@@ -109,7 +110,7 @@ func runRestore(ctx context.Context, o *restoreOptions, stdout io.Writer) error 
 		w.opts.Progress = func(n int64) { _ = bar.Add64(n) }
 		defer bar.Finish()
 	}
-	meta := stepMeta{Job: rec.Job, Step: rec.Step, WorldSize: rec.WorldSize, CommittedAt: rec.CommittedAt}
+	meta := stepMeta{Job: rec.Job, Step: rec.Step, Attempt: rec.Attempt, WorldSize: rec.WorldSize, CommittedAt: rec.CommittedAt}
 	for _, m := range manifests {
 		rm, err := w.writeRank(ctx, m)
 		if err != nil {

@@ -26,6 +26,7 @@ import (
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/codec"
 	"github.com/ckptd/ckptd/internal/metrics"
+	"github.com/ckptd/ckptd/internal/peercred"
 	"github.com/ckptd/ckptd/internal/server"
 	"github.com/ckptd/ckptd/prefetch"
 	"github.com/ckptd/ckptd/storage"
@@ -39,6 +40,7 @@ type serveOptions struct {
 	StagingBytes byteSize
 	StagingWait  time.Duration
 	LeaseTimeout time.Duration
+	TableBytes   byteSize
 	Codec        string
 	ChunkSize    byteSize
 	Workers      int
@@ -58,7 +60,7 @@ func DefaultSocket() string {
 }
 
 func newServeCmd() *cobra.Command {
-	o := &serveOptions{StagingBytes: 1 << 30, ChunkSize: 4 << 20, CacheBytes: 1 << 30, SlotBytes: 16 << 20}
+	o := &serveOptions{StagingBytes: 1 << 30, ChunkSize: 4 << 20, CacheBytes: 1 << 30, SlotBytes: 16 << 20, TableBytes: 256 << 20}
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Run the sidecar: accept saves over a unix socket, drain them to storage, and serve datasets",
@@ -72,7 +74,8 @@ func newServeCmd() *cobra.Command {
 	fs.StringVar(&o.ArenaDir, "arena-dir", "", "shared-memory folder of the staging arena (default /dev/shm/ckptd-<hash of socket path>)")
 	fs.Var(&o.StagingBytes, "staging-bytes", "size of the shared-memory staging arena (e.g. 8GiB)")
 	fs.DurationVar(&o.StagingWait, "staging-wait", 30*time.Second, "how long a save waits for arena space before failing")
-	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", 30*time.Minute, "reclaim regions of saves never committed and restores never released after this")
+	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", 30*time.Minute, "end saves never committed and restores never released after this (a client that disconnects frees them at once)")
+	fs.Var(&o.TableBytes, "tensor-table-bytes", "memory for the tensor tables and metadata of open saves; a save that would exceed it fails with RESOURCE_EXHAUSTED")
 	fs.StringVar(&o.Codec, "codec", string(codec.Auto), "chunk codec: auto (per chunk by dtype: float-aware for floats, zstd otherwise, cheaper when storage outruns compression), zstd, lz4, none, or float-bf16|f16|f32|f64")
 	fs.Var(&o.ChunkSize, "chunk-size", "raw bytes per chunk")
 	fs.IntVar(&o.Workers, "workers", 0, "chunks compressed at once (default: number of CPUs)")
@@ -116,7 +119,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mgr, err := checkpoint.NewManager(a, b, checkpoint.ManagerConfig{
-		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout,
+		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes),
 		Drains: o.Drains, DrainDelay: o.DrainDelay, Logger: log, Metrics: metrics.NewCheckpoint(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
 	})
@@ -143,14 +146,14 @@ func runServe(ctx context.Context, o *serveOptions) error {
 		a.Close()
 		return err
 	}
-	srv := grpc.NewServer(grpc.MaxRecvMsgSize(16 << 20))
+	srv := grpc.NewServer(append(server.Interceptors(), grpc.MaxRecvMsgSize(16<<20))...)
 	server.Register(srv, mgr)
 	server.RegisterPrefetch(srv, pf)
 	stopMetrics := serveMetrics(o.MetricsAddr, reg)
 	log.Info("ckptd serving", "socket", o.Socket, "storage", b.Location(), "job", o.Job,
 		"arena", a.Path(), "staging_bytes", a.Size(), "locked", a.Locked(), "codec", c)
 	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(lis) }()
+	go func() { errc <- srv.Serve(peercred.NewListener(lis, peercred.Policy{UID: os.Geteuid(), GID: gid}, nil, log)) }()
 	select {
 	case <-ctx.Done():
 		log.Info("shutting down: no new requests; draining staged saves", "grace", o.Grace)
@@ -220,7 +223,7 @@ func defaultArenaDir(socket string) string {
 // listenUnix listens on path, replacing a stale socket file left by a dead
 // daemon but refusing to steal one that a live daemon answers on. Only the
 // owner (and group gid, unless -1) may connect: that is the access control.
-func listenUnix(path string, gid int) (net.Listener, error) {
+func listenUnix(path string, gid int) (*net.UnixListener, error) {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, err
 	}
@@ -231,7 +234,7 @@ func listenUnix(path string, gid int) (net.Listener, error) {
 	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket != 0 {
 		_ = os.Remove(path)
 	}
-	lis, err := net.Listen("unix", path)
+	lis, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
 	if err != nil {
 		return nil, fmt.Errorf("listen on %s: %w", path, err)
 	}

@@ -24,6 +24,15 @@ type Checkpoint struct {
 	// stored with: what --codec auto chose, and what it saved.
 	CodecRaw    *prometheus.CounterVec
 	CodecStored *prometheus.CounterVec
+	// TableBytes is the memory booked by open saves' tensor tables and
+	// metadata, against --tensor-table-bytes.
+	TableBytes prometheus.Gauge
+	// LeasesReleased counts leases ended without a commit or release, by
+	// why: the client disconnected, or the lease timed out.
+	LeasesReleased *prometheus.CounterVec
+	// Quarantined counts journal entries set aside at start because they
+	// no longer validated.
+	Quarantined prometheus.Counter
 }
 
 // NewCheckpoint creates the metrics and registers them with reg (nil: not
@@ -54,10 +63,17 @@ func NewCheckpoint(reg prometheus.Registerer) *Checkpoint {
 			Name: "ckptd_codec_raw_bytes_total", Help: "Tensor bytes drained, by the codec their chunk was stored with."}, []string{"codec"}),
 		CodecStored: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ckptd_codec_stored_bytes_total", Help: "Bytes written to storage, by codec."}, []string{"codec"}),
+		TableBytes: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "ckptd_tensor_table_bytes", Help: "Memory booked by open saves' tensor tables and metadata."}),
+		LeasesReleased: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ckptd_leases_released_total", Help: "Leases ended without commit or release, by reason (disconnect, expired)."}, []string{"reason"}),
+		Quarantined: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_journal_quarantined_total", Help: "Journal entries set aside at start because they no longer validated."}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.StagedBytes, m.DrainedBytes, m.StoredBytes, m.Restored,
-			m.QueueDepth, m.ArenaUsed, m.SaveStall, m.DrainTime, m.Errors, m.CodecRaw, m.CodecStored)
+			m.QueueDepth, m.ArenaUsed, m.SaveStall, m.DrainTime, m.Errors, m.CodecRaw, m.CodecStored,
+			m.TableBytes, m.LeasesReleased, m.Quarantined)
 	}
 	return m
 }

@@ -7,17 +7,15 @@ import (
 	"context"
 	"errors"
 	"io"
+	"math"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/ckptd/ckptd/checkpoint"
-	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/dtype"
-	"github.com/ckptd/ckptd/prefetch"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
-	"github.com/ckptd/ckptd/storage"
 )
 
 // streamChunk is the size of data messages in streamed restores.
@@ -34,58 +32,29 @@ func Register(s *grpc.Server, mgr *checkpoint.Manager) {
 	pb.RegisterCheckpointServer(s, &Checkpoint{mgr: mgr})
 }
 
-// toStatus maps core errors (checkpoint, prefetch, arena, storage) to gRPC
-// codes, keeping the core's message. Both services use it.
-func toStatus(err error) error {
-	if err == nil {
-		return nil
-	}
-	code := codes.Internal
-	switch {
-	case errors.Is(err, checkpoint.ErrInvalid), errors.Is(err, storage.ErrInvalidName), errors.Is(err, prefetch.ErrInvalid):
-		code = codes.InvalidArgument
-	case errors.Is(err, checkpoint.ErrStepNotFound), errors.Is(err, checkpoint.ErrUnknownLease),
-		errors.Is(err, storage.ErrNotFound), errors.Is(err, prefetch.ErrUnknownSession):
-		code = codes.NotFound
-	case errors.Is(err, checkpoint.ErrExists):
-		code = codes.AlreadyExists
-	case errors.Is(err, arena.ErrFull), errors.Is(err, arena.ErrTooLarge), errors.Is(err, storage.ErrNoSpace):
-		code = codes.ResourceExhausted
-	case errors.Is(err, checkpoint.ErrCorrupt), errors.Is(err, prefetch.ErrCorruptShard):
-		code = codes.DataLoss
-	case errors.Is(err, checkpoint.ErrClosing), errors.Is(err, prefetch.ErrClosed), errors.Is(err, storage.ErrUnavailable):
-		code = codes.Unavailable
-	case errors.Is(err, context.DeadlineExceeded):
-		code = codes.DeadlineExceeded
-	case errors.Is(err, context.Canceled):
-		code = codes.Canceled
-	}
-	return status.Error(code, err.Error())
-}
-
 func (s *Checkpoint) GetArena(context.Context, *pb.GetArenaRequest) (*pb.ArenaInfo, error) {
 	a := s.mgr.Arena()
 	return &pb.ArenaInfo{Path: a.Path(), Size: uint64(a.Size()), Locked: a.Locked(), DefaultJob: s.mgr.DefaultJob(), Id: a.ID()}, nil
 }
 
 func (s *Checkpoint) BeginSave(ctx context.Context, req *pb.BeginSaveRequest) (*pb.BeginSaveResponse, error) {
-	lease, err := s.mgr.BeginSave(ctx, fromTarget(req.GetTarget()), fromTensors(req.GetTensors()))
+	lease, err := s.mgr.BeginSave(ctx, owner(ctx), fromTarget(req.GetTarget()), fromTensors(req.GetTensors()))
 	if err != nil {
 		return nil, toStatus(err)
 	}
 	return &pb.BeginSaveResponse{Lease: s.toLease(lease)}, nil
 }
 
-func (s *Checkpoint) CommitSave(_ context.Context, req *pb.CommitSaveRequest) (*pb.CommitSaveResponse, error) {
-	t, n, err := s.mgr.CommitSave(req.GetLeaseId(), req.GetMetadata())
+func (s *Checkpoint) CommitSave(ctx context.Context, req *pb.CommitSaveRequest) (*pb.CommitSaveResponse, error) {
+	t, n, err := s.mgr.CommitSave(owner(ctx), req.GetLeaseId(), req.GetMetadata())
 	if err != nil {
 		return nil, toStatus(err)
 	}
 	return &pb.CommitSaveResponse{Target: toTarget(t), Bytes: uint64(n)}, nil
 }
 
-func (s *Checkpoint) AbortSave(_ context.Context, req *pb.AbortSaveRequest) (*pb.AbortSaveResponse, error) {
-	return &pb.AbortSaveResponse{}, toStatus(s.mgr.AbortSave(req.GetLeaseId()))
+func (s *Checkpoint) AbortSave(ctx context.Context, req *pb.AbortSaveRequest) (*pb.AbortSaveResponse, error) {
+	return &pb.AbortSaveResponse{}, toStatus(s.mgr.AbortSave(owner(ctx), req.GetLeaseId()))
 }
 
 func (s *Checkpoint) SaveStream(stream grpc.ClientStreamingServer[pb.SaveStreamRequest, pb.CommitSaveResponse]) error {
@@ -98,7 +67,8 @@ func (s *Checkpoint) SaveStream(stream grpc.ClientStreamingServer[pb.SaveStreamR
 		return status.Error(codes.InvalidArgument, "SaveStream: the first message must be a header")
 	}
 	r := &streamReader{recv: stream.Recv}
-	t, n, err := s.mgr.SaveFrom(stream.Context(), fromTarget(h.GetTarget()), fromTensors(h.GetTensors()), h.GetMetadata(), r)
+	ctx := stream.Context()
+	t, n, err := s.mgr.SaveFrom(ctx, owner(ctx), fromTarget(h.GetTarget()), fromTensors(h.GetTensors()), h.GetMetadata(), r)
 	if err != nil {
 		return toStatus(err)
 	}
@@ -132,7 +102,7 @@ func (s *Checkpoint) WaitSave(ctx context.Context, req *pb.WaitSaveRequest) (*pb
 	if req.GetNowait() {
 		wait = s.mgr.Status
 	}
-	res, err := wait(ctx, req.GetJob(), req.GetStep(), int(req.GetRank()))
+	res, err := wait(ctx, req.GetJob(), req.GetStep(), int(req.GetRank()), req.GetAttempt())
 	if err != nil && res.State == checkpoint.StateUnknown {
 		return nil, toStatus(err)
 	}
@@ -141,7 +111,11 @@ func (s *Checkpoint) WaitSave(ctx context.Context, req *pb.WaitSaveRequest) (*pb
 		if res.Err != nil {
 			msg += "; last error: " + res.Err.Error()
 		}
-		return nil, status.Error(status.Code(toStatus(err)), msg)
+		code, reason := codes.DeadlineExceeded, "DEADLINE"
+		if errors.Is(err, context.Canceled) {
+			code, reason = codes.Canceled, "CANCELLED"
+		}
+		return nil, withInfo(code, msg, reason, map[string]string{"state": res.State.String()})
 	}
 	resp := &pb.WaitSaveResponse{State: toState(res.State)}
 	if res.Err != nil {
@@ -159,14 +133,14 @@ func (s *Checkpoint) ListSteps(ctx context.Context, req *pb.ListStepsRequest) (*
 	for _, r := range recs {
 		resp.Steps = append(resp.Steps, &pb.StepInfo{
 			Step: r.Step, WorldSize: int32(r.WorldSize), Bytes: uint64(r.Bytes),
-			StoredBytes: uint64(r.StoredBytes), CommittedUnixNano: r.CommittedAt.UnixNano(),
+			StoredBytes: uint64(r.StoredBytes), CommittedUnixNano: r.CommittedAt.UnixNano(), Attempt: r.Attempt,
 		})
 	}
 	return resp, nil
 }
 
 func (s *Checkpoint) BeginRestore(ctx context.Context, req *pb.BeginRestoreRequest) (*pb.BeginRestoreResponse, error) {
-	lease, h, err := s.mgr.BeginRestore(ctx, req.GetJob(), req.GetStep(), req.GetLatest(), int(req.GetRank()))
+	lease, h, err := s.mgr.BeginRestore(ctx, owner(ctx), req.GetJob(), req.GetStep(), req.GetLatest(), int(req.GetRank()))
 	if err != nil {
 		return nil, toStatus(err)
 	}
@@ -174,15 +148,17 @@ func (s *Checkpoint) BeginRestore(ctx context.Context, req *pb.BeginRestoreReque
 }
 
 func (s *Checkpoint) RestoreStream(req *pb.BeginRestoreRequest, stream grpc.ServerStreamingServer[pb.RestoreStreamResponse]) error {
-	lease, h, err := s.mgr.BeginRestore(stream.Context(), req.GetJob(), req.GetStep(), req.GetLatest(), int(req.GetRank()))
+	ctx := stream.Context()
+	o := owner(ctx)
+	lease, h, err := s.mgr.BeginRestore(ctx, o, req.GetJob(), req.GetStep(), req.GetLatest(), int(req.GetRank()))
 	if err != nil {
 		return toStatus(err)
 	}
-	defer func() { _ = s.mgr.Release(lease.ID) }()
+	defer func() { _ = s.mgr.Release(o, lease.ID) }()
 	if err := stream.Send(&pb.RestoreStreamResponse{Msg: &pb.RestoreStreamResponse_Header{Header: toHeader(h)}}); err != nil {
 		return err
 	}
-	data, err := s.mgr.Bytes(lease.ID)
+	data, err := s.mgr.Bytes(o, lease.ID)
 	if err != nil {
 		return toStatus(err)
 	}
@@ -196,18 +172,18 @@ func (s *Checkpoint) RestoreStream(req *pb.BeginRestoreRequest, stream grpc.Serv
 	return nil
 }
 
-func (s *Checkpoint) ReleaseRegion(_ context.Context, req *pb.ReleaseRegionRequest) (*pb.ReleaseRegionResponse, error) {
-	return &pb.ReleaseRegionResponse{}, toStatus(s.mgr.Release(req.GetLeaseId()))
+func (s *Checkpoint) ReleaseRegion(ctx context.Context, req *pb.ReleaseRegionRequest) (*pb.ReleaseRegionResponse, error) {
+	return &pb.ReleaseRegionResponse{}, toStatus(s.mgr.Release(owner(ctx), req.GetLeaseId()))
 }
 
 var _ io.Reader = (*streamReader)(nil)
 
 func fromTarget(t *pb.SaveTarget) checkpoint.Target {
-	return checkpoint.Target{Job: t.GetJob(), Step: t.GetStep(), Rank: int(t.GetRank()), WorldSize: int(t.GetWorldSize())}
+	return checkpoint.Target{Job: t.GetJob(), Step: t.GetStep(), Rank: int(t.GetRank()), WorldSize: int(t.GetWorldSize()), Attempt: t.GetAttempt()}
 }
 
 func toTarget(t checkpoint.Target) *pb.SaveTarget {
-	return &pb.SaveTarget{Job: t.Job, Step: t.Step, Rank: int32(t.Rank), WorldSize: int32(t.WorldSize)}
+	return &pb.SaveTarget{Job: t.Job, Step: t.Step, Rank: int32(t.Rank), WorldSize: int32(t.WorldSize), Attempt: t.Attempt}
 }
 
 // fromTensors converts a request's table; offsets beyond int64 become -1
@@ -224,7 +200,7 @@ func fromTensors(ts []*pb.Tensor) []checkpoint.Tensor {
 }
 
 func clampInt64(v uint64) int64 {
-	if v > 1<<62 {
+	if v > math.MaxInt64 {
 		return -1
 	}
 	return int64(v)
@@ -243,7 +219,7 @@ func (s *Checkpoint) toLease(l checkpoint.LeaseInfo) *pb.Lease {
 }
 
 func toHeader(h *checkpoint.RestoreHeader) *pb.RestoreHeader {
-	return &pb.RestoreHeader{Step: h.Step, WorldSize: int32(h.WorldSize), Tensors: toTensors(h.Tensors), Metadata: h.Metadata, Size: uint64(h.Size)}
+	return &pb.RestoreHeader{Step: h.Step, WorldSize: int32(h.WorldSize), Attempt: h.Attempt, Tensors: toTensors(h.Tensors), Metadata: h.Metadata, Size: uint64(h.Size)}
 }
 
 func toState(s checkpoint.State) pb.SaveState {

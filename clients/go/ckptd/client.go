@@ -2,10 +2,15 @@
 // `ckptd serve` over its unix socket, maps the staging arena once, and
 // saves and loads checkpoint shards through it; SaveStream and LoadStream
 // carry the bytes over gRPC instead, for callers that cannot map the arena.
+//
+// It builds on Linux only: it checks the daemon's credentials with
+// SO_PEERCRED and maps the arena with mmap.
 package ckptd
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -15,48 +20,87 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/ckptd/ckptd/internal/arena"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
-// DefaultSocket is the socket used when none is given and CKPTD_SOCKET is
-// unset; it matches `ckptd serve`'s default.
+// DefaultSocket is the socket used when none is given: $CKPTD_SOCKET,
+// else $XDG_RUNTIME_DIR/ckptd.sock, else /tmp/ckptd-<uid>/ckptd.sock. It
+// is `ckptd serve`'s default too.
 func DefaultSocket() string {
 	if s := os.Getenv("CKPTD_SOCKET"); s != "" {
 		return s
 	}
-	return filepath.Join(os.TempDir(), fmt.Sprintf("ckptd-%d.sock", os.Getuid()))
+	if d := os.Getenv("XDG_RUNTIME_DIR"); d != "" {
+		return filepath.Join(d, "ckptd.sock")
+	}
+	return filepath.Join("/tmp", fmt.Sprintf("ckptd-%d", os.Getuid()), "ckptd.sock")
 }
 
 // Client talks to one daemon. It is safe for concurrent use.
 type Client struct {
-	socket string
-	conn   *grpc.ClientConn
-	api    pb.CheckpointClient
-	pf     pb.PrefetchClient
+	socket  string
+	attempt string
+	dialer  *dialer
+	conn    *grpc.ClientConn
+	api     pb.CheckpointClient
+	pf      pb.PrefetchClient
 
 	mu      sync.Mutex
-	mapping *arena.Mapping
-	retired []*arena.Mapping // old mappings; slices of them may still be in use
+	mapping *mapping
+	retired []*mapping // old mappings; slices of them may still be in use
 }
 
+// Option configures Dial.
+type Option func(*Client)
+
+// WithAttempt names the attempt (the run of the job) the client's saves
+// belong to; every rank of one run must use the same one, and the next run
+// another. Without it, $CKPTD_ATTEMPT, else a random id per client, which
+// suits a single-process job only.
+func WithAttempt(a string) Option { return func(c *Client) { c.attempt = a } }
+
 // Dial connects to the daemon on socket ("" for DefaultSocket). The
-// connection is lazy; the first call fails if no daemon listens.
-func Dial(socket string) (*Client, error) {
+// connection is lazy; the first call fails if no daemon listens, or if the
+// socket or the daemon is not trusted (ErrUntrustedDaemon: see
+// checkSocketPath).
+func Dial(socket string, opts ...Option) (*Client, error) {
 	if socket == "" {
 		socket = DefaultSocket()
 	}
 	if abs, err := filepath.Abs(socket); err == nil {
 		socket = abs
 	}
-	conn, err := grpc.NewClient("unix://"+socket,
+	c := &Client{socket: socket, attempt: os.Getenv("CKPTD_ATTEMPT"), dialer: &dialer{socket: socket}}
+	c.dialer.daemonUID.Store(-1)
+	for _, o := range opts {
+		o(c)
+	}
+	if c.attempt == "" {
+		c.attempt = randomAttempt()
+	}
+	conn, err := grpc.NewClient("passthrough:///ckptd",
+		grpc.WithContextDialer(c.dialer.dial),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(16<<20)))
 	if err != nil {
 		return nil, fmt.Errorf("ckptd socket %s: %w", socket, err)
 	}
-	return &Client{socket: socket, conn: conn, api: pb.NewCheckpointClient(conn), pf: pb.NewPrefetchClient(conn)}, nil
+	c.conn, c.api, c.pf = conn, pb.NewCheckpointClient(conn), pb.NewPrefetchClient(conn)
+	return c, nil
 }
+
+func randomAttempt() string {
+	b := make([]byte, 8)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// Socket is the daemon's socket.
+func (c *Client) Socket() string { return c.socket }
+
+// Attempt is the attempt the client's saves name unless a request says
+// otherwise.
+func (c *Client) Attempt() string { return c.attempt }
 
 // Close closes the connection and unmaps the arena.
 func (c *Client) Close() error {
@@ -65,7 +109,7 @@ func (c *Client) Close() error {
 	var errs []error
 	for _, m := range append(c.retired, c.mapping) {
 		if m != nil {
-			errs = append(errs, m.Close())
+			errs = append(errs, m.close())
 		}
 	}
 	c.mapping, c.retired = nil, nil
@@ -83,12 +127,12 @@ func (c *Client) API() pb.CheckpointClient { return c.api }
 func (c *Client) region(ctx context.Context, l *pb.Lease) ([]byte, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.mapping == nil || c.mapping.ID() != l.GetArenaId() {
+	if c.mapping == nil || c.mapping.id != l.GetArenaId() {
 		if err := c.remap(ctx); err != nil {
 			return nil, err
 		}
 	}
-	mem := c.mapping.Bytes()
+	mem := c.mapping.bytes()
 	off, n := l.GetOffset(), l.GetLength()
 	if off > uint64(len(mem)) || n > uint64(len(mem))-off {
 		return nil, fmt.Errorf("ckptd at %s: lease [%d, +%d) outside the %d-byte arena", c.socket, off, n, len(mem))
@@ -102,9 +146,9 @@ func (c *Client) remap(ctx context.Context) error {
 	if err != nil {
 		return c.wrap(err)
 	}
-	m, err := arena.Map(info.GetPath(), int64(info.GetSize()))
+	m, err := mapArena(info.GetPath(), int64(info.GetSize()), int(c.dialer.daemonUID.Load()))
 	if err != nil {
-		return err
+		return c.wrap(err)
 	}
 	if c.mapping != nil {
 		c.retired = append(c.retired, c.mapping)
@@ -124,6 +168,7 @@ type StepInfo struct {
 	WorldSize   int
 	Bytes       int64
 	StoredBytes int64
+	Attempt     string // "" for a step written before attempts existed
 }
 
 // Steps lists the committed steps of job ("" for the daemon's default).
@@ -134,7 +179,7 @@ func (c *Client) Steps(ctx context.Context, job string) ([]StepInfo, error) {
 	}
 	out := make([]StepInfo, len(resp.GetSteps()))
 	for i, s := range resp.GetSteps() {
-		out[i] = StepInfo{s.GetStep(), int(s.GetWorldSize()), int64(s.GetBytes()), int64(s.GetStoredBytes())}
+		out[i] = StepInfo{s.GetStep(), int(s.GetWorldSize()), int64(s.GetBytes()), int64(s.GetStoredBytes()), s.GetAttempt()}
 	}
 	return out, nil
 }

@@ -3,6 +3,7 @@ package ckptd
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
@@ -21,6 +22,7 @@ type LoadRequest struct {
 type Shard struct {
 	Step      int64
 	WorldSize int
+	Attempt   string
 	Tensors   []Tensor
 	Metadata  []byte
 }
@@ -43,7 +45,7 @@ func (c *Client) Load(ctx context.Context, req *LoadRequest) (*Shard, error) {
 	if err != nil {
 		return nil, err
 	}
-	return shardFrom(resp.GetHeader(), region), nil
+	return shardFrom(resp.GetHeader(), region)
 }
 
 // LoadStream restores one rank's shard over gRPC instead of shared memory.
@@ -60,7 +62,9 @@ func (c *Client) LoadStream(ctx context.Context, req *LoadRequest) (*Shard, erro
 	if h == nil {
 		return nil, c.wrap(errors.New("RestoreStream: first message is not a header"))
 	}
-	data := make([]byte, 0, h.GetSize())
+	// The announced size sizes the buffer only up to a bound: a header is
+	// no reason to allocate without limit.
+	data := make([]byte, 0, min(h.GetSize(), 64<<20))
 	for {
 		msg, err := stream.Recv()
 		if errors.Is(err, io.EOF) {
@@ -69,20 +73,31 @@ func (c *Client) LoadStream(ctx context.Context, req *LoadRequest) (*Shard, erro
 		if err != nil {
 			return nil, c.wrap(err)
 		}
+		if uint64(len(data))+uint64(len(msg.GetData())) > h.GetSize() {
+			return nil, c.wrap(fmt.Errorf("RestoreStream: more bytes than the %d announced", h.GetSize()))
+		}
 		data = append(data, msg.GetData()...)
 	}
 	if uint64(len(data)) != h.GetSize() {
 		return nil, c.wrap(errors.New("RestoreStream: short stream"))
 	}
-	return shardFrom(h, data), nil
+	return shardFrom(h, data)
 }
 
-func shardFrom(h *pb.RestoreHeader, region []byte) *Shard {
-	s := &Shard{Step: h.GetStep(), WorldSize: int(h.GetWorldSize()), Metadata: h.GetMetadata()}
+// shardFrom copies the tensors out of a restored region, refusing a
+// header whose tensors lie outside it: the header comes from the daemon,
+// and a crafted one must be an error, not a panic or a huge allocation.
+func shardFrom(h *pb.RestoreHeader, region []byte) (*Shard, error) {
+	s := &Shard{Step: h.GetStep(), WorldSize: int(h.GetWorldSize()), Attempt: h.GetAttempt(), Metadata: h.GetMetadata()}
+	size := uint64(len(region))
 	for _, t := range h.GetTensors() {
-		data := make([]byte, t.GetLength())
-		copy(data, region[t.GetOffset():t.GetOffset()+t.GetLength()])
+		off, n := t.GetOffset(), t.GetLength()
+		if off > size || n > size-off {
+			return nil, fmt.Errorf("ckptd: restored tensor %q [%d, +%d) lies outside the %d-byte region", t.GetName(), off, n, size)
+		}
+		data := make([]byte, n)
+		copy(data, region[off:off+n])
 		s.Tensors = append(s.Tensors, Tensor{Name: t.GetName(), DType: t.GetDtype(), Shape: t.GetShape(), Data: data})
 	}
-	return s
+	return s, nil
 }

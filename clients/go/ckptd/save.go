@@ -25,18 +25,24 @@ type SaveRequest struct {
 	WorldSize int
 	Tensors   []Tensor
 	Metadata  []byte
+	Attempt   string // "" for the client's (see WithAttempt)
 }
 
 // SaveHandle refers to an accepted save.
 type SaveHandle struct {
-	c    *Client
-	job  string
-	step int64
-	rank int
+	c       *Client
+	job     string
+	step    int64
+	rank    int
+	attempt string
 }
 
-func (r *SaveRequest) target() *pb.SaveTarget {
-	return &pb.SaveTarget{Job: r.Job, Step: r.Step, Rank: int32(r.Rank), WorldSize: int32(r.WorldSize)}
+func (c *Client) target(r *SaveRequest) *pb.SaveTarget {
+	a := r.Attempt
+	if a == "" {
+		a = c.attempt
+	}
+	return &pb.SaveTarget{Job: r.Job, Step: r.Step, Rank: int32(r.Rank), WorldSize: int32(r.WorldSize), Attempt: a}
 }
 
 // table lays the tensors out back to back, which lets the daemon compress
@@ -55,7 +61,7 @@ func (r *SaveRequest) table() []*pb.Tensor {
 // has accepted it; the data becomes durable in the background (Wait).
 func (c *Client) Save(ctx context.Context, req *SaveRequest) (*SaveHandle, error) {
 	table := req.table()
-	resp, err := c.api.BeginSave(ctx, &pb.BeginSaveRequest{Target: req.target(), Tensors: table})
+	resp, err := c.api.BeginSave(ctx, &pb.BeginSaveRequest{Target: c.target(req), Tensors: table})
 	if err != nil {
 		return nil, c.wrap(err)
 	}
@@ -77,7 +83,7 @@ func (c *Client) Save(ctx context.Context, req *SaveRequest) (*SaveHandle, error
 }
 
 func (c *Client) handle(t *pb.SaveTarget) *SaveHandle {
-	return &SaveHandle{c: c, job: t.GetJob(), step: t.GetStep(), rank: int(t.GetRank())}
+	return &SaveHandle{c: c, job: t.GetJob(), step: t.GetStep(), rank: int(t.GetRank()), attempt: t.GetAttempt()}
 }
 
 // SaveStream sends the shard over gRPC instead of shared memory.
@@ -86,7 +92,7 @@ func (c *Client) SaveStream(ctx context.Context, req *SaveRequest) (*SaveHandle,
 	if err != nil {
 		return nil, c.wrap(err)
 	}
-	hdr := &pb.SaveStreamHeader{Target: req.target(), Tensors: req.table(), Metadata: req.Metadata}
+	hdr := &pb.SaveStreamHeader{Target: c.target(req), Tensors: req.table(), Metadata: req.Metadata}
 	if err := stream.Send(&pb.SaveStreamRequest{Msg: &pb.SaveStreamRequest_Header{Header: hdr}}); err != nil {
 		return nil, c.closeStream(stream, err)
 	}
@@ -123,7 +129,7 @@ var ErrSaveFailed = errors.New("save failed")
 // Wait blocks until the save is durable and its step committed, the save
 // failed, or ctx ends.
 func (h *SaveHandle) Wait(ctx context.Context) error {
-	resp, err := h.c.api.WaitSave(ctx, &pb.WaitSaveRequest{Job: h.job, Step: h.step, Rank: int32(h.rank)})
+	resp, err := h.c.api.WaitSave(ctx, &pb.WaitSaveRequest{Job: h.job, Step: h.step, Rank: int32(h.rank), Attempt: h.attempt})
 	if err != nil {
 		return h.c.wrap(err)
 	}
@@ -135,7 +141,7 @@ func (h *SaveHandle) Wait(ctx context.Context) error {
 
 // Status returns the save's state now, without waiting.
 func (h *SaveHandle) Status(ctx context.Context) (pb.SaveState, error) {
-	resp, err := h.c.api.WaitSave(ctx, &pb.WaitSaveRequest{Job: h.job, Step: h.step, Rank: int32(h.rank), Nowait: true})
+	resp, err := h.c.api.WaitSave(ctx, &pb.WaitSaveRequest{Job: h.job, Step: h.step, Rank: int32(h.rank), Attempt: h.attempt, Nowait: true})
 	if err != nil {
 		return pb.SaveState_SAVE_STATE_UNSPECIFIED, h.c.wrap(err)
 	}
@@ -145,8 +151,9 @@ func (h *SaveHandle) Status(ctx context.Context) (pb.SaveState, error) {
 // Step is the handle's step.
 func (h *SaveHandle) Step() int64 { return h.step }
 
-// Handle returns a handle for a save made earlier, possibly by another
-// process or before a daemon restart, so that it can be waited on.
+// Handle returns a handle for a save made earlier by this client's
+// attempt, possibly by another process or before a daemon restart, so
+// that it can be waited on.
 func (c *Client) Handle(job string, step int64, rank int) *SaveHandle {
-	return &SaveHandle{c: c, job: job, step: step, rank: rank}
+	return &SaveHandle{c: c, job: job, step: step, rank: rank, attempt: c.attempt}
 }

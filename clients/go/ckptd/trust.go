@@ -1,0 +1,113 @@
+package ckptd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrUntrustedDaemon: the socket, the process answering on it, or the
+// arena it names is not what a daemon of a trusted user would have made.
+// Nothing was sent to it.
+var ErrUntrustedDaemon = errors.New("untrusted ckptd daemon")
+
+// trustedUIDs are the users whose daemon the client talks to: its own,
+// root, and $CKPTD_DAEMON_UID (a daemon run by a service account).
+func trustedUIDs() []int {
+	uids := []int{os.Getuid(), 0}
+	if s := os.Getenv("CKPTD_DAEMON_UID"); s != "" {
+		if uid, err := strconv.Atoi(s); err == nil && uid >= 0 {
+			uids = append(uids, uid)
+		}
+	}
+	return uids
+}
+
+// checkSocketPath refuses a socket that another user could have put in
+// place: it must be a socket owned by a trusted user, in a folder owned by
+// a trusted user that others cannot write into (or, like /tmp, that has
+// the sticky bit, so they cannot replace what is ours).
+func checkSocketPath(path string, trusted []int) error {
+	var st unix.Stat_t
+	if err := unix.Lstat(path, &st); err != nil {
+		return fmt.Errorf("ckptd socket %s: %w", path, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFSOCK {
+		return fmt.Errorf("%w: %s is not a socket; remove it and start ckptd serve", ErrUntrustedDaemon, path)
+	}
+	if !slices.Contains(trusted, int(st.Uid)) {
+		return fmt.Errorf("%w: the socket %s belongs to uid %d, not to you or root; another user may be impersonating the daemon. "+
+			"Set CKPTD_DAEMON_UID=%d if that user runs your daemon", ErrUntrustedDaemon, path, st.Uid, st.Uid)
+	}
+	dir := filepath.Dir(path)
+	if err := unix.Stat(dir, &st); err != nil {
+		return fmt.Errorf("ckptd socket folder %s: %w", dir, err)
+	}
+	if !slices.Contains(trusted, int(st.Uid)) {
+		return fmt.Errorf("%w: the socket's folder %s belongs to uid %d; another user could replace the socket", ErrUntrustedDaemon, dir, st.Uid)
+	}
+	if st.Mode&0o022 != 0 && st.Mode&unix.S_ISVTX == 0 {
+		return fmt.Errorf("%w: the socket's folder %s is writable by others (mode %o) without the sticky bit; another user could replace the socket",
+			ErrUntrustedDaemon, dir, st.Mode&0o7777)
+	}
+	return nil
+}
+
+// peerUID returns the uid of the process on the other end of c.
+func peerUID(c *net.UnixConn) (int, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var cred *unix.Ucred
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, serr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, err
+	}
+	if serr != nil {
+		return 0, serr
+	}
+	return int(cred.Uid), nil
+}
+
+// dialer connects to the daemon's socket after checking it, and checks
+// the credentials of the process that accepted, so that a squatted socket
+// gets no request at all. It remembers the daemon's uid for the arena
+// check.
+type dialer struct {
+	socket    string
+	daemonUID atomic.Int64 // -1 until a connection succeeded
+}
+
+func (d *dialer) dial(ctx context.Context, _ string) (net.Conn, error) {
+	trusted := trustedUIDs()
+	if err := checkSocketPath(d.socket, trusted); err != nil {
+		return nil, err
+	}
+	var nd net.Dialer
+	c, err := nd.DialContext(ctx, "unix", d.socket)
+	if err != nil {
+		return nil, err
+	}
+	uid, err := peerUID(c.(*net.UnixConn))
+	if err == nil && !slices.Contains(trusted, uid) {
+		err = fmt.Errorf("%w: the process answering on %s runs as uid %d, not as you or root; "+
+			"set CKPTD_DAEMON_UID=%d if that user runs your daemon", ErrUntrustedDaemon, d.socket, uid, uid)
+	}
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	d.daemonUID.Store(int64(uid))
+	return c, nil
+}

@@ -1,0 +1,108 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"strconv"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/internal/arena"
+	"github.com/ckptd/ckptd/prefetch"
+	"github.com/ckptd/ckptd/storage"
+)
+
+// ErrorDomain is the domain of the google.rpc.ErrorInfo every error status
+// carries. Clients decide by its reason, never by the message text.
+const ErrorDomain = "ckptd.io"
+
+// classes maps core errors to a gRPC code and an ErrorInfo reason, first
+// match wins: the more specific sentinels come before the general ones.
+var classes = []struct {
+	err    error
+	code   codes.Code
+	reason string
+}{
+	{checkpoint.ErrInvalid, codes.InvalidArgument, "INVALID"},
+	{storage.ErrInvalidName, codes.InvalidArgument, "INVALID"},
+	{prefetch.ErrInvalid, codes.InvalidArgument, "INVALID"},
+	{checkpoint.ErrStepNotFound, codes.NotFound, "STEP_NOT_FOUND"},
+	{checkpoint.ErrUnknownLease, codes.NotFound, "UNKNOWN_LEASE"},
+	{prefetch.ErrUnknownSession, codes.NotFound, "UNKNOWN_SESSION"},
+	{storage.ErrNotFound, codes.NotFound, "STEP_NOT_FOUND"},
+	{checkpoint.ErrOverBudget, codes.ResourceExhausted, "OVER_BUDGET"},
+	{arena.ErrTooLarge, codes.ResourceExhausted, "TOO_LARGE"},
+	{arena.ErrFull, codes.ResourceExhausted, "ARENA_FULL"},
+	{storage.ErrNoSpace, codes.ResourceExhausted, "STORAGE_FULL"},
+	{checkpoint.ErrCorrupt, codes.DataLoss, "CORRUPT"},
+	{prefetch.ErrCorruptShard, codes.DataLoss, "CORRUPT"},
+	{storage.ErrUnavailable, codes.Unavailable, "STORAGE_UNAVAILABLE"},
+	{checkpoint.ErrClosing, codes.Unavailable, "SHUTTING_DOWN"},
+	{prefetch.ErrClosed, codes.Unavailable, "SHUTTING_DOWN"},
+	{arena.ErrClosed, codes.Unavailable, "SHUTTING_DOWN"},
+	{context.DeadlineExceeded, codes.DeadlineExceeded, "DEADLINE"},
+	{context.Canceled, codes.Canceled, "CANCELLED"},
+}
+
+// toStatus maps core errors (checkpoint, prefetch, arena, storage) to a
+// gRPC status with the core's message and an ErrorInfo saying which kind
+// of error it is, with the fields a client may act on. Both services use
+// it.
+func toStatus(err error) error {
+	if err == nil {
+		return nil
+	}
+	if _, ok := status.FromError(err); ok && !isCore(err) {
+		return err // already a status (the stream's own errors)
+	}
+	code, reason, meta := codes.Internal, "INTERNAL", map[string]string{}
+	var committed *checkpoint.CommittedError
+	var inProgress *checkpoint.InProgressError
+	switch {
+	case errors.As(err, &committed):
+		code, reason = codes.AlreadyExists, "STEP_COMMITTED"
+		meta["job"], meta["step"], meta["attempt"] = committed.Job, strconv.FormatInt(committed.Step, 10), committed.Attempt
+	case errors.As(err, &inProgress):
+		t := inProgress.Target
+		code, reason = codes.AlreadyExists, "SAVE_IN_PROGRESS"
+		meta["job"], meta["step"], meta["rank"], meta["attempt"] = t.Job, strconv.FormatInt(t.Step, 10), strconv.Itoa(t.Rank), t.Attempt
+		meta["state"] = inProgress.State.String()
+	default:
+		for _, c := range classes {
+			if errors.Is(err, c.err) {
+				code, reason = c.code, c.reason
+				break
+			}
+		}
+	}
+	return withInfo(code, err.Error(), reason, meta)
+}
+
+// isCore reports whether err wraps an error of the core, which toStatus
+// classifies even when a status is also in the chain.
+func isCore(err error) bool {
+	var committed *checkpoint.CommittedError
+	if errors.As(err, &committed) {
+		return true
+	}
+	for _, c := range classes {
+		if errors.Is(err, c.err) {
+			return true
+		}
+	}
+	return false
+}
+
+func withInfo(code codes.Code, msg, reason string, meta map[string]string) error {
+	st := status.New(code, msg)
+	if len(meta) == 0 {
+		meta = nil
+	}
+	if d, err := st.WithDetails(&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain, Metadata: meta}); err == nil {
+		st = d
+	}
+	return st.Err()
+}
