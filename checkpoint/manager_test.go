@@ -1,0 +1,137 @@
+package checkpoint
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/ckptd/ckptd/internal/arena"
+	"github.com/ckptd/ckptd/internal/dtype"
+)
+
+func newManager(t *testing.T, cfg ManagerConfig) *Manager {
+	t.Helper()
+	b, _ := newBackend(t)
+	dir := fmt.Sprintf("/dev/shm/ckptd-mgr-test-%d-%s", os.Getpid(), t.Name())
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	a, err := arena.Open(arena.Options{Dir: dir, Size: 8 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	cfg.DefaultJob = "job"
+	mgr, err := NewManager(a, b, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { mgr.Close(context.Background()) })
+	return mgr
+}
+
+func u8(name string, off, n int64) Tensor {
+	return Tensor{Name: name, DType: dtype.U8, Shape: []int64{n}, Offset: off, Length: n}
+}
+
+func target(step int64) Target { return Target{Step: step, WorldSize: 1, Attempt: "a"} }
+
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if cond() {
+			return
+		}
+	}
+	t.Fatalf("%s: not within 5s", what)
+}
+
+// A client that goes away between BeginSave and CommitSave frees its
+// region at once, and the same rank can be saved again.
+func TestOwnerGoneReleases(t *testing.T) {
+	mgr := newManager(t, ManagerConfig{})
+	done := make(chan struct{})
+	o := Owner{ID: "conn-1", Done: done}
+	if _, err := mgr.BeginSave(context.Background(), o, target(1), []Tensor{u8("w", 0, 1<<20)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := mgr.BeginRestore(context.Background(), o, "", 1, false, 0); !errors.Is(err, ErrStepNotFound) {
+		t.Fatalf("restore of nothing: %v", err)
+	}
+	if mgr.arena.Used() == 0 {
+		t.Fatal("no region held")
+	}
+	// Another connection cannot touch the lease.
+	other := Owner{ID: "conn-2", Done: make(chan struct{})}
+	if _, err := mgr.BeginSave(context.Background(), other, target(1), []Tensor{u8("w", 0, 1)}); !errors.Is(err, ErrExists) {
+		t.Fatalf("second save of the rank while the first stages: %v", err)
+	}
+	close(done)
+	eventually(t, "region freed after the owner left", func() bool { return mgr.arena.Used() == 0 })
+	info, err := mgr.BeginSave(context.Background(), other, target(1), []Tensor{u8("w", 0, 1)})
+	if err != nil {
+		t.Fatalf("re-save after the dead client's lease was released: %v", err)
+	}
+	if _, _, err := mgr.CommitSave(o, info.ID, nil); !errors.Is(err, ErrUnknownLease) {
+		t.Fatalf("commit of another connection's lease: %v", err)
+	}
+	if err := mgr.AbortSave(Owner{}, info.ID); !errors.Is(err, ErrUnknownLease) {
+		t.Fatalf("abort of another connection's lease: %v", err)
+	}
+	if _, _, err := mgr.CommitSave(other, info.ID, nil); err != nil {
+		t.Fatal(err)
+	}
+	// A lease granted to an owner already gone is dropped at once.
+	if _, err := mgr.BeginSave(context.Background(), o, target(2), []Tensor{u8("w", 0, 1)}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("save for a gone owner: %v", err)
+	}
+}
+
+// An expired lease of a live client stops working at once but keeps its
+// region until the client goes: it may still be copying into it.
+func TestExpiredLeaseFenced(t *testing.T) {
+	mgr := newManager(t, ManagerConfig{LeaseTimeout: 50 * time.Millisecond})
+	done := make(chan struct{})
+	o := Owner{ID: "slow", Done: done}
+	info, err := mgr.BeginSave(context.Background(), o, target(1), []Tensor{u8("w", 0, 1<<20)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "lease expired", func() bool {
+		_, _, err := mgr.CommitSave(o, info.ID, nil)
+		return errors.Is(err, ErrUnknownLease)
+	})
+	if mgr.arena.Used() == 0 {
+		t.Fatal("the region of a live writer was handed back")
+	}
+	close(done)
+	eventually(t, "region freed once the writer left", func() bool { return mgr.arena.Used() == 0 })
+}
+
+// Open tensor tables are bounded: a save whose table would exceed the
+// budget fails, and the budget comes back when saves end.
+func TestTableBudget(t *testing.T) {
+	mgr := newManager(t, ManagerConfig{TableBudget: 64 << 10})
+	table := func(n int) []Tensor {
+		ts := make([]Tensor, n)
+		for i := range ts {
+			ts[i] = u8(fmt.Sprintf("t%05d", i), int64(i), 1)
+		}
+		return ts
+	}
+	o := Owner{ID: "c", Done: make(chan struct{})}
+	first, err := mgr.BeginSave(context.Background(), o, target(1), table(150))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := mgr.BeginSave(context.Background(), o, target(2), table(150)); !errors.Is(err, ErrOverBudget) {
+		t.Fatalf("second big table: %v", err)
+	}
+	if err := mgr.AbortSave(o, first.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := mgr.BeginSave(context.Background(), o, target(2), table(150)); err != nil {
+		t.Fatalf("after the first was aborted: %v", err)
+	}
+}
