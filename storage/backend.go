@@ -37,6 +37,11 @@ var (
 	// transiently (5xx, throttling, resets) past the retry deadline. The
 	// request may succeed later; nothing about it was wrong.
 	ErrUnavailable = errors.New("storage unavailable")
+	// ErrSymlink: a directory store holds a symbolic link where the name
+	// leads (the object itself, or a folder above it). Backends never follow
+	// links below their root, so that a link planted in a shared store
+	// cannot make the daemon read, replace or delete files outside it.
+	ErrSymlink = errors.New("symbolic link in the store")
 )
 
 // ObjectInfo describes a stored object.

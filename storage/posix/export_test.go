@@ -32,9 +32,24 @@ func SimulateNoDirectIO(t testing.TB) {
 // SimulateNoHardLinks makes link(2) fail as on a file system without hard
 // links, until the test ends.
 func SimulateNoHardLinks(t testing.TB) {
-	orig := link
-	link = func(oldname, newname string) error {
-		return &os.LinkError{Op: "link", Old: oldname, New: newname, Err: unix.EPERM}
-	}
-	t.Cleanup(func() { link = orig })
+	replace(t, &linkat, func(int, string, int, string, int) error { return unix.EPERM })
+}
+
+// SimulateNoOpenat2 makes openat2 fail as on a kernel before Linux 5.6, for
+// the backends created until the test ends.
+func SimulateNoOpenat2(t testing.TB) {
+	replace(t, &openat2, func(int, string, *unix.OpenHow) (int, error) { return -1, unix.ENOSYS })
+}
+
+// SetTempRandom makes the random part of temporary names come from next,
+// until the test ends.
+func SetTempRandom(t testing.TB, next func() uint64) { replace(t, &tempRandom, next) }
+
+// UsesOpenat2 reports whether the backend resolves paths with openat2.
+func (b *Backend) UsesOpenat2() bool { return b.openat2 }
+
+func replace[T any](t testing.TB, v *T, with T) {
+	orig := *v
+	*v = with
+	t.Cleanup(func() { *v = orig })
 }
