@@ -68,7 +68,9 @@ type Backend interface {
 	// PutIfAbsent stores data under name only if no object of that name
 	// exists, atomically with respect to concurrent callers on any node
 	// sharing the store: of several racing callers exactly one gets nil and
-	// the others get ErrExists. The object is durable when it returns nil.
+	// the others get ErrExists. Like Put it is atomic: readers, and a crash
+	// at any moment, see no object or the whole of data, never a part. The
+	// object is durable when it returns nil.
 	PutIfAbsent(ctx context.Context, name string, data []byte) error
 
 	// Get returns length bytes of the object starting at offset; length < 0

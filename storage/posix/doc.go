@@ -41,11 +41,13 @@
 // # Durability and atomicity
 //
 // Put writes the temporary file, fsyncs it, renames it over the destination
-// and fsyncs the directory (and the parent of every directory it created), so
+// and fsyncs the folder (and the parent of every folder it created), so
 // readers see the old object or the whole new one and the new one survives a
 // crash once Put returns nil. PutIfAbsent does the same but publishes with
-// link(2), which fails atomically when the name exists, even between nodes
-// sharing the file system.
+// link(2), or renameat2(RENAME_NOREPLACE) where the file system has no hard
+// links; both fail atomically when the name exists, even between nodes
+// sharing the file system, and neither ever shows a partial object. A file
+// system with neither is refused with ErrNoAtomicCreate.
 //
 // # Direct I/O
 //

@@ -300,7 +300,7 @@ type errReader struct{}
 func (errReader) Read([]byte) (int, error) { return 0, errors.New("read failed") }
 
 // TestPutIfAbsentWithoutHardLinks runs the suite with PutIfAbsent
-// publishing without link(2).
+// publishing through renameat2(RENAME_NOREPLACE).
 func TestPutIfAbsentWithoutHardLinks(t *testing.T) {
 	posix.SimulateNoHardLinks(t)
 	storagetest.Run(t, func(t *testing.T) storage.Backend {
