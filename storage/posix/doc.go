@@ -38,6 +38,14 @@
 // storage.ErrSymlink, naming the link; nothing is written or removed, the
 // link included. List and ListDirs skip links.
 //
+// # Modes
+//
+// Objects are created with Options.FileMode (DefaultFileMode, 0640, unless
+// set) and folders with the same bits plus search wherever read is allowed
+// (0750), exactly: the umask does not apply. Checkpoints hold model
+// weights and should not be world-readable on a shared file system. The
+// root keeps its mode if it exists.
+//
 // # Durability and atomicity
 //
 // Put writes the temporary file, fsyncs it, renames it over the destination

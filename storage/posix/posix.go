@@ -29,6 +29,12 @@ type Options struct {
 	// zero means DefaultDirectIOThreshold. Below it the page cache is
 	// cheaper than aligned block writes.
 	DirectIOThreshold int64
+	// FileMode is the mode of the objects the backend writes, exactly,
+	// whatever the process's umask; zero means DefaultFileMode. Folders it
+	// creates get the same bits plus search (x) wherever read is allowed,
+	// so 0640 gives 0750 and 0644 gives 0755. ValidFileMode says which
+	// modes are accepted.
+	FileMode fs.FileMode
 }
 
 // DefaultDirectIOThreshold is the DirectIOThreshold New uses.
@@ -46,7 +52,7 @@ type Backend struct {
 	rootDir *os.File // the root, opened once; every path is resolved from it
 	openat2 bool     // the kernel resolves whole paths safely
 	opts    Options
-	// The modes of new files and folders, as mode_t bits, before the umask.
+	// The modes of new files and folders, as mode_t bits.
 	fileMode, dirMode uint32
 
 	// How writes went; read by tests, and by metrics later.
@@ -69,11 +75,18 @@ func NewWithOptions(root string, opts Options) (*Backend, error) {
 	if root == "" {
 		return nil, errors.New("posix: empty root directory")
 	}
+	if opts.FileMode == 0 {
+		opts.FileMode = DefaultFileMode
+	}
+	if err := ValidFileMode(opts.FileMode); err != nil {
+		return nil, fmt.Errorf("posix: %w", err)
+	}
 	abs, err := filepath.Abs(root)
 	if err != nil {
 		return nil, fmt.Errorf("posix: root %q: %w", root, err)
 	}
-	if err := os.MkdirAll(abs, 0o777); err != nil {
+	dirMode := folderMode(opts.FileMode)
+	if err := makeRoot(abs, dirMode); err != nil {
 		return nil, fmt.Errorf("posix: create root: %w", err)
 	}
 	rootDir, withOpenat2, err := openRoot(abs)
@@ -85,8 +98,20 @@ func NewWithOptions(root string, opts Options) (*Backend, error) {
 	}
 	return &Backend{
 		root: abs, rootDir: rootDir, openat2: withOpenat2, opts: opts,
-		fileMode: 0o666, dirMode: 0o777,
+		fileMode: uint32(opts.FileMode), dirMode: uint32(dirMode),
 	}, nil
+}
+
+// makeRoot creates the root if it is missing, with the folder mode; the
+// folders above it, if it makes any, get the same.
+func makeRoot(abs string, mode fs.FileMode) error {
+	if _, err := os.Stat(abs); err == nil || !errors.Is(err, fs.ErrNotExist) {
+		return nil // there, or openRoot will say what is wrong
+	}
+	if err := os.MkdirAll(abs, mode); err != nil {
+		return err
+	}
+	return os.Chmod(abs, mode) // MkdirAll's mode is cut by the umask
 }
 
 // Root returns the absolute root directory.

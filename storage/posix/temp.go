@@ -153,7 +153,8 @@ func (t *tempFile) makeDirs(b *Backend, rel string) error {
 }
 
 // makeChild opens the folder name in dir, creating it with mode if it is
-// missing, and reports whether it made it.
+// missing, and reports whether it made it. mkdir's mode is cut by the
+// umask, so a folder it made gets its mode again with fchmod.
 func makeChild(dir int, name string, mode uint32) (fd int, made bool, err error) {
 	fd, err = openChild(dir, name, dirFlags)
 	if !errors.Is(err, unix.ENOENT) {
@@ -164,11 +165,17 @@ func makeChild(dir int, name string, mode uint32) (fd int, made bool, err error)
 		return -1, false, err
 	}
 	made = err == nil
-	fd, err = openChild(dir, name, dirFlags)
+	if fd, err = openChild(dir, name, dirFlags); err == nil && made {
+		if err = setMode(fd, mode); err != nil {
+			closeFD(fd)
+			fd = -1
+		}
+	}
 	return fd, made, err
 }
 
-// create makes the temporary file in t.dir.
+// create makes the temporary file in t.dir with exactly the backend's
+// file mode, whatever the umask.
 func (t *tempFile) create(b *Backend, dir string) error {
 	name := tempName(t.base)
 	path := b.abs(dir + "/" + name)
@@ -177,6 +184,19 @@ func (t *tempFile) create(b *Backend, dir string) error {
 		return &fs.PathError{Op: "create", Path: path, Err: err}
 	}
 	t.f, t.name = os.NewFile(uintptr(fd), path), name
+	return setMode(fd, b.fileMode)
+}
+
+// setMode sets a file's mode with fchmod. File systems that fix modes
+// themselves (some FUSE and SMB mounts) refuse it; their modes are theirs.
+func setMode(fd int, mode uint32) error {
+	err := unix.Fchmod(fd, mode)
+	if errors.Is(err, unix.EPERM) || errors.Is(err, unix.ENOTSUP) {
+		return nil
+	}
+	if err != nil {
+		return os.NewSyscallError("fchmod", err)
+	}
 	return nil
 }
 
