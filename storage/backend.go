@@ -1,12 +1,15 @@
 // Package storage defines the object store that checkpoints and datasets
-// live in, and its implementations: a POSIX directory (local disk, NFS,
-// Lustre) and, later, S3.
+// live in. Its implementations are storage/posix (a directory on a local
+// disk, NFS or Lustre) and storage/s3 (any S3-compatible store); for tests,
+// storage/memstore keeps objects in memory and storage/faulty wraps any
+// backend to inject failures.
 //
 // The interface is deliberately small and context-first, in the manner of
 // restic's backend: everything ckptd needs is expressible as whole-object
 // puts, ranged gets, prefix listing, stat, delete and one conditional create.
-// Cross-cutting behaviour (retries, concurrency limits, metrics) belongs in
-// decorators that wrap a Backend, not inside an implementation.
+// Each implementation handles its own transient failures where it knows
+// them best (storage/s3 retries throttling, 5xx and resets up to a deadline,
+// then reports ErrUnavailable); the callers decide what to do after that.
 //
 // Object names are slash-separated relative keys such as
 // "job/steps/000000009000/rank-00000.data". ValidName says which names are
