@@ -26,9 +26,11 @@ import (
 const (
 	// dirFlags open a folder whose descriptor is used to read it or fsync it.
 	dirFlags = unix.O_RDONLY | unix.O_DIRECTORY | unix.O_CLOEXEC
-	// pathFlags open a folder only to name things relative to it: no
-	// permission check and, on network file systems, no open RPC.
+	// pathFlags open a folder only to name things relative to it: it needs
+	// no read permission and, on network file systems, no open RPC.
 	pathFlags = unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC
+	// resolveFlags refuse every link and any escape from the root.
+	resolveFlags = unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS
 	// resolveAttempts bounds retries of openat2's EAGAIN, which it returns
 	// when a concurrent rename somewhere on the system might have raced
 	// with the lookup.
@@ -63,8 +65,6 @@ func openRoot(root string) (*os.File, bool, error) {
 	// ENOSYS: before Linux 5.6; EPERM: a seccomp filter that predates it.
 	return os.NewFile(uintptr(fd), root), err == nil, nil
 }
-
-const resolveFlags = unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS
 
 // withRoot runs fn with the root's descriptor, which stays valid until fn
 // returns even if Close runs meanwhile; after Close it fails.
