@@ -1,12 +1,15 @@
 // Package storage defines the object store that checkpoints and datasets
-// live in, and its implementations: a POSIX directory (local disk, NFS,
-// Lustre) and, later, S3.
+// live in. Its implementations are storage/posix (a directory on a local
+// disk, NFS or Lustre) and storage/s3 (any S3-compatible store); for tests,
+// storage/memstore keeps objects in memory and storage/faulty wraps any
+// backend to inject failures.
 //
 // The interface is deliberately small and context-first, in the manner of
 // restic's backend: everything ckptd needs is expressible as whole-object
 // puts, ranged gets, prefix listing, stat, delete and one conditional create.
-// Cross-cutting behaviour (retries, concurrency limits, metrics) belongs in
-// decorators that wrap a Backend, not inside an implementation.
+// Each implementation handles its own transient failures where it knows
+// them best (storage/s3 retries throttling, 5xx and resets up to a deadline,
+// then reports ErrUnavailable); the callers decide what to do after that.
 //
 // Object names are slash-separated relative keys such as
 // "job/steps/000000009000/rank-00000.data". ValidName says which names are
@@ -37,6 +40,11 @@ var (
 	// transiently (5xx, throttling, resets) past the retry deadline. The
 	// request may succeed later; nothing about it was wrong.
 	ErrUnavailable = errors.New("storage unavailable")
+	// ErrSymlink: a directory store holds a symbolic link where the name
+	// leads (the object itself, or a folder above it). Backends never follow
+	// links below their root, so that a link planted in a shared store
+	// cannot make the daemon read, replace or delete files outside it.
+	ErrSymlink = errors.New("symbolic link in the store")
 )
 
 // ObjectInfo describes a stored object.
@@ -63,7 +71,9 @@ type Backend interface {
 	// PutIfAbsent stores data under name only if no object of that name
 	// exists, atomically with respect to concurrent callers on any node
 	// sharing the store: of several racing callers exactly one gets nil and
-	// the others get ErrExists. The object is durable when it returns nil.
+	// the others get ErrExists. Like Put it is atomic: readers, and a crash
+	// at any moment, see no object or the whole of data, never a part. The
+	// object is durable when it returns nil.
 	PutIfAbsent(ctx context.Context, name string, data []byte) error
 
 	// Get returns length bytes of the object starting at offset; length < 0

@@ -5,10 +5,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/spf13/pflag"
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/internal/dtype"
@@ -171,5 +174,44 @@ func TestReadersDoNotCreateStorage(t *testing.T) {
 	}
 	if _, err := os.Stat(missing); !os.IsNotExist(err) {
 		t.Fatalf("list created %s", missing)
+	}
+}
+
+// Every command takes --file-mode; a mode that would let others write, or
+// is not a mode, is a usage error, and a valid one reaches the store.
+func TestFileModeFlag(t *testing.T) {
+	for _, cmd := range []string{"serve", "restore", "list", "verify", "prune"} {
+		for _, mode := range []string{"0666", "0755", "4640", "rw-r--r--"} {
+			root := newRootCmd()
+			root.SetArgs([]string{cmd, "--file-mode", mode})
+			root.SetOut(io.Discard)
+			err := root.ExecuteContext(t.Context())
+			if exitCode(err) != 2 || !strings.Contains(fmtErr(err), "invalid file mode") {
+				t.Errorf("%s --file-mode %s: %v (exit %d), want a usage error", cmd, mode, err, exitCode(err))
+			}
+		}
+	}
+	dir := t.TempDir()
+	var so storageOptions
+	fs := pflag.NewFlagSet("test", pflag.ContinueOnError)
+	so.register(fs)
+	if got := fs.Lookup("file-mode").DefValue; got != "0640" {
+		t.Errorf("--file-mode defaults to %s, want 0640", got)
+	}
+	if err := fs.Parse([]string{"--storage", dir, "--file-mode", "644"}); err != nil {
+		t.Fatal(err)
+	}
+	b, err := so.open(t.Context(), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if err := b.Put(t.Context(), "j/x/obj", bytes.NewReader(nil), 0); err != nil {
+		t.Fatal(err)
+	}
+	for p, want := range map[string]os.FileMode{"j/x": 0o755, "j/x/obj": 0o644} {
+		if fi, err := os.Stat(filepath.Join(dir, p)); err != nil || fi.Mode().Perm() != want {
+			t.Errorf("%s: %v, %v; want mode %v", p, fi.Mode(), err, want)
+		}
 	}
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/storage"
+	"github.com/ckptd/ckptd/storage/posix"
 )
 
 // storageOptions are the flags every command that touches storage takes.
@@ -22,6 +24,7 @@ type storageOptions struct {
 	S3Endpoint string
 	S3Region   string
 	S3Retry    time.Duration
+	FileMode   fileMode
 }
 
 func (o *storageOptions) register(fs *pflag.FlagSet) {
@@ -30,6 +33,23 @@ func (o *storageOptions) register(fs *pflag.FlagSet) {
 	fs.StringVar(&o.S3Endpoint, "s3-endpoint", "", "S3 endpoint URL, e.g. http://127.0.0.1:9000 (env AWS_ENDPOINT_URL too)")
 	fs.StringVar(&o.S3Region, "s3-region", "", "S3 region")
 	fs.DurationVar(&o.S3Retry, "s3-retry-deadline", 2*time.Minute, "how long one S3 request is retried through throttling, 5xx and resets before it fails")
+	o.FileMode = fileMode(posix.DefaultFileMode)
+	fs.Var(&o.FileMode, "file-mode", "mode of the files written to a directory store, whatever the umask: 0600, 0640 or 0644 (folders get x where r is set)")
+}
+
+// fileMode is a flag value that takes an octal mode such as 0640.
+type fileMode fs.FileMode
+
+func (m *fileMode) String() string { return fmt.Sprintf("%#o", uint32(*m)) }
+func (m *fileMode) Type() string   { return "octal" }
+
+func (m *fileMode) Set(s string) error {
+	v, err := posix.ParseFileMode(s)
+	if err != nil {
+		return err
+	}
+	*m = fileMode(v)
+	return nil
 }
 
 // defaultStorage is where `ckptd serve` keeps checkpoints when given no

@@ -32,9 +32,34 @@ func SimulateNoDirectIO(t testing.TB) {
 // SimulateNoHardLinks makes link(2) fail as on a file system without hard
 // links, until the test ends.
 func SimulateNoHardLinks(t testing.TB) {
-	orig := link
-	link = func(oldname, newname string) error {
-		return &os.LinkError{Op: "link", Old: oldname, New: newname, Err: unix.EPERM}
-	}
-	t.Cleanup(func() { link = orig })
+	replace(t, &linkat, func(int, string, int, string, int) error { return unix.EPERM })
+}
+
+// SimulateNoRenameNoReplace makes renameat2(RENAME_NOREPLACE) fail as on a
+// file system that does not know the flag, until the test ends.
+func SimulateNoRenameNoReplace(t testing.TB) {
+	replace(t, &renameat2, func(int, string, int, string, uint) error { return unix.EINVAL })
+}
+
+// SimulateNoOpenat2 makes openat2 fail as on a kernel before Linux 5.6, for
+// the backends created until the test ends.
+func SimulateNoOpenat2(t testing.TB) {
+	replace(t, &openat2, func(int, string, *unix.OpenHow) (int, error) { return -1, unix.ENOSYS })
+}
+
+// SetTempRandom makes the random part of temporary names come from next,
+// until the test ends.
+func SetTempRandom(t testing.TB, next func() uint64) { replace(t, &tempRandom, next) }
+
+// SetCrashPoint has PutIfAbsent call fn at each of its steps, until the
+// test ends.
+func SetCrashPoint(t testing.TB, fn func(step string)) { replace(t, &crashPoint, fn) }
+
+// UsesOpenat2 reports whether the backend resolves paths with openat2.
+func (b *Backend) UsesOpenat2() bool { return b.openat2 }
+
+func replace[T any](t testing.TB, v *T, with T) {
+	orig := *v
+	*v = with
+	t.Cleanup(func() { *v = orig })
 }

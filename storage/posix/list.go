@@ -7,7 +7,6 @@ import (
 	"io"
 	"io/fs"
 	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 
@@ -16,9 +15,12 @@ import (
 	"github.com/ckptd/ckptd/storage"
 )
 
-// List implements storage.Backend. It walks only the directory named by the
-// part of prefix up to its last slash, reading one directory at a time, so
-// its memory is bounded by the largest directory, not the store.
+// List implements storage.Backend. It walks only the folder named by the
+// part of prefix up to its last slash, reading one folder at a time, so
+// its memory is bounded by the largest folder, not the store. Links are
+// skipped, never followed: neither a link to a file nor one to a folder is
+// listed. If a folder on the way to the prefix's own folder is a link,
+// List fails with storage.ErrSymlink.
 func (b *Backend) List(ctx context.Context, prefix string, fn func(storage.ObjectInfo) error) error {
 	if err := storage.ValidPrefix(prefix); err != nil {
 		return fmt.Errorf("posix: list: %w", err)
@@ -27,8 +29,12 @@ func (b *Backend) List(ctx context.Context, prefix string, fn func(storage.Objec
 		return fmt.Errorf("posix: list %q: %w", prefix, err)
 	}
 	dir := prefix[:strings.LastIndexByte(prefix, '/')+1] // "" or ends in "/"
-	l := &lister{root: b.root, prefix: prefix, fn: fn}
-	err := l.walk(ctx, dir)
+	d, err := b.openListed(strings.TrimSuffix(dir, "/"))
+	if err == nil && d != nil {
+		l := &lister{prefix: prefix, fn: fn}
+		err = l.walk(ctx, d, dir)
+		d.close()
+	}
 	var fe fnError
 	if errors.As(err, &fe) {
 		return fe.err // the caller's own error, as it gave it
@@ -44,30 +50,69 @@ type fnError struct{ err error }
 
 func (e fnError) Error() string { return e.err.Error() }
 
+// folder is a folder open for reading, with the descriptor that names
+// entries relative to it.
+type folder struct {
+	f  *os.File
+	fd int // f's descriptor, valid until close
+}
+
+func newFolder(fd int, path string) *folder {
+	return &folder{f: os.NewFile(uintptr(fd), path), fd: fd}
+}
+
+func (d *folder) close() { _ = d.f.Close() }
+
+// openListed opens the folder rel for reading; a missing one (or a file
+// where a folder would be) holds no objects and gives nil.
+func (b *Backend) openListed(rel string) (*folder, error) {
+	fd, err := b.openDir(rel, dirFlags)
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENOTDIR) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return newFolder(fd, b.abs(rel)), nil
+}
+
+// sub opens the subfolder name of d, not through a link; it gives nil if
+// the entry is gone or is no longer a folder (or has become a link).
+func (d *folder) sub(name string) (*folder, error) {
+	fd, err := openChild(d.fd, name, dirFlags)
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, &fs.PathError{Op: "open", Path: d.f.Name() + "/" + name, Err: err}
+	}
+	return newFolder(fd, d.f.Name()+"/"+name), nil
+}
+
 type lister struct {
-	root   string
 	prefix string
 	fn     func(storage.ObjectInfo) error
 }
 
 // entry is a directory entry with the key it sorts by.
 type entry struct {
-	key string // object name, or directory name plus "/"
+	key string // object name, or folder name plus "/"
 	de  fs.DirEntry
 }
 
-// walk lists the objects under dir ("" or a name ending in "/") in lexical
-// order of their full names. Sorting a directory's entries with a "/"
-// appended to subdirectory names makes a depth-first walk produce that
-// order: "a/x" must come after "a.b" and before "a0", and so must "a/".
-func (l *lister) walk(ctx context.Context, dir string) error {
-	entries, err := readDir(filepath.Join(l.root, filepath.FromSlash(dir)))
+// walk lists the objects in d, the folder dir ("" or a name ending in
+// "/"), in lexical order of their full names. Sorting a folder's entries
+// with a "/" appended to subfolder names makes a depth-first walk produce
+// that order: "a/x" must come after "a.b" and before "a0", and so must
+// "a/".
+func (l *lister) walk(ctx context.Context, d *folder, dir string) error {
+	entries, err := d.f.ReadDir(-1)
 	if err != nil {
 		return err
 	}
 	sorted := make([]entry, 0, len(entries))
 	for _, de := range entries {
-		if isTempName(de.Name()) {
+		if isTempName(de.Name()) || de.Type()&fs.ModeSymlink != 0 {
 			continue
 		}
 		key := dir + de.Name()
@@ -81,63 +126,50 @@ func (l *lister) walk(ctx context.Context, dir string) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		if err := l.visit(ctx, e); err != nil {
+		if err := l.visit(ctx, d, e); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-func (l *lister) visit(ctx context.Context, e entry) error {
+func (l *lister) visit(ctx context.Context, d *folder, e entry) error {
 	if e.de.IsDir() {
 		// Descend only where names can still match the prefix.
-		if strings.HasPrefix(e.key, l.prefix) || strings.HasPrefix(l.prefix, e.key) {
-			return l.walk(ctx, e.key)
+		if !strings.HasPrefix(e.key, l.prefix) && !strings.HasPrefix(l.prefix, e.key) {
+			return nil
 		}
+		sub, err := d.sub(e.de.Name())
+		if sub == nil {
+			return err
+		}
+		defer sub.close()
+		return l.walk(ctx, sub, e.key)
+	}
+	if !strings.HasPrefix(e.key, l.prefix) || !e.de.Type().IsRegular() {
 		return nil
 	}
-	if !strings.HasPrefix(e.key, l.prefix) {
-		return nil
-	}
-	info, err := l.stat(e)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil // deleted since the directory was read
+	st, err := statAt(d.fd, e.de.Name())
+	if errors.Is(err, unix.ENOENT) {
+		return nil // deleted since the folder was read
 	}
 	if err != nil {
-		return err
+		return &fs.PathError{Op: "stat", Path: d.f.Name() + "/" + e.de.Name(), Err: err}
 	}
-	if !info.Mode().IsRegular() {
-		return nil
+	if fileType(&st) != unix.S_IFREG {
+		return nil // replaced since
 	}
-	if err := l.fn(storage.ObjectInfo{Name: e.key, Size: info.Size(), ModTime: info.ModTime()}); err != nil {
+	if err := l.fn(objectInfo(e.key, &st)); err != nil {
 		return fnError{err}
 	}
 	return nil
 }
 
-// stat returns the entry's file info, following a symbolic link so that a
-// link to a regular file lists as an object, as Stat and Get see it.
-func (l *lister) stat(e entry) (fs.FileInfo, error) {
-	if e.de.Type()&fs.ModeSymlink != 0 {
-		return os.Stat(filepath.Join(l.root, filepath.FromSlash(e.key)))
-	}
-	return e.de.Info()
-}
-
-// readDir reads a directory; a missing one (or a file where a directory
-// would be) holds no objects.
-func readDir(path string) ([]fs.DirEntry, error) {
-	entries, err := os.ReadDir(path)
-	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENOTDIR) {
-		return nil, nil
-	}
-	return entries, err
-}
-
-// ListDirs implements storage.Backend with one read of dir. A subdirectory
+// ListDirs implements storage.Backend with one read of dir. A subfolder
 // counts only if it holds an object somewhere below it (a walk that stops
-// at the first), so neither an empty directory nor one holding only a
-// Put's temporary file is listed.
+// at the first), so neither an empty folder nor one holding only a Put's
+// temporary file is listed; links are not folders here and are never
+// followed.
 func (b *Backend) ListDirs(ctx context.Context, dir string, fn func(seg string) error) error {
 	if err := storage.ValidDir(dir); err != nil {
 		return fmt.Errorf("posix: list dirs: %w", err)
@@ -145,7 +177,15 @@ func (b *Backend) ListDirs(ctx context.Context, dir string, fn func(seg string) 
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("posix: list dirs %q: %w", dir, err)
 	}
-	entries, err := readDir(filepath.Join(b.root, filepath.FromSlash(dir)))
+	d, err := b.openListed(strings.TrimSuffix(dir, "/"))
+	if d == nil {
+		if err != nil {
+			return fmt.Errorf("posix: list dirs %q: %w", dir, err)
+		}
+		return nil
+	}
+	defer d.close()
+	entries, err := d.f.ReadDir(-1)
 	if err != nil {
 		return fmt.Errorf("posix: list dirs %q: %w", dir, err)
 	}
@@ -157,45 +197,43 @@ func (b *Backend) ListDirs(ctx context.Context, dir string, fn func(seg string) 
 	}
 	slices.Sort(segs) // by seg+"/", the order S3 gives common prefixes
 	for _, seg := range segs {
-		found, err := b.holdsObject(ctx, dir+seg)
+		seg = strings.TrimSuffix(seg, "/")
+		found, err := holdsObject(ctx, d, seg)
 		if err != nil {
 			return fmt.Errorf("posix: list dirs %q: %w", dir, err)
 		}
 		if !found {
 			continue
 		}
-		if err := fn(strings.TrimSuffix(seg, "/")); err != nil {
+		if err := fn(seg); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// holdsObject reports whether any object lies below dir. It reads the
-// directory in batches and stops at the first object, so a step folder of
-// thousands of ranks costs one small read, not a listing; subdirectories
-// are searched only when dir itself holds no object.
-func (b *Backend) holdsObject(ctx context.Context, dir string) (bool, error) {
+// holdsObject reports whether any object lies below the subfolder name of
+// parent. It reads the folder in batches and stops at the first object, so
+// a step folder of thousands of ranks costs one small read, not a listing;
+// subfolders are searched only when the folder itself holds no object.
+func holdsObject(ctx context.Context, parent *folder, name string) (bool, error) {
 	if err := ctx.Err(); err != nil {
 		return false, err
 	}
-	f, err := os.Open(filepath.Join(b.root, filepath.FromSlash(dir)))
-	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENOTDIR) {
-		return false, nil
-	}
-	if err != nil {
+	d, err := parent.sub(name)
+	if d == nil {
 		return false, err
 	}
-	defer f.Close()
+	defer d.close()
 	var subdirs []string
 	for {
-		entries, err := f.ReadDir(256)
+		entries, err := d.f.ReadDir(256)
 		for _, de := range entries {
 			switch {
 			case isTempName(de.Name()):
 			case de.IsDir():
 				subdirs = append(subdirs, de.Name())
-			case b.isObject(dir, de):
+			case de.Type().IsRegular():
 				return true, nil
 			}
 		}
@@ -207,22 +245,9 @@ func (b *Backend) holdsObject(ctx context.Context, dir string) (bool, error) {
 		}
 	}
 	for _, sub := range subdirs {
-		if found, err := b.holdsObject(ctx, dir+sub+"/"); found || err != nil {
+		if found, err := holdsObject(ctx, d, sub); found || err != nil {
 			return found, err
 		}
 	}
 	return false, nil
-}
-
-// isObject reports whether a directory entry is one List would list: a
-// regular file, or a link to one.
-func (b *Backend) isObject(dir string, de fs.DirEntry) bool {
-	if de.Type().IsRegular() {
-		return true
-	}
-	if de.Type()&fs.ModeSymlink == 0 {
-		return false
-	}
-	fi, err := os.Stat(filepath.Join(b.root, filepath.FromSlash(dir+de.Name())))
-	return err == nil && fi.Mode().IsRegular()
 }

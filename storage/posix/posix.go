@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -28,6 +29,12 @@ type Options struct {
 	// zero means DefaultDirectIOThreshold. Below it the page cache is
 	// cheaper than aligned block writes.
 	DirectIOThreshold int64
+	// FileMode is the mode of the objects the backend writes, exactly,
+	// whatever the process's umask; zero means DefaultFileMode. Folders it
+	// creates get the same bits plus search (x) wherever read is allowed,
+	// so 0640 gives 0750 and 0644 gives 0755. ValidFileMode says which
+	// modes are accepted.
+	FileMode fs.FileMode
 }
 
 // DefaultDirectIOThreshold is the DirectIOThreshold New uses.
@@ -41,8 +48,12 @@ const DefaultDirectIOThreshold = 8 << 20
 // memory is bounded by the number of concurrent writes × 2 × BufferSize
 // (8 MiB); idle buffers are released by the garbage collector.
 type Backend struct {
-	root string // absolute and clean
-	opts Options
+	root    string   // absolute and clean, as configured (for messages)
+	rootDir *os.File // the root, opened once; every path is resolved from it
+	openat2 bool     // the kernel resolves whole paths safely
+	opts    Options
+	// The modes of new files and folders, as mode_t bits.
+	fileMode, dirMode uint32
 
 	// How writes went; read by tests, and by metrics later.
 	directWrites   atomic.Int64 // writes that turned O_DIRECT on
@@ -57,22 +68,50 @@ func New(root string) (*Backend, error) {
 	return NewWithOptions(root, Options{DirectIO: true})
 }
 
-// NewWithOptions is New with explicit options.
+// NewWithOptions is New with explicit options. The root itself may be, or
+// lie below, a symbolic link: it is resolved once, here. Links below it
+// are never followed. The caller closes the backend.
 func NewWithOptions(root string, opts Options) (*Backend, error) {
 	if root == "" {
 		return nil, errors.New("posix: empty root directory")
+	}
+	if opts.FileMode == 0 {
+		opts.FileMode = DefaultFileMode
+	}
+	if err := ValidFileMode(opts.FileMode); err != nil {
+		return nil, fmt.Errorf("posix: %w", err)
 	}
 	abs, err := filepath.Abs(root)
 	if err != nil {
 		return nil, fmt.Errorf("posix: root %q: %w", root, err)
 	}
-	if err := os.MkdirAll(abs, 0o777); err != nil {
+	dirMode := folderMode(opts.FileMode)
+	if err := makeRoot(abs, dirMode); err != nil {
 		return nil, fmt.Errorf("posix: create root: %w", err)
+	}
+	rootDir, withOpenat2, err := openRoot(abs)
+	if err != nil {
+		return nil, fmt.Errorf("posix: %w", err)
 	}
 	if opts.DirectIOThreshold <= 0 {
 		opts.DirectIOThreshold = DefaultDirectIOThreshold
 	}
-	return &Backend{root: abs, opts: opts}, nil
+	return &Backend{
+		root: abs, rootDir: rootDir, openat2: withOpenat2, opts: opts,
+		fileMode: uint32(opts.FileMode), dirMode: uint32(dirMode),
+	}, nil
+}
+
+// makeRoot creates the root if it is missing, with the folder mode; the
+// folders above it, if it makes any, get the same.
+func makeRoot(abs string, mode fs.FileMode) error {
+	if _, err := os.Stat(abs); err == nil || !errors.Is(err, fs.ErrNotExist) {
+		return nil // there, or openRoot will say what is wrong
+	}
+	if err := os.MkdirAll(abs, mode); err != nil {
+		return err
+	}
+	return os.Chmod(abs, mode) // MkdirAll's mode is cut by the umask
 }
 
 // Root returns the absolute root directory.
@@ -83,138 +122,52 @@ func (b *Backend) Location() string {
 	return (&url.URL{Scheme: "file", Path: b.root}).String()
 }
 
-// Close does nothing: the backend holds no resources between calls.
-func (b *Backend) Close() error { return nil }
+// Close releases the root's descriptor; calls in progress finish first,
+// and later calls fail.
+func (b *Backend) Close() error {
+	if err := b.rootDir.Close(); err != nil && !errors.Is(err, os.ErrClosed) {
+		return fmt.Errorf("posix: close: %w", err)
+	}
+	return nil
+}
 
 // Put implements storage.Backend. It stops reading between blocks once ctx
 // is done, but cannot interrupt a Read that blocks.
 func (b *Backend) Put(ctx context.Context, name string, r io.Reader, size int64) error {
-	p, err := b.path(name)
-	if err != nil {
+	if err := b.check(name); err != nil {
 		return err
 	}
-	if err := b.put(ctx, p, r, size); err != nil {
+	if err := b.put(ctx, name, r, size); err != nil {
 		return wrapErr("put", name, err)
 	}
 	return nil
 }
 
-func (b *Backend) put(ctx context.Context, p string, r io.Reader, size int64) (err error) {
+func (b *Backend) put(ctx context.Context, name string, r io.Reader, size int64) (err error) {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	t, err := b.createTemp(p)
+	t, err := b.createTemp(name, false)
 	if err != nil {
 		return err
 	}
-	defer func() {
-		if err != nil {
-			t.abort()
-		}
-	}()
+	defer t.finish(&err)
 	if err := b.writeFile(ctx, t.f, r, size); err != nil {
 		return err
 	}
 	if err := t.closeSynced(); err != nil {
 		return err
 	}
-	if err := os.Rename(t.path, p); err != nil {
+	if err := t.rename(); err != nil {
 		return err
 	}
-	t.path = "" // renamed: nothing left to clean up
 	return t.syncDirs()
-}
-
-// PutIfAbsent implements storage.Backend.
-//
-// On file systems without hard links (link(2) fails with EPERM or
-// EOPNOTSUPP) it falls back to creating the name with O_EXCL and writing into
-// it. That is still exclusive, but not atomic for contents: a reader can see
-// a partly written object, and a crash can leave one behind.
-func (b *Backend) PutIfAbsent(ctx context.Context, name string, data []byte) error {
-	p, err := b.path(name)
-	if err != nil {
-		return err
-	}
-	if err := b.putIfAbsent(ctx, p, data); err != nil {
-		return wrapErr("put-if-absent", name, err)
-	}
-	return nil
-}
-
-func (b *Backend) putIfAbsent(ctx context.Context, p string, data []byte) (err error) {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	t, err := b.createTemp(p)
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if err != nil {
-			t.abort()
-		}
-	}()
-	size := int64(len(data))
-	if err := b.writeFile(ctx, t.f, bytes.NewReader(data), size); err != nil {
-		return err
-	}
-	if err := t.closeSynced(); err != nil {
-		return err
-	}
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	err = link(t.path, p)
-	if isLinkUnsupported(err) {
-		err = createExclusive(p, data)
-	}
-	if errors.Is(err, fs.ErrExist) {
-		return storage.ErrExists
-	}
-	if err != nil {
-		return err
-	}
-	// Remove the temporary name before syncing, so one directory fsync
-	// makes both the new link and the removal durable.
-	_ = os.Remove(t.path)
-	t.path = ""
-	return t.syncDirs()
-}
-
-// link is os.Link; tests replace it to simulate a file system without
-// hard links.
-var link = os.Link
-
-func isLinkUnsupported(err error) bool {
-	return errors.Is(err, unix.EPERM) || errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.ENOTSUP)
-}
-
-// createExclusive is PutIfAbsent's fallback for file systems without hard
-// links; see PutIfAbsent.
-func createExclusive(p string, data []byte) error {
-	f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o666)
-	if err != nil {
-		return err
-	}
-	_, err = f.Write(data)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		_ = os.Remove(p)
-	}
-	return err
 }
 
 // Get implements storage.Backend. The reader reads the object as it was when
 // Get opened it, even if a Put replaces it meanwhile.
 func (b *Backend) Get(ctx context.Context, name string, offset, length int64) (io.ReadCloser, error) {
-	p, err := b.path(name)
-	if err != nil {
+	if err := b.check(name); err != nil {
 		return nil, err
 	}
 	if offset < 0 {
@@ -223,7 +176,7 @@ func (b *Backend) Get(ctx context.Context, name string, offset, length int64) (i
 	if err := ctx.Err(); err != nil {
 		return nil, wrapErr("get", name, err)
 	}
-	f, size, err := openObject(p)
+	f, size, err := b.openObject(name)
 	if err != nil {
 		return nil, notFoundOr("get", name, err)
 	}
@@ -238,22 +191,43 @@ func (b *Backend) Get(ctx context.Context, name string, offset, length int64) (i
 	return &sectionFile{SectionReader: io.NewSectionReader(f, offset, n), f: f}, nil
 }
 
-// openObject opens p for reading and returns its size; a directory or other
-// non-regular file is reported as fs.ErrNotExist.
-func openObject(p string) (*os.File, int64, error) {
-	f, err := os.Open(p)
+// openObject opens the object for reading and returns its size; a folder
+// or other non-regular file is reported as fs.ErrNotExist, a link as a
+// *linkError. O_NONBLOCK keeps a FIFO planted in the store from blocking
+// the open; it is cleared again for the regular file.
+func (b *Backend) openObject(name string) (*os.File, int64, error) {
+	dir, base := splitName(name)
+	dfd, err := b.openDir(dir, pathFlags)
 	if err != nil {
 		return nil, 0, err
 	}
-	fi, err := f.Stat()
-	if err == nil && !fi.Mode().IsRegular() {
-		err = &fs.PathError{Op: "open", Path: p, Err: fs.ErrNotExist}
+	fd, err := unix.Openat(dfd, base, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	closeFD(dfd)
+	if err != nil {
+		return nil, 0, objectErr("open", b.abs(name), name, err)
+	}
+	var st unix.Stat_t
+	err = unix.Fstat(fd, &st)
+	if err == nil && fileType(&st) != unix.S_IFREG {
+		err = unix.ENOENT
+	}
+	if err == nil {
+		err = unix.SetNonblock(fd, false)
 	}
 	if err != nil {
-		_ = f.Close()
-		return nil, 0, err
+		closeFD(fd)
+		return nil, 0, &fs.PathError{Op: "open", Path: b.abs(name), Err: err}
 	}
-	return f, fi.Size(), nil
+	return os.NewFile(uintptr(fd), b.abs(name)), st.Size, nil
+}
+
+// objectErr wraps an error from a call on the object's last segment with
+// O_NOFOLLOW, which fails with ELOOP on a link.
+func objectErr(op, path, name string, err error) error {
+	if errors.Is(err, unix.ELOOP) {
+		return &linkError{link: name}
+	}
+	return &fs.PathError{Op: op, Path: path, Err: err}
 }
 
 type sectionFile struct {
@@ -265,67 +239,114 @@ func (s *sectionFile) Close() error { return s.f.Close() }
 
 // Stat implements storage.Backend.
 func (b *Backend) Stat(ctx context.Context, name string) (storage.ObjectInfo, error) {
-	p, err := b.path(name)
-	if err != nil {
+	if err := b.check(name); err != nil {
 		return storage.ObjectInfo{}, err
 	}
 	if err := ctx.Err(); err != nil {
 		return storage.ObjectInfo{}, wrapErr("stat", name, err)
 	}
-	fi, err := os.Stat(p)
-	if err == nil && !fi.Mode().IsRegular() {
-		err = &fs.PathError{Op: "stat", Path: p, Err: fs.ErrNotExist}
+	st, err := b.lstat(name)
+	if err == nil && fileType(&st) != unix.S_IFREG {
+		err = &fs.PathError{Op: "stat", Path: b.abs(name), Err: fs.ErrNotExist}
 	}
 	if err != nil {
 		return storage.ObjectInfo{}, notFoundOr("stat", name, err)
 	}
-	return storage.ObjectInfo{Name: name, Size: fi.Size(), ModTime: fi.ModTime()}, nil
+	return objectInfo(name, &st), nil
 }
 
-// Delete implements storage.Backend. It then removes the directories that
-// became empty, up to but not including the root; a concurrent Put that
-// needs one of them again recreates it.
-func (b *Backend) Delete(ctx context.Context, name string) error {
-	p, err := b.path(name)
+// lstat returns the metadata of the file at name; a link fails with a
+// *linkError.
+func (b *Backend) lstat(name string) (unix.Stat_t, error) {
+	dir, base := splitName(name)
+	dfd, err := b.openDir(dir, pathFlags)
 	if err != nil {
+		return unix.Stat_t{}, err
+	}
+	defer closeFD(dfd)
+	st, err := statAt(dfd, base)
+	if err != nil {
+		return st, &fs.PathError{Op: "stat", Path: b.abs(name), Err: err}
+	}
+	if fileType(&st) == unix.S_IFLNK {
+		return st, &linkError{link: name}
+	}
+	return st, nil
+}
+
+func objectInfo(name string, st *unix.Stat_t) storage.ObjectInfo {
+	return storage.ObjectInfo{Name: name, Size: st.Size, ModTime: time.Unix(st.Mtim.Unix())}
+}
+
+// Delete implements storage.Backend. It then removes the folders that
+// became empty, up to but not including the root; a concurrent Put that
+// needs one of them again recreates it. A link at name is refused, not
+// removed: it is a sign of tampering for the operator to look at.
+func (b *Backend) Delete(ctx context.Context, name string) error {
+	if err := b.check(name); err != nil {
 		return err
 	}
 	if err := ctx.Err(); err != nil {
 		return wrapErr("delete", name, err)
 	}
-	// unlink(2), not os.Remove: that would also remove an empty directory
-	// of the same name, which is not an object.
-	if err := unix.Unlink(p); err != nil {
-		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.EISDIR) {
-			return nil // no such object (a directory is not one)
-		}
-		return wrapErr("delete", name, &fs.PathError{Op: "unlink", Path: p, Err: err})
+	dir, base := splitName(name)
+	dfd, err := b.openDir(dir, pathFlags)
+	if err == nil {
+		defer closeFD(dfd)
+		err = b.unlinkObject(dfd, name, base)
 	}
-	b.removeEmptyDirs(filepath.Dir(p))
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.EISDIR) {
+		return nil // no such object (a folder is not one)
+	}
+	if err != nil {
+		return wrapErr("delete", name, err)
+	}
+	b.removeEmptyDirs(dir)
 	return nil
 }
 
-// removeEmptyDirs removes dir and its ancestors below the root while they
-// are empty; rmdir(2) refuses non-empty ones, so this is safe against
-// concurrent writers.
+// unlinkObject removes base from dfd unless it is a link. unlinkat(2)
+// without AT_REMOVEDIR, unlike os.Remove, never removes a folder of the
+// same name, which is not an object.
+func (b *Backend) unlinkObject(dfd int, name, base string) error {
+	if isLink(dfd, base) {
+		return &linkError{link: name}
+	}
+	if err := unix.Unlinkat(dfd, base, 0); err != nil {
+		return &fs.PathError{Op: "unlink", Path: b.abs(name), Err: err}
+	}
+	return nil
+}
+
+// removeEmptyDirs removes the folder dir and its ancestors below the root
+// while they are empty; rmdir refuses non-empty ones, so this is safe
+// against concurrent writers, and refuses links (ENOTDIR), so it never
+// reaches outside the root.
 func (b *Backend) removeEmptyDirs(dir string) {
-	for len(dir) > len(b.root) {
-		if err := unix.Rmdir(dir); err != nil {
+	for dir != "" {
+		parent, base := splitName(dir)
+		pfd, err := b.openDir(parent, pathFlags)
+		if err != nil {
 			return
 		}
-		dir = filepath.Dir(dir)
+		err = unix.Unlinkat(pfd, base, unix.AT_REMOVEDIR)
+		closeFD(pfd)
+		if err != nil {
+			return
+		}
+		dir = parent
 	}
 }
 
-// path validates name and returns its file path.
-func (b *Backend) path(name string) (string, error) {
+// check validates name.
+func (b *Backend) check(name string) error {
 	if err := storage.ValidName(name); err != nil {
-		return "", fmt.Errorf("posix: %w", err)
+		return fmt.Errorf("posix: %w", err)
 	}
 	if isTempName(lastSegment(name)) {
-		return "", fmt.Errorf("posix: %w %q: reserved for temporary files", storage.ErrInvalidName, name)
+		return fmt.Errorf("posix: %w %q: reserved for temporary files", storage.ErrInvalidName, name)
 	}
-	return filepath.Join(b.root, filepath.FromSlash(name)), nil
+	return nil
 }
 
 // wrapErr names the operation and object, and adds storage.ErrNoSpace to

@@ -37,8 +37,10 @@ func Run(t *testing.T, newBackend func(t *testing.T) storage.Backend) {
 		{"OverwriteAtomic", testOverwriteAtomic},
 		{"CancelBeforePut", testCancelBeforePut},
 		{"CancelMidPut", testCancelMidPut},
+		{"CancelOthers", testCancelOthers},
 		{"PutIfAbsent", testPutIfAbsent},
 		{"PutIfAbsentRace", testPutIfAbsentRace},
+		{"PutIfAbsentAtomic", testPutIfAbsentAtomic},
 		{"StatDelete", testStatDelete},
 		{"NotFound", testNotFound},
 		{"List", testList},
@@ -50,6 +52,7 @@ func Run(t *testing.T, newBackend func(t *testing.T) storage.Backend) {
 		{"EdgeNames", testEdgeNames},
 		{"ConcurrentPuts", testConcurrentPuts},
 		{"ConcurrentPutDelete", testConcurrentPutDelete},
+		{"Location", testLocation},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -241,6 +244,29 @@ func testCancelBeforePut(t *testing.T, b storage.Backend) {
 	checkList(t, b, "", nil)
 }
 
+// testCancelOthers: every call that takes a context fails with its error
+// once it is cancelled, and changes nothing.
+func testCancelOthers(t *testing.T, b storage.Backend) {
+	mustPut(t, b, "cancel/obj", []byte("x"))
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	check := func(op string, err error) {
+		t.Helper()
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("%s with a cancelled context = %v, want context.Canceled", op, err)
+		}
+	}
+	rc, err := b.Get(ctx, "cancel/obj", 0, -1)
+	if err == nil {
+		rc.Close()
+	}
+	check("Get", err)
+	_, err = b.Stat(ctx, "cancel/obj")
+	check("Stat", err)
+	check("Delete", b.Delete(ctx, "cancel/obj"))
+	checkObject(t, b, "cancel/obj", []byte("x"))
+}
+
 // cancelSlack is how many bytes a Put may read after its context is
 // cancelled: backends check the context between blocks of at most this.
 const cancelSlack = 64 << 20
@@ -354,6 +380,45 @@ func testPutIfAbsentRace(t *testing.T, b storage.Backend) {
 
 func racerData(i int) []byte { return fmt.Appendf(nil, `{"writer": %d}`, i) }
 
+// testPutIfAbsentAtomic has readers poll a name while PutIfAbsent creates
+// it: they must see no object or the whole of it, never a part.
+func testPutIfAbsentAtomic(t *testing.T, b storage.Backend) {
+	data := randomBytes(31, 4<<20+3)
+	for round := range 3 {
+		name := fmt.Sprintf("pia-atomic/%d/COMMIT.json", round)
+		done := make(chan struct{})
+		var wg sync.WaitGroup
+		for range 2 {
+			wg.Go(func() {
+				for {
+					got, err := get(t.Context(), b, name, 0, -1)
+					switch {
+					case errors.Is(err, storage.ErrNotFound):
+					case err != nil:
+						t.Errorf("Get during PutIfAbsent: %v", err)
+						return
+					case !bytes.Equal(got, data):
+						t.Errorf("reader saw %d bytes of the %d PutIfAbsent wrote", len(got), len(data))
+						return
+					}
+					select {
+					case <-done:
+						return
+					default:
+					}
+				}
+			})
+		}
+		err := b.PutIfAbsent(t.Context(), name, data)
+		close(done)
+		wg.Wait()
+		if err != nil {
+			t.Fatalf("PutIfAbsent: %v", err)
+		}
+		checkObject(t, b, name, data)
+	}
+}
+
 func testStatDelete(t *testing.T, b storage.Backend) {
 	data := randomBytes(40, 1234)
 	mustPut(t, b, "sd/a/b/obj", data)
@@ -432,13 +497,14 @@ func testList(t *testing.T, b storage.Backend) {
 	}
 }
 
-// testListInProgress checks that a Put in progress is not visible.
+// testListInProgress checks that a Put in progress is not visible, nor
+// the folder it is the first object of.
 func testListInProgress(t *testing.T, b storage.Backend) {
 	mustPut(t, b, "prog/done", []byte("done"))
 	pr, pw := io.Pipe()
 	putErr := make(chan error, 1)
 	go func() {
-		err := b.Put(t.Context(), "prog/busy", pr, -1)
+		err := b.Put(t.Context(), "prog/new/busy", pr, -1)
 		pr.CloseWithError(errors.New("the Put returned early")) // unblock the writer
 		putErr <- err
 	}()
@@ -449,13 +515,25 @@ func testListInProgress(t *testing.T, b storage.Backend) {
 		t.Fatalf("write to Put: %v", err)
 	}
 	checkList(t, b, "", []string{"prog/done"})
-	checkMissing(t, b, "prog/busy")
+	checkMissing(t, b, "prog/new/busy")
+	if got := listDirs(t, b, "prog/"); len(got) != 0 {
+		t.Errorf("ListDirs(prog/) during the folder's first Put = %q, want nothing", got)
+	}
 	pw.Close()
 	if err := <-putErr; err != nil {
 		t.Fatalf("Put: %v", err)
 	}
-	checkObject(t, b, "prog/busy", data)
-	checkList(t, b, "", []string{"prog/busy", "prog/done"})
+	checkObject(t, b, "prog/new/busy", data)
+	checkList(t, b, "", []string{"prog/done", "prog/new/busy"})
+	if got := listDirs(t, b, "prog/"); !slices.Equal(got, []string{"new"}) {
+		t.Errorf("ListDirs(prog/) = %q, want [new]", got)
+	}
+}
+
+func testLocation(t *testing.T, b storage.Backend) {
+	if b.Location() == "" {
+		t.Error("Location() is empty; messages need to name the store")
+	}
 }
 
 func testListStops(t *testing.T, b storage.Backend) {

@@ -14,6 +14,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -40,6 +41,10 @@ type OpenOptions struct {
 	S3RetryDeadline time.Duration
 	// DisableDirectIO makes POSIX stores write through the page cache only.
 	DisableDirectIO bool
+	// FileMode is the mode of the objects a POSIX store writes, whatever
+	// the umask (folders get x where r is set); zero means
+	// posix.DefaultFileMode (0640). S3 ignores it.
+	FileMode fs.FileMode
 	// MustExist refuses a POSIX folder that does not exist instead of
 	// creating it: readers (list, restore, a dataset source) must not leave
 	// an empty folder behind for a mistyped path.
@@ -118,7 +123,7 @@ func openDir(dir string, opts OpenOptions) (storage.Backend, error) {
 			return nil, fmt.Errorf("storage %q: no such folder", dir)
 		}
 	}
-	b, err := posix.NewWithOptions(dir, posix.Options{DirectIO: !opts.DisableDirectIO})
+	b, err := posix.NewWithOptions(dir, posix.Options{DirectIO: !opts.DisableDirectIO, FileMode: opts.FileMode})
 	if err != nil {
 		return nil, fmt.Errorf("storage %q: %w", dir, err)
 	}
