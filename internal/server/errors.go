@@ -33,6 +33,7 @@ var classes = []struct {
 	{checkpoint.ErrUnknownLease, codes.NotFound, "UNKNOWN_LEASE"},
 	{prefetch.ErrUnknownSession, codes.NotFound, "UNKNOWN_SESSION"},
 	{storage.ErrNotFound, codes.NotFound, "STEP_NOT_FOUND"},
+	{storage.ErrSymlink, codes.FailedPrecondition, "STORE_UNSAFE"},
 	{checkpoint.ErrOverBudget, codes.ResourceExhausted, "OVER_BUDGET"},
 	{arena.ErrTooLarge, codes.ResourceExhausted, "TOO_LARGE"},
 	{arena.ErrFull, codes.ResourceExhausted, "ARENA_FULL"},

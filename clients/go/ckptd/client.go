@@ -18,7 +18,9 @@ import (
 	"sync"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
@@ -157,8 +159,14 @@ func (c *Client) remap(ctx context.Context) error {
 	return nil
 }
 
-// wrap adds the socket to errors so an unreachable daemon is obvious.
+// wrap adds the socket to errors so an unreachable daemon is obvious, and
+// reports a daemon the client refused to trust as such.
 func (c *Client) wrap(err error) error {
+	if status.Code(err) == codes.Unavailable {
+		if r := c.dialer.refusal(); r != nil {
+			return fmt.Errorf("ckptd at %s: %w", c.socket, r)
+		}
+	}
 	return fmt.Errorf("ckptd at %s: %w", c.socket, err)
 }
 

@@ -87,15 +87,23 @@ func peerUID(c *net.UnixConn) (int, error) {
 type dialer struct {
 	socket    string
 	daemonUID atomic.Int64 // -1 until a connection succeeded
+	refused   atomic.Pointer[error]
 }
 
-func (d *dialer) dial(ctx context.Context, _ string) (net.Conn, error) {
+func (d *dialer) dial(ctx context.Context, _ string) (c net.Conn, err error) {
+	defer func() {
+		if errors.Is(err, ErrUntrustedDaemon) {
+			d.refused.Store(&err)
+		} else if err == nil {
+			d.refused.Store(nil)
+		}
+	}()
 	trusted := trustedUIDs()
 	if err := checkSocketPath(d.socket, trusted); err != nil {
 		return nil, err
 	}
 	var nd net.Dialer
-	c, err := nd.DialContext(ctx, "unix", d.socket)
+	c, err = nd.DialContext(ctx, "unix", d.socket)
 	if err != nil {
 		return nil, err
 	}
@@ -110,4 +118,14 @@ func (d *dialer) dial(ctx context.Context, _ string) (net.Conn, error) {
 	}
 	d.daemonUID.Store(int64(uid))
 	return c, nil
+}
+
+// refusal returns why the last connection attempt refused the daemon, if
+// it did: gRPC reports a failed dial as UNAVAILABLE, and callers should
+// see ErrUntrustedDaemon instead.
+func (d *dialer) refusal() error {
+	if p := d.refused.Load(); p != nil {
+		return *p
+	}
+	return nil
 }
