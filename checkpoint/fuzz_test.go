@@ -16,7 +16,7 @@ func tableFrom(data []byte) []Tensor {
 	var ts []Tensor
 	for i := 0; len(data) >= 25 && i < 64; i++ {
 		u := func(k int) int64 { return int64(binary.LittleEndian.Uint64(data[1+8*k:])) }
-		t := Tensor{Name: string(rune('a' + i%26)) + string(rune('a'+i/26)), DType: dts[int(data[0])%len(dts)],
+		t := Tensor{Name: string(rune('a'+i%26)) + string(rune('a'+i/26)), DType: dts[int(data[0])%len(dts)],
 			Shape: []int64{u(0) >> 32, u(0) & 0xffffffff}, Offset: u(1), Length: u(2)}
 		ts = append(ts, t)
 		data = data[25:]

@@ -153,7 +153,9 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	log.Info("ckptd serving", "socket", o.Socket, "storage", b.Location(), "job", o.Job,
 		"arena", a.Path(), "staging_bytes", a.Size(), "locked", a.Locked(), "codec", c)
 	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(peercred.NewListener(lis, peercred.Policy{UID: os.Geteuid(), GID: gid}, nil, log)) }()
+	go func() {
+		errc <- srv.Serve(peercred.NewListener(lis, peercred.Policy{UID: os.Geteuid(), GID: gid}, nil, log))
+	}()
 	select {
 	case <-ctx.Done():
 		log.Info("shutting down: no new requests; draining staged saves", "grace", o.Grace)
