@@ -28,7 +28,7 @@ var arenaSeq atomic.Int64 // makes each daemon's arena folder unique
 const testAttempt = "run1"
 
 func TestMain(m *testing.M) {
-	if act := os.Getenv("CKPTD_TEST_ACT"); act != "" { // a helper process of the trust tests
+	if act := os.Getenv("CKPTD_TEST_ACT"); act != "" { // a helper process of the trust and hostile tests
 		runAct(act)
 		os.Exit(0)
 	}
@@ -57,6 +57,7 @@ type daemon struct {
 	arena   string
 	args    []string
 	env     []string // added to the test's environment (S3 endpoint, credentials)
+	bin     string   // the binary to run; "" for ckptdBin
 	cmd     *exec.Cmd
 	mu      sync.Mutex
 	log     bytes.Buffer
@@ -91,7 +92,11 @@ func startDaemonEnv(t *testing.T, storage string, env []string, extra ...string)
 
 func (d *daemon) start(extra ...string) {
 	d.t.Helper()
-	d.cmd = exec.Command(ckptdBin, append(append([]string{}, d.args...), extra...)...)
+	bin := d.bin
+	if bin == "" {
+		bin = ckptdBin
+	}
+	d.cmd = exec.Command(bin, append(append([]string{}, d.args...), extra...)...)
 	d.cmd.Env = append(os.Environ(), d.env...)
 	pr, pw, _ := os.Pipe()
 	d.cmd.Stdout, d.cmd.Stderr = pw, pw

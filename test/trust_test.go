@@ -92,7 +92,7 @@ func openDir(t *testing.T) string {
 // runAct is the helper's side: it does what CKPTD_TEST_ACT says and
 // prints one line: "ok ..." or the error's reason and message.
 func runAct(act string) {
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Hour)
 	defer cancel()
 	report := func(what string, err error) {
 		if err != nil {
@@ -116,6 +116,8 @@ func runAct(act string) {
 		_, err = c.API().ReleaseRegion(ctx, &pb.ReleaseRegionRequest{LeaseId: os.Getenv("CKPTD_TEST_LEASE")})
 	case "readjournal":
 		_, err = os.ReadDir(os.Getenv("CKPTD_TEST_JOURNAL"))
+	default:
+		err = holdAct(ctx, c, act)
 	}
 	report(act, err)
 }

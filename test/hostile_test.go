@@ -1,0 +1,344 @@
+package test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/ckptd/ckptd/clients/go/ckptd"
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
+)
+
+// The hostile-client suite: every request a buggy or malicious client can
+// send, and every way a client can die, against a real `ckptd serve` built
+// without the race detector (so its memory is what production sees). After
+// each attack the daemon is alive, its anonymous memory stays under its
+// budgets plus a fixed margin, the attacker got a clear gRPC error, and a
+// step committed before the attack restores byte-exact.
+
+const (
+	hostileStaging = 64 << 20
+	hostileTables  = 32 << 20
+	// hostileMargin is what the daemon may hold beyond its budgets: the Go
+	// runtime, gRPC's buffers, requests being decoded, and garbage the
+	// collector has not returned to the kernel yet.
+	hostileMargin = 160 << 20
+)
+
+var plainBin = sync.OnceValues(func() (string, error) {
+	dir, err := os.MkdirTemp("", "ckptd-plain-bin")
+	if err != nil {
+		return "", err
+	}
+	bin := filepath.Join(dir, "ckptd")
+	out, err := exec.Command("go", "build", "-o", bin, "../cmd/ckptd").CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("go build: %v\n%s", err, out)
+	}
+	return bin, nil
+})
+
+type hostile struct {
+	*daemon
+	metrics string
+	good    *ckptd.SaveRequest
+}
+
+func startHostile(t *testing.T) *hostile {
+	t.Helper()
+	bin, err := plainBin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := closedAddr(t)
+	dir := t.TempDir()
+	d := &daemon{t: t, socket: filepath.Join(dir, "ckptd.sock"), storage: filepath.Join(dir, "store"),
+		arena: filepath.Join("/dev/shm", fmt.Sprintf("ckptd-test-%d-%d", os.Getpid(), arenaSeq.Add(1)))}
+	d.args = []string{"serve", "--socket", d.socket, "--storage", d.storage, "--arena-dir", d.arena,
+		"--staging-bytes", strconv.Itoa(hostileStaging), "--tensor-table-bytes", strconv.Itoa(hostileTables),
+		"--staging-wait", "200ms", "--job", "e2e", "--metrics-addr", addr}
+	t.Cleanup(func() { d.stop(); os.RemoveAll(d.arena) })
+	d.bin = bin
+	d.start()
+	h := &hostile{daemon: d, metrics: "http://" + addr + "/metrics", good: shard(1, 0, 1)}
+	c := d.client()
+	hd, err := c.Save(ctxT(t), h.good)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := hd.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+// check asserts the daemon survived an attack intact.
+func (h *hostile) check(t *testing.T, attack string) {
+	t.Helper()
+	select {
+	case <-h.exited:
+		t.Fatalf("%s: the daemon died:\n%s", attack, h.logs())
+	default:
+	}
+	anon := rssAnon(t, h.cmd.Process.Pid)
+	t.Logf("%s: daemon alive, %d MiB anonymous memory", attack, anon>>20)
+	if anon > hostileTables+hostileMargin {
+		t.Errorf("%s: the daemon holds %d MiB of anonymous memory, more than its %d MiB table budget plus a %d MiB margin",
+			attack, anon>>20, hostileTables>>20, hostileMargin>>20)
+	}
+	got, err := h.client().Load(ctxT(t), &ckptd.LoadRequest{Step: 1})
+	if err != nil {
+		t.Fatalf("%s: the good step no longer restores: %v", attack, err)
+	}
+	checkShard(t, got, h.good)
+}
+
+// rssAnon is a process's resident anonymous memory (its heap and stacks;
+// the shared-memory arena is not counted).
+func rssAnon(t *testing.T, pid int) int64 {
+	t.Helper()
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.Lines(string(data)) {
+		if rest, ok := strings.CutPrefix(line, "RssAnon:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
+			return kb << 10
+		}
+	}
+	t.Fatal("no RssAnon")
+	return 0
+}
+
+func (h *hostile) metric(t *testing.T, name string) float64 {
+	t.Helper()
+	resp, err := http.Get(h.metrics)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	for line := range strings.Lines(string(body)) {
+		if rest, ok := strings.CutPrefix(line, name+" "); ok {
+			v, _ := strconv.ParseFloat(strings.TrimSpace(rest), 64)
+			return v
+		}
+	}
+	return 0
+}
+
+func wantCode(t *testing.T, attack string, err error, code codes.Code, reason string) {
+	t.Helper()
+	if status.Code(err) != code || ckptd.Reason(err) != reason {
+		t.Errorf("%s: got %v (reason %q), want %s with reason %s", attack, err, ckptd.Reason(err), code, reason)
+	}
+}
+
+func target(step int64) *pb.SaveTarget {
+	return &pb.SaveTarget{Step: step, WorldSize: 1, Attempt: testAttempt}
+}
+
+func TestHostileRequests(t *testing.T) {
+	h := startHostile(t)
+	api := h.client().API()
+	ctx := ctxT(t)
+
+	// 2^62 bytes at offset 2^62: the region's end wraps past int64.
+	_, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(2), Tensors: []*pb.Tensor{
+		{Name: "a", Dtype: "U8", Shape: []int64{1 << 62}, Offset: 1 << 62, Length: 1 << 62},
+		{Name: "b", Dtype: "U8", Shape: []int64{1 << 62}, Offset: 3 << 61, Length: 1 << 62}}})
+	wantCode(t, "2^62 overflow", err, codes.InvalidArgument, "INVALID")
+	h.check(t, "2^62 overflow")
+
+	_, err = api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(2), Tensors: []*pb.Tensor{f32Tensor("__metadata__", 0, 1)}})
+	wantCode(t, "__metadata__ tensor", err, codes.InvalidArgument, "INVALID")
+
+	lease, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(3), Tensors: []*pb.Tensor{f32Tensor("a", 0, 1)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = api.CommitSave(ctx, &pb.CommitSaveRequest{LeaseId: lease.GetLease().GetId(), Metadata: make([]byte, 9<<20)})
+	wantCode(t, "9 MiB of metadata", err, codes.InvalidArgument, "INVALID")
+	for _, id := range []string{"00000000000000000000000000000000", lease.GetLease().GetId()[:31] + "0", "../../journal"} {
+		_, err = api.CommitSave(ctx, &pb.CommitSaveRequest{LeaseId: id})
+		wantCode(t, "guessed lease id "+id, err, codes.NotFound, "UNKNOWN_LEASE")
+	}
+	h.check(t, "bad leases and metadata")
+
+	// Tensor tables of 100k tensors each, held open: the table budget
+	// refuses them before they fill the daemon's memory.
+	big := make([]*pb.Tensor, 100_000)
+	for i := range big {
+		big[i] = &pb.Tensor{Name: fmt.Sprintf("t%06d", i), Dtype: "U8", Shape: []int64{0}}
+	}
+	var refused int
+	for i := range 20 {
+		_, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(int64(100 + i)), Tensors: big})
+		if err != nil {
+			wantCode(t, "100k-tensor tables", err, codes.ResourceExhausted, "OVER_BUDGET")
+			refused++
+		}
+	}
+	if refused == 0 {
+		t.Error("20 tables of 100k tensors all held open: no budget")
+	}
+	if used := h.metric(t, "ckptd_tensor_table_bytes"); used > hostileTables {
+		t.Errorf("open tables book %v bytes, over the %d budget", used, hostileTables)
+	}
+	h.check(t, "100k-tensor tables")
+}
+
+// A trainer killed between BeginSave and CommitSave, or while holding
+// restore regions, frees them within seconds, and its restart re-saves
+// the same rank.
+func TestDeadClientFrees(t *testing.T) {
+	h := startHostile(t)
+	for _, act := range []string{"hold-save", "hold-restores"} {
+		t.Run(act, func(t *testing.T) {
+			proc, err := holdAndWait(t, h.socket, act)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if used := h.metric(t, "ckptd_arena_used_bytes"); used < 32<<20 {
+				t.Fatalf("the client holds only %v bytes", used)
+			}
+			_ = proc.Process.Signal(syscall.SIGKILL)
+			_ = proc.Wait()
+			start := time.Now()
+			for h.metric(t, "ckptd_arena_used_bytes") > 0 {
+				if time.Since(start) > 5*time.Second {
+					t.Fatalf("the dead client's regions are still held after 5s:\n%s", h.logs())
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			// The restarted trainer saves the same rank of the same step.
+			big := shard(2, 0, 1)
+			big.Tensors[0].Data = make([]byte, 48<<20)
+			big.Tensors[0].Shape = []int64{12 << 20}
+			if act == "hold-save" {
+				hd, err := h.client().Save(ctxT(t), big)
+				if err != nil {
+					t.Fatalf("re-save after the trainer died: %v", err)
+				}
+				if err := hd.Wait(ctxT(t)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			h.check(t, act)
+		})
+	}
+}
+
+// holdAndWait starts a client process that takes arena space and waits
+// to be killed; it returns once the space is held.
+func holdAndWait(t *testing.T, socket, act string) (*exec.Cmd, error) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "CKPTD_TEST_ACT="+act, "CKPTD_TEST_SOCKET="+socket)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	line, _ := bufio.NewReader(out).ReadString('\n')
+	if !strings.HasPrefix(line, "held") {
+		return nil, fmt.Errorf("%s: %q", act, line)
+	}
+	return cmd, nil
+}
+
+// holdAct is the client side of holdAndWait.
+func holdAct(ctx context.Context, c *ckptd.Client, act string) error {
+	api := c.API()
+	switch act {
+	case "hold-save":
+		_, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(2), Tensors: []*pb.Tensor{{Name: "w", Dtype: "U8", Shape: []int64{48 << 20}, Length: 48 << 20}}})
+		if err != nil {
+			return err
+		}
+	case "hold-restores":
+		for range 6 {
+			if _, err := api.BeginRestore(ctx, &pb.BeginRestoreRequest{Step: 1}); err != nil {
+				return err
+			}
+		}
+	}
+	fmt.Println("held")
+	time.Sleep(time.Hour)
+	return nil
+}
+
+// A journal entry that would crash the daemon (a crafted 2^62 table, as
+// an older daemon may have journaled) is set aside at start, not replayed
+// into a crash loop.
+func TestPoisonedJournalQuarantined(t *testing.T) {
+	h := startHostile(t)
+	h.stop()
+	entry := `{"lease":"poison","offset":0,"length":0,"target":{"Job":"e2e","Step":5,"Rank":0,"WorldSize":1,"Attempt":"run1"},` +
+		`"tensors":[{"name":"a","dtype":"U8","shape":[4611686018427387904],"offset":4611686018427387904,"length":4611686018427387904},` +
+		`{"name":"b","dtype":"U8","shape":[4611686018427387904],"offset":6917529027641081856,"length":4611686018427387904}],"metadata":null,"staged_at":"2026-01-01T00:00:00Z"}`
+	if err := os.MkdirAll(filepath.Join(h.arena, "journal"), 0o700); err != nil { // a clean stop removed the arena
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(h.arena, "journal", "poison"), []byte(entry), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 { // and again: it must not come back
+		h.start()
+		h.check(t, "poisoned journal")
+		if !strings.Contains(h.logs(), "journal entry unusable") {
+			t.Fatalf("no word of the poisoned entry:\n%s", h.logs())
+		}
+		h.stop()
+	}
+}
+
+// A damaged commit record of a newer step does not hide the older ones.
+func TestDamagedCommitRecord(t *testing.T) {
+	h := startHostile(t)
+	c := h.client()
+	hd, err := c.Save(ctxT(t), shard(2, 0, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := hd.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	commit := filepath.Join(h.storage, "e2e/steps/000000000002/COMMIT.json")
+	data, _ := os.ReadFile(commit)
+	if err := os.WriteFile(commit, data[:len(data)/2], 0o600); err != nil {
+		t.Fatal(err)
+	}
+	steps, err := c.Steps(ctxT(t), "")
+	if err != nil || len(steps) != 1 || steps[0].Step != 1 {
+		t.Fatalf("Steps with a damaged newer record = %+v, %v", steps, err)
+	}
+	got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Latest: true})
+	if err != nil || got.Step != 1 {
+		t.Fatalf("load latest: %v", err)
+	}
+	out, stderr, err := ckptdCLI(t, "list", "--storage", h.storage, "--job", "e2e")
+	if err != nil || !strings.Contains(stderr, "step=2") || !bytes.Contains([]byte(out), []byte("\n1 ")) {
+		t.Fatalf("list: %v\n%s\n%s", err, out, stderr)
+	}
+	h.check(t, "damaged commit record")
+}
