@@ -5,11 +5,17 @@
 //
 // # Storage layout
 //
-// Under a store's root, each job owns a folder (see ObjectNames):
+// Under a store's root, each job owns a folder (see attemptDir). Every save
+// names its attempt: one run of the job, shared by all its ranks and
+// different for the next run, so that a step never mixes the ranks of two
+// runs:
 //
-//	<job>/steps/<step, 12 digits>/rank-<rank, 5 digits>.data           chunk data
-//	<job>/steps/<step>/rank-<rank>.manifest.json                       per-rank manifest
-//	<job>/steps/<step>/COMMIT.json                                     written last
+//	<job>/steps/<step, 12 digits>/<attempt>/rank-<rank, 5 digits>.data   chunk data
+//	<job>/steps/<step>/<attempt>/rank-<rank>.manifest.json               per-rank manifest
+//	<job>/steps/<step>/COMMIT.json                                       written last
+//
+// Steps written before attempts existed (format 1) keep their rank objects
+// in the step folder itself; they are read as before.
 //
 // A rank's .data object is its chunks' stored bytes back to back. Chunks
 // are cut from the shard's tensor data laid out back to back in tensor
@@ -17,24 +23,40 @@
 // a chunk never mixes dtypes, small tensors of one dtype share a chunk, and
 // a large tensor is split at element boundaries every ChunkSize bytes.
 //
-// # Manifest (format "ckptd.manifest", version 1)
+// # Manifest (format "ckptd.manifest", version 2)
 //
 // JSON, one per rank:
 //
 //	{
-//	  "format": "ckptd.manifest", "version": 1,
+//	  "format": "ckptd.manifest", "version": 2,
 //	  "job": "llama", "step": 9000, "rank": 0, "world_size": 8,
+//	  "attempt": "slurm-4242-0",          // absent in version 1
 //	  "created": "2026-11-29T14:00:00Z",
 //	  "data_size": 1073741824,          // bytes of tensor data (data space)
 //	  "stored_size": 912345678,         // bytes of chunk data stored
 //	  "tensors": [{"name": "w", "dtype": "BF16", "shape": [4096, 4096],
 //	               "offset": 0, "length": 33554432}],  // in data space
-//	  "chunks": [{"object": "steps/000000009000/rank-00000.data",
+//	  "chunks": [{"object": "steps/000000009000/slurm-4242-0/rank-00000.data",
 //	              "offset": 0, "stored": 3000000,   // where in the object
 //	              "raw_offset": 0, "raw": 4194304,  // where in data space
 //	              "codec": "float-bf16", "hash": "xxh3:0123456789abcdef"}],
 //	  "metadata": "<base64 of the trainer's opaque bytes>"
 //	}
+//
+// # Commit record (format "ckptd.commit", version 2)
+//
+//	{
+//	  "format": "ckptd.commit", "version": 2,
+//	  "job": "llama", "step": 9000, "attempt": "slurm-4242-0", "world_size": 8,
+//	  "bytes": 8589934592, "stored_bytes": 7298765424, "committed_at": "...",
+//	  "manifests": [{"object": "steps/000000009000/slurm-4242-0/rank-00000.manifest.json",
+//	                 "hash": "xxh3:..."}, ...]   // one per rank, in rank order
+//	}
+//
+// Readers use exactly the manifests it names, and check each one's hash:
+// a manifest replaced after the commit is corrupt, not trusted. Version 1
+// has no attempt and no manifest list (the manifests are in the step
+// folder).
 //
 // Chunk objects are relative to the job's folder, so a chunk may point into
 // an earlier step's object (incremental checkpoints); that is why Prune is
@@ -45,13 +67,18 @@
 //
 // # Commit
 //
-// After writing a rank's data and manifest, a sidecar lists the step's
-// folder; once world_size manifests are there it creates COMMIT.json with
-// storage.Backend.PutIfAbsent. Several sidecars sharing one store commit a
-// step exactly once with no coordinator: the last manifest written is always
-// followed by a listing that sees all of them, and the conditional create
-// picks one winner. Readers ignore steps without COMMIT.json, so a crash at
-// any point leaves the previous committed step restorable.
+// After writing a rank's data and manifest, a sidecar lists its attempt's
+// folder of the step; once world_size manifests of that attempt are there
+// it creates COMMIT.json with storage.Backend.PutIfAbsent. Manifests of
+// other attempts never count, whatever their world size. Several sidecars
+// sharing one store commit a step exactly once with no coordinator: the
+// last manifest written is always followed by a listing that sees all of
+// them, and the conditional create picks one winner, whichever attempt it
+// is. A save whose step another attempt committed fails (ALREADY_EXISTS,
+// naming that attempt) and its objects are removed. Readers ignore steps
+// without COMMIT.json, so a crash at any point leaves the previous
+// committed step restorable; `ckptd prune` removes what no commit record
+// names.
 //
 // Listing a job's steps reads the step folders (storage.Backend.ListDirs,
 // a delimiter listing on S3) and one COMMIT.json per step, never the
