@@ -26,6 +26,7 @@ tools:
 lint: tools
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
 	  if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) mod tidy -diff
 	$(GO) vet ./...
 	.tools/bin/staticcheck ./...
 
