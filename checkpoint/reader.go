@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/ckptd/ckptd/internal/codec"
+	"github.com/ckptd/ckptd/storage"
 )
 
 // Sink receives a shard's data-space bytes during a restore. WriteAt is
@@ -120,14 +121,43 @@ func (s *Store) readSpan(ctx context.Context, m *Manifest, sp readRange, sink Si
 	return nil
 }
 
-// chunkErr names the chunk an error is about; cancellation passes through.
+// chunkErr names the chunk an error is about. Cancellation passes
+// through; a store that cannot be reached or is full stays that (the
+// restore may work later, nothing is wrong with the data); anything else
+// (a missing or short object, a failed decode) means the data is corrupt.
 func (s *Store) chunkErr(m *Manifest, i int, err error) error {
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return err
 	}
 	c := m.Chunks[i]
-	return fmt.Errorf("%w: step %d rank %d chunk %d (%s at %d): %v", ErrCorrupt, m.Step, m.Rank, i, c.Object, c.Offset, err)
+	transient := errors.Is(err, storage.ErrUnavailable) || errors.Is(err, storage.ErrNoSpace)
+	return &ChunkError{Step: m.Step, Rank: m.Rank, Chunk: i, Object: c.Object, Offset: c.Offset, Err: err, corrupt: !transient}
 }
+
+// ChunkError is a failure to read one chunk of a shard. It matches
+// ErrCorrupt unless the storage was unavailable, which it then wraps.
+type ChunkError struct {
+	Step    int64
+	Rank    int
+	Chunk   int
+	Object  string // relative to the job folder
+	Offset  int64
+	Err     error
+	corrupt bool
+}
+
+func (e *ChunkError) Error() string {
+	what := "corrupt checkpoint data: "
+	if !e.corrupt {
+		what = ""
+	}
+	return fmt.Sprintf("%sstep %d rank %d chunk %d (%s at %d): %v", what, e.Step, e.Rank, e.Chunk, e.Object, e.Offset, e.Err)
+}
+
+func (e *ChunkError) Unwrap() error { return e.Err }
+
+// Is makes a ChunkError about the data match ErrCorrupt.
+func (e *ChunkError) Is(target error) bool { return target == ErrCorrupt && e.corrupt }
 
 // readChunk reads chunk i's stored bytes from r, decodes and verifies them,
 // and hands them to sink. buf is scratch space.

@@ -62,6 +62,10 @@ func toStatus(err error) error {
 	code, reason, meta := codes.Internal, "INTERNAL", map[string]string{}
 	var committed *checkpoint.CommittedError
 	var inProgress *checkpoint.InProgressError
+	var chunk *checkpoint.ChunkError
+	if errors.As(err, &chunk) {
+		meta["step"], meta["rank"], meta["chunk"] = strconv.FormatInt(chunk.Step, 10), strconv.Itoa(chunk.Rank), strconv.Itoa(chunk.Chunk)
+	}
 	switch {
 	case errors.As(err, &committed):
 		code, reason = codes.AlreadyExists, "STEP_COMMITTED"
