@@ -106,7 +106,7 @@ func Open(opts Options) (*Arena, error) {
 }
 
 func open(opts Options, want int64, log *slog.Logger, lf *os.File) (*Arena, error) {
-	j, err := openJournal(filepath.Join(opts.Dir, journalDir))
+	j, _, err := openJournal(filepath.Join(opts.Dir, journalDir))
 	if err != nil {
 		return nil, err
 	}

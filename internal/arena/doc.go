@@ -13,6 +13,9 @@
 //	Dir/journal/   one file per staged-but-not-yet-durable save, named by its id,
 //	               content opaque to this package (the caller writes JSON);
 //	               files named .tmp-* are torn writes and are ignored
+//	Dir/journal/quarantine/
+//	               entries taken out of the journal because they cannot be replayed
+//	               (Journal.Quarantine), as <time>-<id> with <time>-<id>.reason; the newest 64
 //
 // The arena file has no header: every byte belongs to the regions handed out by
 // Alloc, so offsets the daemon hands to clients are plain file offsets. The
