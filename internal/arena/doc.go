@@ -27,7 +27,8 @@
 // acknowledged is lost" needs: a save is acknowledged once its journal entry
 // is written, and a restarted daemon finds both the entry and the bytes.
 // Close therefore never deletes anything; Remove does, and only when the
-// journal is empty.
+// journal is empty. Discard is for a start that fails after Open: it
+// deletes only what that Open created.
 //
 // The package is Linux-only (fallocate, MAP_POPULATE, flock).
 package arena
