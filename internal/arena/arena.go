@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -33,6 +34,13 @@ type Options struct {
 	// group is the trust boundary, as it is for the socket.
 	Shared    bool
 	SharedGID int
+	// LockWait bounds how long Open waits for the arena lock when its
+	// holder is not running: a daemon killed a moment ago keeps the lock
+	// until it has unmapped its (possibly large, mlocked) arena, which takes
+	// seconds; a holder in another pid namespace cannot be seen at all. A
+	// holder that is running fails Open at once with ErrInUse, as does any
+	// holder when LockWait is 0.
+	LockWait time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -98,7 +106,7 @@ func Open(opts Options) (*Arena, error) {
 		return nil, fmt.Errorf("arena: size %d bytes is less than one %d-byte page", opts.Size, pageSize)
 	}
 	var made created
-	lf, err := lockArena(opts, &made)
+	lf, err := lockArena(opts, &made, log)
 	if err != nil {
 		// Whatever we created was made in a directory whose lock we do not
 		// hold (or that we could not use): only an empty new one is ours.

@@ -30,5 +30,9 @@
 // journal is empty. Discard is for a start that fails after Open: it
 // deletes only what that Open created.
 //
+// A daemon killed with SIGKILL keeps the lock until the kernel has torn
+// down its memory, seconds for a large mlocked arena; Options.LockWait lets
+// its successor wait for a holder that is exiting instead of failing.
+//
 // The package is Linux-only (fallocate, MAP_POPULATE, flock).
 package arena

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -14,11 +15,24 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// lockPoll is how often a waiting Open retries the lock, and lockLogEvery
+// how often it says that it is still waiting.
+const (
+	lockPoll     = 100 * time.Millisecond
+	lockLogEvery = 5 * time.Second
+)
+
 // lockArena makes the directory ours (prepareDir) and takes its lock,
-// recording in made what it created.
-func lockArena(opts Options, made *created) (*os.File, error) {
+// recording in made what it created. A lock held by a process that is
+// running fails at once with ErrInUse. A lock whose holder is exiting or
+// cannot be seen (a daemon killed a moment ago still unmapping its arena;
+// one in another pid namespace; one that has not written its pid yet) is
+// waited for, for up to opts.LockWait, with a log line every few seconds.
+func lockArena(opts Options, made *created, log *slog.Logger) (*os.File, error) {
 	path := filepath.Join(opts.Dir, lockFile)
-	for start := time.Now(); ; {
+	start := time.Now()
+	var logged time.Time
+	for {
 		c, err := prepareDir(opts.Dir, opts.access())
 		if err != nil {
 			return nil, err
@@ -30,12 +44,27 @@ func lockArena(opts Options, made *created) (*os.File, error) {
 		}
 		if f != nil {
 			made.lock = c
+			if !logged.IsZero() {
+				log.Info("arena: lock acquired", "lock", path, "waited", time.Since(start).Round(time.Millisecond))
+			}
 			return f, nil
 		}
-		if holder < 0 && time.Since(start) < time.Second {
+		waited := time.Since(start)
+		if holder < 0 && waited < max(opts.LockWait, time.Second) {
 			continue // the lock file was replaced under us: lock the new one
 		}
-		return nil, inUseError(path, holder)
+		state, comm := InspectProcess(holder)
+		if (holder > 0 && state == ProcRunning) || waited >= opts.LockWait {
+			return nil, inUseError(path, holder, state, comm, waited)
+		}
+		if time.Since(logged) >= lockLogEvery {
+			logged = time.Now()
+			log.Warn("arena: waiting for the lock of the arena's previous owner, which is not running "+
+				"(a daemon killed a moment ago releases it once it has unmapped its memory)",
+				"lock", path, "pid", holder, "command", comm, "state", state.String(),
+				"waited", waited.Round(time.Millisecond), "limit", opts.LockWait)
+		}
+		time.Sleep(lockPoll)
 	}
 }
 
@@ -43,7 +72,7 @@ func lockArena(opts Options, made *created) (*os.File, error) {
 // arena directory, without blocking. flock, unlike a pid file alone, is
 // released by the kernel when the holder dies, so a crashed daemon never
 // blocks its successor for good. The pid written inside is for the error
-// message.
+// message and for telling a running holder from an exiting one.
 //
 // It returns the locked file (and whether it created it), or nil and the
 // holder's pid: 0 when the holder has not written it yet, -1 when the lock
@@ -103,12 +132,16 @@ func readPID(f *os.File) int {
 	return pid
 }
 
-func inUseError(path string, pid int) error {
-	if pid <= 0 {
+func inUseError(path string, pid int, state ProcState, comm string, waited time.Duration) error {
+	const hint = "(another ckptd serve on this arena directory?)"
+	switch {
+	case pid <= 0:
 		// The holder may not have written its pid yet; say so rather than guess.
-		return fmt.Errorf("%w: %s is locked by another process (another ckptd serve on this arena directory?)",
-			ErrInUse, path)
+		return fmt.Errorf("%w: %s is locked by another process %s", ErrInUse, path, hint)
+	case state == ProcRunning:
+		return fmt.Errorf("%w: %s is locked by pid %d (%s, running) %s", ErrInUse, path, pid, comm, hint)
+	default:
+		return fmt.Errorf("%w: %s is still locked by pid %d (%s) after waiting %s for it to exit",
+			ErrInUse, path, pid, state, waited.Round(time.Millisecond))
 	}
-	return fmt.Errorf("%w: %s is locked by pid %d (another ckptd serve on this arena directory?)",
-		ErrInUse, path, pid)
 }
