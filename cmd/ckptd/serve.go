@@ -2,16 +2,12 @@ package main
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
 	"os/user"
-	"path/filepath"
 	"runtime"
 	"strconv"
 	"time"
@@ -51,12 +47,6 @@ type serveOptions struct {
 	SlotBytes    byteSize
 }
 
-// DefaultSocket is where serve listens and clients connect when neither
-// --socket nor CKPTD_SOCKET is given. The Python client uses the same rule.
-func DefaultSocket() string {
-	return filepath.Join(os.TempDir(), fmt.Sprintf("ckptd-%d.sock", os.Getuid()))
-}
-
 func newServeCmd() *cobra.Command {
 	o := &serveOptions{StagingBytes: 1 << 30, ChunkSize: 4 << 20, CacheBytes: 1 << 30, SlotBytes: 16 << 20}
 	cmd := &cobra.Command{
@@ -67,9 +57,9 @@ func newServeCmd() *cobra.Command {
 	}
 	fs := cmd.Flags()
 	o.storageOptions.register(fs)
-	fs.StringVar(&o.Socket, "socket", DefaultSocket(), "unix socket to listen on")
+	fs.StringVar(&o.Socket, "socket", "", "unix socket to listen on (default $CKPTD_SOCKET, else $XDG_RUNTIME_DIR/ckptd.sock, else /tmp/ckptd-<uid>/ckptd.sock)")
 	fs.StringVar(&o.SocketGroup, "socket-group", "", "group (name or gid) whose members may use the socket and map the arena, besides its owner")
-	fs.StringVar(&o.ArenaDir, "arena-dir", "", "shared-memory folder of the staging arena (default /dev/shm/ckptd-<hash of socket path>)")
+	fs.StringVar(&o.ArenaDir, "arena-dir", "", "shared-memory folder of the staging arena (default /dev/shm/ckptd-<uid>-<hash of socket path>, or a fresh name recorded next to the socket if another user holds that one)")
 	fs.Var(&o.StagingBytes, "staging-bytes", "size of the shared-memory staging arena (e.g. 8GiB)")
 	fs.DurationVar(&o.StagingWait, "staging-wait", 30*time.Second, "how long a save waits for arena space before failing")
 	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", 30*time.Minute, "reclaim regions of saves never committed and restores never released after this")
@@ -97,18 +87,22 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	if err != nil {
 		return usageError{err}
 	}
+	sp, err := prepareSocket(o.Socket, gid, log)
+	if err != nil {
+		return err
+	}
 	b, err := o.open(ctx, true)
 	if err != nil {
 		return err
 	}
 	defer b.Close()
-	if o.ArenaDir == "" {
-		o.ArenaDir = defaultArenaDir(o.Socket)
-	}
-	a, err := arena.Open(arena.Options{
-		Dir: o.ArenaDir, Size: int64(o.StagingBytes), Lock: true, Logger: log,
+	a, place, err := openArena(o, sp, arena.Options{
+		Size: int64(o.StagingBytes), Lock: true, Logger: log,
 		Shared: gid >= 0, SharedGID: gid,
-	})
+	}, log)
+	if err == nil {
+		err = place.writePointer() // before any save is journaled, so that a restart finds them
+	}
 	if err != nil {
 		return err
 	}
@@ -124,7 +118,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 		a.Close()
 		return err
 	}
-	lis, err := listenUnix(o.Socket, gid)
+	lis, err := listenUnix(sp.path, gid)
 	if err != nil {
 		mgr.Close(ctx)
 		a.Close()
@@ -147,7 +141,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	server.Register(srv, mgr)
 	server.RegisterPrefetch(srv, pf)
 	stopMetrics := serveMetrics(o.MetricsAddr, reg)
-	log.Info("ckptd serving", "socket", o.Socket, "storage", b.Location(), "job", o.Job,
+	log.Info("ckptd serving", "socket", sp.path, "storage", b.Location(), "job", o.Job,
 		"arena", a.Path(), "staging_bytes", a.Size(), "locked", a.Locked(), "codec", c)
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(lis) }()
@@ -160,7 +154,11 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	stopMetrics()
 	stopGRPC(srv, 5*time.Second)
 	pf.Close()
-	return shutdown(mgr, a, o.Grace, err)
+	removed, err := shutdown(mgr, a, o.Grace, err)
+	if removed {
+		place.removePointer()
+	}
+	return err
 }
 
 // reserveIOProc returns the number of compression workers (workers, or one
@@ -182,15 +180,17 @@ func reserveIOProc(workers int) int {
 }
 
 // shutdown drains what it can within grace, then leaves the rest journaled
-// in the arena, which is kept for the next start only in that case.
-func shutdown(mgr *checkpoint.Manager, a *arena.Arena, grace time.Duration, err error) error {
+// in the arena, which is kept for the next start only in that case. It
+// reports whether it removed the arena.
+func shutdown(mgr *checkpoint.Manager, a *arena.Arena, grace time.Duration, err error) (bool, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
 	if left := mgr.Close(ctx); left > 0 {
 		slog.Warn("saves left journaled; they drain when ckptd serve starts again with the same arena", "saves", left, "arena", a.Path())
-		return errors.Join(err, a.Close())
+		return false, errors.Join(err, a.Close())
 	}
-	return errors.Join(err, a.Remove())
+	rmErr := a.Remove()
+	return rmErr == nil, errors.Join(err, rmErr)
 }
 
 // stopGRPC finishes in-flight calls (a save being staged, a wait) for up
@@ -203,51 +203,6 @@ func stopGRPC(srv *grpc.Server, d time.Duration) {
 	case <-time.After(d):
 		srv.Stop()
 	}
-}
-
-// defaultArenaDir derives the arena folder from the socket path, so that
-// several daemons on one machine (one per socket) get their own arenas and
-// a restarted daemon finds its predecessor's.
-func defaultArenaDir(socket string) string {
-	abs, err := filepath.Abs(socket)
-	if err != nil {
-		abs = socket
-	}
-	sum := sha256.Sum256([]byte(abs))
-	return filepath.Join("/dev/shm", "ckptd-"+hex.EncodeToString(sum[:6]))
-}
-
-// listenUnix listens on path, replacing a stale socket file left by a dead
-// daemon but refusing to steal one that a live daemon answers on. Only the
-// owner (and group gid, unless -1) may connect: that is the access control.
-func listenUnix(path string, gid int) (net.Listener, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, err
-	}
-	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
-		c.Close()
-		return nil, fmt.Errorf("another ckptd is already serving on %s", path)
-	}
-	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket != 0 {
-		_ = os.Remove(path)
-	}
-	lis, err := net.Listen("unix", path)
-	if err != nil {
-		return nil, fmt.Errorf("listen on %s: %w", path, err)
-	}
-	mode := os.FileMode(0o600)
-	if gid >= 0 {
-		if err := os.Chown(path, -1, gid); err != nil {
-			lis.Close()
-			return nil, fmt.Errorf("--socket-group: %w", err)
-		}
-		mode = 0o660
-	}
-	if err := os.Chmod(path, mode); err != nil {
-		lis.Close()
-		return nil, err
-	}
-	return lis, nil
 }
 
 // lookupGID resolves --socket-group (a name or a number) to a gid, or -1
