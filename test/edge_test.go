@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -42,6 +43,105 @@ func dirEntries(t *testing.T, dir string) []string {
 		out = append(out, e.Name())
 	}
 	return out
+}
+
+var edgeSeq atomic.Int64
+
+// startEdgeDaemon is startDaemon with an arena name of its own: the names
+// startDaemon derives from t.TempDir (ckptd-test-001, ...) are the same in
+// every test process, so suites run at once on one machine share arenas.
+func startEdgeDaemon(t *testing.T, extra ...string) *daemon {
+	t.Helper()
+	dir := t.TempDir()
+	d := &daemon{
+		t: t, socket: filepath.Join(dir, "ckptd.sock"), storage: filepath.Join(dir, "store"),
+		arena: fmt.Sprintf("/dev/shm/ckptd-test-edge-%d-%d", os.Getpid(), edgeSeq.Add(1)),
+	}
+	d.args = append([]string{"serve", "--socket", d.socket, "--storage", d.storage, "--arena-dir", d.arena,
+		"--staging-bytes", "256MiB", "--job", "e2e", "--log-level", "debug"}, extra...)
+	t.Cleanup(func() { d.stop(); os.RemoveAll(d.arena) })
+	d.start()
+	return d
+}
+
+// runServeCLI runs a `ckptd serve` that is expected to fail, and returns
+// its exit code, stderr and how long it took.
+func runServeCLI(t *testing.T, args ...string) (int, string, time.Duration) {
+	t.Helper()
+	start := time.Now()
+	_, stderr, err := ckptdCLI(t, append([]string{"serve", "--staging-bytes", "64MiB", "--log-level", "debug"}, args...)...)
+	took := time.Since(start)
+	if err == nil {
+		t.Fatalf("serve %q succeeded", args)
+	}
+	code := -1
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	}
+	return code, stderr, took
+}
+
+// A `ckptd serve` that cannot start leaves /dev/shm and its socket folder
+// as they were, whichever check fails, and fails fast when another daemon
+// runs.
+func TestEdgeFailedStartLeavesNothing(t *testing.T) {
+	d := startEdgeDaemon(t)
+	token := fmt.Sprintf("ckptd-test-edge-%d-other", os.Getpid())
+	file := filepath.Join(t.TempDir(), "file")
+	os.WriteFile(file, nil, 0o600)
+	cfg := filepath.Join(t.TempDir(), "ckptd.yaml")
+	os.WriteFile(cfg, []byte("staging_bytes: 1GiB\n"), 0o600)
+
+	for _, tc := range []struct {
+		name   string
+		socket string // "" for a fresh one
+		args   []string
+		code   int
+		want   []string
+	}{
+		// The reported bug: the arena was allocated before the socket was checked.
+		{"busy socket, other arena", d.socket, []string{"--arena-dir", "/dev/shm/" + token},
+			1, []string{"already serving on " + d.socket, fmt.Sprintf("pid %d", d.cmd.Process.Pid)}},
+		{"busy socket, default arena", d.socket, nil, 1, []string{"already serving"}},
+		{"arena in use", "", []string{"--arena-dir", d.arena},
+			1, []string{"arena in use", fmt.Sprintf("locked by pid %d", d.cmd.Process.Pid), "running"}},
+		{"arena too large", "", []string{"--staging-bytes", "1TiB"}, 1, []string{"allocate"}},
+		{"storage unusable", "", []string{"--storage", filepath.Join(file, "store")}, 1, []string{"storage"}},
+		{"bad flag", "", []string{"--chunk-size", "3"}, 2, []string{"--chunk-size"}},
+		{"unknown config key", "", []string{"--config", cfg}, 2, []string{`"staging_bytes"`, `"staging-bytes"`}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			socket := tc.socket
+			if socket == "" {
+				socket = filepath.Join(t.TempDir(), "ckptd.sock")
+			}
+			sockDir := filepath.Dir(socket)
+			shmBefore, dirBefore := shmEntries(t, socket, token), dirEntries(t, sockDir)
+			args := append([]string{"--socket", socket, "--storage", filepath.Join(t.TempDir(), "store")}, tc.args...)
+			code, stderr, took := runServeCLI(t, args...)
+			if code != tc.code {
+				t.Errorf("exit code %d, want %d", code, tc.code)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(stderr, w) {
+					t.Errorf("stderr lacks %q:\n%s", w, stderr)
+				}
+			}
+			if took > 10*time.Second {
+				t.Errorf("took %v to fail (a running daemon must fail the start at once)", took)
+			}
+			if got := shmEntries(t, socket, token); !slices.Equal(got, shmBefore) {
+				t.Errorf("/dev/shm: %q before, %q after", shmBefore, got)
+			}
+			if got := dirEntries(t, sockDir); !slices.Equal(got, dirBefore) {
+				t.Errorf("socket folder: %q before, %q after", dirBefore, got)
+			}
+		})
+	}
+	c := d.client()
+	if _, err := c.Save(ctxT(t), shard(1, 0, 1)); err != nil {
+		t.Fatalf("the running daemon was disturbed: %v", err)
+	}
 }
 
 // The default socket is private: in $XDG_RUNTIME_DIR (when set), mode

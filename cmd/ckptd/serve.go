@@ -77,34 +77,75 @@ func newServeCmd() *cobra.Command {
 	return cmd
 }
 
+// startupFault lets tests fail the start at a named step; nil in the
+// daemon.
+var startupFault func(step string) error
+
+func fault(step string) error {
+	if startupFault == nil {
+		return nil
+	}
+	return startupFault(step)
+}
+
+// undoStack runs, last first, what takes back the steps of a start that
+// failed, so that it leaves nothing behind.
+type undoStack []func()
+
+func (u *undoStack) push(f func()) { *u = append(*u, f) }
+
+func (u *undoStack) run() {
+	for i := len(*u) - 1; i >= 0; i-- {
+		(*u)[i]()
+	}
+}
+
+// runServe checks everything that can fail cheaply (flags, the socket's
+// folder, a daemon already on the socket, storage) before it allocates the
+// arena, and takes back every step if a later one fails: the arena (what
+// it created of it, and only while its journal is empty), the listener and
+// the socket file, the socket folder it made.
 func runServe(ctx context.Context, o *serveOptions) error {
 	log := slog.Default()
-	c, err := codec.ParseSetting(o.Codec)
+	c, gid, err := o.check()
 	if err != nil {
 		return usageError{err}
 	}
-	gid, err := lookupGID(o.SocketGroup)
-	if err != nil {
-		return usageError{err}
+	var undo undoStack
+	fail := func(err error) error {
+		undo.run()
+		return err
 	}
 	sp, err := prepareSocket(o.Socket, gid, log)
 	if err != nil {
 		return err
 	}
-	b, err := o.open(ctx, true)
-	if err != nil {
-		return err
+	undo.push(sp.undo)
+	if err := checkSocketFree(sp.path); err != nil {
+		return fail(err)
 	}
-	defer b.Close()
+	b, err := o.open(ctx, true)
+	if err == nil {
+		undo.push(func() { b.Close() })
+		err = fault("storage")
+	}
+	if err != nil {
+		return fail(err)
+	}
 	a, place, err := openArena(o, sp, arena.Options{
 		Size: int64(o.StagingBytes), Lock: true, Logger: log,
 		Shared: gid >= 0, SharedGID: gid,
 	}, log)
 	if err == nil {
+		undo.push(func() { _ = a.Discard() })
 		err = place.writePointer() // before any save is journaled, so that a restart finds them
 	}
+	if err == nil {
+		undo.push(place.undoPointer)
+		err = fault("arena")
+	}
 	if err != nil {
-		return err
+		return fail(err)
 	}
 	o.Workers = reserveIOProc(o.Workers)
 	reg := prometheus.NewRegistry()
@@ -114,15 +155,16 @@ func runServe(ctx context.Context, o *serveOptions) error {
 		Drains: o.Drains, DrainDelay: o.DrainDelay, Logger: log, Metrics: metrics.NewCheckpoint(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
 	})
-	if err != nil {
-		a.Close()
-		return err
+	if err == nil {
+		undo.push(func() {
+			stopNow, cancel := context.WithCancel(context.Background())
+			cancel() // recovered saves stay journaled
+			mgr.Close(stopNow)
+		})
+		err = fault("manager")
 	}
-	lis, err := listenUnix(sp.path, gid)
 	if err != nil {
-		mgr.Close(ctx)
-		a.Close()
-		return err
+		return fail(err)
 	}
 	pf, err := prefetch.NewService(a, prefetch.ServiceConfig{
 		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
@@ -131,11 +173,20 @@ func runServe(ctx context.Context, o *serveOptions) error {
 			return openStorage(ctx, url, &o.storageOptions, false)
 		},
 	})
+	if err == nil {
+		undo.push(pf.Close)
+		err = fault("prefetch")
+	}
 	if err != nil {
-		lis.Close()
-		mgr.Close(ctx)
-		a.Close()
-		return err
+		return fail(err)
+	}
+	lis, err := listenUnix(sp.path, gid)
+	if err == nil {
+		undo.push(func() { lis.Close() })
+		err = fault("listen")
+	}
+	if err != nil {
+		return fail(err)
 	}
 	srv := grpc.NewServer(grpc.MaxRecvMsgSize(16 << 20))
 	server.Register(srv, mgr)
@@ -158,7 +209,33 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	if removed {
 		place.removePointer()
 	}
+	b.Close()
 	return err
+}
+
+// check validates the flags that need no storage, socket or arena, and
+// returns the codec setting and the --socket-group gid (-1 for none).
+func (o *serveOptions) check() (codec.Codec, int, error) {
+	c, err := codec.ParseSetting(o.Codec)
+	if err != nil {
+		return "", 0, err
+	}
+	gid, err := lookupGID(o.SocketGroup)
+	if err != nil {
+		return "", 0, err
+	}
+	if err := checkpoint.ValidateName("job", o.Job); err != nil {
+		return "", 0, fmt.Errorf("--job: %w", err)
+	}
+	if o.StagingBytes < 4096 {
+		return "", 0, fmt.Errorf("--staging-bytes %d is less than one 4096-byte page", o.StagingBytes)
+	}
+	// The writer's own checks (--chunk-size) without storage: it touches
+	// its backend only when it drains.
+	if _, err := checkpoint.NewWriter(nil, checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: 1}); err != nil {
+		return "", 0, fmt.Errorf("--chunk-size: %w", err)
+	}
+	return c, gid, nil
 }
 
 // reserveIOProc returns the number of compression workers (workers, or one

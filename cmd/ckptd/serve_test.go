@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -8,10 +9,12 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/ckptd/ckptd/internal/arena"
 )
@@ -318,4 +321,113 @@ func TestDefaultArenaLegacyName(t *testing.T) {
 		t.Fatalf("opened %+v, %v; want the legacy %s", place, err, legacy)
 	}
 	a.Remove()
+}
+
+// tree lists every path under dir, relative to it.
+func tree(t *testing.T, dir string) []string {
+	t.Helper()
+	var out []string
+	filepath.WalkDir(dir, func(p string, _ os.DirEntry, err error) error {
+		if err == nil {
+			rel, _ := filepath.Rel(dir, p)
+			out = append(out, rel)
+		}
+		return nil
+	})
+	return out
+}
+
+// serveOpts are options for an in-process serve on storage under dir.
+func serveOpts(dir, socket string) *serveOptions {
+	return &serveOptions{
+		storageOptions: storageOptions{URL: filepath.Join(dir, "store"), Job: "j"},
+		Socket:         socket, StagingBytes: 4 << 20, ChunkSize: 1 << 20, Codec: "auto",
+		Drains: 1, Workers: 1, Grace: time.Second, RingSlots: 1, SlotBytes: 1 << 20,
+		StagingWait: time.Second, LeaseTimeout: time.Minute,
+	}
+}
+
+// A start that fails at any step leaves the socket folder and /dev/shm as
+// they were: no arena, no socket, no folder it made. Then a start that
+// succeeds still can.
+func TestFailedServeLeavesNothing(t *testing.T) {
+	shm := useShm(t)
+	sockDir := useTmpRoot(t) // the default socket: serve makes its folder
+	slog.SetDefault(quiet)
+	defer func() { startupFault = nil }()
+	steps := []string{"storage", "arena", "manager", "prefetch", "listen"}
+	for _, step := range steps {
+		t.Run(step, func(t *testing.T) {
+			dir := t.TempDir()
+			injected := errors.New("injected at " + step)
+			startupFault = func(s string) error {
+				if s == step {
+					return injected
+				}
+				return nil
+			}
+			if err := runServe(context.Background(), serveOpts(dir, "")); !errors.Is(err, injected) {
+				t.Fatalf("runServe = %v", err)
+			}
+			if got := tree(t, shm); !slices.Equal(got, []string{"."}) {
+				t.Errorf("/dev/shm stand-in holds %q", got)
+			}
+			if _, err := os.Lstat(sockDir); !os.IsNotExist(err) {
+				t.Errorf("socket folder %s left: %q", sockDir, tree(t, sockDir))
+			}
+		})
+	}
+
+	// A failed start over a crashed daemon's journal keeps the journal.
+	startupFault = nil
+	socket := filepath.Join(t.TempDir(), "ckptd.sock")
+	sp := &socketPlace{path: socket, dir: filepath.Dir(socket), private: true}
+	a, place, err := openArena(&serveOptions{}, sp, arena.Options{Size: 4 << 20, Logger: quiet}, quiet)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.Journal().Put("staged", []byte("not a journal entry the core can read"))
+	a.Close()
+	before := tree(t, shm)
+	for _, step := range steps[1:] {
+		startupFault = func(s string) error {
+			if s == step {
+				return errors.New("injected")
+			}
+			return nil
+		}
+		runServe(context.Background(), serveOpts(t.TempDir(), socket))
+		if got := tree(t, shm); !slices.Equal(got, before) {
+			t.Fatalf("failed at %s: arena was %q, now %q", step, before, got)
+		}
+	}
+	startupFault = nil
+	a, err = arena.Open(arena.Options{Dir: place.dir, Size: 4 << 20, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.Journal().Delete("staged") // the checkpoint core would quarantine it
+	a.Close()
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- runServe(ctx, serveOpts(t.TempDir(), socket)) }()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if live, _, _ := probeSocket(socket); live {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("serve did not come up after the failed starts")
+		}
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(socket); !os.IsNotExist(err) {
+		t.Errorf("socket left after shutdown: %v", err)
+	}
+	if got := tree(t, shm); !slices.Equal(got, []string{"."}) {
+		t.Errorf("arena left after a clean shutdown: %q", got)
+	}
 }

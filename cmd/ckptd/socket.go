@@ -112,6 +112,13 @@ func prepareSocket(flag string, gid int, log *slog.Logger) (*socketPlace, error)
 	return sp, nil
 }
 
+// undo removes the socket folder this start created, if still empty.
+func (sp *socketPlace) undo() {
+	if sp.madeDir != "" {
+		_ = os.Remove(sp.madeDir) // fails, rightly, if anything is left in it
+	}
+}
+
 // mkdirAllTracked is os.MkdirAll that returns the topmost folder it
 // created ("" if dir existed).
 func mkdirAllTracked(dir string, mode os.FileMode) (string, error) {
@@ -231,6 +238,16 @@ func probeSocket(path string) (live bool, pid int, err error) {
 		}
 	})
 	return true, pid, nil
+}
+
+// checkSocketFree fails if a daemon listens on path.
+func checkSocketFree(path string) error {
+	live, pid, err := probeSocket(path)
+	if err != nil || !live {
+		return err
+	}
+	return fmt.Errorf("another process (pid %d) is already serving on %s: stop it first, or give this "+
+		"daemon another --socket", pid, path)
 }
 
 // listenUnix listens on path, replacing a stale socket file left by a dead
