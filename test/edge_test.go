@@ -1,6 +1,7 @@
 package test
 
 import (
+	"bufio"
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
@@ -8,11 +9,15 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ckptd/ckptd/clients/go/ckptd"
 )
 
 // shmEntries lists the /dev/shm entries that a daemon on socket could
@@ -142,6 +147,134 @@ func TestEdgeFailedStartLeavesNothing(t *testing.T) {
 	if _, err := c.Save(ctxT(t), shard(1, 0, 1)); err != nil {
 		t.Fatalf("the running daemon was disturbed: %v", err)
 	}
+}
+
+// holderSrc is a process that takes an arena's lock (writing its pid, as a
+// daemon does) and listens on a socket, hands both to `sleep` and exits:
+// what a daemon killed a moment ago looks like while the kernel unmaps its
+// arena, before it closes its files.
+const holderSrc = `package main
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"syscall"
+)
+
+func main() {
+	lock, sock, hold := os.Args[1], os.Args[2], os.Args[3]
+	f, err := os.OpenFile(lock, os.O_RDWR|os.O_CREATE, 0o600)
+	if err == nil {
+		err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+	}
+	if err == nil {
+		f.Truncate(0)
+		_, err = f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0)
+	}
+	os.Remove(sock)
+	var l *net.UnixListener
+	if err == nil {
+		l, err = net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	}
+	var lf *os.File
+	if err == nil {
+		l.SetUnlinkOnClose(false)
+		lf, err = l.File()
+	}
+	if err == nil {
+		cmd := exec.Command("sleep", hold)
+		cmd.ExtraFiles = []*os.File{f, lf}
+		if err = cmd.Start(); err == nil {
+			fmt.Println(cmd.Process.Pid)
+			return
+		}
+	}
+	fmt.Println("error:", err)
+	os.Exit(1)
+}
+`
+
+var (
+	holderOnce sync.Once
+	holderBin  string
+	holderErr  error
+)
+
+// startHolder builds holderSrc once and runs it on an arena's lock and a
+// socket; it returns the holder (exited, not reaped: a zombie) once it has
+// handed both to a `sleep` of hold seconds.
+func startHolder(t *testing.T, lock, socket, hold string) *exec.Cmd {
+	t.Helper()
+	holderOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "ckptd-edge-holder")
+		if err != nil {
+			holderErr = err
+			return
+		}
+		os.WriteFile(filepath.Join(dir, "main.go"), []byte(holderSrc), 0o600)
+		os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module holder\n\ngo 1.26\n"), 0o600)
+		holderBin = filepath.Join(dir, "holder")
+		build := exec.Command("go", "build", "-o", holderBin, ".")
+		build.Dir = dir
+		build.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
+		if out, err := build.CombinedOutput(); err != nil {
+			holderErr = fmt.Errorf("build the holder: %v\n%s", err, out)
+		}
+	})
+	if holderErr != nil {
+		t.Fatal(holderErr)
+	}
+	cmd := exec.Command(holderBin, lock, socket, hold)
+	out, _ := cmd.StdoutPipe()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	line, _ := bufio.NewReader(out).ReadString('\n')
+	sleeper, err := strconv.Atoi(strings.TrimSpace(line))
+	if err != nil {
+		t.Fatalf("holder said %q", line)
+	}
+	t.Cleanup(func() { syscall.Kill(sleeper, syscall.SIGKILL); cmd.Wait() })
+	return cmd
+}
+
+// A restart right after a crash: the killed daemon still holds its socket
+// and its arena's lock for a few seconds while the kernel unmaps its
+// memory. The new daemon waits for them, says so, then recovers the
+// journal and commits the save.
+func TestEdgeRestartWhileExiting(t *testing.T) {
+	d := startEdgeDaemon(t, "--debug-drain-delay", "1h")
+	c := d.client()
+	want := shard(5, 0, 1)
+	if _, err := c.Save(ctxT(t), want); err != nil {
+		t.Fatal(err)
+	}
+	d.kill9()
+
+	holder := startHolder(t, filepath.Join(d.arena, "lock"), d.socket, "3")
+	start := time.Now()
+	d.start("--debug-drain-delay", "0s") // returns once it answers
+	if took := time.Since(start); took < 2*time.Second {
+		t.Errorf("came up after %v, while the old daemon held the lock for 3s", took)
+	}
+	for _, w := range []string{"waiting for the previous daemon", fmt.Sprintf("pid=%d", holder.Process.Pid),
+		"socket released", "recovered staged save"} {
+		if !strings.Contains(d.logs(), w) {
+			t.Errorf("log lacks %q:\n%s", w, d.logs())
+		}
+	}
+	c2 := d.client()
+	if err := waitStep(t, c2, 5, 0); err != nil {
+		t.Fatal(err)
+	}
+	got, err := c2.Load(ctxT(t), &ckptd.LoadRequest{Step: 5, Rank: 0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkShard(t, got, want)
 }
 
 // The default socket is private: in $XDG_RUNTIME_DIR (when set), mode

@@ -45,6 +45,7 @@ type serveOptions struct {
 	CacheBytes   byteSize
 	RingSlots    int
 	SlotBytes    byteSize
+	RestartWait  time.Duration
 }
 
 func newServeCmd() *cobra.Command {
@@ -60,6 +61,7 @@ func newServeCmd() *cobra.Command {
 	fs.StringVar(&o.Socket, "socket", "", "unix socket to listen on (default $CKPTD_SOCKET, else $XDG_RUNTIME_DIR/ckptd.sock, else /tmp/ckptd-<uid>/ckptd.sock)")
 	fs.StringVar(&o.SocketGroup, "socket-group", "", "group (name or gid) whose members may use the socket and map the arena, besides its owner")
 	fs.StringVar(&o.ArenaDir, "arena-dir", "", "shared-memory folder of the staging arena (default /dev/shm/ckptd-<uid>-<hash of socket path>, or a fresh name recorded next to the socket if another user holds that one)")
+	fs.DurationVar(&o.RestartWait, "restart-wait", 30*time.Second, "how long to wait for a previous daemon that is exiting (killed a moment ago: unmapping a large arena takes seconds) to release the socket and the arena; a running one fails the start at once")
 	fs.Var(&o.StagingBytes, "staging-bytes", "size of the shared-memory staging arena (e.g. 8GiB)")
 	fs.DurationVar(&o.StagingWait, "staging-wait", 30*time.Second, "how long a save waits for arena space before failing")
 	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", 30*time.Minute, "reclaim regions of saves never committed and restores never released after this")
@@ -121,7 +123,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 		return err
 	}
 	undo.push(sp.undo)
-	if err := checkSocketFree(sp.path); err != nil {
+	if err := waitSocketFree(ctx, sp.path, o.RestartWait, log); err != nil {
 		return fail(err)
 	}
 	b, err := o.open(ctx, true)
@@ -134,7 +136,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	}
 	a, place, err := openArena(o, sp, arena.Options{
 		Size: int64(o.StagingBytes), Lock: true, Logger: log,
-		Shared: gid >= 0, SharedGID: gid,
+		Shared: gid >= 0, SharedGID: gid, LockWait: o.RestartWait,
 	}, log)
 	if err == nil {
 		undo.push(func() { _ = a.Discard() })

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -15,6 +16,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ckptd/ckptd/internal/arena"
 )
 
 // DefaultSocket is the unix socket `ckptd serve` listens on, and clients
@@ -240,14 +243,42 @@ func probeSocket(path string) (live bool, pid int, err error) {
 	return true, pid, nil
 }
 
-// checkSocketFree fails if a daemon listens on path.
-func checkSocketFree(path string) error {
-	live, pid, err := probeSocket(path)
-	if err != nil || !live {
-		return err
+// waitSocketFree returns once nothing listens on path. A listener that is
+// running is another daemon: an error at once. One that is exiting (a
+// daemon killed a moment ago keeps its socket open until its memory is
+// unmapped) or that we cannot see (another pid namespace) is waited for,
+// for up to wait.
+func waitSocketFree(ctx context.Context, path string, wait time.Duration, log *slog.Logger) error {
+	start := time.Now()
+	var logged time.Time
+	for {
+		live, pid, err := probeSocket(path)
+		if err != nil || !live {
+			if err == nil && !logged.IsZero() {
+				log.Info("socket released", "socket", path, "waited", time.Since(start).Round(time.Millisecond))
+			}
+			return err
+		}
+		state, comm := arena.InspectProcess(pid)
+		waited := time.Since(start)
+		switch {
+		case state == arena.ProcRunning:
+			return fmt.Errorf("another process (pid %d, %s) is already serving on %s: stop it first, or give this "+
+				"daemon another --socket", pid, comm, path)
+		case waited >= wait:
+			return fmt.Errorf("%s is still held by pid %d (%s) after waiting %s for it to exit; raise --restart-wait "+
+				"if that process is a daemon that takes longer to exit", path, pid, state, waited.Round(time.Millisecond))
+		case time.Since(logged) >= 5*time.Second:
+			logged = time.Now()
+			log.Warn("waiting for the previous daemon, which is not running any more, to release the socket",
+				"socket", path, "pid", pid, "state", state.String(), "waited", waited.Round(time.Millisecond), "limit", wait)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
 	}
-	return fmt.Errorf("another process (pid %d) is already serving on %s: stop it first, or give this "+
-		"daemon another --socket", pid, path)
 }
 
 // listenUnix listens on path, replacing a stale socket file left by a dead
