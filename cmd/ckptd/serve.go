@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/spf13/cobra"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/keepalive"
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/internal/arena"
@@ -190,7 +191,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	if err != nil {
 		return fail(err)
 	}
-	srv := grpc.NewServer(grpc.MaxRecvMsgSize(16 << 20))
+	srv := grpc.NewServer(serverOptions()...)
 	server.Register(srv, mgr)
 	server.RegisterPrefetch(srv, pf)
 	stopMetrics := serveMetrics(o.MetricsAddr, reg)
@@ -238,6 +239,37 @@ func (o *serveOptions) check() (codec.Codec, int, error) {
 		return "", 0, fmt.Errorf("--chunk-size: %w", err)
 	}
 	return c, gid, nil
+}
+
+// serverOptions bound what one client connection can hold in the daemon.
+func serverOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{
+		// A request is buffered whole before its handler runs. Tensor bytes
+		// travel through the arena; 16 MiB is ample for a tensor table or
+		// one message of a stream.
+		grpc.MaxRecvMsgSize(16 << 20),
+		// Each stream is a goroutine and up to one buffered request, so this
+		// bounds one connection at 128 x 16 MiB. A trainer's saves, waits
+		// and dataset sessions need far fewer at once; a client past the
+		// limit queues, it does not fail.
+		grpc.MaxConcurrentStreams(128),
+		// A peer that stops answering pings (a frozen process; a forked
+		// DataLoader worker that inherited the connection of a trainer that
+		// is gone, which keeps the socket open) is cut off after 2m20s, and
+		// what its connection held is released. A unix socket reports a
+		// peer that exited at once.
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 2 * time.Minute, Timeout: 20 * time.Second}),
+		// Clients may ping every 10s, even between calls (the default is
+		// 5 minutes and only during calls), and no faster: a ping flood gets
+		// GOAWAY.
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+		// A local client sends its preface at once; a connection that says
+		// nothing is dropped after 5s instead of 120s.
+		grpc.ConnectionTimeout(5 * time.Second),
+		// ckptd's calls carry little metadata; the default allows 16 MiB
+		// of headers a call.
+		grpc.MaxHeaderListSize(64 << 10),
+	}
 }
 
 // reserveIOProc returns the number of compression workers (workers, or one
