@@ -378,6 +378,14 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 		})
 	}
 
+	// Folders made for an explicit --socket go too.
+	root := t.TempDir()
+	startupFault = func(s string) error { return errors.New("injected at " + s) }
+	runServe(context.Background(), serveOpts(t.TempDir(), filepath.Join(root, "a", "b", "ckptd.sock")))
+	if got := tree(t, root); !slices.Equal(got, []string{"."}) {
+		t.Errorf("socket folders left: %q", got)
+	}
+
 	// A failed start over a crashed daemon's journal keeps the journal.
 	startupFault = nil
 	socket := filepath.Join(t.TempDir(), "ckptd.sock")

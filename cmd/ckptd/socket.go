@@ -68,11 +68,13 @@ type socketPlace struct {
 // sure its folder is fit for it, creating the folder if needed. Nothing is
 // bound yet.
 func prepareSocket(flag string, gid int, log *slog.Logger) (*socketPlace, error) {
-	path, managed, mustExist := flag, false, false
+	path, inTmp, inXDG := flag, false, false // inTmp, inXDG: rule 3 or 2 of DefaultSocket
 	if path == "" {
 		path = DefaultSocket()
-		managed = os.Getenv("CKPTD_SOCKET") == "" && os.Getenv("XDG_RUNTIME_DIR") == ""
-		mustExist = os.Getenv("CKPTD_SOCKET") == "" && !managed
+		if os.Getenv("CKPTD_SOCKET") == "" {
+			inXDG = os.Getenv("XDG_RUNTIME_DIR") != ""
+			inTmp = !inXDG
+		}
 	}
 	abs, err := filepath.Abs(path)
 	if err != nil {
@@ -84,7 +86,7 @@ func prepareSocket(flag string, gid int, log *slog.Logger) (*socketPlace, error)
 	}
 	sp := &socketPlace{path: abs, dir: filepath.Dir(abs)}
 	switch {
-	case managed: // /tmp/ckptd-<uid>: ours to create and to keep private
+	case inTmp: // /tmp/ckptd-<uid>: ours to create and to keep private
 		made, err := ensurePrivateDir(sp.dir, gid)
 		if err != nil {
 			return nil, err
@@ -92,7 +94,7 @@ func prepareSocket(flag string, gid int, log *slog.Logger) (*socketPlace, error)
 		if made {
 			sp.madeDir = sp.dir
 		}
-	case mustExist: // $XDG_RUNTIME_DIR: the session's, not ours to create or change
+	case inXDG: // $XDG_RUNTIME_DIR: the session's, not ours to create or change
 		if _, err := checkPrivateDir(sp.dir, false); err != nil {
 			return nil, fmt.Errorf("%w (from XDG_RUNTIME_DIR; unset it, or pass --socket)", err)
 		}
@@ -115,10 +117,16 @@ func prepareSocket(flag string, gid int, log *slog.Logger) (*socketPlace, error)
 	return sp, nil
 }
 
-// undo removes the socket folder this start created, if still empty.
+// undo removes the socket folders this start created, those still empty.
 func (sp *socketPlace) undo() {
-	if sp.madeDir != "" {
-		_ = os.Remove(sp.madeDir) // fails, rightly, if anything is left in it
+	if sp.madeDir == "" {
+		return
+	}
+	for d := sp.dir; ; d = filepath.Dir(d) {
+		_ = os.Remove(d) // fails, rightly, if anything is left in it
+		if d == sp.madeDir || d == filepath.Dir(d) {
+			return
+		}
 	}
 }
 
