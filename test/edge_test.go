@@ -11,7 +11,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -197,35 +196,20 @@ func main() {
 }
 `
 
-var (
-	holderOnce sync.Once
-	holderBin  string
-	holderErr  error
-)
-
-// startHolder builds holderSrc once and runs it on an arena's lock and a
+// startHolder builds holderSrc and runs it on an arena's lock and a
 // socket; it returns the holder (exited, not reaped: a zombie) once it has
 // handed both to a `sleep` of hold seconds.
 func startHolder(t *testing.T, lock, socket, hold string) *exec.Cmd {
 	t.Helper()
-	holderOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "ckptd-edge-holder")
-		if err != nil {
-			holderErr = err
-			return
-		}
-		os.WriteFile(filepath.Join(dir, "main.go"), []byte(holderSrc), 0o600)
-		os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module holder\n\ngo 1.26\n"), 0o600)
-		holderBin = filepath.Join(dir, "holder")
-		build := exec.Command("go", "build", "-o", holderBin, ".")
-		build.Dir = dir
-		build.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
-		if out, err := build.CombinedOutput(); err != nil {
-			holderErr = fmt.Errorf("build the holder: %v\n%s", err, out)
-		}
-	})
-	if holderErr != nil {
-		t.Fatal(holderErr)
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "main.go"), []byte(holderSrc), 0o600)
+	os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module holder\n\ngo 1.26\n"), 0o600)
+	holderBin := filepath.Join(dir, "holder")
+	build := exec.Command("go", "build", "-o", holderBin, ".")
+	build.Dir = dir
+	build.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build the holder: %v\n%s", err, out)
 	}
 	cmd := exec.Command(holderBin, lock, socket, hold)
 	out, _ := cmd.StdoutPipe()
