@@ -280,12 +280,7 @@ func (mgr *Manager) leaseFromJournal(data []byte) (*lease, error) {
 // start. The entry's bytes are kept for a post-mortem.
 func (mgr *Manager) quarantine(id string, why error) {
 	mgr.m.Quarantined.Inc()
-	q, ok := any(mgr.arena.Journal()).(interface{ Quarantine(id, reason string) error })
-	if !ok {
-		mgr.log.Error("journal entry unusable; left in place", "entry", id, "why", why)
-		return
-	}
-	if err := q.Quarantine(id, why.Error()); err != nil {
+	if err := mgr.arena.Journal().Quarantine(id, why.Error()); err != nil {
 		mgr.log.Error("journal entry unusable, and could not be set aside", "entry", id, "why", why, "err", err)
 		return
 	}

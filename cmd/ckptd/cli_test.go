@@ -11,6 +11,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
 	"github.com/ckptd/ckptd/checkpoint"
@@ -54,6 +55,50 @@ func TestConfigPrecedence(t *testing.T) {
 	get := func(name string) string { return cmd.Flags().Lookup(name).Value.String() }
 	if get("staging-bytes") != "4294967296" || get("codec") != "none" || get("job") != "fromfile" || get("storage") != "/from/file" {
 		t.Fatalf("staging-bytes %s codec %s job %s storage %s", get("staging-bytes"), get("codec"), get("job"), get("storage"))
+	}
+}
+
+// A key that names no flag is a usage error naming it: flags are spelled
+// with dashes, and staging_bytes used to be ignored without a word. A key
+// of another command is fine (one file may serve them all).
+func TestConfigUnknownKey(t *testing.T) {
+	for _, tc := range []struct {
+		yaml string
+		want []string // in the error; nil: no error
+	}{
+		{"staging_bytes: 2GiB\n", []string{`unknown key "staging_bytes"`, `did you mean "staging-bytes"?`}},
+		{"Socket_Group: 5\nstorage: /x\n", []string{`"Socket_Group" (did you mean "socket-group"?`}},
+		{"stagin-bytes: 1\nbogus: 2\n", []string{`unknown keys "bogus", "stagin-bytes"`, `the keys of "ckptd serve" are: `, "staging-bytes, staging-wait, storage"}},
+		{"staging-bytes: 2GiB\nkeep-last: 3\nlog-level: debug\n", nil},
+	} {
+		cfg := filepath.Join(t.TempDir(), "ckptd.yaml")
+		if err := os.WriteFile(cfg, []byte(tc.yaml), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		root := newRootCmd()
+		var serve *cobra.Command
+		for _, c := range root.Commands() {
+			if c.Name() == "serve" {
+				serve = c
+			}
+		}
+		serve.RunE = func(*cobra.Command, []string) error { return nil } // only the config is under test
+		root.SetArgs([]string{"serve", "--config", cfg})
+		err := root.Execute()
+		if tc.want == nil {
+			if err != nil {
+				t.Errorf("%q: %v", tc.yaml, err)
+			}
+			continue
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(fmtErr(err), w) {
+				t.Errorf("%q: error %q lacks %q", tc.yaml, fmtErr(err), w)
+			}
+		}
+		if exitCode(err) != 2 {
+			t.Errorf("%q: exit code %d, want 2", tc.yaml, exitCode(err))
+		}
 	}
 }
 

@@ -1,9 +1,12 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -27,6 +30,9 @@ func applyConfig(cmd *cobra.Command) error {
 		if err := yaml.Unmarshal(b, &file); err != nil {
 			return fmt.Errorf("config %s: %w", path, err)
 		}
+		if err := checkConfigKeys(cmd, file); err != nil {
+			return fmt.Errorf("config %s: %w", path, err)
+		}
 	}
 	var err error
 	cmd.Flags().VisitAll(func(f *pflag.Flag) {
@@ -41,6 +47,57 @@ func applyConfig(cmd *cobra.Command) error {
 		}
 	})
 	return err
+}
+
+// checkConfigKeys fails on a key that names no flag of any ckptd command
+// (a key for another command is fine: one file may serve them all), and
+// suggests the flag meant (keys are spelled like the flags, with dashes)
+// or lists the keys this command takes.
+func checkConfigKeys(cmd *cobra.Command, file map[string]any) error {
+	known := map[string]bool{}
+	var walk func(c *cobra.Command)
+	walk = func(c *cobra.Command) {
+		mark := func(f *pflag.Flag) { known[f.Name] = f.Name != "help" }
+		c.Flags().VisitAll(mark)
+		c.PersistentFlags().VisitAll(mark)
+		for _, sub := range c.Commands() {
+			walk(sub)
+		}
+	}
+	walk(cmd.Root())
+	var bad []string
+	listValid := false
+	for key := range file {
+		if known[key] {
+			continue
+		}
+		guess := strings.ToLower(strings.ReplaceAll(strings.TrimLeft(key, "-"), "_", "-"))
+		if known[guess] {
+			bad = append(bad, fmt.Sprintf("%q (did you mean %q? keys are spelled like the flags, with dashes)", key, guess))
+		} else {
+			bad = append(bad, strconv.Quote(key))
+			listValid = true
+		}
+	}
+	if len(bad) == 0 {
+		return nil
+	}
+	slices.Sort(bad)
+	msg := "unknown key " + strings.Join(bad, ", ")
+	if len(bad) > 1 {
+		msg = "unknown keys " + strings.Join(bad, ", ")
+	}
+	if listValid {
+		var valid []string
+		cmd.Flags().VisitAll(func(f *pflag.Flag) {
+			if !f.Hidden && f.Name != "help" {
+				valid = append(valid, f.Name)
+			}
+		})
+		slices.Sort(valid)
+		msg += fmt.Sprintf("; the keys of %q are: %s", cmd.CommandPath(), strings.Join(valid, ", "))
+	}
+	return errors.New(msg)
 }
 
 func setFlag(f *pflag.Flag, v, from string) error {

@@ -3,7 +3,8 @@
 //
 // Every flag may also come from the environment (CKPTD_<FLAG>, e.g.
 // CKPTD_STAGING_BYTES) or from a YAML config file (--config, keys named as
-// the flags); the command line wins, then the environment, then the file.
+// the flags, with dashes; a key that names no flag of any command is a
+// usage error); the command line wins, then the environment, then the file.
 package main
 
 import (

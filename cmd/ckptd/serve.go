@@ -2,16 +2,12 @@ package main
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
 	"os/user"
-	"path/filepath"
 	"runtime"
 	"strconv"
 	"time"
@@ -21,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/spf13/cobra"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/keepalive"
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/internal/arena"
@@ -51,12 +48,7 @@ type serveOptions struct {
 	CacheBytes   byteSize
 	RingSlots    int
 	SlotBytes    byteSize
-}
-
-// DefaultSocket is where serve listens and clients connect when neither
-// --socket nor CKPTD_SOCKET is given. The Python client uses the same rule.
-func DefaultSocket() string {
-	return filepath.Join(os.TempDir(), fmt.Sprintf("ckptd-%d.sock", os.Getuid()))
+	RestartWait  time.Duration
 }
 
 func newServeCmd() *cobra.Command {
@@ -69,9 +61,10 @@ func newServeCmd() *cobra.Command {
 	}
 	fs := cmd.Flags()
 	o.storageOptions.register(fs)
-	fs.StringVar(&o.Socket, "socket", DefaultSocket(), "unix socket to listen on")
+	fs.StringVar(&o.Socket, "socket", "", "unix socket to listen on (default $CKPTD_SOCKET, else $XDG_RUNTIME_DIR/ckptd.sock, else /tmp/ckptd-<uid>/ckptd.sock)")
 	fs.StringVar(&o.SocketGroup, "socket-group", "", "group (name or gid) whose members may use the socket and map the arena, besides its owner")
-	fs.StringVar(&o.ArenaDir, "arena-dir", "", "shared-memory folder of the staging arena (default /dev/shm/ckptd-<hash of socket path>)")
+	fs.StringVar(&o.ArenaDir, "arena-dir", "", "shared-memory folder of the staging arena (default /dev/shm/ckptd-<uid>-<hash of socket path>, or a fresh name recorded next to the socket if another user holds that one)")
+	fs.DurationVar(&o.RestartWait, "restart-wait", 30*time.Second, "how long to wait for a previous daemon that is exiting (killed a moment ago: unmapping a large arena takes seconds) to release the socket and the arena; a running one fails the start at once")
 	fs.Var(&o.StagingBytes, "staging-bytes", "size of the shared-memory staging arena (e.g. 8GiB)")
 	fs.DurationVar(&o.StagingWait, "staging-wait", 30*time.Second, "how long a save waits for arena space before failing")
 	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", 30*time.Minute, "end saves never committed and restores never released after this (a client that disconnects frees them at once)")
@@ -90,30 +83,75 @@ func newServeCmd() *cobra.Command {
 	return cmd
 }
 
+// startupFault lets tests fail the start at a named step; nil in the
+// daemon.
+var startupFault func(step string) error
+
+func fault(step string) error {
+	if startupFault == nil {
+		return nil
+	}
+	return startupFault(step)
+}
+
+// undoStack runs, last first, what takes back the steps of a start that
+// failed, so that it leaves nothing behind.
+type undoStack []func()
+
+func (u *undoStack) push(f func()) { *u = append(*u, f) }
+
+func (u *undoStack) run() {
+	for i := len(*u) - 1; i >= 0; i-- {
+		(*u)[i]()
+	}
+}
+
+// runServe checks everything that can fail cheaply (flags, the socket's
+// folder, a daemon already on the socket, storage) before it allocates the
+// arena, and takes back every step if a later one fails: the arena (what
+// it created of it, and only while its journal is empty), the listener and
+// the socket file, the socket folder it made.
 func runServe(ctx context.Context, o *serveOptions) error {
 	log := slog.Default()
-	c, err := codec.ParseSetting(o.Codec)
+	c, gid, err := o.check()
 	if err != nil {
 		return usageError{err}
 	}
-	gid, err := lookupGID(o.SocketGroup)
+	var undo undoStack
+	fail := func(err error) error {
+		undo.run()
+		return err
+	}
+	sp, err := prepareSocket(o.Socket, gid, log)
 	if err != nil {
-		return usageError{err}
+		return err
+	}
+	undo.push(sp.undo)
+	if err := waitSocketFree(ctx, sp.path, o.RestartWait, log); err != nil {
+		return fail(err)
 	}
 	b, err := o.open(ctx, true)
-	if err != nil {
-		return err
+	if err == nil {
+		undo.push(func() { b.Close() })
+		err = fault("storage")
 	}
-	defer b.Close()
-	if o.ArenaDir == "" {
-		o.ArenaDir = defaultArenaDir(o.Socket)
-	}
-	a, err := arena.Open(arena.Options{
-		Dir: o.ArenaDir, Size: int64(o.StagingBytes), Lock: true, Logger: log,
-		Shared: gid >= 0, SharedGID: gid,
-	})
 	if err != nil {
-		return err
+		return fail(err)
+	}
+	a, place, err := openArena(o, sp, arena.Options{
+		Size: int64(o.StagingBytes), Lock: true, Logger: log,
+		Shared: gid >= 0, SharedGID: gid, LockWait: o.RestartWait,
+	}, log)
+	if err == nil {
+		undo.push(func() { _ = a.Discard() })
+		err = place.writePointer() // before any save is journaled, so that a restart finds them
+	}
+	if err == nil {
+		undo.push(place.undoPointer)
+		err = fault("arena")
+	}
+	if err != nil {
+		return fail(err)
 	}
 	o.Workers = reserveIOProc(o.Workers)
 	reg := prometheus.NewRegistry()
@@ -123,15 +161,16 @@ func runServe(ctx context.Context, o *serveOptions) error {
 		Drains: o.Drains, DrainDelay: o.DrainDelay, Logger: log, Metrics: metrics.NewCheckpoint(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
 	})
-	if err != nil {
-		a.Close()
-		return err
+	if err == nil {
+		undo.push(func() {
+			stopNow, cancel := context.WithCancel(context.Background())
+			cancel() // recovered saves stay journaled
+			mgr.Close(stopNow)
+		})
+		err = fault("manager")
 	}
-	lis, err := listenUnix(o.Socket, gid)
 	if err != nil {
-		mgr.Close(ctx)
-		a.Close()
-		return err
+		return fail(err)
 	}
 	pf, err := prefetch.NewService(a, prefetch.ServiceConfig{
 		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
@@ -140,21 +179,30 @@ func runServe(ctx context.Context, o *serveOptions) error {
 			return openStorage(ctx, url, &o.storageOptions, false)
 		},
 	})
-	if err != nil {
-		lis.Close()
-		mgr.Close(ctx)
-		a.Close()
-		return err
+	if err == nil {
+		undo.push(pf.Close)
+		err = fault("prefetch")
 	}
-	srv := grpc.NewServer(append(server.Interceptors(), grpc.MaxRecvMsgSize(16<<20))...)
+	if err != nil {
+		return fail(err)
+	}
+	lis, err := listenUnix(sp.path, gid)
+	if err == nil {
+		undo.push(func() { lis.Close() })
+		err = fault("listen")
+	}
+	if err != nil {
+		return fail(err)
+	}
+	srv := grpc.NewServer(append(server.Interceptors(), serverOptions()...)...)
 	server.Register(srv, mgr)
 	server.RegisterPrefetch(srv, pf)
 	stopMetrics := serveMetrics(o.MetricsAddr, reg)
-	log.Info("ckptd serving", "socket", o.Socket, "storage", b.Location(), "job", o.Job,
+	log.Info("ckptd serving", "socket", sp.path, "storage", b.Location(), "job", o.Job,
 		"arena", a.Path(), "staging_bytes", a.Size(), "locked", a.Locked(), "codec", c)
 	errc := make(chan error, 1)
 	go func() {
-		errc <- srv.Serve(peercred.NewListener(lis, peercred.Policy{UID: os.Geteuid(), GID: gid}, nil, log))
+		errc <- srv.Serve(peercred.NewListener(lis.(peercred.UnixListener), peercred.Policy{UID: os.Geteuid(), GID: gid}, nil, log))
 	}()
 	select {
 	case <-ctx.Done():
@@ -165,7 +213,68 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	stopMetrics()
 	stopGRPC(srv, 5*time.Second)
 	pf.Close()
-	return shutdown(mgr, a, o.Grace, err)
+	removed, err := shutdown(mgr, a, o.Grace, err)
+	if removed {
+		place.removePointer()
+	}
+	b.Close()
+	return err
+}
+
+// check validates the flags that need no storage, socket or arena, and
+// returns the codec setting and the --socket-group gid (-1 for none).
+func (o *serveOptions) check() (codec.Codec, int, error) {
+	c, err := codec.ParseSetting(o.Codec)
+	if err != nil {
+		return "", 0, err
+	}
+	gid, err := lookupGID(o.SocketGroup)
+	if err != nil {
+		return "", 0, err
+	}
+	if err := checkpoint.ValidateName("job", o.Job); err != nil {
+		return "", 0, fmt.Errorf("--job: %w", err)
+	}
+	if o.StagingBytes < 4096 {
+		return "", 0, fmt.Errorf("--staging-bytes %d is less than one 4096-byte page", o.StagingBytes)
+	}
+	// The writer's own checks (--chunk-size) without storage: it touches
+	// its backend only when it drains.
+	if _, err := checkpoint.NewWriter(nil, checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: 1}); err != nil {
+		return "", 0, fmt.Errorf("--chunk-size: %w", err)
+	}
+	return c, gid, nil
+}
+
+// serverOptions bound what one client connection can hold in the daemon.
+func serverOptions() []grpc.ServerOption {
+	return []grpc.ServerOption{
+		// A request is buffered whole before its handler runs. Tensor bytes
+		// travel through the arena; 16 MiB is ample for a tensor table or
+		// one message of a stream.
+		grpc.MaxRecvMsgSize(16 << 20),
+		// Each stream is a goroutine and up to one buffered request, so this
+		// bounds one connection at 128 x 16 MiB. A trainer's saves, waits
+		// and dataset sessions need far fewer at once; a client past the
+		// limit queues, it does not fail.
+		grpc.MaxConcurrentStreams(128),
+		// A peer that stops answering pings (a frozen process; a forked
+		// DataLoader worker that inherited the connection of a trainer that
+		// is gone, which keeps the socket open) is cut off after 2m20s, and
+		// what its connection held is released. A unix socket reports a
+		// peer that exited at once.
+		grpc.KeepaliveParams(keepalive.ServerParameters{Time: 2 * time.Minute, Timeout: 20 * time.Second}),
+		// Clients may ping every 10s, even between calls (the default is
+		// 5 minutes and only during calls), and no faster: a ping flood gets
+		// GOAWAY.
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+		// A local client sends its preface at once; a connection that says
+		// nothing is dropped after 5s instead of 120s.
+		grpc.ConnectionTimeout(5 * time.Second),
+		// ckptd's calls carry little metadata; the default allows 16 MiB
+		// of headers a call.
+		grpc.MaxHeaderListSize(64 << 10),
+	}
 }
 
 // reserveIOProc returns the number of compression workers (workers, or one
@@ -187,15 +296,17 @@ func reserveIOProc(workers int) int {
 }
 
 // shutdown drains what it can within grace, then leaves the rest journaled
-// in the arena, which is kept for the next start only in that case.
-func shutdown(mgr *checkpoint.Manager, a *arena.Arena, grace time.Duration, err error) error {
+// in the arena, which is kept for the next start only in that case. It
+// reports whether it removed the arena.
+func shutdown(mgr *checkpoint.Manager, a *arena.Arena, grace time.Duration, err error) (bool, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
 	if left := mgr.Close(ctx); left > 0 {
 		slog.Warn("saves left journaled; they drain when ckptd serve starts again with the same arena", "saves", left, "arena", a.Path())
-		return errors.Join(err, a.Close())
+		return false, errors.Join(err, a.Close())
 	}
-	return errors.Join(err, a.Remove())
+	rmErr := a.Remove()
+	return rmErr == nil, errors.Join(err, rmErr)
 }
 
 // stopGRPC finishes in-flight calls (a save being staged, a wait) for up
@@ -208,51 +319,6 @@ func stopGRPC(srv *grpc.Server, d time.Duration) {
 	case <-time.After(d):
 		srv.Stop()
 	}
-}
-
-// defaultArenaDir derives the arena folder from the socket path, so that
-// several daemons on one machine (one per socket) get their own arenas and
-// a restarted daemon finds its predecessor's.
-func defaultArenaDir(socket string) string {
-	abs, err := filepath.Abs(socket)
-	if err != nil {
-		abs = socket
-	}
-	sum := sha256.Sum256([]byte(abs))
-	return filepath.Join("/dev/shm", "ckptd-"+hex.EncodeToString(sum[:6]))
-}
-
-// listenUnix listens on path, replacing a stale socket file left by a dead
-// daemon but refusing to steal one that a live daemon answers on. Only the
-// owner (and group gid, unless -1) may connect: that is the access control.
-func listenUnix(path string, gid int) (*net.UnixListener, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, err
-	}
-	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
-		c.Close()
-		return nil, fmt.Errorf("another ckptd is already serving on %s", path)
-	}
-	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket != 0 {
-		_ = os.Remove(path)
-	}
-	lis, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		return nil, fmt.Errorf("listen on %s: %w", path, err)
-	}
-	mode := os.FileMode(0o600)
-	if gid >= 0 {
-		if err := os.Chown(path, -1, gid); err != nil {
-			lis.Close()
-			return nil, fmt.Errorf("--socket-group: %w", err)
-		}
-		mode = 0o660
-	}
-	if err := os.Chmod(path, mode); err != nil {
-		lis.Close()
-		return nil, err
-	}
-	return lis, nil
 }
 
 // lookupGID resolves --socket-group (a name or a number) to a gid, or -1

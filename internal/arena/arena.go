@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -32,9 +34,20 @@ type Options struct {
 	// group is the trust boundary, as it is for the socket.
 	Shared    bool
 	SharedGID int
+	// LockWait bounds how long Open waits for the arena lock when its
+	// holder is not running: a daemon killed a moment ago keeps the lock
+	// until it has unmapped its (possibly large, mlocked) arena, which takes
+	// seconds; a holder in another pid namespace cannot be seen at all. A
+	// holder that is running fails Open at once with ErrInUse, as does any
+	// holder when LockWait is 0.
+	LockWait time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
+
+// created records what one Open made, so that a failed start can take it
+// back (Discard) and leave the place as it found it.
+type created struct{ dir, lock, journal, file bool }
 
 // access is who may use the arena directory and file.
 type access struct {
@@ -60,6 +73,7 @@ type Arena struct {
 	log     *slog.Logger
 	alloc   *allocator
 	journal *Journal
+	made    created
 
 	mu       sync.Mutex // guards mem and lockFile against Close
 	mem      []byte
@@ -78,6 +92,7 @@ const (
 
 // Open creates or reopens the arena in opts.Dir. An existing arena of the
 // same size is reused as is: that is how staged data survives a restart.
+// When Open fails it leaves behind nothing that it created.
 func Open(opts Options) (*Arena, error) {
 	log := opts.Logger
 	if log == nil {
@@ -90,28 +105,40 @@ func Open(opts Options) (*Arena, error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("arena: size %d bytes is less than one %d-byte page", opts.Size, pageSize)
 	}
-	if err := prepareDir(opts.Dir, opts.access()); err != nil {
+	var made created
+	lf, err := lockArena(opts, &made, log)
+	if err != nil {
+		// Whatever we created was made in a directory whose lock we do not
+		// hold (or that we could not use): only an empty new one is ours.
+		if made.dir {
+			os.Remove(opts.Dir)
+		}
 		return nil, err
 	}
-	lf, err := acquireLock(filepath.Join(opts.Dir, lockFile))
+	a, err := open(opts, size, log, lf, &made)
 	if err != nil {
-		return nil, err
-	}
-	a, err := open(opts, size, log, lf)
-	if err != nil {
-		lf.Close()
+		lf.Close() // after open undid what it made, so no one else could see it half made
 		return nil, err
 	}
 	return a, nil
 }
 
-func open(opts Options, want int64, log *slog.Logger, lf *os.File) (*Arena, error) {
-	j, err := openJournal(filepath.Join(opts.Dir, journalDir))
+// open opens the journal and the arena file under the lock lf. On failure
+// it deletes what this Open made unless the journal holds entries (then
+// nothing is touched: they name staged saves).
+func open(opts Options, want int64, log *slog.Logger, lf *os.File, made *created) (a *Arena, err error) {
+	var j *Journal
+	defer func() {
+		if err != nil && (j == nil || j.Len() == 0) {
+			err = errors.Join(err, undo(opts.Dir, *made))
+		}
+	}()
+	j, made.journal, err = openJournal(filepath.Join(opts.Dir, journalDir))
 	if err != nil {
 		return nil, err
 	}
 	path := filepath.Join(opts.Dir, arenaFile)
-	f, size, err := openArenaFile(path, want, j.Len(), opts.access(), log)
+	f, size, err := openArenaFile(path, want, j.Len(), opts.access(), made, log)
 	if err != nil {
 		return nil, err
 	}
@@ -127,7 +154,7 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File) (*Arena, erro
 	if err != nil {
 		return nil, fmt.Errorf("arena: mmap %s (%d bytes): %w", path, size, err)
 	}
-	a := &Arena{
+	a = &Arena{
 		dir:      opts.Dir,
 		path:     path,
 		id:       id,
@@ -135,6 +162,7 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File) (*Arena, erro
 		log:      log,
 		alloc:    newAllocator(size &^ (pageSize - 1)),
 		journal:  j,
+		made:     *made,
 		mem:      mem,
 		lockFile: lf,
 	}
@@ -145,26 +173,32 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File) (*Arena, erro
 	return a, nil
 }
 
-// prepareDir makes Dir ours, with the access asked for. /dev/shm is
-// world-writable, so a directory someone else created there, or a symlink
-// planted in its place, must not become memory that trainers copy their
-// weights into.
-func prepareDir(dir string, ac access) error {
-	if err := os.MkdirAll(dir, dirMode); err != nil {
-		return fmt.Errorf("arena: create %s: %w", dir, err)
+// prepareDir makes Dir ours, with the access asked for, and reports
+// whether it created it. /dev/shm is world-writable, so a directory
+// someone else created there, or a symlink planted in its place, must not
+// become memory that trainers copy their weights into: those fail with
+// ErrNotOurs.
+func prepareDir(dir string, ac access) (bool, error) {
+	if err := os.MkdirAll(filepath.Dir(dir), dirMode); err != nil {
+		return false, fmt.Errorf("arena: create %s: %w", filepath.Dir(dir), err)
+	}
+	err := os.Mkdir(dir, dirMode)
+	made := err == nil
+	if err != nil && !errors.Is(err, fs.ErrExist) {
+		return false, fmt.Errorf("arena: create %s: %w", dir, err)
 	}
 	fi, err := os.Lstat(dir)
 	if err != nil {
-		return fmt.Errorf("arena: %w", err)
+		return made, fmt.Errorf("arena: %w", err)
 	}
 	if !fi.IsDir() {
-		return fmt.Errorf("arena: %s is not a directory (%s)", dir, fi.Mode().Type())
+		return made, fmt.Errorf("%w: %s is not a directory (%s)", ErrNotOurs, dir, fi.Mode().Type())
 	}
 	if st, ok := fi.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Geteuid() {
-		return fmt.Errorf("arena: %s is owned by uid %d, not by us (uid %d); refusing to use it",
-			dir, st.Uid, os.Geteuid())
+		return made, fmt.Errorf("%w: %s is owned by uid %d, not by us (uid %d); refusing to use it",
+			ErrNotOurs, dir, st.Uid, os.Geteuid())
 	}
-	return setAccess(dir, ac.dirMode, ac.gid)
+	return made, setAccess(dir, ac.dirMode, ac.gid)
 }
 
 // setAccess sets path's mode, and its group unless gid is -1. The group
@@ -181,11 +215,16 @@ func setAccess(path string, mode os.FileMode, gid int) error {
 	return nil
 }
 
-// openArenaFile opens or creates the arena file and makes sure its pages
-// exist. It returns the size to map, which is want unless the journal says
-// the existing file holds staged data.
-func openArenaFile(path string, want int64, journaled int, ac access, log *slog.Logger) (*os.File, int64, error) {
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW, privateMode)
+// openArenaFile opens or creates the arena file (noting in made whether it
+// created it) and makes sure its pages exist. It returns the size to map,
+// which is want unless the journal says the existing file holds staged
+// data.
+func openArenaFile(path string, want int64, journaled int, ac access, made *created, log *slog.Logger) (*os.File, int64, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, privateMode)
+	made.file = err == nil
+	if errors.Is(err, fs.ErrExist) {
+		f, err = os.OpenFile(path, os.O_RDWR|syscall.O_NOFOLLOW, 0)
+	}
 	if err != nil {
 		return nil, 0, fmt.Errorf("arena: open %s: %w", path, err)
 	}
@@ -336,13 +375,30 @@ func (a *Arena) Close() error {
 		return nil
 	}
 	a.journal.close()
-	return a.closeLocked(false)
+	return a.closeLocked(nil)
 }
 
 // Remove closes the arena and deletes its directory. It refuses, leaving
 // the arena open, while the journal holds entries: those are acknowledged
 // saves that are not durable yet.
 func (a *Arena) Remove() error {
+	return a.remove(func() error { return os.RemoveAll(a.dir) })
+}
+
+// Discard is Remove for a daemon whose start failed after Open: it deletes
+// only what this Open created (the directory, or in a directory that was
+// there before, the arena file, journal folder and lock file), so that a
+// failed start leaves the place as it found it. While the journal holds
+// entries it deletes nothing and only closes the arena.
+func (a *Arena) Discard() error {
+	err := a.remove(func() error { return undo(a.dir, a.made) })
+	if errors.Is(err, ErrJournalNotEmpty) {
+		return a.Close()
+	}
+	return err
+}
+
+func (a *Arena) remove(del func() error) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.lockFile == nil {
@@ -352,17 +408,39 @@ func (a *Arena) Remove() error {
 	if n := a.journal.closeIfEmpty(); n > 0 {
 		return fmt.Errorf("arena: remove %s: %w: %d staged saves not yet durable", a.dir, ErrJournalNotEmpty, n)
 	}
-	return a.closeLocked(true)
+	return a.closeLocked(del)
 }
 
-func (a *Arena) closeLocked(remove bool) error {
+// undo deletes what one Open made in dir. The journal folder is removed
+// only if empty and a directory made by that Open holds only what it put
+// there.
+func undo(dir string, made created) error {
+	if made.dir {
+		return os.RemoveAll(dir)
+	}
+	var err error
+	rm := func(ok bool, name string) {
+		if !ok {
+			return
+		}
+		if e := os.Remove(filepath.Join(dir, name)); e != nil && !errors.Is(e, fs.ErrNotExist) {
+			err = errors.Join(err, e)
+		}
+	}
+	rm(made.file, arenaFile)
+	rm(made.journal, journalDir)
+	rm(made.lock, lockFile)
+	return err
+}
+
+func (a *Arena) closeLocked(del func() error) error {
 	a.alloc.close()
 	err := unix.Munmap(a.mem)
 	a.mem = nil
-	if remove {
+	if del != nil {
 		// Still holding the lock, so a daemon starting now cannot have its
 		// fresh arena deleted under it.
-		err = errors.Join(err, os.RemoveAll(a.dir))
+		err = errors.Join(err, del())
 	}
 	err = errors.Join(err, a.lockFile.Close())
 	a.lockFile = nil

@@ -125,21 +125,34 @@ func TestOpenTightensDirMode(t *testing.T) {
 	checkMode(t, dir, os.ModeDir|0o700)
 }
 
+// Bad options fail; a directory that is not ours (a symlink or a file at
+// its path, one owned by another user) fails with ErrNotOurs, so that the
+// daemon can pick another name.
 func TestOpenRejects(t *testing.T) {
 	tmp := t.TempDir()
 	symlink := filepath.Join(tmp, "link")
 	os.Symlink(t.TempDir(), symlink)
 	file := filepath.Join(tmp, "file")
 	os.WriteFile(file, nil, 0o600)
-	tests := []struct {
-		name string
-		opts Options
-	}{
-		{"no dir", Options{Size: mib}},
-		{"zero size", Options{Dir: filepath.Join(tmp, "a"), Size: 0}},
-		{"below a page", Options{Dir: filepath.Join(tmp, "b"), Size: 4095}},
-		{"symlink dir", Options{Dir: symlink, Size: mib}},
-		{"file as dir", Options{Dir: file, Size: mib}},
+	type rejectCase struct {
+		name    string
+		opts    Options
+		notOurs bool
+	}
+	tests := []rejectCase{
+		{"no dir", Options{Size: mib}, false},
+		{"zero size", Options{Dir: filepath.Join(tmp, "a"), Size: 0}, false},
+		{"below a page", Options{Dir: filepath.Join(tmp, "b"), Size: 4095}, false},
+		{"symlink dir", Options{Dir: symlink, Size: mib}, true},
+		{"file as dir", Options{Dir: file, Size: mib}, true},
+	}
+	if os.Geteuid() == 0 {
+		other := filepath.Join(tmp, "other")
+		os.Mkdir(other, 0o700)
+		if err := os.Chown(other, 12345, 12345); err != nil {
+			t.Fatal(err)
+		}
+		tests = append(tests, rejectCase{"another user's dir", Options{Dir: other, Size: mib}, true})
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -147,6 +160,9 @@ func TestOpenRejects(t *testing.T) {
 			if err == nil {
 				a.Close()
 				t.Fatal("Open succeeded")
+			}
+			if errors.Is(err, ErrNotOurs) != tt.notOurs {
+				t.Fatalf("Open = %v; ErrNotOurs: %v, want %v", err, errors.Is(err, ErrNotOurs), tt.notOurs)
 			}
 		})
 	}

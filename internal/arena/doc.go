@@ -13,6 +13,9 @@
 //	Dir/journal/   one file per staged-but-not-yet-durable save, named by its id,
 //	               content opaque to this package (the caller writes JSON);
 //	               files named .tmp-* are torn writes and are ignored
+//	Dir/journal/quarantine/
+//	               entries taken out of the journal because they cannot be replayed
+//	               (Journal.Quarantine), as <time>-<id> with <time>-<id>.reason; the newest 64
 //
 // The arena file has no header: every byte belongs to the regions handed out by
 // Alloc, so offsets the daemon hands to clients are plain file offsets. The
@@ -24,7 +27,12 @@
 // acknowledged is lost" needs: a save is acknowledged once its journal entry
 // is written, and a restarted daemon finds both the entry and the bytes.
 // Close therefore never deletes anything; Remove does, and only when the
-// journal is empty.
+// journal is empty. Discard is for a start that fails after Open: it
+// deletes only what that Open created.
+//
+// A daemon killed with SIGKILL keeps the lock until the kernel has torn
+// down its memory, seconds for a large mlocked arena; Options.LockWait lets
+// its successor wait for a holder that is exiting instead of failing.
 //
 // The package is Linux-only (fallocate, MAP_POPULATE, flock).
 package arena

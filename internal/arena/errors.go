@@ -19,6 +19,10 @@ var (
 	ErrOverlap = errors.New("arena: region overlaps one in use")
 	// ErrInUse: another process holds the arena directory's lock.
 	ErrInUse = errors.New("arena in use")
+	// ErrNotOurs: the arena directory exists but is not ours to use (owned
+	// by another user, a symlink, not a directory), e.g. planted by another
+	// user at a predictable name in /dev/shm.
+	ErrNotOurs = errors.New("arena directory not ours")
 	// ErrClosed: the arena (or its journal) has been closed.
 	ErrClosed = errors.New("arena closed")
 	// ErrInvalidID: a journal id that is not a safe file name.

@@ -23,9 +23,10 @@ type JournalEntry struct {
 type Journal struct {
 	dir string
 
-	mu     sync.Mutex
-	ids    map[string]struct{}
-	closed bool
+	mu          sync.Mutex
+	ids         map[string]struct{}
+	quarantined int // entries in quarantineDir
+	closed      bool
 }
 
 const (
@@ -35,21 +36,31 @@ const (
 	maxIDLen  = 128
 )
 
-func openJournal(dir string) (*Journal, error) {
-	if err := os.MkdirAll(dir, dirMode); err != nil {
-		return nil, fmt.Errorf("arena journal: %w", err)
+// openJournal opens the journal in dir, creating dir if needed, and
+// reports whether it did.
+func openJournal(dir string) (*Journal, bool, error) {
+	err := os.Mkdir(dir, dirMode)
+	made := err == nil
+	if err != nil && !errors.Is(err, fs.ErrExist) {
+		return nil, false, fmt.Errorf("arena journal: %w", err)
 	}
 	j := &Journal{dir: dir}
 	if _, err := j.scan(false); err != nil {
-		return nil, err
+		return nil, made, err
 	}
-	return j, nil
+	n, err := pruneQuarantine(filepath.Join(dir, quarantineDir))
+	if err != nil {
+		return nil, made, fmt.Errorf("arena journal: %w", err)
+	}
+	j.quarantined = n
+	return j, made, nil
 }
 
 // ValidID reports whether id can name a journal entry: 1 to 128 bytes of
-// [A-Za-z0-9._-], not starting with a dot.
+// [A-Za-z0-9._-], not starting with a dot, and not "quarantine" (the
+// folder of quarantined entries).
 func ValidID(id string) bool {
-	if id == "" || len(id) > maxIDLen || id[0] == '.' {
+	if id == "" || len(id) > maxIDLen || id[0] == '.' || id == quarantineDir {
 		return false
 	}
 	for _, c := range []byte(id) {
@@ -64,7 +75,8 @@ func ValidID(id string) bool {
 
 func checkID(id string) error {
 	if !ValidID(id) {
-		return fmt.Errorf("%w: %q (want 1-%d bytes of [A-Za-z0-9._-], no leading dot)", ErrInvalidID, id, maxIDLen)
+		return fmt.Errorf("%w: %q (want 1-%d bytes of [A-Za-z0-9._-], no leading dot, not %q)",
+			ErrInvalidID, id, maxIDLen, quarantineDir)
 	}
 	return nil
 }
@@ -74,6 +86,18 @@ func checkID(id string) error {
 // that is renamed into place. There is no fsync: on tmpfs it is a no-op,
 // and the journal only has to survive the daemon, not the machine.
 func (j *Journal) Put(id string, data []byte) error {
+	return j.update("put", id, func() error {
+		if err := j.write(id, data); err != nil {
+			return err
+		}
+		j.ids[id] = struct{}{}
+		return nil
+	})
+}
+
+// update runs op on entry id under mu, once id is known to be valid and the
+// journal open; op's error is wrapped with what and id.
+func (j *Journal) update(what, id string, op func() error) error {
 	if err := checkID(id); err != nil {
 		return err
 	}
@@ -82,45 +106,26 @@ func (j *Journal) Put(id string, data []byte) error {
 	if j.closed {
 		return ErrClosed
 	}
-	if err := j.write(id, data); err != nil {
-		return fmt.Errorf("arena journal: put %q: %w", id, err)
+	if err := op(); err != nil {
+		return fmt.Errorf("arena journal: %s %q: %w", what, id, err)
 	}
-	j.ids[id] = struct{}{}
 	return nil
 }
 
 func (j *Journal) write(id string, data []byte) error {
-	f, err := os.CreateTemp(j.dir, tmpPrefix+"*")
-	if err != nil {
-		return err
-	}
-	_, err = f.Write(data)
-	err = errors.Join(err, f.Close())
-	if err == nil {
-		err = os.Rename(f.Name(), filepath.Join(j.dir, id))
-	}
-	if err != nil {
-		os.Remove(f.Name())
-	}
-	return err
+	return writeFileAtomic(filepath.Join(j.dir, id), data)
 }
 
 // Delete removes entry id; deleting a missing entry fails with an error
 // matching fs.ErrNotExist.
 func (j *Journal) Delete(id string) error {
-	if err := checkID(id); err != nil {
-		return err
-	}
-	j.mu.Lock()
-	defer j.mu.Unlock()
-	if j.closed {
-		return ErrClosed
-	}
-	if err := os.Remove(filepath.Join(j.dir, id)); err != nil {
-		return fmt.Errorf("arena journal: delete %q: %w", id, err)
-	}
-	delete(j.ids, id)
-	return nil
+	return j.update("delete", id, func() error {
+		if err := os.Remove(filepath.Join(j.dir, id)); err != nil {
+			return err
+		}
+		delete(j.ids, id)
+		return nil
+	})
 }
 
 // List returns every entry sorted by id. Leftover temp files from a crashed

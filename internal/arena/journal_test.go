@@ -15,7 +15,7 @@ import (
 
 func newJournal(t *testing.T) *Journal {
 	t.Helper()
-	j, err := openJournal(filepath.Join(t.TempDir(), "journal"))
+	j, _, err := openJournal(filepath.Join(t.TempDir(), "journal"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -119,7 +119,7 @@ func TestJournalIDs(t *testing.T) {
 // and it is cleaned up.
 func TestJournalIgnoresTornWrites(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "journal")
-	j, err := openJournal(dir)
+	j, _, err := openJournal(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -132,7 +132,7 @@ func TestJournalIgnoresTornWrites(t *testing.T) {
 	for _, open := range []bool{false, true} {
 		if open { // a restarted daemon sees the same
 			os.WriteFile(torn, []byte("half an ent"), 0o600)
-			if j, err = openJournal(dir); err != nil {
+			if j, _, err = openJournal(dir); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -192,7 +192,7 @@ func BenchmarkJournalPut(b *testing.B) {
 		b.Skip(err)
 	}
 	defer os.RemoveAll(dir)
-	j, err := openJournal(dir)
+	j, _, err := openJournal(dir)
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -67,9 +67,16 @@ func (p Policy) check(c *Info) string {
 		"to let other users in, start ckptd serve with --socket-group naming a group they share", c.UID, c.PID, p.UID)
 }
 
+// UnixListener is what a Listener wraps: *net.UnixListener, or a type
+// that embeds one.
+type UnixListener interface {
+	net.Listener
+	AcceptUnix() (*net.UnixConn, error)
+}
+
 // Listener accepts unix connections and tags each with its Info.
 type Listener struct {
-	*net.UnixListener
+	UnixListener
 	policy  Policy
 	onClose func(*Info)
 	log     *slog.Logger
@@ -78,7 +85,7 @@ type Listener struct {
 // NewListener wraps l. onClose (may be nil) runs once per connection,
 // after its Done channel is closed, when the connection closes for any
 // reason; it must not block for long.
-func NewListener(l *net.UnixListener, p Policy, onClose func(*Info), log *slog.Logger) *Listener {
+func NewListener(l UnixListener, p Policy, onClose func(*Info), log *slog.Logger) *Listener {
 	if log == nil {
 		log = slog.Default()
 	}
