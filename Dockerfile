@@ -17,7 +17,9 @@ WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
-RUN CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o /out/ckptd ./cmd/ckptd
+# docker build --build-arg VERSION=$(git describe --tags --always) .
+ARG VERSION=devel
+RUN CGO_ENABLED=0 go build -trimpath -ldflags="-s -w -X main.version=${VERSION}" -o /out/ckptd ./cmd/ckptd
 
 FROM gcr.io/distroless/static-debian12:nonroot
 COPY --from=build /out/ckptd /usr/local/bin/ckptd

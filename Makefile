@@ -2,13 +2,15 @@
 # `make test`; CI runs .ci/run, which calls `make test`.
 GO       ?= go
 FUZZTIME ?= 50000x
+# What `ckptd --version` says: the commit, or the tag on it.
+VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
 .PHONY: all build run test lint test-go test-python fuzz bench bench-python bench-codec proto tools clean
 
 all: build
 
 build:
-	$(GO) build -o bin/ckptd ./cmd/ckptd
+	$(GO) build -ldflags "-X main.version=$(VERSION)" -o bin/ckptd ./cmd/ckptd
 
 # Run the daemon on its defaults: socket /tmp/ckptd-$UID.sock, checkpoints
 # under ~/.local/share/ckptd, a 1 GiB staging arena in /dev/shm.

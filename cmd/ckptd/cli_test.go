@@ -260,3 +260,20 @@ func TestFileModeFlag(t *testing.T) {
 		}
 	}
 }
+
+// A mistyped subcommand is a usage error (exit 2), and --version answers.
+func TestUnknownCommandAndVersion(t *testing.T) {
+	root := newRootCmd()
+	root.SetArgs([]string{"lsit"})
+	root.SetOut(io.Discard)
+	if err := root.Execute(); exitCode(err) != 2 || !strings.Contains(err.Error(), `unknown command "lsit"`) {
+		t.Fatalf("mistyped command: %v (exit %d)", err, exitCode(err))
+	}
+	var out bytes.Buffer
+	root = newRootCmd()
+	root.SetArgs([]string{"--version"})
+	root.SetOut(&out)
+	if err := root.Execute(); err != nil || !strings.Contains(out.String(), "ckptd version ") {
+		t.Fatalf("--version: %v %q", err, out.String())
+	}
+}

@@ -45,8 +45,17 @@ func newRootCmd() *cobra.Command {
 	root := &cobra.Command{
 		Use:           "ckptd",
 		Short:         "Asynchronous checkpointing and data prefetching sidecar for GPU training",
+		Version:       Version(),
 		SilenceUsage:  true,
 		SilenceErrors: true,
+		// A mistyped subcommand is bad usage (exit 2), like a bad flag.
+		Args: func(cmd *cobra.Command, args []string) error {
+			if len(args) > 0 {
+				return usageError{fmt.Errorf("unknown command %q; the commands are serve, restore, list, verify and prune (see ckptd --help)", args[0])}
+			}
+			return nil
+		},
+		RunE: func(cmd *cobra.Command, _ []string) error { return cmd.Help() },
 		PersistentPreRunE: func(cmd *cobra.Command, _ []string) error {
 			if err := applyConfig(cmd); err != nil {
 				return usageError{err}

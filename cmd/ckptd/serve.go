@@ -198,7 +198,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	server.Register(srv, mgr)
 	server.RegisterPrefetch(srv, pf)
 	stopMetrics := serveMetrics(o.MetricsAddr, reg)
-	log.Info("ckptd serving", "socket", sp.path, "storage", b.Location(), "job", o.Job,
+	log.Info("ckptd serving", "version", Version(), "socket", sp.path, "storage", b.Location(), "job", o.Job,
 		"arena", a.Path(), "staging_bytes", a.Size(), "locked", a.Locked(), "codec", c)
 	errc := make(chan error, 1)
 	go func() {
