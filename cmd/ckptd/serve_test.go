@@ -396,7 +396,14 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 	}
 	a.Journal().Put("staged", []byte("not a journal entry the core can read"))
 	a.Close()
-	before := tree(t, shm)
+	// The manager sets the unreadable entry aside (quarantine) as soon as
+	// it starts; apart from that, nothing may change.
+	settled := func(paths []string) []string {
+		return slices.DeleteFunc(paths, func(p string) bool {
+			return strings.HasSuffix(p, "/journal/staged") || strings.Contains(p, "/journal/quarantine")
+		})
+	}
+	before := settled(tree(t, shm))
 	for _, step := range steps[1:] {
 		startupFault = func(s string) error {
 			if s == step {
@@ -405,7 +412,7 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 			return nil
 		}
 		runServe(context.Background(), serveOpts(t.TempDir(), socket))
-		if got := tree(t, shm); !slices.Equal(got, before) {
+		if got := settled(tree(t, shm)); !slices.Equal(got, before) {
 			t.Fatalf("failed at %s: arena was %q, now %q", step, before, got)
 		}
 	}
@@ -414,7 +421,7 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a.Journal().Delete("staged") // the checkpoint core would quarantine it
+	_ = a.Journal().Delete("staged") // quarantined already, unless no start got that far
 	a.Close()
 
 	ctx, cancel := context.WithCancel(context.Background())
