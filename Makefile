@@ -61,7 +61,7 @@ bench-python:
 
 # The chunk codecs (float-aware, zstd, lz4) and zipnn on the weights and Adam
 # states of a small transformer trained on the spot (torch, CPU, ~1 minute):
-# ratio and GB/s per core against issue 5's targets.
+# ratio and GB/s per core against the targets in test/bench/floatcodec
 bench-codec:
 	scripts/tools.sh
 	.venv/bin/python test/bench/floatcodec/bench.py $(CODECBENCHFLAGS)

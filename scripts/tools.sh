@@ -48,5 +48,5 @@ if [[ "$(cat "$VENV/.python-client.version" 2>/dev/null)" != "$py_want" ]]; then
 	echo "$py_want" >"$VENV/.python-client.version"
 fi
 
-# zipnn, the baseline of the float codec benchmark (make bench-codec; issue 5).
+# zipnn, the baseline of the float codec benchmark (make bench-codec).
 [[ "$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("zipnn"))' 2>/dev/null)" == 0.5.4 ]] || "$VENV/bin/python" -m pip install -q --disable-pip-version-check zipnn==0.5.4

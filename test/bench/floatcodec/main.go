@@ -45,7 +45,7 @@ type zipnnResult struct {
 	DecompressS float64 `json:"decompress_s"`
 }
 
-// targets are issue 5's: ratio for the float codec on each set, and
+// targets are what the float codec must reach: its ratio on each set, and
 // per-core speed on bf16.
 var targets = map[string]float64{
 	"bf16 weights": 1.48, "fp32 weights": 1.19, "fp32 upcast from bf16": 2.5,
