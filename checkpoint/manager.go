@@ -30,6 +30,12 @@ type ManagerConfig struct {
 	// of open saves (leased, staged or draining), so that requests with
 	// huge tables cannot exhaust the daemon (default 256 MiB).
 	TableBudget int64
+	// ReuseFence is how long, after starting on a crashed daemon's arena
+	// (kept for its journaled saves), no new region is handed out
+	// (default 10s): a trainer of the dead daemon may still be copying
+	// into a region it had leased but not committed, which this daemon
+	// sees as free. BeginSave and BeginRestore wait it out.
+	ReuseFence time.Duration
 	// Drains is how many shards drain at once (default 2); chunk-level
 	// parallelism is WriterOptions.Workers.
 	Drains  int
@@ -51,6 +57,9 @@ func (c *ManagerConfig) setDefaults() {
 	}
 	if c.TableBudget <= 0 {
 		c.TableBudget = 256 << 20
+	}
+	if c.ReuseFence <= 0 {
+		c.ReuseFence = 10 * time.Second
 	}
 	if c.Drains <= 0 {
 		c.Drains = 2
@@ -110,6 +119,7 @@ type Manager struct {
 	// owner goes.
 	held     map[string][]arena.Region
 	watching map[string]bool // owners with a watchOwner goroutine
+	fence    time.Time       // no new regions before this (see ReuseFence)
 
 	ctx      context.Context // cancelled to abandon drains at shutdown
 	cancel   context.CancelFunc
@@ -172,6 +182,10 @@ func NewManager(a *arena.Arena, b storage.Backend, cfg ManagerConfig) (*Manager,
 		wake: make(chan struct{}, 1),
 	}
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
+	if a.Reused() {
+		mgr.fence = time.Now().Add(cfg.ReuseFence)
+		mgr.log.Info("arena kept from a crashed daemon: new regions wait until its clients' copies have ended", "for", cfg.ReuseFence)
+	}
 	if err := mgr.recover(); err != nil {
 		return nil, err
 	}
@@ -390,6 +404,13 @@ func (mgr *Manager) alloc(ctx context.Context, n int64) (arena.Region, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, mgr.cfg.StagingWait)
 	defer cancel()
+	if wait := time.Until(mgr.fence); wait > 0 {
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+			return arena.Region{}, fmt.Errorf("%w: the arena is fenced for %s after a crash (see --staging-wait): %w", arena.ErrFull, wait.Round(time.Millisecond), ctx.Err())
+		}
+	}
 	r, err := mgr.arena.Alloc(ctx, n)
 	if errors.Is(err, arena.ErrTooLarge) {
 		err = fmt.Errorf("%w; the shard must fit the staging arena: restart the daemon with --staging-bytes of at least %d", err, n)

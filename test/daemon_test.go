@@ -84,7 +84,7 @@ func startDaemonEnv(t *testing.T, storage string, env []string, extra ...string)
 		arena: filepath.Join("/dev/shm", fmt.Sprintf("ckptd-test-%d-%d", os.Getpid(), arenaSeq.Add(1))),
 	}
 	d.args = append([]string{"serve", "--socket", d.socket, "--storage", storage, "--arena-dir", d.arena,
-		"--staging-bytes", "256MiB", "--job", "e2e", "--log-level", "debug"}, extra...)
+		"--staging-bytes", "256MiB", "--job", "e2e", "--log-level", "debug", "--crash-fence", "300ms"}, extra...)
 	t.Cleanup(func() { d.stop(); os.RemoveAll(d.arena) })
 	d.start()
 	return d

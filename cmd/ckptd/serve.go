@@ -37,6 +37,7 @@ type serveOptions struct {
 	StagingBytes byteSize
 	StagingWait  time.Duration
 	LeaseTimeout time.Duration
+	ReuseFence   time.Duration
 	TableBytes   byteSize
 	Codec        string
 	ChunkSize    byteSize
@@ -67,6 +68,7 @@ func newServeCmd() *cobra.Command {
 	fs.DurationVar(&o.RestartWait, "restart-wait", 30*time.Second, "how long to wait for a previous daemon that is exiting (killed a moment ago: unmapping a large arena takes seconds) to release the socket and the arena; a running one fails the start at once")
 	fs.Var(&o.StagingBytes, "staging-bytes", "size of the shared-memory staging arena (e.g. 8GiB)")
 	fs.DurationVar(&o.StagingWait, "staging-wait", 30*time.Second, "how long a save waits for arena space before failing")
+	fs.DurationVar(&o.ReuseFence, "crash-fence", 10*time.Second, "after a crash, how long new saves and restores wait before using arena space the dead daemon's clients may still be copying into")
 	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", 30*time.Minute, "end saves never committed and restores never released after this (a client that disconnects frees them at once)")
 	fs.Var(&o.TableBytes, "tensor-table-bytes", "memory for the tensor tables and metadata of open saves; a save that would exceed it fails with RESOURCE_EXHAUSTED")
 	fs.StringVar(&o.Codec, "codec", string(codec.Auto), "chunk codec: auto (per chunk by dtype: float-aware for floats, zstd otherwise, cheaper when storage outruns compression), zstd, lz4, none, or float-bf16|f16|f32|f64")
@@ -157,7 +159,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mgr, err := checkpoint.NewManager(a, b, checkpoint.ManagerConfig{
-		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes),
+		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes), ReuseFence: o.ReuseFence,
 		Drains: o.Drains, DrainDelay: o.DrainDelay, Logger: log, Metrics: metrics.NewCheckpoint(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
 	})

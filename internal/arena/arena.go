@@ -2,6 +2,8 @@ package arena
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -67,13 +69,14 @@ func (o Options) access() access {
 type Arena struct {
 	dir     string
 	path    string
-	id      string // device:inode of the arena file
+	id      string // device:inode of the arena file, and a nonce of this Open
 	size    int64
 	locked  bool
 	log     *slog.Logger
 	alloc   *allocator
 	journal *Journal
 	made    created
+	reused  bool // the file held a crashed daemon's staged saves
 
 	mu       sync.Mutex // guards mem and lockFile against Close
 	mem      []byte
@@ -147,6 +150,11 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File, made *created
 		f.Close()
 		return nil, err
 	}
+	// A file made again may get the inode of the one it replaces: the id
+	// also names this opening, so every start tells clients to map anew.
+	nonce := make([]byte, 8)
+	_, _ = rand.Read(nonce)
+	id += ":" + hex.EncodeToString(nonce)
 	// The mapping outlives the descriptor; nothing else needs it.
 	mem, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE,
 		unix.MAP_SHARED|unix.MAP_POPULATE)
@@ -163,6 +171,7 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File, made *created
 		alloc:    newAllocator(size &^ (pageSize - 1)),
 		journal:  j,
 		made:     *made,
+		reused:   !made.file,
 		mem:      mem,
 		lockFile: lf,
 	}
@@ -220,6 +229,15 @@ func setAccess(path string, mode os.FileMode, gid int) error {
 // which is want unless the journal says the existing file holds staged
 // data.
 func openArenaFile(path string, want int64, journaled int, ac access, made *created, log *slog.Logger) (*os.File, int64, error) {
+	if journaled == 0 {
+		// Nothing staged to keep: start from a new file. A client of a
+		// crashed daemon still copying into its old mapping then writes
+		// into the old, unlinked pages, never into regions this daemon
+		// hands out.
+		if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return nil, 0, fmt.Errorf("arena: replace %s: %w", path, err)
+		}
+	}
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, privateMode)
 	made.file = err == nil
 	if errors.Is(err, fs.ErrExist) {
@@ -317,10 +335,11 @@ func lockMemory(mem []byte, log *slog.Logger) bool {
 	return false
 }
 
-// ID identifies the arena file (device and inode). A client compares it
-// with the file it mapped: a daemon restarted after a clean exit makes a
-// new file at the same path, and bytes copied into the old mapping would
-// never reach it.
+// ID identifies this opening of the arena file ("device:inode:nonce").
+// Every lease carries it, and a client keeps the one GetArena gave with
+// its mapping: a lease with another id means the daemon restarted (maybe
+// with a new file at the same path, which bytes copied into the old
+// mapping would never reach), and the client maps the arena again.
 func (a *Arena) ID() string { return a.id }
 
 // Path is the arena file that clients pass to Map.
@@ -336,6 +355,12 @@ func (a *Arena) Bytes() []byte {
 	defer a.mu.Unlock()
 	return a.mem
 }
+
+// Reused reports whether the arena file is a crashed daemon's, kept for
+// the saves its journal holds. That daemon's clients may still be copying
+// into regions it had leased and never journaled, which this process sees
+// as free: see checkpoint.ManagerConfig.ReuseFence.
+func (a *Arena) Reused() bool { return a.reused }
 
 // Locked reports whether the arena is mlocked.
 func (a *Arena) Locked() bool { return a.locked }

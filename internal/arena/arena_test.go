@@ -12,6 +12,8 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // fileSystems are where the arena directory may live: tmpfs in production,
@@ -388,4 +390,56 @@ func TestOpenShared(t *testing.T) {
 	a = mustOpen(t, Options{Dir: dir, Size: 1 * mib})
 	checkMode(t, dir, os.ModeDir|0o700)
 	checkMode(t, a.Path(), 0o600)
+}
+
+// A crashed daemon's arena file is replaced when nothing is staged in it,
+// so that a client still writing through its old mapping cannot reach the
+// regions the new daemon hands out; it is kept (Reused) when its journal
+// holds saves. Every opening has its own id.
+func TestReopenReplacesOrReuses(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "arena")
+	a := mustOpen(t, Options{Dir: dir, Size: 1 << 20})
+	if a.Reused() {
+		t.Fatal("a new arena reports Reused")
+	}
+	stale := clientMap(t, a.Path(), 1<<20)
+	id := a.ID()
+	a.Close()
+	b := mustOpen(t, Options{Dir: dir, Size: 1 << 20})
+	if b.ID() == id || b.Reused() {
+		t.Fatalf("reopened with an empty journal: id %s (was %s), reused %v", b.ID(), id, b.Reused())
+	}
+	stale[4096] = 0xab // a dead daemon's client finishing its copy
+	if b.Bytes()[4096] == 0xab {
+		t.Fatal("a stale mapping reaches the new arena")
+	}
+	if err := b.Journal().Put("staged", []byte("{}")); err != nil {
+		t.Fatal(err)
+	}
+	kept := clientMap(t, b.Path(), 1<<20)
+	b.Close()
+	c := mustOpen(t, Options{Dir: dir, Size: 1 << 20})
+	defer c.Close()
+	if !c.Reused() || c.ID() == b.ID() {
+		t.Fatalf("reopened with a staged save: reused %v, id %s (was %s)", c.Reused(), c.ID(), b.ID())
+	}
+	kept[8192] = 0xcd
+	if c.Bytes()[8192] != 0xcd {
+		t.Fatal("the kept arena is not the same file")
+	}
+}
+
+func clientMap(t *testing.T, path string, size int) []byte {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	mem, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Munmap(mem) })
+	return mem
 }

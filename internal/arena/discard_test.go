@@ -59,6 +59,11 @@ func TestDiscard(t *testing.T) {
 				if err := a.Discard(); err != nil {
 					t.Fatal(err)
 				}
+				if name == "arena left by a daemon" {
+					// With nothing staged, Open replaced the old file by a
+					// new one (see openArenaFile), which Discard removes.
+					before = slices.DeleteFunc(before, func(p string) bool { return p == "arena" })
+				}
 				if after := listTree(t, dir); !slices.Equal(before, after) {
 					t.Fatalf("before Open: %q; after Discard: %q", before, after)
 				}

@@ -152,6 +152,7 @@ func (c *Client) remap(ctx context.Context) error {
 	if err != nil {
 		return c.wrap(err)
 	}
+	m.id = info.GetId() // leases name the opening they belong to
 	if c.mapping != nil {
 		c.retired = append(c.retired, c.mapping)
 	}

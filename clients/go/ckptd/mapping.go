@@ -15,7 +15,7 @@ import (
 type mapping struct {
 	mu  sync.Mutex
 	mem []byte
-	id  string
+	id  string // the daemon's ArenaInfo.id when this was mapped
 }
 
 // mapArena maps the arena file at path, which must be size bytes (both as
@@ -57,7 +57,7 @@ func mapArena(path string, size int64, daemonUID int) (*mapping, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ckptd arena: mmap %s (%d bytes): %w", path, size, err)
 	}
-	return &mapping{mem: mem, id: fmt.Sprintf("%d:%d", st.Dev, st.Ino)}, nil
+	return &mapping{mem: mem}, nil
 }
 
 // bytes is the whole arena; region offsets index it directly. It is
