@@ -235,9 +235,6 @@ func TestSquattedSocketRefused(t *testing.T) {
 	if !errors.Is(err, ckptd.ErrUntrustedDaemon) || !strings.Contains(err.Error(), "uid 65534") {
 		t.Fatalf("save to a squatted socket: %v", err)
 	}
-	if strings.Contains(logs(), "client") {
-		t.Fatalf("the rogue daemon saw a client:\n%s", logs())
-	}
 	if entries, _ := os.ReadDir(store); len(entries) != 0 {
 		t.Fatalf("the rogue daemon stored %d entries", len(entries))
 	}
