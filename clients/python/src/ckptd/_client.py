@@ -195,7 +195,7 @@ class SaveHandle:
             if isinstance(r, pb.WaitSaveResponse):
                 return self._check(r)
             if isinstance(r, grpc.RpcError):
-                raise from_rpc_error(r, self._client.socket, f"wait for {self._what()}")
+                raise self._client._error(r, f"wait for {self._what()}")
             self._block(deadline)
 
     def _block(self, deadline: float | None) -> None:
@@ -308,7 +308,13 @@ class Client:
         try:
             return getattr(stub or self._stub, method)(request, timeout=self.timeout)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.socket, what) from None
+            raise self._error(e, what) from None
+
+    def _error(self, err: grpc.RpcError, what: str) -> CkptdError:
+        """Map a failed call; one cut short by close() is ClientClosedError."""
+        if self.closed:
+            return ClientClosedError(f"{what}: the client is closed")
+        return from_rpc_error(err, self.socket, what)
 
     def _await_daemon(self, deadline: float | None, what: str) -> None:
         """Wait for a restarted daemon to accept connections again."""
@@ -553,7 +559,7 @@ class Client:
         try:
             return self._stub.SaveStream(messages(), timeout=self.timeout)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.socket, what) from None
+            raise self._error(e, what) from None
 
     def handle(self, step: int, rank: int = 0, job: str | None = None) -> SaveHandle:
         """A handle on a save made earlier, to wait for it.
@@ -662,7 +668,7 @@ class Client:
                 data[n : n + piece.size] = piece
                 n += piece.size
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.socket, what) from None
+            raise self._error(e, what) from None
         if n != data.size:
             raise CkptdError(f"{what}: the stream ended after {n} of {data.size} bytes")
         return header, out.build(header, data)
