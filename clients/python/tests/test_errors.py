@@ -85,6 +85,7 @@ def test_daemon_refuses_bad_targets(client, job, kwargs, match):
         ({"a": torch.zeros(2, device="meta")}, TypeError, "meta"),
         ({"a": {}}, ckptd.InvalidArgumentError, "empty dict"),
         ({1: np.zeros(1)}, TypeError, "keys must be str"),
+        ({"__metadata__": np.zeros(1)}, ckptd.InvalidArgumentError, "'__metadata__'.*safetensors"),
         ("not a dict", TypeError, "must be a dict"),
     ],
 )
