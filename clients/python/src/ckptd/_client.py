@@ -25,7 +25,7 @@ from typing import Any, Literal
 import grpc
 import numpy as np
 
-from . import _names, _tensors
+from . import _attempt, _names, _tensors
 from ._arena import Arena
 from ._dataset import Dataset, make_spec
 from ._errors import (
@@ -87,18 +87,20 @@ class StepInfo:
     bytes: int  # tensor bytes over all ranks
     stored_bytes: int  # bytes in storage, after compression
     committed_at: _dt.datetime
+    attempt: str = ""  # the attempt whose ranks it holds ("" from an older daemon or step)
 
 
 class LoadedState(dict):  # type: ignore[type-arg]
     """The state dict a load returns, with the shard's step and metadata.
 
-    It is a plain dict (nested as saved) plus three attributes, so code that
+    It is a plain dict (nested as saved) plus four attributes, so code that
     only wants the tensors can ignore them.
     """
 
     step: int
     world_size: int
     metadata: bytes
+    attempt: str  # the attempt that wrote the step ("" from an older daemon or step)
 
 
 class SaveHandle:
@@ -106,13 +108,21 @@ class SaveHandle:
 
     The handle starts one WaitSave call as soon as the save is accepted, so
     done() and status are free to poll and wait() only blocks.
+
+    Attributes:
+        job, step, rank: the save's target.
+        attempt: the attempt it was saved under; "" asks after whichever
+            save of the target the daemon knows of.
     """
 
-    def __init__(self, client: Client, job: str, step: int, rank: int) -> None:
+    def __init__(
+        self, client: Client, job: str, step: int, rank: int, *, attempt: str = ""
+    ) -> None:
         self._client = client
         self.job = job
         self.step = step
         self.rank = rank
+        self.attempt = attempt
         self._lock = threading.Lock()
         self._future: grpc.Future | None = None
         self._result: pb.WaitSaveResponse | None = None
@@ -121,11 +131,13 @@ class SaveHandle:
     def __repr__(self) -> str:
         return (
             f"SaveHandle(job={self.job!r}, step={self.step}, rank={self.rank}, "
-            f"status={self.status.value})"
+            f"attempt={self.attempt!r}, status={self.status.value})"
         )
 
     def _request(self) -> pb.WaitSaveRequest:
-        return pb.WaitSaveRequest(job=self.job, step=self.step, rank=self.rank)
+        return pb.WaitSaveRequest(
+            job=self.job, step=self.step, rank=self.rank, attempt=self.attempt
+        )
 
     def _watch(self) -> None:
         self._future = self._client._stub.WaitSave.future(self._request())
@@ -237,6 +249,12 @@ class Client:
             bytes over gRPC (for a client that cannot see the daemon's
             /dev/shm); "auto" maps and falls back to streaming, with a
             warning, when the arena cannot be opened.
+        attempt: the run of the job this client's saves belong to, shared by
+            every rank of the run and different for the next run
+            ([a-z0-9._-]{1,64}, not starting with "."). Default
+            $CKPTD_ATTEMPT, else a random id of this client's own, which
+            suits a single rank only: ranks of one run must share an attempt
+            (see the README).
 
     The connection is lazy: creating a client never fails because no daemon
     runs; the first call does, naming the socket. Use it as a context
@@ -244,10 +262,18 @@ class Client:
     """
 
     def __init__(
-        self, socket: str | None = None, timeout: float | None = None, transport: Transport = "auto"
+        self,
+        socket: str | None = None,
+        timeout: float | None = None,
+        transport: Transport = "auto",
+        *,
+        attempt: str | None = None,
     ) -> None:
         if transport not in ("auto", "shm", "stream"):
             raise ValueError(f"transport must be 'auto', 'shm' or 'stream', not {transport!r}")
+        self._attempt, given = _attempt.resolve(attempt)
+        self._attempt_random = not given  # made up here: unknown to the other ranks
+        self._warned_attempt = False
         self.socket = os.path.abspath(socket or default_socket())
         self.timeout = timeout
         self.transport: Transport = transport
@@ -278,7 +304,15 @@ class Client:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Client(socket={self.socket!r}, transport={self.transport!r})"
+        return (
+            f"Client(socket={self.socket!r}, transport={self.transport!r}, "
+            f"attempt={self._attempt!r})"
+        )
+
+    @property
+    def attempt(self) -> str:
+        """The attempt this client's saves carry unless save() is given another."""
+        return self._attempt
 
     def close(self) -> None:
         """Close the connection and unmap the arena.
@@ -469,6 +503,8 @@ class Client:
         world_size: int = 1,
         metadata: bytes = b"",
         job: str | None = None,
+        *,
+        attempt: str | None = None,
     ) -> SaveHandle:
         """Stage one rank's shard of a step; return as soon as the daemon has it.
 
@@ -478,6 +514,11 @@ class Client:
         caller may change or free its tensors. The shard becomes durable in
         the background: see SaveHandle.wait().
 
+        The save carries attempt (default: the client's). A step commits
+        from the saves of one attempt, so every rank of world_size must save
+        it under the same one; a client that made its attempt up itself
+        warns, once, when it saves with world_size > 1.
+
         Raises:
             TypeError: a value or key of state cannot be stored.
             InvalidArgumentError: the step, rank, job or a name is refused.
@@ -486,7 +527,11 @@ class Client:
             DaemonUnavailableError: no daemon answers on the socket.
         """
         meta = _metadata_bytes(metadata)
-        target = _target(job, step, rank, world_size)
+        own = attempt is None
+        attempt = self._attempt if own else _attempt.check(attempt, "attempt")
+        target = _target(job, step, rank, world_size, attempt)
+        if own and self._attempt_random and target.world_size > 1:
+            self._warn_random_attempt(target.world_size)
         leaves = [_tensors.make_leaf(n, v) for n, v in _flatten(state)]
         size = _tensors.layout(leaves)
         table = [
@@ -502,7 +547,20 @@ class Client:
         else:
             resp = self._save_shm(arena, target, table, leaves, size, meta, what)
         t = resp.target
-        return SaveHandle(self, t.job, t.step, t.rank)
+        return SaveHandle(self, t.job, t.step, t.rank, attempt=target.attempt)
+
+    def _warn_random_attempt(self, world_size: int) -> None:
+        if self._warned_attempt:
+            return
+        self._warned_attempt = True
+        warnings.warn(
+            f"ckptd: saving one of {world_size} ranks under attempt {self._attempt!r}, a random "
+            "id this client made up; every rank's client makes its own, and a step commits "
+            f"only from the saves of one attempt. Give the ranks of a run one attempt: "
+            f"{_attempt.HOWTO}, or save through ckptd.torch with torch.distributed initialized",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _save_shm(
         self,
@@ -561,14 +619,22 @@ class Client:
         except grpc.RpcError as e:
             raise self._error(e, what) from None
 
-    def handle(self, step: int, rank: int = 0, job: str | None = None) -> SaveHandle:
+    def handle(
+        self, step: int, rank: int = 0, job: str | None = None, *, attempt: str | None = None
+    ) -> SaveHandle:
         """A handle on a save made earlier, to wait for it.
 
-        For a trainer that restarted (or another process) while its last save
-        was still draining. wait() raises NotFoundError when the daemon knows
-        of no such save and storage has none.
+        For another process, or a trainer that restarted, while the save was
+        still draining. It follows the save of attempt (default: this
+        client's; "" for whichever save of the target the daemon knows of,
+        e.g. one of a previous run). wait() raises NotFoundError when the
+        daemon knows of no such save and storage has none.
         """
-        return SaveHandle(self, job or "", _int("step", step), _int("rank", rank))
+        if attempt is None:
+            attempt = self._attempt
+        elif attempt:
+            _attempt.check(attempt, "attempt")
+        return SaveHandle(self, job or "", _int("step", step), _int("rank", rank), attempt=attempt)
 
     # ---- load ----------------------------------------------------------
 
@@ -623,10 +689,11 @@ class Client:
         else:
             header, items = self._load_shm(arena, req, out, what)
         result = LoadedState(_names.unflatten(items) if nested else dict(items))
-        result.step, result.world_size, result.metadata = (
+        result.step, result.world_size, result.metadata, result.attempt = (
             header.step,
             header.world_size,
             header.metadata,
+            header.attempt,
         )
         return result
 
@@ -687,6 +754,7 @@ class Client:
                 committed_at=_dt.datetime.fromtimestamp(
                     s.committed_unix_nano / 1e9, tz=_dt.timezone.utc
                 ),
+                attempt=s.attempt,
             )
             for s in resp.steps
         ]
@@ -727,13 +795,15 @@ def _int(name: str, v: Any) -> int:
     return int(v)
 
 
-def _target(job: str | None, step: int, rank: int, world_size: int) -> pb.SaveTarget:
+def _target(job: str | None, step: int, rank: int, world_size: int, attempt: str) -> pb.SaveTarget:
     """Build the save target; range checks are the daemon's, so one rule holds."""
     step, rank, world_size = _int("step", step), _int("rank", rank), _int("world_size", world_size)
     for name, v, bits in (("step", step, 63), ("rank", rank, 31), ("world_size", world_size, 31)):
         if not -(1 << bits) <= v < (1 << bits):
             raise InvalidArgumentError(f"{name} {v} is out of range")
-    return pb.SaveTarget(job=job or "", step=step, rank=rank, world_size=world_size)
+    return pb.SaveTarget(
+        job=job or "", step=step, rank=rank, world_size=world_size, attempt=attempt
+    )
 
 
 def _restore_request(
