@@ -28,10 +28,13 @@ def test_no_daemon_names_the_socket_and_says_what_to_do():
 
 def test_default_socket_matches_the_daemons_rule(monkeypatch):
     monkeypatch.delenv("CKPTD_SOCKET", raising=False)
-    monkeypatch.setenv("TMPDIR", "/var/tmp/")
-    assert ckptd.default_socket() == f"/var/tmp/ckptd-{os.getuid()}.sock"
-    monkeypatch.setenv("TMPDIR", "")
-    assert ckptd.default_socket() == f"/tmp/ckptd-{os.getuid()}.sock"
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", "/var/tmp/")  # no longer part of the rule
+    assert ckptd.default_socket() == f"/tmp/ckptd-{os.getuid()}/ckptd.sock"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "")  # empty counts as unset
+    assert ckptd.default_socket() == f"/tmp/ckptd-{os.getuid()}/ckptd.sock"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000/")
+    assert ckptd.default_socket() == "/run/user/1000/ckptd.sock"
     monkeypatch.setenv("CKPTD_SOCKET", "/run/x.sock")
     assert ckptd.default_socket() == "/run/x.sock"
     assert ckptd.Client().socket == "/run/x.sock"
@@ -59,7 +62,7 @@ def test_step_saved_twice(client, job):
     ("kwargs", "match"),
     [
         ({"step": -1}, "step -1 out of range"),
-        ({"rank": 2, "world_size": 2}, "rank 2 out of range"),
+        ({"rank": 2, "world_size": 2, "attempt": "run-1"}, "rank 2 out of range"),
         ({"world_size": 0}, "world_size 0 out of range"),
         ({"job": "../escape"}, "job name"),
         ({"step": 1 << 63}, "out of range"),

@@ -38,6 +38,7 @@ from ._errors import (
     SaveFailedError,
     StorageUnavailableError,
     TimeoutError,
+    UntrustedDaemonError,
 )
 
 __all__ = [
@@ -61,5 +62,6 @@ __all__ = [
     "StepInfo",
     "StorageUnavailableError",
     "TimeoutError",
+    "UntrustedDaemonError",
     "default_socket",
 ]

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import grpc
 import numpy as np
 
-from . import _attempt, _names, _tensors
+from . import _attempt, _names, _tensors, _trust
 from ._arena import Arena
 from ._dataset import Dataset, make_spec
 from ._errors import (
@@ -35,6 +35,7 @@ from ._errors import (
     InvalidArgumentError,
     SaveFailedError,
     TimeoutError,
+    UntrustedDaemonError,
     from_rpc_error,
 )
 from .v1 import ckptd_pb2 as pb
@@ -51,13 +52,15 @@ Transport = Literal["auto", "shm", "stream"]
 def default_socket() -> str:
     """The socket the daemon listens on by default.
 
-    The same rule as ``ckptd serve`` (Go): $CKPTD_SOCKET, else
-    ckptd-<uid>.sock in $TMPDIR, else in /tmp.
+    The same rule as ``ckptd serve`` (Go): $CKPTD_SOCKET, else ckptd.sock in
+    $XDG_RUNTIME_DIR when that is set, else /tmp/ckptd-<uid>/ckptd.sock (a
+    folder the daemon makes private to its user).
     """
     if s := os.environ.get("CKPTD_SOCKET"):
         return s
-    tmp = os.environ.get("TMPDIR") or "/tmp"
-    return os.path.normpath(os.path.join(tmp, f"ckptd-{os.getuid()}.sock"))
+    if xdg := os.environ.get("XDG_RUNTIME_DIR"):
+        return os.path.normpath(os.path.join(xdg, "ckptd.sock"))
+    return f"/tmp/ckptd-{os.getuid()}/ckptd.sock"
 
 
 class SaveStatus(str, enum.Enum):
@@ -140,6 +143,14 @@ class SaveHandle:
         )
 
     def _watch(self) -> None:
+        """Start the WaitSave call; without a trusted daemon, keep why for wait()."""
+        self._future = None
+        try:
+            self._client._ensure_trusted(f"wait for {self._what()}")
+        except CkptdError as e:
+            self._unwatched = e
+            return
+        self._unwatched = None
         self._future = self._client._stub.WaitSave.future(self._request())
 
     def _poll(self) -> pb.WaitSaveResponse | grpc.RpcError | None:
@@ -181,9 +192,10 @@ class SaveHandle:
         req = self._request()
         req.nowait = True
         try:
+            self._client._ensure_trusted(f"status of {self._what()}")
             state = self._client._stub.WaitSave(req, timeout=5).state
-        except grpc.RpcError:
-            return SaveStatus.STAGED  # the daemon is away; the save is journaled
+        except (grpc.RpcError, CkptdError):
+            return SaveStatus.STAGED  # the daemon is away (or untrusted); the save is journaled
         return _LIVE.get(state, SaveStatus.STAGED)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -215,6 +227,12 @@ class SaveHandle:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             raise TimeoutError(f"{self._what()} not committed within the timeout; it goes on")
+        if fut is None:  # no call: the daemon was away or untrusted
+            if isinstance(self._unwatched, UntrustedDaemonError):
+                raise self._unwatched
+            self._client._await_daemon(deadline, f"wait for {self._what()}")
+            self._watch()
+            return
         try:
             fut.result(timeout=left)  # type: ignore[union-attr]
         except grpc.FutureTimeoutError:
@@ -240,8 +258,11 @@ class Client:
     """A connection to one ``ckptd serve`` over its unix socket.
 
     Args:
-        socket: the daemon's socket; default $CKPTD_SOCKET, else the daemon's
-            own default (ckptd-<uid>.sock in $TMPDIR or /tmp).
+        socket: the daemon's socket; default: see default_socket(). Before
+            the first call the client checks the socket, its folder and the
+            uid of the process behind it, and raises UntrustedDaemonError
+            (sending nothing) unless they belong to this user, root or
+            $CKPTD_DAEMON_UID.
         timeout: seconds allowed for each call to the daemon (None: no limit).
             A save that finds the arena full waits up to the daemon's
             --staging-wait before failing, whatever this says.
@@ -257,7 +278,8 @@ class Client:
             (see the README).
 
     The connection is lazy: creating a client never fails because no daemon
-    runs; the first call does, naming the socket. Use it as a context
+    runs; the first call does, naming the socket. It fails at once for a
+    malformed attempt or $CKPTD_DAEMON_UID. Use it as a context
     manager, or call close(). It may be shared between threads.
     """
 
@@ -291,6 +313,9 @@ class Client:
         )
         self._stub = pb_grpc.CheckpointStub(self._channel)
         self._prefetch = pb_grpc.PrefetchStub(self._channel)
+        self._trusted_uids = _trust.trusted_uids()
+        self._trust_lock = threading.Lock()
+        self._peer: _trust.Peer | None = None  # the daemon the socket checks passed
         self._datasets: weakref.WeakSet[Dataset] = weakref.WeakSet()
         self._map_lock = threading.Lock()
         self._arena: Arena | None = None
@@ -339,10 +364,37 @@ class Client:
         """
         if self.closed:
             raise ClientClosedError(f"{what}: the client is closed")
+        self._ensure_trusted(what)
         try:
             return getattr(stub or self._stub, method)(request, timeout=self.timeout)
         except grpc.RpcError as e:
             raise self._error(e, what) from None
+
+    def _ensure_trusted(self, what: str) -> _trust.Peer:
+        """Check the daemon behind the socket before anything is sent to it.
+
+        The full checks (socket folder, socket, SO_PEERCRED) run before the
+        first call and again whenever the socket file is another one (a
+        restarted daemon, or something else in its place); otherwise this
+        is one lstat.
+
+        Raises:
+            UntrustedDaemonError: a check failed.
+            DaemonUnavailableError: no daemon is there.
+        """
+        peer = self._peer
+        if peer is not None:
+            try:
+                st = os.lstat(self.socket)
+            except OSError:
+                pass
+            else:
+                if (st.st_dev, st.st_ino) == peer.ident:
+                    return peer
+        with self._trust_lock:
+            self._peer = None
+            self._peer = _trust.check_socket(self.socket, self._trusted_uids, what)
+            return self._peer
 
     def _error(self, err: grpc.RpcError, what: str) -> CkptdError:
         """Map a failed call; one cut short by close() is ClientClosedError."""
@@ -376,7 +428,7 @@ class Client:
                 self._arena.close()
                 self._arena = None
             try:
-                self._arena = Arena(info.path, info.size)
+                self._arena = Arena(info.path, info.size, self._ensure_trusted("map the arena").uid)
                 self._arena_id = info.id
             except OSError as e:
                 if self.transport == "shm":
@@ -614,6 +666,7 @@ class Client:
 
         if self.closed:
             raise ClientClosedError(f"{what}: the client is closed")
+        self._ensure_trusted(what)
         try:
             return self._stub.SaveStream(messages(), timeout=self.timeout)
         except grpc.RpcError as e:
@@ -718,6 +771,7 @@ class Client:
     ) -> tuple[pb.RestoreHeader, list[tuple[str, Any]]]:
         if self.closed:
             raise ClientClosedError(f"{what}: the client is closed")
+        self._ensure_trusted(what)
         try:
             stream = self._stub.RestoreStream(req, timeout=self.timeout)
             first = next(stream, None)

@@ -61,7 +61,15 @@ class DaemonUnavailableError(CkptdError, ConnectionError):
     """
 
 
-class PermissionDeniedError(CkptdError, PermissionError):
+class UntrustedDaemonError(CkptdError):
+    """The socket, its folder, the process behind it or its arena is not trusted.
+
+    Raised before anything is sent to the daemon or copied into its arena.
+    The message names the path, the owner found and the fix.
+    """
+
+
+class PermissionDeniedError(CkptdError):
     """The daemon refused this client (its uid is not allowed to connect)."""
 
 
