@@ -107,7 +107,7 @@ class Daemon:
             with socket.socket(socket.AF_UNIX) as s:
                 return s.connect_ex(self.socket) == 0
         try:
-            with ckptd.Client(self.socket, timeout=2) as c:
+            with ckptd.Client(self.socket, timeout=2, reconnect_timeout=0) as c:
                 c.steps()
         except ckptd.DaemonUnavailableError:
             return False

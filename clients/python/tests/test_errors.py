@@ -17,7 +17,7 @@ MiB = 1 << 20
 
 def test_no_daemon_names_the_socket_and_says_what_to_do():
     sock = os.path.join(tempfile.mkdtemp(prefix="ckptd-none-"), "absent.sock")
-    with ckptd.Client(sock) as c:
+    with ckptd.Client(sock, reconnect_timeout=0) as c:
         for call in (c.steps, lambda: c.save(1, {"a": np.zeros(1)}), lambda: c.load(latest=True)):
             with pytest.raises(ckptd.DaemonUnavailableError) as e:
                 call()

@@ -104,7 +104,10 @@ def test_absent_or_dead_socket_is_no_daemon_not_untrusted(tmp_path):
     dead = tmp_path / "dead.sock"
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(dead))  # bound, never listening: connections are refused
-    with ckptd.Client(str(dead)) as c, pytest.raises(ckptd.DaemonUnavailableError):
+    with (
+        ckptd.Client(str(dead), reconnect_timeout=0) as c,
+        pytest.raises(ckptd.DaemonUnavailableError),
+    ):
         c.steps()
 
 
