@@ -150,6 +150,26 @@ def test_commit_whose_answer_is_lost(make_daemon, job, monkeypatch, journaled, c
         assert c.load(1, job=job)["w"][0] == 3
 
 
+def test_load_whose_region_was_lost_while_copying_is_made_again(make_daemon, job, monkeypatch):
+    """The daemon went away mid-copy: the region may have been handed on, so load again."""
+    d = make_daemon()
+    with d.client() as c:
+        c.save(1, {"w": np.arange(4096, dtype=np.int64)}, job=job).wait(30)
+        builds = []
+        real = _client._Outputs.build
+
+        def build(self, header, data):
+            builds.append(1)
+            if len(builds) == 1:
+                d.kill9()
+                d.start()
+            return real(self, header, data)
+
+        monkeypatch.setattr(_client._Outputs, "build", build)
+        assert np.array_equal(c.load(1, job=job)["w"], np.arange(4096))
+        assert len(builds) == 2
+
+
 def test_wait_gives_up_then_follows_the_save_again(make_daemon, job):
     d = make_daemon("--debug-drain-delay", "1s")
     with d.client(reconnect_timeout=1) as c:
