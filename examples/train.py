@@ -12,11 +12,18 @@ as a run that was never interrupted:
     python examples/train.py --steps 200 --ckpt-every 20 --resume latest
 
 The last line printed is a SHA-256 of the final weights, to compare runs.
+
+A resumed run is a new attempt (see the client README): it redoes the steps
+after the checkpoint it resumed from, and a step that the killed run had
+already checkpointed -- committed by the daemon after the kill -- is skipped
+with a line saying so. Training is deterministic, so that checkpoint holds
+the same weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import sys
 import time
@@ -106,13 +113,54 @@ def checkpoint(
     extra = {"step": step, "torch_rng": torch.get_rng_state(), "data_rng": data.get_state()}
     try:
         h = ckptd.torch.save_state_dict(client, step, model, opt, extra=extra, job=args.job)
-    except ckptd.AlreadyExistsError:
-        # A run killed after staging this step left it to the daemon, which
-        # committed it; training is deterministic, so it holds these bytes.
-        print(f"step {step} already checkpointed", flush=True)
+    except ckptd.AlreadyExistsError as e:
+        owner = committed_elsewhere(client, args.job, step, e)
+        if owner is None:
+            raise  # not another run's commit: a real problem
+        print(f"step {step} was already committed by {owner}; not saving it again", flush=True)
         return None
     print(f"saved step {step}", flush=True)
     return h
+
+
+def committed_elsewhere(
+    client: ckptd.Client, job: str | None, step: int, err: ckptd.AlreadyExistsError
+) -> str | None:
+    """Who committed step, when another attempt (an earlier run) did; else None.
+
+    The daemon says so with reason STEP_COMMITTED and the committing attempt.
+    A daemon that gives no reason is asked: its save of that step may still
+    be draining, so wait for that (bounded), then look the step up.
+    """
+    if err.reason is not None:
+        owner = err.metadata.get("attempt", "")
+        if err.reason != "STEP_COMMITTED" or owner == client.attempt:
+            return None
+        return f"attempt {owner!r}" if owner else "an earlier run"
+    with contextlib.suppress(ckptd.CkptdError):
+        client.handle(step, job=job, attempt="").wait(timeout=60)
+    return committed_by_another(client, job, step)
+
+
+def committed_by_another(client: ckptd.Client, job: str | None, step: int) -> str | None:
+    """Who committed step, when it is committed by another attempt than the client's."""
+    for s in client.steps(job):
+        if s.step == step and s.attempt != client.attempt:
+            return f"attempt {s.attempt!r}" if s.attempt else "an earlier run"
+    return None
+
+
+def finish(client: ckptd.Client, job: str | None, h: ckptd.SaveHandle) -> None:
+    """Wait for a checkpoint to commit; another run committing the step first is fine."""
+    try:
+        h.wait()
+    except ckptd.SaveFailedError:
+        owner = committed_by_another(client, job, h.step)
+        if owner is None:
+            raise
+        print(f"step {h.step} was committed by {owner} first; keeping that", flush=True)
+        return
+    print(f"committed step {h.step}", flush=True)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -141,13 +189,11 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 pending.append(h)
             for h in [h for h in pending if h.done()]:
-                h.wait()  # raises if the daemon gave up on it
-                print(f"committed step {h.step}", flush=True)
+                finish(client, args.job, h)  # raises if the daemon gave up on it
                 pending.remove(h)
             time.sleep(args.step_sleep)
         for h in pending:
-            h.wait()
-            print(f"committed step {h.step}", flush=True)
+            finish(client, args.job, h)
     print(f"final weights sha256 {weights_digest(model)}", flush=True)
     return 0
 

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -48,16 +49,33 @@ def ckptd_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Daemon:
-    """A running `ckptd serve` with its own socket, storage and arena."""
+    """A running `ckptd serve` with its own socket, storage and arena.
+
+    With user, it runs as that uid and gid (no other groups), as another
+    user's daemon would: its folder is then world-writable with the sticky
+    bit (like /tmp), and its storage and binary that user's.
+    """
 
     def __init__(
-        self, binary: Path, *extra: str, staging: str = "256MiB", job: str = "pytest"
+        self,
+        binary: Path,
+        *extra: str,
+        staging: str = "256MiB",
+        job: str = "pytest",
+        user: int | None = None,
     ) -> None:
         # A short folder under /tmp: unix socket paths are limited to 108 bytes.
         self.dir = Path(tempfile.mkdtemp(prefix="ckptd-py-"))
         self.socket = str(self.dir / "ckptd.sock")
         self.storage = self.dir / "store"
         self.arena_dir = Path("/dev/shm") / f"ckptd-pytest-{os.getpid()}-{next(_counter)}"
+        self.user = user
+        if user is not None:
+            os.chmod(self.dir, 0o1777)
+            self.storage.mkdir()
+            os.chown(self.storage, user, user)
+            binary = Path(shutil.copy(binary, self.dir / "ckptd"))  # theirs may be private
+            os.chmod(binary, 0o755)
         self.args = [
             str(binary), "serve", "--socket", self.socket, "--storage", str(self.storage),
             "--arena-dir", str(self.arena_dir), "--staging-bytes", staging, "--job", job,
@@ -68,19 +86,32 @@ class Daemon:
         self.start()
 
     def start(self, *extra: str) -> None:
+        as_user = {}
+        if self.user is not None:
+            as_user = {"user": self.user, "group": self.user, "extra_groups": []}
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([*self.args, *extra], stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [*self.args, *extra], stdout=log, stderr=subprocess.STDOUT, **as_user
+            )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"ckptd serve exited early ({self.proc.returncode}):\n{self.logs()}")
-            try:
-                with ckptd.Client(self.socket, timeout=2) as c:
-                    c.steps()
+            if self._ready():
                 return
-            except ckptd.DaemonUnavailableError:
-                time.sleep(0.05)
+            time.sleep(0.05)
         pytest.fail(f"ckptd serve not ready after 30s:\n{self.logs()}")
+
+    def _ready(self) -> bool:
+        if self.user is not None:  # a client would (rightly) refuse it: just connect
+            with socket.socket(socket.AF_UNIX) as s:
+                return s.connect_ex(self.socket) == 0
+        try:
+            with ckptd.Client(self.socket, timeout=2, reconnect_timeout=0) as c:
+                c.steps()
+        except ckptd.DaemonUnavailableError:
+            return False
+        return True
 
     def logs(self) -> str:
         return self.log.read_text(errors="replace")
@@ -132,8 +163,8 @@ def make_daemon(ckptd_bin: Path) -> Iterator[Callable[..., Daemon]]:
     """Start daemons with extra flags; each is stopped after the test."""
     started: list[Daemon] = []
 
-    def make(*extra: str, staging: str = "256MiB") -> Daemon:
-        d = Daemon(ckptd_bin, *extra, staging=staging)
+    def make(*extra: str, staging: str = "256MiB", user: int | None = None) -> Daemon:
+        d = Daemon(ckptd_bin, *extra, staging=staging, user=user)
         started.append(d)
         return d
 

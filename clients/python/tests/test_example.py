@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 import ckptd
 
@@ -75,3 +78,48 @@ def test_example_finds_the_daemon_through_the_environment(daemon, job):
     assert out.returncode == 0, out.stderr
     with ckptd.Client(daemon.socket) as c:
         assert c.latest_step(job) == 3
+
+
+def test_a_step_an_earlier_run_committed_is_skipped_with_a_line_saying_so(daemon, job):
+    run(daemon.socket, job, "--steps", "10", "--ckpt-every", "5")
+    again = run(daemon.socket, job, "--steps", "10", "--ckpt-every", "5")  # no --resume
+    for step in (5, 10):
+        assert f"step {step} was already committed by an earlier run; not saving it again" in again
+        assert f"saved step {step}" not in again
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("train_example", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Refusing:
+    """A client whose saves fail with the given error."""
+
+    attempt = "this-run"
+    _attempt_random = False
+
+    def __init__(self, err: Exception) -> None:
+        self.err = err
+
+    def save(self, *a, **kw):
+        raise self.err
+
+    def steps(self, job=None):
+        return []
+
+
+def test_other_already_exists_errors_are_raised():
+    train = load_example()
+    args = train.parse_args(["--job", "j"])
+    model, opt, data, _ = train.build(0)
+    for err in (
+        ckptd.AlreadyExistsError("x", reason="SAVE_IN_PROGRESS", metadata={"attempt": "this-run"}),
+        ckptd.AlreadyExistsError("x", reason="STEP_COMMITTED", metadata={"attempt": "this-run"}),
+    ):
+        with pytest.raises(ckptd.AlreadyExistsError):
+            train.checkpoint(Refusing(err), args, 5, model, opt, data)
+    other = ckptd.AlreadyExistsError("x", reason="STEP_COMMITTED", metadata={"attempt": "old"})
+    assert train.checkpoint(Refusing(other), args, 5, model, opt, data) is None

@@ -88,6 +88,7 @@ def test_flatten_roundtrips_random_trees():
         ({"a": {}}, ValueError, "empty dict"),
         ({"x" * 256: 1}, ValueError, "more than the daemon's limit of 255"),
         ({"a\ud800": 1}, ValueError, "not valid Unicode"),
+        ({"__metadata__": 1}, ValueError, r"'__metadata__'.*reserved by the safetensors"),
     ],
 )
 def test_flatten_rejects(state, error, match):
@@ -105,3 +106,24 @@ def test_unflatten_reports_foreign_conflicts():
 def test_unescape_keeps_stray_percent():
     assert _names.unescape_key("50%off") == "50%off"
     assert _names.unescape_key("%zz%4") == "%zz%4"
+
+
+def test_reserved_name_only_at_the_top_level():
+    """Nested, or as part of a longer key, __metadata__ is an ordinary name."""
+    assert [n for n, _ in _names.flatten({"a": {"__metadata__": 1}, "__metadata__x": 2})] == [
+        "a:__metadata__",
+        "__metadata__x",
+    ]
+
+
+def test_safetensors_reserves_only_what_flatten_refuses():
+    """Every name flatten gives survives a safetensors file; __metadata__ would not."""
+    np = pytest.importorskip("numpy")
+    st = pytest.importorskip("safetensors.numpy")
+    names = [n for n, _ in _names.flatten(_random_tree(random.Random(2), 3))]
+    names += ["a:__metadata__", "%2E", "é", " ", "x" * 255]
+    loaded = st.load(st.save({n: np.zeros(1) for n in names}))
+    assert sorted(loaded) == sorted(names)
+    for reserved in _names.RESERVED:
+        with pytest.raises(Exception, match="header"):
+            st.load(st.save({reserved: np.zeros(1)}))

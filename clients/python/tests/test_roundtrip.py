@@ -229,11 +229,12 @@ def test_steps_and_latest(client, job):
 
 
 def test_multi_rank_step_commits_when_every_rank_saved(client, job):
-    h0 = client.save(1, {"w": np.zeros(4, np.float32)}, rank=0, world_size=2, job=job)
+    run = {"world_size": 2, "job": job, "attempt": "run-1"}  # the ranks of one run
+    h0 = client.save(1, {"w": np.zeros(4, np.float32)}, rank=0, **run)
     with pytest.raises(ckptd.TimeoutError):
         h0.wait(timeout=0.5)  # rank 1 is missing
     assert h0.status == ckptd.SaveStatus.DURABLE  # its data is safe; the step waits for rank 1
-    h1 = client.save(1, {"w": np.ones(4, np.float32)}, rank=1, world_size=2, job=job)
+    h1 = client.save(1, {"w": np.ones(4, np.float32)}, rank=1, **run)
     h0.wait(30)
     h1.wait(30)
     assert client.load(1, rank=1, job=job)["w"][0] == 1.0

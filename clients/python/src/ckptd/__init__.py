@@ -33,10 +33,12 @@ from ._errors import (
     DataLossError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
     SaveFailedError,
     StorageUnavailableError,
     TimeoutError,
+    UntrustedDaemonError,
 )
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "InvalidArgumentError",
     "LoadedState",
     "NotFoundError",
+    "PermissionDeniedError",
     "ResourceExhaustedError",
     "SaveFailedError",
     "SaveHandle",
@@ -59,5 +62,6 @@ __all__ = [
     "StepInfo",
     "StorageUnavailableError",
     "TimeoutError",
+    "UntrustedDaemonError",
     "default_socket",
 ]

@@ -18,6 +18,7 @@ import warnings
 
 import numpy as np
 
+from . import _trust
 from ._errors import CkptdError
 
 # cudaHostRegisterPortable: the memory counts as pinned in every CUDA
@@ -31,10 +32,17 @@ class Arena:
     ``mem`` is the whole arena as a uint8 array; lease offsets index it.
     """
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str, size: int, owner: int) -> None:
+        """Map the arena at path, after checking it is owner's (the daemon's uid).
+
+        Raises:
+            UntrustedDaemonError: the file or its folder fails the checks
+                of _trust.open_arena.
+            OSError: the file cannot be opened.
+        """
         if size <= 0:
             raise CkptdError(f"daemon reported an arena of {size} bytes at {path}")
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = _trust.open_arena(path, owner)
         try:
             st = os.fstat(fd)
             if st.st_size != size:

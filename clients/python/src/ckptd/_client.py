@@ -25,14 +25,16 @@ from typing import Any, Literal
 import grpc
 import numpy as np
 
-from . import _names, _tensors
+from . import _attempt, _names, _tensors, _trust
 from ._arena import Arena
 from ._dataset import Dataset, make_spec
 from ._errors import (
+    AlreadyExistsError,
     CkptdError,
     ClientClosedError,
     DaemonUnavailableError,
     InvalidArgumentError,
+    NotFoundError,
     SaveFailedError,
     TimeoutError,
     from_rpc_error,
@@ -43,7 +45,9 @@ from .v1 import ckptd_pb2_grpc as pb_grpc
 _STREAM_CHUNK = 1 << 20  # bytes per data message, as the daemon sends them
 _MAX_SEND = 16 << 20  # the daemon's gRPC receive limit
 _MAX_METADATA = 8 << 20  # the daemon's limit (checkpoint.MaxMetadata)
-_RECONNECT_WAIT = 30.0  # how long wait() waits for a restarted daemon
+_RECONNECT_TIMEOUT = 30.0  # default: how long calls wait for a restarted daemon
+_RECONNECT_ENV = "CKPTD_RECONNECT_TIMEOUT"
+_BACKOFF = (0.05, 1.0)  # first and longest pause between tries while the daemon is away
 
 Transport = Literal["auto", "shm", "stream"]
 
@@ -51,13 +55,15 @@ Transport = Literal["auto", "shm", "stream"]
 def default_socket() -> str:
     """The socket the daemon listens on by default.
 
-    The same rule as ``ckptd serve`` (Go): $CKPTD_SOCKET, else
-    ckptd-<uid>.sock in $TMPDIR, else in /tmp.
+    The same rule as ``ckptd serve`` (Go): $CKPTD_SOCKET, else ckptd.sock in
+    $XDG_RUNTIME_DIR when that is set, else /tmp/ckptd-<uid>/ckptd.sock (a
+    folder the daemon makes private to its user).
     """
     if s := os.environ.get("CKPTD_SOCKET"):
         return s
-    tmp = os.environ.get("TMPDIR") or "/tmp"
-    return os.path.normpath(os.path.join(tmp, f"ckptd-{os.getuid()}.sock"))
+    if xdg := os.environ.get("XDG_RUNTIME_DIR"):
+        return os.path.normpath(os.path.join(xdg, "ckptd.sock"))
+    return f"/tmp/ckptd-{os.getuid()}/ckptd.sock"
 
 
 class SaveStatus(str, enum.Enum):
@@ -76,6 +82,10 @@ _LIVE = {
     pb.SAVE_STATE_COMMITTED: SaveStatus.COMMITTED,
     pb.SAVE_STATE_FAILED: SaveStatus.FAILED,
 }
+# States of a save the daemon has accepted (journaled) and not given up on.
+_ACCEPTED = frozenset(
+    {pb.SAVE_STATE_STAGED, pb.SAVE_STATE_DRAINING, pb.SAVE_STATE_DURABLE, pb.SAVE_STATE_COMMITTED}
+)
 
 
 @dataclass(frozen=True)
@@ -87,18 +97,20 @@ class StepInfo:
     bytes: int  # tensor bytes over all ranks
     stored_bytes: int  # bytes in storage, after compression
     committed_at: _dt.datetime
+    attempt: str = ""  # the attempt whose ranks it holds ("" from an older daemon or step)
 
 
 class LoadedState(dict):  # type: ignore[type-arg]
     """The state dict a load returns, with the shard's step and metadata.
 
-    It is a plain dict (nested as saved) plus three attributes, so code that
+    It is a plain dict (nested as saved) plus four attributes, so code that
     only wants the tensors can ignore them.
     """
 
     step: int
     world_size: int
     metadata: bytes
+    attempt: str  # the attempt that wrote the step ("" from an older daemon or step)
 
 
 class SaveHandle:
@@ -106,13 +118,21 @@ class SaveHandle:
 
     The handle starts one WaitSave call as soon as the save is accepted, so
     done() and status are free to poll and wait() only blocks.
+
+    Attributes:
+        job, step, rank: the save's target.
+        attempt: the attempt it was saved under; "" asks after whichever
+            save of the target the daemon knows of.
     """
 
-    def __init__(self, client: Client, job: str, step: int, rank: int) -> None:
+    def __init__(
+        self, client: Client, job: str, step: int, rank: int, *, attempt: str = ""
+    ) -> None:
         self._client = client
         self.job = job
         self.step = step
         self.rank = rank
+        self.attempt = attempt
         self._lock = threading.Lock()
         self._future: grpc.Future | None = None
         self._result: pb.WaitSaveResponse | None = None
@@ -121,17 +141,32 @@ class SaveHandle:
     def __repr__(self) -> str:
         return (
             f"SaveHandle(job={self.job!r}, step={self.step}, rank={self.rank}, "
-            f"status={self.status.value})"
+            f"attempt={self.attempt!r}, status={self.status.value})"
         )
 
     def _request(self) -> pb.WaitSaveRequest:
-        return pb.WaitSaveRequest(job=self.job, step=self.step, rank=self.rank)
+        return pb.WaitSaveRequest(
+            job=self.job, step=self.step, rank=self.rank, attempt=self.attempt
+        )
 
     def _watch(self) -> None:
+        """Start the WaitSave call; without a trusted daemon, keep why for wait()."""
+        self._future = None
+        try:
+            self._client._ensure_trusted(f"wait for {self._what()}")
+        except CkptdError as e:
+            self._unwatched: CkptdError | None = e
+            return
+        self._unwatched = None
         self._future = self._client._stub.WaitSave.future(self._request())
 
-    def _poll(self) -> pb.WaitSaveResponse | grpc.RpcError | None:
-        """The finished call's answer or error, or None while it runs."""
+    def _poll(self) -> pb.WaitSaveResponse | CkptdError | None:
+        """The finished call's answer or error, or None while it runs.
+
+        A call cut short because the daemon went away leaves no call (and
+        the reason in _unwatched): the next one goes to the daemon that
+        comes back.
+        """
         with self._lock:
             if self._result is not None:
                 return self._result
@@ -143,20 +178,29 @@ class SaveHandle:
             except grpc.RpcError as e:
                 if self._client.closed:
                     return None  # cancelled by close(): the outcome is unknown, not failed
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    self._watch()  # the daemon restarted: ask the new one
+                err = self._client._error(e, f"wait for {self._what()}")
+                if isinstance(err, DaemonUnavailableError):
+                    self._future, self._unwatched = None, err
                     return None
-                return e
+                return err
             return self._result
+
+    def _polled(self) -> pb.WaitSaveResponse | CkptdError | None:
+        """_poll, first asking the daemon again if it had gone away."""
+        if self._future is None and not self._client.closed:
+            with self._lock:
+                if self._future is None and self._result is None:
+                    self._watch()
+        return self._poll()
 
     def done(self) -> bool:
         """Whether the save is committed or has failed (never blocks)."""
-        return self._poll() is not None
+        return self._polled() is not None
 
     @property
     def status(self) -> SaveStatus:
         """Where the save stands now; asks the daemon (without waiting) while it runs."""
-        r = self._poll()
+        r = self._polled()
         if r is None:
             return self._live_status()
         if isinstance(r, pb.WaitSaveResponse) and r.state == pb.SAVE_STATE_COMMITTED:
@@ -166,53 +210,73 @@ class SaveHandle:
     def _live_status(self) -> SaveStatus:
         if self._client.closed:
             return SaveStatus.STAGED  # unknown here; the daemon still has it journaled
+        state = self._ask()
+        return SaveStatus.STAGED if state is None else _LIVE.get(state, SaveStatus.STAGED)
+
+    def _ask(self) -> int | None:
+        """The daemon's state of the save now (WaitSave nowait); None without an answer."""
         req = self._request()
         req.nowait = True
         try:
-            state = self._client._stub.WaitSave(req, timeout=5).state
-        except grpc.RpcError:
-            return SaveStatus.STAGED  # the daemon is away; the save is journaled
-        return _LIVE.get(state, SaveStatus.STAGED)
+            self._client._ensure_trusted(f"status of {self._what()}")
+            return self._client._stub.WaitSave(req, timeout=5).state
+        except (grpc.RpcError, CkptdError):
+            return None  # the daemon is away (or untrusted); the save is journaled
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save is durable and its step committed.
 
         The step commits once every rank of world_size has saved, so with
-        several ranks this waits for the others too.
+        several ranks this waits for the others too. A daemon that restarts
+        meanwhile is waited for, up to the client's reconnect_timeout each
+        time it goes away.
 
         Raises:
             SaveFailedError: the daemon gave up on the save (it says why).
             TimeoutError: timeout seconds passed first; the save goes on and
                 wait can be called again.
             DaemonUnavailableError: the daemon went away and did not come
-                back within 30 seconds.
+                back within the client's reconnect_timeout.
+            UntrustedDaemonError: what came back on the socket is not trusted.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        what = f"wait for {self._what()}"
+        outage = _Outage(self._client, what)
         while True:
             r = self._poll()
-            if r is None and self._client.closed:
-                raise ClientClosedError(f"wait for {self._what()}: the client is closed")
             if isinstance(r, pb.WaitSaveResponse):
                 return self._check(r)
-            if isinstance(r, grpc.RpcError):
-                raise from_rpc_error(r, self._client.socket, f"wait for {self._what()}")
-            self._block(deadline)
+            if isinstance(r, CkptdError):
+                raise r
+            if self._client.closed:
+                raise ClientClosedError(f"{what}: the client is closed")
+            if self._future is not None:
+                self._block(deadline)
+                continue
+            err = self._unwatched
+            if not isinstance(err, DaemonUnavailableError):
+                raise err  # type: ignore[misc]  # untrusted: never retried
+            if not outage.pause(err, deadline):
+                raise self._timeout()
+            if self._ask() is not None:
+                outage = _Outage(self._client, what)  # it answers: this outage is over
+            self._watch()
 
     def _block(self, deadline: float | None) -> None:
+        """Wait for the running call to finish, up to deadline."""
         fut = self._future
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            raise TimeoutError(f"{self._what()} not committed within the timeout; it goes on")
+            raise self._timeout()
         try:
             fut.result(timeout=left)  # type: ignore[union-attr]
         except grpc.FutureTimeoutError:
-            raise TimeoutError(
-                f"{self._what()} not committed within the timeout; it goes on"
-            ) from None
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE and not self._client.closed:
-                self._client._await_daemon(deadline, f"wait for {self._what()}")
-                time.sleep(0.1)  # a daemon that is shutting down answers UNAVAILABLE at once
+            raise self._timeout() from None
+        except grpc.RpcError:
+            pass  # _poll maps it
+
+    def _timeout(self) -> TimeoutError:
+        return TimeoutError(f"{self._what()} not committed within the timeout; it goes on")
 
     def _check(self, r: pb.WaitSaveResponse) -> None:
         if r.state != pb.SAVE_STATE_COMMITTED:
@@ -228,8 +292,11 @@ class Client:
     """A connection to one ``ckptd serve`` over its unix socket.
 
     Args:
-        socket: the daemon's socket; default $CKPTD_SOCKET, else the daemon's
-            own default (ckptd-<uid>.sock in $TMPDIR or /tmp).
+        socket: the daemon's socket; default: see default_socket(). Before
+            the first call the client checks the socket, its folder and the
+            uid of the process behind it, and raises UntrustedDaemonError
+            (sending nothing) unless they belong to this user, root or
+            $CKPTD_DAEMON_UID.
         timeout: seconds allowed for each call to the daemon (None: no limit).
             A save that finds the arena full waits up to the daemon's
             --staging-wait before failing, whatever this says.
@@ -237,17 +304,40 @@ class Client:
             bytes over gRPC (for a client that cannot see the daemon's
             /dev/shm); "auto" maps and falls back to streaming, with a
             warning, when the arena cannot be opened.
+        attempt: the run of the job this client's saves belong to, shared by
+            every rank of the run and different for the next run
+            ([a-z0-9._-]{1,64}, not starting with "."). Default
+            $CKPTD_ATTEMPT, else a random id of this client's own, which
+            suits a single rank only: ranks of one run must share an attempt
+            (see the README).
+        reconnect_timeout: seconds save(), load(), steps(), latest_step()
+            and SaveHandle.wait() wait for a daemon that went away (a
+            restart) or is not there yet, retrying, before they raise
+            DaemonUnavailableError; 0 raises at once. Default
+            $CKPTD_RECONNECT_TIMEOUT, else 30. Errors that mean the request
+            is wrong are never retried.
 
     The connection is lazy: creating a client never fails because no daemon
-    runs; the first call does, naming the socket. Use it as a context
+    runs; the first call does, naming the socket. It fails at once for a
+    malformed attempt or $CKPTD_DAEMON_UID. Use it as a context
     manager, or call close(). It may be shared between threads.
     """
 
     def __init__(
-        self, socket: str | None = None, timeout: float | None = None, transport: Transport = "auto"
+        self,
+        socket: str | None = None,
+        timeout: float | None = None,
+        transport: Transport = "auto",
+        *,
+        attempt: str | None = None,
+        reconnect_timeout: float | None = None,
     ) -> None:
         if transport not in ("auto", "shm", "stream"):
             raise ValueError(f"transport must be 'auto', 'shm' or 'stream', not {transport!r}")
+        self.reconnect_timeout = _reconnect_timeout(reconnect_timeout)
+        self._attempt, given = _attempt.resolve(attempt)
+        self._attempt_random = not given  # made up here: unknown to the other ranks
+        self._warned_attempt = False
         self.socket = os.path.abspath(socket or default_socket())
         self.timeout = timeout
         self.transport: Transport = transport
@@ -265,6 +355,9 @@ class Client:
         )
         self._stub = pb_grpc.CheckpointStub(self._channel)
         self._prefetch = pb_grpc.PrefetchStub(self._channel)
+        self._trusted_uids = _trust.trusted_uids()
+        self._trust_lock = threading.Lock()
+        self._peer: _trust.Peer | None = None  # the daemon the socket checks passed
         self._datasets: weakref.WeakSet[Dataset] = weakref.WeakSet()
         self._map_lock = threading.Lock()
         self._arena: Arena | None = None
@@ -278,7 +371,15 @@ class Client:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Client(socket={self.socket!r}, transport={self.transport!r})"
+        return (
+            f"Client(socket={self.socket!r}, transport={self.transport!r}, "
+            f"attempt={self._attempt!r})"
+        )
+
+    @property
+    def attempt(self) -> str:
+        """The attempt this client's saves carry unless save() is given another."""
+        return self._attempt
 
     def close(self) -> None:
         """Close the connection and unmap the arena.
@@ -305,26 +406,50 @@ class Client:
         """
         if self.closed:
             raise ClientClosedError(f"{what}: the client is closed")
+        self._ensure_trusted(what)
         try:
             return getattr(stub or self._stub, method)(request, timeout=self.timeout)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.socket, what) from None
+            raise self._error(e, what) from None
 
-    def _await_daemon(self, deadline: float | None, what: str) -> None:
-        """Wait for a restarted daemon to accept connections again."""
-        limit = _RECONNECT_WAIT if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=min(limit, _RECONNECT_WAIT))
-        except grpc.FutureTimeoutError:
-            raise DaemonUnavailableError(
-                f"{what}: the daemon at {self.socket} went away and did not come back; "
-                f"start it again with `ckptd serve --socket {self.socket}`"
-            ) from None
+    def _ensure_trusted(self, what: str, recheck: bool = False) -> _trust.Peer:
+        """Check the daemon behind the socket before anything is sent to it.
+
+        The full checks (socket folder, socket, SO_PEERCRED) run before the
+        first call and again whenever the socket file is another one (a
+        restarted daemon, or something else in its place); otherwise this
+        is one lstat. recheck runs them all (and so finds out whether a
+        daemon listens at all).
+
+        Raises:
+            UntrustedDaemonError: a check failed.
+            DaemonUnavailableError: no daemon is there.
+        """
+        peer = self._peer
+        if peer is not None and not recheck:
+            try:
+                st = os.lstat(self.socket)
+            except OSError:
+                pass
+            else:
+                if (st.st_dev, st.st_ino) == peer.ident:
+                    return peer
+        with self._trust_lock:
+            self._peer = None
+            self._peer = _trust.check_socket(self.socket, self._trusted_uids, what)
+            return self._peer
+
+    def _error(self, err: grpc.RpcError, what: str) -> CkptdError:
+        """Map a failed call; one cut short by close() is ClientClosedError."""
+        if self.closed:
+            return ClientClosedError(f"{what}: the client is closed")
+        return from_rpc_error(err, self.socket, what)
 
     def _mapping(self, refresh: bool = False) -> Arena | None:
         """The arena mapping, made on first use; None when streaming.
 
-        refresh remaps when the daemon's arena file changed (a restart).
+        refresh asks the daemon again and remaps when its arena is another
+        file (a restarted daemon makes a new one).
         """
         if self.transport == "stream":
             return None
@@ -333,10 +458,12 @@ class Client:
                 return self._arena
             info = self._call("GetArena", pb.GetArenaRequest(), "get the staging arena")
             if self._arena is not None:
+                if info.id == self._arena_id and self._arena.is_current():
+                    return self._arena
                 self._arena.close()
                 self._arena = None
             try:
-                self._arena = Arena(info.path, info.size)
+                self._arena = Arena(info.path, info.size, self._ensure_trusted("map the arena").uid)
                 self._arena_id = info.id
             except OSError as e:
                 if self.transport == "shm":
@@ -350,15 +477,6 @@ class Client:
                 self.transport = "stream"
                 return None
             return self._arena
-
-    def _current_mapping(self, arena: Arena) -> Arena:
-        """Check, after a lease, that the mapping is still the daemon's arena."""
-        if arena.is_current():
-            return arena
-        fresh = self._mapping(refresh=True)
-        if fresh is None:  # pragma: no cover - remapping failed over to streaming
-            raise DaemonUnavailableError("the daemon's arena changed and cannot be mapped again")
-        return fresh
 
     def _lease_mapping(self, arena_id: str) -> Arena:
         """The mapping a lease of arena arena_id indexes, remapped if the daemon's changed.
@@ -463,6 +581,8 @@ class Client:
         world_size: int = 1,
         metadata: bytes = b"",
         job: str | None = None,
+        *,
+        attempt: str | None = None,
     ) -> SaveHandle:
         """Stage one rank's shard of a step; return as soon as the daemon has it.
 
@@ -472,15 +592,33 @@ class Client:
         caller may change or free its tensors. The shard becomes durable in
         the background: see SaveHandle.wait().
 
+        The save carries attempt (default: the client's). A step commits
+        from the saves of one attempt, so every rank of world_size must save
+        it under the same one; a client that made its attempt up itself
+        warns, once, when it saves with world_size > 1.
+
+        A daemon that goes away (a restart) is waited for, up to the
+        client's reconnect_timeout, and the save is made again from the
+        start (the lease died with the daemon). A save whose commit reached
+        the daemon just before it went away is not made twice: the
+        restarted daemon says it has it, and that counts as accepted.
+
         Raises:
             TypeError: a value or key of state cannot be stored.
-            InvalidArgumentError: the step, rank, job or a name is refused.
-            AlreadyExistsError: the step is committed or this rank is being saved.
+            InvalidArgumentError: the step, rank, job, attempt or a name is
+                refused.
+            AlreadyExistsError: the step is committed, or this rank of this
+                attempt is already being saved.
             ResourceExhaustedError: the arena stayed full (or is too small).
-            DaemonUnavailableError: no daemon answers on the socket.
+            DaemonUnavailableError: no daemon answered within reconnect_timeout.
+            UntrustedDaemonError: the daemon on the socket is not trusted.
         """
         meta = _metadata_bytes(metadata)
-        target = _target(job, step, rank, world_size)
+        own = attempt is None
+        attempt = self._attempt if own else _attempt.check(attempt, "attempt")
+        target = _target(job, step, rank, world_size, attempt)
+        if own and self._attempt_random and target.world_size > 1:
+            self._warn_random_attempt(target.world_size)
         leaves = [_tensors.make_leaf(n, v) for n, v in _flatten(state)]
         size = _tensors.layout(leaves)
         table = [
@@ -490,13 +628,81 @@ class Client:
             for x in leaves
         ]
         what = f"save step {step} rank {rank}"
-        arena = self._mapping()
-        if arena is None:
-            resp = self._save_stream(target, table, leaves, size, meta, what)
-        else:
-            resp = self._save_shm(arena, target, table, leaves, size, meta, what)
-        t = resp.target
-        return SaveHandle(self, t.job, t.step, t.rank)
+        outage = _Outage(self, what)
+        doubt = _Doubt()
+        while True:
+            try:
+                arena = self._mapping(refresh=outage.active)
+                if arena is None:
+                    resp = self._save_stream(target, table, leaves, size, meta, what, doubt)
+                else:
+                    resp = self._save_shm(arena, target, table, leaves, size, meta, what, doubt)
+            except DaemonUnavailableError as e:
+                outage.pause(e)
+            except _LeaseLost as e:
+                outage.pause(e.error)
+            except AlreadyExistsError as e:
+                verdict = self._saved_before(e, target, doubt.sent, outage.active)
+                if verdict == "raise":
+                    raise
+                if verdict == "accepted":
+                    job_name = target.job or e.metadata.get("job", "")
+                    return SaveHandle(
+                        self, job_name, target.step, target.rank, attempt=target.attempt
+                    )
+                outage.pause(e)
+            else:
+                t = resp.target
+                return SaveHandle(self, t.job, t.step, t.rank, attempt=target.attempt)
+
+    def _saved_before(  # noqa: PLR0911 - one answer per case of the contract
+        self, err: AlreadyExistsError, target: pb.SaveTarget, in_doubt: bool, retrying: bool
+    ) -> Literal["accepted", "retry", "raise"]:
+        """Decide about ALREADY_EXISTS for a save, which may be the answer to our own.
+
+        in_doubt: a commit of this save was sent and its answer lost (the
+        daemon went away), so the daemon may have journaled it and, after a
+        restart, replayed it. Only then can the save it reports be ours.
+        """
+        meta = err.metadata
+        if meta.get("attempt", target.attempt) != target.attempt:
+            return "raise"  # another attempt's: never ours
+        if err.reason == "SAVE_IN_PROGRESS":
+            if meta.get("state", "").lower() == "staging":
+                # A lease not committed yet: ours from before the outage, which
+                # the daemon releases when it notices the connection is gone.
+                return "retry" if retrying else "raise"
+            return "accepted" if in_doubt else "raise"
+        if err.reason == "STEP_COMMITTED":
+            # Committed from this attempt's saves, ours among them.
+            return "accepted" if in_doubt and "attempt" in meta else "raise"
+        if err.reason is None and in_doubt:
+            # A daemon without reasons: ask it about this very save.
+            probe = pb.WaitSaveRequest(
+                job=target.job, step=target.step, rank=target.rank, attempt=target.attempt,
+                nowait=True,
+            )  # fmt: skip
+            try:
+                state = self._call("WaitSave", probe, "look up the save").state
+            except DaemonUnavailableError:
+                return "retry"  # gone again: start over, within the same bound
+            except CkptdError:
+                return "raise"  # it knows of no such save
+            return "accepted" if state in _ACCEPTED else "raise"
+        return "raise"
+
+    def _warn_random_attempt(self, world_size: int) -> None:
+        if self._warned_attempt:
+            return
+        self._warned_attempt = True
+        warnings.warn(
+            f"ckptd: saving one of {world_size} ranks under attempt {self._attempt!r}, a random "
+            "id this client made up; every rank's client makes its own, and a step commits "
+            f"only from the saves of one attempt. Give the ranks of a run one attempt: "
+            f"{_attempt.HOWTO}, or save through ckptd.torch with torch.distributed initialized",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _save_shm(
         self,
@@ -507,7 +713,9 @@ class Client:
         size: int,
         meta: bytes,
         what: str,
+        doubt: _Doubt,
     ) -> pb.CommitSaveResponse:
+        del arena  # the lease says which arena it is in
         lease = self._call(
             "BeginSave", pb.BeginSaveRequest(target=target, tensors=table), what
         ).lease
@@ -516,12 +724,21 @@ class Client:
                 raise CkptdError(
                     f"{what}: daemon leased {lease.length} bytes for a {size}-byte table"
                 )
-            arena = self._current_mapping(arena)
+            arena = self._lease_mapping(lease.arena_id)
             region = arena.region(lease.offset, size)
             _copy_leaves(leaves, region, arena.pin)
-            return self._call(
-                "CommitSave", pb.CommitSaveRequest(lease_id=lease.id, metadata=meta), what
-            )
+            try:
+                return self._call(
+                    "CommitSave", pb.CommitSaveRequest(lease_id=lease.id, metadata=meta), what
+                )
+            except DaemonUnavailableError as e:
+                # Without a reason nobody said no: it may have been journaled.
+                doubt.sent = doubt.sent or e.reason is None
+                raise
+            except NotFoundError as e:
+                if e.reason not in (None, "UNKNOWN_LEASE"):
+                    raise
+                raise _LeaseLost(e) from None  # it died with a daemon (or its connection)
         except BaseException:
             # Give the region back at once rather than after --lease-timeout.
             # (A failed commit leaves nothing to abort; this then fails quietly.)
@@ -529,7 +746,8 @@ class Client:
             raise
 
     def _abort(self, lease_id: str) -> None:
-        with contextlib.suppress(grpc.RpcError):
+        with contextlib.suppress(grpc.RpcError, CkptdError):
+            self._ensure_trusted("abort a save")
             self._stub.AbortSave(pb.AbortSaveRequest(lease_id=lease_id), timeout=5)
 
     def _save_stream(
@@ -540,6 +758,7 @@ class Client:
         size: int,
         meta: bytes,
         what: str,
+        doubt: _Doubt,
     ) -> pb.CommitSaveResponse:
         header = pb.SaveStreamHeader(target=target, tensors=table, metadata=meta)
 
@@ -550,19 +769,31 @@ class Client:
 
         if self.closed:
             raise ClientClosedError(f"{what}: the client is closed")
+        self._ensure_trusted(what)
         try:
             return self._stub.SaveStream(messages(), timeout=self.timeout)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.socket, what) from None
+            err = self._error(e, what)
+            if isinstance(err, DaemonUnavailableError) and err.reason is None:
+                doubt.sent = True  # the whole stream may have reached it
+            raise err from None
 
-    def handle(self, step: int, rank: int = 0, job: str | None = None) -> SaveHandle:
+    def handle(
+        self, step: int, rank: int = 0, job: str | None = None, *, attempt: str | None = None
+    ) -> SaveHandle:
         """A handle on a save made earlier, to wait for it.
 
-        For a trainer that restarted (or another process) while its last save
-        was still draining. wait() raises NotFoundError when the daemon knows
-        of no such save and storage has none.
+        For another process, or a trainer that restarted, while the save was
+        still draining. It follows the save of attempt (default: this
+        client's; "" for whichever save of the target the daemon knows of,
+        e.g. one of a previous run). wait() raises NotFoundError when the
+        daemon knows of no such save and storage has none.
         """
-        return SaveHandle(self, job or "", _int("step", step), _int("rank", rank))
+        if attempt is None:
+            attempt = self._attempt
+        elif attempt:
+            _attempt.check(attempt, "attempt")
+        return SaveHandle(self, job or "", _int("step", step), _int("rank", rank), attempt=attempt)
 
     # ---- load ----------------------------------------------------------
 
@@ -611,40 +842,61 @@ class Client:
         req = _restore_request(step, latest, rank, job)
         what = f"load {'latest step' if latest else f'step {step}'} rank {rank}"
         out = _Outputs(as_torch or device is not None, device)
-        arena = self._mapping()
-        if arena is None:
-            header, items = self._load_stream(req, out, what)
-        else:
-            header, items = self._load_shm(arena, req, out, what)
+        outage = _Outage(self, what)
+        while True:
+            try:
+                arena = self._mapping(refresh=outage.active)
+                if arena is None:
+                    header, items = self._load_stream(req, out, what)
+                else:
+                    header, items = self._load_shm(req, out, what)
+                break
+            except DaemonUnavailableError as e:
+                outage.pause(e)
+            except _LeaseLost as e:
+                outage.pause(e.error)
         result = LoadedState(_names.unflatten(items) if nested else dict(items))
-        result.step, result.world_size, result.metadata = (
+        result.step, result.world_size, result.metadata, result.attempt = (
             header.step,
             header.world_size,
             header.metadata,
+            header.attempt,
         )
         return result
 
     def _load_shm(
-        self, arena: Arena, req: pb.BeginRestoreRequest, out: _Outputs, what: str
+        self, req: pb.BeginRestoreRequest, out: _Outputs, what: str
     ) -> tuple[pb.RestoreHeader, list[tuple[str, Any]]]:
         resp = self._call("BeginRestore", req, what)
+        release = pb.ReleaseRegionRequest(lease_id=resp.lease.id)
         try:
             header = resp.header
-            arena = self._current_mapping(arena)
+            arena = self._lease_mapping(resp.lease.arena_id)
             region = arena.region(resp.lease.offset, header.size)
             if out.needs_pin:
                 out.pinned = arena.pin()
-            return header, out.build(header, region)
-        finally:
+            items = out.build(header, region)
+        except BaseException:
             # On failure the daemon reclaims the region after --lease-timeout.
-            with contextlib.suppress(grpc.RpcError):
-                self._stub.ReleaseRegion(pb.ReleaseRegionRequest(lease_id=resp.lease.id), timeout=5)
+            with contextlib.suppress(CkptdError):
+                self._call("ReleaseRegion", release, what)
+            raise
+        # The copies are good only if the region stayed ours while they were
+        # made: a daemon that went away meanwhile may have handed it on.
+        try:
+            self._call("ReleaseRegion", release, what)
+        except NotFoundError as e:
+            if e.reason not in (None, "UNKNOWN_LEASE"):
+                raise
+            raise _LeaseLost(e) from None
+        return header, items
 
     def _load_stream(
         self, req: pb.BeginRestoreRequest, out: _Outputs, what: str
     ) -> tuple[pb.RestoreHeader, list[tuple[str, Any]]]:
         if self.closed:
             raise ClientClosedError(f"{what}: the client is closed")
+        self._ensure_trusted(what)
         try:
             stream = self._stub.RestoreStream(req, timeout=self.timeout)
             first = next(stream, None)
@@ -662,7 +914,7 @@ class Client:
                 data[n : n + piece.size] = piece
                 n += piece.size
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self.socket, what) from None
+            raise self._error(e, what) from None
         if n != data.size:
             raise CkptdError(f"{what}: the stream ended after {n} of {data.size} bytes")
         return header, out.build(header, data)
@@ -670,8 +922,18 @@ class Client:
     # ---- listing -------------------------------------------------------
 
     def steps(self, job: str | None = None) -> list[StepInfo]:
-        """The committed steps of job (default: the daemon's), oldest first."""
-        resp = self._call("ListSteps", pb.ListStepsRequest(job=job or ""), "list steps")
+        """The committed steps of job (default: the daemon's), oldest first.
+
+        Waits up to reconnect_timeout for a daemon that went away.
+        """
+        req = pb.ListStepsRequest(job=job or "")
+        outage = _Outage(self, "list steps")
+        while True:
+            try:
+                resp = self._call("ListSteps", req, "list steps")
+                break
+            except DaemonUnavailableError as e:
+                outage.pause(e)
         return [
             StepInfo(
                 step=s.step,
@@ -681,17 +943,120 @@ class Client:
                 committed_at=_dt.datetime.fromtimestamp(
                     s.committed_unix_nano / 1e9, tz=_dt.timezone.utc
                 ),
+                attempt=s.attempt,
             )
             for s in resp.steps
         ]
 
     def latest_step(self, job: str | None = None) -> int | None:
-        """The newest committed step of job, or None when there is none."""
+        """The newest committed step of job, or None when there is none (see steps())."""
         steps = self.steps(job)
         return steps[-1].step if steps else None
 
 
 # ---- helpers -----------------------------------------------------------------
+
+
+def _reconnect_timeout(value: float | None) -> float:
+    """The argument, else $CKPTD_RECONNECT_TIMEOUT, else 30 seconds; >= 0 and finite."""
+    where = "reconnect_timeout"
+    if value is None:
+        env = os.environ.get(_RECONNECT_ENV)
+        if not env:
+            return _RECONNECT_TIMEOUT
+        where = f"${_RECONNECT_ENV}"
+        try:
+            value = float(env)
+        except ValueError:
+            raise InvalidArgumentError(f"{where} {env!r} is not a number of seconds") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where} must be a number of seconds, not {type(value).__name__}")
+    if not 0 <= value < float("inf"):
+        raise InvalidArgumentError(f"{where} {value!r} must be a finite number of seconds >= 0")
+    return float(value)
+
+
+class _Doubt:
+    """Whether a commit of a save was sent and its answer lost (see Client.save)."""
+
+    sent = False
+
+
+class _LeaseLost(Exception):  # a signal within the client, never raised to callers
+    """A lease the daemon no longer knows: it restarted (or the connection did) meanwhile."""
+
+    def __init__(self, error: CkptdError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Outage:
+    """One call's wait for the daemon to come back, bounded by reconnect_timeout.
+
+    The bound runs from the first failure. Each pause backs off (50 ms
+    doubling to 1 s), then waits until a trusted daemon listens on the
+    socket again.
+    """
+
+    def __init__(self, client: Client, what: str) -> None:
+        self.client = client
+        self.what = what
+        self.since: float | None = None
+        self.delay = _BACKOFF[0]
+
+    @property
+    def active(self) -> bool:
+        """Whether a try of this call has failed for want of a daemon."""
+        return self.since is not None
+
+    def pause(self, err: CkptdError, deadline: float | None = None) -> bool:
+        """Wait before the next try.
+
+        Returns:
+            False when deadline (the caller's own) passed first, else True.
+
+        Raises:
+            DaemonUnavailableError: reconnect_timeout has passed since the
+                first failure (err itself when it is 0).
+            UntrustedDaemonError: what listens on the socket now is not trusted.
+            ClientClosedError: the client was closed.
+        """
+        c = self.client
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        give_up = self.since + c.reconnect_timeout
+        if c.closed:
+            raise ClientClosedError(f"{self.what}: the client is closed") from err
+        if now >= give_up:
+            raise self._gone(err) from err
+        end = give_up if deadline is None else min(give_up, deadline)
+        while True:
+            time.sleep(max(0.0, min(self.delay, end - time.monotonic())))
+            self.delay = min(2 * self.delay, _BACKOFF[1])
+            try:
+                c._ensure_trusted(self.what, recheck=True)
+                break
+            except DaemonUnavailableError:
+                if time.monotonic() >= end:
+                    break
+        # The channel reconnects by itself (backing off up to a second); a
+        # try made before it has fails fast and comes back here.
+        return deadline is None or time.monotonic() < deadline
+
+    def _gone(self, err: CkptdError) -> CkptdError:
+        c = self.client
+        if c.reconnect_timeout == 0:
+            return err
+        return DaemonUnavailableError(
+            f"{self.what}: no ckptd daemon answered on {c.socket} for "
+            f"{c.reconnect_timeout:g}s (reconnect_timeout; last: {err.details or err}); "
+            f"start it with `ckptd serve --socket {c.socket}`",
+            code=err.code,
+            details=err.details,
+            reason=err.reason,
+            metadata=err.metadata,
+        )
 
 
 def _flatten(state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
@@ -721,13 +1086,15 @@ def _int(name: str, v: Any) -> int:
     return int(v)
 
 
-def _target(job: str | None, step: int, rank: int, world_size: int) -> pb.SaveTarget:
+def _target(job: str | None, step: int, rank: int, world_size: int, attempt: str) -> pb.SaveTarget:
     """Build the save target; range checks are the daemon's, so one rule holds."""
     step, rank, world_size = _int("step", step), _int("rank", rank), _int("world_size", world_size)
     for name, v, bits in (("step", step, 63), ("rank", rank, 31), ("world_size", world_size, 31)):
         if not -(1 << bits) <= v < (1 << bits):
             raise InvalidArgumentError(f"{name} {v} is out of range")
-    return pb.SaveTarget(job=job or "", step=step, rank=rank, world_size=world_size)
+    return pb.SaveTarget(
+        job=job or "", step=step, rank=rank, world_size=world_size, attempt=attempt
+    )
 
 
 def _restore_request(

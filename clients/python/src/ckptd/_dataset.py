@@ -596,13 +596,31 @@ def _outside(what: str, key: str, field: str) -> CkptdError:
 
 
 def _corrupt_shard(e: CkptdError) -> CkptdError:
-    """Turn the daemon's DATA_LOSS for an unparsable shard into CorruptShardError."""
-    if type(e) is not DataLossError or "corrupt shard" not in e.details:
+    """Turn the daemon's DATA_LOSS for an unparsable shard into CorruptShardError.
+
+    The shard comes from the ErrorInfo's ``shard`` metadata; a daemon that
+    sends no ErrorInfo names it only in its message, which is parsed then.
+    """
+    if type(e) is not DataLossError:
         return e
-    m = _CORRUPT.search(e.details)
-    shard = m.group(1) if m else None
+    if e.reason is not None:
+        shard = e.metadata.get("shard")
+        if shard is None:
+            return e
+    elif "corrupt shard" in e.details:
+        m = _CORRUPT.search(e.details)
+        shard = m.group(1) if m else None
+    else:
+        return e
     hint = " (skip_corrupt=True skips such shards and counts them)"
-    return CorruptShardError(str(e) + hint, shard=shard, code=e.code, details=e.details)
+    return CorruptShardError(
+        str(e) + hint,
+        shard=shard,
+        code=e.code,
+        details=e.details,
+        reason=e.reason,
+        metadata=e.metadata,
+    )
 
 
 def _close_session(stub: pb_grpc.PrefetchStub, session: str) -> None:

@@ -1,15 +1,26 @@
-"""Exception classes, and the mapping from gRPC status codes to them.
+"""Exception classes, and the mapping from the daemon's error statuses to them.
 
 Callers should never have to import grpc to tell an unknown step from a full
 arena, so every error the daemon reports becomes one of these classes, with
-the daemon's own message kept verbatim.
+the daemon's own message kept verbatim. The daemon attaches a
+``google.rpc.ErrorInfo`` (domain ``ckptd.io``) to its errors; its ``reason``
+decides the class. A daemon that sends none is mapped by the status code
+alone -- never by the words of its message.
 """
 
 from __future__ import annotations
 
 import builtins
+from collections.abc import Mapping
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+# ErrorInfo.domain of the daemon's errors (contracts: structured errors).
+DOMAIN = "ckptd.io"
 
 
 class CkptdError(Exception):
@@ -19,16 +30,47 @@ class CkptdError(Exception):
         code: the gRPC status code name (``"NOT_FOUND"``, ...) when the daemon
             reported the error, else ``None``.
         details: the daemon's message, verbatim.
+        reason: the daemon's ErrorInfo reason (``"STEP_COMMITTED"``, ...),
+            or ``None`` when it sent none (an older daemon, or an error
+            raised by the client itself).
+        metadata: the ErrorInfo's metadata (``job``, ``step``, ``rank``,
+            ``attempt``, ...); empty without one.
     """
 
-    def __init__(self, message: str, *, code: str | None = None, details: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        details: str = "",
+        reason: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.details = details
+        self.reason = reason
+        self.metadata: dict[str, str] = dict(metadata or {})
 
 
 class DaemonUnavailableError(CkptdError, ConnectionError):
-    """No daemon answers on the socket, or it is shutting down."""
+    """No daemon answers on the socket, or it is shutting down.
+
+    Client calls wait up to the client's reconnect_timeout for a daemon to
+    answer again before raising it.
+    """
+
+
+class UntrustedDaemonError(CkptdError):
+    """The socket, its folder, the process behind it or its arena is not trusted.
+
+    Raised before anything is sent to the daemon or copied into its arena.
+    The message names the path, the owner found and the fix.
+    """
+
+
+class PermissionDeniedError(CkptdError):
+    """The daemon refused this client (its uid is not allowed to connect)."""
 
 
 class StorageUnavailableError(CkptdError, ConnectionError):
@@ -73,10 +115,8 @@ class CorruptShardError(DataLossError):
             dataset() to skip such shards (and count them) instead.
     """
 
-    def __init__(
-        self, message: str, *, shard: str | None, code: str | None = None, details: str = ""
-    ) -> None:
-        super().__init__(message, code=code, details=details)
+    def __init__(self, message: str, *, shard: str | None, **kw: Any) -> None:
+        super().__init__(message, **kw)
         self.shard = shard
 
 
@@ -92,6 +132,31 @@ class ClientClosedError(CkptdError):
     """The client was closed."""
 
 
+# The daemon's reasons (contracts: structured errors) and their classes.
+_BY_REASON: dict[str, type[CkptdError]] = {
+    "INVALID": InvalidArgumentError,
+    "STEP_NOT_FOUND": NotFoundError,
+    "UNKNOWN_LEASE": NotFoundError,
+    "UNKNOWN_SESSION": NotFoundError,
+    "STEP_COMMITTED": AlreadyExistsError,
+    "SAVE_IN_PROGRESS": AlreadyExistsError,
+    "ARENA_FULL": ResourceExhaustedError,
+    "TOO_LARGE": ResourceExhaustedError,
+    "OVER_BUDGET": ResourceExhaustedError,
+    "STORAGE_FULL": ResourceExhaustedError,
+    "CORRUPT": DataLossError,
+    "STORAGE_UNAVAILABLE": StorageUnavailableError,
+    "SHUTTING_DOWN": DaemonUnavailableError,
+    "PERMISSION_DENIED": PermissionDeniedError,
+    "DEADLINE": TimeoutError,
+    "CANCELLED": CkptdError,
+    "INTERNAL": CkptdError,
+}
+
+# For a status without ErrorInfo (or with a reason this client does not
+# know): the class its code implies. UNAVAILABLE without a reason is taken
+# for "no daemon" (the client waits for one): it cannot be told from a
+# daemon's own UNAVAILABLE without reading the message.
 _BY_CODE: dict[grpc.StatusCode, type[CkptdError]] = {
     grpc.StatusCode.UNAVAILABLE: DaemonUnavailableError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
@@ -101,39 +166,70 @@ _BY_CODE: dict[grpc.StatusCode, type[CkptdError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.DATA_LOSS: DataLossError,
     grpc.StatusCode.DEADLINE_EXCEEDED: TimeoutError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
 }
+
+
+def error_info(err: Any) -> error_details_pb2.ErrorInfo | None:
+    """The daemon's ErrorInfo carried by a failed call, or None.
+
+    A status whose details cannot be read, or that disagrees with the call's
+    code or message, counts as carrying none: the code still maps it.
+    """
+    try:
+        status = rpc_status.from_call(err)
+    except (ValueError, DecodeError, AttributeError, TypeError):
+        return None
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == DOMAIN:
+                return info
+    return None
+
+
+def _code(err: Any) -> grpc.StatusCode:
+    try:
+        code = err.code()
+    except (AttributeError, TypeError):
+        return grpc.StatusCode.UNKNOWN
+    return code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+
+
+def _details(err: Any) -> str:
+    try:
+        return err.details() or ""
+    except (AttributeError, TypeError):
+        return str(err)
 
 
 def from_rpc_error(err: grpc.RpcError, socket: str, what: str) -> CkptdError:
     """Turn a failed call into the matching exception.
 
     ``what`` names the operation (``"save step 7 rank 0"``), so that the
-    message says what failed and not only why.
+    message says what failed and not only why. The class comes from the
+    ErrorInfo reason when the daemon sent one, else from the status code.
     """
-    code = err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (err.details() if isinstance(err, grpc.Call) else str(err)) or ""
-    if code == grpc.StatusCode.CANCELLED and "closed" in details.lower():
-        return ClientClosedError(f"{what}: the client is closed", code=code.name, details=details)
-    cls = _BY_CODE.get(code, CkptdError)
-    msg = f"{what}: {details}" if details else f"{what}: {code.name}"
-    if cls is DaemonUnavailableError and _STORAGE_UNAVAILABLE in details:
-        cls = StorageUnavailableError  # the daemon answered: its storage did not
-    elif cls is DaemonUnavailableError and _is_connect_failure(details):
+    code = _code(err)
+    details = _details(err)
+    info = error_info(err)
+    reason = info.reason if info is not None else None
+    cls = _BY_REASON.get(reason or "") or _BY_CODE.get(code, CkptdError)
+    kw: dict[str, Any] = {
+        "code": code.name,
+        "details": details,
+        "reason": reason,
+        "metadata": dict(info.metadata) if info is not None else None,
+    }
+    if cls is DaemonUnavailableError and reason is None:
+        # Nobody answered (no daemon, a crashed one), or a daemon too old to
+        # say why: either way the socket is what the caller should check.
         msg = (
-            f"{what}: no ckptd daemon answers on {socket} ({details}); "
+            f"{what}: no ckptd daemon answers on {socket} ({details or code.name}); "
             f"start one with `ckptd serve --socket {socket}` or set CKPTD_SOCKET"
         )
-    return cls(msg, code=code.name, details=details)
-
-
-# The daemon's words for an unreachable store (Go's storage.ErrUnavailable).
-_STORAGE_UNAVAILABLE = "storage unavailable"
-
-
-def _is_connect_failure(details: str) -> bool:
-    """Tell "nobody listens" from "the daemon said it is shutting down"."""
-    d = details.lower()
-    return any(
-        s in d
-        for s in ("failed to connect", "no such file", "connection refused", "connect failed")
-    )
+        return cls(msg, **kw)
+    return cls(f"{what}: {details}" if details else f"{what}: {code.name}", **kw)

@@ -14,6 +14,11 @@ refused, so ``{"model": {"layer.0.weight": w}}`` is stored as
 
 Only ASCII is ever escaped, so decoding is exact. Dots are left alone
 elsewhere because torch state-dict keys are full of them.
+
+A name must also be one that ``ckptd restore`` can write into a safetensors
+file: ``__metadata__`` is that format's header key (its writer puts such a
+tensor in the header, and its reader then refuses the file), so a top-level
+key of that name is refused. The format takes every other string.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 
 SEP = ":"
 MAX_NAME_BYTES = 255
+# Names the safetensors format reserves: its header's metadata entry.
+RESERVED = frozenset({"__metadata__"})
 
 
 def _needs_escape(c: str) -> bool:
@@ -74,7 +81,8 @@ def flatten(state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
     Raises:
         TypeError: state is not a mapping, or a key is not a str.
         ValueError: a key is empty, a nested dict is empty (it could not be
-            restored: a shard holds tensors only), or a name is too long.
+            restored: a shard holds tensors only), a name is too long, or a
+            name is reserved by the safetensors format (``__metadata__``).
     """
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of arrays or tensors, not {type(state).__name__}")
@@ -112,6 +120,12 @@ def _name(path: tuple[str, ...]) -> str:
         raise ValueError(
             f"tensor name for {_path_str(path)} is {n} bytes once flattened "
             f"({name[:60]!r}...), more than the daemon's limit of {MAX_NAME_BYTES}"
+        )
+    if name in RESERVED:
+        raise ValueError(
+            f"tensor name {name!r} (key {_path_str(path)}) is reserved by the safetensors "
+            "format, which `ckptd restore` writes: its files could not be read back; "
+            "rename the key or nest it in a dict"
         )
     return name
 

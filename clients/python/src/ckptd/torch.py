@@ -14,12 +14,19 @@ JSON rather than pickle, so that loading a checkpoint never runs code from
 it. Python floats round-trip exactly through JSON (repr is shortest exact),
 tuples and non-str keys are tagged, so what comes back is equal, type for
 type, to what was saved.
+
+Saves carry an attempt shared by the ranks of a run. When neither the
+caller (``attempt=``, ``Client(attempt=...)``) nor ``$CKPTD_ATTEMPT`` names
+one and torch.distributed is initialized, rank 0 makes a random one and
+broadcasts it over the default group, once per process group.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _attempt
 from ._client import Client, SaveHandle
 from ._errors import CkptdError
 from ._torch_data import Batch, BatchDict, CkptdIterableDataset
@@ -61,7 +69,15 @@ def save_state_dict(
         extra: anything built of tensors, numpy arrays, dicts, lists, tuples,
             str, int, float, bool, None and bytes: RNG states, the data
             loader's position, the epoch.
-        **kw: rank, world_size, metadata, job -- passed to Client.save.
+        **kw: rank, world_size, metadata, job, attempt -- passed to
+            Client.save.
+
+    Without an attempt given (attempt=, Client(attempt=...) or
+    $CKPTD_ATTEMPT), a save whose world_size is torch.distributed's world
+    size uses the run's attempt: rank 0 makes it and broadcasts it over the
+    default group at the first such save of the process group (a collective
+    call: every rank saves that step), and later saves reuse it. Other saves
+    use the client's own attempt.
 
     Returns:
         The save's handle; wait() on it for durability.
@@ -79,6 +95,8 @@ def save_state_dict(
     }
     blob = json.dumps(skeleton, separators=(",", ":")).encode()
     packer.tree[SKELETON] = np.frombuffer(blob, dtype=np.uint8)
+    if kw.get("attempt") is None and client._attempt_random:
+        kw["attempt"] = _run_attempt(kw.get("world_size", 1))
     return client.save(step, packer.tree, **kw)
 
 
@@ -267,3 +285,38 @@ class _Unpacker:
         if tag == "device":
             return torch.device(node["v"])
         raise CkptdError(f"unknown tag {tag!r} in a ckptd.torch skeleton")
+
+
+class _RunAttempt:
+    """The attempt rank 0 broadcast, and the default process group it went over.
+
+    A new group (an in-process restart) gets a new attempt.
+    """
+
+    lock = threading.Lock()
+    group: weakref.ReferenceType[Any] | None = None
+    attempt = ""
+
+
+def _run_attempt(world_size: Any) -> str | None:
+    """The attempt every rank of the torch.distributed run shares, or None.
+
+    None when torch.distributed is not initialized, or when the attempt is
+    not agreed yet and this save's world_size is not the default group's
+    size: then not every rank saves, and a broadcast would wait forever.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = dist.group.WORLD
+    run = _RunAttempt
+    with run.lock:
+        if run.group is not None and run.group() is group:
+            return run.attempt
+        if world_size != dist.get_world_size():
+            return None
+        mine = [_attempt.new() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(mine, src=0)
+        run.attempt = _attempt.check(mine[0], "the attempt rank 0 broadcast")
+        run.group = weakref.ref(group)
+        return run.attempt
