@@ -44,7 +44,7 @@ func (e *CommittedError) Error() string {
 	default:
 		by = fmt.Sprintf("by attempt %q", e.Attempt)
 	}
-	msg := fmt.Sprintf("already exists: step %d of job %q is committed %s", e.Step, e.Job, by)
+	msg := fmt.Sprintf("step %d of job %q was already committed %s", e.Step, e.Job, by)
 	if e.Detail != "" {
 		msg += "; " + e.Detail
 	}

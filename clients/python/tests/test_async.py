@@ -92,7 +92,8 @@ def test_handles_of_a_closed_client(make_daemon, job):
     assert h.status == ckptd.SaveStatus.STAGED
     with pytest.raises(ckptd.ClientClosedError):
         h.wait(5)
-    with d.client() as c2:  # another client (a restarted trainer) can follow it
+    # Another client (a restarted trainer of the same run) can follow it.
+    with d.client(attempt=c.attempt) as c2:
         h2 = c2.handle(1, job=job)
         h2.wait(30)
         assert h2.status == ckptd.SaveStatus.COMMITTED
