@@ -122,7 +122,7 @@ func (mgr *Manager) drain(l *lease) {
 //   - not committed, nothing or other bytes stored: write.
 func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) {
 	t := sh.Target
-	rec, err := (&Store{B: mgr.b, Job: t.Job}).readCommit(mgr.ctx, t.Step)
+	rec, err := mgr.store(t.Job).readCommit(mgr.ctx, t.Step)
 	if err != nil && !errors.Is(err, storage.ErrNotFound) {
 		return nil, false, fmt.Errorf("check step %d: %w", t.Step, err) // retried
 	}

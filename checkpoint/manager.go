@@ -205,6 +205,12 @@ func (mgr *Manager) DefaultJob() string { return mgr.cfg.DefaultJob }
 // Backend returns the storage the manager drains to.
 func (mgr *Manager) Backend() storage.Backend { return mgr.b }
 
+// store is the Store of a job whose name a request's validation has
+// checked already.
+func (mgr *Manager) store(job string) *Store {
+	return &Store{B: mgr.b, Job: job, Log: mgr.log}
+}
+
 func (mgr *Manager) job(j string) string {
 	if j == "" {
 		return mgr.cfg.DefaultJob

@@ -25,6 +25,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, job string, step 
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
+	store.Log = mgr.log
 	rec, err := store.Resolve(ctx, step, latest)
 	if err != nil {
 		return LeaseInfo{}, nil, err
@@ -97,5 +98,6 @@ func (mgr *Manager) Steps(ctx context.Context, job string) ([]*CommitRecord, err
 	if err != nil {
 		return nil, err
 	}
+	store.Log = mgr.log
 	return store.Steps(ctx)
 }

@@ -90,6 +90,13 @@ type WaitResult struct {
 // has failed, or ctx ends; then it returns the current state and ctx's
 // error. An empty attempt means whichever attempt this daemon knows of. A
 // save this daemon does not know of is answered from storage.
+//
+// Waiting on a durable save may write COMMIT.json: the drain that wrote
+// the last rank tries to commit, but if that attempt failed (a storage
+// error, a daemon that died just then, on whichever node it ran), nobody
+// else would ever commit the step, and every rank would wait forever.
+// TryCommit is idempotent and decides from storage, so a waiter retrying
+// it is safe.
 func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int, attempt string) (WaitResult, error) {
 	k := saveKey{mgr.job(job), step, rank, attempt}
 	poll := 50 * time.Millisecond
@@ -157,7 +164,7 @@ func (mgr *Manager) Status(ctx context.Context, job string, step int64, rank int
 // it names another, durable when the attempt's manifest of the rank is
 // there.
 func (mgr *Manager) stateFromStorage(ctx context.Context, k saveKey) (WaitResult, error) {
-	rec, err := (&Store{B: mgr.b, Job: k.job}).readCommit(ctx, k.step)
+	rec, err := mgr.store(k.job).readCommit(ctx, k.step)
 	switch {
 	case err == nil && (k.attempt == "" || rec.Attempt == k.attempt):
 		return WaitResult{State: StateCommitted}, nil

@@ -27,7 +27,7 @@ type WriterOptions struct {
 	// (default GOMAXPROCS).
 	Workers int
 	// InFlight is how many chunks may be compressed or waiting to be
-	// written at once across all shards (default 2 × Workers).
+	// written at once across all shards (default 4 × Workers).
 	InFlight int
 }
 
