@@ -99,9 +99,13 @@ func TestExpiredLeaseFenced(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, "lease expired", func() bool {
-		_, _, err := mgr.CommitSave(o, info.ID, nil)
-		return errors.Is(err, ErrUnknownLease)
+		mgr.mu.Lock()
+		defer mgr.mu.Unlock()
+		return mgr.leases[info.ID] == nil
 	})
+	if _, _, err := mgr.CommitSave(o, info.ID, nil); !errors.Is(err, ErrUnknownLease) {
+		t.Fatalf("commit of an expired lease: %v", err)
+	}
 	if mgr.arena.Used() == 0 {
 		t.Fatal("the region of a live writer was handed back")
 	}
