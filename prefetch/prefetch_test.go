@@ -47,19 +47,28 @@ func makeTar(t testing.TB, shard string, n, payload int) []byte {
 // dataset writes shards×perShard samples under "train/" of a new backend.
 func dataset(t *testing.T, shards, perShard, payload int) storage.Backend {
 	t.Helper()
-	b, err := posix.New(t.TempDir())
+	dir := t.TempDir()
+	writeDataset(t, filepath.Join(dir, "train"), shards, perShard, payload)
+	b, err := posix.New(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { b.Close() })
+	return b
+}
+
+// writeDataset writes shards×perShard samples into dir.
+func writeDataset(t *testing.T, dir string, shards, perShard, payload int) {
+	t.Helper()
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
 	for s := range shards {
 		name := fmt.Sprintf("shard-%03d", s)
-		data := makeTar(t, name, perShard, payload)
-		if err := b.Put(context.Background(), "train/"+name+".tar", bytes.NewReader(data), int64(len(data))); err != nil {
+		if err := os.WriteFile(filepath.Join(dir, name+".tar"), makeTar(t, name, perShard, payload), 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
-	return b
 }
 
 func newCache(t *testing.T, budget int64) *Cache {

@@ -54,7 +54,7 @@ type Service struct {
 	mu       sync.Mutex
 	backends map[string]storage.Backend
 	sessions map[string]*session
-	seq      atomic.Uint64
+	watched  map[string]bool // owners whose Done a goroutine watches
 	stop     chan struct{}
 	wg       sync.WaitGroup
 }
@@ -85,7 +85,7 @@ func NewService(a *arena.Arena, cfg ServiceConfig) (*Service, error) {
 	}
 	s := &Service{
 		cfg: cfg, arena: a, cache: c, stop: make(chan struct{}),
-		backends: map[string]storage.Backend{}, sessions: map[string]*session{},
+		backends: map[string]storage.Backend{}, sessions: map[string]*session{}, watched: map[string]bool{},
 	}
 	s.wg.Go(s.reapLoop)
 	return s, nil
@@ -148,8 +148,9 @@ func (s *Service) backend(ctx context.Context, url string) (storage.Backend, err
 	return b, nil
 }
 
-// OpenSession starts one rank's iteration over one epoch of source.
-func (s *Service) OpenSession(ctx context.Context, source string, spec Spec) (string, Stats, error) {
+// OpenSession starts one rank's iteration over one epoch of source for
+// owner, and returns the session's id.
+func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, spec Spec) (string, Stats, error) {
 	b, err := s.backend(ctx, source)
 	if err != nil {
 		return "", Stats{}, err
@@ -165,30 +166,86 @@ func (s *Service) OpenSession(ctx context.Context, source string, spec Spec) (st
 		it.Close()
 		return "", Stats{}, err
 	}
-	ss := newSession(fmt.Sprintf("ds%d", s.seq.Add(1)), it, ring, s.cfg.Slots, s.cfg.Metrics)
-	s.mu.Lock()
-	s.sessions[ss.id] = ss
-	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
-	s.mu.Unlock()
+	ss := newSession(newID(), owner.ID, it, ring, s.cfg.Slots, s.cfg.Metrics)
+	if err := s.insert(owner, ss); err != nil {
+		ss.close()
+		return "", Stats{}, err
+	}
 	return ss.id, it.Stats(), nil
 }
 
-func (s *Service) session(id string) (*session, error) {
+// insert registers a new session of owner and makes sure the owner's
+// connection is watched. A session of an owner already gone is taken out
+// again at once: the check runs after the insert, under the lock the
+// watcher takes, so the watcher either sees the session or the check sees
+// the owner gone.
+func (s *Service) insert(owner Owner, ss *session) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.backends == nil {
+		return ErrClosed
+	}
+	s.sessions[ss.id] = ss
+	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
+	if owner.gone() {
+		delete(s.sessions, ss.id)
+		s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
+		return fmt.Errorf("%w: the connection that opened it has closed", context.Canceled)
+	}
+	if owner.Done != nil && !s.watched[owner.ID] {
+		s.watched[owner.ID] = true
+		s.wg.Go(func() { s.watch(owner) })
+	}
+	return nil
+}
+
+// watch closes the owner's sessions when its connection closes.
+func (s *Service) watch(owner Owner) {
+	select {
+	case <-owner.Done:
+	case <-s.stop:
+		return
+	}
+	s.mu.Lock()
+	delete(s.watched, owner.ID)
+	var mine []*session
+	for id, ss := range s.sessions {
+		if ss.owner == owner.ID {
+			mine = append(mine, ss)
+			delete(s.sessions, id)
+		}
+	}
+	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
+	s.mu.Unlock()
+	if len(mine) > 0 {
+		s.cfg.Logger.Debug("closing the dataset sessions of a closed connection", "conn", owner.ID, "sessions", len(mine))
+	}
+	for _, ss := range mine {
+		ss.close()
+	}
+}
+
+// session returns owner's session id; another owner's is unknown.
+func (s *Service) session(owner Owner, id string) (*session, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ss := s.sessions[id]
-	if ss == nil {
-		return nil, fmt.Errorf("%w: %q (closed, idle too long, or never opened)", ErrUnknownSession, id)
+	if ss == nil || ss.owner != owner.ID {
+		return nil, unknownSession(id)
 	}
 	ss.touch()
 	return ss, nil
 }
 
+func unknownSession(id string) error {
+	return fmt.Errorf("%w: %q (closed, idle too long, opened by another connection, or never opened)", ErrUnknownSession, id)
+}
+
 // Next releases the deliveries named in release, then returns the
-// session's next batch, or io.EOF after the last one. Stats are the
-// session's totals so far.
-func (s *Service) Next(ctx context.Context, id string, release []string) (*Delivery, string, Stats, error) {
-	ss, err := s.session(id)
+// session's next batch and the id of its delivery, or io.EOF after the
+// last one. Stats are the session's totals so far.
+func (s *Service) Next(ctx context.Context, owner Owner, id string, release []string) (*Delivery, string, Stats, error) {
+	ss, err := s.session(owner, id)
 	if err != nil {
 		return nil, "", Stats{}, err
 	}
@@ -200,16 +257,17 @@ func (s *Service) Next(ctx context.Context, id string, release []string) (*Deliv
 	return ss.next(ctx)
 }
 
-// CloseSession ends a session and frees its ring.
-func (s *Service) CloseSession(id string) error {
+// CloseSession ends owner's session and frees its ring.
+func (s *Service) CloseSession(owner Owner, id string) error {
 	s.mu.Lock()
 	ss := s.sessions[id]
+	if ss == nil || ss.owner != owner.ID {
+		s.mu.Unlock()
+		return unknownSession(id)
+	}
 	delete(s.sessions, id)
 	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
 	s.mu.Unlock()
-	if ss == nil {
-		return fmt.Errorf("%w: %q", ErrUnknownSession, id)
-	}
 	ss.close()
 	return nil
 }
@@ -222,30 +280,34 @@ func (s *Service) reapLoop() {
 		case <-s.stop:
 			return
 		case now := <-t.C:
-			for _, id := range s.idle(now) {
-				s.cfg.Logger.Warn("closing idle dataset session", "session", id, "idle", s.cfg.IdleTimeout)
-				_ = s.CloseSession(id)
+			for _, ss := range s.idle(now) {
+				s.cfg.Logger.Warn("closed an idle dataset session", "session", ss.id, "idle", s.cfg.IdleTimeout)
+				ss.close()
 			}
 		}
 	}
 }
 
-func (s *Service) idle(now time.Time) []string {
+// idle takes the sessions nobody used for IdleTimeout out of the service.
+func (s *Service) idle(now time.Time) []*session {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var ids []string
+	var out []*session
 	for id, ss := range s.sessions {
 		if now.Sub(ss.lastUsed()) > s.cfg.IdleTimeout {
-			ids = append(ids, id)
+			out = append(out, ss)
+			delete(s.sessions, id)
 		}
 	}
-	return ids
+	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
+	return out
 }
 
 // session is one rank's epoch: a filler goroutine moves batches from the
 // iterator into ring slots, ahead of the consumer by up to the ring's size.
 type session struct {
 	id     string
+	owner  string // Owner.ID
 	it     *Iterator
 	ring   *Ring
 	filled chan *Delivery
@@ -253,22 +315,22 @@ type session struct {
 	err    error        // the filler's, valid once filled is closed
 	cancel context.CancelFunc
 	done   chan struct{}
+	closed sync.Once
 	used   atomic.Int64 // unix nanos of the last call
 	m      *metrics.Prefetch
 	last   Stats // as last reported to metrics
 
 	mu    sync.Mutex
 	held  map[string]*Delivery
-	seq   int
 	stall [4]time.Duration // by Cause
 }
 
 const fillerIterating = -1
 
-func newSession(id string, it *Iterator, ring *Ring, slots int, m *metrics.Prefetch) *session {
+func newSession(id, owner string, it *Iterator, ring *Ring, slots int, m *metrics.Prefetch) *session {
 	ctx, cancel := context.WithCancel(context.Background())
 	ss := &session{
-		id: id, it: it, ring: ring, filled: make(chan *Delivery, slots),
+		id: id, owner: owner, it: it, ring: ring, filled: make(chan *Delivery, slots),
 		cancel: cancel, done: make(chan struct{}), held: map[string]*Delivery{}, m: m,
 	}
 	ss.touch()
@@ -340,9 +402,8 @@ func (ss *session) next(ctx context.Context) (*Delivery, string, Stats, error) {
 		}
 		return nil, "", ss.stats(), io.EOF
 	}
+	lease := newID()
 	ss.mu.Lock()
-	ss.seq++
-	lease := fmt.Sprintf("%s-%d", ss.id, ss.seq)
 	ss.held[lease] = d
 	ss.mu.Unlock()
 	st := ss.stats()
@@ -382,8 +443,11 @@ func (ss *session) report(st Stats, samples int) {
 	ss.last = st
 }
 
-// close stops the filler and frees every region, held or queued.
-func (ss *session) close() {
+// close stops the filler and frees every region, held or queued. Only
+// the first call does anything.
+func (ss *session) close() { ss.closed.Do(ss.shut) }
+
+func (ss *session) shut() {
 	ss.cancel()
 	ss.it.Close()
 	<-ss.done

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,6 +17,18 @@ import (
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 )
+
+var arenas atomic.Int64
+
+// startDatasetDaemon is startDaemonEnv with an arena folder named after
+// this process: the harness names it after the test's temporary folder
+// ("002"), which another test process on the machine may be using.
+func startDatasetDaemon(t *testing.T, env []string, extra ...string) *daemon {
+	t.Helper()
+	arena := filepath.Join("/dev/shm", fmt.Sprintf("ckptd-pftest-%d-%d", os.Getpid(), arenas.Add(1)))
+	t.Cleanup(func() { os.RemoveAll(arena) }) // after the daemon stops
+	return startDaemonEnv(t, "", env, append([]string{"--arena-dir", arena}, extra...)...)
+}
 
 // writeShards writes n WebDataset shards of per samples ("cls" and "txt")
 // into dir and returns every sample's txt content by key.
@@ -74,7 +87,7 @@ func epoch(t *testing.T, c *ckptd.Client, req ckptd.DatasetRequest, want map[str
 func TestPrefetchThroughDaemon(t *testing.T) {
 	data := t.TempDir()
 	want := writeShards(t, data, 6, 25)
-	d := startDaemon(t, "", "--slot-bytes", "64KiB", "--ring-slots", "3")
+	d := startDatasetDaemon(t, nil, "--slot-bytes", "64KiB", "--ring-slots", "3")
 	c := d.client()
 	const world = 2
 	var all []string
@@ -116,7 +129,7 @@ func TestPrefetchBadInput(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(data, "train-999.tar"), []byte("truncated garbage"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	d := startDaemon(t, "")
+	d := startDatasetDaemon(t, nil)
 	c := d.client()
 	for _, tc := range []struct {
 		req  ckptd.DatasetRequest
@@ -160,7 +173,7 @@ func TestPrefetchDeadSource(t *testing.T) {
 	data := t.TempDir()
 	want := writeShards(t, data, 2, 3)
 	dead := "http://" + closedAddr(t)
-	d := startDaemonEnv(t, "", []string{"AWS_ACCESS_KEY_ID=k", "AWS_SECRET_ACCESS_KEY=s"},
+	d := startDatasetDaemon(t, []string{"AWS_ACCESS_KEY_ID=k", "AWS_SECRET_ACCESS_KEY=s"},
 		"--s3-endpoint", dead, "--s3-region", "us-east-1", "--s3-retry-deadline", "10s")
 	c := d.client()
 	deadErr := make(chan error, 1)

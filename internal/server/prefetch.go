@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/ckptd/ckptd/internal/peercred"
 	"github.com/ckptd/ckptd/prefetch"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
@@ -24,6 +25,17 @@ func RegisterPrefetch(s *grpc.Server, svc *prefetch.Service) {
 	pb.RegisterPrefetchServer(s, &Prefetch{svc: svc})
 }
 
+// owner is the connection a call came on: what it opens belongs to it and
+// is closed when it closes. Without one (a listener that does not say) it
+// is the zero Owner.
+func owner(ctx context.Context) prefetch.Owner {
+	info, ok := peercred.FromContext(ctx)
+	if !ok {
+		return prefetch.Owner{}
+	}
+	return prefetch.Owner{ID: info.ID, Done: info.Done()}
+}
+
 func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) (*pb.OpenDatasetResponse, error) {
 	spec := prefetch.Spec{
 		Format: prefetch.Format(req.GetFormat()), BatchSize: int(req.GetBatchSize()),
@@ -34,7 +46,7 @@ func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) 
 	if req.GetSource() == "" {
 		return nil, status.Error(codes.InvalidArgument, "dataset source is empty")
 	}
-	id, st, err := p.svc.OpenSession(ctx, req.GetSource(), spec)
+	id, st, err := p.svc.OpenSession(ctx, owner(ctx), req.GetSource(), spec)
 	if err != nil {
 		return nil, toStatus(err)
 	}
@@ -42,7 +54,7 @@ func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) 
 }
 
 func (p *Prefetch) NextBatch(ctx context.Context, req *pb.NextBatchRequest) (*pb.NextBatchResponse, error) {
-	d, lease, st, err := p.svc.Next(ctx, req.GetSession(), req.GetRelease())
+	d, lease, st, err := p.svc.Next(ctx, owner(ctx), req.GetSession(), req.GetRelease())
 	if errors.Is(err, io.EOF) {
 		return &pb.NextBatchResponse{End: true, Stats: toPrefetchStats(st)}, nil
 	}
@@ -63,8 +75,8 @@ func (p *Prefetch) NextBatch(ctx context.Context, req *pb.NextBatchRequest) (*pb
 	return resp, nil
 }
 
-func (p *Prefetch) CloseDataset(_ context.Context, req *pb.CloseDatasetRequest) (*pb.CloseDatasetResponse, error) {
-	return &pb.CloseDatasetResponse{}, toStatus(p.svc.CloseSession(req.GetSession()))
+func (p *Prefetch) CloseDataset(ctx context.Context, req *pb.CloseDatasetRequest) (*pb.CloseDatasetResponse, error) {
+	return &pb.CloseDatasetResponse{}, toStatus(p.svc.CloseSession(owner(ctx), req.GetSession()))
 }
 
 func toPrefetchStats(st prefetch.Stats) *pb.PrefetchStats {

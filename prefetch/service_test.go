@@ -1,0 +1,155 @@
+package prefetch
+
+import (
+	"context"
+	"errors"
+	"io"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ckptd/ckptd/internal/arena"
+	"github.com/ckptd/ckptd/storage"
+	"github.com/ckptd/ckptd/storage/posix"
+)
+
+// newService starts a service on an arena of its own; its Open serves the
+// dataset b whatever the source says, unless cfg has one.
+func newService(t *testing.T, b storage.Backend, cfg ServiceConfig) *Service {
+	t.Helper()
+	a, err := arena.Open(arena.Options{Dir: t.TempDir(), Size: 64 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	if cfg.Open == nil {
+		cfg.Open = func(context.Context, string) (storage.Backend, error) { return nopClose{b}, nil }
+	}
+	if cfg.Slots == 0 {
+		cfg.Slots, cfg.SlotBytes = 2, 1<<20
+	}
+	s, err := NewService(a, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	return s
+}
+
+// nopClose keeps a test's backend open when the service closes its copy.
+type nopClose struct{ storage.Backend }
+
+func (nopClose) Close() error { return nil }
+
+// connection is an Owner whose connection the test closes.
+func connection(id string) (Owner, func()) {
+	done := make(chan struct{})
+	return Owner{ID: id, Done: done}, func() { close(done) }
+}
+
+// posixDataset is a dataset at the root of its backend, as a source is.
+func posixDataset(t *testing.T, shards, perShard, payload int) storage.Backend {
+	t.Helper()
+	dir := t.TempDir()
+	writeDataset(t, dir, shards, perShard, payload)
+	b, err := posix.New(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+var hex128 = regexp.MustCompile(`^[0-9a-f]{32}$`)
+
+func TestSessionsBelongToTheirConnection(t *testing.T) {
+	s := newService(t, posixDataset(t, 2, 10, 100), ServiceConfig{})
+	ctx := context.Background()
+	alice, aliceGone := connection("alice")
+	bob, _ := connection("bob")
+	spec := Spec{BatchSize: 4, WorldSize: 1}
+	id, _, err := s.OpenSession(ctx, alice, "src", spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !hex128.MatchString(id) {
+		t.Fatalf("session id %q is not 128 random bits in hex", id)
+	}
+	d, lease, _, err := s.Next(ctx, alice, id, nil)
+	if err != nil || d == nil || !hex128.MatchString(lease) {
+		t.Fatalf("next: %v, lease %q", err, lease)
+	}
+	// Another connection, or the in-process owner, cannot see either id.
+	for _, who := range []Owner{bob, {}} {
+		if _, _, _, err := s.Next(ctx, who, id, nil); !errors.Is(err, ErrUnknownSession) {
+			t.Errorf("%q's next on another's session: %v", who.ID, err)
+		}
+		if err := s.CloseSession(who, id); !errors.Is(err, ErrUnknownSession) {
+			t.Errorf("%q closed another's session: %v", who.ID, err)
+		}
+	}
+	bobs, _, err := s.OpenSession(ctx, bob, "src", spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, _, err := s.Next(ctx, bob, bobs, []string{lease}); !errors.Is(err, ErrUnknownSession) {
+		t.Errorf("bob released alice's delivery: %v", err)
+	}
+	// Alice's connection closes: her session and its ring go within a second.
+	used := s.arena.Used()
+	aliceGone()
+	deadline := time.Now().Add(time.Second)
+	for s.arena.Used() > used-2<<20 {
+		if time.Now().After(deadline) {
+			t.Fatalf("a second after the connection closed, the arena still holds %d bytes (had %d)", s.arena.Used(), used)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if _, _, _, err := s.Next(ctx, alice, id, nil); !errors.Is(err, ErrUnknownSession) {
+		t.Fatalf("next on a closed connection's session: %v", err)
+	}
+	// Bob's session is untouched.
+	if _, _, _, err := s.Next(ctx, bob, bobs, nil); err != nil {
+		t.Fatalf("bob's session after alice left: %v", err)
+	}
+	// A session opened for a connection already gone is released at once.
+	if _, _, err := s.OpenSession(ctx, alice, "src", spec); err == nil {
+		t.Fatal("opened a session for a closed connection")
+	}
+	if err := s.CloseSession(bob, bobs); err != nil {
+		t.Fatal(err)
+	}
+	if s.arena.Used() != 0 {
+		t.Fatalf("%d arena bytes still used with no session open", s.arena.Used())
+	}
+}
+
+// The in-process owner (no connection) keeps its sessions until it closes them.
+func TestInProcessOwner(t *testing.T) {
+	s := newService(t, posixDataset(t, 1, 5, 10), ServiceConfig{})
+	id, _, err := s.OpenSession(context.Background(), Owner{}, "src", Spec{BatchSize: 2, WorldSize: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	var release []string
+	for {
+		_, lease, _, err := s.Next(context.Background(), Owner{}, id, release)
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		release, n = []string{lease}, n+1
+	}
+	if n != 3 {
+		t.Fatalf("%d batches of 5 samples by 2", n)
+	}
+	if err := s.CloseSession(Owner{}, id); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.CloseSession(Owner{}, id); !errors.Is(err, ErrUnknownSession) || !strings.Contains(err.Error(), id) {
+		t.Fatalf("second close: %v", err)
+	}
+}
