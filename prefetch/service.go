@@ -38,6 +38,10 @@ type ServiceConfig struct {
 	// IdleTimeout closes sessions nobody asked for a batch for (default 10m),
 	// so a trainer that died does not pin its ring.
 	IdleTimeout time.Duration
+	// MaxBackends bounds the sources open at once (DefaultMaxBackends);
+	// one unused for BackendIdle (DefaultBackendIdle) is closed.
+	MaxBackends int
+	BackendIdle time.Duration
 	Options     Options
 	Open        OpenFunc
 	Logger      *slog.Logger
@@ -51,8 +55,10 @@ type Service struct {
 	arena *arena.Arena
 	cache *Cache
 
+	backends *backendPool
+
 	mu       sync.Mutex
-	backends map[string]storage.Backend
+	closed   bool
 	sessions map[string]*session
 	watched  map[string]bool // owners whose Done a goroutine watches
 	stop     chan struct{}
@@ -85,7 +91,8 @@ func NewService(a *arena.Arena, cfg ServiceConfig) (*Service, error) {
 	}
 	s := &Service{
 		cfg: cfg, arena: a, cache: c, stop: make(chan struct{}),
-		backends: map[string]storage.Backend{}, sessions: map[string]*session{}, watched: map[string]bool{},
+		backends: newBackendPool(cfg.MaxBackends, cfg.BackendIdle),
+		sessions: map[string]*session{}, watched: map[string]bool{},
 	}
 	s.wg.Go(s.reapLoop)
 	return s, nil
@@ -97,66 +104,38 @@ func (s *Service) ArenaID() string { return s.arena.ID() }
 // Cache returns the shard cache (for metrics).
 func (s *Service) Cache() *Cache { return s.cache }
 
-// Close ends every session and releases their rings and the cache.
+// Close ends every session and releases their rings, the backends and
+// the cache.
 func (s *Service) Close() {
 	close(s.stop)
 	s.wg.Wait()
 	s.mu.Lock()
-	sessions, backends := s.sessions, s.backends
-	s.sessions, s.backends = map[string]*session{}, nil
+	sessions := s.sessions
+	s.sessions, s.closed = map[string]*session{}, true
 	s.mu.Unlock()
 	for _, ss := range sessions {
 		ss.close()
 	}
-	for _, b := range backends {
-		b.Close()
-	}
+	s.backends.close()
 	s.cache.Close()
-}
-
-// backend returns the open backend of a source URL, opening it on first
-// use. The open runs without s.mu: against an unreachable store it retries
-// for the retry deadline, and other sessions must not wait on it. An
-// unreachable store is reported as such (storage.ErrUnavailable); any other
-// failure to open means the URL is wrong (ErrInvalid).
-func (s *Service) backend(ctx context.Context, url string) (storage.Backend, error) {
-	s.mu.Lock()
-	b, ok := s.backends[url]
-	s.mu.Unlock()
-	if ok {
-		return b, nil
-	}
-	b, err := s.cfg.Open(ctx, url)
-	switch {
-	case err == nil:
-	case errors.Is(err, storage.ErrUnavailable), ctx.Err() != nil:
-		return nil, fmt.Errorf("dataset source %q: %w", url, err)
-	default:
-		return nil, fmt.Errorf("%w: dataset source %q: %w", ErrInvalid, url, err)
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.backends == nil {
-		b.Close()
-		return nil, ErrClosed
-	}
-	if first, ok := s.backends[url]; ok { // opened meanwhile by another session
-		b.Close()
-		return first, nil
-	}
-	s.backends[url] = b
-	return b, nil
 }
 
 // OpenSession starts one rank's iteration over one epoch of source for
 // owner, and returns the session's id.
 func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, spec Spec) (string, Stats, error) {
-	b, err := s.backend(ctx, source)
+	br, err := s.backends.acquire(ctx, source, func(ctx context.Context) (storage.Backend, error) {
+		b, err := s.cfg.Open(ctx, source)
+		if err != nil {
+			return nil, openError(ctx, source, err)
+		}
+		return b, nil
+	})
 	if err != nil {
 		return "", Stats{}, err
 	}
-	it, err := Open(ctx, b, "", s.cache, spec, s.cfg.Options)
+	it, err := Open(ctx, br.b, "", s.cache, spec, s.cfg.Options)
 	if err != nil {
+		s.backends.release(br)
 		return "", Stats{}, err
 	}
 	rctx, cancel := context.WithTimeout(ctx, s.cfg.AllocWait)
@@ -164,9 +143,11 @@ func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, s
 	cancel()
 	if err != nil {
 		it.Close()
+		s.backends.release(br)
 		return "", Stats{}, err
 	}
 	ss := newSession(newID(), owner.ID, it, ring, s.cfg.Slots, s.cfg.Metrics)
+	ss.onClose = func() { s.backends.release(br) }
 	if err := s.insert(owner, ss); err != nil {
 		ss.close()
 		return "", Stats{}, err
@@ -182,7 +163,7 @@ func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, s
 func (s *Service) insert(owner Owner, ss *session) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.backends == nil {
+	if s.closed {
 		return ErrClosed
 	}
 	s.sessions[ss.id] = ss
@@ -284,6 +265,7 @@ func (s *Service) reapLoop() {
 				s.cfg.Logger.Warn("closed an idle dataset session", "session", ss.id, "idle", s.cfg.IdleTimeout)
 				ss.close()
 			}
+			s.backends.reap()
 		}
 	}
 }
@@ -306,19 +288,20 @@ func (s *Service) idle(now time.Time) []*session {
 // session is one rank's epoch: a filler goroutine moves batches from the
 // iterator into ring slots, ahead of the consumer by up to the ring's size.
 type session struct {
-	id     string
-	owner  string // Owner.ID
-	it     *Iterator
-	ring   *Ring
-	filled chan *Delivery
-	state  atomic.Int32 // fillerIterating, or a Cause the filler waits on
-	err    error        // the filler's, valid once filled is closed
-	cancel context.CancelFunc
-	done   chan struct{}
-	closed sync.Once
-	used   atomic.Int64 // unix nanos of the last call
-	m      *metrics.Prefetch
-	last   Stats // as last reported to metrics
+	id      string
+	owner   string // Owner.ID
+	it      *Iterator
+	ring    *Ring
+	filled  chan *Delivery
+	state   atomic.Int32 // fillerIterating, or a Cause the filler waits on
+	err     error        // the filler's, valid once filled is closed
+	cancel  context.CancelFunc
+	done    chan struct{}
+	closed  sync.Once
+	onClose func()       // after the ring is freed (releases the backend)
+	used    atomic.Int64 // unix nanos of the last call
+	m       *metrics.Prefetch
+	last    Stats // as last reported to metrics
 
 	mu    sync.Mutex
 	held  map[string]*Delivery
@@ -461,4 +444,7 @@ func (ss *session) shut() {
 	}
 	ss.mu.Unlock()
 	ss.ring.Close()
+	if ss.onClose != nil {
+		ss.onClose()
+	}
 }

@@ -3,9 +3,11 @@ package prefetch
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"regexp"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -151,5 +153,82 @@ func TestInProcessOwner(t *testing.T) {
 	}
 	if err := s.CloseSession(Owner{}, id); !errors.Is(err, ErrUnknownSession) || !strings.Contains(err.Error(), id) {
 		t.Fatalf("second close: %v", err)
+	}
+}
+
+// countingBackend counts the backends of a test that are open.
+type countingBackend struct {
+	storage.Backend
+	open *atomic.Int64
+}
+
+func (c countingBackend) Close() error { c.open.Add(-1); return nil }
+
+// Backends are shared by the sessions of a source, closed when unused
+// for a while, and never more than MaxBackends at once: a stream of
+// sources that fail to open or to list holds nothing.
+func TestBackendsAreReleased(t *testing.T) {
+	data, empty := posixDataset(t, 1, 4, 10), t.TempDir()
+	var open, opens atomic.Int64
+	s := newService(t, nil, ServiceConfig{MaxBackends: 4, BackendIdle: time.Hour, Open: func(_ context.Context, url string) (storage.Backend, error) {
+		opens.Add(1)
+		if strings.HasPrefix(url, "bad") {
+			return nil, errors.New("no such thing")
+		}
+		open.Add(1)
+		if strings.HasPrefix(url, "empty") {
+			b, err := posix.New(empty)
+			return countingBackend{b, &open}, err
+		}
+		return countingBackend{data, &open}, nil
+	}})
+	ctx := context.Background()
+	spec := Spec{BatchSize: 2, WorldSize: 1}
+	for i := range 200 {
+		if _, _, err := s.OpenSession(ctx, Owner{}, fmt.Sprintf("bad-%d", i), spec); !errors.Is(err, ErrInvalid) {
+			t.Fatalf("a source that does not open: %v", err)
+		}
+		if _, _, err := s.OpenSession(ctx, Owner{}, fmt.Sprintf("empty-%d", i), spec); !errors.Is(err, ErrInvalid) {
+			t.Fatalf("an empty source: %v", err)
+		}
+		if n := open.Load(); n > 4 {
+			t.Fatalf("%d backends open after %d empty sources; the cap is 4", n, i+1)
+		}
+	}
+	// Two sessions of one source share its backend.
+	opens.Store(0)
+	a, _, err := s.OpenSession(ctx, Owner{}, "data", spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _, err := s.OpenSession(ctx, Owner{}, "data", spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if opens.Load() != 1 {
+		t.Fatalf("two sessions of one source opened it %d times", opens.Load())
+	}
+	// Every backend in use: a new source is refused, not opened.
+	s.backends.idleAfter = 0
+	s.backends.reap() // the idle empty ones go
+	held := []string{a, b}
+	for i := range 3 {
+		id, _, err := s.OpenSession(ctx, Owner{}, fmt.Sprintf("data-%d", i), spec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, id)
+	}
+	if _, _, err := s.OpenSession(ctx, Owner{}, "data-x", spec); !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "4 dataset sources") {
+		t.Fatalf("a fifth source with four in use: %v", err)
+	}
+	for _, id := range held {
+		if err := s.CloseSession(Owner{}, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s.backends.reap()
+	if n := open.Load(); n != 0 || s.backends.len() != 0 {
+		t.Fatalf("%d backends open (%d in the pool) with no session and the idle time over", n, s.backends.len())
 	}
 }
