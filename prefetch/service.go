@@ -32,6 +32,11 @@ type ServiceConfig struct {
 	// Slots and SlotBytes size each session's ring (defaults 4 × 16 MiB).
 	Slots     int
 	SlotBytes int64
+	// ArenaBytes is the datasets' share of the staging arena (serve's
+	// --dataset-arena-bytes; default half the arena): ring slots and
+	// oversized batches are charged to it, so that dataset sessions can
+	// never take all the room checkpoint saves are staged in.
+	ArenaBytes int64
 	// AllocWait bounds the wait for arena space for a new session's ring
 	// (default 30s), as --staging-wait does for saves.
 	AllocWait time.Duration
@@ -51,9 +56,10 @@ type ServiceConfig struct {
 // Service runs dataset sessions for the daemon: one per rank's epoch, each
 // an Iterator feeding a Ring. It knows nothing of gRPC.
 type Service struct {
-	cfg   ServiceConfig
-	arena *arena.Arena
-	cache *Cache
+	cfg    ServiceConfig
+	arena  *arena.Arena
+	budget *arenaBudget
+	cache  *Cache
 
 	backends *backendPool
 
@@ -85,12 +91,18 @@ func NewService(a *arena.Arena, cfg ServiceConfig) (*Service, error) {
 	if cfg.Metrics == nil {
 		cfg.Metrics = metrics.NewPrefetch(nil)
 	}
+	if cfg.ArenaBytes <= 0 {
+		cfg.ArenaBytes = a.Size() / 2
+	}
+	if cfg.ArenaBytes > a.Size() {
+		return nil, fmt.Errorf("%w: --dataset-arena-bytes %d exceeds the arena's %d bytes (--staging-bytes)", ErrInvalid, cfg.ArenaBytes, a.Size())
+	}
 	c, err := NewCache(cfg.CacheBytes)
 	if err != nil {
 		return nil, err
 	}
 	s := &Service{
-		cfg: cfg, arena: a, cache: c, stop: make(chan struct{}),
+		cfg: cfg, arena: a, budget: newArenaBudget(cfg.ArenaBytes), cache: c, stop: make(chan struct{}),
 		backends: newBackendPool(cfg.MaxBackends, cfg.BackendIdle),
 		sessions: map[string]*session{}, watched: map[string]bool{},
 	}
@@ -138,9 +150,7 @@ func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, s
 		s.backends.release(br)
 		return "", Stats{}, err
 	}
-	rctx, cancel := context.WithTimeout(ctx, s.cfg.AllocWait)
-	ring, err := NewRing(rctx, s.arena, s.cfg.Slots, s.cfg.SlotBytes)
-	cancel()
+	ring, err := NewRing(ctx, s.arena, s.budget, s.cfg.Slots, s.cfg.SlotBytes, s.cfg.AllocWait)
 	if err != nil {
 		it.Close()
 		s.backends.release(br)
@@ -359,8 +369,8 @@ func (ss *session) cause() Cause {
 	if st == fillerIterating {
 		return ss.it.Waiting()
 	}
-	if Cause(st) == CauseRing && len(ss.ring.free) > 0 {
-		return CauseWork // a slot just came free; the filler is about to copy
+	if Cause(st) == CauseRing && len(ss.ring.turns) < cap(ss.ring.turns) {
+		return CauseWork // a delivery was just released; the filler is about to copy
 	}
 	return Cause(st)
 }

@@ -232,3 +232,85 @@ func TestBackendsAreReleased(t *testing.T) {
 		t.Fatalf("%d backends open (%d in the pool) with no session and the idle time over", n, s.backends.len())
 	}
 }
+
+// Rings and oversized batches come out of the datasets' share of the
+// arena; what is left stays free for saves however many sessions open.
+func TestDatasetShareOfTheArena(t *testing.T) {
+	b := posixDataset(t, 2, 20, 100<<10) // 2 shards of 20 samples of 100 KiB
+	s := newService(t, b, ServiceConfig{Slots: 2, SlotBytes: 1 << 20, ArenaBytes: 5 << 20, AllocWait: 100 * time.Millisecond})
+	ctx := context.Background()
+	small := Spec{BatchSize: 4, WorldSize: 1, ShuffleWindow: 1} // 400 KiB batches
+	var ids []string
+	for range 2 {
+		id, _, err := s.OpenSession(ctx, Owner{}, "src", small)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	_, _, err := s.OpenSession(ctx, Owner{}, "src", small)
+	if !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "--dataset-arena-bytes") {
+		t.Fatalf("a third ring in a share that holds two: %v", err)
+	}
+	// The rest of the arena is the saves'.
+	reg, err := s.arena.Alloc(ctx, s.arena.Size()-5<<20)
+	if err != nil {
+		t.Fatalf("the arena beyond the datasets' share: %v", err)
+	}
+	defer s.arena.Free(reg)
+	// An oversized batch (2 MiB > a 1 MiB slot) is charged too: the share
+	// has 1 MiB left, so it waits, then fails naming the flag.
+	for _, id := range ids {
+		_ = s.CloseSession(Owner{}, id)
+	}
+	big, _, err := s.OpenSession(ctx, Owner{}, "src", Spec{BatchSize: 20, WorldSize: 1, ShuffleWindow: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill, _, err := s.OpenSession(ctx, Owner{}, "src", small)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _, _, err = s.Next(ctx, Owner{}, big, nil)
+	if !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "--dataset-arena-bytes") {
+		t.Fatalf("an oversized batch beyond the share: %v", err)
+	}
+	_ = s.CloseSession(Owner{}, fill)
+	_ = s.CloseSession(Owner{}, big)
+	big, _, err = s.OpenSession(ctx, Owner{}, "src", Spec{BatchSize: 20, WorldSize: 1, ShuffleWindow: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, _, _, err := s.Next(ctx, Owner{}, big, nil)
+	if err != nil || d.slot || d.Region.Length != 20*(100<<10+1) {
+		t.Fatalf("an oversized batch with room: %v, %+v", err, d)
+	}
+	_ = s.CloseSession(Owner{}, big)
+	if s.budget.used.Load() != 0 || s.arena.Used() != reg.Length {
+		t.Fatalf("with no session open: %d bytes charged, %d arena bytes used", s.budget.used.Load(), s.arena.Used())
+	}
+}
+
+// A session has at most as many deliveries out as its ring has slots,
+// oversized ones included.
+func TestDeliveriesPerSessionAreBounded(t *testing.T) {
+	b := posixDataset(t, 1, 40, 100<<10)
+	s := newService(t, b, ServiceConfig{Slots: 2, SlotBytes: 256 << 10, ArenaBytes: 32 << 20})
+	id, _, err := s.OpenSession(context.Background(), Owner{}, "src", Spec{BatchSize: 4, WorldSize: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if _, _, _, err := s.Next(context.Background(), Owner{}, id, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	if _, _, _, err := s.Next(ctx, Owner{}, id, nil); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a third oversized delivery with two held: %v", err)
+	}
+	if used := s.budget.used.Load(); used != 512<<10+2*4*(100<<10+1) {
+		t.Fatalf("%d bytes charged; want the ring and two oversized batches", used)
+	}
+}

@@ -197,3 +197,37 @@ func TestPrefetchDeadSource(t *testing.T) {
 		t.Fatalf("dead source: %v, want UNAVAILABLE naming the endpoint", err)
 	}
 }
+
+// Dataset rings take at most --dataset-arena-bytes (default half the
+// arena): however many sessions open, a checkpoint save still finds room.
+func TestPrefetchRingsLeaveRoomForSaves(t *testing.T) {
+	data := t.TempDir()
+	want := writeShards(t, data, 2, 10)
+	d := startDatasetDaemon(t, nil, "--staging-bytes", "32MiB", "--staging-wait", "1s", "--ring-slots", "2", "--slot-bytes", "4MiB")
+	c := d.client()
+	var open []*ckptd.Dataset
+	for range 2 {
+		ds, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 4, WorldSize: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		open = append(open, ds)
+	}
+	_, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 4, WorldSize: 1})
+	if status.Code(unwrapStatus(err)) != codes.ResourceExhausted || !strings.Contains(fmt.Sprint(err), "--dataset-arena-bytes") {
+		t.Fatalf("a third 8 MiB ring in a 16 MiB share: %v, want RESOURCE_EXHAUSTED naming --dataset-arena-bytes", err)
+	}
+	h, err := c.Save(ctxT(t), shard(1, 0, 1)) // 6 MiB
+	if err != nil {
+		t.Fatalf("a save with the datasets' share in use: %v", err)
+	}
+	if err := h.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	for _, ds := range open {
+		_ = ds.Close(ctxT(t))
+	}
+	if ks, _ := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 4, WorldSize: 1}, want); len(ks) != 20 {
+		t.Fatalf("after closing: %d samples", len(ks))
+	}
+}

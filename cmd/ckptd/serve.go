@@ -49,6 +49,7 @@ type serveOptions struct {
 	CacheBytes   byteSize
 	RingSlots    int
 	SlotBytes    byteSize
+	DatasetArena byteSize
 }
 
 // DefaultSocket is where serve listens and clients connect when neither
@@ -84,6 +85,7 @@ func newServeCmd() *cobra.Command {
 	fs.Var(&o.CacheBytes, "cache-bytes", "dataset shard cache budget, shared by every rank on the node (0 disables it)")
 	fs.IntVar(&o.RingSlots, "ring-slots", 4, "batches each dataset session delivers ahead of the trainer")
 	fs.Var(&o.SlotBytes, "slot-bytes", "size of a ring slot in the arena (a larger batch gets a region of its own)")
+	fs.Var(&o.DatasetArena, "dataset-arena-bytes", "the datasets' share of the arena, for ring slots and oversized batches (default: half of --staging-bytes; the rest stays for saves)")
 	return cmd
 }
 
@@ -132,7 +134,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	}
 	pf, err := prefetch.NewService(a, prefetch.ServiceConfig{
 		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
-		Logger: log, Metrics: metrics.NewPrefetch(reg),
+		Logger: log, Metrics: metrics.NewPrefetch(reg), ArenaBytes: int64(o.DatasetArena),
 		Open: func(ctx context.Context, url string) (storage.Backend, error) {
 			return openStorage(ctx, url, &o.storageOptions, false)
 		},

@@ -48,7 +48,7 @@ func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) 
 	}
 	id, st, err := p.svc.OpenSession(ctx, owner(ctx), req.GetSource(), spec)
 	if err != nil {
-		return nil, toStatus(err)
+		return nil, pfStatus(err)
 	}
 	return &pb.OpenDatasetResponse{Session: id, Shards: int64(st.Shards)}, nil
 }
@@ -59,7 +59,7 @@ func (p *Prefetch) NextBatch(ctx context.Context, req *pb.NextBatchRequest) (*pb
 		return &pb.NextBatchResponse{End: true, Stats: toPrefetchStats(st)}, nil
 	}
 	if err != nil {
-		return nil, toStatus(err)
+		return nil, pfStatus(err)
 	}
 	resp := &pb.NextBatchResponse{
 		Lease:    &pb.Lease{Id: lease, Offset: uint64(d.Region.Offset), Length: uint64(d.Region.Length), ArenaId: p.svc.ArenaID()},
@@ -76,7 +76,7 @@ func (p *Prefetch) NextBatch(ctx context.Context, req *pb.NextBatchRequest) (*pb
 }
 
 func (p *Prefetch) CloseDataset(ctx context.Context, req *pb.CloseDatasetRequest) (*pb.CloseDatasetResponse, error) {
-	return &pb.CloseDatasetResponse{}, toStatus(p.svc.CloseSession(owner(ctx), req.GetSession()))
+	return &pb.CloseDatasetResponse{}, pfStatus(p.svc.CloseSession(owner(ctx), req.GetSession()))
 }
 
 func toPrefetchStats(st prefetch.Stats) *pb.PrefetchStats {
@@ -85,4 +85,14 @@ func toPrefetchStats(st prefetch.Stats) *pb.PrefetchStats {
 		WaitRingNs: st.WaitRing.Nanoseconds(), WaitWorkNs: st.WaitWork.Nanoseconds(),
 		CacheHits: st.CacheHits, CacheMisses: st.CacheMisses, CorruptSkipped: st.CorruptSkipped,
 	}
+}
+
+// pfStatus is toStatus with the prefetch service's own bounds: the
+// datasets' share of the arena and the open sources (ErrOverBudget) are
+// RESOURCE_EXHAUSTED.
+func pfStatus(err error) error {
+	if errors.Is(err, prefetch.ErrOverBudget) {
+		return status.Error(codes.ResourceExhausted, err.Error())
+	}
+	return toStatus(err)
 }

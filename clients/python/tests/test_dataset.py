@@ -358,9 +358,11 @@ def test_the_client_works_after_errors(dc, data):
 
 
 def test_sessions_are_freed_on_end_break_close_and_gc(make_daemon, data):
-    """An arena that holds two rings: a leaked session would fail the third open."""
+    """A datasets' share that holds two rings: a leaked session would fail the third open."""
     folder, want = data
-    d = make_daemon("--slot-bytes", "1MiB", "--ring-slots", "3", staging="8MiB")
+    d = make_daemon(
+        "--slot-bytes", "1MiB", "--ring-slots", "3", "--dataset-arena-bytes", "7MiB", staging="8MiB"
+    )  # fmt: skip
     with d.client(timeout=30) as c:
         for _ in range(3):
             assert len(keys(list(c.dataset(folder, batch_size=4)))) == len(want)  # exhausted
@@ -378,7 +380,7 @@ def test_sessions_are_freed_on_end_break_close_and_gc(make_daemon, data):
         for _ in range(3):
             c.dataset(folder, batch_size=4).close()
         open_now = [c.dataset(folder, batch_size=4), c.dataset(folder, batch_size=4)]
-        # The arena really holds only two rings. (The daemon waits for room
+        # The share really holds only two rings. (The daemon waits for room
         # as long as the call allows rather than failing at once.)
         with (
             d.client(timeout=2) as short,
