@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -22,7 +23,7 @@ var (
 	ErrClosed = errors.New("dataset service is shutting down")
 )
 
-// OpenFunc opens the backend a source URL names (storageurl.Open).
+// OpenFunc opens the backend of an S3 source URL (storageurl.Open).
 type OpenFunc func(ctx context.Context, url string) (storage.Backend, error)
 
 // ServiceConfig configures the daemon's prefetch service.
@@ -43,6 +44,12 @@ type ServiceConfig struct {
 	// IdleTimeout closes sessions nobody asked for a batch for (default 10m),
 	// so a trainer that died does not pin its ring.
 	IdleTimeout time.Duration
+	// Allow lists the sources trainers may read (serve's --dataset-allow):
+	// folders and s3://bucket/prefix entries; none allows nothing.
+	Allow []string
+	// ArenaDir is never a source, even beneath an allowed folder
+	// (default: the arena's folder, which holds its journal).
+	ArenaDir string
 	// MaxBackends bounds the sources open at once (DefaultMaxBackends);
 	// one unused for BackendIdle (DefaultBackendIdle) is closed.
 	MaxBackends int
@@ -57,6 +64,7 @@ type ServiceConfig struct {
 // an Iterator feeding a Ring. It knows nothing of gRPC.
 type Service struct {
 	cfg    ServiceConfig
+	allow  *allowList
 	arena  *arena.Arena
 	budget *arenaBudget
 	cache  *Cache
@@ -97,12 +105,22 @@ func NewService(a *arena.Arena, cfg ServiceConfig) (*Service, error) {
 	if cfg.ArenaBytes > a.Size() {
 		return nil, fmt.Errorf("%w: --dataset-arena-bytes %d exceeds the arena's %d bytes (--staging-bytes)", ErrInvalid, cfg.ArenaBytes, a.Size())
 	}
+	if cfg.ArenaDir == "" {
+		cfg.ArenaDir = filepath.Dir(a.Path())
+	}
+	allow, err := newAllowList(cfg.Allow, []string{cfg.ArenaDir})
+	if err != nil {
+		return nil, err
+	}
+	if len(cfg.Allow) == 0 {
+		cfg.Logger.Info("no dataset sources are allowed: datasets are off until --dataset-allow names some")
+	}
 	c, err := NewCache(cfg.CacheBytes)
 	if err != nil {
 		return nil, err
 	}
 	s := &Service{
-		cfg: cfg, arena: a, budget: newArenaBudget(cfg.ArenaBytes), cache: c, stop: make(chan struct{}),
+		cfg: cfg, allow: allow, arena: a, budget: newArenaBudget(cfg.ArenaBytes), cache: c, stop: make(chan struct{}),
 		backends: newBackendPool(cfg.MaxBackends, cfg.BackendIdle),
 		sessions: map[string]*session{}, watched: map[string]bool{},
 	}
@@ -135,8 +153,15 @@ func (s *Service) Close() {
 // OpenSession starts one rank's iteration over one epoch of source for
 // owner, and returns the session's id.
 func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, spec Spec) (string, Stats, error) {
-	br, err := s.backends.acquire(ctx, source, func(ctx context.Context) (storage.Backend, error) {
-		b, err := s.cfg.Open(ctx, source)
+	src, err := s.allow.resolve(source)
+	if err != nil {
+		return "", Stats{}, err
+	}
+	br, err := s.backends.acquire(ctx, src.key, func(ctx context.Context) (storage.Backend, error) {
+		if src.real != "" {
+			return openLocal(src.real, s.allow)
+		}
+		b, err := s.cfg.Open(ctx, src.url)
 		if err != nil {
 			return nil, openError(ctx, source, err)
 		}

@@ -17,16 +17,25 @@ import (
 )
 
 // newService starts a service on an arena of its own; its Open serves the
-// dataset b whatever the source says, unless cfg has one.
+// dataset b whatever the source says, unless cfg has one. It allows the
+// sources s3://test/... unless cfg says otherwise, and puts the arena in
+// cfg.ArenaDir when it names one.
 func newService(t *testing.T, b storage.Backend, cfg ServiceConfig) *Service {
 	t.Helper()
-	a, err := arena.Open(arena.Options{Dir: t.TempDir(), Size: 64 << 20})
+	dir := cfg.ArenaDir
+	if dir == "" {
+		dir = t.TempDir()
+	}
+	a, err := arena.Open(arena.Options{Dir: dir, Size: 64 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { a.Close() })
 	if cfg.Open == nil {
 		cfg.Open = func(context.Context, string) (storage.Backend, error) { return nopClose{b}, nil }
+	}
+	if cfg.Allow == nil {
+		cfg.Allow = []string{"s3://test"}
 	}
 	if cfg.Slots == 0 {
 		cfg.Slots, cfg.SlotBytes = 2, 1<<20
@@ -64,13 +73,15 @@ func posixDataset(t *testing.T, shards, perShard, payload int) storage.Backend {
 
 var hex128 = regexp.MustCompile(`^[0-9a-f]{32}$`)
 
+const src = "s3://test/src" // what newService's Open serves
+
 func TestSessionsBelongToTheirConnection(t *testing.T) {
 	s := newService(t, posixDataset(t, 2, 10, 100), ServiceConfig{})
 	ctx := context.Background()
 	alice, aliceGone := connection("alice")
 	bob, _ := connection("bob")
 	spec := Spec{BatchSize: 4, WorldSize: 1}
-	id, _, err := s.OpenSession(ctx, alice, "src", spec)
+	id, _, err := s.OpenSession(ctx, alice, src, spec)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -90,7 +101,7 @@ func TestSessionsBelongToTheirConnection(t *testing.T) {
 			t.Errorf("%q closed another's session: %v", who.ID, err)
 		}
 	}
-	bobs, _, err := s.OpenSession(ctx, bob, "src", spec)
+	bobs, _, err := s.OpenSession(ctx, bob, src, spec)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -115,7 +126,7 @@ func TestSessionsBelongToTheirConnection(t *testing.T) {
 		t.Fatalf("bob's session after alice left: %v", err)
 	}
 	// A session opened for a connection already gone is released at once.
-	if _, _, err := s.OpenSession(ctx, alice, "src", spec); err == nil {
+	if _, _, err := s.OpenSession(ctx, alice, src, spec); err == nil {
 		t.Fatal("opened a session for a closed connection")
 	}
 	if err := s.CloseSession(bob, bobs); err != nil {
@@ -129,7 +140,7 @@ func TestSessionsBelongToTheirConnection(t *testing.T) {
 // The in-process owner (no connection) keeps its sessions until it closes them.
 func TestInProcessOwner(t *testing.T) {
 	s := newService(t, posixDataset(t, 1, 5, 10), ServiceConfig{})
-	id, _, err := s.OpenSession(context.Background(), Owner{}, "src", Spec{BatchSize: 2, WorldSize: 1})
+	id, _, err := s.OpenSession(context.Background(), Owner{}, src, Spec{BatchSize: 2, WorldSize: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,11 +183,11 @@ func TestBackendsAreReleased(t *testing.T) {
 	var open, opens atomic.Int64
 	s := newService(t, nil, ServiceConfig{MaxBackends: 4, BackendIdle: time.Hour, Open: func(_ context.Context, url string) (storage.Backend, error) {
 		opens.Add(1)
-		if strings.HasPrefix(url, "bad") {
+		if strings.HasPrefix(url, "s3://test/bad") {
 			return nil, errors.New("no such thing")
 		}
 		open.Add(1)
-		if strings.HasPrefix(url, "empty") {
+		if strings.HasPrefix(url, "s3://test/empty") {
 			b, err := posix.New(empty)
 			return countingBackend{b, &open}, err
 		}
@@ -185,10 +196,10 @@ func TestBackendsAreReleased(t *testing.T) {
 	ctx := context.Background()
 	spec := Spec{BatchSize: 2, WorldSize: 1}
 	for i := range 200 {
-		if _, _, err := s.OpenSession(ctx, Owner{}, fmt.Sprintf("bad-%d", i), spec); !errors.Is(err, ErrInvalid) {
+		if _, _, err := s.OpenSession(ctx, Owner{}, fmt.Sprintf("s3://test/bad-%d", i), spec); !errors.Is(err, ErrInvalid) {
 			t.Fatalf("a source that does not open: %v", err)
 		}
-		if _, _, err := s.OpenSession(ctx, Owner{}, fmt.Sprintf("empty-%d", i), spec); !errors.Is(err, ErrInvalid) {
+		if _, _, err := s.OpenSession(ctx, Owner{}, fmt.Sprintf("s3://test/empty-%d", i), spec); !errors.Is(err, ErrInvalid) {
 			t.Fatalf("an empty source: %v", err)
 		}
 		if n := open.Load(); n > 4 {
@@ -197,11 +208,11 @@ func TestBackendsAreReleased(t *testing.T) {
 	}
 	// Two sessions of one source share its backend.
 	opens.Store(0)
-	a, _, err := s.OpenSession(ctx, Owner{}, "data", spec)
+	a, _, err := s.OpenSession(ctx, Owner{}, "s3://test/data", spec)
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, _, err := s.OpenSession(ctx, Owner{}, "data", spec)
+	b, _, err := s.OpenSession(ctx, Owner{}, "s3://test/data", spec)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -213,13 +224,13 @@ func TestBackendsAreReleased(t *testing.T) {
 	s.backends.reap() // the idle empty ones go
 	held := []string{a, b}
 	for i := range 3 {
-		id, _, err := s.OpenSession(ctx, Owner{}, fmt.Sprintf("data-%d", i), spec)
+		id, _, err := s.OpenSession(ctx, Owner{}, fmt.Sprintf("s3://test/data-%d", i), spec)
 		if err != nil {
 			t.Fatal(err)
 		}
 		held = append(held, id)
 	}
-	if _, _, err := s.OpenSession(ctx, Owner{}, "data-x", spec); !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "4 dataset sources") {
+	if _, _, err := s.OpenSession(ctx, Owner{}, "s3://test/data-x", spec); !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "4 dataset sources") {
 		t.Fatalf("a fifth source with four in use: %v", err)
 	}
 	for _, id := range held {
@@ -242,13 +253,13 @@ func TestDatasetShareOfTheArena(t *testing.T) {
 	small := Spec{BatchSize: 4, WorldSize: 1, ShuffleWindow: 1} // 400 KiB batches
 	var ids []string
 	for range 2 {
-		id, _, err := s.OpenSession(ctx, Owner{}, "src", small)
+		id, _, err := s.OpenSession(ctx, Owner{}, src, small)
 		if err != nil {
 			t.Fatal(err)
 		}
 		ids = append(ids, id)
 	}
-	_, _, err := s.OpenSession(ctx, Owner{}, "src", small)
+	_, _, err := s.OpenSession(ctx, Owner{}, src, small)
 	if !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "--dataset-arena-bytes") {
 		t.Fatalf("a third ring in a share that holds two: %v", err)
 	}
@@ -263,11 +274,11 @@ func TestDatasetShareOfTheArena(t *testing.T) {
 	for _, id := range ids {
 		_ = s.CloseSession(Owner{}, id)
 	}
-	big, _, err := s.OpenSession(ctx, Owner{}, "src", Spec{BatchSize: 20, WorldSize: 1, ShuffleWindow: 1})
+	big, _, err := s.OpenSession(ctx, Owner{}, src, Spec{BatchSize: 20, WorldSize: 1, ShuffleWindow: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	fill, _, err := s.OpenSession(ctx, Owner{}, "src", small)
+	fill, _, err := s.OpenSession(ctx, Owner{}, src, small)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -277,7 +288,7 @@ func TestDatasetShareOfTheArena(t *testing.T) {
 	}
 	_ = s.CloseSession(Owner{}, fill)
 	_ = s.CloseSession(Owner{}, big)
-	big, _, err = s.OpenSession(ctx, Owner{}, "src", Spec{BatchSize: 20, WorldSize: 1, ShuffleWindow: 1})
+	big, _, err = s.OpenSession(ctx, Owner{}, src, Spec{BatchSize: 20, WorldSize: 1, ShuffleWindow: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -296,7 +307,7 @@ func TestDatasetShareOfTheArena(t *testing.T) {
 func TestDeliveriesPerSessionAreBounded(t *testing.T) {
 	b := posixDataset(t, 1, 40, 100<<10)
 	s := newService(t, b, ServiceConfig{Slots: 2, SlotBytes: 256 << 10, ArenaBytes: 32 << 20})
-	id, _, err := s.OpenSession(context.Background(), Owner{}, "src", Spec{BatchSize: 4, WorldSize: 1})
+	id, _, err := s.OpenSession(context.Background(), Owner{}, src, Spec{BatchSize: 4, WorldSize: 1})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -27,7 +27,9 @@ func startDatasetDaemon(t *testing.T, env []string, extra ...string) *daemon {
 	t.Helper()
 	arena := filepath.Join("/dev/shm", fmt.Sprintf("ckptd-pftest-%d-%d", os.Getpid(), arenas.Add(1)))
 	t.Cleanup(func() { os.RemoveAll(arena) }) // after the daemon stops
-	return startDaemonEnv(t, "", env, append([]string{"--arena-dir", arena}, extra...)...)
+	d := startDaemonEnv(t, "", env, append([]string{"--arena-dir", arena}, extra...)...)
+	d.arena = arena
+	return d
 }
 
 // writeShards writes n WebDataset shards of per samples ("cls" and "txt")
@@ -87,7 +89,7 @@ func epoch(t *testing.T, c *ckptd.Client, req ckptd.DatasetRequest, want map[str
 func TestPrefetchThroughDaemon(t *testing.T) {
 	data := t.TempDir()
 	want := writeShards(t, data, 6, 25)
-	d := startDatasetDaemon(t, nil, "--slot-bytes", "64KiB", "--ring-slots", "3")
+	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--slot-bytes", "64KiB", "--ring-slots", "3")
 	c := d.client()
 	const world = 2
 	var all []string
@@ -129,7 +131,7 @@ func TestPrefetchBadInput(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(data, "train-999.tar"), []byte("truncated garbage"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	d := startDatasetDaemon(t, nil)
+	d := startDatasetDaemon(t, nil, "--dataset-allow", filepath.Dir(data)) // the test's temporary folders
 	c := d.client()
 	for _, tc := range []struct {
 		req  ckptd.DatasetRequest
@@ -174,7 +176,7 @@ func TestPrefetchDeadSource(t *testing.T) {
 	want := writeShards(t, data, 2, 3)
 	dead := "http://" + closedAddr(t)
 	d := startDatasetDaemon(t, []string{"AWS_ACCESS_KEY_ID=k", "AWS_SECRET_ACCESS_KEY=s"},
-		"--s3-endpoint", dead, "--s3-region", "us-east-1", "--s3-retry-deadline", "10s")
+		"--s3-endpoint", dead, "--s3-region", "us-east-1", "--s3-retry-deadline", "10s", "--dataset-allow", data+",s3://bucket")
 	c := d.client()
 	deadErr := make(chan error, 1)
 	go func() {
@@ -203,7 +205,7 @@ func TestPrefetchDeadSource(t *testing.T) {
 func TestPrefetchRingsLeaveRoomForSaves(t *testing.T) {
 	data := t.TempDir()
 	want := writeShards(t, data, 2, 10)
-	d := startDatasetDaemon(t, nil, "--staging-bytes", "32MiB", "--staging-wait", "1s", "--ring-slots", "2", "--slot-bytes", "4MiB")
+	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--staging-bytes", "32MiB", "--staging-wait", "1s", "--ring-slots", "2", "--slot-bytes", "4MiB")
 	c := d.client()
 	var open []*ckptd.Dataset
 	for range 2 {
@@ -229,5 +231,62 @@ func TestPrefetchRingsLeaveRoomForSaves(t *testing.T) {
 	}
 	if ks, _ := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 4, WorldSize: 1}, want); len(ks) != 20 {
 		t.Fatalf("after closing: %d samples", len(ks))
+	}
+}
+
+// Datasets are read with the daemon's identity, so only the sources
+// --dataset-allow lists may be: not a folder outside it, not one reached
+// through ".." or a link, not the daemon's own arena, not another bucket.
+func TestPrefetchSourcesAreDenyByDefault(t *testing.T) {
+	root := t.TempDir()
+	data, outside := filepath.Join(root, "data"), filepath.Join(root, "outside")
+	for _, dir := range []string{data, outside} {
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := writeShards(t, data, 1, 3)
+	secret := writeShards(t, outside, 1, 3)
+	if err := os.Symlink(outside, filepath.Join(data, "link")); err != nil {
+		t.Fatal(err)
+	}
+	req := func(source string) *ckptd.DatasetRequest {
+		return &ckptd.DatasetRequest{Source: source, BatchSize: 10, WorldSize: 1}
+	}
+	// No --dataset-allow: no datasets at all, and the error says how to allow some.
+	d := startDatasetDaemon(t, nil)
+	_, err := d.client().Dataset(ctxT(t), req(data))
+	if status.Code(unwrapStatus(err)) != codes.PermissionDenied || !strings.Contains(fmt.Sprint(err), "--dataset-allow") {
+		t.Fatalf("no --dataset-allow: %v, want PERMISSION_DENIED naming the flag", err)
+	}
+	d.stop()
+
+	d = startDatasetDaemon(t, nil, "--dataset-allow", data+",s3://bucket/team-a", "--dataset-allow", "/dev/shm")
+	c := d.client()
+	if ks, _ := epoch(t, c, *req(data), want); len(ks) != 3 {
+		t.Fatalf("the allowed folder: %d samples", len(ks))
+	}
+	for _, source := range []string{
+		outside,
+		data + "/../outside",
+		data + "/link",
+		"file://" + data + "/link",
+		d.arena,                 // beneath an allowed folder, yet never a source
+		d.arena + "/journal",    // the journal of staged saves
+		"/dev/shm",              // it holds the arena
+		root + "/data-and-more", // /data does not allow /data-and-more
+		"s3://bucket/team-b",
+		"s3://other/team-a",
+		"s3://bucket/team-a-and-more",
+	} {
+		_, err := c.Dataset(ctxT(t), req(source))
+		if status.Code(unwrapStatus(err)) != codes.PermissionDenied || !strings.Contains(fmt.Sprint(err), "not allowed") {
+			t.Errorf("%s: %v, want PERMISSION_DENIED", source, err)
+		}
+		for key := range secret {
+			if strings.Contains(fmt.Sprint(err), key) {
+				t.Errorf("%s: the error shows a sample outside the allowed folder", source)
+			}
+		}
 	}
 }

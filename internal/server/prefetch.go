@@ -87,12 +87,16 @@ func toPrefetchStats(st prefetch.Stats) *pb.PrefetchStats {
 	}
 }
 
-// pfStatus is toStatus with the prefetch service's own bounds: the
-// datasets' share of the arena and the open sources (ErrOverBudget) are
-// RESOURCE_EXHAUSTED.
+// pfStatus is toStatus with the prefetch service's own errors: its bounds
+// (the datasets' share of the arena, the open sources) are
+// RESOURCE_EXHAUSTED, and a source --dataset-allow does not list is
+// PERMISSION_DENIED.
 func pfStatus(err error) error {
-	if errors.Is(err, prefetch.ErrOverBudget) {
+	switch {
+	case errors.Is(err, prefetch.ErrOverBudget):
 		return status.Error(codes.ResourceExhausted, err.Error())
+	case errors.Is(err, prefetch.ErrNotAllowed):
+		return status.Error(codes.PermissionDenied, err.Error())
 	}
 	return toStatus(err)
 }

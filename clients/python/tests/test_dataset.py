@@ -6,7 +6,9 @@ import gc
 import io
 import json
 import os
+import shutil
 import tarfile
+from pathlib import Path
 
 import pytest
 from wds import keys, make_samples, shard_bytes, write_shards
@@ -352,6 +354,31 @@ def test_the_client_works_after_errors(dc, data):
     with pytest.raises(ckptd.InvalidArgumentError):
         dc.dataset(folder, batch_size=0)
     assert len(keys(read(dc, folder))) == len(want)
+
+
+# ---- which sources may be read ----------------------------------------------------
+
+
+def test_only_the_sources_the_daemon_allows_are_read(make_daemon, tmp_path):
+    """--dataset-allow (the fixtures allow the temporary folder): by real path, nothing else."""
+    want = write_shards(tmp_path / "data", 2, 3)
+    outside = Path("/dev/shm") / f"ckptd-pytest-outside-{os.getpid()}"  # not beneath any entry
+    try:
+        write_shards(outside, 1, 3)
+        (tmp_path / "link").symlink_to(outside)
+        dotdot = str(tmp_path) + "/.." * len(tmp_path.parts) + str(outside)
+        with make_daemon().client() as c:
+            assert len(keys(read(c, tmp_path / "data"))) == len(want)
+            for source in (outside, dotdot, tmp_path / "link", "s3://other/shards"):
+                with pytest.raises(ckptd.CkptdError, match="not beneath any --dataset-allow") as e:
+                    c.dataset(source, batch_size=4)
+                assert e.value.code == "PERMISSION_DENIED", source
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+    d = make_daemon("--dataset-allow", "/dev/shm")  # its arena is beneath: still never a source
+    with d.client() as c, pytest.raises(ckptd.CkptdError, match="arena folder") as e:
+        c.dataset(d.arena_dir, batch_size=4)
+    assert e.value.code == "PERMISSION_DENIED"
 
 
 # ---- sessions are freed -----------------------------------------------------------
