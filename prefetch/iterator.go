@@ -44,6 +44,17 @@ type Batch struct {
 	// Position is the samples this rank has consumed in the epoch once it
 	// has this batch: the start to resume from.
 	Position int64
+	release  func()
+}
+
+// Release gives the batch's memory back to the iteration's read-ahead
+// budget; its samples must not be used after. Next releases the previous
+// batch if its caller has not.
+func (b *Batch) Release() {
+	if b.release != nil {
+		b.release()
+		b.release = nil
+	}
 }
 
 // Stats account where the consumer's waiting went, and the cache's work.

@@ -4,11 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"path/filepath"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/ckptd/ckptd/internal/arena"
@@ -273,6 +271,25 @@ func (s *Service) Next(ctx context.Context, owner Owner, id string, release []st
 	return ss.next(ctx)
 }
 
+// Release gives back owner's delivery lease of session id (and those
+// delivered before it), as Next's release does.
+func (s *Service) Release(owner Owner, id, lease string) error {
+	ss, err := s.session(owner, id)
+	if err != nil {
+		return err
+	}
+	return ss.release(lease)
+}
+
+// Undeliver takes back a delivery whose response could not be sent (the
+// call ended as it was answered): the session's next call hands it out
+// again, so the client neither loses its samples nor holds its slot.
+func (s *Service) Undeliver(owner Owner, id, lease string) {
+	if ss, err := s.session(owner, id); err == nil {
+		ss.undeliver(lease)
+	}
+}
+
 // CloseSession ends owner's session and frees its ring.
 func (s *Service) CloseSession(owner Owner, id string) error {
 	s.mu.Lock()
@@ -318,168 +335,4 @@ func (s *Service) idle(now time.Time) []*session {
 	}
 	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
 	return out
-}
-
-// session is one rank's epoch: a filler goroutine moves batches from the
-// iterator into ring slots, ahead of the consumer by up to the ring's size.
-type session struct {
-	id      string
-	owner   string // Owner.ID
-	it      *Iterator
-	ring    *Ring
-	filled  chan *Delivery
-	state   atomic.Int32 // fillerIterating, or a Cause the filler waits on
-	err     error        // the filler's, valid once filled is closed
-	cancel  context.CancelFunc
-	done    chan struct{}
-	closed  sync.Once
-	onClose func()       // after the ring is freed (releases the backend)
-	used    atomic.Int64 // unix nanos of the last call
-	m       *metrics.Prefetch
-	last    Stats // as last reported to metrics
-
-	mu    sync.Mutex
-	held  map[string]*Delivery
-	stall [4]time.Duration // by Cause
-}
-
-const fillerIterating = -1
-
-func newSession(id, owner string, it *Iterator, ring *Ring, slots int, m *metrics.Prefetch) *session {
-	ctx, cancel := context.WithCancel(context.Background())
-	ss := &session{
-		id: id, owner: owner, it: it, ring: ring, filled: make(chan *Delivery, slots),
-		cancel: cancel, done: make(chan struct{}), held: map[string]*Delivery{}, m: m,
-	}
-	ss.touch()
-	go func() {
-		defer close(ss.done)
-		ss.err = ss.fill(ctx)
-		close(ss.filled)
-	}()
-	return ss
-}
-
-func (ss *session) touch()              { ss.used.Store(time.Now().UnixNano()) }
-func (ss *session) lastUsed() time.Time { return time.Unix(0, ss.used.Load()) }
-
-// fill runs the iterator into the ring until the epoch ends.
-func (ss *session) fill(ctx context.Context) error {
-	for {
-		ss.state.Store(fillerIterating)
-		b, err := ss.it.Next(ctx)
-		if errors.Is(err, io.EOF) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		d, err := ss.ring.Fill(ctx, b, func() { ss.state.Store(int32(CauseRing)) })
-		if err != nil {
-			return err
-		}
-		ss.state.Store(int32(CauseWork))
-		select {
-		case ss.filled <- d:
-		case <-ctx.Done():
-			ss.ring.Release(d)
-			return ctx.Err()
-		}
-	}
-}
-
-// cause is what a consumer that starts waiting now is waiting on.
-func (ss *session) cause() Cause {
-	st := ss.state.Load()
-	if st == fillerIterating {
-		return ss.it.Waiting()
-	}
-	if Cause(st) == CauseRing && len(ss.ring.turns) < cap(ss.ring.turns) {
-		return CauseWork // a delivery was just released; the filler is about to copy
-	}
-	return Cause(st)
-}
-
-func (ss *session) next(ctx context.Context) (*Delivery, string, Stats, error) {
-	start, cause := time.Now(), ss.cause()
-	var d *Delivery
-	var ok bool
-	select {
-	case d, ok = <-ss.filled:
-	case <-ctx.Done():
-		return nil, "", ss.stats(), ctx.Err()
-	}
-	waited := time.Since(start)
-	ss.mu.Lock()
-	ss.stall[cause] += waited
-	ss.mu.Unlock()
-	ss.m.Wait.WithLabelValues(cause.String()).Add(waited.Seconds())
-	if !ok {
-		if ss.err != nil {
-			return nil, "", ss.stats(), ss.err
-		}
-		return nil, "", ss.stats(), io.EOF
-	}
-	lease := newID()
-	ss.mu.Lock()
-	ss.held[lease] = d
-	ss.mu.Unlock()
-	st := ss.stats()
-	ss.report(st, len(d.Samples))
-	return d, lease, st, nil
-}
-
-func (ss *session) release(lease string) error {
-	ss.mu.Lock()
-	d := ss.held[lease]
-	delete(ss.held, lease)
-	ss.mu.Unlock()
-	if d == nil {
-		return fmt.Errorf("%w: no delivery %q held in session %s", ErrUnknownSession, lease, ss.id)
-	}
-	ss.ring.Release(d)
-	return nil
-}
-
-// stats merges the iterator's cache counts with the consumer's stalls.
-func (ss *session) stats() Stats {
-	st := ss.it.Stats()
-	ss.mu.Lock()
-	defer ss.mu.Unlock()
-	st.WaitWork, st.WaitStorage, st.WaitCache, st.WaitRing = ss.stall[CauseWork], ss.stall[CauseStorage], ss.stall[CauseCache], ss.stall[CauseRing]
-	return st
-}
-
-// report adds what happened since the last report to the metrics.
-func (ss *session) report(st Stats, samples int) {
-	ss.mu.Lock()
-	defer ss.mu.Unlock()
-	ss.m.Samples.Add(float64(samples))
-	ss.m.CacheHits.Add(float64(st.CacheHits - ss.last.CacheHits))
-	ss.m.CacheMisses.Add(float64(st.CacheMisses - ss.last.CacheMisses))
-	ss.m.Corrupt.Add(float64(st.CorruptSkipped - ss.last.CorruptSkipped))
-	ss.last = st
-}
-
-// close stops the filler and frees every region, held or queued. Only
-// the first call does anything.
-func (ss *session) close() { ss.closed.Do(ss.shut) }
-
-func (ss *session) shut() {
-	ss.cancel()
-	ss.it.Close()
-	<-ss.done
-	for d := range ss.filled {
-		ss.ring.Release(d)
-	}
-	ss.mu.Lock()
-	for k, d := range ss.held {
-		ss.ring.Release(d)
-		delete(ss.held, k)
-	}
-	ss.mu.Unlock()
-	ss.ring.Close()
-	if ss.onClose != nil {
-		ss.onClose()
-	}
 }

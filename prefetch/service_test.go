@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"regexp"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -303,25 +304,105 @@ func TestDatasetShareOfTheArena(t *testing.T) {
 }
 
 // A session has at most as many deliveries out as its ring has slots,
-// oversized ones included.
+// oversized ones included. A client that asks for more while holding
+// them all cannot have seen them all: it gets the oldest again.
 func TestDeliveriesPerSessionAreBounded(t *testing.T) {
 	b := posixDataset(t, 1, 40, 100<<10)
 	s := newService(t, b, ServiceConfig{Slots: 2, SlotBytes: 256 << 10, ArenaBytes: 32 << 20})
-	id, _, err := s.OpenSession(context.Background(), Owner{}, src, Spec{BatchSize: 4, WorldSize: 1})
+	ctx := context.Background()
+	id, _, err := s.OpenSession(ctx, Owner{}, src, Spec{BatchSize: 4, WorldSize: 1, ShuffleWindow: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
+	var leases []string
 	for range 2 {
-		if _, _, _, err := s.Next(context.Background(), Owner{}, id, nil); err != nil {
+		_, lease, _, err := s.Next(ctx, Owner{}, id, nil)
+		if err != nil {
 			t.Fatal(err)
 		}
+		leases = append(leases, lease)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-	defer cancel()
-	if _, _, _, err := s.Next(ctx, Owner{}, id, nil); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("a third oversized delivery with two held: %v", err)
+	d, again, _, err := s.Next(ctx, Owner{}, id, nil)
+	if err != nil || d.Position != 4 || again == leases[0] {
+		t.Fatalf("a third delivery with two held: %v, position %d; want the first again under a new id", err, d.Position)
 	}
 	if used := s.budget.used.Load(); used != 512<<10+2*4*(100<<10+1) {
 		t.Fatalf("%d bytes charged; want the ring and two oversized batches", used)
+	}
+	if err := s.Release(Owner{}, id, leases[0]); err != nil { // its old id is still fine to release
+		t.Fatal(err)
+	}
+	if d, _, _, err := s.Next(ctx, Owner{}, id, []string{again, leases[1]}); err != nil || d.Position != 12 {
+		t.Fatalf("after releasing both: %v, position %d", err, d.Position)
+	}
+}
+
+// A call that ends as its batch arrives does not cost the client the
+// batch or its slot: the batch goes to the next call. One whose response
+// was lost after all is freed by the client's next release.
+func TestTimedOutCallsLoseNothing(t *testing.T) {
+	s := newService(t, posixDataset(t, 3, 10, 1000), ServiceConfig{Slots: 2, SlotBytes: 1 << 20})
+	ctx := context.Background()
+	id, _, err := s.OpenSession(ctx, Owner{}, src, Spec{BatchSize: 2, WorldSize: 1, ShuffleWindow: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ended, cancel := context.WithCancel(ctx)
+	cancel()
+	var positions []int64
+	var release []string
+	for i := 0; ; i++ {
+		// Calls whose context is over by the time a batch is there (the
+		// filler has filled both slots meanwhile): each may take a batch
+		// off the queue, and must put it back.
+		for range 20 {
+			if _, _, _, err := s.Next(ended, Owner{}, id, nil); !errors.Is(err, context.Canceled) && !errors.Is(err, io.EOF) {
+				t.Fatalf("a call whose context ended: %v", err)
+			}
+		}
+		d, lease, _, err := s.Next(ctx, Owner{}, id, release)
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		positions = append(positions, d.Position)
+		if i%3 == 1 {
+			s.Undeliver(Owner{}, id, lease) // the adapter could not send it
+			release = nil
+			continue
+		}
+		release = []string{lease}
+	}
+	want := []int64{2, 4, 4, 6, 8, 8, 10, 12, 12, 14, 16, 16, 18, 20, 20, 22, 24, 24, 26, 28, 28, 30}
+	if !slices.Equal(positions, want) {
+		t.Fatalf("positions %v; want every batch once, and the undelivered ones again", positions)
+	}
+	// A response lost on the way: the client never names it, and the
+	// release of the next one frees both.
+	id, _, err = s.OpenSession(ctx, Owner{}, src, Spec{BatchSize: 2, WorldSize: 1, ShuffleWindow: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ss, _ := s.session(Owner{}, id)
+	_, lost, _, _ := s.Next(ctx, Owner{}, id, nil)
+	_, seen, _, _ := s.Next(ctx, Owner{}, id, nil)
+	held := func() int { ss.mu.Lock(); defer ss.mu.Unlock(); return len(ss.held) }
+	if held() != 2 {
+		t.Fatalf("%d deliveries held, want 2", held())
+	}
+	if err := s.Release(Owner{}, id, seen); err != nil {
+		t.Fatal(err)
+	}
+	if held() != 0 {
+		t.Fatalf("%d deliveries held after releasing the second; want the lost first one freed too", held())
+	}
+	// Releasing again (a retried call) is fine; an id never handed out is not.
+	if err := s.Release(Owner{}, id, lost); err != nil {
+		t.Fatalf("releasing a delivery again: %v", err)
+	}
+	if err := s.Release(Owner{}, id, newID()); !errors.Is(err, ErrUnknownSession) {
+		t.Fatalf("releasing an unknown delivery: %v", err)
 	}
 }

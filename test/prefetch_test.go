@@ -3,6 +3,7 @@ package test
 import (
 	"archive/tar"
 	"bytes"
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -288,5 +289,58 @@ func TestPrefetchSourcesAreDenyByDefault(t *testing.T) {
 				t.Errorf("%s: the error shows a sample outside the allowed folder", source)
 			}
 		}
+	}
+}
+
+// A client whose calls time out (and retries) loses no ring slot: with two
+// slots, a few leaked deliveries would stall the epoch for good.
+func TestPrefetchTimedOutCallsLeakNoSlot(t *testing.T) {
+	data := t.TempDir()
+	want := writeShards(t, data, 4, 25)
+	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--ring-slots", "2", "--slot-bytes", "64KiB")
+	c := d.client()
+	ds, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ds.Close(ctxT(t))
+	seen := map[string]bool{}
+	timeouts := 0
+	for i := 0; ; i++ {
+		for j := range 4 { // deadlines from 0 to 1.5 ms: some expire as the batch is answered
+			ctx, cancel := context.WithTimeout(ctxT(t), time.Duration(j)*500*time.Microsecond)
+			batch, err := ds.Next(ctx)
+			cancel()
+			if err != nil {
+				timeouts++
+				continue
+			}
+			if batch == nil {
+				break
+			}
+			for _, s := range batch {
+				if seen[s.Key] || string(s.Fields["txt"]) != want[s.Key] {
+					t.Fatalf("sample %s: delivered twice or wrong", s.Key)
+				}
+				seen[s.Key] = true
+			}
+		}
+		batch, err := ds.Next(ctxT(t))
+		if err != nil {
+			t.Fatalf("after %d timed-out calls: %v", timeouts, err)
+		}
+		if batch == nil {
+			break
+		}
+		for _, s := range batch {
+			if seen[s.Key] {
+				t.Fatalf("sample %s delivered twice", s.Key)
+			}
+			seen[s.Key] = true
+		}
+	}
+	t.Logf("%d of %d samples delivered; %d calls timed out", len(seen), len(want), timeouts)
+	if timeouts == 0 {
+		t.Fatal("no call timed out: the test tested nothing")
 	}
 }
