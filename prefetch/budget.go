@@ -47,3 +47,29 @@ func (b *arenaBudget) release(n int64) {
 	b.used.Add(-n)
 	b.sem.Release(n)
 }
+
+// meter is a byte semaphore that keeps its peak use, for tests and
+// metrics.
+type meter struct {
+	sem  *semaphore.Weighted
+	size int64
+	used atomic.Int64
+	peak atomic.Int64
+}
+
+func newMeter(size int64) *meter { return &meter{sem: semaphore.NewWeighted(size), size: size} }
+
+func (m *meter) Acquire(ctx context.Context, n int64) error {
+	if err := m.sem.Acquire(ctx, n); err != nil {
+		return err
+	}
+	u := m.used.Add(n)
+	for p := m.peak.Load(); u > p && !m.peak.CompareAndSwap(p, u); p = m.peak.Load() {
+	}
+	return nil
+}
+
+func (m *meter) Release(n int64) {
+	m.used.Add(-n)
+	m.sem.Release(n)
+}

@@ -97,6 +97,7 @@ func NewService(a *arena.Arena, cfg ServiceConfig) (*Service, error) {
 	if cfg.Metrics == nil {
 		cfg.Metrics = metrics.NewPrefetch(nil)
 	}
+	cfg.Options.setDefaults()
 	if cfg.ArenaBytes <= 0 {
 		cfg.ArenaBytes = a.Size() / 2
 	}
@@ -123,7 +124,27 @@ func NewService(a *arena.Arena, cfg ServiceConfig) (*Service, error) {
 		sessions: map[string]*session{}, watched: map[string]bool{},
 	}
 	s.wg.Go(s.reapLoop)
+	cfg.Logger.Info("dataset service", "allow", cfg.Allow, "cache_bytes", cfg.CacheBytes,
+		"read_ahead_bytes", s.cfg.Options.ReadAheadBytes, "arena_bytes", cfg.ArenaBytes,
+		"max_sessions", s.MaxSessions(), "memory_ceiling", s.MemoryCeiling())
 	return s, nil
+}
+
+// MaxSessions is how many sessions the datasets' share of the arena holds
+// rings for: no more can be open at once.
+func (s *Service) MaxSessions() int64 {
+	return s.cfg.ArenaBytes / (int64(s.cfg.Slots) * s.cfg.SlotBytes)
+}
+
+// MemoryCeiling bounds the memory the dataset service holds, whatever the
+// datasets and clients do: the cache, and per session its read-ahead
+// budget, the keys and names of the deliveries its ring holds, and the
+// buffer of a streamed shard. (The rings are in the arena, counted in
+// --staging-bytes; the Go runtime may hold up to GOGC% more as garbage
+// unless GOMEMLIMIT says otherwise.)
+func (s *Service) MemoryCeiling() int64 {
+	perSession := s.cfg.Options.ReadAheadBytes + int64(s.cfg.Slots)*maxBatchMeta + streamBuffer
+	return s.cfg.CacheBytes + s.MaxSessions()*perSession
 }
 
 // ArenaID identifies the arena the rings live in.

@@ -4,11 +4,14 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"encoding/binary"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -343,4 +346,161 @@ func TestPrefetchTimedOutCallsLeakNoSlot(t *testing.T) {
 	if timeouts == 0 {
 		t.Fatal("no call timed out: the test tested nothing")
 	}
+}
+
+// The dataset service's memory is bounded by its flags, not by the data:
+// a 300 MiB shard, samples of 3 MiB and a shuffle window of 100000 go
+// through a daemon whose prefetch ceiling is 16 MiB of cache plus two
+// sessions of 32 MiB, and its peak RSS (VmHWM) stays under the arena, the
+// ceiling and a fixed margin for the Go runtime, gRPC and the checkpoint
+// side (memMargin), while every sample is delivered exactly once.
+func TestPrefetchMemoryIsBounded(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds a daemon without the race detector and streams 400 MiB")
+	}
+	data := t.TempDir()
+	const big, per = 100, 3 << 20 // the large shard: 100 samples of 3 MiB
+	writeSparseShard(t, filepath.Join(data, "big.tar"), big, per)
+	want := writeShards(t, data, 24, 8) // and small shards, read whole and cached
+	for i := range big {
+		want[fmt.Sprintf("big/%04d", i)] = ""
+	}
+	const (
+		staging   = 64 << 20
+		cache     = 16 << 20
+		readAhead = 32 << 20
+		sessions  = 2        // --dataset-arena-bytes 32MiB / (2 slots × 8 MiB)
+		memMargin = 64 << 20 // the Go runtime, gRPC, the checkpoint side, and the garbage collector's headroom
+	)
+	// The race detector multiplies memory: measure a plain build.
+	plain := filepath.Join(t.TempDir(), "ckptd")
+	if out, err := exec.Command("go", "build", "-o", plain, "../cmd/ckptd").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	raced := ckptdBin
+	ckptdBin = plain
+	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--staging-bytes", "64MiB", "--cache-bytes", "16MiB",
+		"--read-ahead-bytes", "32MiB", "--ring-slots", "2", "--slot-bytes", "8MiB", "--dataset-arena-bytes", "32MiB")
+	ckptdBin = raced
+	idle := peakRSS(t, d.cmd.Process.Pid)
+	c := d.client()
+	var mu sync.Mutex
+	seen := map[string]bool{}
+	var wg sync.WaitGroup
+	errs := make(chan error, sessions)
+	for rank := range sessions {
+		wg.Go(func() {
+			errs <- readAll(c, data, rank, sessions, func(s ckptd.Sample) error {
+				mu.Lock()
+				defer mu.Unlock()
+				if seen[s.Key] {
+					return fmt.Errorf("sample %s delivered twice", s.Key)
+				}
+				seen[s.Key] = true
+				return checkSample(s, want, per)
+			})
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(seen) != len(want) {
+		t.Fatalf("%d samples delivered, want %d", len(seen), len(want))
+	}
+	hwm := peakRSS(t, d.cmd.Process.Pid)
+	bound := int64(staging + cache + sessions*(readAhead+2*4<<20+256<<10) + memMargin)
+	t.Logf("peak RSS %d MiB (%d MiB once started); bound %d MiB (arena 64 + cache 16 + 2 sessions × 40.25 + margin 64)", hwm>>20, idle>>20, bound>>20)
+	if hwm > bound {
+		t.Fatalf("peak RSS %d MiB is over the bound of %d MiB", hwm>>20, bound>>20)
+	}
+}
+
+// writeSparseShard writes a WebDataset tar of n samples of size bytes
+// ("big/NNNN.bin"), sparse on disk: each sample's data is a hole but for
+// its index in its first bytes.
+func writeSparseShard(t *testing.T, path string, n, size int) {
+	t.Helper()
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var off int64
+	for i := range n {
+		var hdr bytes.Buffer
+		tw := tar.NewWriter(&hdr)
+		_ = tw.WriteHeader(&tar.Header{Name: fmt.Sprintf("big/%04d.bin", i), Mode: 0o644, Size: int64(size)})
+		// WriteHeader wrote the 512-byte header; the data follows it.
+		if _, err := f.WriteAt(hdr.Bytes()[:512], off); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WriteAt(binary.LittleEndian.AppendUint64(nil, uint64(i)), off+512); err != nil {
+			t.Fatal(err)
+		}
+		off += 512 + int64(size+511)&^511
+	}
+	if err := f.Truncate(off + 1024); err != nil { // the end-of-archive marker: two zero blocks
+		t.Fatal(err)
+	}
+}
+
+// checkSample checks a sample of writeShards or writeSparseShard.
+func checkSample(s ckptd.Sample, want map[string]string, size int) error {
+	if !strings.HasPrefix(s.Key, "big/") {
+		if string(s.Fields["txt"]) != want[s.Key] {
+			return fmt.Errorf("sample %s: wrong bytes", s.Key)
+		}
+		return nil
+	}
+	var i uint64
+	fmt.Sscanf(s.Key, "big/%d", &i)
+	bin := s.Fields["bin"]
+	if len(bin) != size || binary.LittleEndian.Uint64(bin) != i || bin[size-1] != 0 {
+		return fmt.Errorf("sample %s: wrong bytes", s.Key)
+	}
+	return nil
+}
+
+// readAll reads one rank's epoch with a window far larger than the budget.
+func readAll(c *ckptd.Client, source string, rank, world int, check func(ckptd.Sample) error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	ds, err := c.Dataset(ctx, &ckptd.DatasetRequest{Source: source, BatchSize: 2, Rank: rank, WorldSize: world, ShuffleWindow: 100000})
+	if err != nil {
+		return err
+	}
+	defer ds.Close(ctx)
+	for {
+		batch, err := ds.Next(ctx)
+		if err != nil || batch == nil {
+			return err
+		}
+		for _, s := range batch {
+			if err := check(s); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// peakRSS is a process's peak resident set (VmHWM).
+func peakRSS(t *testing.T, pid int) int64 {
+	t.Helper()
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.Lines(string(status)) {
+		if kb, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			var n int64
+			fmt.Sscanf(strings.TrimSpace(kb), "%d kB", &n)
+			return n << 10
+		}
+	}
+	t.Fatal("no VmHWM in /proc/<pid>/status")
+	return 0
 }

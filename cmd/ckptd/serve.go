@@ -51,6 +51,7 @@ type serveOptions struct {
 	SlotBytes    byteSize
 	DatasetArena byteSize
 	DatasetAllow []string
+	ReadAhead    byteSize
 }
 
 // DefaultSocket is where serve listens and clients connect when neither
@@ -87,6 +88,7 @@ func newServeCmd() *cobra.Command {
 	fs.IntVar(&o.RingSlots, "ring-slots", 4, "batches each dataset session delivers ahead of the trainer")
 	fs.Var(&o.SlotBytes, "slot-bytes", "size of a ring slot in the arena (a larger batch gets a region of its own)")
 	fs.StringSliceVar(&o.DatasetAllow, "dataset-allow", nil, "folders and s3://bucket/prefix sources trainers may read datasets from (repeat or comma-separate; none: datasets are off); the checkpoint store is not implied")
+	fs.Var(&o.ReadAhead, "read-ahead-bytes", "memory each dataset session may hold: shards read ahead, its shuffle window (bounded by half of it), batches being assembled (default 256MiB)")
 	fs.Var(&o.DatasetArena, "dataset-arena-bytes", "the datasets' share of the arena, for ring slots and oversized batches (default: half of --staging-bytes; the rest stays for saves)")
 	return cmd
 }
@@ -137,6 +139,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	pf, err := prefetch.NewService(a, prefetch.ServiceConfig{
 		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
 		Logger: log, Metrics: metrics.NewPrefetch(reg), ArenaBytes: int64(o.DatasetArena), Allow: o.DatasetAllow,
+		Options: prefetch.Options{ReadAheadBytes: int64(o.ReadAhead)},
 		Open: func(ctx context.Context, url string) (storage.Backend, error) {
 			return openStorage(ctx, url, &o.storageOptions, false)
 		},

@@ -125,12 +125,13 @@ func toPrefetchStats(st prefetch.Stats) *pb.PrefetchStats {
 }
 
 // pfStatus is toStatus with the prefetch service's own errors: its bounds
-// (the datasets' share of the arena, the open sources) are
+// (the datasets' share of the arena, the open sources: ErrOverBudget; a
+// sample or batch beyond the read-ahead budget: ErrTooLarge) are
 // RESOURCE_EXHAUSTED, and a source --dataset-allow does not list is
 // PERMISSION_DENIED.
 func pfStatus(err error) error {
 	switch {
-	case errors.Is(err, prefetch.ErrOverBudget):
+	case errors.Is(err, prefetch.ErrOverBudget), errors.Is(err, prefetch.ErrTooLarge):
 		return status.Error(codes.ResourceExhausted, err.Error())
 	case errors.Is(err, prefetch.ErrNotAllowed):
 		return status.Error(codes.PermissionDenied, err.Error())

@@ -84,7 +84,10 @@ def test_s3_corrupt_shard_and_empty_prefix(minio, s3_daemon):
         with c.dataset("s3://bad/train", batch_size=BATCH, skip_corrupt=True) as ds:
             got = [s["__key__"] for b in ds for s in b]
             assert ds.stats().corrupt_skipped == 1
-        assert sorted(got) == sorted(want)
+        # the samples of train-003 before its cut are delivered, the rest skipped
+        cut = sorted(k for k in got if k.startswith("s003/"))
+        assert cut == [f"s003/{i:04d}" for i in range(len(cut))] and len(cut) < PER
+        assert sorted(set(got) - set(cut)) == sorted(want)
         with pytest.raises(ckptd.InvalidArgumentError, match=r"no \.tar shards"):
             c.dataset("s3://bad/nothing-here", batch_size=BATCH)
         with pytest.raises(ckptd.CkptdError, match="not beneath any --dataset-allow") as e:
