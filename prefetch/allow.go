@@ -175,7 +175,7 @@ func (l *allowList) check(what, name, real string) error {
 	for _, x := range l.exclude {
 		if beneath(real, x) || beneath(x, real) {
 			return fmt.Errorf("%w: %s %q: %s is or holds the daemon's arena folder %s, which is never a dataset source",
-				ErrNotAllowed, what, name, real, x)
+				ErrNotAllowed, what, name, printable(real), x)
 		}
 	}
 	if !l.allowedReal(real) {
@@ -196,7 +196,7 @@ func (l *allowList) allowedReal(real string) bool {
 func (l *allowList) refused(what, name, real string) error {
 	really := ""
 	if real != "" && real != filepath.Clean(name) {
-		really = fmt.Sprintf(" (really %s)", real)
+		really = fmt.Sprintf(" (really %s)", printable(real))
 	}
 	return fmt.Errorf("%w: %s %q%s is not beneath any %s entry of the daemon; ask its operator to add it",
 		ErrNotAllowed, what, name, really, allowFlag)

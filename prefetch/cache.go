@@ -189,12 +189,12 @@ func (c *Cache) store(key, group string, data []byte) bool {
 func readShard(ctx context.Context, b storage.Backend, sh Shard) ([]byte, error) {
 	rc, err := b.Get(ctx, sh.Name, 0, -1)
 	if err != nil {
-		return nil, fmt.Errorf("read shard %s: %w", sh.Name, err)
+		return nil, fmt.Errorf("read shard %s: %w", printable(sh.Name), err)
 	}
 	defer rc.Close()
 	data := make([]byte, sh.Size)
 	if _, err := io.ReadFull(rc, data); err != nil {
-		return nil, fmt.Errorf("read shard %s: %w (expected %d bytes)", sh.Name, err, sh.Size)
+		return nil, fmt.Errorf("read shard %s: %w (expected %d bytes)", printable(sh.Name), err, sh.Size)
 	}
 	return data, nil
 }

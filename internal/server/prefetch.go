@@ -48,9 +48,14 @@ func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) 
 	if req.GetSource() == "" {
 		return nil, status.Error(codes.InvalidArgument, "dataset source is empty")
 	}
-	id, st, err := p.svc.OpenSession(ctx, owner(ctx), req.GetSource(), spec)
+	start, o := time.Now(), owner(ctx)
+	id, st, err := p.svc.OpenSession(ctx, o, req.GetSource(), spec)
 	if err != nil {
 		return nil, pfStatus(err)
+	}
+	if tooLate(ctx, start) { // the client would never learn the session's id
+		_ = p.svc.CloseSession(o, id)
+		return nil, status.Error(codes.DeadlineExceeded, "the call's deadline came as the dataset opened; it was closed again")
 	}
 	return &pb.OpenDatasetResponse{Session: id, Shards: int64(st.Shards)}, nil
 }

@@ -294,6 +294,32 @@ def test_truncated_exactly_at_a_member_boundary_is_caught(dc, tmp_path):
         read(dc, folder)
 
 
+def test_names_that_are_not_utf8_are_refused_not_leaked(make_daemon, tmp_path):
+    """A key or field name that is not UTF-8 cannot travel: refused, and the ring stays whole."""
+    folder = tmp_path / "names"
+    folder.mkdir()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", encoding="utf-8", errors="surrogateescape") as tf:
+        for i in range(12):  # every other sample has a bad key or a bad field name
+            key = f"ok/{i:02d}" if i % 2 else f"bad\udcff/{i:02d}"
+            ext = "txt" if i % 4 != 1 else "j\udcfeg"
+            for name, data in ((f"{key}.{ext}", b"x" * 10), (f"{key}.cls", b"1")):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    (folder / "a.tar").write_bytes(buf.getvalue())
+    d = make_daemon("--ring-slots", "2", "--slot-bytes", "64KiB")
+    with d.client(timeout=30) as c:
+        for _ in range(4):  # more failures than ring slots: none leaks one
+            with pytest.raises(ckptd.CorruptShardError, match=r"a\.tar: member .*not UTF-8") as e:
+                read(c, folder, batch_size=1, shuffle_window=1)
+            assert e.value.shard.endswith("a.tar")
+        with c.dataset(folder, batch_size=1, shuffle_window=1, skip_corrupt=True) as ds:
+            got = keys(list(ds))
+            assert ds.stats().corrupt_skipped == 9
+        assert got == ["ok/03", "ok/07", "ok/11"]
+
+
 # ---- bad input ------------------------------------------------------------------
 
 
