@@ -32,6 +32,7 @@ type admission struct {
 
 type group struct {
 	lastUse time.Time
+	pins    int // iterations open on the dataset: never stale while any is
 	keys    map[string]bool
 }
 
@@ -46,6 +47,22 @@ func newAdmission(budget int64, staleAfter time.Duration) *admission {
 		budget: budget, staleAfter: staleAfter, now: time.Now,
 		groups: map[string]*group{}, entries: map[uint64]*entry{},
 	}
+}
+
+// pin and unpin count the iterations open on g, whose samples may alias
+// its cached shards: a pinned group is never stale.
+func (a *admission) pin(g string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.group(g).pins++
+}
+
+func (a *admission) unpin(g string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	gr := a.group(g)
+	gr.pins--
+	gr.lastUse = a.now()
 }
 
 // used marks g as being read now.
@@ -77,7 +94,7 @@ func (a *admission) reserve(key, g string, size int64) (evict []string, ok bool)
 	need := a.resident + size - a.budget
 	var stale []string
 	for name, gr := range a.groups {
-		fresh := now.Sub(gr.lastUse) < a.staleAfter
+		fresh := now.Sub(gr.lastUse) < a.staleAfter || gr.pins > 0
 		if len(gr.keys) == 0 && !fresh && name != g {
 			delete(a.groups, name) // forget datasets gone for good
 			continue
@@ -128,7 +145,7 @@ func (a *admission) drop(h uint64) {
 	a.resident -= e.size
 	if gr := a.groups[e.group]; gr != nil {
 		delete(gr.keys, e.key)
-		if len(gr.keys) == 0 && a.now().Sub(gr.lastUse) >= a.staleAfter {
+		if len(gr.keys) == 0 && gr.pins == 0 && a.now().Sub(gr.lastUse) >= a.staleAfter {
 			delete(a.groups, e.group)
 		}
 	}

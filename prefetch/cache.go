@@ -10,7 +10,6 @@ import (
 
 	"github.com/dgraph-io/ristretto/v2"
 	"github.com/dgraph-io/ristretto/v2/z"
-	"golang.org/x/sync/singleflight"
 
 	"github.com/ckptd/ckptd/storage"
 )
@@ -22,8 +21,22 @@ type Cache struct {
 	rc      *ristretto.Cache[string, []byte]
 	adm     *admission
 	storeMu sync.Mutex
-	fill    singleflight.Group
 	reads   atomic.Int64 // shard reads from storage, for tests and metrics
+
+	mu    sync.Mutex
+	fills map[string]*fill // shards being read, by key
+}
+
+// fill is one read of a shard from storage, shared by the callers that
+// want the shard meanwhile, and cancelled when none of them does any more
+// (so that iterations that stop leave no reads behind).
+type fill struct {
+	done    chan struct{}
+	data    []byte
+	held    bool // stored in the cache
+	err     error
+	waiters int
+	cancel  context.CancelFunc
 }
 
 // DefaultStaleAfter is how long a dataset folder's cached shards must go
@@ -35,7 +48,7 @@ func NewCache(budget int64) (*Cache, error) {
 	if budget < 0 {
 		return nil, fmt.Errorf("%w: negative cache budget %d", ErrInvalid, budget)
 	}
-	c := &Cache{adm: newAdmission(budget, DefaultStaleAfter)}
+	c := &Cache{adm: newAdmission(budget, DefaultStaleAfter), fills: map[string]*fill{}}
 	gone := func(it *ristretto.Item[[]byte]) { c.adm.release(it.Key, it.Conflict) }
 	counters := max(budget/(1<<20)*10, 10_000) // ~10 per expected 1 MiB+ shard
 	rc, err := ristretto.NewCache(&ristretto.Config[string, []byte]{
@@ -66,57 +79,99 @@ const (
 	fromFill          // another caller was reading it; we waited
 )
 
-// Get returns a shard's bytes, from the cache or else from b under a
-// per-shard lock. dataset (the source's prefix in b) groups the shards
-// admission ages together. onMiss is called, before any storage read, when
-// the shard is not cached, so the caller can account the wait to storage.
-func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh Shard, onMiss func()) ([]byte, fetch, error) {
+// Get returns a shard's bytes, from the cache or else from b, read once
+// for all the callers that want it at the same time. held says whether
+// the cache keeps the bytes (else they are the caller's alone). dataset
+// (the source's prefix in b) groups the shards admission ages together.
+// onMiss is called, before any storage read, when the shard is not cached,
+// so the caller can account the wait to storage.
+func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh Shard, onMiss func()) (data []byte, held bool, how fetch, err error) {
 	// Size and time in the key: a shard rewritten in place is a new entry,
 	// never the stale bytes of the old one.
 	key := fmt.Sprintf("%s\x00%s\x00%d\x00%d", b.Location(), sh.Name, sh.Size, sh.ModTime.UnixNano())
-	group := b.Location() + "\x00" + dataset
+	group := groupOf(b, dataset)
 	if data, ok := c.rc.Get(key); ok {
 		c.adm.used(group)
-		return data, fromCache, nil
+		return data, true, fromCache, nil
 	}
 	onMiss()
-	ran := false // set when this call, not another, reads storage
-	ch := c.fill.DoChan(key, func() (any, error) {
-		ran = true
-		if data, ok := c.rc.Get(key); ok { // filled since our Get
-			return data, nil
-		}
-		data, err := readShard(context.WithoutCancel(ctx), b, sh)
-		if err == nil {
-			c.reads.Add(1)
-			c.store(key, group, data)
-		}
-		return data, err
-	})
+	c.mu.Lock()
+	f, how := c.fills[key], fromFill
+	if f == nil {
+		fctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+		f, how = &fill{done: make(chan struct{}), cancel: cancel}, fromStorage
+		c.fills[key] = f
+		go c.fill(fctx, f, key, group, b, sh)
+	}
+	f.waiters++
+	c.mu.Unlock()
 	select {
-	case r := <-ch:
-		if r.Err != nil {
-			return nil, fromStorage, r.Err
-		}
-		how := fromStorage
-		if !ran {
-			how = fromFill
-		}
-		return r.Val.([]byte), how, nil
+	case <-f.done:
+		c.leave(key, f)
+		return f.data, f.held, how, f.err
 	case <-ctx.Done():
-		return nil, fromStorage, ctx.Err()
+		c.leave(key, f)
+		return nil, false, how, ctx.Err()
 	}
 }
 
-// store caches a shard the policy admits. Stores run one at a time, so
-// that one's Set never reaches ristretto before another's Dels have made
-// the room admission counted on (ristretto would then evict on its own).
-func (c *Cache) store(key, group string, data []byte) {
+// fill reads a shard and caches it if admission lets it.
+func (c *Cache) fill(ctx context.Context, f *fill, key, group string, b storage.Backend, sh Shard) {
+	defer f.cancel()
+	if data, ok := c.rc.Get(key); ok { // filled since the caller looked
+		f.data, f.held = data, true
+	} else if f.data, f.err = readShard(ctx, b, sh); f.err == nil {
+		c.reads.Add(1)
+		f.held = c.store(key, group, f.data)
+	}
+	c.mu.Lock()
+	if c.fills[key] == f {
+		delete(c.fills, key)
+	}
+	c.mu.Unlock()
+	close(f.done)
+}
+
+// leave ends a caller's wait on f; the last to leave a read still running
+// cancels it, and a later caller starts another.
+func (c *Cache) leave(key string, f *fill) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if f.waiters--; f.waiters > 0 {
+		return
+	}
+	select {
+	case <-f.done:
+	default:
+		f.cancel()
+		if c.fills[key] == f {
+			delete(c.fills, key)
+		}
+	}
+}
+
+func groupOf(b storage.Backend, dataset string) string { return b.Location() + "\x00" + dataset }
+
+// pin keeps the cached shards of the dataset under prefix in b from being
+// evicted (as stale) until the returned function is called: an iteration's
+// samples may alias them.
+func (c *Cache) pin(b storage.Backend, prefix string) func() {
+	g := groupOf(b, prefix)
+	c.adm.pin(g)
+	var once sync.Once
+	return func() { once.Do(func() { c.adm.unpin(g) }) }
+}
+
+// store caches a shard the policy admits, and reports whether it did.
+// Stores run one at a time, so that one's Set never reaches ristretto
+// before another's Dels have made the room admission counted on
+// (ristretto would then evict on its own).
+func (c *Cache) store(key, group string, data []byte) bool {
 	c.storeMu.Lock()
 	defer c.storeMu.Unlock()
 	evict, ok := c.adm.reserve(key, group, int64(len(data)))
 	if !ok {
-		return
+		return false
 	}
 	for _, k := range evict {
 		c.rc.Del(k)
@@ -124,20 +179,22 @@ func (c *Cache) store(key, group string, data []byte) {
 	if !c.rc.Set(key, data, int64(len(data))) {
 		h, conflict := z.KeyToHash(key)
 		c.adm.release(h, conflict) // dropped by a full buffer
+		return false
 	}
 	c.rc.Wait() // make it visible to the next Get
+	return true
 }
 
 // readShard reads a whole shard, checking that it has the listed size.
 func readShard(ctx context.Context, b storage.Backend, sh Shard) ([]byte, error) {
 	rc, err := b.Get(ctx, sh.Name, 0, -1)
 	if err != nil {
-		return nil, fmt.Errorf("read shard %s: %w", sh.Name, err)
+		return nil, fmt.Errorf("read shard %s: %w", printable(sh.Name), err)
 	}
 	defer rc.Close()
 	data := make([]byte, sh.Size)
 	if _, err := io.ReadFull(rc, data); err != nil {
-		return nil, fmt.Errorf("read shard %s: %w (expected %d bytes)", sh.Name, err, sh.Size)
+		return nil, fmt.Errorf("read shard %s: %w (expected %d bytes)", printable(sh.Name), err, sh.Size)
 	}
 	return data, nil
 }

@@ -16,6 +16,16 @@
 // drops its first start samples, so a data position of two integers fits
 // in checkpoint metadata.
 //
+// The shuffle window is bounded by bytes too (see Memory): while it holds
+// less than half the read-ahead budget, as a window of small samples
+// does, the order is the plain count-bounded window's; beyond, samples
+// leave the window early, chosen by the same generator. Sizes are part of
+// the data, so the order is still a pure function of (seed, epoch,
+// world_size, rank, shuffle window) and the data, given the daemon's
+// --read-ahead-bytes: a resume replays it exactly, but a daemon with
+// another --read-ahead-bytes may shuffle windows of large samples
+// differently.
+//
 // # Formats
 //
 // WebDataset: shards are .tar files; a sample is a run of consecutive
@@ -23,6 +33,45 @@
 // name), with one field per extension (the rest of the base name). Raw:
 // every object is one sample, its key the object name without extension
 // and its one field named by the extension ("bin" when it has none).
+//
+// Keys and field names travel as protobuf strings: a sample whose key or
+// field name is not UTF-8 (or longer than 4096 or 255 bytes, or with more
+// than 1024 fields) is refused, not renamed. A shard whose bytes are
+// damaged delivers the samples before the damage. Either fails the epoch
+// naming the shard and member (ErrCorruptShard), or with skip_corrupt is
+// skipped and counted in CorruptSkipped (a refused sample; the rest of a
+// damaged shard).
+//
+// # Memory
+//
+// Every byte a session holds is charged to its read-ahead budget (serve's
+// --read-ahead-bytes, Options.ReadAheadBytes, R): a quarter for shards
+// read ahead whole, half for the shuffle window and the sample being
+// read, a quarter for the batches being assembled and waiting for the
+// ring. A shard larger than R/8 is streamed (archive/tar over a ranged
+// read, resumed where it failed) and never held whole nor cached; samples
+// of a shard the cache does not hold are copied out, so none keeps a
+// whole shard alive (those of a cached shard alias it, and the dataset's
+// cached shards are not evicted while an iteration on it is open). A
+// sample larger than the window or a batch part, or a batch larger than
+// R/4, fails with ErrTooLarge (a sample is skipped and counted with
+// skip_corrupt). A shard read nobody waits for any more is cancelled.
+// Sessions need ring slots from the datasets' share of the arena, so at
+// most S = dataset-arena-bytes / (ring-slots × slot-bytes) are open, and
+// the service holds at most (Service.MemoryCeiling)
+//
+//	cache-bytes + S × (read-ahead-bytes + ring-slots × 4 MiB + 256 KiB)
+//
+// where 4 MiB bounds the keys and names of a delivery and 256 KiB is a
+// streamed shard's read buffer; the rings themselves are arena memory.
+// The Go runtime may hold up to GOGC% more as garbage unless GOMEMLIMIT
+// caps it. (The listing of a dataset, a name per object, is not bounded.)
+//
+// # Sources and owners
+//
+// Only the sources --dataset-allow lists may be read (ErrNotAllowed
+// otherwise): see allowList. A session belongs to the connection that
+// opened it (Owner), and is closed when that connection closes.
 //
 // # Cache
 //
@@ -38,6 +87,5 @@
 // nobody has read for DefaultStaleAfter give way to new ones. Each shard is filled under a per-key lock, so ranks asking for
 // the same shard at once read it from storage once.
 //
-// This package knows nothing of gRPC or of the shared-memory ring that
-// delivers batches; the daemon's server does that.
+// This package knows nothing of gRPC; the daemon's server adapts it.
 package prefetch

@@ -2,21 +2,19 @@ package prefetch
 
 import (
 	"context"
-	"errors"
 	"io"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"golang.org/x/sync/semaphore"
-
 	"github.com/ckptd/ckptd/storage"
 )
 
-// Options bound an iteration's read-ahead.
+// Options bound an iteration's memory and read-ahead.
 type Options struct {
-	// ReadAheadBytes bounds the shard bytes fetched but not yet batched
-	// (default 256 MiB); a shard larger than it is read alone.
+	// ReadAheadBytes bounds every byte the iteration holds (default 256
+	// MiB): shards read ahead, samples in the shuffle window, batches
+	// being assembled; see the package comment.
 	ReadAheadBytes int64
 	// MaxReads bounds concurrent shard reads (default 4).
 	MaxReads int
@@ -25,10 +23,17 @@ type Options struct {
 	BatchesAhead int
 }
 
+// DefaultReadAheadBytes is Options.ReadAheadBytes' default.
+const DefaultReadAheadBytes = 256 << 20
+
+// minReadAhead keeps the halves of the read-ahead budget useful.
+const minReadAhead = 1 << 20
+
 func (o *Options) setDefaults() {
 	if o.ReadAheadBytes <= 0 {
-		o.ReadAheadBytes = 256 << 20
+		o.ReadAheadBytes = DefaultReadAheadBytes
 	}
+	o.ReadAheadBytes = max(o.ReadAheadBytes, minReadAhead)
 	if o.MaxReads <= 0 {
 		o.MaxReads = 4
 	}
@@ -37,6 +42,17 @@ func (o *Options) setDefaults() {
 	}
 }
 
+// The read-ahead budget's parts: half bounds the shuffle window (with the
+// sample being read), a quarter the batches being assembled and waiting
+// for the consumer, a quarter the shards read ahead whole, each at most
+// half of that, so that two fit at once. A larger shard is streamed:
+// parsed as it is read, never held whole.
+func (o *Options) window() int64      { return o.ReadAheadBytes / 2 }
+func (o *Options) batches() int64     { return o.ReadAheadBytes / 4 }
+func (o *Options) samples() int64     { return o.window() + o.batches() }
+func (o *Options) readAhead() int64   { return o.ReadAheadBytes - o.samples() }
+func (o *Options) streamAbove() int64 { return o.readAhead() / 2 }
+
 // Batch is the next batch_size samples of the rank's sequence (fewer at
 // the end of the epoch).
 type Batch struct {
@@ -44,16 +60,31 @@ type Batch struct {
 	// Position is the samples this rank has consumed in the epoch once it
 	// has this batch: the start to resume from.
 	Position int64
+	release  func()
+}
+
+// Release gives the batch's memory back to the iteration's read-ahead
+// budget; its samples must not be used after. Next releases the previous
+// batch if its caller has not.
+func (b *Batch) Release() {
+	if b.release != nil {
+		b.release()
+		b.release = nil
+	}
 }
 
 // Stats account where the consumer's waiting went, and the cache's work.
 type Stats struct {
-	WaitStorage    time.Duration // waiting on a shard read from storage
-	WaitCache      time.Duration // waiting on a shard another rank was reading
-	WaitWork       time.Duration // waiting while shards were parsed and batched
-	WaitRing       time.Duration // (daemon) waiting while the consumer held every ring slot
-	CacheHits      int64
-	CacheMisses    int64
+	WaitStorage time.Duration // waiting on a shard read from storage
+	WaitCache   time.Duration // waiting on a shard another rank was reading
+	WaitWork    time.Duration // waiting while shards were parsed and batched
+	WaitRing    time.Duration // (daemon) waiting while the consumer held every ring slot
+	CacheHits   int64
+	CacheMisses int64
+	// CorruptSkipped counts, with skip_corrupt, the shards cut short by
+	// damage (their samples before it were delivered) and the samples
+	// skipped for a name that cannot be delivered or a size beyond the
+	// read-ahead budget.
 	CorruptSkipped int64
 	Shards         int // shards this rank reads this epoch
 }
@@ -89,6 +120,11 @@ type Iterator struct {
 	state   atomic.Int32
 	cancel  context.CancelFunc
 	done    chan struct{}
+	closed  sync.Once
+	unpin   func()
+	last    *Batch // the batch Next returned last, released by the next call
+	// The halves of the read-ahead budget: shards read ahead, samples.
+	shardsMem, samplesMem *meter
 
 	mu    sync.Mutex
 	stats Stats
@@ -99,15 +135,17 @@ type result struct {
 	err   error
 }
 
-// pendingShard is a shard being fetched; done is closed when data or err
-// is set.
+// pendingShard is a shard being fetched (or, when stream is set, to be
+// streamed by the assembler); done is closed when data or err is set.
 type pendingShard struct {
 	shard   Shard
+	stream  bool
 	data    []byte
+	held    bool // data is the cache's: samples may alias it
 	how     fetch
 	err     error
 	miss    atomic.Bool
-	release func() // returns the shard's read-ahead budget
+	release func() // returns its part of the read-ahead budget once parsed
 	done    chan struct{}
 }
 
@@ -127,25 +165,40 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 	it := &Iterator{
 		spec: spec, batches: make(chan result, opts.BatchesAhead),
 		cancel: cancel, done: make(chan struct{}),
+		unpin:     cache.pin(b, prefix), // samples may alias the dataset's cached shards
+		shardsMem: newMeter(opts.readAhead()), samplesMem: newMeter(opts.samples()),
 	}
 	it.stats.Shards = len(mine)
 	queue := make(chan *pendingShard, opts.MaxReads)
 	go it.fetchAll(ctx, b, prefix, cache, mine, opts, queue)
 	go func() {
 		defer close(it.done)
-		it.assemble(ctx, prefix, queue, opts)
+		it.assemble(ctx, b, prefix, queue, opts)
 	}()
 	return it, nil
 }
 
 // Close stops the iteration and waits for its goroutines.
 func (it *Iterator) Close() {
-	it.cancel()
-	<-it.done
+	it.closed.Do(func() {
+		it.cancel()
+		<-it.done
+		for r := range it.batches {
+			if r.batch != nil {
+				r.batch.Release()
+			}
+		}
+		it.unpin()
+	})
 }
 
-// Next returns the next batch, or io.EOF at the end of the epoch.
+// Next returns the next batch, or io.EOF at the end of the epoch. It
+// releases the batch it returned before.
 func (it *Iterator) Next(ctx context.Context) (*Batch, error) {
+	if it.last != nil {
+		it.last.Release()
+		it.last = nil
+	}
 	start, state := time.Now(), it.state.Load()
 	select {
 	case r, ok := <-it.batches:
@@ -153,6 +206,7 @@ func (it *Iterator) Next(ctx context.Context) (*Batch, error) {
 		if !ok {
 			return nil, io.EOF
 		}
+		it.last = r.batch
 		return r.batch, r.err
 	case <-ctx.Done():
 		return nil, ctx.Err()
@@ -183,128 +237,40 @@ func (it *Iterator) Stats() Stats {
 	return it.stats
 }
 
+func (it *Iterator) count(f func(*Stats)) {
+	it.mu.Lock()
+	defer it.mu.Unlock()
+	f(&it.stats)
+}
+
 // fetchAll reads shards ahead, in order, bounded by bytes in flight and
 // (through queue's capacity) by concurrent reads, and queues them for
-// assemble, which returns each shard's weight when done with it. It closes
+// assemble, which returns each shard's weight when done with it. Shards
+// larger than streamAbove are queued to be streamed, not read. It closes
 // queue.
 func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix string, cache *Cache, shards []Shard, opts Options, queue chan<- *pendingShard) {
 	defer close(queue)
-	budget := semaphore.NewWeighted(opts.ReadAheadBytes)
+	budget := it.shardsMem
 	for _, sh := range shards {
-		weight := min(max(sh.Size, 1), opts.ReadAheadBytes)
-		if err := budget.Acquire(ctx, weight); err != nil {
-			return
+		p := &pendingShard{shard: sh, done: make(chan struct{}), release: func() {}}
+		if sh.Size > opts.streamAbove() {
+			p.stream, p.how = true, fromStorage
+			close(p.done)
+		} else {
+			w := max(sh.Size, 1)
+			if err := budget.Acquire(ctx, w); err != nil {
+				return
+			}
+			p.release = func() { budget.Release(w) }
+			go func() {
+				defer close(p.done)
+				p.data, p.held, p.how, p.err = cache.Get(ctx, b, prefix, sh, func() { p.miss.Store(true) })
+			}()
 		}
-		p := &pendingShard{shard: sh, done: make(chan struct{}), release: func() { budget.Release(weight) }}
 		select {
 		case queue <- p:
 		case <-ctx.Done():
 			return
 		}
-		go func() {
-			defer close(p.done)
-			p.data, p.how, p.err = cache.Get(ctx, b, prefix, sh, func() { p.miss.Store(true) })
-		}()
-	}
-}
-
-// assemble turns fetched shards into samples, shuffles them, drops the
-// first spec.Start, and sends batches. It closes it.batches.
-func (it *Iterator) assemble(ctx context.Context, prefix string, queue <-chan *pendingShard, opts Options) {
-	defer close(it.batches)
-	a := &assembler{it: it, ctx: ctx, shuf: newShuffler(&it.spec)}
-	for p := range queue {
-		err := a.shard(p, prefix)
-		p.release()
-		if err != nil {
-			a.send(result{err: err})
-			return
-		}
-	}
-	for _, s := range a.shuf.flush() {
-		if !a.emit(s) {
-			return
-		}
-	}
-	if len(a.batch) > 0 {
-		a.send(result{batch: &Batch{Samples: a.batch, Position: a.pos}})
-	}
-}
-
-type assembler struct {
-	it    *Iterator
-	ctx   context.Context
-	shuf  *shuffler
-	seen  int64 // samples out of the shuffler, skipped ones included
-	pos   int64
-	batch []Sample
-}
-
-// shard waits for one fetched shard and feeds its samples through.
-func (a *assembler) shard(p *pendingShard, prefix string) error {
-	a.it.state.Store(stateCache)
-	if p.miss.Load() {
-		a.it.state.Store(stateStorage)
-	}
-	select {
-	case <-p.done:
-	case <-a.ctx.Done():
-		return a.ctx.Err()
-	}
-	a.it.state.Store(stateWork)
-	if p.err != nil {
-		return p.err
-	}
-	a.it.countFetch(p.how)
-	samples, err := parseShard(a.it.spec.Format, p.shard, prefix, p.data)
-	if errors.Is(err, ErrCorruptShard) && a.it.spec.SkipCorrupt {
-		a.it.mu.Lock()
-		a.it.stats.CorruptSkipped++
-		a.it.mu.Unlock()
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	for _, s := range samples {
-		if out, ok := a.shuf.push(s); ok && !a.emit(out) {
-			return a.ctx.Err()
-		}
-	}
-	return nil
-}
-
-// emit skips the samples before spec.Start and batches the rest.
-func (a *assembler) emit(s Sample) bool {
-	a.seen++
-	if a.seen <= a.it.spec.Start {
-		return true
-	}
-	a.batch = append(a.batch, s)
-	a.pos = a.seen
-	if len(a.batch) < a.it.spec.BatchSize {
-		return true
-	}
-	ok := a.send(result{batch: &Batch{Samples: a.batch, Position: a.pos}})
-	a.batch = nil
-	return ok
-}
-
-func (a *assembler) send(r result) bool {
-	select {
-	case a.it.batches <- r:
-		return true
-	case <-a.ctx.Done():
-		return false
-	}
-}
-
-func (it *Iterator) countFetch(how fetch) {
-	it.mu.Lock()
-	defer it.mu.Unlock()
-	if how == fromCache {
-		it.stats.CacheHits++
-	} else {
-		it.stats.CacheMisses++
 	}
 }

@@ -61,8 +61,9 @@ func ShardsForRank(shards []Shard, seed uint64, epoch int64, rank, worldSize int
 // shuffler shuffles a stream of samples within a window: once the window
 // holds `initial` samples, each push emits a random one. The window then
 // grows by one every second push up to `size`, as WebDataset's does, so the
-// first batch needs a few samples, not a whole window. The output is a pure
-// function of the input and the seed.
+// first batch needs a few samples, not a whole window. The assembler also
+// pops samples when the window's bytes reach their bound. The output is a
+// pure function of the input (samples and their sizes) and the seed.
 type shuffler struct {
 	rng     *rand.Rand
 	window  []Sample
@@ -87,12 +88,21 @@ func (sh *shuffler) push(s Sample) (Sample, bool) {
 	if n < sh.initial || n < sh.size && sh.pushes%2 == 1 {
 		return Sample{}, false
 	}
+	return sh.pop(), true
+}
+
+// pop takes a random sample out of the window, which must not be empty.
+func (sh *shuffler) pop() Sample {
+	n := len(sh.window)
 	j := sh.rng.IntN(n)
 	out := sh.window[j]
 	sh.window[j] = sh.window[n-1]
+	sh.window[n-1] = Sample{} // no reference left to its bytes
 	sh.window = sh.window[:n-1]
-	return out, true
+	return out
 }
+
+func (sh *shuffler) len() int { return len(sh.window) }
 
 // flush empties the window in random order at the end of the epoch.
 func (sh *shuffler) flush() []Sample {

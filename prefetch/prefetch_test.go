@@ -1,7 +1,6 @@
 package prefetch
 
 import (
-	"archive/tar"
 	"bytes"
 	"context"
 	"errors"
@@ -22,44 +21,40 @@ import (
 // field each, keys "<shard>/<i>".
 func makeTar(t testing.TB, shard string, n, payload int) []byte {
 	t.Helper()
-	var buf bytes.Buffer
-	tw := tar.NewWriter(&buf)
+	var ms []tarMember
 	for i := range n {
 		key := fmt.Sprintf("%s/%06d", shard, i)
-		for _, f := range []struct {
-			ext  string
-			data []byte
-		}{{"cls", []byte(fmt.Sprint(i % 10))}, {"txt", bytes.Repeat([]byte(key), payload/len(key)+1)[:payload]}} {
-			if err := tw.WriteHeader(&tar.Header{Name: key + "." + f.ext, Mode: 0o644, Size: int64(len(f.data))}); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := tw.Write(f.data); err != nil {
-				t.Fatal(err)
-			}
-		}
+		ms = append(ms, tarMember{key + ".cls", []byte(fmt.Sprint(i % 10))},
+			tarMember{key + ".txt", bytes.Repeat([]byte(key), payload/len(key)+1)[:payload]})
 	}
-	if err := tw.Close(); err != nil {
-		t.Fatal(err)
-	}
-	return buf.Bytes()
+	return tarOf(t, ms...)
 }
 
 // dataset writes shards×perShard samples under "train/" of a new backend.
 func dataset(t *testing.T, shards, perShard, payload int) storage.Backend {
 	t.Helper()
-	b, err := posix.New(t.TempDir())
+	dir := t.TempDir()
+	writeDataset(t, filepath.Join(dir, "train"), shards, perShard, payload)
+	b, err := posix.New(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { b.Close() })
+	return b
+}
+
+// writeDataset writes shards×perShard samples into dir.
+func writeDataset(t *testing.T, dir string, shards, perShard, payload int) {
+	t.Helper()
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
 	for s := range shards {
 		name := fmt.Sprintf("shard-%03d", s)
-		data := makeTar(t, name, perShard, payload)
-		if err := b.Put(context.Background(), "train/"+name+".tar", bytes.NewReader(data), int64(len(data))); err != nil {
+		if err := os.WriteFile(filepath.Join(dir, name+".tar"), makeTar(t, name, perShard, payload), 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
-	return b
 }
 
 func newCache(t *testing.T, budget int64) *Cache {
@@ -74,7 +69,12 @@ func newCache(t *testing.T, budget int64) *Cache {
 // keys iterates one rank's epoch and returns the sample keys in order.
 func keys(t *testing.T, b storage.Backend, c *Cache, spec Spec) ([]string, Stats) {
 	t.Helper()
-	it, err := Open(context.Background(), b, "train/", c, spec, Options{})
+	return keysOpts(t, b, c, spec, Options{})
+}
+
+func keysOpts(t *testing.T, b storage.Backend, c *Cache, spec Spec, opts Options) ([]string, Stats) {
+	t.Helper()
+	it, err := Open(context.Background(), b, "train/", c, spec, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -215,36 +215,53 @@ func shardSize(t *testing.T, b storage.Backend) int64 {
 	return size
 }
 
+// A damaged shard fails the epoch naming it; with skip_corrupt, the
+// samples before the damage are delivered, the rest of the shard is
+// skipped and counted, whether the shard is read whole or streamed.
 func TestCorruptShard(t *testing.T) {
 	b := dataset(t, 3, 5, 100)
-	good := makeTar(t, "bad", 5, 100)
-	for _, tc := range []struct{ name, data string }{
-		{"truncated", string(good[:len(good)/2+100])},
-		{"garbage", strings.Repeat("not a tar file ", 100)},
+	good := makeTar(t, "bad", 5, 100) // 2 KiB a sample
+	for _, tc := range []struct {
+		name, data string
+		before     int // samples whole before the damage
+	}{
+		{"truncated", string(good[:len(good)/2+100]), 2},
+		{"cut at a member", string(good[:3*2048+1024]), 3}, // the third sample's first member: it is dropped
+		{"cut at the end", string(good[:5*2048]), 4},       // no end-of-archive marker: the last sample may be cut too
+		{"garbage", strings.Repeat("not a tar file ", 100), 0},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			if err := b.Put(context.Background(), "train/zz-bad.tar", strings.NewReader(tc.data), int64(len(tc.data))); err != nil {
+		for _, opts := range []Options{{}, {ReadAheadBytes: minReadAhead}} { // whole, streamed
+			shard := "train/zz-bad.tar"
+			if err := b.Put(context.Background(), shard, strings.NewReader(tc.data), int64(len(tc.data))); err != nil {
 				t.Fatal(err)
 			}
-			it, err := Open(context.Background(), b, "train/", newCache(t, 1<<20), Spec{BatchSize: 4, WorldSize: 1, ShuffleWindow: 1}, Options{})
+			if opts.ReadAheadBytes != 0 && int64(len(tc.data)) <= minReadAhead/4 {
+				// Make the bad shard larger than the streaming threshold: pad it
+				// with bytes that are no tar header either.
+				padded := tc.data + strings.Repeat("x", minReadAhead/4+1-len(tc.data))
+				if err := b.Put(context.Background(), shard, strings.NewReader(padded), int64(len(padded))); err != nil {
+					t.Fatal(err)
+				}
+			}
+			it, err := Open(context.Background(), b, "train/", newCache(t, 1<<20), Spec{BatchSize: 4, WorldSize: 1, ShuffleWindow: 1}, opts)
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer it.Close()
 			for {
 				_, err = it.Next(context.Background())
 				if err != nil {
 					break
 				}
 			}
-			if !errors.Is(err, ErrCorruptShard) || !strings.Contains(err.Error(), "train/zz-bad.tar") {
-				t.Fatalf("got %v; want ErrCorruptShard naming the shard", err)
+			it.Close()
+			if !errors.Is(err, ErrCorruptShard) || !strings.Contains(err.Error(), shard) {
+				t.Fatalf("%s %+v: got %v; want ErrCorruptShard naming the shard", tc.name, opts, err)
 			}
-			ks, st := keys(t, b, newCache(t, 1<<20), Spec{BatchSize: 4, WorldSize: 1, SkipCorrupt: true})
-			if st.CorruptSkipped != 1 || len(ks) != 15 {
-				t.Fatalf("skip: %d samples, %+v", len(ks), st)
+			ks, st := keysOpts(t, b, newCache(t, 1<<20), Spec{BatchSize: 4, WorldSize: 1, SkipCorrupt: true}, opts)
+			if st.CorruptSkipped != 1 || len(ks) != 15+tc.before {
+				t.Fatalf("%s %+v: skip: %d samples, %+v; want %d", tc.name, opts, len(ks), st, 15+tc.before)
 			}
-		})
+		}
 	}
 }
 
@@ -300,21 +317,54 @@ func TestRawFormat(t *testing.T) {
 	}
 }
 
-func FuzzParseTar(f *testing.F) {
+// Whole shards and streamed ones are cut into the same members, with the
+// same errors, whatever the bytes: the order of samples must not depend on
+// which way a shard was read.
+func FuzzWalkTar(f *testing.F) {
 	f.Add(makeTar(f, "s", 3, 10))
 	f.Add(makeTar(f, "s", 1, 1000)[:700])
+	f.Add(makeTar(f, "s", 2, 100)[:1536])
 	f.Add([]byte{})
-	f.Fuzz(func(t *testing.T, data []byte) {
-		samples, err := parseTar(data)
-		if err != nil {
-			return
+	type got struct {
+		name        string
+		start, size int64
+		data        string
+	}
+	walk := func(data []byte, stream bool) ([]got, error) {
+		var out []got
+		var r io.Reader
+		var pos func() int64
+		if stream {
+			c := &counter{r: io.MultiReader(bytes.NewReader(data))} // not a Seeker
+			r, pos = c, func() int64 { return c.n }
+		} else {
+			br := bytes.NewReader(data)
+			r, pos = br, func() int64 { return int64(len(data)) - int64(br.Len()) }
 		}
-		for _, s := range samples {
-			for _, fl := range s.Fields {
-				if len(fl.Data) > len(data) {
-					t.Fatalf("field of %d bytes from %d bytes of tar", len(fl.Data), len(data))
-				}
+		err := walkTar(r, pos, int64(len(data)), func(m member) error {
+			if m.start < 0 || m.start+m.size > int64(len(data)) {
+				return fmt.Errorf("member %s at [%d,+%d) outside %d bytes", m.name, m.start, m.size, len(data))
 			}
+			read, err := io.ReadAll(m.r)
+			if err != nil {
+				return err
+			}
+			if !bytes.Equal(read, data[m.start:m.start+m.size]) {
+				return fmt.Errorf("member %s: its bytes are not the shard's at its offset", m.name)
+			}
+			out = append(out, got{m.name, m.start, m.size, string(read)})
+			return nil
+		})
+		return out, err
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		whole, werr := walk(data, false)
+		streamed, serr := walk(data, true)
+		if fmt.Sprint(werr) != fmt.Sprint(serr) || !slices.Equal(whole, streamed) {
+			t.Fatalf("whole: %v, %v\nstreamed: %v, %v", len(whole), werr, len(streamed), serr)
+		}
+		if werr != nil && strings.Contains(werr.Error(), "outside") {
+			t.Fatal(werr)
 		}
 	})
 }

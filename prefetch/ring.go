@@ -33,27 +33,38 @@ type Delivery struct {
 // batches are copied into for the trainer to read: pre-faulted and locked
 // with the arena, and registrable once with CUDA like the rest of it. A
 // batch larger than a slot gets a region of its own, freed on release, so
-// that oversized samples are still delivered.
+// that oversized samples are still delivered; it takes one of the ring's
+// turns like a slot, so a session never has more deliveries out than its
+// ring has slots. Slots and oversized regions are charged to the
+// datasets' share of the arena.
 type Ring struct {
 	a        *arena.Arena
+	budget   *arenaBudget
+	wait     time.Duration // for arena space for an oversized batch
 	slotSize int64
 	free     chan arena.Region
+	turns    chan struct{} // one per delivery not released
 
-	mu    sync.Mutex
-	slots []arena.Region // all, for Close
+	mu     sync.Mutex
+	slots  []arena.Region // all, for Close
+	closed bool
 }
 
-// oversizeWait bounds the wait for arena space for an oversized batch.
-const oversizeWait = 30 * time.Second
-
-// NewRing allocates n slots of slotSize bytes from a.
-func NewRing(ctx context.Context, a *arena.Arena, n int, slotSize int64) (*Ring, error) {
+// NewRing charges n slots of slotSize bytes to budget and allocates them
+// from a, waiting up to wait for room (for an oversized batch too).
+func NewRing(ctx context.Context, a *arena.Arena, budget *arenaBudget, n int, slotSize int64, wait time.Duration) (*Ring, error) {
 	if n <= 0 || slotSize <= 0 {
 		return nil, fmt.Errorf("%w: ring of %d slots of %d bytes", ErrInvalid, n, slotSize)
 	}
-	r := &Ring{a: a, slotSize: slotSize, free: make(chan arena.Region, n)}
+	size := int64(n) * slotSize
+	if err := budget.acquire(ctx, size, wait, fmt.Sprintf("a dataset session's ring (--ring-slots %d × --slot-bytes %d)", n, slotSize)); err != nil {
+		return nil, err
+	}
+	r := &Ring{a: a, budget: budget, wait: wait, slotSize: slotSize, free: make(chan arena.Region, n), turns: make(chan struct{}, n)}
+	actx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
 	for range n {
-		reg, err := a.Alloc(ctx, slotSize)
+		reg, err := a.Alloc(actx, slotSize)
 		if err != nil {
 			r.Close()
 			return nil, fmt.Errorf("ring slot: %w", err)
@@ -64,25 +75,38 @@ func NewRing(ctx context.Context, a *arena.Arena, n int, slotSize int64) (*Ring,
 	return r, nil
 }
 
-// Fill copies a batch into a free slot (waiting for one) or, if it does not
-// fit, into a region of its own.
+// Fill copies a batch into a free slot or, if it does not fit one, into a
+// region of its own, waiting for a turn (a delivery released) first.
 func (r *Ring) Fill(ctx context.Context, b *Batch, waitSlot func()) (*Delivery, error) {
+	waitSlot()
+	select {
+	case r.turns <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	d, err := r.fill(ctx, b)
+	if err != nil {
+		<-r.turns
+	}
+	return d, err
+}
+
+func (r *Ring) fill(ctx context.Context, b *Batch) (*Delivery, error) {
 	size := batchSize(b)
 	d := &Delivery{Position: b.Position, Samples: make([]SampleRef, len(b.Samples))}
 	if size <= r.slotSize {
-		waitSlot()
-		select {
-		case d.Region = <-r.free:
-			d.slot = true
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		}
+		d.Region, d.slot = <-r.free, true // a turn leaves a slot free: each delivery holds one turn, at most one slot
 	} else {
-		actx, cancel := context.WithTimeout(ctx, oversizeWait)
+		what := fmt.Sprintf("a batch of %d bytes (larger than a %d-byte --slot-bytes slot)", size, r.slotSize)
+		if err := r.budget.acquire(ctx, size, r.wait, what); err != nil {
+			return nil, err
+		}
+		actx, cancel := context.WithTimeout(ctx, r.wait)
 		defer cancel()
 		reg, err := r.a.Alloc(actx, size)
 		if err != nil {
-			return nil, fmt.Errorf("batch of %d bytes (larger than a %d-byte slot): %w", size, r.slotSize, err)
+			r.budget.release(size)
+			return nil, fmt.Errorf("%s: %w", what, err)
 		}
 		d.Region = reg
 	}
@@ -113,21 +137,29 @@ func (r *Ring) copy(b *Batch, d *Delivery) {
 	}
 }
 
-// Release gives a delivery's region back.
+// Release gives a delivery's region and turn back.
 func (r *Ring) Release(d *Delivery) {
 	if d.slot {
 		r.free <- d.Region
-		return
+	} else {
+		_ = r.a.Free(d.Region)
+		r.budget.release(d.Region.Length)
 	}
-	_ = r.a.Free(d.Region)
+	<-r.turns
 }
 
-// Close frees every slot; deliveries still held are invalid after it.
+// Close frees every slot and gives them back to the budget; deliveries
+// still held are invalid after it.
 func (r *Ring) Close() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if r.closed {
+		return
+	}
+	r.closed = true
 	for _, reg := range r.slots {
 		_ = r.a.Free(reg)
 	}
 	r.slots = nil
+	r.budget.release(int64(cap(r.free)) * r.slotSize)
 }

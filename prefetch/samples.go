@@ -2,12 +2,13 @@ package prefetch
 
 import (
 	"archive/tar"
-	"bytes"
 	"errors"
 	"fmt"
 	"io"
 	"path"
+	"strconv"
 	"strings"
+	"unicode/utf8"
 )
 
 // Field is one part of a sample, named by its extension ("jpg", "cls").
@@ -16,10 +17,12 @@ type Field struct {
 	Data []byte
 }
 
-// Sample is one training example. Field data aliases the shard's bytes.
+// Sample is one training example. Field data may alias a shard the cache
+// holds; otherwise it is the sample's own.
 type Sample struct {
 	Key    string
 	Fields []Field
+	cost   int64 // what it is charged to the read-ahead budget: see sampleCost
 }
 
 // Size is the bytes of the sample's fields.
@@ -31,25 +34,33 @@ func (s *Sample) Size() int64 {
 	return n
 }
 
-// parseShard cuts one shard's bytes into samples.
-func parseShard(f Format, sh Shard, prefix string, data []byte) ([]Sample, error) {
-	if f == Raw {
-		return []Sample{rawSample(sh.Name, prefix, data)}, nil
-	}
-	samples, err := parseTar(data)
-	if err != nil {
-		return nil, fmt.Errorf("%w: %s: %v", ErrCorruptShard, sh.Name, err)
-	}
-	return samples, nil
-}
+// What a sample is charged: its bytes, its names, and these for the
+// structures that hold them, so that a window of a million empty samples
+// costs what it really does.
+const (
+	sampleOverhead = 96
+	fieldOverhead  = 64
+)
 
-func rawSample(name, prefix string, data []byte) Sample {
-	rel := strings.TrimPrefix(strings.TrimPrefix(name, prefix), "/")
-	key, ext := splitKey(rel)
-	if ext == "" {
-		ext = "bin"
+// Bounds on what one sample may be. Members beyond them make the sample
+// unusable (skipped and counted with skip_corrupt, else the epoch fails).
+const (
+	maxKeyBytes   = 4096 // PATH_MAX
+	maxFieldBytes = 255  // NAME_MAX
+	maxFields     = 1024
+	// maxBatchMeta bounds a batch's keys and field names as the daemon
+	// holds them per delivery (and so a NextBatch response, well below the
+	// Go client's 16 MiB message limit).
+	maxBatchMeta = 4 << 20
+)
+
+// metaCost is what a sample's keys and names take in a delivery.
+func metaCost(s *Sample) int64 {
+	n := int64(48 + len(s.Key))
+	for _, f := range s.Fields {
+		n += int64(40 + len(f.Name))
 	}
-	return Sample{Key: key, Fields: []Field{{Name: ext, Data: data}}}
+	return n
 }
 
 // splitKey splits a member path at the first dot of its base name:
@@ -62,54 +73,129 @@ func splitKey(p string) (key, ext string) {
 	return p, ""
 }
 
-// parseTar groups a WebDataset tar's regular members into samples. Field
-// data are slices of data, not copies. Members without an extension and
-// non-file members (directories, links) are skipped, as WebDataset does.
-func parseTar(data []byte) ([]Sample, error) {
-	br := bytes.NewReader(data)
-	tr := tar.NewReader(br)
-	var out []Sample
+// rawKey is the key and field name of a raw object: its name under prefix
+// without the extension, and the extension ("bin" when there is none).
+func rawKey(name, prefix string) (key, ext string) {
+	key, ext = splitKey(strings.TrimPrefix(strings.TrimPrefix(name, prefix), "/"))
+	if ext == "" {
+		ext = "bin"
+	}
+	return key, ext
+}
+
+// badName says why a sample key or field name cannot be delivered, or "".
+// Keys and names travel as protobuf strings, which must be UTF-8: rather
+// than escape (and so rename) a sample, the daemon refuses it.
+func badName(key, ext string) string {
+	switch {
+	case !utf8.ValidString(key):
+		return "its key is not UTF-8"
+	case !utf8.ValidString(ext):
+		return "its field name is not UTF-8"
+	case len(key) > maxKeyBytes:
+		return fmt.Sprintf("its key is longer than %d bytes", maxKeyBytes)
+	case len(ext) > maxFieldBytes:
+		return fmt.Sprintf("its field name is longer than %d bytes", maxFieldBytes)
+	}
+	return ""
+}
+
+// printable quotes a name for a message unless it is plain UTF-8 text.
+func printable(s string) string {
+	if utf8.ValidString(s) && strings.IndexFunc(s, func(r rune) bool { return r < ' ' || r == 0x7f }) < 0 {
+		return s
+	}
+	return strconv.Quote(s)
+}
+
+// corrupt is the error of a shard that cannot be parsed, naming it.
+func corrupt(sh Shard, format string, args ...any) error {
+	return &ShardError{Shard: sh.Name, Detail: fmt.Sprintf(format, args...)}
+}
+
+// ShardError is a shard that cannot be parsed. It matches ErrCorruptShard
+// and names the shard for clients (the server sends Shard as ErrorInfo
+// metadata).
+type ShardError struct {
+	Shard  string // the object's name in its backend
+	Detail string
+}
+
+func (e *ShardError) Error() string {
+	return fmt.Sprintf("%v: %s: %s", ErrCorruptShard, printable(e.Shard), e.Detail)
+}
+
+// Is makes a ShardError match ErrCorruptShard.
+func (e *ShardError) Is(target error) bool { return target == ErrCorruptShard }
+
+// readError is a failure to read a shard from storage (not a fault of the
+// shard's bytes: skip_corrupt does not skip it).
+type readError struct{ err error }
+
+func (e readError) Error() string { return e.err.Error() }
+func (e readError) Unwrap() error { return e.err }
+
+// member is one regular file of a WebDataset tar. start is where its data
+// begins in the shard; its data can be read from r until the next member.
+type member struct {
+	name  string
+	start int64
+	size  int64
+	r     io.Reader
+}
+
+// walkTar calls fn for each regular member of a tar of size bytes read
+// from r, in order; pos says how many bytes of the tar have been read.
+// Members without an extension and non-file members (directories, links)
+// are skipped, as WebDataset does. A member claiming more bytes than are
+// left, a sparse member (whose data would not be its bytes in the shard),
+// and a tar without its end-of-archive marker are errors (archive/tar
+// accepts an archive cut at a member boundary as complete, which would
+// silently drop the samples cut off).
+func walkTar(r io.Reader, pos func() int64, size int64, fn func(m member) error) error {
+	tr := tar.NewReader(r)
 	var end int64 // where the last member's padded data ends
 	for i := 0; ; i++ {
 		hdr, err := tr.Next()
 		if errors.Is(err, io.EOF) {
-			return out, checkTrailer(data, end)
+			if pos() < end+1024 {
+				return fmt.Errorf("truncated: no end-of-archive marker after byte %d", end)
+			}
+			return nil
 		}
 		if err != nil {
-			return nil, fmt.Errorf("member %d: %w", i, err)
+			return fmt.Errorf("member %d: %w", i, err)
 		}
-		start := int64(len(data)) - int64(br.Len()) // archive/tar has just read the header
-		if hdr.Size < 0 || hdr.Size > int64(br.Len()) {
-			return nil, fmt.Errorf("member %d (%s): %d bytes declared, %d left: truncated", i, hdr.Name, hdr.Size, br.Len())
+		start := pos() // archive/tar has just read the header
+		if hdr.Size < 0 || hdr.Size > size-start {
+			return fmt.Errorf("member %d (%s): %d bytes declared, %d left: truncated", i, printable(hdr.Name), hdr.Size, size-start)
 		}
 		end = (start + hdr.Size + 511) &^ 511
 		if hdr.Typeflag != tar.TypeReg {
 			continue
 		}
-		key, ext := splitKey(hdr.Name)
-		if ext == "" {
+		for k := range hdr.PAXRecords {
+			if strings.HasPrefix(k, "GNU.sparse.") {
+				return fmt.Errorf("member %d (%s): sparse members are not supported", i, printable(hdr.Name))
+			}
+		}
+		if _, ext := splitKey(hdr.Name); ext == "" {
 			continue
 		}
-		field := Field{Name: ext, Data: data[start : start+hdr.Size : start+hdr.Size]}
-		if n := len(out); n > 0 && out[n-1].Key == key {
-			out[n-1].Fields = append(out[n-1].Fields, field)
-		} else {
-			out = append(out, Sample{Key: key, Fields: []Field{field}})
+		if err := fn(member{name: hdr.Name, start: start, size: hdr.Size, r: tr}); err != nil {
+			return err
 		}
 	}
 }
 
-// checkTrailer requires the two zero blocks that end a tar archive after
-// the last member: archive/tar accepts an archive cut at a member boundary
-// as complete, which would silently drop the samples that were cut off.
-func checkTrailer(data []byte, end int64) error {
-	if int64(len(data)) < end+1024 {
-		return fmt.Errorf("truncated: no end-of-archive marker after byte %d", end)
-	}
-	for _, b := range data[end : end+1024] {
-		if b != 0 {
-			return fmt.Errorf("corrupt end-of-archive marker at byte %d", end)
-		}
-	}
-	return nil
+// counter counts the bytes read through it.
+type counter struct {
+	r io.Reader
+	n int64
+}
+
+func (c *counter) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
 }

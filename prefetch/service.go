@@ -4,10 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
+	"path/filepath"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/ckptd/ckptd/internal/arena"
@@ -22,7 +21,7 @@ var (
 	ErrClosed = errors.New("dataset service is shutting down")
 )
 
-// OpenFunc opens the backend a source URL names (storageurl.Open).
+// OpenFunc opens the backend of an S3 source URL (storageurl.Open).
 type OpenFunc func(ctx context.Context, url string) (storage.Backend, error)
 
 // ServiceConfig configures the daemon's prefetch service.
@@ -32,12 +31,27 @@ type ServiceConfig struct {
 	// Slots and SlotBytes size each session's ring (defaults 4 × 16 MiB).
 	Slots     int
 	SlotBytes int64
+	// ArenaBytes is the datasets' share of the staging arena (serve's
+	// --dataset-arena-bytes; default half the arena): ring slots and
+	// oversized batches are charged to it, so that dataset sessions can
+	// never take all the room checkpoint saves are staged in.
+	ArenaBytes int64
 	// AllocWait bounds the wait for arena space for a new session's ring
 	// (default 30s), as --staging-wait does for saves.
 	AllocWait time.Duration
 	// IdleTimeout closes sessions nobody asked for a batch for (default 10m),
 	// so a trainer that died does not pin its ring.
 	IdleTimeout time.Duration
+	// Allow lists the sources trainers may read (serve's --dataset-allow):
+	// folders and s3://bucket/prefix entries; none allows nothing.
+	Allow []string
+	// ArenaDir is never a source, even beneath an allowed folder
+	// (default: the arena's folder, which holds its journal).
+	ArenaDir string
+	// MaxBackends bounds the sources open at once (DefaultMaxBackends);
+	// one unused for BackendIdle (DefaultBackendIdle) is closed.
+	MaxBackends int
+	BackendIdle time.Duration
 	Options     Options
 	Open        OpenFunc
 	Logger      *slog.Logger
@@ -47,14 +61,18 @@ type ServiceConfig struct {
 // Service runs dataset sessions for the daemon: one per rank's epoch, each
 // an Iterator feeding a Ring. It knows nothing of gRPC.
 type Service struct {
-	cfg   ServiceConfig
-	arena *arena.Arena
-	cache *Cache
+	cfg    ServiceConfig
+	allow  *allowList
+	arena  *arena.Arena
+	budget *arenaBudget
+	cache  *Cache
+
+	backends *backendPool
 
 	mu       sync.Mutex
-	backends map[string]storage.Backend
+	closed   bool
 	sessions map[string]*session
-	seq      atomic.Uint64
+	watched  map[string]bool // owners whose Done a goroutine watches
 	stop     chan struct{}
 	wg       sync.WaitGroup
 }
@@ -79,16 +97,54 @@ func NewService(a *arena.Arena, cfg ServiceConfig) (*Service, error) {
 	if cfg.Metrics == nil {
 		cfg.Metrics = metrics.NewPrefetch(nil)
 	}
+	cfg.Options.setDefaults()
+	if cfg.ArenaBytes <= 0 {
+		cfg.ArenaBytes = a.Size() / 2
+	}
+	if cfg.ArenaBytes > a.Size() {
+		return nil, fmt.Errorf("%w: --dataset-arena-bytes %d exceeds the arena's %d bytes (--staging-bytes)", ErrInvalid, cfg.ArenaBytes, a.Size())
+	}
+	if cfg.ArenaDir == "" {
+		cfg.ArenaDir = filepath.Dir(a.Path())
+	}
+	allow, err := newAllowList(cfg.Allow, []string{cfg.ArenaDir})
+	if err != nil {
+		return nil, err
+	}
+	if len(cfg.Allow) == 0 {
+		cfg.Logger.Info("no dataset sources are allowed: datasets are off until --dataset-allow names some")
+	}
 	c, err := NewCache(cfg.CacheBytes)
 	if err != nil {
 		return nil, err
 	}
 	s := &Service{
-		cfg: cfg, arena: a, cache: c, stop: make(chan struct{}),
-		backends: map[string]storage.Backend{}, sessions: map[string]*session{},
+		cfg: cfg, allow: allow, arena: a, budget: newArenaBudget(cfg.ArenaBytes), cache: c, stop: make(chan struct{}),
+		backends: newBackendPool(cfg.MaxBackends, cfg.BackendIdle),
+		sessions: map[string]*session{}, watched: map[string]bool{},
 	}
 	s.wg.Go(s.reapLoop)
+	cfg.Logger.Info("dataset service", "allow", cfg.Allow, "cache_bytes", cfg.CacheBytes,
+		"read_ahead_bytes", s.cfg.Options.ReadAheadBytes, "arena_bytes", cfg.ArenaBytes,
+		"max_sessions", s.MaxSessions(), "memory_ceiling", s.MemoryCeiling())
 	return s, nil
+}
+
+// MaxSessions is how many sessions the datasets' share of the arena holds
+// rings for: no more can be open at once.
+func (s *Service) MaxSessions() int64 {
+	return s.cfg.ArenaBytes / (int64(s.cfg.Slots) * s.cfg.SlotBytes)
+}
+
+// MemoryCeiling bounds the memory the dataset service holds, whatever the
+// datasets and clients do: the cache, and per session its read-ahead
+// budget, the keys and names of the deliveries its ring holds, and the
+// buffer of a streamed shard. (The rings are in the arena, counted in
+// --staging-bytes; the Go runtime may hold up to GOGC% more as garbage
+// unless GOMEMLIMIT says otherwise.)
+func (s *Service) MemoryCeiling() int64 {
+	perSession := s.cfg.Options.ReadAheadBytes + int64(s.cfg.Slots)*maxBatchMeta + streamBuffer
+	return s.cfg.CacheBytes + s.MaxSessions()*perSession
 }
 
 // ArenaID identifies the arena the rings live in.
@@ -97,98 +153,134 @@ func (s *Service) ArenaID() string { return s.arena.ID() }
 // Cache returns the shard cache (for metrics).
 func (s *Service) Cache() *Cache { return s.cache }
 
-// Close ends every session and releases their rings and the cache.
+// Close ends every session and releases their rings, the backends and
+// the cache.
 func (s *Service) Close() {
 	close(s.stop)
 	s.wg.Wait()
 	s.mu.Lock()
-	sessions, backends := s.sessions, s.backends
-	s.sessions, s.backends = map[string]*session{}, nil
+	sessions := s.sessions
+	s.sessions, s.closed = map[string]*session{}, true
 	s.mu.Unlock()
 	for _, ss := range sessions {
 		ss.close()
 	}
-	for _, b := range backends {
-		b.Close()
-	}
+	s.backends.close()
 	s.cache.Close()
 }
 
-// backend returns the open backend of a source URL, opening it on first
-// use. The open runs without s.mu: against an unreachable store it retries
-// for the retry deadline, and other sessions must not wait on it. An
-// unreachable store is reported as such (storage.ErrUnavailable); any other
-// failure to open means the URL is wrong (ErrInvalid).
-func (s *Service) backend(ctx context.Context, url string) (storage.Backend, error) {
-	s.mu.Lock()
-	b, ok := s.backends[url]
-	s.mu.Unlock()
-	if ok {
+// OpenSession starts one rank's iteration over one epoch of source for
+// owner, and returns the session's id.
+func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, spec Spec) (string, Stats, error) {
+	src, err := s.allow.resolve(source)
+	if err != nil {
+		return "", Stats{}, err
+	}
+	br, err := s.backends.acquire(ctx, src.key, func(ctx context.Context) (storage.Backend, error) {
+		if src.real != "" {
+			return openLocal(src.real, s.allow)
+		}
+		b, err := s.cfg.Open(ctx, src.url)
+		if err != nil {
+			return nil, openError(ctx, source, err)
+		}
 		return b, nil
-	}
-	b, err := s.cfg.Open(ctx, url)
-	switch {
-	case err == nil:
-	case errors.Is(err, storage.ErrUnavailable), ctx.Err() != nil:
-		return nil, fmt.Errorf("dataset source %q: %w", url, err)
-	default:
-		return nil, fmt.Errorf("%w: dataset source %q: %w", ErrInvalid, url, err)
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.backends == nil {
-		b.Close()
-		return nil, ErrClosed
-	}
-	if first, ok := s.backends[url]; ok { // opened meanwhile by another session
-		b.Close()
-		return first, nil
-	}
-	s.backends[url] = b
-	return b, nil
-}
-
-// OpenSession starts one rank's iteration over one epoch of source.
-func (s *Service) OpenSession(ctx context.Context, source string, spec Spec) (string, Stats, error) {
-	b, err := s.backend(ctx, source)
+	})
 	if err != nil {
 		return "", Stats{}, err
 	}
-	it, err := Open(ctx, b, "", s.cache, spec, s.cfg.Options)
+	it, err := Open(ctx, br.b, "", s.cache, spec, s.cfg.Options)
 	if err != nil {
+		s.backends.release(br)
 		return "", Stats{}, err
 	}
-	rctx, cancel := context.WithTimeout(ctx, s.cfg.AllocWait)
-	ring, err := NewRing(rctx, s.arena, s.cfg.Slots, s.cfg.SlotBytes)
-	cancel()
+	ring, err := NewRing(ctx, s.arena, s.budget, s.cfg.Slots, s.cfg.SlotBytes, s.cfg.AllocWait)
 	if err != nil {
 		it.Close()
+		s.backends.release(br)
 		return "", Stats{}, err
 	}
-	ss := newSession(fmt.Sprintf("ds%d", s.seq.Add(1)), it, ring, s.cfg.Slots, s.cfg.Metrics)
-	s.mu.Lock()
-	s.sessions[ss.id] = ss
-	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
-	s.mu.Unlock()
+	ss := newSession(newID(), owner.ID, it, ring, s.cfg.Slots, s.cfg.Metrics)
+	ss.onClose = func() { s.backends.release(br) }
+	if err := s.insert(owner, ss); err != nil {
+		ss.close()
+		return "", Stats{}, err
+	}
 	return ss.id, it.Stats(), nil
 }
 
-func (s *Service) session(id string) (*session, error) {
+// insert registers a new session of owner and makes sure the owner's
+// connection is watched. A session of an owner already gone is taken out
+// again at once: the check runs after the insert, under the lock the
+// watcher takes, so the watcher either sees the session or the check sees
+// the owner gone.
+func (s *Service) insert(owner Owner, ss *session) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return ErrClosed
+	}
+	s.sessions[ss.id] = ss
+	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
+	if owner.gone() {
+		delete(s.sessions, ss.id)
+		s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
+		return fmt.Errorf("%w: the connection that opened it has closed", context.Canceled)
+	}
+	if owner.Done != nil && !s.watched[owner.ID] {
+		s.watched[owner.ID] = true
+		s.wg.Go(func() { s.watch(owner) })
+	}
+	return nil
+}
+
+// watch closes the owner's sessions when its connection closes.
+func (s *Service) watch(owner Owner) {
+	select {
+	case <-owner.Done:
+	case <-s.stop:
+		return
+	}
+	s.mu.Lock()
+	delete(s.watched, owner.ID)
+	var mine []*session
+	for id, ss := range s.sessions {
+		if ss.owner == owner.ID {
+			mine = append(mine, ss)
+			delete(s.sessions, id)
+		}
+	}
+	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
+	s.mu.Unlock()
+	if len(mine) > 0 {
+		s.cfg.Logger.Debug("closing the dataset sessions of a closed connection", "conn", owner.ID, "sessions", len(mine))
+	}
+	for _, ss := range mine {
+		ss.close()
+	}
+}
+
+// session returns owner's session id; another owner's is unknown.
+func (s *Service) session(owner Owner, id string) (*session, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ss := s.sessions[id]
-	if ss == nil {
-		return nil, fmt.Errorf("%w: %q (closed, idle too long, or never opened)", ErrUnknownSession, id)
+	if ss == nil || ss.owner != owner.ID {
+		return nil, unknownSession(id)
 	}
 	ss.touch()
 	return ss, nil
 }
 
+func unknownSession(id string) error {
+	return fmt.Errorf("%w: %q (closed, idle too long, opened by another connection, or never opened)", ErrUnknownSession, id)
+}
+
 // Next releases the deliveries named in release, then returns the
-// session's next batch, or io.EOF after the last one. Stats are the
-// session's totals so far.
-func (s *Service) Next(ctx context.Context, id string, release []string) (*Delivery, string, Stats, error) {
-	ss, err := s.session(id)
+// session's next batch and the id of its delivery, or io.EOF after the
+// last one. Stats are the session's totals so far.
+func (s *Service) Next(ctx context.Context, owner Owner, id string, release []string) (*Delivery, string, Stats, error) {
+	ss, err := s.session(owner, id)
 	if err != nil {
 		return nil, "", Stats{}, err
 	}
@@ -200,16 +292,36 @@ func (s *Service) Next(ctx context.Context, id string, release []string) (*Deliv
 	return ss.next(ctx)
 }
 
-// CloseSession ends a session and frees its ring.
-func (s *Service) CloseSession(id string) error {
+// Release gives back owner's delivery lease of session id (and those
+// delivered before it), as Next's release does.
+func (s *Service) Release(owner Owner, id, lease string) error {
+	ss, err := s.session(owner, id)
+	if err != nil {
+		return err
+	}
+	return ss.release(lease)
+}
+
+// Undeliver takes back a delivery whose response could not be sent (the
+// call ended as it was answered): the session's next call hands it out
+// again, so the client neither loses its samples nor holds its slot.
+func (s *Service) Undeliver(owner Owner, id, lease string) {
+	if ss, err := s.session(owner, id); err == nil {
+		ss.undeliver(lease)
+	}
+}
+
+// CloseSession ends owner's session and frees its ring.
+func (s *Service) CloseSession(owner Owner, id string) error {
 	s.mu.Lock()
 	ss := s.sessions[id]
+	if ss == nil || ss.owner != owner.ID {
+		s.mu.Unlock()
+		return unknownSession(id)
+	}
 	delete(s.sessions, id)
 	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
 	s.mu.Unlock()
-	if ss == nil {
-		return fmt.Errorf("%w: %q", ErrUnknownSession, id)
-	}
 	ss.close()
 	return nil
 }
@@ -222,179 +334,26 @@ func (s *Service) reapLoop() {
 		case <-s.stop:
 			return
 		case now := <-t.C:
-			for _, id := range s.idle(now) {
-				s.cfg.Logger.Warn("closing idle dataset session", "session", id, "idle", s.cfg.IdleTimeout)
-				_ = s.CloseSession(id)
+			for _, ss := range s.idle(now) {
+				s.cfg.Logger.Warn("closed an idle dataset session", "session", ss.id, "idle", s.cfg.IdleTimeout)
+				ss.close()
 			}
+			s.backends.reap()
 		}
 	}
 }
 
-func (s *Service) idle(now time.Time) []string {
+// idle takes the sessions nobody used for IdleTimeout out of the service.
+func (s *Service) idle(now time.Time) []*session {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var ids []string
+	var out []*session
 	for id, ss := range s.sessions {
 		if now.Sub(ss.lastUsed()) > s.cfg.IdleTimeout {
-			ids = append(ids, id)
+			out = append(out, ss)
+			delete(s.sessions, id)
 		}
 	}
-	return ids
-}
-
-// session is one rank's epoch: a filler goroutine moves batches from the
-// iterator into ring slots, ahead of the consumer by up to the ring's size.
-type session struct {
-	id     string
-	it     *Iterator
-	ring   *Ring
-	filled chan *Delivery
-	state  atomic.Int32 // fillerIterating, or a Cause the filler waits on
-	err    error        // the filler's, valid once filled is closed
-	cancel context.CancelFunc
-	done   chan struct{}
-	used   atomic.Int64 // unix nanos of the last call
-	m      *metrics.Prefetch
-	last   Stats // as last reported to metrics
-
-	mu    sync.Mutex
-	held  map[string]*Delivery
-	seq   int
-	stall [4]time.Duration // by Cause
-}
-
-const fillerIterating = -1
-
-func newSession(id string, it *Iterator, ring *Ring, slots int, m *metrics.Prefetch) *session {
-	ctx, cancel := context.WithCancel(context.Background())
-	ss := &session{
-		id: id, it: it, ring: ring, filled: make(chan *Delivery, slots),
-		cancel: cancel, done: make(chan struct{}), held: map[string]*Delivery{}, m: m,
-	}
-	ss.touch()
-	go func() {
-		defer close(ss.done)
-		ss.err = ss.fill(ctx)
-		close(ss.filled)
-	}()
-	return ss
-}
-
-func (ss *session) touch()              { ss.used.Store(time.Now().UnixNano()) }
-func (ss *session) lastUsed() time.Time { return time.Unix(0, ss.used.Load()) }
-
-// fill runs the iterator into the ring until the epoch ends.
-func (ss *session) fill(ctx context.Context) error {
-	for {
-		ss.state.Store(fillerIterating)
-		b, err := ss.it.Next(ctx)
-		if errors.Is(err, io.EOF) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		d, err := ss.ring.Fill(ctx, b, func() { ss.state.Store(int32(CauseRing)) })
-		if err != nil {
-			return err
-		}
-		ss.state.Store(int32(CauseWork))
-		select {
-		case ss.filled <- d:
-		case <-ctx.Done():
-			ss.ring.Release(d)
-			return ctx.Err()
-		}
-	}
-}
-
-// cause is what a consumer that starts waiting now is waiting on.
-func (ss *session) cause() Cause {
-	st := ss.state.Load()
-	if st == fillerIterating {
-		return ss.it.Waiting()
-	}
-	if Cause(st) == CauseRing && len(ss.ring.free) > 0 {
-		return CauseWork // a slot just came free; the filler is about to copy
-	}
-	return Cause(st)
-}
-
-func (ss *session) next(ctx context.Context) (*Delivery, string, Stats, error) {
-	start, cause := time.Now(), ss.cause()
-	var d *Delivery
-	var ok bool
-	select {
-	case d, ok = <-ss.filled:
-	case <-ctx.Done():
-		return nil, "", ss.stats(), ctx.Err()
-	}
-	waited := time.Since(start)
-	ss.mu.Lock()
-	ss.stall[cause] += waited
-	ss.mu.Unlock()
-	ss.m.Wait.WithLabelValues(cause.String()).Add(waited.Seconds())
-	if !ok {
-		if ss.err != nil {
-			return nil, "", ss.stats(), ss.err
-		}
-		return nil, "", ss.stats(), io.EOF
-	}
-	ss.mu.Lock()
-	ss.seq++
-	lease := fmt.Sprintf("%s-%d", ss.id, ss.seq)
-	ss.held[lease] = d
-	ss.mu.Unlock()
-	st := ss.stats()
-	ss.report(st, len(d.Samples))
-	return d, lease, st, nil
-}
-
-func (ss *session) release(lease string) error {
-	ss.mu.Lock()
-	d := ss.held[lease]
-	delete(ss.held, lease)
-	ss.mu.Unlock()
-	if d == nil {
-		return fmt.Errorf("%w: no delivery %q held in session %s", ErrUnknownSession, lease, ss.id)
-	}
-	ss.ring.Release(d)
-	return nil
-}
-
-// stats merges the iterator's cache counts with the consumer's stalls.
-func (ss *session) stats() Stats {
-	st := ss.it.Stats()
-	ss.mu.Lock()
-	defer ss.mu.Unlock()
-	st.WaitWork, st.WaitStorage, st.WaitCache, st.WaitRing = ss.stall[CauseWork], ss.stall[CauseStorage], ss.stall[CauseCache], ss.stall[CauseRing]
-	return st
-}
-
-// report adds what happened since the last report to the metrics.
-func (ss *session) report(st Stats, samples int) {
-	ss.mu.Lock()
-	defer ss.mu.Unlock()
-	ss.m.Samples.Add(float64(samples))
-	ss.m.CacheHits.Add(float64(st.CacheHits - ss.last.CacheHits))
-	ss.m.CacheMisses.Add(float64(st.CacheMisses - ss.last.CacheMisses))
-	ss.m.Corrupt.Add(float64(st.CorruptSkipped - ss.last.CorruptSkipped))
-	ss.last = st
-}
-
-// close stops the filler and frees every region, held or queued.
-func (ss *session) close() {
-	ss.cancel()
-	ss.it.Close()
-	<-ss.done
-	for d := range ss.filled {
-		ss.ring.Release(d)
-	}
-	ss.mu.Lock()
-	for k, d := range ss.held {
-		ss.ring.Release(d)
-		delete(ss.held, k)
-	}
-	ss.mu.Unlock()
-	ss.ring.Close()
+	s.cfg.Metrics.Sessions.Set(float64(len(s.sessions)))
+	return out
 }

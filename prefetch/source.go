@@ -25,6 +25,11 @@ var ErrInvalid = errors.New("invalid dataset request")
 // ErrCorruptShard: a shard could not be parsed.
 var ErrCorruptShard = errors.New("corrupt shard")
 
+// ErrOverBudget: a configured bound of the dataset service is used up (the
+// datasets' share of the arena, the open sources); the daemon answers
+// RESOURCE_EXHAUSTED. The message names the flag that sets the bound.
+var ErrOverBudget = errors.New("dataset budget used up")
+
 // ParseFormat checks a format name.
 func ParseFormat(s string) (Format, error) {
 	switch f := Format(s); f {

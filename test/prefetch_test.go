@@ -3,11 +3,16 @@ package test
 import (
 	"archive/tar"
 	"bytes"
+	"context"
+	"encoding/binary"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,6 +21,20 @@ import (
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 )
+
+var arenas atomic.Int64
+
+// startDatasetDaemon is startDaemonEnv with an arena folder named after
+// this process: the harness names it after the test's temporary folder
+// ("002"), which another test process on the machine may be using.
+func startDatasetDaemon(t *testing.T, env []string, extra ...string) *daemon {
+	t.Helper()
+	arena := filepath.Join("/dev/shm", fmt.Sprintf("ckptd-pftest-%d-%d", os.Getpid(), arenas.Add(1)))
+	t.Cleanup(func() { os.RemoveAll(arena) }) // after the daemon stops
+	d := startDaemonEnv(t, "", env, append([]string{"--arena-dir", arena}, extra...)...)
+	d.arena = arena
+	return d
+}
 
 // writeShards writes n WebDataset shards of per samples ("cls" and "txt")
 // into dir and returns every sample's txt content by key.
@@ -74,7 +93,7 @@ func epoch(t *testing.T, c *ckptd.Client, req ckptd.DatasetRequest, want map[str
 func TestPrefetchThroughDaemon(t *testing.T) {
 	data := t.TempDir()
 	want := writeShards(t, data, 6, 25)
-	d := startDaemon(t, "", "--slot-bytes", "64KiB", "--ring-slots", "3")
+	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--slot-bytes", "64KiB", "--ring-slots", "3")
 	c := d.client()
 	const world = 2
 	var all []string
@@ -116,7 +135,7 @@ func TestPrefetchBadInput(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(data, "train-999.tar"), []byte("truncated garbage"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	d := startDaemon(t, "")
+	d := startDatasetDaemon(t, nil, "--dataset-allow", filepath.Dir(data)) // the test's temporary folders
 	c := d.client()
 	for _, tc := range []struct {
 		req  ckptd.DatasetRequest
@@ -160,8 +179,8 @@ func TestPrefetchDeadSource(t *testing.T) {
 	data := t.TempDir()
 	want := writeShards(t, data, 2, 3)
 	dead := "http://" + closedAddr(t)
-	d := startDaemonEnv(t, "", []string{"AWS_ACCESS_KEY_ID=k", "AWS_SECRET_ACCESS_KEY=s"},
-		"--s3-endpoint", dead, "--s3-region", "us-east-1", "--s3-retry-deadline", "10s")
+	d := startDatasetDaemon(t, []string{"AWS_ACCESS_KEY_ID=k", "AWS_SECRET_ACCESS_KEY=s"},
+		"--s3-endpoint", dead, "--s3-region", "us-east-1", "--s3-retry-deadline", "10s", "--dataset-allow", data+",s3://bucket")
 	c := d.client()
 	deadErr := make(chan error, 1)
 	go func() {
@@ -183,4 +202,305 @@ func TestPrefetchDeadSource(t *testing.T) {
 		!strings.Contains(fmt.Sprint(err), dead) {
 		t.Fatalf("dead source: %v, want UNAVAILABLE naming the endpoint", err)
 	}
+}
+
+// Dataset rings take at most --dataset-arena-bytes (default half the
+// arena): however many sessions open, a checkpoint save still finds room.
+func TestPrefetchRingsLeaveRoomForSaves(t *testing.T) {
+	data := t.TempDir()
+	want := writeShards(t, data, 2, 10)
+	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--staging-bytes", "32MiB", "--staging-wait", "1s", "--ring-slots", "2", "--slot-bytes", "4MiB")
+	c := d.client()
+	var open []*ckptd.Dataset
+	for range 2 {
+		ds, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 4, WorldSize: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		open = append(open, ds)
+	}
+	_, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 4, WorldSize: 1})
+	if status.Code(unwrapStatus(err)) != codes.ResourceExhausted || !strings.Contains(fmt.Sprint(err), "--dataset-arena-bytes") {
+		t.Fatalf("a third 8 MiB ring in a 16 MiB share: %v, want RESOURCE_EXHAUSTED naming --dataset-arena-bytes", err)
+	}
+	h, err := c.Save(ctxT(t), shard(1, 0, 1)) // 6 MiB
+	if err != nil {
+		t.Fatalf("a save with the datasets' share in use: %v", err)
+	}
+	if err := h.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	for _, ds := range open {
+		_ = ds.Close(ctxT(t))
+	}
+	if ks, _ := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 4, WorldSize: 1}, want); len(ks) != 20 {
+		t.Fatalf("after closing: %d samples", len(ks))
+	}
+}
+
+// Datasets are read with the daemon's identity, so only the sources
+// --dataset-allow lists may be: not a folder outside it, not one reached
+// through ".." or a link, not the daemon's own arena, not another bucket.
+func TestPrefetchSourcesAreDenyByDefault(t *testing.T) {
+	root := t.TempDir()
+	data, outside := filepath.Join(root, "data"), filepath.Join(root, "outside")
+	for _, dir := range []string{data, outside} {
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := writeShards(t, data, 1, 3)
+	secret := writeShards(t, outside, 1, 3)
+	if err := os.Symlink(outside, filepath.Join(data, "link")); err != nil {
+		t.Fatal(err)
+	}
+	req := func(source string) *ckptd.DatasetRequest {
+		return &ckptd.DatasetRequest{Source: source, BatchSize: 10, WorldSize: 1}
+	}
+	// No --dataset-allow: no datasets at all, and the error says how to allow some.
+	d := startDatasetDaemon(t, nil)
+	_, err := d.client().Dataset(ctxT(t), req(data))
+	if status.Code(unwrapStatus(err)) != codes.PermissionDenied || !strings.Contains(fmt.Sprint(err), "--dataset-allow") {
+		t.Fatalf("no --dataset-allow: %v, want PERMISSION_DENIED naming the flag", err)
+	}
+	d.stop()
+
+	d = startDatasetDaemon(t, nil, "--dataset-allow", data+",s3://bucket/team-a", "--dataset-allow", "/dev/shm")
+	c := d.client()
+	if ks, _ := epoch(t, c, *req(data), want); len(ks) != 3 {
+		t.Fatalf("the allowed folder: %d samples", len(ks))
+	}
+	for _, source := range []string{
+		outside,
+		data + "/../outside",
+		data + "/link",
+		"file://" + data + "/link",
+		d.arena,                 // beneath an allowed folder, yet never a source
+		d.arena + "/journal",    // the journal of staged saves
+		"/dev/shm",              // it holds the arena
+		root + "/data-and-more", // /data does not allow /data-and-more
+		"s3://bucket/team-b",
+		"s3://other/team-a",
+		"s3://bucket/team-a-and-more",
+	} {
+		_, err := c.Dataset(ctxT(t), req(source))
+		if status.Code(unwrapStatus(err)) != codes.PermissionDenied || !strings.Contains(fmt.Sprint(err), "not allowed") {
+			t.Errorf("%s: %v, want PERMISSION_DENIED", source, err)
+		}
+		for key := range secret {
+			if strings.Contains(fmt.Sprint(err), key) {
+				t.Errorf("%s: the error shows a sample outside the allowed folder", source)
+			}
+		}
+	}
+}
+
+// A client whose calls time out (and retries) loses no ring slot: with two
+// slots, a few leaked deliveries would stall the epoch for good.
+func TestPrefetchTimedOutCallsLeakNoSlot(t *testing.T) {
+	data := t.TempDir()
+	want := writeShards(t, data, 4, 25)
+	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--ring-slots", "2", "--slot-bytes", "64KiB")
+	c := d.client()
+	ds, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ds.Close(ctxT(t))
+	seen := map[string]bool{}
+	timeouts := 0
+	for i := 0; ; i++ {
+		for j := range 4 { // deadlines from 0 to 1.5 ms: some expire as the batch is answered
+			ctx, cancel := context.WithTimeout(ctxT(t), time.Duration(j)*500*time.Microsecond)
+			batch, err := ds.Next(ctx)
+			cancel()
+			if err != nil {
+				timeouts++
+				continue
+			}
+			if batch == nil {
+				break
+			}
+			for _, s := range batch {
+				if seen[s.Key] || string(s.Fields["txt"]) != want[s.Key] {
+					t.Fatalf("sample %s: delivered twice or wrong", s.Key)
+				}
+				seen[s.Key] = true
+			}
+		}
+		batch, err := ds.Next(ctxT(t))
+		if err != nil {
+			t.Fatalf("after %d timed-out calls: %v", timeouts, err)
+		}
+		if batch == nil {
+			break
+		}
+		for _, s := range batch {
+			if seen[s.Key] {
+				t.Fatalf("sample %s delivered twice", s.Key)
+			}
+			seen[s.Key] = true
+		}
+	}
+	t.Logf("%d of %d samples delivered; %d calls timed out", len(seen), len(want), timeouts)
+	if timeouts == 0 {
+		t.Fatal("no call timed out: the test tested nothing")
+	}
+}
+
+// The dataset service's memory is bounded by its flags, not by the data:
+// a 300 MiB shard, samples of 3 MiB and a shuffle window of 100000 go
+// through a daemon whose prefetch ceiling is 16 MiB of cache plus two
+// sessions of 32 MiB, and its peak RSS (VmHWM) stays under the arena, the
+// ceiling and a fixed margin for the Go runtime, gRPC and the checkpoint
+// side (memMargin), while every sample is delivered exactly once.
+func TestPrefetchMemoryIsBounded(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds a daemon without the race detector and streams 400 MiB")
+	}
+	data := t.TempDir()
+	const big, per = 100, 3 << 20 // the large shard: 100 samples of 3 MiB
+	writeSparseShard(t, filepath.Join(data, "big.tar"), big, per)
+	want := writeShards(t, data, 24, 8) // and small shards, read whole and cached
+	for i := range big {
+		want[fmt.Sprintf("big/%04d", i)] = ""
+	}
+	const (
+		staging   = 64 << 20
+		cache     = 16 << 20
+		readAhead = 32 << 20
+		sessions  = 2        // --dataset-arena-bytes 32MiB / (2 slots × 8 MiB)
+		memMargin = 64 << 20 // the Go runtime, gRPC, the checkpoint side, and the garbage collector's headroom
+	)
+	// The race detector multiplies memory: measure a plain build.
+	plain := filepath.Join(t.TempDir(), "ckptd")
+	if out, err := exec.Command("go", "build", "-o", plain, "../cmd/ckptd").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	raced := ckptdBin
+	ckptdBin = plain
+	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--staging-bytes", "64MiB", "--cache-bytes", "16MiB",
+		"--read-ahead-bytes", "32MiB", "--ring-slots", "2", "--slot-bytes", "8MiB", "--dataset-arena-bytes", "32MiB")
+	ckptdBin = raced
+	idle := peakRSS(t, d.cmd.Process.Pid)
+	c := d.client()
+	var mu sync.Mutex
+	seen := map[string]bool{}
+	var wg sync.WaitGroup
+	errs := make(chan error, sessions)
+	for rank := range sessions {
+		wg.Go(func() {
+			errs <- readAll(c, data, rank, sessions, func(s ckptd.Sample) error {
+				mu.Lock()
+				defer mu.Unlock()
+				if seen[s.Key] {
+					return fmt.Errorf("sample %s delivered twice", s.Key)
+				}
+				seen[s.Key] = true
+				return checkSample(s, want, per)
+			})
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(seen) != len(want) {
+		t.Fatalf("%d samples delivered, want %d", len(seen), len(want))
+	}
+	hwm := peakRSS(t, d.cmd.Process.Pid)
+	bound := int64(staging + cache + sessions*(readAhead+2*4<<20+256<<10) + memMargin)
+	t.Logf("peak RSS %d MiB (%d MiB once started); bound %d MiB (arena 64 + cache 16 + 2 sessions × 40.25 + margin 64)", hwm>>20, idle>>20, bound>>20)
+	if hwm > bound {
+		t.Fatalf("peak RSS %d MiB is over the bound of %d MiB", hwm>>20, bound>>20)
+	}
+}
+
+// writeSparseShard writes a WebDataset tar of n samples of size bytes
+// ("big/NNNN.bin"), sparse on disk: each sample's data is a hole but for
+// its index in its first bytes.
+func writeSparseShard(t *testing.T, path string, n, size int) {
+	t.Helper()
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var off int64
+	for i := range n {
+		var hdr bytes.Buffer
+		tw := tar.NewWriter(&hdr)
+		_ = tw.WriteHeader(&tar.Header{Name: fmt.Sprintf("big/%04d.bin", i), Mode: 0o644, Size: int64(size)})
+		// WriteHeader wrote the 512-byte header; the data follows it.
+		if _, err := f.WriteAt(hdr.Bytes()[:512], off); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WriteAt(binary.LittleEndian.AppendUint64(nil, uint64(i)), off+512); err != nil {
+			t.Fatal(err)
+		}
+		off += 512 + int64(size+511)&^511
+	}
+	if err := f.Truncate(off + 1024); err != nil { // the end-of-archive marker: two zero blocks
+		t.Fatal(err)
+	}
+}
+
+// checkSample checks a sample of writeShards or writeSparseShard.
+func checkSample(s ckptd.Sample, want map[string]string, size int) error {
+	if !strings.HasPrefix(s.Key, "big/") {
+		if string(s.Fields["txt"]) != want[s.Key] {
+			return fmt.Errorf("sample %s: wrong bytes", s.Key)
+		}
+		return nil
+	}
+	var i uint64
+	fmt.Sscanf(s.Key, "big/%d", &i)
+	bin := s.Fields["bin"]
+	if len(bin) != size || binary.LittleEndian.Uint64(bin) != i || bin[size-1] != 0 {
+		return fmt.Errorf("sample %s: wrong bytes", s.Key)
+	}
+	return nil
+}
+
+// readAll reads one rank's epoch with a window far larger than the budget.
+func readAll(c *ckptd.Client, source string, rank, world int, check func(ckptd.Sample) error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	ds, err := c.Dataset(ctx, &ckptd.DatasetRequest{Source: source, BatchSize: 2, Rank: rank, WorldSize: world, ShuffleWindow: 100000})
+	if err != nil {
+		return err
+	}
+	defer ds.Close(ctx)
+	for {
+		batch, err := ds.Next(ctx)
+		if err != nil || batch == nil {
+			return err
+		}
+		for _, s := range batch {
+			if err := check(s); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// peakRSS is a process's peak resident set (VmHWM).
+func peakRSS(t *testing.T, pid int) int64 {
+	t.Helper()
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.Lines(string(status)) {
+		if kb, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			var n int64
+			fmt.Sscanf(strings.TrimSpace(kb), "%d kB", &n)
+			return n << 10
+		}
+	}
+	t.Fatal("no VmHWM in /proc/<pid>/status")
+	return 0
 }

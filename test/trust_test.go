@@ -116,6 +116,11 @@ func runAct(act string) {
 		_, err = c.API().ReleaseRegion(ctx, &pb.ReleaseRegionRequest{LeaseId: os.Getenv("CKPTD_TEST_LEASE")})
 	case "readjournal":
 		_, err = os.ReadDir(os.Getenv("CKPTD_TEST_JOURNAL"))
+	case "dataset":
+		var ds *ckptd.Dataset
+		if ds, err = c.Dataset(ctx, &ckptd.DatasetRequest{Source: os.Getenv("CKPTD_TEST_SOURCE"), BatchSize: 1, WorldSize: 1}); err == nil {
+			_ = ds.Close(ctx)
+		}
 	default:
 		err = holdAct(ctx, c, act)
 	}
@@ -139,7 +144,9 @@ func startOpenDaemon(t *testing.T, extra ...string) *daemon {
 // can save, but cannot read the journal or touch another connection's
 // regions.
 func TestPeerCredentials(t *testing.T) {
-	d := startOpenDaemon(t, "--socket-group", strconv.Itoa(shareGID))
+	allowed := openDir(t)
+	writeShards(t, allowed, 1, 2)
+	d := startOpenDaemon(t, "--socket-group", strconv.Itoa(shareGID), "--dataset-allow", allowed, "--slot-bytes", "1MiB")
 	env := []string{"CKPTD_TEST_SOCKET=" + d.socket, "CKPTD_DAEMON_UID=0"}
 
 	// A non-member who gets through the file mode (a socket made 0666 by
@@ -160,6 +167,17 @@ func TestPeerCredentials(t *testing.T) {
 	}
 	if got := actAsOther(t, member, append(env, "CKPTD_TEST_ACT=readjournal", "CKPTD_TEST_JOURNAL="+filepath.Join(d.arena, "journal"))...); !strings.Contains(got, "permission denied") {
 		t.Fatalf("member read the journal: %s", got)
+	}
+
+	// The daemon reads datasets for a member only where --dataset-allow
+	// says: not its own store, not its journal.
+	if got := actAsOther(t, member, append(env, "CKPTD_TEST_ACT=dataset", "CKPTD_TEST_SOURCE="+allowed)...); got != "dataset: ok" {
+		t.Fatalf("member's dataset in the allowed folder: %s", got)
+	}
+	for _, src := range []string{d.storage, filepath.Join(d.arena, "journal"), allowed + "/../" + filepath.Base(d.storage)} {
+		if got := actAsOther(t, member, append(env, "CKPTD_TEST_ACT=dataset", "CKPTD_TEST_SOURCE="+src)...); !strings.Contains(got, "PERMISSION_DENIED") {
+			t.Fatalf("member's dataset %s: %s", src, got)
+		}
 	}
 
 	// A restore region of ours is not the member's to release.

@@ -50,6 +50,9 @@ type serveOptions struct {
 	RingSlots    int
 	SlotBytes    byteSize
 	RestartWait  time.Duration
+	DatasetArena byteSize
+	DatasetAllow []string
+	ReadAhead    byteSize
 }
 
 func newServeCmd() *cobra.Command {
@@ -82,6 +85,9 @@ func newServeCmd() *cobra.Command {
 	fs.Var(&o.CacheBytes, "cache-bytes", "dataset shard cache budget, shared by every rank on the node (0 disables it)")
 	fs.IntVar(&o.RingSlots, "ring-slots", 4, "batches each dataset session delivers ahead of the trainer")
 	fs.Var(&o.SlotBytes, "slot-bytes", "size of a ring slot in the arena (a larger batch gets a region of its own)")
+	fs.StringSliceVar(&o.DatasetAllow, "dataset-allow", nil, "folders and s3://bucket/prefix sources trainers may read datasets from (repeat or comma-separate; none: datasets are off); the checkpoint store is not implied")
+	fs.Var(&o.ReadAhead, "read-ahead-bytes", "memory each dataset session may hold: shards read ahead, its shuffle window (bounded by half of it), batches being assembled (default 256MiB)")
+	fs.Var(&o.DatasetArena, "dataset-arena-bytes", "the datasets' share of the arena, for ring slots and oversized batches (default: half of --staging-bytes; the rest stays for saves)")
 	return cmd
 }
 
@@ -176,7 +182,8 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	}
 	pf, err := prefetch.NewService(a, prefetch.ServiceConfig{
 		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
-		Logger: log, Metrics: metrics.NewPrefetch(reg),
+		Logger: log, Metrics: metrics.NewPrefetch(reg), ArenaBytes: int64(o.DatasetArena), Allow: o.DatasetAllow,
+		Options: prefetch.Options{ReadAheadBytes: int64(o.ReadAhead)},
 		Open: func(ctx context.Context, url string) (storage.Backend, error) {
 			return openStorage(ctx, url, &o.storageOptions, false)
 		},

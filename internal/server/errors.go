@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"unicode/utf8"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
@@ -35,6 +36,9 @@ var classes = []struct {
 	{storage.ErrNotFound, codes.NotFound, "STEP_NOT_FOUND"},
 	{storage.ErrSymlink, codes.FailedPrecondition, "STORE_UNSAFE"},
 	{checkpoint.ErrOverBudget, codes.ResourceExhausted, "OVER_BUDGET"},
+	{prefetch.ErrOverBudget, codes.ResourceExhausted, "OVER_BUDGET"},
+	{prefetch.ErrTooLarge, codes.ResourceExhausted, "TOO_LARGE"},
+	{prefetch.ErrNotAllowed, codes.PermissionDenied, "PERMISSION_DENIED"},
 	{arena.ErrTooLarge, codes.ResourceExhausted, "TOO_LARGE"},
 	{arena.ErrFull, codes.ResourceExhausted, "ARENA_FULL"},
 	{storage.ErrNoSpace, codes.ResourceExhausted, "STORAGE_FULL"},
@@ -65,6 +69,10 @@ func toStatus(err error) error {
 	var chunk *checkpoint.ChunkError
 	if errors.As(err, &chunk) {
 		meta["step"], meta["rank"], meta["chunk"] = strconv.FormatInt(chunk.Step, 10), strconv.Itoa(chunk.Rank), strconv.Itoa(chunk.Chunk)
+	}
+	var shard *prefetch.ShardError
+	if errors.As(err, &shard) && utf8.ValidString(shard.Shard) {
+		meta["shard"] = shard.Shard
 	}
 	switch {
 	case errors.As(err, &committed):

@@ -4,11 +4,14 @@ import (
 	"context"
 	"errors"
 	"io"
+	"time"
+	"unicode/utf8"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/ckptd/ckptd/internal/peercred"
 	"github.com/ckptd/ckptd/prefetch"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
@@ -24,6 +27,17 @@ func RegisterPrefetch(s *grpc.Server, svc *prefetch.Service) {
 	pb.RegisterPrefetchServer(s, &Prefetch{svc: svc})
 }
 
+// pfOwner is the connection a call came on: what it opens belongs to it
+// and is closed when it closes. Without one (a listener that does not say)
+// it is the zero Owner.
+func pfOwner(ctx context.Context) prefetch.Owner {
+	info, ok := peercred.FromContext(ctx)
+	if !ok {
+		return prefetch.Owner{}
+	}
+	return prefetch.Owner{ID: info.ID, Done: info.Done()}
+}
+
 func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) (*pb.OpenDatasetResponse, error) {
 	spec := prefetch.Spec{
 		Format: prefetch.Format(req.GetFormat()), BatchSize: int(req.GetBatchSize()),
@@ -34,15 +48,28 @@ func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) 
 	if req.GetSource() == "" {
 		return nil, status.Error(codes.InvalidArgument, "dataset source is empty")
 	}
-	id, st, err := p.svc.OpenSession(ctx, req.GetSource(), spec)
+	start, o := time.Now(), pfOwner(ctx)
+	id, st, err := p.svc.OpenSession(ctx, o, req.GetSource(), spec)
 	if err != nil {
 		return nil, toStatus(err)
+	}
+	if tooLate(ctx, start) { // the client would never learn the session's id
+		_ = p.svc.CloseSession(o, id)
+		return nil, status.Error(codes.DeadlineExceeded, "the call's deadline came as the dataset opened; it was closed again")
 	}
 	return &pb.OpenDatasetResponse{Session: id, Shards: int64(st.Shards)}, nil
 }
 
+// NextBatch hands out the session's next batch. A batch whose response
+// cannot be sent is never left held by a client that did not get it: one
+// that fails validation (proto strings must be UTF-8) is released, and one
+// whose call ended (or is about to) while it was being answered is put
+// back for the next call. Should the response still be lost on the way,
+// the client's next release frees its slot (deliveries are released in
+// order), though its samples are not delivered again.
 func (p *Prefetch) NextBatch(ctx context.Context, req *pb.NextBatchRequest) (*pb.NextBatchResponse, error) {
-	d, lease, st, err := p.svc.Next(ctx, req.GetSession(), req.GetRelease())
+	start, o := time.Now(), pfOwner(ctx)
+	d, lease, st, err := p.svc.Next(ctx, o, req.GetSession(), req.GetRelease())
 	if errors.Is(err, io.EOF) {
 		return &pb.NextBatchResponse{End: true, Stats: toPrefetchStats(st)}, nil
 	}
@@ -55,16 +82,43 @@ func (p *Prefetch) NextBatch(ctx context.Context, req *pb.NextBatchRequest) (*pb
 	}
 	for i, s := range d.Samples {
 		ps := &pb.Sample{Key: s.Key, Fields: make([]*pb.SampleField, len(s.Fields))}
+		valid := utf8.ValidString(s.Key)
 		for j, f := range s.Fields {
 			ps.Fields[j] = &pb.SampleField{Name: f.Name, Offset: uint64(f.Offset), Length: uint64(f.Length)}
+			valid = valid && utf8.ValidString(f.Name)
+		}
+		if !valid {
+			_ = p.svc.Release(o, req.GetSession(), lease)
+			return nil, status.Errorf(codes.Internal, "dataset session %s: sample %q at position %d has a key or field name that is not UTF-8 (the prefetcher should have refused it)",
+				req.GetSession(), s.Key, d.Position)
 		}
 		resp.Samples[i] = ps
+	}
+	if tooLate(ctx, start) {
+		p.svc.Undeliver(o, req.GetSession(), lease)
+		return nil, status.Error(codes.DeadlineExceeded, "the call's deadline came as its batch did; the next call gets the batch")
 	}
 	return resp, nil
 }
 
-func (p *Prefetch) CloseDataset(_ context.Context, req *pb.CloseDatasetRequest) (*pb.CloseDatasetResponse, error) {
-	return &pb.CloseDatasetResponse{}, toStatus(p.svc.CloseSession(req.GetSession()))
+// tooLate reports whether a response sent now would likely reach the
+// client after its deadline: the call's context is over, or less is left
+// of it than the time the response takes to travel (a margin of at most
+// 2 ms, and at most half the time the call had here).
+func tooLate(ctx context.Context, start time.Time) bool {
+	if ctx.Err() != nil {
+		return true
+	}
+	dl, ok := ctx.Deadline()
+	if !ok {
+		return false
+	}
+	margin := min(2*time.Millisecond, dl.Sub(start)/2)
+	return time.Until(dl) < margin
+}
+
+func (p *Prefetch) CloseDataset(ctx context.Context, req *pb.CloseDatasetRequest) (*pb.CloseDatasetResponse, error) {
+	return &pb.CloseDatasetResponse{}, toStatus(p.svc.CloseSession(pfOwner(ctx), req.GetSession()))
 }
 
 func toPrefetchStats(st prefetch.Stats) *pb.PrefetchStats {

@@ -79,7 +79,7 @@ class Daemon:
         self.args = [
             str(binary), "serve", "--socket", self.socket, "--storage", str(self.storage),
             "--arena-dir", str(self.arena_dir), "--staging-bytes", staging, "--job", job,
-            "--workers", "2", *extra,
+            "--workers", "2", "--dataset-allow", f"{tempfile.gettempdir()},s3://bucket", *extra,
         ]  # fmt: skip
         self.log = self.dir / "ckptd.log"
         self.proc: subprocess.Popen[bytes] | None = None

@@ -6,7 +6,9 @@ import gc
 import io
 import json
 import os
+import shutil
 import tarfile
+from pathlib import Path
 
 import pytest
 from wds import keys, make_samples, shard_bytes, write_shards
@@ -237,6 +239,7 @@ def test_relative_source_is_resolved_by_the_client(dc, data, monkeypatch):
 
 
 def corrupt_folder(tmp_path, how: str):
+    """4 shards of 10; train-002.tar cut in its middle or garbage. Returns all samples."""
     folder = tmp_path / how
     want = write_shards(folder, 4, 10)
     bad = folder / "train-002.tar"
@@ -245,8 +248,7 @@ def corrupt_folder(tmp_path, how: str):
         bad.write_bytes(raw[: len(raw) // 2 + 100])
     else:
         bad.write_bytes(b"this is not a tar file at all" * 40)
-    good = {k: v for k, v in want.items() if not k.startswith("s002/")}
-    return folder, good
+    return folder, want
 
 
 @pytest.mark.parametrize("how", ["truncated", "garbage"])
@@ -265,12 +267,18 @@ def test_corrupt_shard_is_an_error_naming_it(dc, tmp_path, how):
 
 @pytest.mark.parametrize("how", ["truncated", "garbage"])
 def test_skip_corrupt_skips_and_counts_the_shard(dc, tmp_path, how):
-    folder, good = corrupt_folder(tmp_path, how)
+    """The samples before the damage are delivered; the rest of the shard is skipped."""
+    folder, want = corrupt_folder(tmp_path, how)
     with dc.dataset(folder, batch_size=4, skip_corrupt=True) as ds:
-        got = keys(list(ds))
+        got = {s["__key__"]: s for b in ds for s in b}
         st = ds.stats()
-    assert sorted(got) == sorted(good)
     assert st.corrupt_skipped == 1
+    bad = sorted(k for k in got if k.startswith("s002/"))
+    assert set(got) - set(bad) == {k for k in want if not k.startswith("s002/")}
+    assert bad == [f"s002/{i:04d}" for i in range(len(bad))]  # a prefix of the shard
+    assert 0 < len(bad) < 10 if how == "truncated" else not bad
+    for key, sample in got.items():
+        assert sample["txt"] == want[key]["txt"]
 
 
 def test_truncated_exactly_at_a_member_boundary_is_caught(dc, tmp_path):
@@ -284,6 +292,32 @@ def test_truncated_exactly_at_a_member_boundary_is_caught(dc, tmp_path):
     (folder / "cut.tar").write_bytes(raw[:cut])
     with pytest.raises(ckptd.CorruptShardError, match=r"cut\.tar"):
         read(dc, folder)
+
+
+def test_names_that_are_not_utf8_are_refused_not_leaked(make_daemon, tmp_path):
+    """A key or field name that is not UTF-8 cannot travel: refused, and the ring stays whole."""
+    folder = tmp_path / "names"
+    folder.mkdir()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", encoding="utf-8", errors="surrogateescape") as tf:
+        for i in range(12):  # every other sample has a bad key or a bad field name
+            key = f"ok/{i:02d}" if i % 2 else f"bad\udcff/{i:02d}"
+            ext = "txt" if i % 4 != 1 else "j\udcfeg"
+            for name, data in ((f"{key}.{ext}", b"x" * 10), (f"{key}.cls", b"1")):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    (folder / "a.tar").write_bytes(buf.getvalue())
+    d = make_daemon("--ring-slots", "2", "--slot-bytes", "64KiB")
+    with d.client(timeout=30) as c:
+        for _ in range(4):  # more failures than ring slots: none leaks one
+            with pytest.raises(ckptd.CorruptShardError, match=r"a\.tar: member .*not UTF-8") as e:
+                read(c, folder, batch_size=1, shuffle_window=1)
+            assert e.value.shard.endswith("a.tar")
+        with c.dataset(folder, batch_size=1, shuffle_window=1, skip_corrupt=True) as ds:
+            got = keys(list(ds))
+            assert ds.stats().corrupt_skipped == 9
+        assert got == ["ok/03", "ok/07", "ok/11"]
 
 
 # ---- bad input ------------------------------------------------------------------
@@ -354,13 +388,40 @@ def test_the_client_works_after_errors(dc, data):
     assert len(keys(read(dc, folder))) == len(want)
 
 
+# ---- which sources may be read ----------------------------------------------------
+
+
+def test_only_the_sources_the_daemon_allows_are_read(make_daemon, tmp_path):
+    """--dataset-allow (the fixtures allow the temporary folder): by real path, nothing else."""
+    want = write_shards(tmp_path / "data", 2, 3)
+    outside = Path("/dev/shm") / f"ckptd-pytest-outside-{os.getpid()}"  # not beneath any entry
+    try:
+        write_shards(outside, 1, 3)
+        (tmp_path / "link").symlink_to(outside)
+        dotdot = str(tmp_path) + "/.." * len(tmp_path.parts) + str(outside)
+        with make_daemon().client() as c:
+            assert len(keys(read(c, tmp_path / "data"))) == len(want)
+            for source in (outside, dotdot, tmp_path / "link", "s3://other/shards"):
+                with pytest.raises(ckptd.CkptdError, match="not beneath any --dataset-allow") as e:
+                    c.dataset(source, batch_size=4)
+                assert e.value.code == "PERMISSION_DENIED", source
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+    d = make_daemon("--dataset-allow", "/dev/shm")  # its arena is beneath: still never a source
+    with d.client() as c, pytest.raises(ckptd.CkptdError, match="arena folder") as e:
+        c.dataset(d.arena_dir, batch_size=4)
+    assert e.value.code == "PERMISSION_DENIED"
+
+
 # ---- sessions are freed -----------------------------------------------------------
 
 
 def test_sessions_are_freed_on_end_break_close_and_gc(make_daemon, data):
-    """An arena that holds two rings: a leaked session would fail the third open."""
+    """A datasets' share that holds two rings: a leaked session would fail the third open."""
     folder, want = data
-    d = make_daemon("--slot-bytes", "1MiB", "--ring-slots", "3", staging="8MiB")
+    d = make_daemon(
+        "--slot-bytes", "1MiB", "--ring-slots", "3", "--dataset-arena-bytes", "7MiB", staging="8MiB"
+    )  # fmt: skip
     with d.client(timeout=30) as c:
         for _ in range(3):
             assert len(keys(list(c.dataset(folder, batch_size=4)))) == len(want)  # exhausted
@@ -378,7 +439,7 @@ def test_sessions_are_freed_on_end_break_close_and_gc(make_daemon, data):
         for _ in range(3):
             c.dataset(folder, batch_size=4).close()
         open_now = [c.dataset(folder, batch_size=4), c.dataset(folder, batch_size=4)]
-        # The arena really holds only two rings. (The daemon waits for room
+        # The share really holds only two rings. (The daemon waits for room
         # as long as the call allows rather than failing at once.)
         with (
             d.client(timeout=2) as short,

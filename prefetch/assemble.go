@@ -1,0 +1,394 @@
+package prefetch
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/ckptd/ckptd/storage"
+)
+
+// ErrTooLarge: a sample, or a batch of them, is larger than the part of
+// the read-ahead budget samples may take; the daemon answers
+// RESOURCE_EXHAUSTED. The message names --read-ahead-bytes.
+var ErrTooLarge = errors.New("larger than the dataset read-ahead budget")
+
+// assemble turns fetched shards into samples, shuffles them, drops the
+// first spec.Start, and sends batches. It closes it.batches.
+func (it *Iterator) assemble(ctx context.Context, b storage.Backend, prefix string, queue <-chan *pendingShard, opts Options) {
+	defer close(it.batches)
+	a := &assembler{
+		it: it, ctx: ctx, spec: &it.spec, shuf: newShuffler(&it.spec), opts: opts,
+		mem: it.samplesMem, window: opts.window(), batchLimit: opts.batches(),
+	}
+	for p := range queue {
+		err := a.shard(p, b, prefix)
+		p.release()
+		if err != nil {
+			a.send(result{err: err})
+			return
+		}
+	}
+	if ctx.Err() != nil {
+		return
+	}
+	if err := a.finish(); err != nil {
+		a.send(result{err: err})
+	}
+}
+
+// assembler cuts shards into samples member by member, and accounts every
+// sample it holds (the one being read, those in the shuffle window, those
+// of the batch being assembled, and batches sent but not released) to mem,
+// which the samples' part of the read-ahead budget sizes.
+//
+// The window is bounded by bytes as well as by count, deterministically:
+// before a member is read, samples leave the window (chosen by the same
+// generator as always) until the window and the sample being read, with
+// the member, fit in window bytes. The order therefore depends only on
+// the samples' sizes and the budget, never on timing, nor on where an
+// iteration resumes; with samples small enough that the window never
+// reaches its bound, it is the plain count-bounded window's. A batch
+// larger than batchLimit is an error (deterministic too); batches sent
+// wait for their charge to come back when mem is full, which only the
+// consumer's progress can make.
+type assembler struct {
+	it         *Iterator
+	ctx        context.Context
+	spec       *Spec
+	opts       Options
+	shuf       *shuffler
+	mem        *meter
+	window     int64 // bound on inWindow
+	batchLimit int64 // bound on batchCost
+	inWindow   int64 // bytes of the window and of cur
+
+	cur  *Sample // the sample being read: a run of members sharing a key
+	bad  string  // why cur cannot be delivered ("" when it can)
+	seen int64   // samples out of the shuffler, skipped ones included
+	pos  int64
+
+	batch     []Sample
+	batchCost int64
+	batchMeta int64
+}
+
+// shard waits for one fetched shard (or opens one to stream) and feeds
+// its samples through. A shard whose bytes are damaged delivers the
+// samples before the damage; then it fails the epoch, or with
+// skip_corrupt is counted and left.
+func (a *assembler) shard(p *pendingShard, b storage.Backend, prefix string) error {
+	a.it.state.Store(stateCache)
+	if p.miss.Load() || p.stream {
+		a.it.state.Store(stateStorage)
+	}
+	select {
+	case <-p.done:
+	case <-a.ctx.Done():
+		return a.ctx.Err()
+	}
+	if p.err != nil {
+		return p.err
+	}
+	a.it.countFetch(p.how)
+	var err error
+	if p.stream {
+		err = a.stream(b, p.shard, prefix)
+	} else {
+		a.it.state.Store(stateWork)
+		err = a.whole(p, prefix)
+	}
+	a.it.state.Store(stateWork)
+	if err == nil {
+		return a.endSample()
+	}
+	a.dropSample()
+	var re readError
+	switch {
+	case errors.As(err, &re), a.ctx.Err() != nil, errors.Is(err, ErrTooLarge), errors.Is(err, ErrCorruptShard):
+		return err
+	case a.spec.SkipCorrupt:
+		a.it.count(func(st *Stats) { st.CorruptSkipped++ })
+		return nil
+	}
+	return corrupt(p.shard, "%v", err)
+}
+
+// whole parses a shard read whole. Samples alias the bytes the cache
+// holds; of a shard it does not, they are copied out, so that no sample
+// keeps a whole shard alive.
+func (a *assembler) whole(p *pendingShard, prefix string) error {
+	data := p.data
+	if a.spec.Format == Raw {
+		key, ext := rawKey(p.shard.Name, prefix)
+		return a.member(p.shard, p.shard.Name, key, ext, int64(len(data)), func() ([]byte, error) {
+			return data, nil // the object is the sample: ours, or the cache's
+		})
+	}
+	br := bytes.NewReader(data)
+	pos := func() int64 { return int64(len(data)) - int64(br.Len()) }
+	return walkTar(br, pos, int64(len(data)), func(m member) error {
+		key, ext := splitKey(m.name)
+		return a.member(p.shard, m.name, key, ext, m.size, func() ([]byte, error) {
+			field := data[m.start : m.start+m.size : m.start+m.size]
+			if p.held {
+				return field, nil
+			}
+			return bytes.Clone(field), nil
+		})
+	})
+}
+
+// streamBuffer is the read buffer of a streamed shard.
+const streamBuffer = 256 << 10
+
+// stream parses a shard as it reads it (archive/tar over a ranged read),
+// holding no more of it than the sample being read.
+func (a *assembler) stream(b storage.Backend, sh Shard, prefix string) error {
+	r := &rangeReader{ctx: a.ctx, b: b, name: sh.Name, size: sh.Size}
+	defer r.Close()
+	read := func(n int64, from io.Reader) func() ([]byte, error) {
+		return func() ([]byte, error) {
+			buf := make([]byte, n)
+			_, err := io.ReadFull(from, buf)
+			return buf, err
+		}
+	}
+	if a.spec.Format == Raw {
+		key, ext := rawKey(sh.Name, prefix)
+		return a.member(sh, sh.Name, key, ext, sh.Size, read(sh.Size, r))
+	}
+	c := &counter{r: bufio.NewReaderSize(r, streamBuffer)}
+	return walkTar(c, func() int64 { return c.n }, sh.Size, func(m member) error {
+		key, ext := splitKey(m.name)
+		return a.member(sh, m.name, key, ext, m.size, read(m.size, m.r))
+	})
+}
+
+// member adds one member (one field) to the sample being read, or starts
+// the next sample. get returns the member's bytes; it is called once they
+// are charged.
+func (a *assembler) member(sh Shard, name, key, ext string, size int64, get func() ([]byte, error)) error {
+	if a.cur != nil && key != a.cur.Key {
+		if err := a.endSample(); err != nil {
+			return err
+		}
+	}
+	cost := size + int64(len(ext)) + fieldOverhead
+	if a.cur == nil {
+		a.cur = &Sample{Key: strings.Clone(key)}
+		cost += int64(len(key)) + sampleOverhead
+	}
+	if a.bad == "" {
+		a.bad = badName(key, ext)
+	}
+	if a.bad == "" && len(a.cur.Fields) >= maxFields {
+		a.bad = fmt.Sprintf("it has more than %d fields", maxFields)
+	}
+	tooLarge := a.bad == "" && (a.cur.cost+cost > a.window || a.cur.cost+cost > a.batchLimit)
+	if tooLarge {
+		a.bad = fmt.Sprintf("it takes more than the %d bytes --read-ahead-bytes (%d) leaves for a sample",
+			min(a.window, a.batchLimit), a.opts.ReadAheadBytes)
+	}
+	if a.bad != "" {
+		switch {
+		case a.spec.SkipCorrupt:
+			a.inWindow -= a.cur.cost
+			a.mem.Release(a.cur.cost) // what it had; the rest of its members are passed over
+			a.cur.Fields, a.cur.cost = nil, 0
+			return nil
+		case tooLarge:
+			return fmt.Errorf("%w: sample %s of shard %s: %s; raise it, or skip_corrupt skips such samples",
+				ErrTooLarge, printable(key), printable(sh.Name), a.bad)
+		}
+		return corrupt(sh, "member %s: %s (skip_corrupt skips such samples)", printable(name), a.bad)
+	}
+	if err := a.room(cost); err != nil {
+		return err
+	}
+	if err := a.mem.Acquire(a.ctx, cost); err != nil {
+		return err
+	}
+	a.inWindow += cost
+	a.cur.cost += cost
+	data, err := get()
+	if err != nil {
+		return err
+	}
+	a.cur.Fields = append(a.cur.Fields, Field{Name: strings.Clone(ext), Data: data})
+	return nil
+}
+
+// room makes cost bytes of room in the window by taking samples out of
+// it, in the order the shuffle generator chooses. (The sample being read
+// fits alone: member checked that.)
+func (a *assembler) room(cost int64) error {
+	for a.inWindow+cost > a.window && a.shuf.len() > 0 {
+		if err := a.emit(a.shuf.pop()); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// endSample puts the sample read into the shuffle window (or counts it
+// skipped).
+func (a *assembler) endSample() error {
+	s := a.cur
+	if s == nil {
+		return nil
+	}
+	a.cur = nil
+	if a.bad != "" {
+		a.bad = ""
+		a.it.count(func(st *Stats) { st.CorruptSkipped++ })
+		return nil
+	}
+	if out, ok := a.shuf.push(*s); ok {
+		return a.emit(out)
+	}
+	return nil
+}
+
+// dropSample forgets the sample being read (its shard failed).
+func (a *assembler) dropSample() {
+	if a.cur != nil {
+		a.inWindow -= a.cur.cost
+		a.mem.Release(a.cur.cost)
+	}
+	a.cur, a.bad = nil, ""
+}
+
+// emit skips the samples before spec.Start and batches the rest.
+func (a *assembler) emit(s Sample) error {
+	a.seen++
+	a.inWindow -= s.cost
+	if a.seen <= a.spec.Start {
+		a.mem.Release(s.cost)
+		return nil
+	}
+	a.batch = append(a.batch, s)
+	a.batchCost += s.cost
+	a.batchMeta += metaCost(&s)
+	a.pos = a.seen
+	switch {
+	case a.batchCost > a.batchLimit:
+		return fmt.Errorf("%w: a batch of %d samples takes more than the %d bytes --read-ahead-bytes (%d) leaves for a batch; "+
+			"lower batch_size or raise --read-ahead-bytes", ErrTooLarge, len(a.batch), a.batchLimit, a.opts.ReadAheadBytes)
+	case a.batchMeta > maxBatchMeta:
+		return fmt.Errorf("%w: the keys and field names of a batch of %d samples take more than %d bytes; lower batch_size",
+			ErrTooLarge, len(a.batch), maxBatchMeta)
+	}
+	if len(a.batch) < a.spec.BatchSize {
+		return nil
+	}
+	return a.sendBatch()
+}
+
+// sendBatch hands the batch over; its bytes stay charged until the
+// consumer releases it.
+func (a *assembler) sendBatch() error {
+	cost := a.batchCost
+	b := &Batch{Samples: a.batch, Position: a.pos, release: func() { a.mem.Release(cost) }}
+	a.batch, a.batchCost, a.batchMeta = nil, 0, 0
+	if !a.send(result{batch: b}) {
+		b.Release()
+		return a.ctx.Err()
+	}
+	return nil
+}
+
+// finish ends the epoch: the window is emptied in random order and the
+// last, short batch sent.
+func (a *assembler) finish() error {
+	if err := a.endSample(); err != nil {
+		return err
+	}
+	for _, s := range a.shuf.flush() {
+		if err := a.emit(s); err != nil {
+			return err
+		}
+	}
+	if len(a.batch) > 0 {
+		return a.sendBatch()
+	}
+	return nil
+}
+
+func (a *assembler) send(r result) bool {
+	select {
+	case a.it.batches <- r:
+		return true
+	case <-a.ctx.Done():
+		return false
+	}
+}
+
+func (it *Iterator) countFetch(how fetch) {
+	it.count(func(st *Stats) {
+		if how == fromCache {
+			st.CacheHits++
+		} else {
+			st.CacheMisses++
+		}
+	})
+}
+
+// rangeReader reads size bytes of an object as one stream, reopening it
+// at the offset reached (a ranged GET) when a read fails, a few times.
+// Its errors are readErrors: storage's, not the shard's.
+type rangeReader struct {
+	ctx      context.Context
+	b        storage.Backend
+	name     string
+	off      int64
+	size     int64
+	rc       io.ReadCloser
+	reopened int
+}
+
+const maxReopens = 3
+
+func (r *rangeReader) Read(p []byte) (int, error) {
+	if r.off >= r.size {
+		return 0, io.EOF
+	}
+	p = p[:min(int64(len(p)), r.size-r.off)]
+	for {
+		if r.rc == nil {
+			rc, err := r.b.Get(r.ctx, r.name, r.off, r.size-r.off)
+			if err != nil {
+				return 0, readError{fmt.Errorf("read shard %s: %w", printable(r.name), err)}
+			}
+			r.rc = rc
+		}
+		n, err := r.rc.Read(p)
+		r.off += int64(n)
+		if err == nil || n > 0 {
+			return n, nil // an error comes again with the next read
+		}
+		r.Close()
+		switch {
+		case r.ctx.Err() != nil:
+			return 0, r.ctx.Err()
+		case errors.Is(err, io.EOF):
+			return 0, readError{fmt.Errorf("read shard %s: it ends at byte %d, before the %d bytes listed (changed since?)", printable(r.name), r.off, r.size)}
+		case r.reopened >= maxReopens:
+			return 0, readError{fmt.Errorf("read shard %s at byte %d: %w", printable(r.name), r.off, err)}
+		}
+		r.reopened++
+	}
+}
+
+func (r *rangeReader) Close() error {
+	if r.rc == nil {
+		return nil
+	}
+	err := r.rc.Close()
+	r.rc = nil
+	return err
+}

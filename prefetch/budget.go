@@ -1,0 +1,75 @@
+package prefetch
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sync/semaphore"
+)
+
+// arenaBudget is the datasets' share of the staging arena: every ring
+// slot and every region of an oversized batch is charged to it before it
+// is allocated, so that dataset sessions can never take the room
+// checkpoint saves are staged in.
+type arenaBudget struct {
+	sem  *semaphore.Weighted
+	size int64
+	used atomic.Int64
+}
+
+func newArenaBudget(size int64) *arenaBudget {
+	return &arenaBudget{sem: semaphore.NewWeighted(size), size: size}
+}
+
+// acquire charges n bytes for what, waiting up to wait for others to give
+// theirs back. Failing, it is ErrOverBudget naming --dataset-arena-bytes,
+// or the caller's own ctx error when that ended first.
+func (b *arenaBudget) acquire(ctx context.Context, n int64, wait time.Duration, what string) error {
+	if n > b.size {
+		return fmt.Errorf("%w: %s needs %d bytes of the arena, more than the %d of --dataset-arena-bytes", ErrOverBudget, what, n, b.size)
+	}
+	wctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	if err := b.sem.Acquire(wctx, n); err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return fmt.Errorf("%w: %s needs %d bytes of the arena, and the other dataset sessions held the %d of --dataset-arena-bytes for %s; "+
+			"close datasets, or raise --dataset-arena-bytes (within --staging-bytes)", ErrOverBudget, what, n, b.size, wait)
+	}
+	b.used.Add(n)
+	return nil
+}
+
+func (b *arenaBudget) release(n int64) {
+	b.used.Add(-n)
+	b.sem.Release(n)
+}
+
+// meter is a byte semaphore that keeps its peak use, for tests and
+// metrics.
+type meter struct {
+	sem  *semaphore.Weighted
+	size int64
+	used atomic.Int64
+	peak atomic.Int64
+}
+
+func newMeter(size int64) *meter { return &meter{sem: semaphore.NewWeighted(size), size: size} }
+
+func (m *meter) Acquire(ctx context.Context, n int64) error {
+	if err := m.sem.Acquire(ctx, n); err != nil {
+		return err
+	}
+	u := m.used.Add(n)
+	for p := m.peak.Load(); u > p && !m.peak.CompareAndSwap(p, u); p = m.peak.Load() {
+	}
+	return nil
+}
+
+func (m *meter) Release(n int64) {
+	m.used.Add(-n)
+	m.sem.Release(n)
+}
