@@ -125,10 +125,19 @@ func TestShardLinkedOutsideIsRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	var release []string
+	samples := 0
 	for {
-		_, lease, _, err := s.Next(ctx, Owner{}, id, release)
+		d, lease, _, err := s.Next(ctx, Owner{}, id, release)
 		if errors.Is(err, io.EOF) {
-			t.Fatal("the epoch read a shard linked from outside the allowed folder")
+			// A store that does not even list links (the POSIX backend
+			// skips them) delivers the folder's own 2 x 3 samples only.
+			if samples != 6 {
+				t.Fatalf("the epoch delivered %d samples: it read a shard linked from outside the allowed folder", samples)
+			}
+			break
+		}
+		if err == nil {
+			samples += len(d.Samples)
 		}
 		if err != nil {
 			if !errors.Is(err, ErrNotAllowed) || !strings.Contains(err.Error(), "zz-secret.tar") || !strings.Contains(err.Error(), secret) {
