@@ -261,3 +261,20 @@ func TestSaveOfStepCommittedByAnotherAttempt(t *testing.T) {
 		t.Fatalf("save of a committed step: %v (reason %q)", err, ckptd.Reason(err))
 	}
 }
+
+// The Go client's errors match its sentinels by the daemon's reason.
+func TestGoClientSentinels(t *testing.T) {
+	d := startDaemon(t, "")
+	c := d.client()
+	saveAndWait(t, c, attemptShard("first", 3, 0, 1))
+	_, err := c.Save(ctxT(t), attemptShard("second", 3, 0, 1))
+	if !errors.Is(err, ckptd.ErrStepCommitted) || errors.Is(err, ckptd.ErrSaveInProgress) {
+		t.Fatalf("save of a committed step: %v", err)
+	}
+	if _, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 99}); !errors.Is(err, ckptd.ErrNotFound) {
+		t.Fatalf("load of an unknown step: %v", err)
+	}
+	if _, err := c.Save(ctxT(t), &ckptd.SaveRequest{Step: -1, WorldSize: 1}); !errors.Is(err, ckptd.ErrInvalid) {
+		t.Fatalf("save of step -1: %v", err)
+	}
+}

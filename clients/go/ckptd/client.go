@@ -168,6 +168,9 @@ func (c *Client) wrap(err error) error {
 			return fmt.Errorf("ckptd at %s: %w", c.socket, r)
 		}
 	}
+	if _, ok := status.FromError(err); ok {
+		return &callError{socket: c.socket, err: err}
+	}
 	return fmt.Errorf("ckptd at %s: %w", c.socket, err)
 }
 

@@ -4,6 +4,7 @@ import (
 	"errors"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
 
@@ -36,4 +37,50 @@ func errorInfo(err error) *errdetails.ErrorInfo {
 		}
 	}
 	return nil
+}
+
+// Errors a call can be matched against with errors.Is, by the daemon's
+// reason (see Reason); a call that failed without one matches by its gRPC
+// code where the code is unambiguous.
+var (
+	ErrInvalid            = errors.New("invalid request")           // INVALID
+	ErrNotFound           = errors.New("not found")                 // STEP_NOT_FOUND, UNKNOWN_LEASE, UNKNOWN_SESSION
+	ErrStepCommitted      = errors.New("step already committed")    // STEP_COMMITTED
+	ErrSaveInProgress     = errors.New("save already in progress")  // SAVE_IN_PROGRESS
+	ErrResourceExhausted  = errors.New("resource exhausted")        // ARENA_FULL, TOO_LARGE, OVER_BUDGET, STORAGE_FULL
+	ErrCorrupt            = errors.New("corrupt data")              // CORRUPT
+	ErrStorageUnavailable = errors.New("storage unavailable")       // STORAGE_UNAVAILABLE
+	ErrDaemonUnavailable  = errors.New("daemon unavailable")        // SHUTTING_DOWN, or no daemon on the socket
+	ErrPermissionDenied   = errors.New("permission denied")         // PERMISSION_DENIED
+	ErrStoreUnsafe        = errors.New("storage refused as unsafe") // STORE_UNSAFE
+)
+
+var byReason = map[string]error{
+	"INVALID": ErrInvalid, "STEP_NOT_FOUND": ErrNotFound, "UNKNOWN_LEASE": ErrNotFound, "UNKNOWN_SESSION": ErrNotFound,
+	"STEP_COMMITTED": ErrStepCommitted, "SAVE_IN_PROGRESS": ErrSaveInProgress,
+	"ARENA_FULL": ErrResourceExhausted, "TOO_LARGE": ErrResourceExhausted, "OVER_BUDGET": ErrResourceExhausted,
+	"STORAGE_FULL": ErrResourceExhausted, "CORRUPT": ErrCorrupt, "STORAGE_UNAVAILABLE": ErrStorageUnavailable,
+	"SHUTTING_DOWN": ErrDaemonUnavailable, "PERMISSION_DENIED": ErrPermissionDenied, "STORE_UNSAFE": ErrStoreUnsafe,
+}
+
+var byCode = map[codes.Code]error{
+	codes.InvalidArgument: ErrInvalid, codes.NotFound: ErrNotFound, codes.ResourceExhausted: ErrResourceExhausted,
+	codes.DataLoss: ErrCorrupt, codes.Unavailable: ErrDaemonUnavailable, codes.PermissionDenied: ErrPermissionDenied,
+}
+
+// callError is a failed call: it wraps the gRPC status error and matches
+// the sentinel of its reason.
+type callError struct {
+	socket string
+	err    error
+}
+
+func (e *callError) Error() string { return "ckptd at " + e.socket + ": " + e.err.Error() }
+func (e *callError) Unwrap() error { return e.err }
+
+func (e *callError) Is(target error) bool {
+	if r := Reason(e.err); r != "" {
+		return byReason[r] == target
+	}
+	return byCode[status.Code(e.err)] == target
 }
