@@ -14,6 +14,7 @@ import (
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/prefetch"
 	"github.com/ckptd/ckptd/storage"
+	"github.com/ckptd/ckptd/storage/s3"
 )
 
 // ErrorDomain is the domain of the google.rpc.ErrorInfo every error status
@@ -35,6 +36,10 @@ var classes = []struct {
 	{prefetch.ErrUnknownSession, codes.NotFound, "UNKNOWN_SESSION"},
 	{storage.ErrNotFound, codes.NotFound, "STEP_NOT_FOUND"},
 	{storage.ErrSymlink, codes.FailedPrecondition, "STORE_UNSAFE"},
+	// The store refuses the daemon's credentials, or its bucket is gone:
+	// the daemon's configuration, not the request, needs fixing.
+	{s3.ErrAccessDenied, codes.FailedPrecondition, "STORAGE_MISCONFIGURED"},
+	{s3.ErrNoSuchBucket, codes.FailedPrecondition, "STORAGE_MISCONFIGURED"},
 	{checkpoint.ErrOverBudget, codes.ResourceExhausted, "OVER_BUDGET"},
 	{prefetch.ErrOverBudget, codes.ResourceExhausted, "OVER_BUDGET"},
 	{prefetch.ErrTooLarge, codes.ResourceExhausted, "TOO_LARGE"},
