@@ -190,6 +190,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	})
 	if err == nil {
 		undo.push(pf.Close)
+		setMemoryLimit(memoryCeiling(o, pf.MemoryCeiling()), log)
 		err = fault("prefetch")
 	}
 	if err != nil {
