@@ -12,7 +12,8 @@ all: build
 build:
 	$(GO) build -ldflags "-X main.version=$(VERSION)" -o bin/ckptd ./cmd/ckptd
 
-# Run the daemon on its defaults: socket /tmp/ckptd-$UID.sock, checkpoints
+# Run the daemon on its defaults: socket $XDG_RUNTIME_DIR/ckptd.sock or
+# /tmp/ckptd-$UID/ckptd.sock, checkpoints
 # under ~/.local/share/ckptd, a 1 GiB staging arena in /dev/shm.
 run: build
 	./bin/ckptd serve
