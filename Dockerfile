@@ -30,5 +30,8 @@ RUN CGO_ENABLED=0 go build -trimpath -ldflags="-s -w -X main.version=${VERSION}"
 FROM gcr.io/distroless/static-debian12:nonroot
 COPY --from=build /out/ckptd /usr/local/bin/ckptd
 USER nonroot:nonroot
+# Healthy while the daemon serves on its socket and its storage answers.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=60s \
+  CMD ["/usr/local/bin/ckptd", "health", "--socket", "/run/ckptd/ckptd.sock"]
 ENTRYPOINT ["/usr/local/bin/ckptd"]
 CMD ["serve", "--socket", "/run/ckptd/ckptd.sock", "--storage", "/ckpt"]

@@ -1,0 +1,54 @@
+package test
+
+import (
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+// `ckptd health`, /healthz and /readyz: ready while storage answers, not
+// ready while it does not, ready again once it is back.
+func TestHealth(t *testing.T) {
+	srv, _, store := s3Store(t)
+	addr := closedAddr(t)
+	d := startDaemonEnv(t, store, srv.Env(), "--metrics-addr", addr, "--s3-retry-deadline", "1s")
+	get := func(path string) (int, string) {
+		resp, err := http.Get("http://" + addr + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	health := func() (string, error) {
+		out, stderr, err := ckptdCLI(t, "health", "--socket", d.socket)
+		return out + stderr, err
+	}
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(200 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not within 30s\n%s", what, d.logs())
+			}
+		}
+	}
+	if out, err := health(); err != nil || !strings.Contains(out, "serving") {
+		t.Fatalf("ckptd health on a ready daemon: %v %s", err, out)
+	}
+	if code, body := get("/readyz"); code != 200 {
+		t.Fatalf("/readyz: %d %s", code, body)
+	}
+	srv.Kill()
+	waitFor("/readyz turns unready", func() bool { code, _ := get("/readyz"); return code == 503 })
+	if code, _ := get("/healthz"); code != 200 {
+		t.Fatalf("/healthz while storage is down: %d (the process is alive)", code)
+	}
+	waitFor("ckptd health fails", func() bool { _, err := health(); return err != nil })
+	if err := srv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("ready again", func() bool { code, _ := get("/readyz"); _, err := health(); return code == 200 && err == nil })
+}
