@@ -1,6 +1,7 @@
 package test
 
 import (
+	"encoding/json"
 	"io"
 	"net/http"
 	"strings"
@@ -51,4 +52,30 @@ func TestHealth(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor("ready again", func() bool { code, _ := get("/readyz"); _, err := health(); return code == 200 && err == nil })
+}
+
+// --log-format json writes one JSON object per line, with one line per
+// save carrying the stable keys.
+func TestJSONLogs(t *testing.T) {
+	d := startDaemon(t, "", "--log-format", "json")
+	saveAndWait(t, d.client(), shard(1, 0, 1))
+	d.stop()
+	var saves int
+	for line := range strings.Lines(d.logs()) {
+		var rec map[string]any
+		if err := json.Unmarshal([]byte(line), &rec); err != nil {
+			t.Fatalf("not a JSON line: %q: %v", line, err)
+		}
+		if rec["msg"] == "save durable" {
+			saves++
+			for _, k := range []string{"job", "step", "rank", "attempt", "bytes", "duration"} {
+				if _, ok := rec[k]; !ok {
+					t.Errorf("the save line lacks %q: %s", k, line)
+				}
+			}
+		}
+	}
+	if saves != 1 {
+		t.Fatalf("%d save lines for one save:\n%s", saves, d.logs())
+	}
 }
