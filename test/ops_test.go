@@ -79,3 +79,20 @@ func TestJSONLogs(t *testing.T) {
 		t.Fatalf("%d save lines for one save:\n%s", saves, d.logs())
 	}
 }
+
+// A CLI command against a store that does not answer fails within its
+// short default deadline, in one line, not one warning per retry.
+func TestCLIDeadStoreFailsFast(t *testing.T) {
+	srv, _, store := s3Store(t)
+	env := withoutEndpoint(srv.Env())
+	env = append(env, "AWS_ENDPOINT_URL=http://"+closedAddr(t))
+	start := time.Now()
+	_, stderr, err := ckptdCLIEnv(t, env, "list", "--storage", store, "--job", "e2e")
+	took := time.Since(start)
+	if err == nil || took > 45*time.Second {
+		t.Fatalf("list against a dead store: %v after %s", err, took)
+	}
+	if lines := strings.Count(strings.TrimSpace(stderr), "\n") + 1; lines != 1 {
+		t.Fatalf("%d lines of stderr, want one:\n%s", lines, stderr)
+	}
+}

@@ -27,7 +27,7 @@ func newListCmd() *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE:  func(cmd *cobra.Command, _ []string) error { return runList(cmd.Context(), o, cmd.OutOrStdout()) },
 	}
-	o.storageOptions.register(cmd.Flags())
+	o.storageOptions.registerInteractive(cmd.Flags())
 	cmd.Flags().BoolVar(&o.JSON, "json", false, "print JSON")
 	cmd.Flags().BoolVar(&o.All, "all", false, "also show uncommitted attempts (half-written steps, a crashed run's ranks) and damaged steps; lists every object")
 	return cmd
