@@ -5,7 +5,7 @@ FUZZTIME ?= 50000x
 # What `ckptd --version` says: the commit, or the tag on it.
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
-.PHONY: all build run test lint test-go test-python fuzz bench bench-python bench-codec proto tools clean
+.PHONY: all build run test lint test-go test-python test-deploy fuzz bench bench-python bench-codec proto tools clean
 
 all: build
 
@@ -20,7 +20,7 @@ run: build
 
 # Everything CI checks: formatting, vet, generated code, the race-enabled
 # test suite (unit, conformance, end-to-end) and a short fuzz of every parser.
-test: tools lint test-go test-python fuzz
+test: tools lint test-go test-python test-deploy fuzz
 
 tools:
 	scripts/tools.sh
@@ -43,6 +43,12 @@ test-python:
 	.venv/bin/ruff check clients/python examples
 	.venv/bin/ruff format --check clients/python examples
 	.venv/bin/python -m pytest -q clients/python/tests
+
+# The deployment examples (deploy/): Kubernetes manifests against the API
+# types, flags against ckptd serve, the dashboard against the metrics. A
+# module of its own, so the Kubernetes types stay out of ckptd's.
+test-deploy:
+	cd deploy/validate && $(GO) mod tidy -diff && $(GO) vet ./... && $(GO) test -count=1 ./...
 
 fuzz:
 	FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
