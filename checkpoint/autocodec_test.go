@@ -6,8 +6,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ckptd/ckptd/internal/codec"
-	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/checkpoint/codec"
+	"github.com/ckptd/ckptd/checkpoint/dtype"
 	"github.com/ckptd/ckptd/storage"
 )
 

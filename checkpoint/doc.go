@@ -61,9 +61,11 @@
 // Chunk objects are relative to the job's folder, so a chunk may point into
 // an earlier step's object (incremental checkpoints); that is why Prune is
 // reference-aware. The hash is of the raw (decompressed) bytes. A chunk's
-// codec is what it was written with (package codec documents each: none,
-// zstd, lz4, float-bf16, float-f16, float-f32, float-f64), never "auto".
-// Readers reject any other format name or a version they do not know.
+// codec is what it was written with (package checkpoint/codec documents
+// each: none, zstd, lz4, float-bf16, float-f16, float-f32, float-f64), never
+// "auto". A tensor's dtype is one of package checkpoint/dtype's names (the
+// safetensors spellings). Readers reject any other format name or a version
+// they do not know.
 //
 // # Commit
 //

@@ -8,7 +8,7 @@ import (
 	"slices"
 	"time"
 
-	"github.com/ckptd/ckptd/internal/codec"
+	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/storage"
 )
 

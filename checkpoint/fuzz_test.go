@@ -5,7 +5,7 @@ import (
 	"encoding/json"
 	"testing"
 
-	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/checkpoint/dtype"
 )
 
 // tableFrom decodes fuzz bytes into a BeginSave tensor table: each entry

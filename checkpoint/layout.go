@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"sort"
 
-	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/checkpoint/dtype"
 )
 
 // MaxTensors bounds a tensor table, so a request cannot make the daemon

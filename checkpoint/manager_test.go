@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ckptd/ckptd/checkpoint/dtype"
 	"github.com/ckptd/ckptd/internal/arena"
-	"github.com/ckptd/ckptd/internal/dtype"
 )
 
 func newManager(t *testing.T, cfg ManagerConfig) *Manager {

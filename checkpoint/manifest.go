@@ -10,8 +10,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/ckptd/ckptd/internal/codec"
-	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/checkpoint/codec"
+	"github.com/ckptd/ckptd/checkpoint/dtype"
 	"github.com/ckptd/ckptd/storage"
 )
 

@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/checkpoint/dtype"
 )
 
 func TestValidateName(t *testing.T) {

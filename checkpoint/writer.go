@@ -9,7 +9,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ckptd/ckptd/internal/codec"
+	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/storage"
 )
 

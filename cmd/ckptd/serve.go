@@ -22,8 +22,8 @@ import (
 	"google.golang.org/grpc/keepalive"
 
 	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/internal/arena"
-	"github.com/ckptd/ckptd/internal/codec"
 	"github.com/ckptd/ckptd/internal/metrics"
 	"github.com/ckptd/ckptd/internal/peercred"
 	"github.com/ckptd/ckptd/internal/server"

@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/checkpoint/dtype"
 )
 
 // python returns an interpreter that can import safetensors and numpy:

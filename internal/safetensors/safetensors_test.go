@@ -13,7 +13,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/checkpoint/dtype"
 )
 
 var update = flag.Bool("update", false, "rewrite testdata/golden.safetensors")

@@ -14,7 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/ckptd/ckptd/checkpoint"
-	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/checkpoint/dtype"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 

@@ -10,9 +10,9 @@ import (
 
 	"golang.org/x/sync/errgroup"
 
+	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 	"github.com/ckptd/ckptd/internal/arena"
-	"github.com/ckptd/ckptd/internal/codec"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 	"github.com/ckptd/ckptd/storage/posix"
 )

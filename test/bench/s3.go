@@ -22,9 +22,9 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 	"github.com/ckptd/ckptd/internal/arena"
-	"github.com/ckptd/ckptd/internal/codec"
 	"github.com/ckptd/ckptd/internal/miniotest"
 	"github.com/ckptd/ckptd/internal/server"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"

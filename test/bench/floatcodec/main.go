@@ -21,8 +21,8 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/ckptd/ckptd/internal/codec"
-	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/checkpoint/codec"
+	"github.com/ckptd/ckptd/checkpoint/dtype"
 )
 
 type index struct {

@@ -4,7 +4,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/checkpoint/dtype"
 )
 
 // Synthetic measurements, in bytes per second per core, shaped like this

@@ -21,7 +21,7 @@ import (
 //
 // If the encoder's output changes on purpose (or a klauspost/compress
 // upgrade builds Huffman tables differently), the decode half must still
-// pass; then regenerate with: go test ./internal/codec -run Golden -update
+// pass; then regenerate with: go test ./checkpoint/codec -run Golden -update
 
 var update = flag.Bool("update", false, "rewrite the golden vectors in testdata")
 

@@ -1,6 +1,9 @@
 // Package dtype names the tensor element types ckptd understands and their
 // sizes. Names are the safetensors spellings ("F32", "BF16", ...), so a
 // tensor table can be written to a .safetensors header without translation.
+//
+// The names are written into manifests (see package checkpoint), so they
+// are a storage format: change them only by adding new ones.
 package dtype
 
 import (

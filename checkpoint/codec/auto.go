@@ -4,7 +4,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ckptd/ckptd/internal/dtype"
+	"github.com/ckptd/ckptd/checkpoint/dtype"
 )
 
 // ForDType returns the codec with the best ratio for chunks of d: the
