@@ -94,7 +94,7 @@ func (mgr *Manager) drain(l *lease) {
 			mgr.log.Warn("drain abandoned at shutdown; save stays journaled", "target", l.target)
 			return
 		}
-		mgr.m.Error("drain")
+		mgr.m.failed("drain")
 		mgr.log.Error("drain failed; retrying", "target", l.target, "in", backoff, "err", err)
 		mgr.setStateLocked(k, StateDraining, err)
 		if !mgr.sleep(backoff) {
@@ -219,7 +219,7 @@ func (mgr *Manager) tryCommit(ctx context.Context, t Target) bool {
 	rec, won, err := TryCommit(ctx, mgr.b, t.Job, t.Step, t.Attempt, t.WorldSize)
 	switch {
 	case err != nil:
-		mgr.m.Error("commit")
+		mgr.m.failed("commit")
 		mgr.log.Warn("commit check failed; waiters will retry", "target", t, "err", err)
 		return false
 	case rec == nil:

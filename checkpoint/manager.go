@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/ckptd/ckptd/internal/arena"
-	"github.com/ckptd/ckptd/internal/metrics"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -41,7 +40,7 @@ type ManagerConfig struct {
 	Drains  int
 	Writer  WriterOptions
 	Read    ReadOptions
-	Metrics *metrics.Checkpoint
+	Metrics *Metrics
 	Logger  *slog.Logger
 	// DrainDelay delays every drain; tests use it to crash the daemon
 	// while a save is accepted but not yet durable.
@@ -65,7 +64,7 @@ func (c *ManagerConfig) setDefaults() {
 		c.Drains = 2
 	}
 	if c.Metrics == nil {
-		c.Metrics = metrics.NewCheckpoint(nil)
+		c.Metrics = NewMetrics(nil)
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -104,7 +103,7 @@ type Manager struct {
 	b     storage.Backend
 	w     *Writer
 	log   *slog.Logger
-	m     *metrics.Checkpoint
+	m     *Metrics
 
 	mu      sync.Mutex
 	leases  map[string]*lease
@@ -422,7 +421,7 @@ func (mgr *Manager) alloc(ctx context.Context, n int64) (arena.Region, error) {
 		err = fmt.Errorf("%w; the shard must fit the staging arena: restart the daemon with --staging-bytes of at least %d", err, n)
 	}
 	if err != nil {
-		mgr.m.Error("alloc")
+		mgr.m.failed("alloc")
 		return r, err
 	}
 	mgr.m.ArenaUsed.Set(float64(mgr.arena.Used()))

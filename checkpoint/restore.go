@@ -46,7 +46,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, job string, step 
 	}
 	buf := BufferSink(mgr.arena.Bytes()[region.Offset : region.Offset+m.DataSize])
 	if err := store.ReadShard(ctx, m, buf, mgr.cfg.Read); err != nil {
-		mgr.m.Error("restore")
+		mgr.m.failed("restore")
 		mgr.mu.Lock()
 		mgr.freeRegion(region)
 		mgr.mu.Unlock()

@@ -139,7 +139,7 @@ func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (Target, int
 		l.committed = false
 		mgr.tables -= int64(len(metadata))
 		l.cost -= int64(len(metadata))
-		mgr.m.Error("journal")
+		mgr.m.failed("journal")
 		return Target{}, 0, err
 	}
 	mgr.setState(keyOf(l.target), StateStaged, nil)

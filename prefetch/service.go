@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/ckptd/ckptd/internal/arena"
-	"github.com/ckptd/ckptd/internal/metrics"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -55,7 +54,7 @@ type ServiceConfig struct {
 	Options     Options
 	Open        OpenFunc
 	Logger      *slog.Logger
-	Metrics     *metrics.Prefetch
+	Metrics     *Metrics
 }
 
 // Service runs dataset sessions for the daemon: one per rank's epoch, each
@@ -95,7 +94,7 @@ func NewService(a *arena.Arena, cfg ServiceConfig) (*Service, error) {
 		cfg.Logger = slog.Default()
 	}
 	if cfg.Metrics == nil {
-		cfg.Metrics = metrics.NewPrefetch(nil)
+		cfg.Metrics = NewMetrics(nil)
 	}
 	cfg.Options.setDefaults()
 	if cfg.ArenaBytes <= 0 {

@@ -10,8 +10,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/ckptd/ckptd/internal/metrics"
 )
 
 // session is one rank's epoch: a filler goroutine moves batches from the
@@ -39,7 +37,7 @@ type session struct {
 	closed  sync.Once
 	onClose func()       // after the ring is freed (releases the backend)
 	used    atomic.Int64 // unix nanos of the last call
-	m       *metrics.Prefetch
+	m       *Metrics
 
 	mu     sync.Mutex
 	gone   bool // closed: what a call still brings back is released at once
@@ -59,7 +57,7 @@ type heldDelivery struct {
 
 const fillerIterating = -1
 
-func newSession(id, owner string, it *Iterator, ring *Ring, slots int, m *metrics.Prefetch) *session {
+func newSession(id, owner string, it *Iterator, ring *Ring, slots int, m *Metrics) *session {
 	ctx, cancel := context.WithCancel(context.Background())
 	ss := &session{
 		id: id, owner: owner, it: it, ring: ring, filled: make(chan *Delivery, slots),

@@ -24,7 +24,6 @@ import (
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/internal/arena"
-	"github.com/ckptd/ckptd/internal/metrics"
 	"github.com/ckptd/ckptd/internal/peercred"
 	"github.com/ckptd/ckptd/internal/server"
 	"github.com/ckptd/ckptd/prefetch"
@@ -168,7 +167,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mgr, err := checkpoint.NewManager(a, b, checkpoint.ManagerConfig{
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes), ReuseFence: o.ReuseFence,
-		Drains: o.Drains, DrainDelay: o.DrainDelay, Logger: log, Metrics: metrics.NewCheckpoint(reg),
+		Drains: o.Drains, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
 	})
 	if err == nil {
@@ -184,7 +183,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	}
 	pf, err := prefetch.NewService(a, prefetch.ServiceConfig{
 		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
-		Logger: log, Metrics: metrics.NewPrefetch(reg), ArenaBytes: int64(o.DatasetArena), Allow: o.DatasetAllow,
+		Logger: log, Metrics: prefetch.NewMetrics(reg), ArenaBytes: int64(o.DatasetArena), Allow: o.DatasetAllow,
 		Options: prefetch.Options{ReadAheadBytes: int64(o.ReadAhead)},
 		Open: func(ctx context.Context, url string) (storage.Backend, error) {
 			return openStorage(ctx, url, &o.storageOptions, false)

@@ -1,16 +1,11 @@
-// Package metrics defines ckptd's Prometheus metrics. The core packages
-// take a *Checkpoint and update it directly; tests use an unregistered set
-// (NewCheckpoint(nil)).
-package metrics
+package checkpoint
 
-import (
-	"time"
+import "github.com/prometheus/client_golang/prometheus"
 
-	"github.com/prometheus/client_golang/prometheus"
-)
-
-// Checkpoint holds the metrics of the checkpoint path.
-type Checkpoint struct {
+// Metrics are the Prometheus metrics of the checkpoint path, which the
+// Manager updates as it works. ckptd serve registers them on its /metrics
+// registry; a Manager given none keeps an unregistered set.
+type Metrics struct {
 	StagedBytes  prometheus.Counter
 	DrainedBytes prometheus.Counter
 	StoredBytes  prometheus.Counter
@@ -35,10 +30,10 @@ type Checkpoint struct {
 	Quarantined prometheus.Counter
 }
 
-// NewCheckpoint creates the metrics and registers them with reg (nil: not
+// NewMetrics creates the metrics and registers them with reg (nil: not
 // registered, for tests).
-func NewCheckpoint(reg prometheus.Registerer) *Checkpoint {
-	m := &Checkpoint{
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
 		StagedBytes: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ckptd_staged_bytes_total", Help: "Tensor bytes accepted into the staging arena."}),
 		DrainedBytes: prometheus.NewCounter(prometheus.CounterOpts{
@@ -78,48 +73,9 @@ func NewCheckpoint(reg prometheus.Registerer) *Checkpoint {
 	return m
 }
 
-// Error counts an error of operation op.
-func (m *Checkpoint) Error(op string) {
+// failed counts an error of operation op.
+func (m *Metrics) failed(op string) {
 	if m != nil {
 		m.Errors.WithLabelValues(op).Inc()
 	}
-}
-
-// Since observes the seconds since start on h.
-func Since(h prometheus.Histogram, start time.Time) {
-	h.Observe(time.Since(start).Seconds())
-}
-
-// Prefetch holds the metrics of the dataset prefetcher.
-type Prefetch struct {
-	Wait        *prometheus.CounterVec // seconds trainers waited, by cause
-	Samples     prometheus.Counter
-	CacheHits   prometheus.Counter
-	CacheMisses prometheus.Counter
-	Corrupt     prometheus.Counter
-	Sessions    prometheus.Gauge
-}
-
-// NewPrefetch creates the prefetch metrics and registers them with reg
-// (nil: not registered).
-func NewPrefetch(reg prometheus.Registerer) *Prefetch {
-	m := &Prefetch{
-		Wait: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "ckptd_prefetch_wait_seconds_total",
-			Help: "Seconds trainers waited for a batch, by cause (storage, cache, ring, work)."}, []string{"cause"}),
-		Samples: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "ckptd_prefetch_samples_total", Help: "Samples delivered."}),
-		CacheHits: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "ckptd_prefetch_cache_hits_total", Help: "Shards served from the cache."}),
-		CacheMisses: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "ckptd_prefetch_cache_misses_total", Help: "Shards read from storage."}),
-		Corrupt: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "ckptd_prefetch_corrupt_shards_total", Help: "Shards skipped because they failed to parse."}),
-		Sessions: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "ckptd_prefetch_sessions", Help: "Open dataset sessions."}),
-	}
-	if reg != nil {
-		reg.MustRegister(m.Wait, m.Samples, m.CacheHits, m.CacheMisses, m.Corrupt, m.Sessions)
-	}
-	return m
 }
