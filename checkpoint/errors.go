@@ -22,6 +22,12 @@ var (
 	// ErrOverBudget: the memory set aside for open saves' tensor tables
 	// (ManagerConfig.TableBudget) is used up.
 	ErrOverBudget = errors.New("over budget")
+	// ErrArenaFull: no region of the staging arena came free within
+	// ManagerConfig.StagingWait (or the crash fence outlasted it).
+	ErrArenaFull = errors.New("arena full")
+	// ErrArenaTooLarge: the region asked for is larger than the whole
+	// staging arena.
+	ErrArenaTooLarge = errors.New("arena: request larger than the arena")
 )
 
 // CommittedError says a step is committed already, and by which attempt.

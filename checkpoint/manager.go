@@ -10,7 +10,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -19,7 +18,7 @@ type ManagerConfig struct {
 	// DefaultJob is used when a request names no job.
 	DefaultJob string
 	// StagingWait bounds how long BeginSave and BeginRestore wait for arena
-	// space before failing with arena.ErrFull (default 30s).
+	// space before failing with ErrArenaFull (default 30s).
 	StagingWait time.Duration
 	// LeaseTimeout ends save leases never committed and restore leases
 	// never released (default 30m). A lease whose owner is gone ends at
@@ -99,7 +98,7 @@ func (o Owner) gone() bool {
 // restores them into the arena. It knows nothing of gRPC.
 type Manager struct {
 	cfg   ManagerConfig
-	arena *arena.Arena
+	arena Arena
 	b     storage.Backend
 	w     *Writer
 	log   *slog.Logger
@@ -116,7 +115,7 @@ type Manager struct {
 	// held are the regions of expired leases whose owners live: a writer
 	// may still be copying into them, so they are not reused until the
 	// owner goes.
-	held     map[string][]arena.Region
+	held     map[string][]Region
 	watching map[string]bool // owners with a watchOwner goroutine
 	fence    time.Time       // no new regions before this (see ReuseFence)
 
@@ -140,8 +139,8 @@ type lease struct {
 	id        string
 	kind      leaseKind
 	owner     string
-	region    arena.Region // Length 0: nothing allocated
-	size      int64        // bytes of the region the lease covers
+	region    Region // Length 0: nothing allocated
+	size      int64  // bytes of the region the lease covers
 	target    Target
 	layout    *Layout
 	metadata  []byte
@@ -165,7 +164,7 @@ func (l *lease) info() LeaseInfo {
 // NewManager starts the checkpoint core on an open arena: it re-queues the
 // saves journaled by an earlier process (nothing acknowledged is lost) and
 // starts the drain workers. Close stops them.
-func NewManager(a *arena.Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error) {
+func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error) {
 	cfg.setDefaults()
 	if err := ValidateName("job", cfg.DefaultJob); err != nil {
 		return nil, fmt.Errorf("default job: %w", err)
@@ -177,7 +176,7 @@ func NewManager(a *arena.Arena, b storage.Backend, cfg ManagerConfig) (*Manager,
 	mgr := &Manager{
 		cfg: cfg, arena: a, b: b, w: w, log: cfg.Logger, m: cfg.Metrics,
 		leases: map[string]*lease{}, saves: map[saveKey]*saveStatus{},
-		held: map[string][]arena.Region{}, watching: map[string]bool{},
+		held: map[string][]Region{}, watching: map[string]bool{},
 		wake: make(chan struct{}, 1),
 	}
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
@@ -194,9 +193,6 @@ func NewManager(a *arena.Arena, b storage.Backend, cfg ManagerConfig) (*Manager,
 	mgr.wg.Go(mgr.reapLoop)
 	return mgr, nil
 }
-
-// Arena returns the staging arena.
-func (mgr *Manager) Arena() *arena.Arena { return mgr.arena }
 
 // DefaultJob returns the job used when a request names none.
 func (mgr *Manager) DefaultJob() string { return mgr.cfg.DefaultJob }
@@ -358,7 +354,7 @@ func (mgr *Manager) reap(now time.Time) {
 		mgr.m.LeasesReleased.WithLabelValues("expired").Inc()
 		if live {
 			mgr.held[l.owner] = append(mgr.held[l.owner], l.region)
-			l.region = arena.Region{}
+			l.region = Region{}
 		}
 		mgr.dropLease(l)
 	}
@@ -393,7 +389,7 @@ func (mgr *Manager) uncharge(l *lease) {
 	mgr.m.TableBytes.Set(float64(mgr.tables))
 }
 
-func (mgr *Manager) freeRegion(r arena.Region) {
+func (mgr *Manager) freeRegion(r Region) {
 	if r.Length == 0 {
 		return
 	}
@@ -403,9 +399,9 @@ func (mgr *Manager) freeRegion(r arena.Region) {
 	mgr.m.ArenaUsed.Set(float64(mgr.arena.Used()))
 }
 
-func (mgr *Manager) alloc(ctx context.Context, n int64) (arena.Region, error) {
+func (mgr *Manager) alloc(ctx context.Context, n int64) (Region, error) {
 	if n == 0 {
-		return arena.Region{}, nil
+		return Region{}, nil
 	}
 	ctx, cancel := context.WithTimeout(ctx, mgr.cfg.StagingWait)
 	defer cancel()
@@ -413,11 +409,11 @@ func (mgr *Manager) alloc(ctx context.Context, n int64) (arena.Region, error) {
 		select {
 		case <-time.After(wait):
 		case <-ctx.Done():
-			return arena.Region{}, fmt.Errorf("%w: the arena is fenced for %s after a crash (see --staging-wait): %w", arena.ErrFull, wait.Round(time.Millisecond), ctx.Err())
+			return Region{}, fmt.Errorf("%w: the arena is fenced for %s after a crash (see --staging-wait): %w", ErrArenaFull, wait.Round(time.Millisecond), ctx.Err())
 		}
 	}
 	r, err := mgr.arena.Alloc(ctx, n)
-	if errors.Is(err, arena.ErrTooLarge) {
+	if errors.Is(err, ErrArenaTooLarge) {
 		err = fmt.Errorf("%w; the shard must fit the staging arena: restart the daemon with --staging-bytes of at least %d", err, n)
 	}
 	if err != nil {

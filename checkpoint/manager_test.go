@@ -12,6 +12,31 @@ import (
 	"github.com/ckptd/ckptd/internal/arena"
 )
 
+// shmArena is the daemon's shared-memory arena as the Manager sees it, as
+// internal/server.CheckpointArena fits it for ckptd serve (which these
+// tests cannot import: it imports this package).
+type shmArena struct{ *arena.Arena }
+
+func (a shmArena) Alloc(ctx context.Context, n int64) (Region, error) {
+	r, err := a.Arena.Alloc(ctx, n)
+	return Region(r), err
+}
+
+func (a shmArena) Free(r Region) error    { return a.Arena.Free(arena.Region(r)) }
+func (a shmArena) Reserve(r Region) error { return a.Arena.Reserve(arena.Region(r)) }
+func (a shmArena) Journal() Journal       { return shmJournal{a.Arena.Journal()} }
+
+type shmJournal struct{ *arena.Journal }
+
+func (j shmJournal) List() ([]JournalEntry, error) {
+	entries, err := j.Journal.List()
+	out := make([]JournalEntry, len(entries))
+	for i, e := range entries {
+		out[i] = JournalEntry(e)
+	}
+	return out, err
+}
+
 func newManager(t *testing.T, cfg ManagerConfig) *Manager {
 	t.Helper()
 	b, _ := newBackend(t)
@@ -23,7 +48,7 @@ func newManager(t *testing.T, cfg ManagerConfig) *Manager {
 	}
 	t.Cleanup(func() { a.Close() })
 	cfg.DefaultJob = "job"
-	mgr, err := NewManager(a, b, cfg)
+	mgr, err := NewManager(shmArena{a}, b, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -158,7 +183,7 @@ func TestCrashFence(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer a.Close()
-	mgr, err := NewManager(a, b, ManagerConfig{DefaultJob: "job", ReuseFence: 300 * time.Millisecond, StagingWait: 5 * time.Second})
+	mgr, err := NewManager(shmArena{a}, b, ManagerConfig{DefaultJob: "job", ReuseFence: 300 * time.Millisecond, StagingWait: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

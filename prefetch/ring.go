@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"sync"
 	"time"
-
-	"github.com/ckptd/ckptd/internal/arena"
 )
 
 // FieldRef locates one field of a delivered sample in its region.
@@ -23,7 +21,7 @@ type SampleRef struct {
 
 // Delivery is a batch copied into a region of the arena.
 type Delivery struct {
-	Region   arena.Region
+	Region   Region
 	Samples  []SampleRef
 	Position int64
 	slot     bool // a ring slot (else a one-off region for an oversized batch)
@@ -38,21 +36,21 @@ type Delivery struct {
 // ring has slots. Slots and oversized regions are charged to the
 // datasets' share of the arena.
 type Ring struct {
-	a        *arena.Arena
+	a        Arena
 	budget   *arenaBudget
 	wait     time.Duration // for arena space for an oversized batch
 	slotSize int64
-	free     chan arena.Region
+	free     chan Region
 	turns    chan struct{} // one per delivery not released
 
 	mu     sync.Mutex
-	slots  []arena.Region // all, for Close
+	slots  []Region // all, for Close
 	closed bool
 }
 
-// NewRing charges n slots of slotSize bytes to budget and allocates them
+// newRing charges n slots of slotSize bytes to budget and allocates them
 // from a, waiting up to wait for room (for an oversized batch too).
-func NewRing(ctx context.Context, a *arena.Arena, budget *arenaBudget, n int, slotSize int64, wait time.Duration) (*Ring, error) {
+func newRing(ctx context.Context, a Arena, budget *arenaBudget, n int, slotSize int64, wait time.Duration) (*Ring, error) {
 	if n <= 0 || slotSize <= 0 {
 		return nil, fmt.Errorf("%w: ring of %d slots of %d bytes", ErrInvalid, n, slotSize)
 	}
@@ -60,7 +58,7 @@ func NewRing(ctx context.Context, a *arena.Arena, budget *arenaBudget, n int, sl
 	if err := budget.acquire(ctx, size, wait, fmt.Sprintf("a dataset session's ring (--ring-slots %d × --slot-bytes %d)", n, slotSize)); err != nil {
 		return nil, err
 	}
-	r := &Ring{a: a, budget: budget, wait: wait, slotSize: slotSize, free: make(chan arena.Region, n), turns: make(chan struct{}, n)}
+	r := &Ring{a: a, budget: budget, wait: wait, slotSize: slotSize, free: make(chan Region, n), turns: make(chan struct{}, n)}
 	actx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
 	for range n {

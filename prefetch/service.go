@@ -9,7 +9,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -62,7 +61,7 @@ type ServiceConfig struct {
 type Service struct {
 	cfg    ServiceConfig
 	allow  *allowList
-	arena  *arena.Arena
+	arena  Arena
 	budget *arenaBudget
 	cache  *Cache
 
@@ -77,7 +76,7 @@ type Service struct {
 }
 
 // NewService starts the prefetch service on the daemon's arena.
-func NewService(a *arena.Arena, cfg ServiceConfig) (*Service, error) {
+func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	if cfg.Slots <= 0 {
 		cfg.Slots = 4
 	}
@@ -146,9 +145,6 @@ func (s *Service) MemoryCeiling() int64 {
 	return s.cfg.CacheBytes + s.MaxSessions()*perSession
 }
 
-// ArenaID identifies the arena the rings live in.
-func (s *Service) ArenaID() string { return s.arena.ID() }
-
 // Cache returns the shard cache (for metrics).
 func (s *Service) Cache() *Cache { return s.cache }
 
@@ -193,7 +189,7 @@ func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, s
 		s.backends.release(br)
 		return "", Stats{}, err
 	}
-	ring, err := NewRing(ctx, s.arena, s.budget, s.cfg.Slots, s.cfg.SlotBytes, s.cfg.AllocWait)
+	ring, err := newRing(ctx, s.arena, s.budget, s.cfg.Slots, s.cfg.SlotBytes, s.cfg.AllocWait)
 	if err != nil {
 		it.Close()
 		s.backends.release(br)

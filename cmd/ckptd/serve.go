@@ -165,7 +165,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	o.Workers = reserveIOProc(o.Workers)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	mgr, err := checkpoint.NewManager(a, b, checkpoint.ManagerConfig{
+	mgr, err := checkpoint.NewManager(server.CheckpointArena(a), b, checkpoint.ManagerConfig{
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes), ReuseFence: o.ReuseFence,
 		Drains: o.Drains, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
@@ -181,7 +181,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	if err != nil {
 		return fail(err)
 	}
-	pf, err := prefetch.NewService(a, prefetch.ServiceConfig{
+	pf, err := prefetch.NewService(server.PrefetchArena(a), prefetch.ServiceConfig{
 		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
 		Logger: log, Metrics: prefetch.NewMetrics(reg), ArenaBytes: int64(o.DatasetArena), Allow: o.DatasetAllow,
 		Options: prefetch.Options{ReadAheadBytes: int64(o.ReadAhead)},
@@ -206,8 +206,8 @@ func runServe(ctx context.Context, o *serveOptions) error {
 		return fail(err)
 	}
 	srv := grpc.NewServer(append(server.Interceptors(), serverOptions()...)...)
-	server.Register(srv, mgr)
-	server.RegisterPrefetch(srv, pf)
+	server.Register(srv, mgr, a)
+	server.RegisterPrefetch(srv, pf, a)
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(srv, hs)
 	ready := newReadiness(b, o.Job, hs, log)

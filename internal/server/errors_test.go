@@ -33,6 +33,8 @@ func TestToStatus(t *testing.T) {
 		{wrap(&checkpoint.ChunkError{Step: 5, Rank: 1, Chunk: 3, Err: storage.ErrUnavailable}), codes.Unavailable, "STORAGE_UNAVAILABLE", map[string]string{"chunk": "3"}},
 		{wrap(checkpoint.ErrOverBudget), codes.ResourceExhausted, "OVER_BUDGET", nil},
 		{wrap(arena.ErrFull), codes.ResourceExhausted, "ARENA_FULL", nil},
+		{wrap(checkpoint.ErrArenaFull), codes.ResourceExhausted, "ARENA_FULL", nil},
+		{wrap(checkpoint.ErrArenaTooLarge), codes.ResourceExhausted, "TOO_LARGE", nil},
 		{wrap(arena.ErrClosed), codes.Unavailable, "SHUTTING_DOWN", nil},
 		{wrap(&prefetch.ShardError{Shard: "train-1.tar", Detail: "bad"}), codes.DataLoss, "CORRUPT", map[string]string{"shard": "train-1.tar"}},
 		{wrap(prefetch.ErrNotAllowed), codes.PermissionDenied, "PERMISSION_DENIED", nil},

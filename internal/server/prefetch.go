@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/peercred"
 	"github.com/ckptd/ckptd/prefetch"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
@@ -19,12 +20,14 @@ import (
 // Prefetch implements pb.PrefetchServer.
 type Prefetch struct {
 	pb.UnimplementedPrefetchServer
-	svc *prefetch.Service
+	svc   *prefetch.Service
+	arena *arena.Arena
 }
 
-// RegisterPrefetch adds the prefetch service for svc to s.
-func RegisterPrefetch(s *grpc.Server, svc *prefetch.Service) {
-	pb.RegisterPrefetchServer(s, &Prefetch{svc: svc})
+// RegisterPrefetch adds the prefetch service for svc to s; a is the arena
+// its batches are delivered in (PrefetchArena(a)).
+func RegisterPrefetch(s *grpc.Server, svc *prefetch.Service, a *arena.Arena) {
+	pb.RegisterPrefetchServer(s, &Prefetch{svc: svc, arena: a})
 }
 
 // pfOwner is the connection a call came on: what it opens belongs to it
@@ -77,7 +80,7 @@ func (p *Prefetch) NextBatch(ctx context.Context, req *pb.NextBatchRequest) (*pb
 		return nil, toStatus(err)
 	}
 	resp := &pb.NextBatchResponse{
-		Lease:    &pb.Lease{Id: lease, Offset: uint64(d.Region.Offset), Length: uint64(d.Region.Length), ArenaId: p.svc.ArenaID()},
+		Lease:    &pb.Lease{Id: lease, Offset: uint64(d.Region.Offset), Length: uint64(d.Region.Length), ArenaId: p.arena.ID()},
 		Position: d.Position, Stats: toPrefetchStats(st), Samples: make([]*pb.Sample, len(d.Samples)),
 	}
 	for i, s := range d.Samples {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/dtype"
+	"github.com/ckptd/ckptd/internal/arena"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
@@ -24,16 +25,18 @@ const streamChunk = 1 << 20
 // Checkpoint implements pb.CheckpointServer.
 type Checkpoint struct {
 	pb.UnimplementedCheckpointServer
-	mgr *checkpoint.Manager
+	mgr   *checkpoint.Manager
+	arena *arena.Arena
 }
 
-// Register adds the checkpoint service for mgr to s.
-func Register(s *grpc.Server, mgr *checkpoint.Manager) {
-	pb.RegisterCheckpointServer(s, &Checkpoint{mgr: mgr})
+// Register adds the checkpoint service for mgr to s; a is mgr's arena
+// (CheckpointArena(a)), which clients map.
+func Register(s *grpc.Server, mgr *checkpoint.Manager, a *arena.Arena) {
+	pb.RegisterCheckpointServer(s, &Checkpoint{mgr: mgr, arena: a})
 }
 
 func (s *Checkpoint) GetArena(context.Context, *pb.GetArenaRequest) (*pb.ArenaInfo, error) {
-	a := s.mgr.Arena()
+	a := s.arena
 	return &pb.ArenaInfo{Path: a.Path(), Size: uint64(a.Size()), Locked: a.Locked(), DefaultJob: s.mgr.DefaultJob(), Id: a.ID()}, nil
 }
 
@@ -215,7 +218,7 @@ func toTensors(ts []checkpoint.Tensor) []*pb.Tensor {
 }
 
 func (s *Checkpoint) toLease(l checkpoint.LeaseInfo) *pb.Lease {
-	return &pb.Lease{Id: l.ID, Offset: uint64(l.Offset), Length: uint64(l.Length), ArenaId: s.mgr.Arena().ID()}
+	return &pb.Lease{Id: l.ID, Offset: uint64(l.Offset), Length: uint64(l.Length), ArenaId: s.arena.ID()}
 }
 
 func toHeader(h *checkpoint.RestoreHeader) *pb.RestoreHeader {

@@ -100,7 +100,7 @@ func startDaemonOn(cfg config, b storage.Backend, work, name string) (*daemon, e
 	if err != nil {
 		return nil, err
 	}
-	mgr, err := checkpoint.NewManager(a, b, checkpoint.ManagerConfig{
+	mgr, err := checkpoint.NewManager(server.CheckpointArena(a), b, checkpoint.ManagerConfig{
 		DefaultJob: "bench",
 		Writer:     checkpoint.WriterOptions{ChunkSize: cfg.chunkSize, Codec: cfg.codec, Workers: cfg.workers},
 		Read:       checkpoint.ReadOptions{Concurrency: restoreStreams},
@@ -115,7 +115,7 @@ func startDaemonOn(cfg config, b storage.Backend, work, name string) (*daemon, e
 		return nil, err
 	}
 	srv := grpc.NewServer()
-	server.Register(srv, mgr)
+	server.Register(srv, mgr, a)
 	go func() { _ = srv.Serve(lis) }()
 	c, err := ckptd.Dial(sock)
 	if err != nil {
