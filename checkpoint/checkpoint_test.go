@@ -74,7 +74,7 @@ func writeStep(t *testing.T, b storage.Backend, w *Writer, step int64, world int
 		if _, err := w.WriteShard(context.Background(), sh); err != nil {
 			t.Fatal(err)
 		}
-		rec, won, err := TryCommit(context.Background(), b, "job", step, testAttempt, world)
+		rec, won, err := (&Store{B: b, Job: "job"}).TryCommit(context.Background(), step, testAttempt, world)
 		if ok := rec != nil; err != nil || ok != (rank == world-1) || won != ok {
 			t.Fatalf("TryCommit after rank %d = %v, %v", rank, rec, err)
 		}
@@ -175,7 +175,7 @@ func TestCommitNeedsAllRanks(t *testing.T) {
 		t.Fatal(err)
 	}
 	store, _ := NewStore(b, "job")
-	if rec, _, _ := TryCommit(context.Background(), b, "job", 1, testAttempt, 3); rec != nil {
+	if rec, _, _ := store.TryCommit(context.Background(), 1, testAttempt, 3); rec != nil {
 		t.Fatal("committed with 1 of 3 ranks")
 	}
 	if steps, _ := store.Steps(context.Background()); len(steps) != 0 {
@@ -187,10 +187,10 @@ func TestCommitNeedsAllRanks(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if rec, won, err := TryCommit(context.Background(), b, "job", 1, testAttempt, 3); rec == nil || !won || err != nil {
+	if rec, won, err := store.TryCommit(context.Background(), 1, testAttempt, 3); rec == nil || !won || err != nil {
 		t.Fatalf("TryCommit = %v, %v, %v", rec, won, err)
 	}
-	if rec, won, err := TryCommit(context.Background(), b, "job", 1, testAttempt, 3); rec == nil || won || err != nil {
+	if rec, won, err := store.TryCommit(context.Background(), 1, testAttempt, 3); rec == nil || won || err != nil {
 		t.Fatalf("second TryCommit = %v, %v, %v", rec, won, err)
 	}
 }

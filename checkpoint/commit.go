@@ -13,7 +13,7 @@ import (
 )
 
 // TryCommit commits step for attempt when all world_size of that
-// attempt's rank manifests are in storage, creating COMMIT.json only if
+// attempt's rank manifests are in the store, creating COMMIT.json only if
 // absent. Manifests of other attempts never count, so a committed step
 // holds the ranks of exactly one run of the job. It decides from storage,
 // not from memory, so sidecars on several nodes sharing a store need no
@@ -23,20 +23,19 @@ import (
 // call or earlier, by this attempt or another (the caller compares
 // rec.Attempt), and whether this call wrote it. A nil record and nil
 // error mean the attempt's manifests are not all there yet.
-func TryCommit(ctx context.Context, b storage.Backend, job string, step int64, attempt string, worldSize int) (rec *CommitRecord, won bool, err error) {
-	t := Target{Job: job, Step: step, WorldSize: worldSize, Attempt: attempt}
+func (s *Store) TryCommit(ctx context.Context, step int64, attempt string, worldSize int) (rec *CommitRecord, won bool, err error) {
+	t := Target{Job: s.Job, Step: step, WorldSize: worldSize, Attempt: attempt}
 	if err := t.Validate(); err != nil {
 		return nil, false, err
 	}
-	s := &Store{B: b, Job: job}
 	if rec, err := s.readCommit(ctx, step); !errors.Is(err, storage.ErrNotFound) {
 		return rec, false, err
 	}
-	names, err := listManifests(ctx, b, job, step, attempt)
+	names, err := s.listManifests(ctx, step, attempt)
 	if err != nil || len(names) < worldSize {
 		return nil, false, err
 	}
-	rec, err = summarize(ctx, b, t, names)
+	rec, err = s.summarize(ctx, t, names)
 	if err != nil {
 		return nil, false, err
 	}
@@ -44,7 +43,7 @@ func TryCommit(ctx context.Context, b storage.Backend, job string, step int64, a
 	if err != nil {
 		return nil, false, err
 	}
-	err = b.PutIfAbsent(ctx, commitName(job, step), data)
+	err = s.B.PutIfAbsent(ctx, commitName(s.Job, step), data)
 	if errors.Is(err, storage.ErrExists) { // another sidecar (or attempt) won
 		rec, err = s.readCommit(ctx, step)
 		return rec, false, err
@@ -55,10 +54,21 @@ func TryCommit(ctx context.Context, b storage.Backend, job string, step int64, a
 	return rec, true, nil
 }
 
+// removeRank deletes what a drain of t wrote, best effort: the step was
+// committed by another attempt, so it is garbage (prune would remove it
+// later if this fails).
+func (s *Store) removeRank(ctx context.Context, t Target) {
+	for _, name := range []string{manifestName(t), inJob(t.Job, dataObject(t.Step, t.Attempt, t.Rank))} {
+		if err := s.B.Delete(ctx, name); err != nil {
+			s.log().Warn("could not remove the objects of a save its step will never use; prune removes them", "object", name, "err", err)
+		}
+	}
+}
+
 // listManifests lists the manifests of one attempt of a step.
-func listManifests(ctx context.Context, b storage.Backend, job string, step int64, attempt string) ([]string, error) {
+func (s *Store) listManifests(ctx context.Context, step int64, attempt string) ([]string, error) {
 	var names []string
-	err := b.List(ctx, inJob(job, attemptDir(step, attempt)), func(oi storage.ObjectInfo) error {
+	err := s.B.List(ctx, inJob(s.Job, attemptDir(step, attempt)), func(oi storage.ObjectInfo) error {
 		if strings.HasSuffix(oi.Name, manifestSuffix) {
 			names = append(names, oi.Name)
 		}
@@ -69,13 +79,13 @@ func listManifests(ctx context.Context, b storage.Backend, job string, step int6
 
 // summarize reads every manifest of the attempt, checks that they describe
 // ranks 0..worldSize-1 of it, and builds the commit record.
-func summarize(ctx context.Context, b storage.Backend, t Target, names []string) (*CommitRecord, error) {
+func (s *Store) summarize(ctx context.Context, t Target, names []string) (*CommitRecord, error) {
 	rec := &CommitRecord{
 		Format: CommitFormat, Version: CommitVersion, Job: t.Job, Step: t.Step, Attempt: t.Attempt,
 		WorldSize: t.WorldSize, CommittedAt: time.Now().UTC(), Manifests: make([]ManifestRef, t.WorldSize),
 	}
 	for _, name := range names {
-		data, err := readObject(ctx, b, name, maxManifestBytes)
+		data, err := s.readObject(ctx, name, maxManifestBytes)
 		if err != nil {
 			return nil, err
 		}
@@ -99,15 +109,17 @@ func summarize(ctx context.Context, b storage.Backend, t Target, names []string)
 	return rec, nil
 }
 
-func readManifest(ctx context.Context, b storage.Backend, name string) (*Manifest, error) {
-	m, _, err := readManifestHash(ctx, b, name)
+// readManifest reads and parses the manifest object name (relative to
+// the store's root, like every name below).
+func (s *Store) readManifest(ctx context.Context, name string) (*Manifest, error) {
+	m, _, err := s.readManifestHash(ctx, name)
 	return m, err
 }
 
 // readManifestHash reads and parses a manifest and returns the hash of its
 // bytes, which a commit record pins.
-func readManifestHash(ctx context.Context, b storage.Backend, name string) (*Manifest, string, error) {
-	data, err := readObject(ctx, b, name, maxManifestBytes)
+func (s *Store) readManifestHash(ctx context.Context, name string) (*Manifest, string, error) {
+	data, err := s.readObject(ctx, name, maxManifestBytes)
 	if err != nil {
 		return nil, "", err
 	}
@@ -118,8 +130,8 @@ func readManifestHash(ctx context.Context, b storage.Backend, name string) (*Man
 	return m, codec.FormatHash(codec.Hash(data)), nil
 }
 
-func readObject(ctx context.Context, b storage.Backend, name string, limit int64) ([]byte, error) {
-	rc, err := b.Get(ctx, name, 0, -1)
+func (s *Store) readObject(ctx context.Context, name string, limit int64) ([]byte, error) {
+	rc, err := s.B.Get(ctx, name, 0, -1)
 	if err != nil {
 		return nil, err
 	}

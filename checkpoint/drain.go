@@ -122,16 +122,17 @@ func (mgr *Manager) drain(l *lease) {
 //   - not committed, nothing or other bytes stored: write.
 func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) {
 	t := sh.Target
-	rec, err := mgr.store(t.Job).readCommit(mgr.ctx, t.Step)
+	s := mgr.store(t.Job)
+	rec, err := s.readCommit(mgr.ctx, t.Step)
 	if err != nil && !errors.Is(err, storage.ErrNotFound) {
 		return nil, false, fmt.Errorf("check step %d: %w", t.Step, err) // retried
 	}
-	stored, err := readManifest(mgr.ctx, mgr.b, manifestName(t))
+	stored, err := s.readManifest(mgr.ctx, manifestName(t))
 	switch {
 	case err != nil && !errors.Is(err, storage.ErrNotFound) && !errors.Is(err, ErrCorrupt) && !errors.Is(err, ErrInvalid):
 		return nil, false, fmt.Errorf("read the stored copy of %s: %w", t, err) // retried
 	case rec != nil && rec.Attempt != t.Attempt:
-		mgr.removeRank(t) // an earlier drain of this save may have written some of it
+		s.removeRank(mgr.ctx, t) // an earlier drain of this save may have written some of it
 		return nil, false, &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Detail: "this save was not written"}
 	case err == nil && holdsSame(stored, sh):
 		mgr.log.Warn("rank already stored with these bytes; not rewritten", "target", t)
@@ -142,17 +143,6 @@ func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) 
 	}
 	m, err = mgr.w.WriteShard(mgr.ctx, sh)
 	return m, false, err
-}
-
-// removeRank deletes what a drain of t wrote, best effort: the step was
-// committed by another attempt, so it is garbage (prune would remove it
-// later if this fails).
-func (mgr *Manager) removeRank(t Target) {
-	for _, name := range []string{manifestName(t), inJob(t.Job, dataObject(t.Step, t.Attempt, t.Rank))} {
-		if err := mgr.b.Delete(mgr.ctx, name); err != nil {
-			mgr.log.Warn("could not remove the objects of a save its step will never use; prune removes them", "object", name, "err", err)
-		}
-	}
 }
 
 // holdsSame reports whether m describes exactly sh: same target, tensors
@@ -216,7 +206,8 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.T
 // committed the step (t's objects are then garbage, and removed). It
 // reports whether the step is committed, by any attempt.
 func (mgr *Manager) tryCommit(ctx context.Context, t Target) bool {
-	rec, won, err := TryCommit(ctx, mgr.b, t.Job, t.Step, t.Attempt, t.WorldSize)
+	s := mgr.store(t.Job)
+	rec, won, err := s.TryCommit(ctx, t.Step, t.Attempt, t.WorldSize)
 	switch {
 	case err != nil:
 		mgr.m.failed("commit")
@@ -230,7 +221,7 @@ func (mgr *Manager) tryCommit(ctx context.Context, t Target) bool {
 			mgr.log.Info("step committed", "job", t.Job, "step", t.Step, "attempt", t.Attempt, "world_size", t.WorldSize)
 		}
 	default:
-		mgr.removeRank(t)
+		s.removeRank(mgr.ctx, t)
 		err := &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Detail: "this attempt's ranks were removed"}
 		mgr.log.Warn("another attempt committed the step; this save's objects removed", "target", t, "committed_attempt", rec.Attempt)
 		mgr.markDone(keyOf(t), StateFailed, err)

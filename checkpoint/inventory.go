@@ -118,7 +118,7 @@ func (s *Store) stepInventory(ctx context.Context, step int64) (StepInventory, e
 func (s *Store) worldSizeOf(ctx context.Context, a *AttemptInfo) int {
 	for _, oi := range a.objects {
 		if strings.HasSuffix(oi.Name, manifestSuffix) {
-			if m, err := readManifest(ctx, s.B, oi.Name); err == nil {
+			if m, err := s.readManifest(ctx, oi.Name); err == nil {
 				return m.WorldSize
 			}
 		}

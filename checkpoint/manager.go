@@ -206,6 +206,16 @@ func (mgr *Manager) store(job string) *Store {
 	return &Store{B: mgr.b, Job: job, Log: mgr.log}
 }
 
+// jobStore is the Store of the job a request names (the default job when
+// it names none), once its name is checked.
+func (mgr *Manager) jobStore(job string) (*Store, error) {
+	job = mgr.job(job)
+	if err := ValidateName("job", job); err != nil {
+		return nil, err
+	}
+	return mgr.store(job), nil
+}
+
 func (mgr *Manager) job(j string) string {
 	if j == "" {
 		return mgr.cfg.DefaultJob

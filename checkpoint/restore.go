@@ -21,11 +21,10 @@ type RestoreHeader struct {
 // The caller reads the region and then calls Release; the region is freed
 // too when owner goes away.
 func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, job string, step int64, latest bool, rank int) (LeaseInfo, *RestoreHeader, error) {
-	store, err := NewStore(mgr.b, mgr.job(job))
+	store, err := mgr.jobStore(job)
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
-	store.Log = mgr.log
 	rec, err := store.Resolve(ctx, step, latest)
 	if err != nil {
 		return LeaseInfo{}, nil, err
@@ -94,10 +93,9 @@ func (mgr *Manager) Bytes(o Owner, id string) ([]byte, error) {
 
 // Steps lists the committed steps of job, oldest first.
 func (mgr *Manager) Steps(ctx context.Context, job string) ([]*CommitRecord, error) {
-	store, err := NewStore(mgr.b, mgr.job(job))
+	store, err := mgr.jobStore(job)
 	if err != nil {
 		return nil, err
 	}
-	store.Log = mgr.log
 	return store.Steps(ctx)
 }

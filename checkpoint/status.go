@@ -95,7 +95,7 @@ type WaitResult struct {
 // the last rank tries to commit, but if that attempt failed (a storage
 // error, a daemon that died just then, on whichever node it ran), nobody
 // else would ever commit the step, and every rank would wait forever.
-// TryCommit is idempotent and decides from storage, so a waiter retrying
+// Store.TryCommit is idempotent and decides from storage, so a waiter retrying
 // it is safe.
 func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int, attempt string) (WaitResult, error) {
 	k := saveKey{mgr.job(job), step, rank, attempt}
@@ -178,7 +178,7 @@ func (mgr *Manager) stateFromStorage(ctx context.Context, k saveKey) (WaitResult
 	if k.attempt == "" {
 		return WaitResult{}, notFound
 	}
-	m, err := readManifest(ctx, mgr.b, manifestName(Target{Job: k.job, Step: k.step, Rank: k.rank, Attempt: k.attempt}))
+	m, err := mgr.store(k.job).readManifest(ctx, manifestName(Target{Job: k.job, Step: k.step, Rank: k.rank, Attempt: k.attempt}))
 	if err != nil {
 		if !errors.Is(err, storage.ErrNotFound) { // corrupt, or storage down: not "unknown"
 			return WaitResult{}, err

@@ -13,8 +13,9 @@ import (
 	"github.com/ckptd/ckptd/storage"
 )
 
-// Store reads one job's checkpoints. It is what `ckptd list`, `verify`,
-// `restore` and `prune` use directly, with no daemon running.
+// Store reads and commits one job's checkpoints. The Manager commits
+// steps through it (TryCommit); `ckptd list`, `verify`, `restore` and
+// `prune` use it directly, with no daemon running.
 type Store struct {
 	B   storage.Backend
 	Job string
@@ -171,7 +172,7 @@ func (s *Store) Committed(ctx context.Context, step int64) (bool, error) {
 
 func (s *Store) readCommit(ctx context.Context, step int64) (*CommitRecord, error) {
 	name := commitName(s.Job, step)
-	data, err := readObject(ctx, s.B, name, maxCommitBytes)
+	data, err := s.readObject(ctx, name, maxCommitBytes)
 	if err != nil {
 		return nil, err
 	}
@@ -192,7 +193,7 @@ func (s *Store) Manifest(ctx context.Context, rec *CommitRecord, rank int) (*Man
 		return nil, fmt.Errorf("%w: rank %d out of range: step %d has world size %d", ErrInvalid, rank, rec.Step, rec.WorldSize)
 	}
 	obj, want := rec.manifestObject(rank)
-	m, got, err := readManifestHash(ctx, s.B, inJob(s.Job, obj))
+	m, got, err := s.readManifestHash(ctx, inJob(s.Job, obj))
 	if err != nil {
 		return nil, fmt.Errorf("step %d rank %d: %w", rec.Step, rank, err)
 	}

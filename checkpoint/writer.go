@@ -100,7 +100,7 @@ type Shard struct {
 }
 
 // WriteShard makes a shard durable: its chunks, then its manifest, in the
-// folder of its attempt. It does not commit the step (see TryCommit). Data
+// folder of its attempt. It does not commit the step (see Store.TryCommit). Data
 // is only read.
 func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (*Manifest, error) {
 	if err := sh.Target.Validate(); err != nil {

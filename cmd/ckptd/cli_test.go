@@ -123,7 +123,7 @@ func writeStep(t *testing.T, root string) []byte {
 	if _, err := w.WriteShard(context.Background(), sh); err != nil {
 		t.Fatal(err)
 	}
-	if rec, _, err := checkpoint.TryCommit(context.Background(), b, "j", 1, "a", 1); rec == nil || err != nil {
+	if rec, _, err := (&checkpoint.Store{B: b, Job: "j"}).TryCommit(context.Background(), 1, "a", 1); rec == nil || err != nil {
 		t.Fatalf("commit: %v %v", rec, err)
 	}
 	return data
