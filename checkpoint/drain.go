@@ -12,11 +12,43 @@ import (
 	"github.com/ckptd/ckptd/storage"
 )
 
+// drainQueue is the accepted saves waiting for a drain worker, oldest
+// first. Manager.mu guards saves; wake is signalled when the queue grows
+// and when the Manager closes.
+type drainQueue struct {
+	saves []*lease
+	wake  chan struct{}
+}
+
+func (q *drainQueue) push(l *lease) {
+	q.saves = append(q.saves, l)
+	q.signal()
+}
+
+// pop takes the oldest save off the queue, or returns nil.
+func (q *drainQueue) pop() *lease {
+	if len(q.saves) == 0 {
+		return nil
+	}
+	l := q.saves[0]
+	q.saves = q.saves[1:]
+	if len(q.saves) > 0 {
+		q.signal() // pass the wake-up on to another drain worker
+	}
+	return l
+}
+
+func (q *drainQueue) signal() {
+	select {
+	case q.wake <- struct{}{}:
+	default:
+	}
+}
+
 // enqueue adds an accepted save to the drain queue. Call with mu.
 func (mgr *Manager) enqueue(l *lease) {
-	mgr.queue = append(mgr.queue, l)
+	mgr.queue.push(l)
 	mgr.m.QueueDepth.Inc()
-	mgr.signal()
 }
 
 // next pops the oldest queued save, waiting for one; it returns nil when
@@ -24,25 +56,17 @@ func (mgr *Manager) enqueue(l *lease) {
 func (mgr *Manager) next() *lease {
 	for {
 		mgr.mu.Lock()
-		if len(mgr.queue) > 0 {
-			l := mgr.queue[0]
-			mgr.queue = mgr.queue[1:]
-			mgr.active++
-			more := len(mgr.queue) > 0
-			mgr.mu.Unlock()
-			if more {
-				mgr.signal() // pass the wake-up on to another drain worker
-			}
-			return l
-		}
-		closing := mgr.closing
+		l, closing := mgr.queue.pop(), mgr.closing
 		mgr.mu.Unlock()
-		if closing {
-			mgr.signal() // let the other workers see it too
+		switch {
+		case l != nil:
+			return l
+		case closing:
+			mgr.queue.signal() // let the other workers see it too
 			return nil
 		}
 		select {
-		case <-mgr.wake:
+		case <-mgr.queue.wake:
 		case <-mgr.ctx.Done():
 			return nil
 		}
@@ -51,15 +75,8 @@ func (mgr *Manager) next() *lease {
 
 // drainLoop is one drain worker; NewManager starts Drains of them.
 func (mgr *Manager) drainLoop() {
-	for {
-		l := mgr.next()
-		if l == nil {
-			return
-		}
+	for l := mgr.next(); l != nil; l = mgr.next() {
 		mgr.drain(l)
-		mgr.mu.Lock()
-		mgr.active--
-		mgr.mu.Unlock()
 	}
 }
 
@@ -173,8 +190,7 @@ func (mgr *Manager) endDrain(l *lease, state State, err error) {
 		mgr.log.Error("journal delete failed", "lease", l.id, "err", jerr)
 	}
 	mgr.mu.Lock()
-	delete(mgr.leases, l.id)
-	mgr.uncharge(l)
+	mgr.leases.remove(l)
 	mgr.freeRegion(l.region)
 	mgr.setState(keyOf(l.target), state, err)
 	mgr.mu.Unlock()

@@ -126,7 +126,7 @@ func TestExpiredLeaseFenced(t *testing.T) {
 	eventually(t, "lease expired", func() bool {
 		mgr.mu.Lock()
 		defer mgr.mu.Unlock()
-		return mgr.leases[info.ID] == nil
+		return mgr.leases.byID[info.ID] == nil
 	})
 	if _, _, err := mgr.CommitSave(o, info.ID, nil); !errors.Is(err, ErrUnknownLease) {
 		t.Fatalf("commit of an expired lease: %v", err)

@@ -71,7 +71,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, job string, step 
 func (mgr *Manager) Release(o Owner, id string) error {
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
-	l := mgr.lookup(id, o)
+	l := mgr.leases.lookup(id, o)
 	if l == nil || l.committed {
 		return fmt.Errorf("%w: no releasable lease %q", ErrUnknownLease, id)
 	}
@@ -84,7 +84,7 @@ func (mgr *Manager) Release(o Owner, id string) error {
 func (mgr *Manager) Bytes(o Owner, id string) ([]byte, error) {
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
-	l := mgr.lookup(id, o)
+	l := mgr.leases.lookup(id, o)
 	if l == nil {
 		return nil, fmt.Errorf("%w: %q", ErrUnknownLease, id)
 	}

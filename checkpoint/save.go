@@ -37,7 +37,7 @@ func (mgr *Manager) BeginSave(ctx context.Context, o Owner, t Target, tensors []
 	defer mgr.mu.Unlock()
 	if err != nil {
 		mgr.clearStaging(t)
-		mgr.uncharge(l)
+		mgr.leases.uncharge(l)
 		return LeaseInfo{}, fmt.Errorf("stage %s: %w", t, err)
 	}
 	l.region, l.expires = region, time.Now().Add(mgr.cfg.LeaseTimeout)
@@ -64,7 +64,7 @@ func (mgr *Manager) reserveSave(ctx context.Context, l *lease) error {
 	if st := mgr.saves[k]; st != nil && st.state != StateFailed && st.state != StateCommitted {
 		return &InProgressError{Target: t, State: st.state}
 	}
-	if err := mgr.charge(l, tableCost(l.layout)); err != nil {
+	if err := mgr.leases.charge(l, tableCost(l.layout)); err != nil {
 		return err
 	}
 	mgr.setState(k, StateStaging, nil)
@@ -116,12 +116,12 @@ func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (Target, int
 		return Target{}, 0, fmt.Errorf("%w: metadata is %d bytes, more than %d", ErrInvalid, len(metadata), MaxMetadata)
 	}
 	mgr.mu.Lock()
-	l := mgr.lookup(id, o)
+	l := mgr.leases.lookup(id, o)
 	if l == nil || l.kind != saveLease || l.committed {
 		mgr.mu.Unlock()
 		return Target{}, 0, fmt.Errorf("%w: no open save lease %q (expired, aborted, or never granted to this connection)", ErrUnknownLease, id)
 	}
-	if err := mgr.charge(l, int64(len(metadata))); err != nil {
+	if err := mgr.leases.charge(l, int64(len(metadata))); err != nil {
 		mgr.mu.Unlock()
 		return Target{}, 0, err
 	}
@@ -137,8 +137,7 @@ func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (Target, int
 	defer mgr.mu.Unlock()
 	if err != nil {
 		l.committed = false
-		mgr.tables -= int64(len(metadata))
-		l.cost -= int64(len(metadata))
+		mgr.leases.refund(l, int64(len(metadata)))
 		mgr.m.failed("journal")
 		return Target{}, 0, err
 	}
@@ -153,7 +152,7 @@ func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (Target, int
 func (mgr *Manager) AbortSave(o Owner, id string) error {
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
-	l := mgr.lookup(id, o)
+	l := mgr.leases.lookup(id, o)
 	if l == nil || l.kind != saveLease || l.committed {
 		return fmt.Errorf("%w: no open save lease %q", ErrUnknownLease, id)
 	}
@@ -228,15 +227,13 @@ func (mgr *Manager) recover() error {
 			continue
 		}
 		l.id = e.ID
-		mgr.leases[l.id] = l
-		l.cost = tableCost(l.layout) + int64(len(l.metadata)) // booked even past the budget: it is acknowledged
-		mgr.tables += l.cost
+		mgr.leases.add(l, "")
+		mgr.leases.book(l) // even past the budget: it is acknowledged
 		mgr.setState(keyOf(l.target), StateStaged, nil)
 		mgr.saves[keyOf(l.target)].worldSize = l.target.WorldSize
 		mgr.enqueue(l)
 		mgr.log.Info("recovered staged save", "target", l.target, "bytes", l.layout.DataSize)
 	}
-	mgr.m.TableBytes.Set(float64(mgr.tables))
 	mgr.m.ArenaUsed.Set(float64(mgr.arena.Used()))
 	return nil
 }

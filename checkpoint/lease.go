@@ -1,0 +1,299 @@
+package checkpoint
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Owner is who holds a lease: one client connection. Done is closed when
+// the connection goes away; what the owner still holds then (save leases
+// not yet committed, restore regions) is released at once, so a trainer
+// that dies between BeginSave and CommitSave does not pin arena space
+// until LeaseTimeout. The zero Owner is an in-process caller, never
+// released that way.
+type Owner struct {
+	ID   string
+	Done <-chan struct{}
+}
+
+func (o Owner) gone() bool {
+	if o.Done == nil {
+		return false
+	}
+	select {
+	case <-o.Done:
+		return true
+	default:
+		return false
+	}
+}
+
+type leaseKind int
+
+const (
+	saveLease leaseKind = iota
+	restoreLease
+)
+
+func (k leaseKind) String() string { return [...]string{"save", "restore"}[k] }
+
+// lease is a region of the arena held by a save or a restore.
+type lease struct {
+	id        string
+	kind      leaseKind
+	owner     string
+	region    Region // Length 0: nothing allocated
+	size      int64  // bytes of the region the lease covers
+	target    Target
+	layout    *Layout
+	metadata  []byte
+	committed bool
+	cost      int64 // charged to TableBudget
+	begun     time.Time
+	expires   time.Time
+}
+
+// LeaseInfo is what a client needs to use a region.
+type LeaseInfo struct {
+	ID     string
+	Offset int64
+	Length int64
+}
+
+func (l *lease) info() LeaseInfo {
+	return LeaseInfo{ID: l.id, Offset: l.region.Offset, Length: l.size}
+}
+
+// newLeaseID returns 128 random bits: a lease id is a capability, so it
+// must not be guessable from another client's.
+func newLeaseID() string {
+	b := make([]byte, 16)
+	_, _ = rand.Read(b) // never fails (crypto/rand panics rather)
+	return hex.EncodeToString(b)
+}
+
+// addLease records a new lease for owner. A lease for an owner already
+// gone is dropped at once: its connection closed while the request was
+// being served, after the owner's leases were released. Call with mu.
+func (mgr *Manager) addLease(l *lease, o Owner) error {
+	mgr.leases.add(l, o.ID)
+	if o.gone() {
+		mgr.dropLease(l)
+		return fmt.Errorf("%w: the client went away", context.Canceled)
+	}
+	if o.Done != nil && mgr.leases.watch(o.ID) {
+		mgr.watchers.Go(func() { mgr.watchOwner(o) })
+	}
+	return nil
+}
+
+// watchOwner releases what o holds once it goes away.
+func (mgr *Manager) watchOwner(o Owner) {
+	select {
+	case <-o.Done:
+	case <-mgr.ctx.Done():
+		return
+	}
+	mgr.mu.Lock()
+	defer mgr.mu.Unlock()
+	open, held := mgr.leases.ownerGone(o.ID)
+	for _, l := range open {
+		mgr.dropLease(l)
+	}
+	for _, r := range held {
+		mgr.freeRegion(r)
+	}
+	if n := len(open) + len(held); n > 0 {
+		mgr.m.LeasesReleased.WithLabelValues("disconnect").Add(float64(n))
+		mgr.log.Info("client went away; released what it held", "leases", n)
+	}
+}
+
+// reapLoop ends expired leases once a second.
+func (mgr *Manager) reapLoop() {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-mgr.ctx.Done():
+			return
+		case now := <-t.C:
+			mgr.reap(now)
+			mgr.mu.Lock()
+			closing := mgr.closing
+			mgr.mu.Unlock()
+			if closing {
+				return
+			}
+		}
+	}
+}
+
+// reap ends leases past their timeout. The lease id stops working at
+// once; its region is freed too unless its owner is connected, since a
+// live client may still be copying into it: that region is reused only
+// once the owner goes, so a slow writer can never scribble over a region
+// handed to someone else.
+func (mgr *Manager) reap(now time.Time) {
+	mgr.mu.Lock()
+	defer mgr.mu.Unlock()
+	for _, l := range mgr.leases.expired(now) {
+		live := mgr.leases.live(l.owner)
+		mgr.log.Warn("lease expired", "lease", l.id, "kind", l.kind, "bytes", l.region.Length,
+			"region_held_until_client_disconnects", live)
+		mgr.m.LeasesReleased.WithLabelValues("expired").Inc()
+		if live {
+			mgr.leases.hold(l)
+		}
+		mgr.dropLease(l)
+	}
+	mgr.gcStatuses(now)
+}
+
+// dropLease ends an uncommitted lease and frees its region. Call with mu.
+func (mgr *Manager) dropLease(l *lease) {
+	mgr.leases.remove(l)
+	if l.kind == saveLease {
+		mgr.clearStaging(l.target)
+	}
+	mgr.freeRegion(l.region)
+}
+
+// leaseTable is the Manager's open leases by id, with what ending them
+// safely needs: whose each one is and until when, which owners are
+// watched, the regions of expired leases whose owners live (a writer may
+// still be copying into them, so they are reused only once it goes), and
+// the TableBudget that open saves' tensor tables and metadata are charged
+// to. Manager.mu guards it.
+type leaseTable struct {
+	byID     map[string]*lease
+	watching map[string]bool     // owners with a watchOwner goroutine
+	held     map[string][]Region // by owner: regions of its expired leases
+	budget   int64               // ManagerConfig.TableBudget
+	tables   int64               // charged to budget
+	gauge    prometheus.Gauge    // Metrics.TableBytes
+}
+
+func newLeaseTable(budget int64, gauge prometheus.Gauge) leaseTable {
+	return leaseTable{byID: map[string]*lease{}, watching: map[string]bool{}, held: map[string][]Region{}, budget: budget, gauge: gauge}
+}
+
+// add records l as owner's.
+func (t *leaseTable) add(l *lease, owner string) {
+	l.owner = owner
+	t.byID[l.id] = l
+}
+
+// watch marks owner as watched and reports whether it was not yet.
+func (t *leaseTable) watch(owner string) bool {
+	if t.watching[owner] {
+		return false
+	}
+	t.watching[owner] = true
+	return true
+}
+
+// live reports whether owner is a connection still open.
+func (t *leaseTable) live(owner string) bool { return owner != "" && t.watching[owner] }
+
+// lookup returns o's lease id, or nil. Another owner's lease is as unknown
+// as one never granted.
+func (t *leaseTable) lookup(id string, o Owner) *lease {
+	l := t.byID[id]
+	if l == nil || l.owner != o.ID {
+		return nil
+	}
+	return l
+}
+
+// remove forgets l and gives back what it was charged; its region is the
+// caller's to free.
+func (t *leaseTable) remove(l *lease) {
+	delete(t.byID, l.id)
+	t.uncharge(l)
+}
+
+// expired returns the uncommitted leases past their expiry at now.
+func (t *leaseTable) expired(now time.Time) []*lease {
+	var out []*lease
+	for _, l := range t.byID {
+		if !l.committed && !now.Before(l.expires) {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// hold keeps l's region for its owner, to be freed when the owner goes,
+// and takes it from l.
+func (t *leaseTable) hold(l *lease) {
+	t.held[l.owner] = append(t.held[l.owner], l.region)
+	l.region = Region{}
+}
+
+// ownerGone stops watching owner and returns what it still held: its
+// uncommitted leases, and the regions of its expired ones (no longer
+// held).
+func (t *leaseTable) ownerGone(owner string) ([]*lease, []Region) {
+	delete(t.watching, owner)
+	var open []*lease
+	for _, l := range t.byID {
+		if l.owner == owner && !l.committed {
+			open = append(open, l)
+		}
+	}
+	held := t.held[owner]
+	delete(t.held, owner)
+	return open, held
+}
+
+// journaled counts the committed save leases: saves accepted and not yet
+// durable.
+func (t *leaseTable) journaled() int {
+	n := 0
+	for _, l := range t.byID {
+		if l.kind == saveLease && l.committed {
+			n++
+		}
+	}
+	return n
+}
+
+// charge books n bytes of the budget for l.
+func (t *leaseTable) charge(l *lease, n int64) error {
+	if t.tables+n > t.budget {
+		return fmt.Errorf("%w: the tensor tables and metadata of open saves would hold %d bytes, more than --tensor-table-bytes (%d); "+
+			"wait for saves to drain, save fewer tensors at once, or raise the budget", ErrOverBudget, t.tables+n, t.budget)
+	}
+	t.tables += n
+	l.cost += n
+	t.gauge.Set(float64(t.tables))
+	return nil
+}
+
+// book charges l's table and metadata whatever the budget: l is a save
+// recovered from the journal, acknowledged already.
+func (t *leaseTable) book(l *lease) {
+	l.cost = tableCost(l.layout) + int64(len(l.metadata))
+	t.tables += l.cost
+	t.gauge.Set(float64(t.tables))
+}
+
+// refund gives back n of the bytes charged for l.
+func (t *leaseTable) refund(l *lease, n int64) {
+	t.tables -= n
+	l.cost -= n
+	t.gauge.Set(float64(t.tables))
+}
+
+// uncharge gives back everything charged for l.
+func (t *leaseTable) uncharge(l *lease) {
+	t.tables -= l.cost
+	l.cost = 0
+	t.gauge.Set(float64(t.tables))
+}
