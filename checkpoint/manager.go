@@ -44,21 +44,30 @@ type ManagerConfig struct {
 	DrainDelay time.Duration
 }
 
+// The ManagerConfig defaults; the daemon's flags default to them too.
+const (
+	DefaultStagingWait  = 30 * time.Second
+	DefaultLeaseTimeout = 30 * time.Minute
+	DefaultTableBudget  = 256 << 20
+	DefaultReuseFence   = 10 * time.Second
+	DefaultDrains       = 2
+)
+
 func (c *ManagerConfig) setDefaults() {
 	if c.StagingWait <= 0 {
-		c.StagingWait = 30 * time.Second
+		c.StagingWait = DefaultStagingWait
 	}
 	if c.LeaseTimeout <= 0 {
-		c.LeaseTimeout = 30 * time.Minute
+		c.LeaseTimeout = DefaultLeaseTimeout
 	}
 	if c.TableBudget <= 0 {
-		c.TableBudget = 256 << 20
+		c.TableBudget = DefaultTableBudget
 	}
 	if c.ReuseFence <= 0 {
-		c.ReuseFence = 10 * time.Second
+		c.ReuseFence = DefaultReuseFence
 	}
 	if c.Drains <= 0 {
-		c.Drains = 2
+		c.Drains = DefaultDrains
 	}
 	if c.Metrics == nil {
 		c.Metrics = NewMetrics(nil)

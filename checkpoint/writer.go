@@ -31,9 +31,12 @@ type WriterOptions struct {
 	InFlight int
 }
 
+// DefaultChunkSize is WriterOptions.ChunkSize's default (and --chunk-size's).
+const DefaultChunkSize = 4 << 20
+
 func (o *WriterOptions) setDefaults() error {
 	if o.ChunkSize == 0 {
-		o.ChunkSize = 4 << 20
+		o.ChunkSize = DefaultChunkSize
 	}
 	if o.ChunkSize%8 != 0 || o.ChunkSize < 4096 || o.ChunkSize > MaxChunkSize {
 		return fmt.Errorf("%w: chunk size %d must be a multiple of 8 in [4096, %d]", ErrInvalid, o.ChunkSize, MaxChunkSize)

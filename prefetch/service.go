@@ -75,19 +75,27 @@ type Service struct {
 	wg       sync.WaitGroup
 }
 
+// The ServiceConfig defaults; the daemon's flags default to them too.
+const (
+	DefaultSlots       = 4
+	DefaultSlotBytes   = 16 << 20
+	DefaultAllocWait   = 30 * time.Second
+	DefaultIdleTimeout = 10 * time.Minute
+)
+
 // NewService starts the prefetch service on the daemon's arena.
 func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	if cfg.Slots <= 0 {
-		cfg.Slots = 4
+		cfg.Slots = DefaultSlots
 	}
 	if cfg.SlotBytes <= 0 {
-		cfg.SlotBytes = 16 << 20
+		cfg.SlotBytes = DefaultSlotBytes
 	}
 	if cfg.AllocWait <= 0 {
-		cfg.AllocWait = 30 * time.Second
+		cfg.AllocWait = DefaultAllocWait
 	}
 	if cfg.IdleTimeout <= 0 {
-		cfg.IdleTimeout = 10 * time.Minute
+		cfg.IdleTimeout = DefaultIdleTimeout
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()

@@ -27,6 +27,7 @@ import (
 	"github.com/ckptd/ckptd/internal/peercred"
 	"github.com/ckptd/ckptd/internal/server"
 	"github.com/ckptd/ckptd/prefetch"
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -57,7 +58,8 @@ type serveOptions struct {
 }
 
 func newServeCmd() *cobra.Command {
-	o := &serveOptions{StagingBytes: 1 << 30, ChunkSize: 4 << 20, CacheBytes: 1 << 30, SlotBytes: 16 << 20, TableBytes: 256 << 20}
+	o := &serveOptions{StagingBytes: 1 << 30, ChunkSize: checkpoint.DefaultChunkSize, CacheBytes: 1 << 30,
+		SlotBytes: prefetch.DefaultSlotBytes, TableBytes: checkpoint.DefaultTableBudget}
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Run the sidecar: accept saves over a unix socket, drain them to storage, and serve datasets",
@@ -71,20 +73,20 @@ func newServeCmd() *cobra.Command {
 	fs.StringVar(&o.ArenaDir, "arena-dir", "", "shared-memory folder of the staging arena (default /dev/shm/ckptd-<uid>-<hash of socket path>, or a fresh name recorded next to the socket if another user holds that one)")
 	fs.DurationVar(&o.RestartWait, "restart-wait", 30*time.Second, "how long to wait for a previous daemon that is exiting (killed a moment ago: unmapping a large arena takes seconds) to release the socket and the arena; a running one fails the start at once")
 	fs.Var(&o.StagingBytes, "staging-bytes", "size of the shared-memory staging arena (e.g. 8GiB)")
-	fs.DurationVar(&o.StagingWait, "staging-wait", 30*time.Second, "how long a save waits for arena space before failing")
-	fs.DurationVar(&o.ReuseFence, "crash-fence", 10*time.Second, "after a crash, how long new saves and restores wait before using arena space the dead daemon's clients may still be copying into")
-	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", 30*time.Minute, "end saves never committed and restores never released after this (a client that disconnects frees them at once)")
+	fs.DurationVar(&o.StagingWait, "staging-wait", checkpoint.DefaultStagingWait, "how long a save waits for arena space before failing")
+	fs.DurationVar(&o.ReuseFence, "crash-fence", checkpoint.DefaultReuseFence, "after a crash, how long new saves and restores wait before using arena space the dead daemon's clients may still be copying into")
+	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", checkpoint.DefaultLeaseTimeout, "end saves never committed and restores never released after this (a client that disconnects frees them at once)")
 	fs.Var(&o.TableBytes, "tensor-table-bytes", "memory for the tensor tables and metadata of open saves; a save that would exceed it fails with RESOURCE_EXHAUSTED")
 	fs.StringVar(&o.Codec, "codec", string(codec.Auto), "chunk codec: auto (per chunk by dtype: float-aware for floats, zstd otherwise, cheaper when storage outruns compression), zstd, lz4, none, or float-bf16|f16|f32|f64")
 	fs.Var(&o.ChunkSize, "chunk-size", "raw bytes per chunk")
 	fs.IntVar(&o.Workers, "workers", 0, "chunks compressed at once (default: number of CPUs)")
-	fs.IntVar(&o.Drains, "drains", 2, "shards drained at once")
+	fs.IntVar(&o.Drains, "drains", checkpoint.DefaultDrains, "shards drained at once")
 	fs.StringVar(&o.MetricsAddr, "metrics-addr", "", "serve Prometheus /metrics on this address, e.g. 127.0.0.1:9464")
 	fs.DurationVar(&o.Grace, "shutdown-grace", time.Minute, "on SIGTERM, how long to keep draining before leaving saves journaled for the next start")
 	fs.DurationVar(&o.DrainDelay, "debug-drain-delay", 0, "delay every drain (for crash tests)")
 	_ = fs.MarkHidden("debug-drain-delay")
 	fs.Var(&o.CacheBytes, "cache-bytes", "dataset shard cache budget, shared by every rank on the node (0 disables it)")
-	fs.IntVar(&o.RingSlots, "ring-slots", 4, "batches each dataset session delivers ahead of the trainer")
+	fs.IntVar(&o.RingSlots, "ring-slots", prefetch.DefaultSlots, "batches each dataset session delivers ahead of the trainer")
 	fs.Var(&o.SlotBytes, "slot-bytes", "size of a ring slot in the arena (a larger batch gets a region of its own)")
 	fs.StringSliceVar(&o.DatasetAllow, "dataset-allow", nil, "folders and s3://bucket/prefix sources trainers may read datasets from (repeat or comma-separate; none: datasets are off); the checkpoint store is not implied")
 	fs.Var(&o.ReadAhead, "read-ahead-bytes", "memory each dataset session may hold: shards read ahead, its shuffle window (bounded by half of it), batches being assembled (default 256MiB)")
@@ -271,7 +273,7 @@ func serverOptions() []grpc.ServerOption {
 		// A request is buffered whole before its handler runs. Tensor bytes
 		// travel through the arena; 16 MiB is ample for a tensor table or
 		// one message of a stream.
-		grpc.MaxRecvMsgSize(16 << 20),
+		grpc.MaxRecvMsgSize(pb.MaxMessageBytes),
 		// Each stream is a goroutine and up to one buffered request, so this
 		// bounds one connection at 128 x 16 MiB. A trainer's saves, waits
 		// and dataset sessions need far fewer at once; a client past the
