@@ -19,9 +19,6 @@ import (
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
-// streamChunk is the size of data messages in streamed restores.
-const streamChunk = 1 << 20
-
 // Checkpoint implements pb.CheckpointServer.
 type Checkpoint struct {
 	pb.UnimplementedCheckpointServer
@@ -166,7 +163,7 @@ func (s *Checkpoint) RestoreStream(req *pb.BeginRestoreRequest, stream grpc.Serv
 		return toStatus(err)
 	}
 	for len(data) > 0 {
-		n := min(len(data), streamChunk)
+		n := min(len(data), pb.StreamChunkBytes)
 		if err := stream.Send(&pb.RestoreStreamResponse{Msg: &pb.RestoreStreamResponse_Data{Data: data[:n]}}); err != nil {
 			return err
 		}

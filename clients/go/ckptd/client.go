@@ -84,7 +84,7 @@ func Dial(socket string, opts ...Option) (*Client, error) {
 	conn, err := grpc.NewClient("passthrough:///ckptd",
 		grpc.WithContextDialer(c.dialer.dial),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(16<<20)))
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(pb.MaxMessageBytes)))
 	if err != nil {
 		return nil, fmt.Errorf("ckptd socket %s: %w", socket, err)
 	}

@@ -98,7 +98,7 @@ func (c *Client) SaveStream(ctx context.Context, req *SaveRequest) (*SaveHandle,
 	}
 	for _, t := range req.Tensors {
 		for d := t.Data; len(d) > 0; {
-			n := min(len(d), 1<<20)
+			n := min(len(d), pb.StreamChunkBytes)
 			if err := stream.Send(&pb.SaveStreamRequest{Msg: &pb.SaveStreamRequest_Data{Data: d[:n]}}); err != nil {
 				return nil, c.closeStream(stream, err)
 			}
