@@ -196,3 +196,68 @@ func TestCrashFence(t *testing.T) {
 		t.Fatalf("a save on a crashed daemon's arena got a region after %s, inside the fence", waited)
 	}
 }
+
+// A save journaled by a daemon older than attempts (its entry names none)
+// was acknowledged: an upgraded daemon drains and commits it under
+// LegacyAttempt rather than setting it aside.
+func TestLegacyJournalEntryDrains(t *testing.T) {
+	b, _ := newBackend(t)
+	dir := fmt.Sprintf("/dev/shm/ckptd-mgr-test-%d-%s", os.Getpid(), t.Name())
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	a, err := arena.Open(arena.Options{Dir: dir, Size: 8 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	layout, err := NewLayout([]Tensor{u8("w", 0, 5000)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := a.Alloc(context.Background(), layout.RegionSize)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range int64(5000) {
+		a.Bytes()[r.Offset+i] = byte(i % 251)
+	}
+	// The format of the journal before attempts: no "Attempt" key.
+	entry := fmt.Sprintf(`{"lease":"old","offset":%d,"length":%d,`+
+		`"target":{"Job":"job","Step":7,"Rank":0,"WorldSize":1},`+
+		`"tensors":[{"name":"w","dtype":"U8","shape":[5000],"offset":0,"length":5000}],`+
+		`"metadata":null,"staged_at":"2026-11-01T00:00:00Z"}`, r.Offset, r.Length)
+	if err := a.Journal().Put("old", []byte(entry)); err != nil {
+		t.Fatal(err)
+	}
+	a.Close()
+	if a, err = arena.Open(arena.Options{Dir: dir, Size: 8 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	mgr, err := NewManager(shmArena{a}, b, ManagerConfig{DefaultJob: "job", ReuseFence: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mgr.Close(context.Background())
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := mgr.Wait(ctx, "job", 7, 0, LegacyAttempt); err != nil {
+		t.Fatalf("the legacy save did not become durable: %v", err)
+	}
+	s := &Store{B: b, Job: "job"}
+	rec, err := s.Resolve(ctx, 7, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec.Attempt != LegacyAttempt {
+		t.Fatalf("committed attempt %q, want %q", rec.Attempt, LegacyAttempt)
+	}
+	m, err := s.Manifest(ctx, rec, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.DataSize != 5000 {
+		t.Fatalf("data size %d", m.DataSize)
+	}
+	if _, err := s.Verify(ctx, 7, false, ReadOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}

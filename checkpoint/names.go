@@ -12,6 +12,12 @@ const (
 	MaxNameLen   = 255
 	MaxStep      = 999_999_999_999
 	MaxWorldSize = 100_000
+	// LegacyAttempt is the attempt of a save journaled by a daemon that
+	// predates attempts (its entry names none): the save was acknowledged,
+	// so it is drained, under this fixed id, which every upgraded sidecar
+	// gives such saves, so the ranks of one step journaled before an
+	// upgrade still commit together.
+	LegacyAttempt = "legacy"
 	// MaxAttemptLen bounds an attempt id, which is a folder name.
 	MaxAttemptLen = 64
 )

@@ -243,6 +243,9 @@ func (mgr *Manager) leaseFromJournal(data []byte) (*lease, error) {
 	if err := json.Unmarshal(data, &e); err != nil {
 		return nil, err
 	}
+	if e.Target.Attempt == "" {
+		e.Target.Attempt = LegacyAttempt
+	}
 	if err := e.Target.Validate(); err != nil {
 		return nil, err
 	}
