@@ -130,25 +130,29 @@ func (s *Store) chunkErr(m *Manifest, i int, err error) error {
 		return err
 	}
 	c := m.Chunks[i]
-	transient := errors.Is(err, storage.ErrUnavailable) || errors.Is(err, storage.ErrNoSpace)
-	return &ChunkError{Step: m.Step, Rank: m.Rank, Chunk: i, Object: c.Object, Offset: c.Offset, Err: err, corrupt: !transient}
+	return &ChunkError{Step: m.Step, Rank: m.Rank, Chunk: i, Object: c.Object, Offset: c.Offset, Err: err}
 }
 
-// ChunkError is a failure to read one chunk of a shard. It matches
-// ErrCorrupt unless the storage was unavailable, which it then wraps.
+// ChunkError is a failure to read one chunk of a committed shard. It
+// matches ErrCorrupt (a missing object included: the commit record names
+// it) unless the storage was unavailable or full, which it then wraps.
 type ChunkError struct {
-	Step    int64
-	Rank    int
-	Chunk   int
-	Object  string // relative to the job folder
-	Offset  int64
-	Err     error
-	corrupt bool
+	Step   int64
+	Rank   int
+	Chunk  int
+	Object string // relative to the job folder
+	Offset int64
+	Err    error
+}
+
+// corrupt reports whether the chunk's data is at fault, not the store.
+func (e *ChunkError) corrupt() bool {
+	return !errors.Is(e.Err, storage.ErrUnavailable) && !errors.Is(e.Err, storage.ErrNoSpace)
 }
 
 func (e *ChunkError) Error() string {
 	what := "corrupt checkpoint data: "
-	if !e.corrupt {
+	if !e.corrupt() {
 		what = ""
 	}
 	return fmt.Sprintf("%sstep %d rank %d chunk %d (%s at %d): %v", what, e.Step, e.Rank, e.Chunk, e.Object, e.Offset, e.Err)
@@ -157,7 +161,7 @@ func (e *ChunkError) Error() string {
 func (e *ChunkError) Unwrap() error { return e.Err }
 
 // Is makes a ChunkError about the data match ErrCorrupt.
-func (e *ChunkError) Is(target error) bool { return target == ErrCorrupt && e.corrupt }
+func (e *ChunkError) Is(target error) bool { return target == ErrCorrupt && e.corrupt() }
 
 // readChunk reads chunk i's stored bytes from r, decodes and verifies them,
 // and hands them to sink. buf is scratch space.

@@ -194,6 +194,9 @@ func (s *Store) Manifest(ctx context.Context, rec *CommitRecord, rank int) (*Man
 	}
 	obj, want := rec.manifestObject(rank)
 	m, got, err := s.readManifestHash(ctx, inJob(s.Job, obj))
+	if errors.Is(err, storage.ErrNotFound) {
+		return nil, fmt.Errorf("%w: step %d rank %d: the manifest its commit record names is missing: %w", ErrCorrupt, rec.Step, rank, err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("step %d rank %d: %w", rec.Step, rank, err)
 	}

@@ -34,6 +34,10 @@ var classes = []struct {
 	{checkpoint.ErrStepNotFound, codes.NotFound, "STEP_NOT_FOUND"},
 	{checkpoint.ErrUnknownLease, codes.NotFound, "UNKNOWN_LEASE"},
 	{prefetch.ErrUnknownSession, codes.NotFound, "UNKNOWN_SESSION"},
+	// Before storage.ErrNotFound: an object a commit record names that is
+	// missing is damage to a committed step, not an unknown step.
+	{checkpoint.ErrCorrupt, codes.DataLoss, "CORRUPT"},
+	{prefetch.ErrCorruptShard, codes.DataLoss, "CORRUPT"},
 	{storage.ErrNotFound, codes.NotFound, "STEP_NOT_FOUND"},
 	{storage.ErrSymlink, codes.FailedPrecondition, "STORE_UNSAFE"},
 	// The store refuses the daemon's credentials, or its bucket is gone:
@@ -49,8 +53,6 @@ var classes = []struct {
 	{checkpoint.ErrArenaFull, codes.ResourceExhausted, "ARENA_FULL"},
 	{arena.ErrFull, codes.ResourceExhausted, "ARENA_FULL"},
 	{storage.ErrNoSpace, codes.ResourceExhausted, "STORAGE_FULL"},
-	{checkpoint.ErrCorrupt, codes.DataLoss, "CORRUPT"},
-	{prefetch.ErrCorruptShard, codes.DataLoss, "CORRUPT"},
 	{storage.ErrUnavailable, codes.Unavailable, "STORAGE_UNAVAILABLE"},
 	{checkpoint.ErrClosing, codes.Unavailable, "SHUTTING_DOWN"},
 	{prefetch.ErrClosed, codes.Unavailable, "SHUTTING_DOWN"},

@@ -134,6 +134,14 @@ func (c *Client) region(ctx context.Context, l *pb.Lease) ([]byte, error) {
 		if err := c.remap(ctx); err != nil {
 			return nil, err
 		}
+		if c.mapping.id != l.GetArenaId() {
+			// The daemon restarted between granting the lease and naming
+			// its arena: the lease's offsets index a file no longer served,
+			// and copying into the new one could overwrite someone else's
+			// region. The lease died with that daemon; the caller retries.
+			return nil, fmt.Errorf("ckptd at %s: %w: %w: the lease is for arena %q, the daemon now serves %q",
+				c.socket, ErrDaemonUnavailable, errArenaMoved, l.GetArenaId(), c.mapping.id)
+		}
 	}
 	mem := c.mapping.bytes()
 	off, n := l.GetOffset(), l.GetLength()
@@ -141,6 +149,23 @@ func (c *Client) region(ctx context.Context, l *pb.Lease) ([]byte, error) {
 		return nil, fmt.Errorf("ckptd at %s: lease [%d, +%d) outside the %d-byte arena", c.socket, off, n, len(mem))
 	}
 	return mem[off : off+n : off+n], nil
+}
+
+// errArenaMoved: a lease names an arena the daemon no longer serves (it
+// restarted); Save and Load start over with a new lease.
+var errArenaMoved = errors.New("the daemon restarted, its arena is a new one")
+
+// arenaRetries bounds how often Save and Load start over for errArenaMoved.
+const arenaRetries = 3
+
+// retryMoved runs op again while it fails with errArenaMoved, at most
+// arenaRetries times.
+func retryMoved[T any](op func() (T, error)) (T, error) {
+	v, err := op()
+	for i := 1; i < arenaRetries && errors.Is(err, errArenaMoved); i++ {
+		v, err = op()
+	}
+	return v, err
 }
 
 // remap maps the arena the daemon names now. Call with mu held.

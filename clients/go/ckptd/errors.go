@@ -53,6 +53,9 @@ var (
 	ErrDaemonUnavailable  = errors.New("daemon unavailable")        // SHUTTING_DOWN, or no daemon on the socket
 	ErrPermissionDenied   = errors.New("permission denied")         // PERMISSION_DENIED
 	ErrStoreUnsafe        = errors.New("storage refused as unsafe") // STORE_UNSAFE
+	// ErrStorageMisconfigured: the store refuses the daemon's credentials
+	// or its bucket is missing; the daemon's configuration needs fixing.
+	ErrStorageMisconfigured = errors.New("storage misconfigured") // STORAGE_MISCONFIGURED
 )
 
 var byReason = map[string]error{
@@ -61,6 +64,7 @@ var byReason = map[string]error{
 	"ARENA_FULL": ErrResourceExhausted, "TOO_LARGE": ErrResourceExhausted, "OVER_BUDGET": ErrResourceExhausted,
 	"STORAGE_FULL": ErrResourceExhausted, "CORRUPT": ErrCorrupt, "STORAGE_UNAVAILABLE": ErrStorageUnavailable,
 	"SHUTTING_DOWN": ErrDaemonUnavailable, "PERMISSION_DENIED": ErrPermissionDenied, "STORE_UNSAFE": ErrStoreUnsafe,
+	"STORAGE_MISCONFIGURED": ErrStorageMisconfigured,
 }
 
 var byCode = map[codes.Code]error{

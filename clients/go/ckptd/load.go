@@ -33,6 +33,10 @@ func (r *LoadRequest) pb() *pb.BeginRestoreRequest {
 
 // Load restores one rank's shard through the arena.
 func (c *Client) Load(ctx context.Context, req *LoadRequest) (*Shard, error) {
+	return retryMoved(func() (*Shard, error) { return c.load(ctx, req) })
+}
+
+func (c *Client) load(ctx context.Context, req *LoadRequest) (*Shard, error) {
 	resp, err := c.api.BeginRestore(ctx, req.pb())
 	if err != nil {
 		return nil, c.wrap(err)

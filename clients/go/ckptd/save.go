@@ -60,6 +60,10 @@ func (r *SaveRequest) table() []*pb.Tensor {
 // Save copies the shard into the staging arena and returns once the daemon
 // has accepted it; the data becomes durable in the background (Wait).
 func (c *Client) Save(ctx context.Context, req *SaveRequest) (*SaveHandle, error) {
+	return retryMoved(func() (*SaveHandle, error) { return c.save(ctx, req) })
+}
+
+func (c *Client) save(ctx context.Context, req *SaveRequest) (*SaveHandle, error) {
 	table := req.table()
 	resp, err := c.api.BeginSave(ctx, &pb.BeginSaveRequest{Target: c.target(req), Tensors: table})
 	if err != nil {
