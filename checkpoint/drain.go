@@ -95,14 +95,14 @@ func (mgr *Manager) drain(l *lease) {
 		Target: l.target, Layout: l.layout, Metadata: l.metadata,
 		Data: mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size],
 	}
-	backoff := 500 * time.Millisecond
+	backoff := newBackoff()
 	for {
 		m, reused, err := mgr.writeShard(sh)
 		if err == nil {
 			mgr.finishDrain(l, m, reused, start)
 			return
 		}
-		if errors.Is(err, ErrExists) || errors.Is(err, ErrInvalid) {
+		if errors.Is(err, ErrExists) || errors.Is(err, ErrInvalid) || errors.Is(err, ErrCorrupt) {
 			mgr.log.Error("save refused", "target", l.target, "err", err)
 			mgr.endDrain(l, StateFailed, err)
 			return
@@ -112,13 +112,24 @@ func (mgr *Manager) drain(l *lease) {
 			return
 		}
 		mgr.m.failed("drain")
-		mgr.log.Error("drain failed; retrying", "target", l.target, "in", backoff, "err", err)
+		mgr.log.Error("drain failed; retrying", "target", l.target, "in", backoff.d, "err", err)
 		mgr.setStateLocked(k, StateDraining, err)
-		if !mgr.sleep(backoff) {
+		if !mgr.sleep(backoff.next()) {
 			return
 		}
-		backoff = min(2*backoff, 30*time.Second)
 	}
+}
+
+// backoff doubles a wait from half a second up to 30 seconds.
+type backoff struct{ d time.Duration }
+
+func newBackoff() *backoff { return &backoff{d: 500 * time.Millisecond} }
+
+// next returns the wait to make now and doubles the following one.
+func (b *backoff) next() time.Duration {
+	d := b.d
+	b.d = min(2*b.d, 30*time.Second)
+	return d
 }
 
 // writeShard makes sh durable in its attempt's folder, without ever
@@ -136,11 +147,17 @@ func (mgr *Manager) drain(l *lease) {
 //     rewriting could race a commit other ranks make meanwhile, and with
 //     --codec auto the new chunks could differ from a manifest a reader
 //     has just fetched.
-//   - not committed, nothing or other bytes stored: write.
+//   - not committed, other bytes stored: a second run reusing the
+//     attempt id. Refused (ErrInvalid): overwriting could mix two runs'
+//     ranks in one step, which attempts exist to prevent.
+//   - not committed, nothing (or a damaged manifest) stored: write.
 func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) {
 	t := sh.Target
 	s := mgr.store(t.Job)
 	rec, err := s.readCommit(mgr.ctx, t.Step)
+	if errors.Is(err, ErrCorrupt) { // a step is committed, but the record is unreadable: nothing can join it
+		return nil, false, fmt.Errorf("step %d cannot take this save: %w (see ckptd verify)", t.Step, err)
+	}
 	if err != nil && !errors.Is(err, storage.ErrNotFound) {
 		return nil, false, fmt.Errorf("check step %d: %w", t.Step, err) // retried
 	}
@@ -157,6 +174,9 @@ func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) 
 	case rec != nil:
 		return nil, false, &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Mine: true,
 			Detail: fmt.Sprintf("it was committed without these bytes for rank %d; this save was not written", t.Rank)}
+	case err == nil:
+		return nil, false, fmt.Errorf("%w: %s is stored already with other bytes: the attempt id was reused by another run "+
+			"(each run of a job needs its own CKPTD_ATTEMPT); this save was not written", ErrInvalid, t)
 	}
 	m, err = mgr.w.WriteShard(mgr.ctx, sh)
 	return m, false, err
@@ -184,7 +204,7 @@ func holdsSame(m *Manifest, sh *Shard) bool {
 }
 
 // endDrain forgets a drained save: its journal entry, lease and region go,
-// and its state becomes state.
+// and its state becomes state unless it is final already.
 func (mgr *Manager) endDrain(l *lease, state State, err error) {
 	if jerr := mgr.arena.Journal().Delete(l.id); jerr != nil {
 		mgr.log.Error("journal delete failed", "lease", l.id, "err", jerr)
@@ -192,15 +212,21 @@ func (mgr *Manager) endDrain(l *lease, state State, err error) {
 	mgr.mu.Lock()
 	mgr.leases.remove(l)
 	mgr.freeRegion(l.region)
-	mgr.setState(keyOf(l.target), state, err)
+	if st := mgr.saves[keyOf(l.target)]; st == nil || (st.state != StateCommitted && st.state != StateFailed) {
+		mgr.setState(keyOf(l.target), state, err)
+	}
 	mgr.mu.Unlock()
 	mgr.m.QueueDepth.Dec()
 }
 
-// finishDrain releases a durable save's region and journal entry, then
-// tries to commit its step.
+// finishDrain marks a save durable, settles its step's commit, then
+// releases its region and journal entry. The journal entry goes only once
+// the commit is settled: if this was the step's last rank and the commit
+// failed, nobody else would ever commit the step, so the save stays
+// journaled (a restarted daemon finds the same bytes stored and tries the
+// commit again) and the commit is retried with backoff meanwhile.
 func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.Time) {
-	mgr.endDrain(l, StateDurable, nil)
+	mgr.setStateLocked(keyOf(l.target), StateDurable, nil)
 	if !reused { // the drain metrics count what this drain wrote
 		mgr.m.DrainedBytes.Add(float64(m.DataSize))
 		mgr.m.StoredBytes.Add(float64(m.StoredSize))
@@ -214,23 +240,38 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.T
 	mgr.log.Info("save durable", "job", t.Job, "step", t.Step, "rank", t.Rank, "attempt", t.Attempt,
 		"bytes", m.DataSize, "stored", m.StoredSize, "duration", time.Since(start), "reused", reused)
 
-	mgr.tryCommit(mgr.ctx, l.target)
+	for b := newBackoff(); ; {
+		_, err := mgr.tryCommit(mgr.ctx, l.target)
+		if err == nil {
+			break
+		}
+		mgr.setStateLocked(keyOf(l.target), StateDurable, err) // waiters see why; refreshes the status's age
+		if !mgr.sleep(b.next()) {
+			return // shutdown: the save stays journaled, and the commit is tried after the restart
+		}
+	}
+	mgr.endDrain(l, StateDurable, nil)
 }
 
 // tryCommit commits t's step if t's attempt has every rank, and records
 // the outcome for t's waiters: committed, or failed when another attempt
-// committed the step (t's objects are then garbage, and removed). It
-// reports whether the step is committed, by any attempt.
-func (mgr *Manager) tryCommit(ctx context.Context, t Target) bool {
+// committed the step (t's objects are then garbage, and removed) or its
+// commit record is damaged. It reports whether the step is committed, by
+// any attempt; an error means the check itself failed and must be retried.
+func (mgr *Manager) tryCommit(ctx context.Context, t Target) (bool, error) {
 	s := mgr.store(t.Job)
 	rec, won, err := s.TryCommit(ctx, t.Step, t.Attempt, t.WorldSize)
 	switch {
+	case errors.Is(err, ErrCorrupt):
+		mgr.log.Error("the step's commit record is damaged; this save cannot join it", "target", t, "err", err)
+		mgr.markDone(keyOf(t), StateFailed, err)
+		return true, nil
 	case err != nil:
 		mgr.m.failed("commit")
-		mgr.log.Warn("commit check failed; waiters will retry", "target", t, "err", err)
-		return false
+		mgr.log.Warn("commit check failed; retrying", "target", t, "err", err)
+		return false, err
 	case rec == nil:
-		return false
+		return false, nil
 	case rec.Attempt == t.Attempt:
 		mgr.markDone(keyOf(t), StateCommitted, nil)
 		if won { // the end-to-end tests count these lines: one per step
@@ -242,7 +283,7 @@ func (mgr *Manager) tryCommit(ctx context.Context, t Target) bool {
 		mgr.log.Warn("another attempt committed the step; this save's objects removed", "target", t, "committed_attempt", rec.Attempt)
 		mgr.markDone(keyOf(t), StateFailed, err)
 	}
-	return true
+	return true, nil
 }
 
 func (mgr *Manager) setStateLocked(k saveKey, s State, err error) {

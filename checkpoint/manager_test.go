@@ -5,11 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/ckptd/ckptd/checkpoint/dtype"
 	"github.com/ckptd/ckptd/internal/arena"
+	"github.com/ckptd/ckptd/storage"
+	"github.com/ckptd/ckptd/storage/faulty"
+	"github.com/ckptd/ckptd/storage/memstore"
 )
 
 // shmArena is the daemon's shared-memory arena as the Manager sees it, as
@@ -40,6 +44,14 @@ func (j shmJournal) List() ([]JournalEntry, error) {
 func newManager(t *testing.T, cfg ManagerConfig) *Manager {
 	t.Helper()
 	b, _ := newBackend(t)
+	mgr, _ := newManagerOn(t, b, cfg)
+	return mgr
+}
+
+// newManagerOn starts a Manager on b with an arena of its own, which it
+// returns too, for tests that write a save's bytes.
+func newManagerOn(t *testing.T, b storage.Backend, cfg ManagerConfig) (*Manager, *arena.Arena) {
+	t.Helper()
 	dir := fmt.Sprintf("/dev/shm/ckptd-mgr-test-%d-%s", os.Getpid(), t.Name())
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	a, err := arena.Open(arena.Options{Dir: dir, Size: 8 << 20})
@@ -53,7 +65,34 @@ func newManager(t *testing.T, cfg ManagerConfig) *Manager {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { mgr.Close(context.Background()) })
-	return mgr
+	return mgr, a
+}
+
+// saveBytes saves data as one U8 tensor of tg through mgr, as a client
+// would: lease, copy into the arena, commit.
+func saveBytes(t *testing.T, mgr *Manager, a *arena.Arena, tg Target, data []byte) {
+	t.Helper()
+	info, err := mgr.BeginSave(context.Background(), Owner{}, tg, []Tensor{u8("w", 0, int64(len(data)))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(a.Bytes()[info.Offset:], data)
+	if _, _, err := mgr.CommitSave(Owner{}, info.ID, nil); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// settled waits for the save of tg to be committed or failed, asking only
+// for its status: nobody calls Wait, which would try the commit itself.
+func settled(t *testing.T, mgr *Manager, tg Target) WaitResult {
+	t.Helper()
+	var res WaitResult
+	eventually(t, "the save settles", func() bool {
+		var err error
+		res, err = mgr.Status(context.Background(), tg.Job, tg.Step, tg.Rank, tg.Attempt)
+		return err == nil && (res.State == StateCommitted || res.State == StateFailed)
+	})
+	return res
 }
 
 func u8(name string, off, n int64) Tensor {
@@ -259,5 +298,62 @@ func TestLegacyJournalEntryDrains(t *testing.T) {
 	}
 	if _, err := s.Verify(ctx, 7, false, ReadOptions{}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// The last rank's commit fails once: its drain retries the commit with
+// backoff (nobody else would ever commit the step), and keeps the save
+// journaled until the commit is settled.
+func TestCommitRetriedWithoutWaiters(t *testing.T) {
+	b := faulty.New(memstore.New())
+	fail := b.Inject(faulty.Fault{Kind: faulty.Fail, Ops: faulty.OpPutIfAbsent, Name: "job/steps/*/COMMIT.json", Times: 1})
+	mgr, a := newManagerOn(t, b, ManagerConfig{})
+	tg := Target{Job: "job", Step: 3, WorldSize: 1, Attempt: "a"}
+	saveBytes(t, mgr, a, tg, []byte("weights"))
+	if res := settled(t, mgr, tg); res.State != StateCommitted {
+		t.Fatalf("state %s (%v), want committed", res.State, res.Err)
+	}
+	if fail.Hits() != 1 {
+		t.Fatalf("the commit failed %d times, want once", fail.Hits())
+	}
+	eventually(t, "the journal entry goes once the commit is settled", func() bool {
+		es, err := a.Journal().List()
+		return err == nil && len(es) == 0
+	})
+}
+
+// A save whose step has a damaged commit record fails as corrupt rather
+// than retrying forever.
+func TestDamagedCommitFailsSave(t *testing.T) {
+	b := memstore.New()
+	if err := b.Put(context.Background(), "job/steps/000000000004/COMMIT.json", strings.NewReader("{not json"), 9); err != nil {
+		t.Fatal(err)
+	}
+	mgr, a := newManagerOn(t, b, ManagerConfig{})
+	tg := Target{Job: "job", Step: 4, WorldSize: 1, Attempt: "a"}
+	saveBytes(t, mgr, a, tg, []byte("weights"))
+	if res := settled(t, mgr, tg); res.State != StateFailed || !errors.Is(res.Err, ErrCorrupt) {
+		t.Fatalf("state %s (%v), want failed as corrupt", res.State, res.Err)
+	}
+}
+
+// A second run that reuses an attempt id and saves other bytes for a rank
+// the first run stored is refused; the first run's bytes stay.
+func TestReusedAttemptRefused(t *testing.T) {
+	b := memstore.New()
+	mgr, a := newManagerOn(t, b, ManagerConfig{})
+	r0 := Target{Job: "job", Step: 5, Rank: 0, WorldSize: 2, Attempt: "a"}
+	saveBytes(t, mgr, a, r0, []byte("first run"))
+	eventually(t, "rank 0 durable", func() bool {
+		res, err := mgr.Status(context.Background(), "job", 5, 0, "a")
+		return err == nil && res.State == StateDurable
+	})
+	mgr.Close(context.Background())
+	a.Close()
+
+	mgr2, a2 := newManagerOn(t, b, ManagerConfig{})
+	saveBytes(t, mgr2, a2, r0, []byte("other run"))
+	if res := settled(t, mgr2, r0); res.State != StateFailed || !errors.Is(res.Err, ErrInvalid) {
+		t.Fatalf("state %s (%v), want failed as invalid", res.State, res.Err)
 	}
 }

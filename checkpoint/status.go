@@ -67,14 +67,17 @@ func (mgr *Manager) clearStaging(t Target) {
 	}
 }
 
-// statusTTL is how long finished saves stay answerable from memory; after
-// that Wait answers from storage.
+// statusTTL is how long finished and durable saves stay answerable from
+// memory; after that Wait answers from storage (which knows a durable
+// save's world size from its manifest). A durable save whose commit is
+// being retried refreshes its status at every try, so it stays.
 const statusTTL = 10 * time.Minute
 
-// gcStatuses drops finished statuses past their TTL. Call with mu.
+// gcStatuses drops settled statuses past their TTL. Call with mu.
 func (mgr *Manager) gcStatuses(now time.Time) {
 	for k, st := range mgr.saves {
-		if (st.state == StateCommitted || st.state == StateFailed) && now.Sub(st.updated) > statusTTL {
+		settled := st.state == StateCommitted || st.state == StateFailed || st.state == StateDurable
+		if settled && now.Sub(st.updated) > statusTTL {
 			delete(mgr.saves, k)
 		}
 	}
@@ -114,8 +117,10 @@ func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int, 
 		case StateDurable:
 			// Other ranks commit the step, maybe on other nodes: poll storage,
 			// committing ourselves if the last manifest appeared without one.
-			if ws := mgr.worldSize(k); ws > 0 && mgr.tryCommit(ctx, Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: ws, Attempt: k.attempt}) {
-				continue // the outcome is recorded: committed, or failed for another attempt
+			if ws := mgr.worldSize(k); ws > 0 {
+				if done, _ := mgr.tryCommit(ctx, Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: ws, Attempt: k.attempt}); done {
+					continue // the outcome is recorded: committed, or failed
+				}
 			}
 			changed = nil
 		}
