@@ -12,13 +12,20 @@ import (
 
 // Owner is who holds a lease: one client connection. Done is closed when
 // the connection goes away; what the owner still holds then (save leases
-// not yet committed, restore regions) is released at once, so a trainer
-// that dies between BeginSave and CommitSave does not pin arena space
-// until LeaseTimeout. The zero Owner is an in-process caller, never
-// released that way.
+// not yet committed, restore regions) is released, so a trainer that dies
+// between BeginSave and CommitSave does not pin arena space until
+// LeaseTimeout. The zero Owner is an in-process caller, never released
+// that way.
+//
+// A connection can end while its process lives on (a stopped client cut
+// off by keepalive) and may resume copying into its save regions: those
+// regions are reused only once Exited says the process has ended, or, when
+// it cannot tell, after ManagerConfig.ReuseFence. A nil Exited means there
+// is no process to wait for.
 type Owner struct {
-	ID   string
-	Done <-chan struct{}
+	ID     string
+	Done   <-chan struct{}
+	Exited func() (exited, known bool)
 }
 
 func (o Owner) gone() bool {
@@ -103,14 +110,25 @@ func (mgr *Manager) watchOwner(o Owner) {
 	defer mgr.mu.Unlock()
 	open, held := mgr.leases.ownerGone(o.ID)
 	for _, l := range open {
+		if l.kind == saveLease { // its writer may resume: see Owner
+			held = append(held, l.region)
+			l.region = Region{}
+		}
 		mgr.dropLease(l)
 	}
-	for _, r := range held {
-		mgr.freeRegion(r)
-	}
-	if n := len(open) + len(held); n > 0 {
+	if n := len(open); n > 0 {
 		mgr.m.LeasesReleased.WithLabelValues("disconnect").Add(float64(n))
-		mgr.log.Info("client went away; released what it held", "leases", n)
+		mgr.log.Info("client went away; released its leases", "leases", n)
+	}
+	mgr.leases.orphan(o, held, time.Now().Add(mgr.cfg.ReuseFence))
+	mgr.freeOrphans(time.Now())
+}
+
+// freeOrphans frees the regions of gone owners whose processes have
+// ended (see Owner). Call with mu.
+func (mgr *Manager) freeOrphans(now time.Time) {
+	for _, r := range mgr.leases.endedOrphans(now) {
+		mgr.freeRegion(r)
 	}
 }
 
@@ -145,13 +163,14 @@ func (mgr *Manager) reap(now time.Time) {
 	for _, l := range mgr.leases.expired(now) {
 		live := mgr.leases.live(l.owner)
 		mgr.log.Warn("lease expired", "lease", l.id, "kind", l.kind, "bytes", l.region.Length,
-			"region_held_until_client_disconnects", live)
+			"region_held_until_client_exits", live)
 		mgr.m.LeasesReleased.WithLabelValues("expired").Inc()
 		if live {
 			mgr.leases.hold(l)
 		}
 		mgr.dropLease(l)
 	}
+	mgr.freeOrphans(now)
 	mgr.gcStatuses(now)
 }
 
@@ -174,6 +193,7 @@ type leaseTable struct {
 	byID     map[string]*lease
 	watching map[string]bool     // owners with a watchOwner goroutine
 	held     map[string][]Region // by owner: regions of its expired leases
+	orphans  []orphan            // regions of gone owners whose processes may live
 	budget   int64               // ManagerConfig.TableBudget
 	tables   int64               // charged to budget
 	gauge    prometheus.Gauge    // Metrics.TableBytes
@@ -234,6 +254,46 @@ func (t *leaseTable) expired(now time.Time) []*lease {
 func (t *leaseTable) hold(l *lease) {
 	t.held[l.owner] = append(t.held[l.owner], l.region)
 	l.region = Region{}
+}
+
+// orphan is what a gone owner held that its process may still write to.
+type orphan struct {
+	regions []Region
+	exited  func() (exited, known bool) // nil: no process to wait for
+	until   time.Time                   // when exited cannot tell
+}
+
+// orphan keeps regions until o's process ends (or, when that cannot be
+// told, until until).
+func (t *leaseTable) orphan(o Owner, regions []Region, until time.Time) {
+	if len(regions) > 0 {
+		t.orphans = append(t.orphans, orphan{regions: regions, exited: o.Exited, until: until})
+	}
+}
+
+// endedOrphans returns, and forgets, the orphaned regions whose process
+// has ended.
+func (t *leaseTable) endedOrphans(now time.Time) []Region {
+	var free []Region
+	kept := t.orphans[:0]
+	for _, o := range t.orphans {
+		if o.ended(now) {
+			free = append(free, o.regions...)
+		} else {
+			kept = append(kept, o)
+		}
+	}
+	clear(t.orphans[len(kept):])
+	t.orphans = kept
+	return free
+}
+
+func (o orphan) ended(now time.Time) bool {
+	if o.exited == nil {
+		return true
+	}
+	exited, known := o.exited()
+	return exited || !known && !now.Before(o.until)
 }
 
 // ownerGone stops watching owner and returns what it still held: its

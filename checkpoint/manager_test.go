@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -356,4 +357,37 @@ func TestReusedAttemptRefused(t *testing.T) {
 	if res := settled(t, mgr2, r0); res.State != StateFailed || !errors.Is(res.Err, ErrInvalid) {
 		t.Fatalf("state %s (%v), want failed as invalid", res.State, res.Err)
 	}
+}
+
+// A client whose connection ends while its process lives (stopped, cut
+// off by keepalive) may resume copying: its save region is reused only
+// once the process has ended. Its lease ends at once all the same.
+func TestStoppedClientKeepsRegion(t *testing.T) {
+	mgr := newManager(t, ManagerConfig{})
+	var mu sync.Mutex
+	alive := true
+	done := make(chan struct{})
+	o := Owner{ID: "stopped", Done: done, Exited: func() (bool, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		return !alive, true
+	}}
+	info, err := mgr.BeginSave(context.Background(), o, target(1), []Tensor{u8("w", 0, 1<<20)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	close(done)
+	eventually(t, "the lease ends with the connection", func() bool {
+		mgr.mu.Lock()
+		defer mgr.mu.Unlock()
+		return mgr.leases.lookup(info.ID, o) == nil
+	})
+	time.Sleep(1500 * time.Millisecond) // a reaper tick or more
+	if mgr.arena.Used() == 0 {
+		t.Fatal("the region of a live process was freed when its connection ended")
+	}
+	mu.Lock()
+	alive = false
+	mu.Unlock()
+	eventually(t, "the region is freed once the process has ended", func() bool { return mgr.arena.Used() == 0 })
 }

@@ -36,6 +36,7 @@ type Info struct {
 	// Refused says why the policy refuses this peer ("" when allowed).
 	Refused string
 	done    chan struct{}
+	start   uint64 // the peer process's start time, see Exited; 0 if unknown
 }
 
 // Done is closed when the connection closes.
@@ -135,6 +136,9 @@ func credentials(c *net.UnixConn) (*Info, error) {
 	})
 	if err == nil {
 		err = serr
+	}
+	if info.PID > 0 {
+		_, info.start, _ = procStat(info.PID)
 	}
 	return info, err
 }
