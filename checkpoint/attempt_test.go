@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ckptd/ckptd/storage"
 )
@@ -258,4 +259,28 @@ func TestJobs(t *testing.T) {
 	if err != nil || !slices.Equal(jobs, []string{"job", "other"}) {
 		t.Fatalf("Jobs = %v, %v", jobs, err)
 	}
+}
+
+// A step that commits after Prune took its inventory (a late drain) is not
+// treated as garbage: Prune reads the commit record again before deleting.
+func TestPruneSeesLateCommit(t *testing.T) {
+	b, _ := newBackend(t)
+	save(t, b, shardOf("old", 1, 0, 1))
+	r0, r1 := shardOf("late", 2, 0, 2), shardOf("late", 2, 1, 2)
+	save(t, b, r0)
+	save(t, b, shardOf("newer", 3, 0, 1))
+	store, _ := NewStore(b, "job")
+	inv, err := store.Inventory(context.Background())
+	if err != nil || len(inv) != 3 || inv[1].Commit != nil {
+		t.Fatalf("Inventory = %+v, %v", inv, err)
+	}
+	save(t, b, r1) // step 2 commits after the inventory
+	p := &pruner{s: store, refs: map[string]bool{}, rep: &PruneReport{}, newest: 3}
+	if err := p.removeGarbage(context.Background(), &inv[1], time.Now().Add(time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	if len(p.rep.Garbage) != 0 {
+		t.Fatalf("removed %v of a step committed meanwhile", p.rep.Garbage)
+	}
+	checkStep(t, b, 2, []*Shard{r0, r1})
 }

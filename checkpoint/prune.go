@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -41,8 +42,14 @@ type PruneReport struct {
 // Prune keeps the newest KeepLast committed steps and removes the rest.
 // It also removes the attempts that no commit record names: those of
 // committed steps (a crashed run's ranks), and those of uncommitted steps
-// untouched for GCGrace. Steps whose commit record is damaged are left
-// alone and reported: they need a person.
+// older than the newest committed one and untouched for GCGrace. Steps
+// whose commit record is damaged are left alone and reported: they need a
+// person.
+//
+// An uncommitted step may still commit while Prune runs (a save kept
+// journaled through a long outage drains late), so a step newer than the
+// newest commit is never garbage, and a step's commit record is read again
+// just before its attempts are deleted.
 //
 // Deletion is reference-aware: a data object that a kept manifest points
 // to (an incremental checkpoint) is kept. A removed step's COMMIT.json goes
@@ -82,7 +89,10 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 	if err != nil {
 		return nil, err
 	}
-	p := &pruner{s: s, refs: refs, dryRun: opts.DryRun, rep: rep}
+	p := &pruner{s: s, refs: refs, dryRun: opts.DryRun, rep: rep, newest: -1}
+	if len(committed) > 0 {
+		p.newest = committed[len(committed)-1].Step
+	}
 	for _, si := range committed[:cut] {
 		rep.Removed = append(rep.Removed, si.Step)
 		if err := p.removeStep(ctx, si); err != nil {
@@ -119,6 +129,7 @@ type pruner struct {
 	refs   map[string]bool
 	dryRun bool
 	rep    *PruneReport
+	newest int64 // the newest committed step, -1 if none
 }
 
 // removeStep deletes a committed step: its commit record first, then every
@@ -137,13 +148,29 @@ func (p *pruner) removeStep(ctx context.Context, si *StepInventory) error {
 }
 
 // removeGarbage deletes the attempts of a step that its commit record does
-// not name: at once for a committed step, after the grace for an
-// uncommitted one (idle since before cutoff). A damaged step is left.
+// not name: at once for a committed step; for an uncommitted one older
+// than the newest commit, after the grace (idle since before cutoff), and
+// only if it is still uncommitted now. A damaged step is left.
 func (p *pruner) removeGarbage(ctx context.Context, si *StepInventory, cutoff time.Time) error {
 	if si.Damaged != nil || slices.Contains(p.rep.Removed, si.Step) {
 		return nil
 	}
 	winner, committed := si.Committed()
+	if !committed {
+		if si.Step > p.newest {
+			return nil // it may be the step a run is writing, or draining late
+		}
+		rec, err := p.s.readCommit(ctx, si.Step)
+		switch {
+		case err == nil: // committed since the inventory: its attempt is not garbage
+			winner, committed = rec.Attempt, true
+		case errors.Is(err, storage.ErrNotFound):
+		case errors.Is(err, ErrCorrupt):
+			return nil // damaged meanwhile: left alone, as above
+		default:
+			return fmt.Errorf("prune step %d: %w", si.Step, err)
+		}
+	}
 	for _, a := range si.Attempts {
 		if committed && a.Attempt == winner || !committed && a.Newest.After(cutoff) {
 			continue
