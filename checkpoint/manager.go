@@ -26,11 +26,12 @@ type ManagerConfig struct {
 	// of open saves (leased, staged or draining), so that requests with
 	// huge tables cannot exhaust the daemon (default 256 MiB).
 	TableBudget int64
-	// ReuseFence is how long, after starting on a crashed daemon's arena
-	// (kept for its journaled saves), no new region is handed out
-	// (default 10s): a trainer of the dead daemon may still be copying
-	// into a region it had leased but not committed, which this daemon
-	// sees as free. BeginSave and BeginRestore wait it out.
+	// ReuseFence is how long the save region of a client whose connection
+	// ended is kept when its Owner cannot tell whether the process has
+	// exited (default 10s; see Owner). The daemon's --crash-fence sets it,
+	// and fences its arena for as long after a crash (the arena's own
+	// option: no region is handed out, to saves or to dataset rings, while
+	// a dead daemon's clients may still be copying).
 	ReuseFence time.Duration
 	// Drains is how many shards drain at once (default 2); chunk-level
 	// parallelism is WriterOptions.Workers.
@@ -94,8 +95,6 @@ type Manager struct {
 	queue   drainQueue
 	closing bool
 
-	fence time.Time // no new regions before this (see ReuseFence); set by NewManager
-
 	ctx      context.Context // cancelled to abandon drains at shutdown
 	cancel   context.CancelFunc
 	wg       sync.WaitGroup // drains and the reaper
@@ -120,10 +119,6 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 		queue: drainQueue{wake: make(chan struct{}, 1)},
 	}
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
-	if a.Reused() {
-		mgr.fence = time.Now().Add(cfg.ReuseFence)
-		mgr.log.Info("arena kept from a crashed daemon: new regions wait until its clients' copies have ended", "for", cfg.ReuseFence)
-	}
 	if err := mgr.recover(); err != nil {
 		return nil, err
 	}
@@ -206,13 +201,6 @@ func (mgr *Manager) alloc(ctx context.Context, n int64) (Region, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, mgr.cfg.StagingWait)
 	defer cancel()
-	if wait := time.Until(mgr.fence); wait > 0 {
-		select {
-		case <-time.After(wait):
-		case <-ctx.Done():
-			return Region{}, fmt.Errorf("%w: the arena is fenced for %s after a crash (see --staging-wait): %w", ErrArenaFull, wait.Round(time.Millisecond), ctx.Err())
-		}
-	}
 	r, err := mgr.arena.Alloc(ctx, n)
 	if errors.Is(err, ErrArenaTooLarge) {
 		err = fmt.Errorf("%w; the shard must fit the staging arena: restart the daemon with --staging-bytes of at least %d", err, n)

@@ -205,38 +205,6 @@ func TestTableBudget(t *testing.T) {
 	}
 }
 
-// On a crashed daemon's arena (kept for its journal), new regions wait out
-// the fence: the dead daemon's clients may still be copying.
-func TestCrashFence(t *testing.T) {
-	b, _ := newBackend(t)
-	dir := fmt.Sprintf("/dev/shm/ckptd-mgr-test-%d-%s", os.Getpid(), t.Name())
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	a, err := arena.Open(arena.Options{Dir: dir, Size: 8 << 20})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := a.Journal().Put("junk", []byte("{}")); err != nil { // something staged, so the file is kept
-		t.Fatal(err)
-	}
-	a.Close()
-	if a, err = arena.Open(arena.Options{Dir: dir, Size: 8 << 20}); err != nil {
-		t.Fatal(err)
-	}
-	defer a.Close()
-	mgr, err := NewManager(shmArena{a}, b, ManagerConfig{DefaultJob: "job", ReuseFence: 300 * time.Millisecond, StagingWait: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mgr.Close(context.Background())
-	start := time.Now()
-	if _, err := mgr.BeginSave(context.Background(), Owner{}, target(1), []Tensor{u8("w", 0, 1)}); err != nil {
-		t.Fatal(err)
-	}
-	if waited := time.Since(start); waited < 250*time.Millisecond {
-		t.Fatalf("a save on a crashed daemon's arena got a region after %s, inside the fence", waited)
-	}
-}
-
 // A save journaled by a daemon older than attempts (its entry names none)
 // was acknowledged: an upgraded daemon drains and commits it under
 // LegacyAttempt rather than setting it aside.

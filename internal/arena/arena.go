@@ -43,6 +43,13 @@ type Options struct {
 	// holder that is running fails Open at once with ErrInUse, as does any
 	// holder when LockWait is 0.
 	LockWait time.Duration
+	// Fence is how long, on an arena kept from a crashed daemon (Reused),
+	// Alloc waits before handing out any region: that daemon's clients may
+	// still be copying into regions it had leased, which this process sees
+	// as free. It applies to every user of the arena (checkpoint saves and
+	// restores, dataset rings); Reserve, which re-takes journaled regions,
+	// does not wait.
+	Fence time.Duration
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -76,7 +83,8 @@ type Arena struct {
 	alloc   *allocator
 	journal *Journal
 	made    created
-	reused  bool // the file held a crashed daemon's staged saves
+	reused  bool      // the file held a crashed daemon's staged saves
+	fence   time.Time // no Alloc before this (Options.Fence)
 
 	mu       sync.Mutex // guards mem and lockFile against Close
 	mem      []byte
@@ -172,6 +180,7 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File, made *created
 		journal:  j,
 		made:     *made,
 		reused:   !made.file,
+		fence:    fenceUntil(!made.file, opts.Fence),
 		mem:      mem,
 		lockFile: lf,
 	}
@@ -179,6 +188,9 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File, made *created
 		a.locked = lockMemory(mem, log)
 	}
 	log.Info("arena: opened", "path", path, "bytes", size, "locked", a.locked, "journal_entries", j.Len())
+	if wait := time.Until(a.fence); wait > 0 {
+		log.Info("arena kept from a crashed daemon: new regions wait until its clients' copies have ended", "for", wait.Round(time.Millisecond))
+	}
 	return a, nil
 }
 
@@ -368,10 +380,26 @@ func (a *Arena) Locked() bool { return a.locked }
 // Journal is the arena's journal of staged saves.
 func (a *Arena) Journal() *Journal { return a.journal }
 
+// fenceUntil is when a fenced arena (see Options.Fence) opens to Alloc.
+func fenceUntil(reused bool, fence time.Duration) time.Time {
+	if !reused {
+		return time.Time{}
+	}
+	return time.Now().Add(fence)
+}
+
 // Alloc returns a free region of n bytes: 4 KiB aligned, 2 MiB aligned when
 // n >= 2 MiB. When the arena is full it waits until enough is freed or ctx
 // is done, then fails with an error wrapping ErrFull and ctx.Err().
 func (a *Arena) Alloc(ctx context.Context, n int64) (Region, error) {
+	if wait := time.Until(a.fence); wait > 0 {
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+			return Region{}, fmt.Errorf("%w: the arena is fenced for %s after a crash (--crash-fence): %w",
+				ErrFull, wait.Round(time.Millisecond), ctx.Err())
+		}
+	}
 	return a.alloc.alloc(ctx, n)
 }
 

@@ -12,6 +12,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -442,4 +443,40 @@ func clientMap(t *testing.T, path string, size int) []byte {
 	}
 	t.Cleanup(func() { unix.Munmap(mem) })
 	return mem
+}
+
+// On a crashed daemon's arena (kept for its journal), Alloc waits out the
+// fence for every user, since the dead daemon's clients may still be
+// copying; Reserve (recovery) does not; a fresh arena is not fenced.
+func TestCrashFence(t *testing.T) {
+	dir := t.TempDir()
+	a := mustOpen(t, Options{Dir: dir, Size: 4 * mib, Fence: time.Hour})
+	start := time.Now()
+	r, err := a.Alloc(context.Background(), 64<<10)
+	if err != nil || time.Since(start) > time.Second {
+		t.Fatalf("a fresh arena is fenced: %v after %s", err, time.Since(start))
+	}
+	if err := a.Journal().Put("save-1", []byte("{}")); err != nil { // something staged, so the file is kept
+		t.Fatal(err)
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	b := mustOpen(t, Options{Dir: dir, Size: 4 * mib, Fence: 300 * time.Millisecond})
+	defer b.Close()
+	if err := b.Reserve(r); err != nil {
+		t.Fatalf("recovery waits for the fence: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if _, err := b.Alloc(ctx, 64<<10); !errors.Is(err, ErrFull) || !strings.Contains(err.Error(), "fenced") {
+		t.Fatalf("an Alloc that cannot wait out the fence: %v", err)
+	}
+	start = time.Now()
+	if _, err := b.Alloc(context.Background(), 64<<10); err != nil {
+		t.Fatal(err)
+	}
+	if waited := time.Since(start); waited < 200*time.Millisecond {
+		t.Fatalf("a region on a crashed daemon's arena after %s, inside the fence", waited)
+	}
 }
