@@ -35,11 +35,15 @@ type ManagerConfig struct {
 	ReuseFence time.Duration
 	// Drains is how many shards drain at once (default 2); chunk-level
 	// parallelism is WriterOptions.Workers.
-	Drains  int
-	Writer  WriterOptions
-	Read    ReadOptions
-	Metrics *Metrics
-	Logger  *slog.Logger
+	Drains int
+	// Restores is how many restores read from storage at once (default
+	// 4); more wait their turn. Each holds Read.Concurrency chunk buffers
+	// and its manifest in memory, so this bounds the heap restores take.
+	Restores int
+	Writer   WriterOptions
+	Read     ReadOptions
+	Metrics  *Metrics
+	Logger   *slog.Logger
 	// DrainDelay delays every drain; tests use it to crash the daemon
 	// while a save is accepted but not yet durable.
 	DrainDelay time.Duration
@@ -52,6 +56,7 @@ const (
 	DefaultTableBudget  = 256 << 20
 	DefaultReuseFence   = 10 * time.Second
 	DefaultDrains       = 2
+	DefaultRestores     = 4
 )
 
 func (c *ManagerConfig) setDefaults() {
@@ -69,6 +74,9 @@ func (c *ManagerConfig) setDefaults() {
 	}
 	if c.Drains <= 0 {
 		c.Drains = DefaultDrains
+	}
+	if c.Restores <= 0 {
+		c.Restores = DefaultRestores
 	}
 	if c.Metrics == nil {
 		c.Metrics = NewMetrics(nil)
@@ -95,6 +103,8 @@ type Manager struct {
 	queue   drainQueue
 	closing bool
 
+	restores chan struct{} // a slot per restore reading from storage (Restores)
+
 	ctx      context.Context // cancelled to abandon drains at shutdown
 	cancel   context.CancelFunc
 	wg       sync.WaitGroup // drains and the reaper
@@ -116,7 +126,7 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 	mgr := &Manager{
 		cfg: cfg, arena: a, b: b, w: w, log: cfg.Logger, m: cfg.Metrics,
 		leases: newLeaseTable(cfg.TableBudget, cfg.Metrics.TableBytes), saves: map[saveKey]*saveStatus{},
-		queue: drainQueue{wake: make(chan struct{}, 1)},
+		queue: drainQueue{wake: make(chan struct{}, 1)}, restores: make(chan struct{}, cfg.Restores),
 	}
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
 	if err := mgr.recover(); err != nil {

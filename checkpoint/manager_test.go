@@ -359,3 +359,33 @@ func TestStoppedClientKeepsRegion(t *testing.T) {
 	mu.Unlock()
 	eventually(t, "the region is freed once the process has ended", func() bool { return mgr.arena.Used() == 0 })
 }
+
+// Restores beyond ManagerConfig.Restores wait their turn (their memory is
+// bounded by the count), and give up with their context.
+func TestRestoresBounded(t *testing.T) {
+	b := faulty.New(memstore.New())
+	mgr, a := newManagerOn(t, b, ManagerConfig{Restores: 1})
+	tg := Target{Job: "job", Step: 1, WorldSize: 1, Attempt: "a"}
+	saveBytes(t, mgr, a, tg, []byte("weights"))
+	if res := settled(t, mgr, tg); res.State != StateCommitted {
+		t.Fatalf("state %s (%v)", res.State, res.Err)
+	}
+	slow := b.Inject(faulty.Fault{Kind: faulty.Delay, Ops: faulty.OpGet, Name: "job/steps/*/a/rank-*.data", Delay: time.Second})
+	first := make(chan error, 1)
+	go func() {
+		_, _, err := mgr.BeginRestore(context.Background(), Owner{}, "job", 1, false, 0)
+		first <- err
+	}()
+	eventually(t, "the first restore reads", func() bool { return slow.Hits() > 0 })
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	if _, _, err := mgr.BeginRestore(ctx, Owner{}, "job", 1, false, 0); !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "--restores") {
+		t.Fatalf("a second restore while the only slot is taken: %v", err)
+	}
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := mgr.BeginRestore(context.Background(), Owner{}, "job", 1, false, 0); err != nil {
+		t.Fatalf("a restore after the first ended: %v", err)
+	}
+}

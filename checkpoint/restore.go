@@ -25,6 +25,12 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, job string, step 
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
+	select { // bounds the memory restores hold: see ManagerConfig.Restores
+	case mgr.restores <- struct{}{}:
+		defer func() { <-mgr.restores }()
+	case <-ctx.Done():
+		return LeaseInfo{}, nil, fmt.Errorf("waiting for one of the %d concurrent restores (--restores): %w", cap(mgr.restores), ctx.Err())
+	}
 	rec, err := store.Resolve(ctx, step, latest)
 	if err != nil {
 		return LeaseInfo{}, nil, err

@@ -13,12 +13,23 @@ const memoryHeadroom = 256 << 20
 // memoryCeiling is what the daemon's heap may hold whatever clients send
 // (docs/architecture.md, "Memory"): open tensor tables, the drain's chunk
 // buffers, S3 parts in flight (the most a store may take), the dataset
-// service, and headroom. The arena is shared memory, counted apart.
+// service, restores (chunk buffers and a manifest each), and headroom. The
+// arena is shared memory, counted apart.
 func memoryCeiling(o *serveOptions, prefetchCeiling int64) int64 {
 	drainBuffers := 4 * int64(o.Workers) * 2 * int64(o.ChunkSize)
 	s3Parts := int64(o.Drains) * 8 * (16 << 20)
-	return int64(o.TableBytes) + drainBuffers + s3Parts + prefetchCeiling + memoryHeadroom
+	restores := int64(o.Restores) * (restoreReads*2*int64(o.ChunkSize) + restoreManifest)
+	return int64(o.TableBytes) + drainBuffers + s3Parts + restores + prefetchCeiling + memoryHeadroom
 }
+
+// restoreReads is checkpoint.ReadOptions.Concurrency's default, the
+// chunks one restore holds at once; restoreManifest is what a typical
+// manifest and tensor table take parsed (one of the largest tables a save
+// may have: 262,144 tensors).
+const (
+	restoreReads    = 8
+	restoreManifest = 64 << 20
+)
 
 // setMemoryLimit makes the garbage collector keep the heap under the
 // daemon's ceiling (a soft limit: it collects harder as the heap nears

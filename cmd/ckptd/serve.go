@@ -45,6 +45,7 @@ type serveOptions struct {
 	ChunkSize    byteSize
 	Workers      int
 	Drains       int
+	Restores     int
 	MetricsAddr  string
 	Grace        time.Duration
 	DrainDelay   time.Duration
@@ -81,6 +82,7 @@ func newServeCmd() *cobra.Command {
 	fs.Var(&o.ChunkSize, "chunk-size", "raw bytes per chunk")
 	fs.IntVar(&o.Workers, "workers", 0, "chunks compressed at once (default: number of CPUs)")
 	fs.IntVar(&o.Drains, "drains", checkpoint.DefaultDrains, "shards drained at once")
+	fs.IntVar(&o.Restores, "restores", checkpoint.DefaultRestores, "restores reading from storage at once (more wait their turn); bounds the memory restores take")
 	fs.StringVar(&o.MetricsAddr, "metrics-addr", "", "serve Prometheus /metrics on this address, e.g. 127.0.0.1:9464")
 	fs.DurationVar(&o.Grace, "shutdown-grace", time.Minute, "on SIGTERM, how long to keep draining before leaving saves journaled for the next start")
 	fs.DurationVar(&o.DrainDelay, "debug-drain-delay", 0, "delay every drain (for crash tests)")
@@ -169,7 +171,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mgr, err := checkpoint.NewManager(server.CheckpointArena(a), b, checkpoint.ManagerConfig{
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes), ReuseFence: o.ReuseFence,
-		Drains: o.Drains, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
+		Drains: o.Drains, Restores: o.Restores, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
 	})
 	if err == nil {
