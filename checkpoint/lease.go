@@ -26,6 +26,8 @@ type Owner struct {
 	ID     string
 	Done   <-chan struct{}
 	Exited func() (exited, known bool)
+	// Peer names the client for people (`ckptd status`): its uid and pid.
+	Peer string
 }
 
 func (o Owner) gone() bool {
@@ -54,6 +56,7 @@ type lease struct {
 	id        string
 	kind      leaseKind
 	owner     string
+	peer      string // Owner.Peer
 	region    Region // Length 0: nothing allocated
 	size      int64  // bytes of the region the lease covers
 	target    Target
@@ -88,6 +91,7 @@ func newLeaseID() string {
 // gone is dropped at once: its connection closed while the request was
 // being served, after the owner's leases were released. Call with mu.
 func (mgr *Manager) addLease(l *lease, o Owner) error {
+	l.peer = o.Peer
 	mgr.leases.add(l, o.ID)
 	if o.gone() {
 		mgr.dropLease(l)
@@ -261,6 +265,23 @@ type orphan struct {
 	regions []Region
 	exited  func() (exited, known bool) // nil: no process to wait for
 	until   time.Time                   // when exited cannot tell
+}
+
+// heldBytes is the size of the regions kept for expired leases and gone
+// owners.
+func (t *leaseTable) heldBytes() int64 {
+	var n int64
+	for _, rs := range t.held {
+		for _, r := range rs {
+			n += r.Length
+		}
+	}
+	for _, o := range t.orphans {
+		for _, r := range o.regions {
+			n += r.Length
+		}
+	}
+	return n
 }
 
 // orphan keeps regions until o's process ends (or, when that cannot be

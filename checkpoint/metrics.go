@@ -1,6 +1,11 @@
 package checkpoint
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"maps"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // Metrics are the Prometheus metrics of the checkpoint path, which the
 // Manager updates as it works. ckptd serve registers them on its /metrics
@@ -28,6 +33,9 @@ type Metrics struct {
 	// Quarantined counts journal entries set aside at start because they
 	// no longer validated.
 	Quarantined prometheus.Counter
+
+	mu     sync.Mutex
+	errors map[string]uint64 // Errors' counts, for ErrorCounts
 }
 
 // NewMetrics creates the metrics and registers them with reg (nil: not
@@ -75,7 +83,22 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 
 // failed counts an error of operation op.
 func (m *Metrics) failed(op string) {
-	if m != nil {
-		m.Errors.WithLabelValues(op).Inc()
+	if m == nil {
+		return
 	}
+	m.Errors.WithLabelValues(op).Inc()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.errors == nil {
+		m.errors = map[string]uint64{}
+	}
+	m.errors[op]++
+}
+
+// ErrorCounts returns the errors counted so far by operation (drain,
+// commit, restore, alloc, journal), as ckptd_errors_total has them.
+func (m *Metrics) ErrorCounts() map[string]uint64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return maps.Clone(m.errors)
 }

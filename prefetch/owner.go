@@ -14,6 +14,8 @@ import (
 type Owner struct {
 	ID   string
 	Done <-chan struct{}
+	// Peer names the client for people (`ckptd status`): its uid and pid.
+	Peer string
 }
 
 // gone reports whether the owner's connection has closed.

@@ -205,6 +205,7 @@ func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, s
 	}
 	ss := newSession(newID(), owner.ID, it, ring, s.cfg.Slots, s.cfg.Metrics)
 	ss.onClose = func() { s.backends.release(br) }
+	ss.peer, ss.source, ss.spec = owner.Peer, source, spec
 	if err := s.insert(owner, ss); err != nil {
 		ss.close()
 		return "", Stats{}, err

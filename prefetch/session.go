@@ -27,6 +27,9 @@ import (
 type session struct {
 	id      string
 	owner   string // Owner.ID
+	peer    string // Owner.Peer
+	source  string
+	spec    Spec
 	it      *Iterator
 	ring    *Ring
 	filled  chan *Delivery

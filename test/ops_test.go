@@ -2,11 +2,17 @@ package test
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"strings"
 	"testing"
 	"time"
+
+	"google.golang.org/protobuf/encoding/protojson"
+
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
 // `ckptd health`, /healthz and /readyz: ready while storage answers, not
@@ -94,5 +100,62 @@ func TestCLIDeadStoreFailsFast(t *testing.T) {
 	}
 	if lines := strings.Count(strings.TrimSpace(stderr), "\n") + 1; lines != 1 {
 		t.Fatalf("%d lines of stderr, want one:\n%s", lines, stderr)
+	}
+}
+
+// `ckptd status` shows what the daemon holds: a journaled save waiting for
+// its drain, an open save lease with its owner, the arena's use by kind;
+// as a table and as JSON.
+func TestStatus(t *testing.T) {
+	d := startDaemon(t, "", "--debug-drain-delay", "1h", "--shutdown-grace", "100ms")
+	c := d.client()
+	if _, err := c.Save(ctxT(t), shard(7, 0, 2)); err != nil {
+		t.Fatal(err)
+	}
+	att := c.Attempt()
+	open, err := c.API().BeginSave(ctxT(t), &pb.BeginSaveRequest{
+		Target: &pb.SaveTarget{Step: 8, WorldSize: 1, Attempt: att}, Tensors: []*pb.Tensor{f32Tensor("w", 0, 1024)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, stderr, err := ckptdCLI(t, "status", "--socket", d.socket, "--json")
+	if err != nil {
+		t.Fatalf("ckptd status --json: %v\n%s", err, stderr)
+	}
+	var st pb.DaemonStatus
+	if err := protojson.Unmarshal([]byte(out), &st); err != nil {
+		t.Fatalf("not a DaemonStatus: %v\n%s", err, out)
+	}
+	a := st.GetArena()
+	if !st.GetStorageReady() || a.GetSize() != 256<<20 || a.GetStaging() == 0 || a.GetUsed() < a.GetStaging() {
+		t.Fatalf("status: ready %v, arena %v", st.GetStorageReady(), a)
+	}
+	states := map[int64]string{}
+	for _, s := range st.GetSaves() {
+		states[s.GetTarget().GetStep()] = s.GetState()
+	}
+	if (states[7] != "staged" && states[7] != "draining") || states[8] != "staging" {
+		t.Fatalf("save states %v: want step 7 staged or draining, step 8 staging", states)
+	}
+	me := fmt.Sprintf("uid %d pid %d", os.Getuid(), os.Getpid())
+	var journaled, leased bool
+	for _, l := range st.GetLeases() {
+		if l.GetPeer() != me || len(l.GetIdPrefix()) >= len(open.GetLease().GetId()) {
+			t.Fatalf("lease %v: want peer %q and a short id prefix", l, me)
+		}
+		journaled = journaled || l.GetJournaled() && l.GetTarget().GetStep() == 7
+		leased = leased || !l.GetJournaled() && l.GetTarget().GetStep() == 8 && l.GetExpiresInSeconds() > 0
+	}
+	if !journaled || !leased {
+		t.Fatalf("leases %v: want step 7 journaled and step 8 open", st.GetLeases())
+	}
+	out, stderr, err = ckptdCLI(t, "status", "--socket", d.socket)
+	if err != nil {
+		t.Fatalf("ckptd status: %v\n%s", err, stderr)
+	}
+	for _, want := range []string{"storage", "ready", "SAVES (2)", "LEASES (2)", "DATASETS (0)", me, "staging"} {
+		if !strings.Contains(out, want) {
+			t.Fatalf("ckptd status lacks %q:\n%s", want, out)
+		}
 	}
 }

@@ -215,6 +215,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(srv, hs)
 	ready := newReadiness(b, o.Job, hs, log)
+	server.RegisterDaemon(srv, mgr, pf, server.StatusConfig{Version: Version(), Started: time.Now(), Storage: ready.check})
 	readyCtx, stopReady := context.WithCancel(context.Background())
 	defer stopReady()
 	go ready.run(readyCtx)

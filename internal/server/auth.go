@@ -47,5 +47,5 @@ func owner(ctx context.Context) checkpoint.Owner {
 	if !ok {
 		return checkpoint.Owner{}
 	}
-	return checkpoint.Owner{ID: info.ID, Done: info.Done(), Exited: info.Exited}
+	return checkpoint.Owner{ID: info.ID, Done: info.Done(), Exited: info.Exited, Peer: peerName(info)}
 }

@@ -38,7 +38,7 @@ func pfOwner(ctx context.Context) prefetch.Owner {
 	if !ok {
 		return prefetch.Owner{}
 	}
-	return prefetch.Owner{ID: info.ID, Done: info.Done()}
+	return prefetch.Owner{ID: info.ID, Done: info.Done(), Peer: peerName(info)}
 }
 
 func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) (*pb.OpenDatasetResponse, error) {

@@ -225,6 +225,17 @@ func (c *Client) Steps(ctx context.Context, job string) ([]StepInfo, error) {
 // Health asks the daemon whether it can do its work now (the standard
 // gRPC health service): nil when it serves and its storage answers, else
 // why not.
+// Status returns what the daemon is doing now (`ckptd status`): arena use,
+// saves and their states, leases and their owners, dataset sessions and
+// error counts, as the protocol's message.
+func (c *Client) Status(ctx context.Context) (*pb.DaemonStatus, error) {
+	st, err := pb.NewDaemonClient(c.conn).GetStatus(ctx, &pb.GetStatusRequest{})
+	if err != nil {
+		return nil, c.wrap(err)
+	}
+	return st, nil
+}
+
 func (c *Client) Health(ctx context.Context) error {
 	resp, err := healthpb.NewHealthClient(c.conn).Check(ctx, &healthpb.HealthCheckRequest{})
 	if err != nil {

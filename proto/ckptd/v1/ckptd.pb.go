@@ -2133,6 +2133,522 @@ func (*CloseDatasetResponse) Descriptor() ([]byte, []int) {
 	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{32}
 }
 
+type GetStatusRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetStatusRequest) Reset() {
+	*x = GetStatusRequest{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetStatusRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetStatusRequest) ProtoMessage() {}
+
+func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetStatusRequest.ProtoReflect.Descriptor instead.
+func (*GetStatusRequest) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{33}
+}
+
+type DaemonStatus struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Version       string                 `protobuf:"bytes,1,opt,name=version,proto3" json:"version,omitempty"`
+	UptimeSeconds float64                `protobuf:"fixed64,2,opt,name=uptime_seconds,json=uptimeSeconds,proto3" json:"uptime_seconds,omitempty"`
+	DefaultJob    string                 `protobuf:"bytes,3,opt,name=default_job,json=defaultJob,proto3" json:"default_job,omitempty"`
+	// The checkpoint store, and whether it answered the last readiness
+	// probe (with the error when it did not).
+	Storage      string          `protobuf:"bytes,4,opt,name=storage,proto3" json:"storage,omitempty"`
+	StorageReady bool            `protobuf:"varint,5,opt,name=storage_ready,json=storageReady,proto3" json:"storage_ready,omitempty"`
+	StorageError string          `protobuf:"bytes,6,opt,name=storage_error,json=storageError,proto3" json:"storage_error,omitempty"`
+	Arena        *ArenaUsage     `protobuf:"bytes,7,opt,name=arena,proto3" json:"arena,omitempty"`
+	Saves        []*SaveActivity `protobuf:"bytes,8,rep,name=saves,proto3" json:"saves,omitempty"`
+	Leases       []*LeaseState   `protobuf:"bytes,9,rep,name=leases,proto3" json:"leases,omitempty"`
+	Datasets     []*DatasetState `protobuf:"bytes,10,rep,name=datasets,proto3" json:"datasets,omitempty"`
+	// Errors counted by operation (drain, commit, restore, alloc, journal).
+	Errors        map[string]uint64 `protobuf:"bytes,11,rep,name=errors,proto3" json:"errors,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DaemonStatus) Reset() {
+	*x = DaemonStatus{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DaemonStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DaemonStatus) ProtoMessage() {}
+
+func (x *DaemonStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DaemonStatus.ProtoReflect.Descriptor instead.
+func (*DaemonStatus) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *DaemonStatus) GetVersion() string {
+	if x != nil {
+		return x.Version
+	}
+	return ""
+}
+
+func (x *DaemonStatus) GetUptimeSeconds() float64 {
+	if x != nil {
+		return x.UptimeSeconds
+	}
+	return 0
+}
+
+func (x *DaemonStatus) GetDefaultJob() string {
+	if x != nil {
+		return x.DefaultJob
+	}
+	return ""
+}
+
+func (x *DaemonStatus) GetStorage() string {
+	if x != nil {
+		return x.Storage
+	}
+	return ""
+}
+
+func (x *DaemonStatus) GetStorageReady() bool {
+	if x != nil {
+		return x.StorageReady
+	}
+	return false
+}
+
+func (x *DaemonStatus) GetStorageError() string {
+	if x != nil {
+		return x.StorageError
+	}
+	return ""
+}
+
+func (x *DaemonStatus) GetArena() *ArenaUsage {
+	if x != nil {
+		return x.Arena
+	}
+	return nil
+}
+
+func (x *DaemonStatus) GetSaves() []*SaveActivity {
+	if x != nil {
+		return x.Saves
+	}
+	return nil
+}
+
+func (x *DaemonStatus) GetLeases() []*LeaseState {
+	if x != nil {
+		return x.Leases
+	}
+	return nil
+}
+
+func (x *DaemonStatus) GetDatasets() []*DatasetState {
+	if x != nil {
+		return x.Datasets
+	}
+	return nil
+}
+
+func (x *DaemonStatus) GetErrors() map[string]uint64 {
+	if x != nil {
+		return x.Errors
+	}
+	return nil
+}
+
+// ArenaUsage splits the arena's used bytes by what holds them.
+type ArenaUsage struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Size          uint64                 `protobuf:"varint,1,opt,name=size,proto3" json:"size,omitempty"`
+	Used          uint64                 `protobuf:"varint,2,opt,name=used,proto3" json:"used,omitempty"`
+	Staging       uint64                 `protobuf:"varint,3,opt,name=staging,proto3" json:"staging,omitempty"`                                  // save regions, leased or journaled
+	Restores      uint64                 `protobuf:"varint,4,opt,name=restores,proto3" json:"restores,omitempty"`                                // restore regions
+	Datasets      uint64                 `protobuf:"varint,5,opt,name=datasets,proto3" json:"datasets,omitempty"`                                // ring slots and oversized batches
+	Held          uint64                 `protobuf:"varint,6,opt,name=held,proto3" json:"held,omitempty"`                                        // kept for gone or expired clients that may still write
+	DatasetsShare uint64                 `protobuf:"varint,7,opt,name=datasets_share,json=datasetsShare,proto3" json:"datasets_share,omitempty"` // --dataset-arena-bytes
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ArenaUsage) Reset() {
+	*x = ArenaUsage{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ArenaUsage) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ArenaUsage) ProtoMessage() {}
+
+func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ArenaUsage.ProtoReflect.Descriptor instead.
+func (*ArenaUsage) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *ArenaUsage) GetSize() uint64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *ArenaUsage) GetUsed() uint64 {
+	if x != nil {
+		return x.Used
+	}
+	return 0
+}
+
+func (x *ArenaUsage) GetStaging() uint64 {
+	if x != nil {
+		return x.Staging
+	}
+	return 0
+}
+
+func (x *ArenaUsage) GetRestores() uint64 {
+	if x != nil {
+		return x.Restores
+	}
+	return 0
+}
+
+func (x *ArenaUsage) GetDatasets() uint64 {
+	if x != nil {
+		return x.Datasets
+	}
+	return 0
+}
+
+func (x *ArenaUsage) GetHeld() uint64 {
+	if x != nil {
+		return x.Held
+	}
+	return 0
+}
+
+func (x *ArenaUsage) GetDatasetsShare() uint64 {
+	if x != nil {
+		return x.DatasetsShare
+	}
+	return 0
+}
+
+type SaveActivity struct {
+	state          protoimpl.MessageState `protogen:"open.v1"`
+	Target         *SaveTarget            `protobuf:"bytes,1,opt,name=target,proto3" json:"target,omitempty"`
+	State          string                 `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"` // staging, staged, draining, durable, committed, failed
+	SecondsInState float64                `protobuf:"fixed64,3,opt,name=seconds_in_state,json=secondsInState,proto3" json:"seconds_in_state,omitempty"`
+	Error          string                 `protobuf:"bytes,4,opt,name=error,proto3" json:"error,omitempty"` // why it failed, or the last transient error
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *SaveActivity) Reset() {
+	*x = SaveActivity{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SaveActivity) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SaveActivity) ProtoMessage() {}
+
+func (x *SaveActivity) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SaveActivity.ProtoReflect.Descriptor instead.
+func (*SaveActivity) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
+}
+
+func (x *SaveActivity) GetTarget() *SaveTarget {
+	if x != nil {
+		return x.Target
+	}
+	return nil
+}
+
+func (x *SaveActivity) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *SaveActivity) GetSecondsInState() float64 {
+	if x != nil {
+		return x.SecondsInState
+	}
+	return 0
+}
+
+func (x *SaveActivity) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+type LeaseState struct {
+	state            protoimpl.MessageState `protogen:"open.v1"`
+	IdPrefix         string                 `protobuf:"bytes,1,opt,name=id_prefix,json=idPrefix,proto3" json:"id_prefix,omitempty"`
+	Kind             string                 `protobuf:"bytes,2,opt,name=kind,proto3" json:"kind,omitempty"` // save or restore
+	Peer             string                 `protobuf:"bytes,3,opt,name=peer,proto3" json:"peer,omitempty"` // uid and pid of the connection holding it
+	Bytes            uint64                 `protobuf:"varint,4,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	AgeSeconds       float64                `protobuf:"fixed64,5,opt,name=age_seconds,json=ageSeconds,proto3" json:"age_seconds,omitempty"`
+	ExpiresInSeconds float64                `protobuf:"fixed64,6,opt,name=expires_in_seconds,json=expiresInSeconds,proto3" json:"expires_in_seconds,omitempty"` // 0 once journaled
+	Target           *SaveTarget            `protobuf:"bytes,7,opt,name=target,proto3" json:"target,omitempty"`                                                 // of a save
+	Journaled        bool                   `protobuf:"varint,8,opt,name=journaled,proto3" json:"journaled,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *LeaseState) Reset() {
+	*x = LeaseState{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LeaseState) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LeaseState) ProtoMessage() {}
+
+func (x *LeaseState) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LeaseState.ProtoReflect.Descriptor instead.
+func (*LeaseState) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
+}
+
+func (x *LeaseState) GetIdPrefix() string {
+	if x != nil {
+		return x.IdPrefix
+	}
+	return ""
+}
+
+func (x *LeaseState) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *LeaseState) GetPeer() string {
+	if x != nil {
+		return x.Peer
+	}
+	return ""
+}
+
+func (x *LeaseState) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *LeaseState) GetAgeSeconds() float64 {
+	if x != nil {
+		return x.AgeSeconds
+	}
+	return 0
+}
+
+func (x *LeaseState) GetExpiresInSeconds() float64 {
+	if x != nil {
+		return x.ExpiresInSeconds
+	}
+	return 0
+}
+
+func (x *LeaseState) GetTarget() *SaveTarget {
+	if x != nil {
+		return x.Target
+	}
+	return nil
+}
+
+func (x *LeaseState) GetJournaled() bool {
+	if x != nil {
+		return x.Journaled
+	}
+	return false
+}
+
+type DatasetState struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Peer          string                 `protobuf:"bytes,1,opt,name=peer,proto3" json:"peer,omitempty"`
+	Source        string                 `protobuf:"bytes,2,opt,name=source,proto3" json:"source,omitempty"`
+	Rank          int32                  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
+	WorldSize     int32                  `protobuf:"varint,4,opt,name=world_size,json=worldSize,proto3" json:"world_size,omitempty"`
+	Epoch         int64                  `protobuf:"varint,5,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	IdleSeconds   float64                `protobuf:"fixed64,6,opt,name=idle_seconds,json=idleSeconds,proto3" json:"idle_seconds,omitempty"`
+	Stats         *PrefetchStats         `protobuf:"bytes,7,opt,name=stats,proto3" json:"stats,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DatasetState) Reset() {
+	*x = DatasetState{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DatasetState) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DatasetState) ProtoMessage() {}
+
+func (x *DatasetState) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DatasetState.ProtoReflect.Descriptor instead.
+func (*DatasetState) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *DatasetState) GetPeer() string {
+	if x != nil {
+		return x.Peer
+	}
+	return ""
+}
+
+func (x *DatasetState) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *DatasetState) GetRank() int32 {
+	if x != nil {
+		return x.Rank
+	}
+	return 0
+}
+
+func (x *DatasetState) GetWorldSize() int32 {
+	if x != nil {
+		return x.WorldSize
+	}
+	return 0
+}
+
+func (x *DatasetState) GetEpoch() int64 {
+	if x != nil {
+		return x.Epoch
+	}
+	return 0
+}
+
+func (x *DatasetState) GetIdleSeconds() float64 {
+	if x != nil {
+		return x.IdleSeconds
+	}
+	return 0
+}
+
+func (x *DatasetState) GetStats() *PrefetchStats {
+	if x != nil {
+		return x.Stats
+	}
+	return nil
+}
+
 var File_ckptd_v1_ckptd_proto protoreflect.FileDescriptor
 
 const file_ckptd_v1_ckptd_proto_rawDesc = "" +
@@ -2277,7 +2793,59 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x05stats\x18\x05 \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats\"/\n" +
 	"\x13CloseDatasetRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\"\x16\n" +
-	"\x14CloseDatasetResponse*\xa0\x01\n" +
+	"\x14CloseDatasetResponse\"\x12\n" +
+	"\x10GetStatusRequest\"\x87\x04\n" +
+	"\fDaemonStatus\x12\x18\n" +
+	"\aversion\x18\x01 \x01(\tR\aversion\x12%\n" +
+	"\x0euptime_seconds\x18\x02 \x01(\x01R\ruptimeSeconds\x12\x1f\n" +
+	"\vdefault_job\x18\x03 \x01(\tR\n" +
+	"defaultJob\x12\x18\n" +
+	"\astorage\x18\x04 \x01(\tR\astorage\x12#\n" +
+	"\rstorage_ready\x18\x05 \x01(\bR\fstorageReady\x12#\n" +
+	"\rstorage_error\x18\x06 \x01(\tR\fstorageError\x12*\n" +
+	"\x05arena\x18\a \x01(\v2\x14.ckptd.v1.ArenaUsageR\x05arena\x12,\n" +
+	"\x05saves\x18\b \x03(\v2\x16.ckptd.v1.SaveActivityR\x05saves\x12,\n" +
+	"\x06leases\x18\t \x03(\v2\x14.ckptd.v1.LeaseStateR\x06leases\x122\n" +
+	"\bdatasets\x18\n" +
+	" \x03(\v2\x16.ckptd.v1.DatasetStateR\bdatasets\x12:\n" +
+	"\x06errors\x18\v \x03(\v2\".ckptd.v1.DaemonStatus.ErrorsEntryR\x06errors\x1a9\n" +
+	"\vErrorsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\xc1\x01\n" +
+	"\n" +
+	"ArenaUsage\x12\x12\n" +
+	"\x04size\x18\x01 \x01(\x04R\x04size\x12\x12\n" +
+	"\x04used\x18\x02 \x01(\x04R\x04used\x12\x18\n" +
+	"\astaging\x18\x03 \x01(\x04R\astaging\x12\x1a\n" +
+	"\brestores\x18\x04 \x01(\x04R\brestores\x12\x1a\n" +
+	"\bdatasets\x18\x05 \x01(\x04R\bdatasets\x12\x12\n" +
+	"\x04held\x18\x06 \x01(\x04R\x04held\x12%\n" +
+	"\x0edatasets_share\x18\a \x01(\x04R\rdatasetsShare\"\x92\x01\n" +
+	"\fSaveActivity\x12,\n" +
+	"\x06target\x18\x01 \x01(\v2\x14.ckptd.v1.SaveTargetR\x06target\x12\x14\n" +
+	"\x05state\x18\x02 \x01(\tR\x05state\x12(\n" +
+	"\x10seconds_in_state\x18\x03 \x01(\x01R\x0esecondsInState\x12\x14\n" +
+	"\x05error\x18\x04 \x01(\tR\x05error\"\x82\x02\n" +
+	"\n" +
+	"LeaseState\x12\x1b\n" +
+	"\tid_prefix\x18\x01 \x01(\tR\bidPrefix\x12\x12\n" +
+	"\x04kind\x18\x02 \x01(\tR\x04kind\x12\x12\n" +
+	"\x04peer\x18\x03 \x01(\tR\x04peer\x12\x14\n" +
+	"\x05bytes\x18\x04 \x01(\x04R\x05bytes\x12\x1f\n" +
+	"\vage_seconds\x18\x05 \x01(\x01R\n" +
+	"ageSeconds\x12,\n" +
+	"\x12expires_in_seconds\x18\x06 \x01(\x01R\x10expiresInSeconds\x12,\n" +
+	"\x06target\x18\a \x01(\v2\x14.ckptd.v1.SaveTargetR\x06target\x12\x1c\n" +
+	"\tjournaled\x18\b \x01(\bR\tjournaled\"\xd5\x01\n" +
+	"\fDatasetState\x12\x12\n" +
+	"\x04peer\x18\x01 \x01(\tR\x04peer\x12\x16\n" +
+	"\x06source\x18\x02 \x01(\tR\x06source\x12\x12\n" +
+	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x1d\n" +
+	"\n" +
+	"world_size\x18\x04 \x01(\x05R\tworldSize\x12\x14\n" +
+	"\x05epoch\x18\x05 \x01(\x03R\x05epoch\x12!\n" +
+	"\fidle_seconds\x18\x06 \x01(\x01R\vidleSeconds\x12-\n" +
+	"\x05stats\x18\a \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats*\xa0\x01\n" +
 	"\tSaveState\x12\x1a\n" +
 	"\x16SAVE_STATE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11SAVE_STATE_STAGED\x10\x01\x12\x17\n" +
@@ -2302,7 +2870,9 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\bPrefetch\x12J\n" +
 	"\vOpenDataset\x12\x1c.ckptd.v1.OpenDatasetRequest\x1a\x1d.ckptd.v1.OpenDatasetResponse\x12D\n" +
 	"\tNextBatch\x12\x1a.ckptd.v1.NextBatchRequest\x1a\x1b.ckptd.v1.NextBatchResponse\x12M\n" +
-	"\fCloseDataset\x12\x1d.ckptd.v1.CloseDatasetRequest\x1a\x1e.ckptd.v1.CloseDatasetResponseB/Z-github.com/ckptd/ckptd/proto/ckptd/v1;ckptdv1b\x06proto3"
+	"\fCloseDataset\x12\x1d.ckptd.v1.CloseDatasetRequest\x1a\x1e.ckptd.v1.CloseDatasetResponse2I\n" +
+	"\x06Daemon\x12?\n" +
+	"\tGetStatus\x12\x1a.ckptd.v1.GetStatusRequest\x1a\x16.ckptd.v1.DaemonStatusB/Z-github.com/ckptd/ckptd/proto/ckptd/v1;ckptdv1b\x06proto3"
 
 var (
 	file_ckptd_v1_ckptd_proto_rawDescOnce sync.Once
@@ -2317,7 +2887,7 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 }
 
 var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
+var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(SaveState)(0),                // 0: ckptd.v1.SaveState
 	(*GetArenaRequest)(nil),       // 1: ckptd.v1.GetArenaRequest
@@ -2353,6 +2923,13 @@ var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(*NextBatchResponse)(nil),     // 31: ckptd.v1.NextBatchResponse
 	(*CloseDatasetRequest)(nil),   // 32: ckptd.v1.CloseDatasetRequest
 	(*CloseDatasetResponse)(nil),  // 33: ckptd.v1.CloseDatasetResponse
+	(*GetStatusRequest)(nil),      // 34: ckptd.v1.GetStatusRequest
+	(*DaemonStatus)(nil),          // 35: ckptd.v1.DaemonStatus
+	(*ArenaUsage)(nil),            // 36: ckptd.v1.ArenaUsage
+	(*SaveActivity)(nil),          // 37: ckptd.v1.SaveActivity
+	(*LeaseState)(nil),            // 38: ckptd.v1.LeaseState
+	(*DatasetState)(nil),          // 39: ckptd.v1.DatasetState
+	nil,                           // 40: ckptd.v1.DaemonStatus.ErrorsEntry
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	4,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
@@ -2372,37 +2949,47 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	6,  // 14: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
 	29, // 15: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
 	30, // 16: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
-	1,  // 17: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
-	5,  // 18: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
-	8,  // 19: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
-	10, // 20: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
-	13, // 21: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
-	14, // 22: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
-	16, // 23: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
-	19, // 24: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
-	19, // 25: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
-	23, // 26: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
-	25, // 27: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
-	27, // 28: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
-	32, // 29: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
-	2,  // 30: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	7,  // 31: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	9,  // 32: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	11, // 33: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	9,  // 34: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	15, // 35: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	18, // 36: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	21, // 37: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	22, // 38: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	24, // 39: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	26, // 40: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	31, // 41: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	33, // 42: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	30, // [30:43] is the sub-list for method output_type
-	17, // [17:30] is the sub-list for method input_type
-	17, // [17:17] is the sub-list for extension type_name
-	17, // [17:17] is the sub-list for extension extendee
-	0,  // [0:17] is the sub-list for field type_name
+	36, // 17: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
+	37, // 18: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
+	38, // 19: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
+	39, // 20: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
+	40, // 21: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	4,  // 22: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
+	4,  // 23: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
+	30, // 24: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
+	1,  // 25: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
+	5,  // 26: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
+	8,  // 27: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
+	10, // 28: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
+	13, // 29: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
+	14, // 30: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
+	16, // 31: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
+	19, // 32: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
+	19, // 33: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
+	23, // 34: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
+	25, // 35: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
+	27, // 36: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
+	32, // 37: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
+	34, // 38: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
+	2,  // 39: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	7,  // 40: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	9,  // 41: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	11, // 42: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	9,  // 43: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	15, // 44: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	18, // 45: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	21, // 46: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	22, // 47: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	24, // 48: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	26, // 49: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	31, // 50: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	33, // 51: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	35, // 52: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	39, // [39:53] is the sub-list for method output_type
+	25, // [25:39] is the sub-list for method input_type
+	25, // [25:25] is the sub-list for extension type_name
+	25, // [25:25] is the sub-list for extension extendee
+	0,  // [0:25] is the sub-list for field type_name
 }
 
 func init() { file_ckptd_v1_ckptd_proto_init() }
@@ -2424,9 +3011,9 @@ func file_ckptd_v1_ckptd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   33,
+			NumMessages:   40,
 			NumExtensions: 0,
-			NumServices:   2,
+			NumServices:   3,
 		},
 		GoTypes:           file_ckptd_v1_ckptd_proto_goTypes,
 		DependencyIndexes: file_ckptd_v1_ckptd_proto_depIdxs,

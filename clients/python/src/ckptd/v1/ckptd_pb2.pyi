@@ -341,3 +341,108 @@ class CloseDatasetRequest(_message.Message):
 class CloseDatasetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DaemonStatus(_message.Message):
+    __slots__ = ("version", "uptime_seconds", "default_job", "storage", "storage_ready", "storage_error", "arena", "saves", "leases", "datasets", "errors")
+    class ErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_JOB_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_READY_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    SAVES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    uptime_seconds: float
+    default_job: str
+    storage: str
+    storage_ready: bool
+    storage_error: str
+    arena: ArenaUsage
+    saves: _containers.RepeatedCompositeFieldContainer[SaveActivity]
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseState]
+    datasets: _containers.RepeatedCompositeFieldContainer[DatasetState]
+    errors: _containers.ScalarMap[str, int]
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., default_job: _Optional[str] = ..., storage: _Optional[str] = ..., storage_ready: _Optional[bool] = ..., storage_error: _Optional[str] = ..., arena: _Optional[_Union[ArenaUsage, _Mapping]] = ..., saves: _Optional[_Iterable[_Union[SaveActivity, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseState, _Mapping]]] = ..., datasets: _Optional[_Iterable[_Union[DatasetState, _Mapping]]] = ..., errors: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ArenaUsage(_message.Message):
+    __slots__ = ("size", "used", "staging", "restores", "datasets", "held", "datasets_share")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
+    RESTORES_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_SHARE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    used: int
+    staging: int
+    restores: int
+    datasets: int
+    held: int
+    datasets_share: int
+    def __init__(self, size: _Optional[int] = ..., used: _Optional[int] = ..., staging: _Optional[int] = ..., restores: _Optional[int] = ..., datasets: _Optional[int] = ..., held: _Optional[int] = ..., datasets_share: _Optional[int] = ...) -> None: ...
+
+class SaveActivity(_message.Message):
+    __slots__ = ("target", "state", "seconds_in_state", "error")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_IN_STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    target: SaveTarget
+    state: str
+    seconds_in_state: float
+    error: str
+    def __init__(self, target: _Optional[_Union[SaveTarget, _Mapping]] = ..., state: _Optional[str] = ..., seconds_in_state: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class LeaseState(_message.Message):
+    __slots__ = ("id_prefix", "kind", "peer", "bytes", "age_seconds", "expires_in_seconds", "target", "journaled")
+    ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    JOURNALED_FIELD_NUMBER: _ClassVar[int]
+    id_prefix: str
+    kind: str
+    peer: str
+    bytes: int
+    age_seconds: float
+    expires_in_seconds: float
+    target: SaveTarget
+    journaled: bool
+    def __init__(self, id_prefix: _Optional[str] = ..., kind: _Optional[str] = ..., peer: _Optional[str] = ..., bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., target: _Optional[_Union[SaveTarget, _Mapping]] = ..., journaled: _Optional[bool] = ...) -> None: ...
+
+class DatasetState(_message.Message):
+    __slots__ = ("peer", "source", "rank", "world_size", "epoch", "idle_seconds", "stats")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    source: str
+    rank: int
+    world_size: int
+    epoch: int
+    idle_seconds: float
+    stats: PrefetchStats
+    def __init__(self, peer: _Optional[str] = ..., source: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., stats: _Optional[_Union[PrefetchStats, _Mapping]] = ...) -> None: ...

@@ -678,3 +678,81 @@ class Prefetch:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class DaemonStub:
+    """Daemon reports what the daemon is doing, for operators (`ckptd status`).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetStatus = channel.unary_unary(
+                '/ckptd.v1.Daemon/GetStatus',
+                request_serializer=ckptd_dot_v1_dot_ckptd__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.DaemonStatus.FromString,
+                _registered_method=True)
+
+
+class DaemonServicer:
+    """Daemon reports what the daemon is doing, for operators (`ckptd status`).
+    """
+
+    def GetStatus(self, request, context):
+        """GetStatus returns a snapshot: arena use by kind, saves and their
+        states, open leases and their owners, dataset sessions, error counts.
+        Lease ids are shown only as a short prefix.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DaemonServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.GetStatusRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_ckptd__pb2.DaemonStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ckptd.v1.Daemon', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ckptd.v1.Daemon', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Daemon:
+    """Daemon reports what the daemon is doing, for operators (`ckptd status`).
+    """
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Daemon/GetStatus',
+            ckptd_dot_v1_dot_ckptd__pb2.GetStatusRequest.SerializeToString,
+            ckptd_dot_v1_dot_ckptd__pb2.DaemonStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,183 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"maps"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/encoding/protojson"
+
+	"github.com/ckptd/ckptd/clients/go/ckptd"
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
+)
+
+type statusOptions struct {
+	Socket  string
+	JSON    bool
+	Watch   time.Duration
+	Timeout time.Duration
+}
+
+func newStatusCmd() *cobra.Command {
+	o := &statusOptions{}
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "Show what the daemon on the socket is doing: arena use, saves and their states, leases and their owners, dataset sessions, errors",
+		Args:  cobra.NoArgs,
+		RunE:  func(cmd *cobra.Command, _ []string) error { return runStatus(cmd.Context(), o, cmd.OutOrStdout()) },
+	}
+	fs := cmd.Flags()
+	fs.StringVar(&o.Socket, "socket", "", "the daemon's socket (default as for serve)")
+	fs.BoolVar(&o.JSON, "json", false, "print the status as JSON (the protocol's DaemonStatus message)")
+	fs.DurationVar(&o.Watch, "watch", 0, "redraw every interval (e.g. 2s) until interrupted")
+	fs.DurationVar(&o.Timeout, "timeout", 5*time.Second, "how long to wait for each answer")
+	return cmd
+}
+
+func runStatus(ctx context.Context, o *statusOptions, out io.Writer) error {
+	if o.Watch < 0 {
+		return usageError{fmt.Errorf("--watch must be positive, got %s", o.Watch)}
+	}
+	socket := o.Socket
+	if socket == "" {
+		socket = ckptd.DefaultSocket()
+	}
+	c, err := ckptd.Dial(socket)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	for {
+		cctx, cancel := context.WithTimeout(ctx, o.Timeout)
+		st, err := c.Status(cctx)
+		cancel()
+		if err != nil {
+			return err
+		}
+		if o.Watch > 0 && !o.JSON {
+			fmt.Fprint(out, "\033[H\033[2J") // home, clear: redraw in place
+		}
+		if err := printStatus(out, socket, st, o.JSON); err != nil {
+			return err
+		}
+		if o.Watch == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil // interrupted: the way to end --watch
+		case <-time.After(o.Watch):
+		}
+	}
+}
+
+func printStatus(out io.Writer, socket string, st *pb.DaemonStatus, asJSON bool) error {
+	if asJSON {
+		b, err := protojson.MarshalOptions{Multiline: true, EmitUnpopulated: true}.Marshal(st)
+		if err != nil {
+			return err
+		}
+		_, err = fmt.Fprintf(out, "%s\n", b)
+		return err
+	}
+	w := tabwriter.NewWriter(out, 2, 4, 2, ' ', 0)
+	printSummary(w, socket, st)
+	printSaves(w, st.GetSaves())
+	printLeases(w, st.GetLeases())
+	printDatasets(w, st.GetDatasets())
+	return w.Flush()
+}
+
+func printSummary(w io.Writer, socket string, st *pb.DaemonStatus) {
+	fmt.Fprintf(w, "ckptd %s at %s, up %s, default job %q\n", st.GetVersion(), socket,
+		seconds(st.GetUptimeSeconds()), st.GetDefaultJob())
+	ready := "ready"
+	if !st.GetStorageReady() {
+		ready = "NOT READY: " + st.GetStorageError()
+	}
+	fmt.Fprintf(w, "storage\t%s\t%s\n", st.GetStorage(), ready)
+	a := st.GetArena()
+	fmt.Fprintf(w, "arena\t%s of %s used\tstaging %s, restores %s, datasets %s (of %s), held for gone clients %s\n",
+		human(int64(a.GetUsed())), human(int64(a.GetSize())), human(int64(a.GetStaging())), human(int64(a.GetRestores())),
+		human(int64(a.GetDatasets())), human(int64(a.GetDatasetsShare())), human(int64(a.GetHeld())))
+	errs := "none"
+	if len(st.GetErrors()) > 0 {
+		var parts []string
+		for _, op := range slices.Sorted(maps.Keys(st.GetErrors())) {
+			parts = append(parts, fmt.Sprintf("%s %d", op, st.GetErrors()[op]))
+		}
+		errs = strings.Join(parts, ", ")
+	}
+	fmt.Fprintf(w, "errors\t%s\n", errs)
+}
+
+func printSaves(w io.Writer, saves []*pb.SaveActivity) {
+	fmt.Fprintf(w, "\nSAVES (%d)\n", len(saves))
+	if len(saves) == 0 {
+		return
+	}
+	fmt.Fprintln(w, "JOB\tSTEP\tRANK\tATTEMPT\tSTATE\tFOR\tERROR")
+	for _, s := range saves {
+		t := s.GetTarget()
+		fmt.Fprintf(w, "%s\t%d\t%d/%d\t%s\t%s\t%s\t%s\n", t.GetJob(), t.GetStep(), t.GetRank(), t.GetWorldSize(),
+			t.GetAttempt(), s.GetState(), seconds(s.GetSecondsInState()), oneLine(s.GetError()))
+	}
+}
+
+func printLeases(w io.Writer, leases []*pb.LeaseState) {
+	fmt.Fprintf(w, "\nLEASES (%d)\n", len(leases))
+	if len(leases) == 0 {
+		return
+	}
+	fmt.Fprintln(w, "ID\tKIND\tPEER\tBYTES\tAGE\tEXPIRES IN\tSAVE")
+	for _, l := range leases {
+		expires, save := "-", "-"
+		if l.GetJournaled() {
+			expires = "journaled"
+		} else if l.GetExpiresInSeconds() > 0 {
+			expires = seconds(l.GetExpiresInSeconds())
+		}
+		if t := l.GetTarget(); t != nil {
+			save = fmt.Sprintf("%s step %d rank %d", t.GetJob(), t.GetStep(), t.GetRank())
+		}
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", l.GetIdPrefix(), l.GetKind(), orDash(l.GetPeer()),
+			human(int64(l.GetBytes())), seconds(l.GetAgeSeconds()), expires, save)
+	}
+}
+
+func printDatasets(w io.Writer, ds []*pb.DatasetState) {
+	fmt.Fprintf(w, "\nDATASETS (%d)\n", len(ds))
+	if len(ds) == 0 {
+		return
+	}
+	fmt.Fprintln(w, "PEER\tSOURCE\tRANK\tEPOCH\tIDLE\tCACHE HITS/MISSES")
+	for _, d := range ds {
+		fmt.Fprintf(w, "%s\t%s\t%d/%d\t%d\t%s\t%d/%d\n", orDash(d.GetPeer()), d.GetSource(), d.GetRank(), d.GetWorldSize(),
+			d.GetEpoch(), seconds(d.GetIdleSeconds()), d.GetStats().GetCacheHits(), d.GetStats().GetCacheMisses())
+	}
+}
+
+// seconds prints a duration in seconds the way people read it.
+func seconds(s float64) string {
+	d := time.Duration(s * float64(time.Second))
+	if d >= time.Minute {
+		return d.Round(time.Second).String()
+	}
+	return d.Round(100 * time.Millisecond).String()
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+// oneLine keeps a table row on one line.
+func oneLine(s string) string { return strings.ReplaceAll(s, "\n", " ") }
