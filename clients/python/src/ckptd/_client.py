@@ -25,7 +25,7 @@ from typing import Any, Literal
 import grpc
 import numpy as np
 
-from . import _attempt, _names, _tensors, _trust
+from . import _attempt, _limits, _names, _tensors, _trust
 from ._arena import Arena
 from ._dataset import Dataset, make_spec
 from ._errors import (
@@ -42,9 +42,6 @@ from ._errors import (
 from .v1 import ckptd_pb2 as pb
 from .v1 import ckptd_pb2_grpc as pb_grpc
 
-_STREAM_CHUNK = 1 << 20  # bytes per data message, as the daemon sends them
-_MAX_SEND = 16 << 20  # the daemon's gRPC receive limit
-_MAX_METADATA = 8 << 20  # the daemon's limit (checkpoint.MaxMetadata)
 _RECONNECT_TIMEOUT = 30.0  # default: how long calls wait for a restarted daemon
 _RECONNECT_ENV = "CKPTD_RECONNECT_TIMEOUT"
 _BACKOFF = (0.05, 1.0)  # first and longest pause between tries while the daemon is away
@@ -345,7 +342,7 @@ class Client:
             f"unix://{self.socket}",
             options=[
                 ("grpc.max_receive_message_length", -1),
-                ("grpc.max_send_message_length", _MAX_SEND),
+                ("grpc.max_send_message_length", _limits.MAX_MESSAGE),
                 # Reconnect fast after a daemon restart; the defaults back
                 # off up to two minutes.
                 ("grpc.initial_reconnect_backoff_ms", 100),
@@ -1072,9 +1069,9 @@ def _metadata_bytes(metadata: Any) -> bytes:
         raise TypeError("metadata must be bytes, not str (encode it, e.g. metadata.encode())")
     if not isinstance(metadata, (bytes, bytearray, memoryview)):
         raise TypeError(f"metadata must be bytes, not {type(metadata).__name__}")
-    if len(metadata) > _MAX_METADATA:
+    if len(metadata) > _limits.MAX_METADATA:
         raise InvalidArgumentError(
-            f"metadata is {len(metadata)} bytes; at most {_MAX_METADATA} fit in one request "
+            f"metadata is {len(metadata)} bytes; at most {_limits.MAX_METADATA} fit in one request "
             "to the daemon (save large state as tensors instead)"
         )
     return bytes(metadata)
@@ -1089,12 +1086,17 @@ def _int(name: str, v: Any) -> int:
 def _target(job: str | None, step: int, rank: int, world_size: int, attempt: str) -> pb.SaveTarget:
     """Build the save target; range checks are the daemon's, so one rule holds."""
     step, rank, world_size = _int("step", step), _int("rank", rank), _int("world_size", world_size)
-    for name, v, bits in (("step", step, 63), ("rank", rank, 31), ("world_size", world_size, 31)):
-        if not -(1 << bits) <= v < (1 << bits):
+    fields = (("step", step, _limits.INT64), ("rank", rank, _limits.INT32))
+    for name, v, (low, high) in (*fields, ("world_size", world_size, _limits.INT32)):
+        if not low <= v < high:
             raise InvalidArgumentError(f"{name} {v} is out of range")
     return pb.SaveTarget(
         job=job or "", step=step, rank=rank, world_size=world_size, attempt=attempt
     )
+
+
+def _in(v: int, bounds: tuple[int, int]) -> bool:
+    return bounds[0] <= v < bounds[1]
 
 
 def _restore_request(
@@ -1106,7 +1108,7 @@ def _restore_request(
         raise ValueError("give the step to load, or latest=True")
     rank = _int("rank", rank)
     step = 0 if step is None else _int("step", step)
-    if not -(1 << 31) <= rank < (1 << 31) or not -(1 << 63) <= step < (1 << 63):
+    if not _in(rank, _limits.INT32) or not _in(step, _limits.INT64):
         raise InvalidArgumentError(f"step {step} or rank {rank} is out of range")
     return pb.BeginRestoreRequest(job=job or "", step=step, latest=latest, rank=rank)
 
@@ -1133,8 +1135,8 @@ def _stream_bytes(leaves: list[_tensors.Leaf], size: int) -> Iterator[bytes]:
             yield bytes(leaf.offset - pos)
         buf = np.empty(leaf.nbytes, np.uint8)
         _tensors.copy_in(leaf, buf, lambda: False)  # unpinned: a synchronous copy
-        for i in range(0, buf.size, _STREAM_CHUNK):
-            yield buf[i : i + _STREAM_CHUNK].tobytes()
+        for i in range(0, buf.size, _limits.STREAM_CHUNK):
+            yield buf[i : i + _limits.STREAM_CHUNK].tobytes()
         pos = leaf.offset + leaf.nbytes
     if size > pos:  # pragma: no cover - layout never ends in a gap
         yield bytes(size - pos)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from . import _limits
 from ._errors import CkptdError, CorruptShardError, DataLossError, InvalidArgumentError
 from .v1 import ckptd_pb2 as pb
 
@@ -174,17 +175,17 @@ def make_spec(
     )
 
 
-_BITS = {"seed": (0, 64), "epoch": (-63, 63), "start": (-63, 63)}
+# The protocol's field of each (the others are int32).
+_RANGES = {"seed": _limits.UINT64, "epoch": _limits.INT64, "start": _limits.INT64}
 
 
 def _check_int(name: str, v: Any) -> None:
     if isinstance(v, bool) or not hasattr(v, "__index__"):
         raise TypeError(f"{name} must be an int, not {type(v).__name__}")
     v = operator.index(v)
-    lo, hi = _BITS.get(name, (-31, 31))
-    low = 0 if lo == 0 else -(1 << -lo)
-    if not low <= v < (1 << hi):
-        raise InvalidArgumentError(f"{name} {v} is out of range [{low}, {1 << hi})")
+    low, high = _RANGES.get(name, _limits.INT32)
+    if not low <= v < high:
+        raise InvalidArgumentError(f"{name} {v} is out of range [{low}, {high})")
 
 
 def resolve_source(source: str | os.PathLike[str]) -> str:
