@@ -170,7 +170,7 @@ def test_device_round_trip(client, job, device):
     got = client.load(1, job=job, device=device)
     for k, v in src.items():
         assert got[k].device.type == device and torch.equal(got[k], v), k
-    assert client._arena is not None
-    assert client._arena.pin() is torch.cuda.is_available()
+    assert client._conn.arena is not None
+    assert client._conn.arena.pin() is torch.cuda.is_available()
     if not torch.cuda.is_available():
         assert _arena._cuda_host_register(0, 4096) is False

@@ -22,7 +22,7 @@ Read a dataset through the daemon's prefetching cache, batch by batch::
 torch DataLoader (``ckptd.torch.CkptdIterableDataset``).
 """
 
-from ._client import Client, LoadedState, SaveHandle, SaveStatus, StepInfo, default_socket
+from ._client import Client
 from ._dataset import Dataset, DatasetStats
 from ._errors import (
     AlreadyExistsError,
@@ -40,6 +40,9 @@ from ._errors import (
     TimeoutError,
     UntrustedDaemonError,
 )
+from ._handle import SaveHandle, SaveStatus
+from ._load import LoadedState, StepInfo
+from ._transport import default_socket
 
 __all__ = [
     "AlreadyExistsError",

@@ -39,8 +39,7 @@ from .v1 import ckptd_pb2 as pb
 
 if TYPE_CHECKING:
     from ._arena import Arena
-    from ._client import Client
-    from .v1 import ckptd_pb2_grpc as pb_grpc
+    from ._transport import Connection
 
 Sample = dict[str, Any]
 """A sample: ``"__key__"`` (str) and one bytes-like value per extension."""
@@ -223,9 +222,9 @@ class _Session:
     abandoned Dataset can be garbage-collected while the thread runs.
     """
 
-    def __init__(self, client: Client, session: str, copy: bool, what: str) -> None:
-        self.client = client
-        self.stub: pb_grpc.PrefetchStub = client._prefetch
+    def __init__(self, conn: Connection, session: str, copy: bool, what: str) -> None:
+        self.conn = conn
+        self.stub: Any = conn.prefetch
         self.id = session
         self.copy = copy
         self.what = what
@@ -262,13 +261,13 @@ class _Session:
             release, self._to_release = self._to_release, []
         req = pb.NextBatchRequest(session=self.id, release=release)
         try:
-            resp = self.client._call("NextBatch", req, f"next batch of {self.what}", self.stub)
+            resp = self.conn.call("NextBatch", req, f"next batch of {self.what}", self.stub)
         except CkptdError as e:
             raise _corrupt_shard(e) from None
         if resp.end:
             return resp.stats
         lease = resp.lease
-        arena = self.client._lease_mapping(lease.arena_id)
+        arena = self.conn.lease_mapping(lease.arena_id)
         arena.region(lease.offset, lease.length)  # bounds check against the mapping
         views: list[memoryview] = []
         if self.copy:
@@ -410,19 +409,26 @@ class Dataset:
     ``client.dataset(...)`` frees it too). Use it from one thread.
     """
 
-    def __init__(self, client: Client, spec: DatasetSpec, copy: bool, prefetch: int) -> None:
-        self._client = client
+    def __init__(
+        self,
+        conn: Connection,
+        spec: DatasetSpec,
+        registry: weakref.WeakSet[Dataset],
+        copy: bool,
+        prefetch: int,
+    ) -> None:
+        self._registry = registry  # the client's open datasets, closed with it
         self._spec = spec
         what = f"dataset {spec.source!r} epoch {spec.epoch} rank {spec.rank}"
-        if client._mapping() is None:
+        if conn.mapping() is None:
             raise CkptdError(
                 f"{what}: datasets are delivered through the daemon's shared-memory "
-                f"arena, which this client cannot map (transport={client.transport!r})"
+                f"arena, which this client cannot map (transport={conn.transport!r})"
             )
-        resp = client._call("OpenDataset", spec.request(), f"open {what}", client._prefetch)
+        resp = conn.call("OpenDataset", spec.request(), f"open {what}", conn.prefetch)
         self.session: str = resp.session
         self.shards: int = resp.shards  # shards this rank reads this epoch
-        self._session = _Session(client, resp.session, copy, what)
+        self._session = _Session(conn, resp.session, copy, what)
         self._prefetch = prefetch
         self._prefetcher: _Prefetcher | None = None
         self._current: _Item | None = None
@@ -436,7 +442,7 @@ class Dataset:
         self._closed = False
         self._finalizer = weakref.finalize(self, _cleanup, self._session, None)
         self._finalizer.atexit = False  # at exit the daemon's idle reaper frees it
-        client._datasets.add(self)
+        registry.add(self)
 
     def __repr__(self) -> str:
         return (
@@ -556,7 +562,7 @@ class Dataset:
             self._session.retire(self._current)
             self._current = None
         self._previous = None
-        self._client._datasets.discard(self)
+        self._registry.discard(self)
         self._finalizer()
 
 
@@ -624,7 +630,7 @@ def _corrupt_shard(e: CkptdError) -> CkptdError:
     )
 
 
-def _close_session(stub: pb_grpc.PrefetchStub, session: str) -> None:
+def _close_session(stub: Any, session: str) -> None:
     """Free a session's ring in the daemon; quietly, as it runs on cleanup.
 
     A client closed first, a daemon gone, or a session the daemon already

@@ -35,8 +35,9 @@ import numpy as np
 import torch
 
 from . import _attempt
-from ._client import Client, SaveHandle
+from ._client import Client
 from ._errors import CkptdError
+from ._handle import SaveHandle
 from ._torch_data import Batch, BatchDict, CkptdIterableDataset
 
 __all__ = [
