@@ -29,7 +29,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
@@ -214,6 +214,10 @@ class _Item:
     views: list[memoryview]  # copy=False: the batch's field views, released when retired
 
 
+# What the prefetch thread hands over: a batch, the final stats, or its error.
+_Fetched: TypeAlias = "_Item | pb.PrefetchStats | BaseException"
+
+
 class _Session:
     """A dataset session in the daemon: fetches batches, gives slots back.
 
@@ -261,7 +265,9 @@ class _Session:
             release, self._to_release = self._to_release, []
         req = pb.NextBatchRequest(session=self.id, release=release)
         try:
-            resp = self.conn.call("NextBatch", req, f"next batch of {self.what}", self.stub)
+            resp: pb.NextBatchResponse = self.conn.call(
+                "NextBatch", req, f"next batch of {self.what}", self.stub
+            )
         except CkptdError as e:
             raise _corrupt_shard(e) from None
         if resp.end:
@@ -274,7 +280,7 @@ class _Session:
             batch = _copied(resp.samples, arena, lease.offset, lease.length, self.what)
             self.give_back(lease.id)  # the bytes are ours: the slot can go back at once
         else:
-            region = memoryview(arena.mem)[lease.offset : lease.offset + lease.length]
+            region = arena.mem.data[lease.offset : lease.offset + lease.length]
             views.append(region.toreadonly())
             with self._cond:
                 self._held += 1
@@ -312,7 +318,7 @@ class _Prefetcher:
 
     def __init__(self, session: _Session, depth: int) -> None:
         self.session = session
-        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.items: queue.SimpleQueue[_Fetched] = queue.SimpleQueue()
         self.graveyard: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.room = threading.Semaphore(depth)  # batches fetched and not yet taken
         self.stop = threading.Event()
@@ -325,7 +331,7 @@ class _Prefetcher:
         while self._wait_room() and self.session.wait_for_slot(self.stop):
             self._bury()
             try:
-                out: Any = self.session.fetch()
+                out: _Fetched = self.session.fetch()
             except BaseException as e:  # handed to the consumer, raised there
                 out = e
             if self.stop.is_set():
@@ -357,7 +363,7 @@ class _Prefetcher:
                 return True
         return False
 
-    def get(self) -> Any:
+    def get(self) -> _Fetched:
         """The next fetched item, waiting for it; a dead thread is an error, not a hang."""
         while True:
             try:
@@ -498,19 +504,19 @@ class Dataset:
 
     def _prefetched(self) -> _Item | pb.PrefetchStats:
         """The next item from the prefetch thread (started on the first call)."""
-        if self._prefetcher is None:
-            self._start_prefetcher()
-        out = self._prefetcher.get()  # type: ignore[union-attr]
+        prefetcher = self._prefetcher or self._start_prefetcher()
+        out = prefetcher.get()
         if isinstance(out, BaseException):
             raise out
         return out
 
-    def _start_prefetcher(self) -> None:
+    def _start_prefetcher(self) -> _Prefetcher:
         """Start the thread on the first next(), so an unused dataset costs no thread."""
         self._prefetcher = _Prefetcher(self._session, self._prefetch)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _cleanup, self._session, self._prefetcher)
         self._finalizer.atexit = False
+        return self._prefetcher
 
     @property
     def position(self) -> int:

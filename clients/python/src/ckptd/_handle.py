@@ -39,7 +39,7 @@ class SaveStatus(str, enum.Enum):
     FAILED = "failed"  # the daemon gave up; wait() raises SaveFailedError
 
 
-_LIVE = {
+_LIVE: dict[int, SaveStatus] = {
     pb.SAVE_STATE_DRAINING: SaveStatus.DRAINING,
     pb.SAVE_STATE_DURABLE: SaveStatus.DURABLE,
     pb.SAVE_STATE_COMMITTED: SaveStatus.COMMITTED,

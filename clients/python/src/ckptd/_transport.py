@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import grpc
 
@@ -53,7 +53,7 @@ def default_socket() -> str:
 def check_transport(transport: object) -> Transport:
     """The transport, checked to be "auto", "shm" or "stream"."""
     if transport in ("auto", "shm", "stream"):
-        return cast("Transport", transport)
+        return transport
     raise ValueError(f"transport must be 'auto', 'shm' or 'stream', not {transport!r}")
 
 

@@ -151,7 +151,7 @@ def _skeleton(state: Mapping[str, Any]) -> dict[str, Any]:
             f"step {getattr(state, 'step', '?')} was not saved with ckptd.torch.save_state_dict "
             f"(it has no {SKELETON!r} tensor); load it with Client.load"
         )
-    skeleton = json.loads(blob.numpy().tobytes())
+    skeleton: dict[str, Any] = json.loads(blob.numpy().tobytes())
     if skeleton.get("format") != FORMAT:
         raise CkptdError(
             f"unknown ckptd.torch format {skeleton.get('format')!r} (this client reads {FORMAT})"
