@@ -9,7 +9,13 @@
 #     --storage /ckpt --staging-bytes 12GiB
 #
 # and start trainers with --ipc=container:<ckptd> (or a shared /dev/shm
-# volume) and CKPTD_SOCKET=/run/ckptd/ckptd.sock. Locking the arena in
+# volume), CKPTD_SOCKET=/run/ckptd/ckptd.sock and CKPTD_DAEMON_UID=65532:
+# the daemon runs as the image's nonroot user (uid 65532), and clients trust
+# only a daemon of their own uid, root, or CKPTD_DAEMON_UID. A trainer that
+# runs as another uid must also be let in: add `--socket-group <gid>` (a gid
+# the trainer's user has, e.g. the pod's fsGroup) to the serve command, which
+# opens the socket and the arena to that group. Datasets are read only from
+# the folders and buckets given with --dataset-allow. Locking the arena in
 # memory needs --ulimit memlock=-1 (or CAP_IPC_LOCK); without it ckptd warns
 # and runs unlocked.
 FROM golang:1.26 AS build
@@ -24,5 +30,8 @@ RUN CGO_ENABLED=0 go build -trimpath -ldflags="-s -w -X main.version=${VERSION}"
 FROM gcr.io/distroless/static-debian12:nonroot
 COPY --from=build /out/ckptd /usr/local/bin/ckptd
 USER nonroot:nonroot
+# Healthy while the daemon serves on its socket and its storage answers.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=60s \
+  CMD ["/usr/local/bin/ckptd", "health", "--socket", "/run/ckptd/ckptd.sock"]
 ENTRYPOINT ["/usr/local/bin/ckptd"]
 CMD ["serve", "--socket", "/run/ckptd/ckptd.sock", "--storage", "/ckpt"]

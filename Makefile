@@ -5,21 +5,22 @@ FUZZTIME ?= 50000x
 # What `ckptd --version` says: the commit, or the tag on it.
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
-.PHONY: all build run test lint test-go test-python fuzz bench bench-python bench-codec proto tools clean
+.PHONY: all build run test lint test-go test-python test-deploy fuzz bench bench-python bench-codec proto tools clean
 
 all: build
 
 build:
 	$(GO) build -ldflags "-X main.version=$(VERSION)" -o bin/ckptd ./cmd/ckptd
 
-# Run the daemon on its defaults: socket /tmp/ckptd-$UID.sock, checkpoints
+# Run the daemon on its defaults: socket $XDG_RUNTIME_DIR/ckptd.sock or
+# /tmp/ckptd-$UID/ckptd.sock, checkpoints
 # under ~/.local/share/ckptd, a 1 GiB staging arena in /dev/shm.
 run: build
 	./bin/ckptd serve
 
 # Everything CI checks: formatting, vet, generated code, the race-enabled
 # test suite (unit, conformance, end-to-end) and a short fuzz of every parser.
-test: tools lint test-go test-python fuzz
+test: tools lint test-go test-python test-deploy fuzz
 
 tools:
 	scripts/tools.sh
@@ -45,6 +46,12 @@ test-python:
 	.venv/bin/ruff format --check clients/python examples
 	cd clients/python && ../../.venv/bin/mypy
 	.venv/bin/python -m pytest -q clients/python/tests
+
+# The deployment examples (deploy/): Kubernetes manifests against the API
+# types, flags against ckptd serve, the dashboard against the metrics. A
+# module of its own, so the Kubernetes types stay out of ckptd's.
+test-deploy:
+	cd deploy/validate && $(GO) mod tidy -diff && $(GO) vet ./... && $(GO) test -count=1 ./...
 
 fuzz:
 	FUZZTIME=$(FUZZTIME) scripts/fuzz.sh

@@ -240,3 +240,22 @@ func TestPruneLosingAttempts(t *testing.T) {
 	}
 	checkStep(t, b, 9, []*Shard{w0, w1})
 }
+
+// Jobs lists the folders that hold steps, not stray ones.
+func TestJobs(t *testing.T) {
+	b, dir := newBackend(t)
+	save(t, b, shardOf("run", 1, 0, 1))
+	sh := shardOf("run", 1, 0, 1)
+	sh.Target.Job = "other"
+	save(t, b, sh)
+	if err := os.MkdirAll(filepath.Join(dir, "stray", "x"), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "stray", "x", "f"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	jobs, err := Jobs(context.Background(), b)
+	if err != nil || !slices.Equal(jobs, []string{"job", "other"}) {
+		t.Fatalf("Jobs = %v, %v", jobs, err)
+	}
+}

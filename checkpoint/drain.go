@@ -86,16 +86,16 @@ func (mgr *Manager) drain(l *lease) {
 			return
 		}
 		if errors.Is(err, ErrExists) || errors.Is(err, ErrInvalid) {
-			mgr.log.Error("save refused", "target", l.target.String(), "err", err)
+			mgr.log.Error("save refused", "target", l.target, "err", err)
 			mgr.endDrain(l, StateFailed, err)
 			return
 		}
 		if mgr.ctx.Err() != nil {
-			mgr.log.Warn("drain abandoned at shutdown; save stays journaled", "target", l.target.String())
+			mgr.log.Warn("drain abandoned at shutdown; save stays journaled", "target", l.target)
 			return
 		}
 		mgr.m.Error("drain")
-		mgr.log.Error("drain failed; retrying", "target", l.target.String(), "in", backoff, "err", err)
+		mgr.log.Error("drain failed; retrying", "target", l.target, "in", backoff, "err", err)
 		mgr.setStateLocked(k, StateDraining, err)
 		if !mgr.sleep(backoff) {
 			return
@@ -134,7 +134,7 @@ func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) 
 		mgr.removeRank(t) // an earlier drain of this save may have written some of it
 		return nil, false, &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Detail: "this save was not written"}
 	case err == nil && holdsSame(stored, sh):
-		mgr.log.Warn("rank already stored with these bytes; not rewritten", "target", t.String())
+		mgr.log.Warn("rank already stored with these bytes; not rewritten", "target", t)
 		return stored, true, nil
 	case rec != nil:
 		return nil, false, &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Mine: true,
@@ -204,7 +204,9 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.T
 		}
 		mgr.m.DrainTime.Observe(time.Since(start).Seconds())
 	}
-	mgr.log.Debug("save durable", "target", l.target.String(), "bytes", m.DataSize, "stored", m.StoredSize, "took", time.Since(start))
+	t := l.target // one line per save, with stable keys (log shippers index them)
+	mgr.log.Info("save durable", "job", t.Job, "step", t.Step, "rank", t.Rank, "attempt", t.Attempt,
+		"bytes", m.DataSize, "stored", m.StoredSize, "duration", time.Since(start), "reused", reused)
 
 	mgr.tryCommit(mgr.ctx, l.target)
 }
@@ -218,7 +220,7 @@ func (mgr *Manager) tryCommit(ctx context.Context, t Target) bool {
 	switch {
 	case err != nil:
 		mgr.m.Error("commit")
-		mgr.log.Warn("commit check failed; waiters will retry", "target", t.String(), "err", err)
+		mgr.log.Warn("commit check failed; waiters will retry", "target", t, "err", err)
 		return false
 	case rec == nil:
 		return false
@@ -230,7 +232,7 @@ func (mgr *Manager) tryCommit(ctx context.Context, t Target) bool {
 	default:
 		mgr.removeRank(t)
 		err := &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Detail: "this attempt's ranks were removed"}
-		mgr.log.Warn("another attempt committed the step; this save's objects removed", "target", t.String(), "committed_attempt", rec.Attempt)
+		mgr.log.Warn("another attempt committed the step; this save's objects removed", "target", t, "committed_attempt", rec.Attempt)
 		mgr.markDone(keyOf(t), StateFailed, err)
 	}
 	return true

@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"fmt"
+	"log/slog"
 	"strings"
 	"unicode/utf8"
 )
@@ -82,6 +83,13 @@ func (t Target) String() string {
 		s += fmt.Sprintf(" attempt %q", t.Attempt)
 	}
 	return s
+}
+
+// LogValue logs a target as a group with stable keys (job, step, rank,
+// world_size, attempt), which JSON logs index.
+func (t Target) LogValue() slog.Value {
+	return slog.GroupValue(slog.String("job", t.Job), slog.Int64("step", t.Step), slog.Int("rank", t.Rank),
+		slog.Int("world_size", t.WorldSize), slog.String("attempt", t.Attempt))
 }
 
 // Validate checks a save's target: the job name, the step, rank and world

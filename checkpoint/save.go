@@ -102,7 +102,7 @@ func (mgr *Manager) committedHint(ctx context.Context, t Target) error {
 	case errors.Is(err, storage.ErrNotFound):
 		return nil
 	case ctx.Err() == nil && (errors.Is(err, storage.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ErrCorrupt)):
-		mgr.log.Warn("storage did not say whether the step is committed; the drain will check", "target", t.String(), "err", err)
+		mgr.log.Warn("storage did not say whether the step is committed; the drain will check", "target", t, "err", err)
 		return nil
 	}
 	return fmt.Errorf("check step %d: %w", t.Step, err)
@@ -234,7 +234,7 @@ func (mgr *Manager) recover() error {
 		mgr.setState(keyOf(l.target), StateStaged, nil)
 		mgr.saves[keyOf(l.target)].worldSize = l.target.WorldSize
 		mgr.enqueue(l)
-		mgr.log.Info("recovered staged save", "target", l.target.String(), "bytes", l.layout.DataSize)
+		mgr.log.Info("recovered staged save", "target", l.target, "bytes", l.layout.DataSize)
 	}
 	mgr.m.TableBytes.Set(float64(mgr.tables))
 	mgr.m.ArenaUsed.Set(float64(mgr.arena.Used()))

@@ -113,6 +113,14 @@ func setupLogging(cmd *cobra.Command) error {
 	if err := level.UnmarshalText([]byte(lvl)); err != nil {
 		return usageError{fmt.Errorf("--log-level: %w", err)}
 	}
-	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})))
+	opts := &slog.HandlerOptions{Level: level}
+	switch format, _ := cmd.Flags().GetString("log-format"); format {
+	case "text":
+		slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, opts)))
+	case "json": // one object per line, for log shippers
+		slog.SetDefault(slog.New(slog.NewJSONHandler(os.Stderr, opts)))
+	default:
+		return usageError{fmt.Errorf("--log-format %q: want text or json", format)}
+	}
 	return nil
 }

@@ -25,14 +25,36 @@ type storageOptions struct {
 	S3Region   string
 	S3Retry    time.Duration
 	FileMode   fileMode
+	// interactive: a person waits (list, restore, verify, prune): a dead
+	// store fails within a short deadline, in one line, not one warning
+	// per retry.
+	interactive bool
 }
 
-func (o *storageOptions) register(fs *pflag.FlagSet) {
+// Retry deadlines for S3: the daemon rides out outages (its saves wait in
+// the arena); a person at a prompt wants an answer.
+const (
+	daemonS3Retry      = 2 * time.Minute
+	interactiveS3Retry = 15 * time.Second
+)
+
+// register adds the storage flags for the daemon.
+func (o *storageOptions) register(fs *pflag.FlagSet) { o.registerFor(fs, false) }
+
+// registerInteractive adds them for a command a person waits on.
+func (o *storageOptions) registerInteractive(fs *pflag.FlagSet) { o.registerFor(fs, true) }
+
+func (o *storageOptions) registerFor(fs *pflag.FlagSet, interactive bool) {
+	o.interactive = interactive
+	retry := daemonS3Retry
+	if interactive {
+		retry = interactiveS3Retry
+	}
 	fs.StringVar(&o.URL, "storage", defaultStorage(), "storage URL: file:///path, a plain path, or s3://bucket/prefix")
 	fs.StringVar(&o.Job, "job", "default", "job name (a folder under the storage root)")
 	fs.StringVar(&o.S3Endpoint, "s3-endpoint", "", "S3 endpoint URL, e.g. http://127.0.0.1:9000 (env AWS_ENDPOINT_URL too)")
 	fs.StringVar(&o.S3Region, "s3-region", "", "S3 region")
-	fs.DurationVar(&o.S3Retry, "s3-retry-deadline", 2*time.Minute, "how long one S3 request is retried through throttling, 5xx and resets before it fails")
+	fs.DurationVar(&o.S3Retry, "s3-retry-deadline", retry, "how long one S3 request is retried through throttling, 5xx and resets before it fails")
 	o.FileMode = fileMode(posix.DefaultFileMode)
 	fs.Var(&o.FileMode, "file-mode", "mode of the files written to a directory store, whatever the umask: 0600, 0640 or 0644 (folders get x where r is set)")
 }

@@ -17,6 +17,7 @@ type listOptions struct {
 	storageOptions
 	JSON bool
 	All  bool
+	Jobs bool
 }
 
 func newListCmd() *cobra.Command {
@@ -27,8 +28,9 @@ func newListCmd() *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE:  func(cmd *cobra.Command, _ []string) error { return runList(cmd.Context(), o, cmd.OutOrStdout()) },
 	}
-	o.storageOptions.register(cmd.Flags())
+	o.storageOptions.registerInteractive(cmd.Flags())
 	cmd.Flags().BoolVar(&o.JSON, "json", false, "print JSON")
+	cmd.Flags().BoolVar(&o.Jobs, "jobs", false, "list the jobs in the store instead of one job's steps")
 	cmd.Flags().BoolVar(&o.All, "all", false, "also show uncommitted attempts (half-written steps, a crashed run's ranks) and damaged steps; lists every object")
 	return cmd
 }
@@ -44,6 +46,9 @@ type stepJSON struct {
 }
 
 func runList(ctx context.Context, o *listOptions, out io.Writer) error {
+	if o.Jobs {
+		return listJobs(ctx, o, out)
+	}
 	store, closeStore, err := o.openStore(ctx)
 	if err != nil {
 		return err
@@ -139,4 +144,27 @@ func human(n int64) string {
 		exp++
 	}
 	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
+}
+
+// listJobs prints the jobs in the store, one per line (--json: a list).
+func listJobs(ctx context.Context, o *listOptions, out io.Writer) error {
+	b, err := o.open(ctx, false)
+	if err != nil {
+		return err
+	}
+	defer b.Close()
+	jobs, err := checkpoint.Jobs(ctx, b)
+	if err != nil {
+		return err
+	}
+	if o.JSON {
+		if jobs == nil {
+			jobs = []string{}
+		}
+		return json.NewEncoder(out).Encode(jobs)
+	}
+	for _, j := range jobs {
+		fmt.Fprintln(out, j)
+	}
+	return nil
 }

@@ -51,7 +51,7 @@ func newRootCmd() *cobra.Command {
 		// A mistyped subcommand is bad usage (exit 2), like a bad flag.
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) > 0 {
-				return usageError{fmt.Errorf("unknown command %q; the commands are serve, restore, list, verify and prune (see ckptd --help)", args[0])}
+				return usageError{fmt.Errorf("unknown command %q; the commands are serve, restore, list, verify, prune and health (see ckptd --help)", args[0])}
 			}
 			return nil
 		},
@@ -65,7 +65,8 @@ func newRootCmd() *cobra.Command {
 	}
 	root.PersistentFlags().String("config", "", "YAML file of flag values (env CKPTD_CONFIG)")
 	root.PersistentFlags().String("log-level", "info", "debug, info, warn or error")
+	root.PersistentFlags().String("log-format", "text", "text, or json (one object per line; keys job, step, rank, attempt, bytes, duration)")
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
-	root.AddCommand(newServeCmd(), newRestoreCmd(), newListCmd(), newVerifyCmd(), newPruneCmd())
+	root.AddCommand(newServeCmd(), newRestoreCmd(), newListCmd(), newVerifyCmd(), newPruneCmd(), newHealthCmd())
 	return root
 }

@@ -38,7 +38,7 @@ commit record is damaged (it is named, for a person to look at).`,
 			return runPrune(cmd.Context(), o, cmd.OutOrStdout())
 		},
 	}
-	o.storageOptions.register(cmd.Flags())
+	o.storageOptions.registerInteractive(cmd.Flags())
 	cmd.Flags().IntVar(&o.KeepLast, "keep-last", 0, "committed steps to keep")
 	cmd.Flags().DurationVar(&o.GCGrace, "gc-grace", time.Hour, "how long an uncommitted attempt is left alone after its last write")
 	cmd.Flags().BoolVar(&o.DryRun, "dry-run", false, "print what would be deleted, delete nothing")

@@ -51,7 +51,7 @@ in --out that looks valid.`,
 		},
 	}
 	fs := cmd.Flags()
-	o.storageOptions.register(fs)
+	o.storageOptions.registerInteractive(fs)
 	fs.Int64Var(&o.Step, "step", 0, "step to restore")
 	fs.BoolVar(&o.Latest, "latest", false, "restore the newest committed step")
 	fs.StringVar(&o.Out, "out", "", "folder to write into (created if missing)")

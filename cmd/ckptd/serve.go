@@ -17,6 +17,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/spf13/cobra"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
 
 	"github.com/ckptd/ckptd/checkpoint"
@@ -190,6 +192,7 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	})
 	if err == nil {
 		undo.push(pf.Close)
+		setMemoryLimit(memoryCeiling(o, pf.MemoryCeiling()), log)
 		err = fault("prefetch")
 	}
 	if err != nil {
@@ -206,7 +209,13 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	srv := grpc.NewServer(append(server.Interceptors(), serverOptions()...)...)
 	server.Register(srv, mgr)
 	server.RegisterPrefetch(srv, pf)
-	stopMetrics := serveMetrics(o.MetricsAddr, reg)
+	hs := health.NewServer()
+	healthpb.RegisterHealthServer(srv, hs)
+	ready := newReadiness(b, o.Job, hs, log)
+	readyCtx, stopReady := context.WithCancel(context.Background())
+	defer stopReady()
+	go ready.run(readyCtx)
+	stopMetrics := serveMetrics(o.MetricsAddr, reg, ready)
 	log.Info("ckptd serving", "version", Version(), "socket", sp.path, "storage", b.Location(), "job", o.Job,
 		"arena", a.Path(), "staging_bytes", a.Size(), "locked", a.Locked(), "codec", c)
 	errc := make(chan error, 1)
@@ -220,6 +229,8 @@ func runServe(ctx context.Context, o *serveOptions) error {
 		log.Error("grpc server stopped", "err", err)
 	}
 	stopMetrics()
+	stopReady()
+	hs.Shutdown() // NOT_SERVING while draining
 	stopGRPC(srv, 5*time.Second)
 	pf.Close()
 	removed, err := shutdown(mgr, a, o.Grace, err)
@@ -352,12 +363,13 @@ func lookupGID(group string) (int, error) {
 
 // serveMetrics serves /metrics on addr (nothing when addr is empty) and
 // returns a function that stops it.
-func serveMetrics(addr string, reg *prometheus.Registry) func() {
+func serveMetrics(addr string, reg *prometheus.Registry, ready *readiness) func() {
 	if addr == "" {
 		return func() {}
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	ready.handlers(mux)
 	hs := &http.Server{Addr: addr, Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		if err := hs.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {

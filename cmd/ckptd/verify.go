@@ -31,7 +31,7 @@ func newVerifyCmd() *cobra.Command {
 			return runVerify(cmd.Context(), o, cmd.OutOrStdout())
 		},
 	}
-	o.storageOptions.register(cmd.Flags())
+	o.storageOptions.registerInteractive(cmd.Flags())
 	cmd.Flags().Int64Var(&o.Step, "step", 0, "step to verify")
 	cmd.Flags().BoolVar(&o.Latest, "latest", false, "verify the newest committed step")
 	cmd.Flags().IntVar(&o.Concurrency, "concurrency", 8, "chunks fetched at once")

@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -49,6 +50,9 @@ type OpenOptions struct {
 	// creating it: readers (list, restore, a dataset source) must not leave
 	// an empty folder behind for a mistyped path.
 	MustExist bool
+	// Logger receives the S3 backend's retry warnings (default
+	// slog.Default()).
+	Logger *slog.Logger
 }
 
 // Open returns the backend for rawURL. The caller closes it.
@@ -147,7 +151,7 @@ func openS3(ctx context.Context, rawURL string, opts OpenOptions) (storage.Backe
 	b, err := s3.New(ctx, s3.Config{
 		Bucket: u.Host, Prefix: strings.Trim(u.Path, "/"),
 		Endpoint: opts.S3Endpoint, Region: opts.S3Region,
-		Retry: s3.RetryPolicy{Deadline: opts.S3RetryDeadline},
+		Retry: s3.RetryPolicy{Deadline: opts.S3RetryDeadline}, Logger: opts.Logger,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("storage %q: %w", rawURL, err)

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
@@ -194,4 +195,18 @@ func (c *Client) Steps(ctx context.Context, job string) ([]StepInfo, error) {
 		out[i] = StepInfo{s.GetStep(), int(s.GetWorldSize()), int64(s.GetBytes()), int64(s.GetStoredBytes()), s.GetAttempt()}
 	}
 	return out, nil
+}
+
+// Health asks the daemon whether it can do its work now (the standard
+// gRPC health service): nil when it serves and its storage answers, else
+// why not.
+func (c *Client) Health(ctx context.Context) error {
+	resp, err := healthpb.NewHealthClient(c.conn).Check(ctx, &healthpb.HealthCheckRequest{})
+	if err != nil {
+		return c.wrap(err)
+	}
+	if s := resp.GetStatus(); s != healthpb.HealthCheckResponse_SERVING {
+		return fmt.Errorf("ckptd at %s: %w: %s (see its log)", c.socket, ErrDaemonUnavailable, s)
+	}
+	return nil
 }

@@ -104,6 +104,9 @@ func (d *dialer) dial(ctx context.Context, _ string) (c net.Conn, err error) {
 	}
 	var nd net.Dialer
 	c, err = nd.DialContext(ctx, "unix", d.socket)
+	if errors.Is(err, unix.EACCES) {
+		return nil, accessError(d.socket, err)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -128,4 +131,16 @@ func (d *dialer) refusal() error {
 		return *p
 	}
 	return nil
+}
+
+// accessError says why the socket refused us and what fixes it: the
+// daemon runs, but lets in only its user, root and one group.
+func accessError(socket string, err error) error {
+	var st unix.Stat_t
+	if unix.Stat(socket, &st) != nil {
+		return err
+	}
+	return fmt.Errorf("%w: the socket %s belongs to uid %d, group %d, mode %o; you are uid %d: "+
+		"run as that user, or have the daemon started with --socket-group naming a group of yours (%d, or a supplementary one)",
+		err, socket, st.Uid, st.Gid, st.Mode&0o777, os.Getuid(), os.Getgid())
 }

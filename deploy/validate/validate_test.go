@@ -1,0 +1,180 @@
+package validate
+
+import (
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/yaml"
+)
+
+// repo is the repository root, from this package's folder.
+const repo = "../.."
+
+var serveHelp = sync.OnceValues(func() (string, error) {
+	bin := filepath.Join(os.TempDir(), "ckptd-validate")
+	build := exec.Command("go", "build", "-o", bin, "./cmd/ckptd")
+	build.Dir = repo
+	if out, err := build.CombinedOutput(); err != nil {
+		return string(out), err
+	}
+	defer os.Remove(bin)
+	out, err := exec.Command(bin, "serve", "--help").CombinedOutput()
+	return string(out), err
+})
+
+// checkFlags fails for every --flag in args that `ckptd serve` lacks.
+func checkFlags(t *testing.T, where string, args []string) {
+	t.Helper()
+	help, err := serveHelp()
+	if err != nil {
+		t.Fatalf("ckptd serve --help: %v\n%s", err, help)
+	}
+	for _, a := range args {
+		if !strings.HasPrefix(a, "--") {
+			continue
+		}
+		name, _, _ := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+		if !strings.Contains(help, "--"+name+" ") {
+			t.Errorf("%s passes --%s, which ckptd serve does not have", where, name)
+		}
+	}
+}
+
+func TestKubernetesPod(t *testing.T) {
+	data, err := os.ReadFile("../kubernetes/ckptd-pod.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pod corev1.Pod
+	if err := yaml.UnmarshalStrict(data, &pod); err != nil {
+		t.Fatalf("not a valid Pod: %v", err)
+	}
+	if pod.Kind != "Pod" || pod.APIVersion != "v1" {
+		t.Fatalf("kind %q apiVersion %q", pod.Kind, pod.APIVersion)
+	}
+	if len(pod.Spec.InitContainers) != 1 || len(pod.Spec.Containers) != 1 {
+		t.Fatal("want one sidecar (init container) and one trainer")
+	}
+	side, trainer := pod.Spec.InitContainers[0], pod.Spec.Containers[0]
+	if side.RestartPolicy == nil || *side.RestartPolicy != corev1.ContainerRestartPolicyAlways {
+		t.Error("the sidecar is not a native sidecar (restartPolicy: Always)")
+	}
+	if side.Args[0] != "serve" {
+		t.Fatalf("sidecar args %v", side.Args)
+	}
+	checkFlags(t, "the pod", side.Args[1:])
+	for _, probe := range []*corev1.Probe{side.StartupProbe, side.LivenessProbe, side.ReadinessProbe} {
+		if probe == nil {
+			t.Error("the sidecar lacks a probe")
+		}
+	}
+	mounts := func(c corev1.Container) map[string]string {
+		m := map[string]string{}
+		for _, v := range c.VolumeMounts {
+			m[v.Name] = v.MountPath
+		}
+		return m
+	}
+	sm, tm := mounts(side), mounts(trainer)
+	for _, v := range pod.Spec.Volumes {
+		if v.EmptyDir == nil || v.EmptyDir.Medium != corev1.StorageMediumMemory {
+			t.Errorf("volume %s is not a memory-backed emptyDir", v.Name)
+		}
+		if sm[v.Name] == "" || sm[v.Name] != tm[v.Name] {
+			t.Errorf("volume %s is not mounted at one place in both containers", v.Name)
+		}
+	}
+	if sm["dshm"] != "/dev/shm" {
+		t.Error("the arena's /dev/shm is not shared")
+	}
+}
+
+func TestSystemdAndSlurmFlags(t *testing.T) {
+	unit, err := os.ReadFile("../systemd/ckptd.service")
+	if err != nil {
+		t.Fatal(err)
+	}
+	exec := regexp.MustCompile(`(?m)^ExecStart=((?:.*\\\n)*.*)$`).FindStringSubmatch(string(unit))
+	if exec == nil {
+		t.Fatal("no ExecStart")
+	}
+	args := strings.Fields(strings.ReplaceAll(exec[1], "\\\n", " "))
+	if len(args) < 2 || args[1] != "serve" {
+		t.Fatalf("ExecStart %v", args)
+	}
+	checkFlags(t, "the systemd unit", args[2:])
+
+	script, err := os.ReadFile("../slurm/ckptd-sbatch.sh")
+	if err != nil {
+		t.Fatal(err)
+	}
+	line := regexp.MustCompile(`ckptd serve((?:.*\\\n)*.*)`).FindStringSubmatch(string(script))
+	if line == nil {
+		t.Fatal("the sbatch script starts no ckptd serve")
+	}
+	checkFlags(t, "the sbatch script", strings.Fields(strings.ReplaceAll(line[1], "\\\n", " ")))
+}
+
+func TestScriptsParse(t *testing.T) {
+	if out, err := exec.Command("bash", "-n", "../slurm/ckptd-sbatch.sh").CombinedOutput(); err != nil {
+		t.Fatalf("bash -n: %v\n%s", err, out)
+	}
+}
+
+// The dashboard queries only metrics the daemon defines.
+func TestGrafanaDashboard(t *testing.T) {
+	data, err := os.ReadFile("../grafana/ckptd-dashboard.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var dash struct {
+		Panels []struct {
+			Title   string
+			Targets []struct{ Expr string }
+		}
+	}
+	if err := json.Unmarshal(data, &dash); err != nil || len(dash.Panels) == 0 {
+		t.Fatalf("not a dashboard: %v", err)
+	}
+	defined := map[string]bool{}
+	names := regexp.MustCompile(`Name: +"(ckptd_[a-z_]+)"`)
+	err = filepath.WalkDir(repo, func(p string, d os.DirEntry, err error) error {
+		switch {
+		case err != nil:
+			return err
+		case d.IsDir() && strings.HasPrefix(d.Name(), ".") && p != repo:
+			return filepath.SkipDir
+		case d.IsDir() || !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go"):
+			return nil
+		}
+		src, err := os.ReadFile(p)
+		for _, m := range names.FindAllStringSubmatch(string(src), -1) {
+			for _, suffix := range []string{"", "_bucket", "_sum", "_count"} {
+				defined[m[1]+suffix] = true
+			}
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(defined) == 0 {
+		t.Fatal("found no metric definitions")
+	}
+	for _, p := range dash.Panels {
+		for _, tg := range p.Targets {
+			for _, name := range regexp.MustCompile(`ckptd_[a-z_]+`).FindAllString(tg.Expr, -1) {
+				if !defined[name] {
+					t.Errorf("panel %q queries %s, which ckptd does not export", p.Title, name)
+				}
+			}
+		}
+	}
+}
