@@ -6,9 +6,11 @@ never rank 0 of 1. The environment is cleared for each test (conftest.py).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 
+import ckptd
 from ckptd import _ranks
 
 
@@ -96,3 +98,38 @@ def test_torch_distributed_wins_over_the_environment(monkeypatch, tmp_path):
         dist.destroy_process_group()
     with pytest.raises(ValueError, match="cannot tell"):
         _ranks.resolve(None, None)  # torch no longer knows, and the launcher remains
+
+
+# ---- through the client, against a real daemon ----------------------------------
+
+
+def test_save_load_and_handle_default_to_the_environments_rank(daemon, job, monkeypatch):
+    with daemon.client(attempt="ranks-1") as c:
+        handles = []
+        for r in (0, 1):
+            monkeypatch.setenv("RANK", str(r))
+            monkeypatch.setenv("WORLD_SIZE", "2")
+            handles.append(c.save(1, {"w": np.full(4, float(r))}, job=job))
+        assert [h.rank for h in handles] == [0, 1]
+        assert c.handle(1, job=job).rank == 1  # RANK is still 1
+        for h in handles:
+            h.wait(30)
+        [info] = c.steps(job)
+        assert info.world_size == 2
+        assert c.load(1, job=job)["w"][0] == 1.0  # this process's shard: rank 1
+        assert c.load(1, rank=0, job=job)["w"][0] == 0.0
+
+
+def test_a_launcher_without_a_rank_fails_before_saving(daemon, job, monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with daemon.client() as c:
+        with pytest.raises(ValueError, match=r"\$SLURM_NTASKS=4"):
+            c.save(1, {"w": np.zeros(1)}, job=job)
+        with pytest.raises(ValueError, match="cannot tell"):
+            c.load("latest", job=job)
+        with pytest.raises(ValueError, match="cannot tell"):
+            ckptd.DatasetSpec("/data")
+        assert c.steps(job) == []  # nothing was sent
+        c.save(1, {"w": np.zeros(1)}, rank=0, world_size=1, job=job).wait(30)
+        assert c.load("latest", rank=0, job=job).step == 1

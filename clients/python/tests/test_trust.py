@@ -27,7 +27,7 @@ def no_daemon_uid(monkeypatch):
 
 def refused(c: ckptd.Client, match: str) -> ckptd.UntrustedDaemonError:
     """Every kind of call is refused, with the same clear error."""
-    for call in (c.steps, lambda: c.save(1, {"a": np.zeros(1)}), lambda: c.load(latest=True)):
+    for call in (c.steps, lambda: c.save(1, {"a": np.zeros(1)}), lambda: c.load("latest")):
         with pytest.raises(ckptd.UntrustedDaemonError, match=match) as e:
             call()
     return e.value

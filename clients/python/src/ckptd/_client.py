@@ -8,14 +8,13 @@ in _dataset.py.
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
-from . import _attempt, _limits, _load, _save
-from ._dataset import Dataset, make_spec
+from . import _attempt, _limits, _load, _ranks, _save
+from ._dataset import Dataset, DatasetSpec
 from ._handle import SaveHandle, SaveStatus
 from ._load import LoadedState, StepInfo
 from ._transport import (
@@ -75,9 +74,9 @@ class Client:
     def __init__(
         self,
         socket: str | None = None,
+        *,
         timeout: float | None = None,
         transport: Transport = "auto",
-        *,
         attempt: str | None = None,
         reconnect_timeout: float | None = None,
     ) -> None:
@@ -155,22 +154,7 @@ class Client:
 
     # ---- datasets ------------------------------------------------------
 
-    def dataset(
-        self,
-        source: str | os.PathLike[str],
-        format: str = "webdataset",
-        batch_size: int = 32,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        epoch: int = 0,
-        start: int = 0,
-        shuffle_window: int | None = None,
-        skip_corrupt: bool = False,
-        *,
-        copy: bool = True,
-        prefetch: int = 2,
-    ) -> Dataset:
+    def dataset(self, spec: DatasetSpec, *, copy: bool = True, prefetch: int = 2) -> Dataset:
         """Open one rank's pass over one epoch of a dataset; iterate it for batches.
 
         The daemon lists the source, reads shards ahead of the trainer into
@@ -180,28 +164,11 @@ class Client:
         and one entry per extension (``"jpg"``, ``"cls"``, ...), as the
         webdataset library gives them.
 
-        The order is a pure function of (seed, epoch, rank, world_size):
-        shards are shuffled per epoch and dealt round-robin to the ranks, so
-        each sample comes exactly once per epoch across all ranks, and
-        samples are shuffled within a window. ``Dataset.state()`` is what to
-        checkpoint; ``client.dataset(**state)`` resumes exactly.
-
         Args:
-            source: a folder (relative paths are resolved here, not in the
-                daemon), ``file:///path`` or ``s3://bucket/prefix``.
-            format: "webdataset" (``.tar`` shards; a sample is the run of
-                members sharing a key) or "raw" (each object one sample,
-                its field named by its extension, "bin" without one).
-            batch_size: samples per batch (the last one may be smaller).
-            rank: this rank, in [0, world_size).
-            world_size: ranks reading the dataset; shards are split among them.
-            seed: the shuffling seed, the same on every rank.
-            epoch: which epoch: each epoch has its own order.
-            start: samples of this epoch this rank already consumed (resume).
-            shuffle_window: samples shuffled together (None: the daemon's
-                default, 1000; 1: shard order, no shuffling).
-            skip_corrupt: skip shards that cannot be parsed, counting them
-                in stats().corrupt_skipped, instead of raising.
+            spec: the dataset, the epoch and this rank's place in it (see
+                DatasetSpec, which documents the order).
+                ``Dataset.state()`` is what to checkpoint;
+                ``client.dataset(DatasetSpec(**state))`` resumes exactly.
             copy: True (default) copies each field into ``bytes`` that the
                 caller owns. False gives read-only memoryviews into the
                 shared-memory slot, without a copy, valid only until the
@@ -215,6 +182,7 @@ class Client:
                 always suffice).
 
         Raises:
+            TypeError: spec is not a DatasetSpec.
             InvalidArgumentError: batch_size <= 0, rank outside
                 [0, world_size), a source with no objects (no ``.tar``
                 shards for webdataset), an unknown format or scheme.
@@ -222,10 +190,11 @@ class Client:
                 it names the shard.
             DaemonUnavailableError: no daemon answers on the socket.
         """
-        spec = make_spec(
-            source, format, batch_size, rank, world_size, seed, epoch, start, shuffle_window,
-            skip_corrupt,
-        )  # fmt: skip
+        if not isinstance(spec, DatasetSpec):
+            raise TypeError(
+                f"Client.dataset takes a ckptd.DatasetSpec, not {type(spec).__name__}: "
+                "e.g. client.dataset(ckptd.DatasetSpec(source, batch_size=32))"
+            )
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, not {prefetch!r}")
         return Dataset(self._conn, spec, self._datasets, copy=bool(copy), prefetch=prefetch)
@@ -236,11 +205,11 @@ class Client:
         self,
         step: int,
         state: Mapping[str, Any],
-        rank: int = 0,
-        world_size: int = 1,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
         metadata: bytes = b"",
         job: str | None = None,
-        *,
         attempt: str | None = None,
     ) -> SaveHandle:
         """Stage one rank's shard of a step; return as soon as the daemon has it.
@@ -250,6 +219,14 @@ class Client:
         copied once, straight into the shared-memory region; after that the
         caller may change or free its tensors. The shard becomes durable in
         the background: see SaveHandle.wait().
+
+        rank and world_size default to this process's: torch.distributed's
+        when it is initialized, else $RANK and $WORLD_SIZE, else 0 and 1 --
+        unless a launcher of several processes is detected ($LOCAL_RANK,
+        $SLURM_NTASKS > 1, ...), which raises ValueError rather than save
+        every process as rank 0 of 1. metadata is the trainer's own bytes
+        (a loader position, ...), given back by load(); job defaults to
+        the daemon's.
 
         The save carries attempt (default: the client's). A step commits
         from the saves of one attempt, so every rank of world_size must save
@@ -264,6 +241,7 @@ class Client:
 
         Raises:
             TypeError: a value or key of state cannot be stored.
+            ValueError: rank or world_size not given and not determinable.
             InvalidArgumentError: the step, rank, job, attempt or a name is
                 refused.
             AlreadyExistsError: the step is committed, or this rank of this
@@ -275,6 +253,7 @@ class Client:
         meta = _save.metadata_bytes(metadata)
         own = attempt is None
         attempt = self._attempt if own else _attempt.check(attempt, "attempt")
+        rank, world_size = _ranks.resolve(rank, world_size)
         target = _save.target(job, step, rank, world_size, attempt)
         if own and self._attempt_random and target.world_size > 1:
             self._warn_random_attempt(target.world_size)
@@ -294,9 +273,14 @@ class Client:
         )
 
     def handle(
-        self, step: int, rank: int = 0, job: str | None = None, *, attempt: str | None = None
+        self,
+        step: int,
+        *,
+        rank: int | None = None,
+        job: str | None = None,
+        attempt: str | None = None,
     ) -> SaveHandle:
-        """A handle on a save made earlier, to wait for it.
+        """A handle on a save made earlier, to wait for it (rank: default this process's).
 
         For another process, or a trainer that restarted, while the save was
         still draining. It follows the save of attempt (default: this
@@ -308,18 +292,17 @@ class Client:
             attempt = self._attempt
         elif attempt:
             _attempt.check(attempt, "attempt")
-        step, rank = _limits.as_int("step", step), _limits.as_int("rank", rank)
+        step, rank = _limits.as_int("step", step), _limits.as_int("rank", _ranks.rank(rank))
         return SaveHandle(self._conn, job or "", step, rank, attempt=attempt)
 
     # ---- load ----------------------------------------------------------
 
     def load(
         self,
-        step: int | None = None,
-        latest: bool = False,
-        rank: int = 0,
-        job: str | None = None,
+        step: int | Literal["latest"],
         *,
+        rank: int | None = None,
+        job: str | None = None,
         as_torch: bool = False,
         device: Any = None,
         nested: bool = True,
@@ -332,9 +315,8 @@ class Client:
         and writable for as long as the caller keeps them.
 
         Args:
-            step: the step to load; or None with latest=True for the newest.
-            latest: load the newest committed step.
-            rank: which rank's shard.
+            step: the step to load, or "latest" for the newest committed one.
+            rank: which rank's shard (default: this process's, as in save()).
             job: the job (None: the daemon's default).
             as_torch: return torch tensors (CPU unless device says otherwise)
                 instead of numpy arrays.
@@ -352,11 +334,14 @@ class Client:
             The state dict, with .step, .world_size and .metadata attributes.
 
         Raises:
+            ValueError: step is a str other than "latest"; rank not given
+                and not determinable.
             NotFoundError: no such committed step, or no such rank.
             DataLossError: stored data failed verification.
         """
-        req = _load.restore_request(step, latest, rank, job)
-        what = f"load {'latest step' if latest else f'step {step}'} rank {rank}"
+        rank = _ranks.rank(rank)
+        req = _load.restore_request(step, rank, job)
+        what = f"load {'latest step' if req.latest else f'step {step}'} rank {rank}"
         return _load.load(self._conn, req, what, as_torch, device, nested)
 
     # ---- listing -------------------------------------------------------

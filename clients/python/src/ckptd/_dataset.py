@@ -28,12 +28,12 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import KW_ONLY, asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
-from . import _limits
+from . import _limits, _ranks
 from ._errors import CkptdError, CorruptShardError, DataLossError, InvalidArgumentError
 from .v1 import ckptd_pb2 as pb
 
@@ -50,34 +50,90 @@ _CORRUPT = re.compile(r"corrupt shard: (.+?): ")
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """What identifies one rank's position in a dataset: the resumable state.
+    """Which dataset to read, and one rank's place in it: what a pass starts from.
 
+    Given to ``Client.dataset(spec)`` and ``ckptd.torch.CkptdIterableDataset(spec)``.
     The sample order is a pure function of (source, format, seed, epoch,
-    rank, world_size, shuffle_window), and start counts the samples of it
-    already consumed, so ``client.dataset(**spec.as_dict())`` resumes
-    exactly. batch_size and skip_corrupt are kept so that the resumed
-    iteration looks the same; changing batch_size does not change the order.
+    rank, world_size, shuffle_window): shards are shuffled per epoch and
+    dealt round-robin to the ranks, so each sample comes exactly once per
+    epoch across all ranks, and samples are shuffled within a window.
+    ``start`` counts the samples of that order already consumed, so
+    ``Dataset.state()`` (a dict of these fields) is what to checkpoint, and
+    ``client.dataset(DatasetSpec(**state))`` resumes exactly.
+
+    Args:
+        source: a folder or path-like (relative paths are made absolute
+            here, against this process's cwd, not the daemon's),
+            ``file:///path`` or ``s3://bucket/prefix``.
+        format: "webdataset" (``.tar`` shards; a sample is the run of
+            members sharing a key) or "raw" (each object one sample, its
+            field named by its extension, "bin" without one).
+        batch_size: samples per batch (the last one may be smaller); changing
+            it does not change the order.
+        rank: this rank, in [0, world_size). Default: this process's --
+            torch.distributed's when initialized, else $RANK, else 0 unless
+            a launcher is detected (then ValueError).
+        world_size: ranks reading the dataset; shards are split among them.
+            Default: as rank ($WORLD_SIZE, else 1).
+        seed: the shuffling seed, the same on every rank.
+        epoch: which epoch: each epoch has its own order.
+        start: samples of this epoch this rank already consumed (resume).
+        shuffle_window: samples shuffled together (None: the daemon's
+            default, 1000; 1: shard order, no shuffling).
+        skip_corrupt: skip shards that cannot be parsed, counting them in
+            stats().corrupt_skipped, instead of raising.
+
+    Raises:
+        TypeError: a field of the wrong type.
+        InvalidArgumentError: an empty source, or an int outside its field
+            of the protocol. Other rules (batch_size > 0, rank < world_size,
+            a known format and scheme) are the daemon's, checked when the
+            dataset is opened, so that one rule holds for every client.
+        ValueError: rank or world_size not given and not determinable.
     """
 
-    source: str
-    format: str
-    batch_size: int
-    rank: int
-    world_size: int
-    seed: int
-    epoch: int
-    start: int
-    shuffle_window: int | None
-    skip_corrupt: bool
+    source: str | os.PathLike[str]
+    _: KW_ONLY
+    format: str = "webdataset"
+    batch_size: int = 32
+    rank: int | None = None
+    world_size: int | None = None
+    seed: int = 0
+    epoch: int = 0
+    start: int = 0
+    shuffle_window: int | None = None
+    skip_corrupt: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.format, str):
+            raise TypeError(f"format must be a str, not {type(self.format).__name__}")
+        if not isinstance(self.skip_corrupt, bool):
+            raise TypeError(f"skip_corrupt must be a bool, not {type(self.skip_corrupt).__name__}")
+        ints: dict[str, int | None] = {}
+        for name in (
+            "batch_size",
+            "seed",
+            "epoch",
+            "start",
+            "shuffle_window",
+            "rank",
+            "world_size",
+        ):
+            v = getattr(self, name)
+            ints[name] = None if v is None and name in _OPTIONAL else _checked_int(name, v)
+        ints["rank"], ints["world_size"] = _ranks.resolve(ints["rank"], ints["world_size"])
+        for name, v in ints.items():
+            object.__setattr__(self, name, v)  # plain ints, whatever __index__ gave them
+        object.__setattr__(self, "source", resolve_source(self.source))
 
     def as_dict(self) -> dict[str, Any]:
-        """The spec as keyword arguments of Client.dataset (JSON-serializable)."""
+        """The spec's fields as a dict of plain values (JSON-serializable)."""
         return asdict(self)
 
     def request(self) -> pb.OpenDatasetRequest:
         """The OpenDataset request for this spec."""
         return pb.OpenDatasetRequest(
-            source=self.source,
+            source=os.fspath(self.source),
             format=self.format,
             batch_size=self.batch_size,
             rank=self.rank,
@@ -132,59 +188,21 @@ class DatasetStats:
         return {**asdict(self), "wait": self.wait, "stall_fraction": self.stall_fraction}
 
 
-def make_spec(
-    source: str | os.PathLike[str],
-    format: str,
-    batch_size: int,
-    rank: int,
-    world_size: int,
-    seed: int,
-    epoch: int,
-    start: int,
-    shuffle_window: int | None,
-    skip_corrupt: bool,
-) -> DatasetSpec:
-    """Check the arguments' types and protobuf ranges; the rules are the daemon's.
-
-    Range rules (batch_size > 0, 0 <= rank < world_size, ...) are checked by
-    the daemon so that one rule holds for every client; here only what
-    could not even be sent is refused.
-    """
-    if not isinstance(format, str):
-        raise TypeError(f"format must be a str, not {type(format).__name__}")
-    if not isinstance(skip_corrupt, bool):
-        raise TypeError(f"skip_corrupt must be a bool, not {type(skip_corrupt).__name__}")
-    ints = {"batch_size": batch_size, "rank": rank, "world_size": world_size, "epoch": epoch}
-    ints |= {"start": start, "seed": seed}
-    if shuffle_window is not None:
-        ints["shuffle_window"] = shuffle_window
-    for name, v in ints.items():
-        _check_int(name, v)
-    return DatasetSpec(
-        source=resolve_source(source),
-        format=format,
-        batch_size=operator.index(batch_size),
-        rank=operator.index(rank),
-        world_size=operator.index(world_size),
-        seed=operator.index(seed),
-        epoch=operator.index(epoch),
-        start=operator.index(start),
-        shuffle_window=None if shuffle_window is None else operator.index(shuffle_window),
-        skip_corrupt=skip_corrupt,
-    )
-
+# The fields of DatasetSpec that may be None: the daemon's default, this process's.
+_OPTIONAL = frozenset({"shuffle_window", "rank", "world_size"})
 
 # The protocol's field of each (the others are int32).
 _RANGES = {"seed": _limits.UINT64, "epoch": _limits.INT64, "start": _limits.INT64}
 
 
-def _check_int(name: str, v: Any) -> None:
+def _checked_int(name: str, v: Any) -> int:
     if isinstance(v, bool) or not hasattr(v, "__index__"):
         raise TypeError(f"{name} must be an int, not {type(v).__name__}")
     v = operator.index(v)
     low, high = _RANGES.get(name, _limits.INT32)
     if not low <= v < high:
         raise InvalidArgumentError(f"{name} {v} is out of range [{low}, {high})")
+    return int(v)
 
 
 def resolve_source(source: str | os.PathLike[str]) -> str:
@@ -406,8 +424,8 @@ class Dataset:
     Made by Client.dataset(). Iterate it (once) for batches: a batch is a
     list of samples, a sample a dict with ``"__key__"`` and one entry per
     field (extension), as the webdataset library does. state() is what to
-    store in a checkpoint; ``client.dataset(**state)`` resumes exactly
-    after the last batch returned.
+    store in a checkpoint; ``client.dataset(DatasetSpec(**state))`` resumes
+    exactly after the last batch returned.
 
     The session is closed, and its ring slots freed in the daemon, when the
     epoch ends, on close() or leaving a ``with`` block, and when the object
@@ -524,7 +542,7 @@ class Dataset:
         return self._position
 
     def state(self) -> dict[str, Any]:
-        """What to store in a checkpoint: ``client.dataset(**state)`` resumes here.
+        """What to store in a checkpoint: ``client.dataset(DatasetSpec(**state))`` resumes here.
 
         A dict of plain values (JSON-serializable): source, format,
         batch_size, rank, world_size, seed, epoch, shuffle_window,

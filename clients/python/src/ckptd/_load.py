@@ -54,16 +54,18 @@ class LoadedState(dict):  # type: ignore[type-arg]
     attempt: str  # the attempt that wrote the step ("" from an older daemon or step)
 
 
-def restore_request(
-    step: int | None, latest: bool, rank: int, job: str | None
-) -> pb.BeginRestoreRequest:
-    """The BeginRestore request; range checks beyond the protocol's are the daemon's."""
-    if latest and step is not None:
-        raise ValueError("give either step or latest=True, not both")
-    if not latest and step is None:
-        raise ValueError("give the step to load, or latest=True")
+def restore_request(step: int | str, rank: int, job: str | None) -> pb.BeginRestoreRequest:
+    """The BeginRestore request; range checks beyond the protocol's are the daemon's.
+
+    step is an int or "latest".
+    """
+    latest = isinstance(step, str)
+    if latest and step != "latest":
+        raise ValueError(f'step must be an int or "latest", not {step!r}')
+    if step is None:
+        raise TypeError('step must be an int or "latest", not None')
     rank = _limits.as_int("rank", rank)
-    step = 0 if step is None else _limits.as_int("step", step)
+    step = 0 if latest else _limits.as_int("step", step)
     if not _limits.within(rank, _limits.INT32) or not _limits.within(step, _limits.INT64):
         raise InvalidArgumentError(f"step {step} or rank {rank} is out of range")
     return pb.BeginRestoreRequest(job=job or "", step=step, latest=latest, rank=rank)
