@@ -1,8 +1,9 @@
-"""The public API's shape: keyword-only arguments, DatasetSpec, load("latest")."""
+"""The public API's shape: keyword-only arguments, DatasetSpec, load("latest"), __version__."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 
 import numpy as np
 import pytest
@@ -109,3 +110,20 @@ def test_client_dataset_takes_a_spec(client):
     ds = ct.CkptdIterableDataset(ckptd.DatasetSpec("/data", rank=1, world_size=2, seed=4, epoch=3))
     assert (ds.rank, ds.world_size, ds.seed, ds.epoch) == (1, 2, 4, 3)
     assert ct.DatasetSpec is ckptd.DatasetSpec
+
+
+# ---- __version__ -------------------------------------------------------------------
+
+
+def test_version_is_the_installed_distributions():
+    assert ckptd.__version__ == importlib.metadata.version("ckptd")
+    assert ckptd.__version__ != "0.0.0+unknown"
+    assert "__version__" in ckptd.__all__
+
+
+def test_version_without_package_metadata(monkeypatch):
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert ckptd._version() == "0.0.0+unknown"

@@ -26,6 +26,8 @@ Read a dataset through the daemon's prefetching cache, batch by batch::
 torch DataLoader (``ckptd.torch.CkptdIterableDataset``).
 """
 
+from importlib import metadata as _metadata
+
 from ._client import Client
 from ._dataset import Dataset, DatasetSpec, DatasetStats
 from ._errors import (
@@ -71,5 +73,17 @@ __all__ = [
     "StorageUnavailableError",
     "TimeoutError",
     "UntrustedDaemonError",
+    "__version__",
     "default_socket",
 ]
+
+
+def _version() -> str:
+    """The installed distribution's version; "0.0.0+unknown" when not installed."""
+    try:
+        return _metadata.version("ckptd")
+    except _metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+__version__: str = _version()
