@@ -32,16 +32,19 @@ lint: tools
 	$(GO) mod tidy -diff
 	$(GO) vet ./...
 	.tools/bin/staticcheck ./...
+	cd clients/python && ../../.venv/bin/mypy
 
 test-go:
 	CKPTD_PROTO_CHECK=1 $(GO) test -race -count=1 ./...
 
-# The Python client: ruff, then pytest against a real `ckptd serve` built
-# from this tree (torch tests included; under CI a skipped test fails).
+# The Python client: ruff, mypy --strict (configured in its pyproject.toml),
+# then pytest against a real `ckptd serve` built from this tree (torch tests
+# included; under CI a skipped test fails).
 test-python:
 	scripts/tools.sh
 	.venv/bin/ruff check clients/python examples
 	.venv/bin/ruff format --check clients/python examples
+	cd clients/python && ../../.venv/bin/mypy
 	.venv/bin/python -m pytest -q clients/python/tests
 
 # The deployment examples (deploy/): Kubernetes manifests against the API

@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import sys
 import time
+from typing import Literal
 
 import torch
 
@@ -86,12 +87,11 @@ def resume(
     data: torch.Generator,
 ) -> int:
     """Restore the requested checkpoint; return the step it was taken after."""
-    latest = args.resume == "latest"
-    step = None if latest else int(args.resume)
+    step: int | Literal["latest"] = "latest" if args.resume == "latest" else int(args.resume)
     try:
-        extra = ckptd.torch.load_state_dict(client, step, model, opt, latest=latest, job=args.job)
+        extra = ckptd.torch.load_state_dict(client, step, model, optimizer=opt, job=args.job)
     except ckptd.NotFoundError:
-        if not latest:
+        if step != "latest":
             raise
         print("no committed checkpoint yet; starting from scratch", flush=True)
         return 0
@@ -112,7 +112,9 @@ def checkpoint(
     """Stage a checkpoint of everything the next step depends on."""
     extra = {"step": step, "torch_rng": torch.get_rng_state(), "data_rng": data.get_state()}
     try:
-        h = ckptd.torch.save_state_dict(client, step, model, opt, extra=extra, job=args.job)
+        h = ckptd.torch.save_state_dict(
+            client, step, model, optimizer=opt, extra=extra, job=args.job
+        )
     except ckptd.AlreadyExistsError as e:
         owner = committed_elsewhere(client, args.job, step, e)
         if owner is None:

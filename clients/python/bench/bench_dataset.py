@@ -227,7 +227,7 @@ def hit_rates(binary: str, work: Path, paths: list[Path], batch: int, cache: int
     with daemon(binary, work, cache) as sock, ckptd.Client(sock) as c:
         out = []
         for epoch in range(4):
-            with c.dataset(paths[0].parent, batch_size=batch, epoch=epoch) as ds:
+            with c.dataset(ckptd.DatasetSpec(paths[0].parent, batch_size=batch, epoch=epoch)) as ds:
                 for _ in ds:
                     pass
                 st = ds.stats()
@@ -249,7 +249,9 @@ def ckptd_epochs(
     with daemon(binary, work) as sock, ckptd.Client(sock) as c:
         runs = []
         for epoch in (0, 1):
-            with c.dataset(paths[0].parent, batch_size=batch, epoch=epoch, copy=copy) as ds:
+            with c.dataset(
+                ckptd.DatasetSpec(paths[0].parent, batch_size=batch, epoch=epoch), copy=copy
+            ) as ds:
                 runs.append(consume(ds, step, nominal))
                 st = ds.stats()
             want = (len(paths), 0) if epoch == 0 else (0, len(paths))

@@ -36,6 +36,17 @@ def pytest_runtest_makereport(item, call):
         rep.longrepr = f"skipped under CI, which must run every test: {rep.longrepr}"
 
 
+# What ckptd reads to tell this process's rank (ckptd/_ranks.py): cleared for
+# every test, so that a suite run under a launcher still runs as one process.
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in RANK_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="session")
 def ckptd_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The ckptd binary, built from the repository (not a stale bin/ckptd)."""

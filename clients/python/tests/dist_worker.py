@@ -2,7 +2,8 @@
 
 Usage: dist_worker.py RANK WORLD INIT_FILE SOCKET JOB STEP OUT_JSON
 
-Saves STEP and STEP+1 with save_state_dict, gathers every rank's attempts
+Saves STEP (rank and world size given) and STEP+1 (left to their default,
+torch.distributed's) with save_state_dict, gathers every rank's attempts
 and ckptd warnings on rank 0, which writes them to OUT_JSON, then waits
 for both steps to commit.
 """
@@ -29,7 +30,7 @@ def main() -> None:
     with ckptd.Client(sock) as c, warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         first = ct.save_state_dict(c, step, model, rank=rank, world_size=world, job=job)
-        second = ct.save_state_dict(c, step + 1, model, rank=rank, world_size=world, job=job)
+        second = ct.save_state_dict(c, step + 1, model, job=job)  # ranks: torch.distributed's
         mine = {
             "client": c.attempt,
             "first": first.attempt,

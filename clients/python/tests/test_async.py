@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+import threading
 import time
 
 import numpy as np
@@ -99,3 +102,77 @@ def test_handles_of_a_closed_client(make_daemon, job):
         assert h2.status == ckptd.SaveStatus.COMMITTED
         with pytest.raises(ckptd.NotFoundError, match="no save"):
             c2.handle(2, job=job).wait(30)
+
+
+def test_a_handle_is_a_future_that_settles_by_itself(make_daemon, job):
+    d = make_daemon("--debug-drain-delay", "1s")
+    with d.client() as c:
+        h = c.save(1, {"w": np.zeros(10)}, job=job)
+        assert isinstance(h, concurrent.futures.Future)
+        assert h.running() and not h.done() and not h.cancelled()
+        assert h.cancel() is False  # a staged save cannot be taken back
+        assert not h.cancelled() and h.running()
+        with pytest.raises(concurrent.futures.TimeoutError):
+            h.result(timeout=0.05)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            h.exception(timeout=0.05)
+        calls = []
+        ran = threading.Event()
+
+        def record(f):
+            calls.append((f, threading.current_thread()))
+            ran.set()
+
+        h.add_done_callback(record)
+        done, _ = concurrent.futures.wait([h], timeout=30)  # nobody polls the handle
+        assert done == {h}
+        assert ran.wait(10)
+        assert h.result() is None and h.exception() is None
+        assert not h.running() and h.status == ckptd.SaveStatus.COMMITTED
+        late = []
+        ran.clear()
+        h.add_done_callback(lambda f: (late.append(threading.current_thread()), ran.set()))
+        assert ran.wait(10)  # settled already: called all the same
+        time.sleep(0.2)
+    assert [f for f, _ in calls] == [h]  # once
+    for t in (calls[0][1], late[0]):  # on a thread of the handle's own
+        assert t is not threading.main_thread() and t.name.startswith("ckptd-done-")
+
+
+def test_a_failed_handle_holds_its_error_and_logs_callback_errors(daemon, job, caplog):
+    with daemon.client() as c:
+        h = c.handle(1, job=job)  # no such save
+        got = []
+
+        def broken(f):
+            raise RuntimeError("callback bug")
+
+        h.add_done_callback(broken)
+        h.add_done_callback(got.append)  # runs even though the one before raised
+        assert list(concurrent.futures.as_completed([h], timeout=30)) == [h]
+        assert isinstance(h.exception(), ckptd.NotFoundError)
+        with pytest.raises(ckptd.NotFoundError):
+            h.result()
+        with pytest.raises(ckptd.NotFoundError):
+            h.wait()
+        assert h.status == ckptd.SaveStatus.FAILED
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [h]
+    assert any("callback bug" in r.exc_text for r in caplog.records if r.exc_text)
+    assert all(r.levelno == logging.ERROR for r in caplog.records if r.exc_text)
+
+
+def test_a_handle_settles_after_a_daemon_restart_without_polling(make_daemon, job):
+    d = make_daemon("--debug-drain-delay", "1s")
+    with d.client() as c:
+        h = c.save(1, {"w": np.full(64, 3, np.int32)}, job=job)
+        settled = threading.Event()
+        h.add_done_callback(lambda f: settled.set())
+        d.kill9()  # accepted and journaled: the next daemon drains it
+        time.sleep(0.5)
+        d.start()
+        done, _ = concurrent.futures.wait([h], timeout=60)
+        assert done == {h} and settled.wait(10)
+        assert h.exception() is None

@@ -48,13 +48,13 @@ def test_random_attempt_per_client(monkeypatch):
 def test_every_save_and_wait_carries_the_attempt(daemon, job):
     with daemon.client(attempt="run-7") as c:
         sent = []
-        begin = c._stub.BeginSave
+        begin = c._conn.stub.BeginSave
 
         def spy(req, **kw):
             sent.append(req.target.attempt)
             return begin(req, **kw)
 
-        c._stub.BeginSave = spy
+        c._conn.stub.BeginSave = spy
         h = c.save(1, {"a": np.zeros(3)}, job=job)
         assert sent == ["run-7"] and h.attempt == "run-7"
         assert h._request().attempt == "run-7"
@@ -74,7 +74,7 @@ def test_every_save_and_wait_carries_the_attempt(daemon, job):
 def test_stream_saves_carry_the_attempt(daemon, job):
     with daemon.client(transport="stream", attempt="streamed") as c:
         sent = []
-        stream = c._stub.SaveStream
+        stream = c._conn.stub.SaveStream
 
         def spy(messages, **kw):
             def tap():
@@ -85,7 +85,7 @@ def test_stream_saves_carry_the_attempt(daemon, job):
 
             return stream(tap(), **kw)
 
-        c._stub.SaveStream = spy
+        c._conn.stub.SaveStream = spy
         c.save(1, {"a": np.zeros(3)}, job=job).wait(30)
         assert sent == ["streamed"]
 

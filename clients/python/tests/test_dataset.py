@@ -32,13 +32,13 @@ def dc(dataset_daemon):
 
 def read(c: ckptd.Client, source, **kw) -> list[list[dict]]:
     kw.setdefault("batch_size", BATCH)
-    with c.dataset(source, **kw) as ds:
+    with c.dataset(ckptd.DatasetSpec(source, **kw)) as ds:
         return list(ds)
 
 
 def test_samples_carry_every_field_of_the_shards(dc, data):
     folder, want = data
-    with dc.dataset(folder, batch_size=BATCH, shuffle_window=1) as ds:
+    with dc.dataset(ckptd.DatasetSpec(folder, batch_size=BATCH, shuffle_window=1)) as ds:
         assert ds.shards == SHARDS
         batches = list(ds)
         assert ds.closed  # the epoch ended: the session is gone from the daemon
@@ -98,7 +98,7 @@ def test_state_resumes_after_the_last_batch(dc, data):
     folder, _ = data
     whole = keys(read(dc, folder, seed=9))
     seen = []
-    with dc.dataset(folder, batch_size=BATCH, seed=9) as ds:
+    with dc.dataset(ckptd.DatasetSpec(folder, batch_size=BATCH, seed=9)) as ds:
         for i, batch in enumerate(ds):
             seen += [s["__key__"] for s in batch]
             if i == 2:
@@ -106,18 +106,18 @@ def test_state_resumes_after_the_last_batch(dc, data):
         state = ds.state()
     assert state["start"] == 3 * BATCH == len(seen)
     state = json.loads(json.dumps(state))  # what a checkpoint's metadata would hold
-    with dc.dataset(**state) as ds:
+    with dc.dataset(ckptd.DatasetSpec(**state)) as ds:
         rest = keys(list(ds))
     assert seen + rest == whole
 
 
 def test_second_epoch_of_a_dataset_that_fits_comes_from_the_cache(dc, data):
     folder, _ = data
-    with dc.dataset(folder, batch_size=BATCH, epoch=0) as ds:
+    with dc.dataset(ckptd.DatasetSpec(folder, batch_size=BATCH, epoch=0)) as ds:
         list(ds)
         first = ds.stats()
     assert (first.cache_misses, first.cache_hits) == (SHARDS, 0)
-    with dc.dataset(folder, batch_size=BATCH, epoch=1) as ds:
+    with dc.dataset(ckptd.DatasetSpec(folder, batch_size=BATCH, epoch=1)) as ds:
         list(ds)
         second = ds.stats()
     assert (second.cache_misses, second.cache_hits) == (0, SHARDS)
@@ -134,7 +134,7 @@ def test_dataset_larger_than_the_cache_keeps_part_of_it(make_daemon, tmp_path):
     rates = []
     with d.client() as c:
         for epoch in range(3):
-            with c.dataset(folder, batch_size=4, epoch=epoch) as ds:
+            with c.dataset(ckptd.DatasetSpec(folder, batch_size=4, epoch=epoch)) as ds:
                 assert len(keys(list(ds))) == 48
                 st = ds.stats()
             rates.append(st.cache_hits / (st.cache_hits + st.cache_misses))
@@ -145,7 +145,7 @@ def test_dataset_larger_than_the_cache_keeps_part_of_it(make_daemon, tmp_path):
 
 def test_stats_say_where_the_wait_went(dc, data):
     folder, _ = data
-    with dc.dataset(folder, batch_size=BATCH) as ds:
+    with dc.dataset(ckptd.DatasetSpec(folder, batch_size=BATCH)) as ds:
         assert ds.stats().batches == 0
         list(ds)
         st = ds.stats()
@@ -162,7 +162,9 @@ def test_stats_say_where_the_wait_went(dc, data):
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_zero_copy_fields_are_views_released_with_the_next_batch(dc, data, prefetch):
     folder, want = data
-    with dc.dataset(folder, batch_size=BATCH, copy=False, prefetch=prefetch) as ds:
+    with dc.dataset(
+        ckptd.DatasetSpec(folder, batch_size=BATCH), copy=False, prefetch=prefetch
+    ) as ds:
         first = next(ds)
         view = first[0]["txt"]
         assert isinstance(view, memoryview)
@@ -185,7 +187,9 @@ def test_prefetching_changes_nothing_but_the_timing(dc, data, copy):
     base = None
     for prefetch in (0, 1, 3):
         seen = []
-        with dc.dataset(folder, batch_size=BATCH, seed=2, copy=copy, prefetch=prefetch) as ds:
+        with dc.dataset(
+            ckptd.DatasetSpec(folder, batch_size=BATCH, seed=2), copy=copy, prefetch=prefetch
+        ) as ds:
             for b in ds:
                 for s in b:
                     assert bytes(s["txt"]) == want[s["__key__"]]["txt"]
@@ -193,7 +197,7 @@ def test_prefetching_changes_nothing_but_the_timing(dc, data, copy):
         base = base or seen
         assert seen == base, prefetch
     with pytest.raises(ValueError, match="prefetch"):
-        dc.dataset(folder, batch_size=BATCH, prefetch=-1)
+        dc.dataset(ckptd.DatasetSpec(folder, batch_size=BATCH), prefetch=-1)
 
 
 def test_zero_copy_with_few_ring_slots(make_daemon, data):
@@ -202,7 +206,9 @@ def test_zero_copy_with_few_ring_slots(make_daemon, data):
     d = make_daemon("--slot-bytes", "64KiB", "--ring-slots", "2")
     with d.client() as c:
         for prefetch in (0, 1):
-            with c.dataset(folder, batch_size=BATCH, copy=False, prefetch=prefetch) as ds:
+            with c.dataset(
+                ckptd.DatasetSpec(folder, batch_size=BATCH), copy=False, prefetch=prefetch
+            ) as ds:
                 assert len(keys(list(ds))) == len(want)
 
 
@@ -254,7 +260,7 @@ def corrupt_folder(tmp_path, how: str):
 @pytest.mark.parametrize("how", ["truncated", "garbage"])
 def test_corrupt_shard_is_an_error_naming_it(dc, tmp_path, how):
     folder, _ = corrupt_folder(tmp_path, how)
-    ds = dc.dataset(folder, batch_size=4)
+    ds = dc.dataset(ckptd.DatasetSpec(folder, batch_size=4))
     with pytest.raises(ckptd.CorruptShardError) as e:
         list(ds)
     assert "train-002.tar" in str(e.value)
@@ -269,7 +275,7 @@ def test_corrupt_shard_is_an_error_naming_it(dc, tmp_path, how):
 def test_skip_corrupt_skips_and_counts_the_shard(dc, tmp_path, how):
     """The samples before the damage are delivered; the rest of the shard is skipped."""
     folder, want = corrupt_folder(tmp_path, how)
-    with dc.dataset(folder, batch_size=4, skip_corrupt=True) as ds:
+    with dc.dataset(ckptd.DatasetSpec(folder, batch_size=4, skip_corrupt=True)) as ds:
         got = {s["__key__"]: s for b in ds for s in b}
         st = ds.stats()
     assert st.corrupt_skipped == 1
@@ -314,7 +320,9 @@ def test_names_that_are_not_utf8_are_refused_not_leaked(make_daemon, tmp_path):
             with pytest.raises(ckptd.CorruptShardError, match=r"a\.tar: member .*not UTF-8") as e:
                 read(c, folder, batch_size=1, shuffle_window=1)
             assert e.value.shard.endswith("a.tar")
-        with c.dataset(folder, batch_size=1, shuffle_window=1, skip_corrupt=True) as ds:
+        with c.dataset(
+            ckptd.DatasetSpec(folder, batch_size=1, shuffle_window=1, skip_corrupt=True)
+        ) as ds:
             got = keys(list(ds))
             assert ds.stats().corrupt_skipped == 9
         assert got == ["ok/03", "ok/07", "ok/11"]
@@ -343,7 +351,7 @@ def test_bad_arguments_are_invalid_argument(dc, data, kwargs, match):
     folder, _ = data
     kw = {"batch_size": 4, **kwargs}
     with pytest.raises(ckptd.InvalidArgumentError, match=match) as e:
-        dc.dataset(folder, **kw)
+        dc.dataset(ckptd.DatasetSpec(folder, **kw))
     assert isinstance(e.value, ValueError)
 
 
@@ -360,7 +368,7 @@ def test_bad_arguments_are_invalid_argument(dc, data, kwargs, match):
 def test_bad_types_are_type_errors(dc, data, kwargs, match):
     folder, _ = data
     with pytest.raises(TypeError, match=match):
-        dc.dataset(folder, **{"batch_size": 4, **kwargs})
+        dc.dataset(ckptd.DatasetSpec(folder, **{"batch_size": 4, **kwargs}))
 
 
 def test_sources_without_samples_are_invalid_argument(dc, tmp_path):
@@ -368,23 +376,23 @@ def test_sources_without_samples_are_invalid_argument(dc, tmp_path):
     empty.mkdir()
     (empty / "notes.txt").write_text("no shards here")
     with pytest.raises(ckptd.InvalidArgumentError, match=r"no \.tar shards"):
-        dc.dataset(empty, batch_size=4)
+        dc.dataset(ckptd.DatasetSpec(empty, batch_size=4))
     (tmp_path / "raw-empty").mkdir()
     with pytest.raises(ckptd.InvalidArgumentError, match="no objects"):
-        dc.dataset(tmp_path / "raw-empty", format="raw", batch_size=4)
+        dc.dataset(ckptd.DatasetSpec(tmp_path / "raw-empty", format="raw", batch_size=4))
     with pytest.raises(ckptd.InvalidArgumentError, match="no such folder"):
-        dc.dataset(tmp_path / "missing", batch_size=4)
+        dc.dataset(ckptd.DatasetSpec(tmp_path / "missing", batch_size=4))
     assert not (tmp_path / "missing").exists(), "a bad source must change nothing"
     with pytest.raises(ckptd.InvalidArgumentError, match="empty"):
-        dc.dataset("", batch_size=4)
+        dc.dataset(ckptd.DatasetSpec("", batch_size=4))
     with pytest.raises(ckptd.InvalidArgumentError, match='unsupported scheme "http"'):
-        dc.dataset("http://example.com/data/", batch_size=4)
+        dc.dataset(ckptd.DatasetSpec("http://example.com/data/", batch_size=4))
 
 
 def test_the_client_works_after_errors(dc, data):
     folder, want = data
     with pytest.raises(ckptd.InvalidArgumentError):
-        dc.dataset(folder, batch_size=0)
+        dc.dataset(ckptd.DatasetSpec(folder, batch_size=0))
     assert len(keys(read(dc, folder))) == len(want)
 
 
@@ -403,13 +411,13 @@ def test_only_the_sources_the_daemon_allows_are_read(make_daemon, tmp_path):
             assert len(keys(read(c, tmp_path / "data"))) == len(want)
             for source in (outside, dotdot, tmp_path / "link", "s3://other/shards"):
                 with pytest.raises(ckptd.CkptdError, match="not beneath any --dataset-allow") as e:
-                    c.dataset(source, batch_size=4)
+                    c.dataset(ckptd.DatasetSpec(source, batch_size=4))
                 assert e.value.code == "PERMISSION_DENIED", source
     finally:
         shutil.rmtree(outside, ignore_errors=True)
     d = make_daemon("--dataset-allow", "/dev/shm")  # its arena is beneath: still never a source
     with d.client() as c, pytest.raises(ckptd.CkptdError, match="arena folder") as e:
-        c.dataset(d.arena_dir, batch_size=4)
+        c.dataset(ckptd.DatasetSpec(d.arena_dir, batch_size=4))
     assert e.value.code == "PERMISSION_DENIED"
 
 
@@ -424,31 +432,38 @@ def test_sessions_are_freed_on_end_break_close_and_gc(make_daemon, data):
     )  # fmt: skip
     with d.client(timeout=30) as c:
         for _ in range(3):
-            assert len(keys(list(c.dataset(folder, batch_size=4)))) == len(want)  # exhausted
+            assert len(keys(list(c.dataset(ckptd.DatasetSpec(folder, batch_size=4))))) == len(
+                want
+            )  # exhausted
         for _ in range(3):
-            for _ in c.dataset(folder, batch_size=4):  # break: the iterator is collected
+            for _ in c.dataset(
+                ckptd.DatasetSpec(folder, batch_size=4)
+            ):  # break: the iterator is collected
                 break
         for _ in range(3):
-            with c.dataset(folder, batch_size=4) as ds:
+            with c.dataset(ckptd.DatasetSpec(folder, batch_size=4)) as ds:
                 next(ds)
         for _ in range(3):
-            ds = c.dataset(folder, batch_size=4)
+            ds = c.dataset(ckptd.DatasetSpec(folder, batch_size=4))
             next(ds)
             del ds
             gc.collect()
         for _ in range(3):
-            c.dataset(folder, batch_size=4).close()
-        open_now = [c.dataset(folder, batch_size=4), c.dataset(folder, batch_size=4)]
+            c.dataset(ckptd.DatasetSpec(folder, batch_size=4)).close()
+        open_now = [
+            c.dataset(ckptd.DatasetSpec(folder, batch_size=4)),
+            c.dataset(ckptd.DatasetSpec(folder, batch_size=4)),
+        ]
         # The share really holds only two rings. (The daemon waits for room
         # as long as the call allows rather than failing at once.)
         with (
             d.client(timeout=2) as short,
             pytest.raises((ckptd.ResourceExhaustedError, ckptd.TimeoutError)),
         ):
-            short.dataset(folder, batch_size=4)
+            short.dataset(ckptd.DatasetSpec(folder, batch_size=4))
         del open_now
     with d.client() as c:
-        ds = c.dataset(folder, batch_size=4)
+        ds = c.dataset(ckptd.DatasetSpec(folder, batch_size=4))
         next(ds)
     assert ds.closed  # closing the client closed its datasets
     with d.client() as c:
@@ -459,9 +474,9 @@ def test_sessions_are_freed_on_end_break_close_and_gc(make_daemon, data):
 def test_a_closed_client_ends_iteration_with_client_closed(dataset_daemon, data):
     folder, _ = data
     c = dataset_daemon.client()
-    ds = c.dataset(folder, batch_size=4)
+    ds = c.dataset(ckptd.DatasetSpec(folder, batch_size=4))
     next(ds)
     c.close()
     assert list(ds) == []
     with pytest.raises(ckptd.ClientClosedError):
-        c.dataset(folder, batch_size=4)
+        c.dataset(ckptd.DatasetSpec(folder, batch_size=4))

@@ -58,7 +58,9 @@ def test_s3_dataset_exactly_once_cached_and_resumable(minio, s3_daemon):
     with s3_daemon.client() as c:
         per_rank = []
         for rank in range(2):
-            with c.dataset(source, batch_size=BATCH, rank=rank, world_size=2, seed=1) as ds:
+            with c.dataset(
+                ckptd.DatasetSpec(source, batch_size=BATCH, rank=rank, world_size=2, seed=1)
+            ) as ds:
                 assert ds.shards in (2, 3)
                 batch_list = list(ds)
                 per_rank.append([s["__key__"] for b in batch_list for s in b])
@@ -71,7 +73,9 @@ def test_s3_dataset_exactly_once_cached_and_resumable(minio, s3_daemon):
         assert len(flat) == len(set(flat)) == len(want)
         assert first.cache_misses > 0
 
-        with c.dataset(source, batch_size=BATCH, rank=0, world_size=2, seed=1, start=5) as ds:
+        with c.dataset(
+            ckptd.DatasetSpec(source, batch_size=BATCH, rank=0, world_size=2, seed=1, start=5)
+        ) as ds:
             assert [s["__key__"] for b in ds for s in b] == per_rank[0][5:]
             assert ds.stats().cache_hits > 0 and ds.stats().cache_misses == 0
 
@@ -80,8 +84,10 @@ def test_s3_corrupt_shard_and_empty_prefix(minio, s3_daemon):
     want = upload(minio, "bad", "train", corrupt=3)
     with s3_daemon.client() as c:
         with pytest.raises(ckptd.CorruptShardError, match=r"train-003\.tar"):
-            list(c.dataset("s3://bad/train", batch_size=BATCH))
-        with c.dataset("s3://bad/train", batch_size=BATCH, skip_corrupt=True) as ds:
+            list(c.dataset(ckptd.DatasetSpec("s3://bad/train", batch_size=BATCH)))
+        with c.dataset(
+            ckptd.DatasetSpec("s3://bad/train", batch_size=BATCH, skip_corrupt=True)
+        ) as ds:
             got = [s["__key__"] for b in ds for s in b]
             assert ds.stats().corrupt_skipped == 1
         # the samples of train-003 before its cut are delivered, the rest skipped
@@ -89,7 +95,7 @@ def test_s3_corrupt_shard_and_empty_prefix(minio, s3_daemon):
         assert cut == [f"s003/{i:04d}" for i in range(len(cut))] and len(cut) < PER
         assert sorted(set(got) - set(cut)) == sorted(want)
         with pytest.raises(ckptd.InvalidArgumentError, match=r"no \.tar shards"):
-            c.dataset("s3://bad/nothing-here", batch_size=BATCH)
+            c.dataset(ckptd.DatasetSpec("s3://bad/nothing-here", batch_size=BATCH))
         with pytest.raises(ckptd.CkptdError, match="not beneath any --dataset-allow") as e:
-            c.dataset("s3://unlisted/train", batch_size=BATCH)
+            c.dataset(ckptd.DatasetSpec("s3://unlisted/train", batch_size=BATCH))
         assert e.value.code == "PERMISSION_DENIED"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, default_collate
@@ -43,7 +45,9 @@ def keys_of(batches) -> list[str]:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_every_sample_once_through_a_dataloader(dataset_daemon, data, workers):
     folder, want = data
-    ds = CkptdIterableDataset(folder, batch_size=BATCH, socket=dataset_daemon.socket)
+    ds = CkptdIterableDataset(
+        ckptd.DatasetSpec(folder, batch_size=BATCH), socket=dataset_daemon.socket
+    )
     batches = list(loader(ds, workers, pin_memory=True))
     assert all(isinstance(b, Batch) for b in batches)
     assert {b.worker for b in batches} == set(range(max(workers, 1)))
@@ -59,9 +63,9 @@ def test_ranks_times_workers_split_the_epoch_exactly_once(dataset_daemon, data):
     per_rank = []
     for rank in range(2):
         ds = CkptdIterableDataset(
-            folder, batch_size=BATCH, rank=rank, world_size=2, seed=4,
+            ckptd.DatasetSpec(folder, batch_size=BATCH, rank=rank, world_size=2, seed=4),
             socket=dataset_daemon.socket,
-        )  # fmt: skip
+        )
         per_rank.append(keys_of(loader(ds, 2)))
     flat = per_rank[0] + per_rank[1]
     assert len(flat) == len(set(flat)) == len(want)
@@ -71,24 +75,30 @@ def test_a_worker_reads_as_a_finer_rank(dataset_daemon, data):
     """Worker w of W on rank r reads exactly what Client.dataset gives rank r*W+w of R*W."""
     folder, _ = data
     ds = CkptdIterableDataset(
-        folder, batch_size=BATCH, rank=1, world_size=2, seed=4, epoch=3,
+        ckptd.DatasetSpec(folder, batch_size=BATCH, rank=1, world_size=2, seed=4, epoch=3),
         socket=dataset_daemon.socket,
-    )  # fmt: skip
+    )
     by_worker: dict[int, list[str]] = {0: [], 1: []}
     for b in loader(ds, 2):
         by_worker[b.worker] += [s["__key__"] for s in b]
     with dataset_daemon.client() as c:
         for w in (0, 1):
-            d = c.dataset(folder, batch_size=BATCH, rank=2 + w, world_size=4, seed=4, epoch=3)
+            d = c.dataset(
+                ckptd.DatasetSpec(
+                    folder, batch_size=BATCH, rank=2 + w, world_size=4, seed=4, epoch=3
+                )
+            )
             assert by_worker[w] == [s["__key__"] for b in d for s in b]
 
 
 def test_transform_collate_and_pin_memory(dataset_daemon, data):
     folder, want = data
     ds = CkptdIterableDataset(
-        folder, batch_size=BATCH, socket=dataset_daemon.socket, transform=to_tensors,
+        ckptd.DatasetSpec(folder, batch_size=BATCH),
+        socket=dataset_daemon.socket,
+        transform=to_tensors,
         collate_fn=default_collate,
-    )  # fmt: skip
+    )
     n = 0
     for b in loader(ds, 2, pin_memory=True):
         assert isinstance(b, BatchDict)
@@ -102,7 +112,9 @@ def test_transform_collate_and_pin_memory(dataset_daemon, data):
 
 def test_set_epoch_changes_the_order(dataset_daemon, data):
     folder, _ = data
-    ds = CkptdIterableDataset(folder, batch_size=BATCH, socket=dataset_daemon.socket)
+    ds = CkptdIterableDataset(
+        ckptd.DatasetSpec(folder, batch_size=BATCH), socket=dataset_daemon.socket
+    )
     first = keys_of(loader(ds, 0))
     assert keys_of(loader(ds, 0)) == first
     ds.set_epoch(1)
@@ -114,8 +126,8 @@ def test_set_epoch_changes_the_order(dataset_daemon, data):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_state_dict_resumes_after_the_observed_batches(dataset_daemon, data, workers):
     folder, want = data
-    kw = {"batch_size": BATCH, "seed": 8, "epoch": 2, "socket": dataset_daemon.socket}
-    ds = CkptdIterableDataset(folder, **kw)
+    spec = ckptd.DatasetSpec(folder, batch_size=BATCH, seed=8, epoch=2)
+    ds = CkptdIterableDataset(spec, socket=dataset_daemon.socket)
     seen: list[str] = []
     for i, b in enumerate(loader(ds, workers)):
         ds.observe(b)
@@ -126,7 +138,7 @@ def test_state_dict_resumes_after_the_observed_batches(dataset_daemon, data, wor
     assert state["num_workers"] == max(workers, 1)
     assert sum(state["positions"]) == len(seen)
 
-    fresh = CkptdIterableDataset(folder, **{**kw, "epoch": 0})
+    fresh = CkptdIterableDataset(replace(spec, epoch=0), socket=dataset_daemon.socket)
     fresh.load_state_dict(state)
     assert fresh.epoch == 2
     fresh.set_epoch(2)  # the loop's set_epoch for the resumed epoch keeps the positions
@@ -140,7 +152,9 @@ def test_state_dict_resumes_after_the_observed_batches(dataset_daemon, data, wor
 
 def test_resuming_with_other_workers_is_refused(dataset_daemon, data):
     folder, _ = data
-    ds = CkptdIterableDataset(folder, batch_size=BATCH, socket=dataset_daemon.socket)
+    ds = CkptdIterableDataset(
+        ckptd.DatasetSpec(folder, batch_size=BATCH), socket=dataset_daemon.socket
+    )
     ds.load_state_dict(
         {"epoch": 0, "seed": 0, "rank": 0, "world_size": 1, "num_workers": 2, "positions": [8, 8]}
     )
@@ -154,14 +168,16 @@ def test_resuming_with_other_workers_is_refused(dataset_daemon, data):
 
 def test_observe_needs_a_tagged_batch(dataset_daemon, data):
     folder, _ = data
-    ds = CkptdIterableDataset(folder, batch_size=BATCH, socket=dataset_daemon.socket)
+    ds = CkptdIterableDataset(
+        ckptd.DatasetSpec(folder, batch_size=BATCH), socket=dataset_daemon.socket
+    )
     with pytest.raises(TypeError, match="observe"):
         ds.observe([{"__key__": "x"}])
 
 
 def test_bad_arguments_surface_from_the_workers(dataset_daemon, data):
     folder, _ = data
-    ds = CkptdIterableDataset(folder, batch_size=0, socket=dataset_daemon.socket)
+    ds = CkptdIterableDataset(ckptd.DatasetSpec(folder, batch_size=0), socket=dataset_daemon.socket)
     with pytest.raises(ckptd.InvalidArgumentError, match="batch_size must be positive"):
         list(loader(ds, 0))
     with pytest.raises(ValueError, match="batch_size must be positive"):
@@ -173,7 +189,9 @@ def test_spawned_workers_with_a_client_open_in_the_parent(dataset_daemon, data):
     folder, want = data
     with dataset_daemon.client() as parent:
         parent.steps()  # gRPC is live in the parent when the workers start
-        ds = CkptdIterableDataset(folder, batch_size=BATCH, socket=dataset_daemon.socket)
+        ds = CkptdIterableDataset(
+            ckptd.DatasetSpec(folder, batch_size=BATCH), socket=dataset_daemon.socket
+        )
         for ctx in ("fork", "spawn"):
             got = keys_of(loader(ds, 2, multiprocessing_context=ctx))
             assert sorted(got) == sorted(want), ctx

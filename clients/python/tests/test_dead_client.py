@@ -27,10 +27,10 @@ HOLDER = textwrap.dedent(
         t = pb.SaveTarget(job=job, step=7, rank=0, world_size=1, attempt=attempt)
         n = 32 << 20
         table = [pb.Tensor(name="w", dtype="U8", shape=[n], offset=0, length=n)]
-        c._stub.BeginSave(pb.BeginSaveRequest(target=t, tensors=table))
+        c._conn.stub.BeginSave(pb.BeginSaveRequest(target=t, tensors=table))
     else:
         for _ in range(4):
-            c._stub.BeginRestore(pb.BeginRestoreRequest(job=job, step=1, rank=0))
+            c._conn.stub.BeginRestore(pb.BeginRestoreRequest(job=job, step=1, rank=0))
     print("held", flush=True)
     time.sleep(3600)
     """

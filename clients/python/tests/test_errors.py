@@ -18,7 +18,7 @@ MiB = 1 << 20
 def test_no_daemon_names_the_socket_and_says_what_to_do():
     sock = os.path.join(tempfile.mkdtemp(prefix="ckptd-none-"), "absent.sock")
     with ckptd.Client(sock, reconnect_timeout=0) as c:
-        for call in (c.steps, lambda: c.save(1, {"a": np.zeros(1)}), lambda: c.load(latest=True)):
+        for call in (c.steps, lambda: c.save(1, {"a": np.zeros(1)}), lambda: c.load("latest")):
             with pytest.raises(ckptd.DaemonUnavailableError) as e:
                 call()
             assert sock in str(e.value)
@@ -44,7 +44,7 @@ def test_unknown_step_and_rank(client, job):
     with pytest.raises(ckptd.NotFoundError, match="step 99"):
         client.load(99, job=job)
     with pytest.raises(ckptd.NotFoundError):
-        client.load(latest=True, job=job)
+        client.load("latest", job=job)
     client.save(1, {"a": np.zeros(1)}, job=job).wait(30)
     with pytest.raises(ckptd.InvalidArgumentError, match="rank 3 out of range"):
         client.load(1, rank=3, job=job)
@@ -105,10 +105,12 @@ def test_bad_arguments(client, job):
         client.save(1, {"a": np.zeros(1)}, metadata=bytes(17 << 20), job=job)
     with pytest.raises(TypeError, match="step must be an int"):
         client.save(1.5, {"a": np.zeros(1)}, job=job)
-    with pytest.raises(ValueError, match="not both"):
-        client.load(3, latest=True)
-    with pytest.raises(ValueError, match="latest=True"):
-        client.load()
+    with pytest.raises(ValueError, match='an int or "latest"'):
+        client.load("newest")
+    with pytest.raises(TypeError, match='an int or "latest"'):
+        client.load(None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="positional"):
+        client.load(3, 0)  # type: ignore[misc]
     with pytest.raises(ValueError, match="transport"):
         ckptd.Client(transport="tcp")  # type: ignore[arg-type]
 
@@ -171,7 +173,7 @@ def test_dead_storage_is_storage_unavailable(make_daemon):
     d = make_daemon("--s3-endpoint", dead, "--s3-region", "us-east-1", "--s3-retry-deadline", "1s")
     with d.client() as c:
         with pytest.raises(ConnectionError, match="storage unavailable") as e:
-            c.dataset("s3://bucket/shards/", batch_size=4)
+            c.dataset(ckptd.DatasetSpec("s3://bucket/shards/", batch_size=4))
         assert dead in str(e.value)
         # The class comes from the daemon's ErrorInfo reason, never from the
         # words of its message; a daemon that sends no reason leaves only the

@@ -18,7 +18,7 @@ import pytest
 from rpcerrors import rpc_error
 
 import ckptd
-from ckptd import _client
+from ckptd import _load, _save
 from ckptd.v1 import ckptd_pb2 as pb
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -35,7 +35,7 @@ def restart_soon(d, after: float = 1.0) -> threading.Thread:
 def counted_copies(monkeypatch, before=None) -> list[int]:
     """Count the copies into the arena; before(n) runs ahead of copy n."""
     copies: list[int] = []
-    real = _client._copy_leaves
+    real = _save._copy_leaves
 
     def copy(*a):
         copies.append(1)
@@ -43,7 +43,7 @@ def counted_copies(monkeypatch, before=None) -> list[int]:
             before(len(copies))
         return real(*a)
 
-    monkeypatch.setattr(_client, "_copy_leaves", copy)
+    monkeypatch.setattr(_save, "_copy_leaves", copy)
     return copies
 
 
@@ -132,17 +132,17 @@ def test_commit_whose_answer_is_lost(make_daemon, job, monkeypatch, journaled, c
     with d.client() as c:
         c.steps(job)
         copies = counted_copies(monkeypatch)
-        commit = c._stub.CommitSave
+        commit = c._conn.stub.CommitSave
 
         def commit_lost(req, **kw):
             if journaled:
                 commit(req, **kw)
             d.kill9()
             d.start()  # replays the journal
-            c._stub.CommitSave = commit
+            c._conn.stub.CommitSave = commit
             raise rpc_error(UNAVAILABLE, "Socket closed")
 
-        c._stub.CommitSave = commit_lost
+        c._conn.stub.CommitSave = commit_lost
         h = c.save(1, {"w": np.full(64, 3, np.int32)}, job=job)
         assert len(copies) == copies_made
         assert h.attempt == c.attempt
@@ -156,7 +156,7 @@ def test_load_whose_region_was_lost_while_copying_is_made_again(make_daemon, job
     with d.client() as c:
         c.save(1, {"w": np.arange(4096, dtype=np.int64)}, job=job).wait(30)
         builds = []
-        real = _client._Outputs.build
+        real = _load._Outputs.build
 
         def build(self, header, data):
             builds.append(1)
@@ -165,7 +165,7 @@ def test_load_whose_region_was_lost_while_copying_is_made_again(make_daemon, job
                 d.start()
             return real(self, header, data)
 
-        monkeypatch.setattr(_client._Outputs, "build", build)
+        monkeypatch.setattr(_load._Outputs, "build", build)
         assert np.array_equal(c.load(1, job=job)["w"], np.arange(4096))
         assert len(builds) == 2
 
@@ -222,7 +222,7 @@ class FakeStub:
 
 def staged_client(daemon, stub: FakeStub, **kw) -> ckptd.Client:
     c = daemon.client(transport="stream", attempt="run-1", **kw)
-    c._stub = stub
+    c._conn.stub = stub
     return c
 
 

@@ -224,7 +224,7 @@ def test_steps_and_latest(client, job):
     assert [i.step for i in infos] == [3, 5, 12]
     assert all(i.world_size == 1 and i.bytes == 8 and i.stored_bytes > 0 for i in infos)
     assert client.latest_step(job) == 12
-    got = client.load(latest=True, job=job)
+    got = client.load("latest", job=job)
     assert got.step == 12 and int(got["x"][0]) == 12
 
 

@@ -67,12 +67,14 @@ def test_model_and_adamw_round_trip_bit_exact(client, job):
         "empty": {},
         "tensors": [torch.arange(3), torch.ones(2, 2, dtype=torch.bfloat16)],
     }
-    ct.save_state_dict(client, 5, model, opt, extra=extra, job=job, metadata=b"m").wait(30)
+    ct.save_state_dict(client, 5, model, optimizer=opt, extra=extra, job=job, metadata=b"m").wait(
+        30
+    )
 
     torch.manual_seed(99)
     model2 = make_model()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=5.0)
-    got = ct.load_state_dict(client, 5, model2, opt2, job=job)
+    got = ct.load_state_dict(client, 5, model2, optimizer=opt2, job=job)
 
     assert_same_state(model.state_dict(), model2.state_dict())
     s1, s2 = opt.state_dict(), opt2.state_dict()
@@ -114,9 +116,9 @@ def test_names_are_readable_in_the_shard(client, job):
     train_sgd = model(torch.ones(1, 3)).sum()
     train_sgd.backward()
     opt.step()
-    ct.save_state_dict(client, 1, model, opt, extra={"rng": torch.get_rng_state()}, job=job).wait(
-        30
-    )
+    ct.save_state_dict(
+        client, 1, model, optimizer=opt, extra={"rng": torch.get_rng_state()}, job=job
+    ).wait(30)
     flat = client.load(1, job=job, nested=False)
     assert {
         "model:weight",
@@ -134,7 +136,7 @@ def test_state_dict_mappings_and_latest(client, job):
     ct.save_state_dict(client, 4, model, extra=4, job=job).wait(30)
     with torch.no_grad():
         model.weight.zero_()
-    assert ct.load_state_dict(client, None, model, latest=True, job=job) == 4
+    assert ct.load_state_dict(client, "latest", model, job=job) == 4
     assert torch.equal(model.weight, sd["weight"])
 
 
@@ -145,7 +147,9 @@ def test_errors(client, job):
         ct.load_state_dict(client, 1, model, job=job)
     ct.save_state_dict(client, 2, model, job=job).wait(30)
     with pytest.raises(ValueError, match="without an optimizer"):
-        ct.load_state_dict(client, 2, model, torch.optim.SGD(model.parameters(), lr=1), job=job)
+        ct.load_state_dict(
+            client, 2, model, optimizer=torch.optim.SGD(model.parameters(), lr=1), job=job
+        )
     with pytest.raises(TypeError, match="extra:bad is a object"):
         ct.save_state_dict(client, 3, model, extra={"bad": object()}, job=job)
     with pytest.raises(RuntimeError, match="size mismatch"):
@@ -170,7 +174,7 @@ def test_device_round_trip(client, job, device):
     got = client.load(1, job=job, device=device)
     for k, v in src.items():
         assert got[k].device.type == device and torch.equal(got[k], v), k
-    assert client._arena is not None
-    assert client._arena.pin() is torch.cuda.is_available()
+    assert client._conn.arena is not None
+    assert client._conn.arena.pin() is torch.cuda.is_available()
     if not torch.cuda.is_available():
         assert _arena._cuda_host_register(0, 4096) is False

@@ -27,7 +27,7 @@ def no_daemon_uid(monkeypatch):
 
 def refused(c: ckptd.Client, match: str) -> ckptd.UntrustedDaemonError:
     """Every kind of call is refused, with the same clear error."""
-    for call in (c.steps, lambda: c.save(1, {"a": np.zeros(1)}), lambda: c.load(latest=True)):
+    for call in (c.steps, lambda: c.save(1, {"a": np.zeros(1)}), lambda: c.load("latest")):
         with pytest.raises(ckptd.UntrustedDaemonError, match=match) as e:
             call()
     return e.value
@@ -168,10 +168,10 @@ def test_checks_run_once_per_daemon_and_stay_cheap(make_daemon, job, monkeypatch
         assert len(checks) == 1  # once for the client, not per call
         t0 = time.perf_counter()
         for _ in range(1000):
-            c._ensure_trusted("bench")
+            c._conn.ensure_trusted("bench")
         assert time.perf_counter() - t0 < 1.0  # one lstat each (microseconds)
         t0 = time.perf_counter()
-        real(d.socket, c._trusted_uids, "bench")
+        real(d.socket, c._conn.trusted_uids, "bench")
         assert time.perf_counter() - t0 < 0.5  # the full checks: a few syscalls
         d.stop()
         d.start()  # a new socket file: checked again before use

@@ -10,11 +10,15 @@ them back::
         h = c.save(9000, state, metadata=b"loader position")
         ...                                   # keep training; ckptd drains in the background
         h.wait()                              # durable and committed
-        state = c.load(latest=True)           # state.step, state.metadata
+        state = c.load("latest")              # state.step, state.metadata
+
+rank and world_size default to this process's: torch.distributed's when it
+is initialized, else $RANK and $WORLD_SIZE (a launcher of several processes
+without them is an error, not rank 0 of 1).
 
 Read a dataset through the daemon's prefetching cache, batch by batch::
 
-    for batch in c.dataset("s3://bucket/train/", batch_size=32, rank=r, world_size=w):
+    for batch in c.dataset(ckptd.DatasetSpec("s3://bucket/train/", batch_size=32)):
         ...                                   # [{"__key__": ..., "jpg": b"...", "cls": b"3"}, ...]
 
 ``ckptd.torch`` saves and restores a model, its optimizer and extra values
@@ -22,8 +26,10 @@ Read a dataset through the daemon's prefetching cache, batch by batch::
 torch DataLoader (``ckptd.torch.CkptdIterableDataset``).
 """
 
-from ._client import Client, LoadedState, SaveHandle, SaveStatus, StepInfo, default_socket
-from ._dataset import Dataset, DatasetStats
+from importlib import metadata as _metadata
+
+from ._client import Client
+from ._dataset import Dataset, DatasetSpec, DatasetStats
 from ._errors import (
     AlreadyExistsError,
     CkptdError,
@@ -40,6 +46,9 @@ from ._errors import (
     TimeoutError,
     UntrustedDaemonError,
 )
+from ._handle import SaveHandle, SaveStatus
+from ._load import LoadedState, StepInfo
+from ._transport import default_socket
 
 __all__ = [
     "AlreadyExistsError",
@@ -50,6 +59,7 @@ __all__ = [
     "DaemonUnavailableError",
     "DataLossError",
     "Dataset",
+    "DatasetSpec",
     "DatasetStats",
     "InvalidArgumentError",
     "LoadedState",
@@ -63,5 +73,17 @@ __all__ = [
     "StorageUnavailableError",
     "TimeoutError",
     "UntrustedDaemonError",
+    "__version__",
     "default_socket",
 ]
+
+
+def _version() -> str:
+    """The installed distribution's version; "0.0.0+unknown" when not installed."""
+    try:
+        return _metadata.version("ckptd")
+    except _metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+__version__: str = _version()

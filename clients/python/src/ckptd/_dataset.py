@@ -28,18 +28,18 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import KW_ONLY, asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
+from . import _limits, _ranks
 from ._errors import CkptdError, CorruptShardError, DataLossError, InvalidArgumentError
 from .v1 import ckptd_pb2 as pb
 
 if TYPE_CHECKING:
     from ._arena import Arena
-    from ._client import Client
-    from .v1 import ckptd_pb2_grpc as pb_grpc
+    from ._transport import Connection
 
 Sample = dict[str, Any]
 """A sample: ``"__key__"`` (str) and one bytes-like value per extension."""
@@ -50,34 +50,90 @@ _CORRUPT = re.compile(r"corrupt shard: (.+?): ")
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """What identifies one rank's position in a dataset: the resumable state.
+    """Which dataset to read, and one rank's place in it: what a pass starts from.
 
+    Given to ``Client.dataset(spec)`` and ``ckptd.torch.CkptdIterableDataset(spec)``.
     The sample order is a pure function of (source, format, seed, epoch,
-    rank, world_size, shuffle_window), and start counts the samples of it
-    already consumed, so ``client.dataset(**spec.as_dict())`` resumes
-    exactly. batch_size and skip_corrupt are kept so that the resumed
-    iteration looks the same; changing batch_size does not change the order.
+    rank, world_size, shuffle_window): shards are shuffled per epoch and
+    dealt round-robin to the ranks, so each sample comes exactly once per
+    epoch across all ranks, and samples are shuffled within a window.
+    ``start`` counts the samples of that order already consumed, so
+    ``Dataset.state()`` (a dict of these fields) is what to checkpoint, and
+    ``client.dataset(DatasetSpec(**state))`` resumes exactly.
+
+    Args:
+        source: a folder or path-like (relative paths are made absolute
+            here, against this process's cwd, not the daemon's),
+            ``file:///path`` or ``s3://bucket/prefix``.
+        format: "webdataset" (``.tar`` shards; a sample is the run of
+            members sharing a key) or "raw" (each object one sample, its
+            field named by its extension, "bin" without one).
+        batch_size: samples per batch (the last one may be smaller); changing
+            it does not change the order.
+        rank: this rank, in [0, world_size). Default: this process's --
+            torch.distributed's when initialized, else $RANK, else 0 unless
+            a launcher is detected (then ValueError).
+        world_size: ranks reading the dataset; shards are split among them.
+            Default: as rank ($WORLD_SIZE, else 1).
+        seed: the shuffling seed, the same on every rank.
+        epoch: which epoch: each epoch has its own order.
+        start: samples of this epoch this rank already consumed (resume).
+        shuffle_window: samples shuffled together (None: the daemon's
+            default, 1000; 1: shard order, no shuffling).
+        skip_corrupt: skip shards that cannot be parsed, counting them in
+            stats().corrupt_skipped, instead of raising.
+
+    Raises:
+        TypeError: a field of the wrong type.
+        InvalidArgumentError: an empty source, or an int outside its field
+            of the protocol. Other rules (batch_size > 0, rank < world_size,
+            a known format and scheme) are the daemon's, checked when the
+            dataset is opened, so that one rule holds for every client.
+        ValueError: rank or world_size not given and not determinable.
     """
 
-    source: str
-    format: str
-    batch_size: int
-    rank: int
-    world_size: int
-    seed: int
-    epoch: int
-    start: int
-    shuffle_window: int | None
-    skip_corrupt: bool
+    source: str | os.PathLike[str]
+    _: KW_ONLY
+    format: str = "webdataset"
+    batch_size: int = 32
+    rank: int | None = None
+    world_size: int | None = None
+    seed: int = 0
+    epoch: int = 0
+    start: int = 0
+    shuffle_window: int | None = None
+    skip_corrupt: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.format, str):
+            raise TypeError(f"format must be a str, not {type(self.format).__name__}")
+        if not isinstance(self.skip_corrupt, bool):
+            raise TypeError(f"skip_corrupt must be a bool, not {type(self.skip_corrupt).__name__}")
+        ints: dict[str, int | None] = {}
+        for name in (
+            "batch_size",
+            "seed",
+            "epoch",
+            "start",
+            "shuffle_window",
+            "rank",
+            "world_size",
+        ):
+            v = getattr(self, name)
+            ints[name] = None if v is None and name in _OPTIONAL else _checked_int(name, v)
+        ints["rank"], ints["world_size"] = _ranks.resolve(ints["rank"], ints["world_size"])
+        for name, v in ints.items():
+            object.__setattr__(self, name, v)  # plain ints, whatever __index__ gave them
+        object.__setattr__(self, "source", resolve_source(self.source))
 
     def as_dict(self) -> dict[str, Any]:
-        """The spec as keyword arguments of Client.dataset (JSON-serializable)."""
+        """The spec's fields as a dict of plain values (JSON-serializable)."""
         return asdict(self)
 
     def request(self) -> pb.OpenDatasetRequest:
         """The OpenDataset request for this spec."""
         return pb.OpenDatasetRequest(
-            source=self.source,
+            source=os.fspath(self.source),
             format=self.format,
             batch_size=self.batch_size,
             rank=self.rank,
@@ -132,59 +188,21 @@ class DatasetStats:
         return {**asdict(self), "wait": self.wait, "stall_fraction": self.stall_fraction}
 
 
-def make_spec(
-    source: str | os.PathLike[str],
-    format: str,
-    batch_size: int,
-    rank: int,
-    world_size: int,
-    seed: int,
-    epoch: int,
-    start: int,
-    shuffle_window: int | None,
-    skip_corrupt: bool,
-) -> DatasetSpec:
-    """Check the arguments' types and protobuf ranges; the rules are the daemon's.
+# The fields of DatasetSpec that may be None: the daemon's default, this process's.
+_OPTIONAL = frozenset({"shuffle_window", "rank", "world_size"})
 
-    Range rules (batch_size > 0, 0 <= rank < world_size, ...) are checked by
-    the daemon so that one rule holds for every client; here only what
-    could not even be sent is refused.
-    """
-    if not isinstance(format, str):
-        raise TypeError(f"format must be a str, not {type(format).__name__}")
-    if not isinstance(skip_corrupt, bool):
-        raise TypeError(f"skip_corrupt must be a bool, not {type(skip_corrupt).__name__}")
-    ints = {"batch_size": batch_size, "rank": rank, "world_size": world_size, "epoch": epoch}
-    ints |= {"start": start, "seed": seed}
-    if shuffle_window is not None:
-        ints["shuffle_window"] = shuffle_window
-    for name, v in ints.items():
-        _check_int(name, v)
-    return DatasetSpec(
-        source=resolve_source(source),
-        format=format,
-        batch_size=operator.index(batch_size),
-        rank=operator.index(rank),
-        world_size=operator.index(world_size),
-        seed=operator.index(seed),
-        epoch=operator.index(epoch),
-        start=operator.index(start),
-        shuffle_window=None if shuffle_window is None else operator.index(shuffle_window),
-        skip_corrupt=skip_corrupt,
-    )
+# The protocol's field of each (the others are int32).
+_RANGES = {"seed": _limits.UINT64, "epoch": _limits.INT64, "start": _limits.INT64}
 
 
-_BITS = {"seed": (0, 64), "epoch": (-63, 63), "start": (-63, 63)}
-
-
-def _check_int(name: str, v: Any) -> None:
+def _checked_int(name: str, v: Any) -> int:
     if isinstance(v, bool) or not hasattr(v, "__index__"):
         raise TypeError(f"{name} must be an int, not {type(v).__name__}")
     v = operator.index(v)
-    lo, hi = _BITS.get(name, (-31, 31))
-    low = 0 if lo == 0 else -(1 << -lo)
-    if not low <= v < (1 << hi):
-        raise InvalidArgumentError(f"{name} {v} is out of range [{low}, {1 << hi})")
+    low, high = _RANGES.get(name, _limits.INT32)
+    if not low <= v < high:
+        raise InvalidArgumentError(f"{name} {v} is out of range [{low}, {high})")
+    return int(v)
 
 
 def resolve_source(source: str | os.PathLike[str]) -> str:
@@ -214,6 +232,10 @@ class _Item:
     views: list[memoryview]  # copy=False: the batch's field views, released when retired
 
 
+# What the prefetch thread hands over: a batch, the final stats, or its error.
+_Fetched: TypeAlias = "_Item | pb.PrefetchStats | BaseException"
+
+
 class _Session:
     """A dataset session in the daemon: fetches batches, gives slots back.
 
@@ -222,9 +244,9 @@ class _Session:
     abandoned Dataset can be garbage-collected while the thread runs.
     """
 
-    def __init__(self, client: Client, session: str, copy: bool, what: str) -> None:
-        self.client = client
-        self.stub: pb_grpc.PrefetchStub = client._prefetch
+    def __init__(self, conn: Connection, session: str, copy: bool, what: str) -> None:
+        self.conn = conn
+        self.stub: Any = conn.prefetch
         self.id = session
         self.copy = copy
         self.what = what
@@ -261,20 +283,22 @@ class _Session:
             release, self._to_release = self._to_release, []
         req = pb.NextBatchRequest(session=self.id, release=release)
         try:
-            resp = self.client._call("NextBatch", req, f"next batch of {self.what}", self.stub)
+            resp: pb.NextBatchResponse = self.conn.call(
+                "NextBatch", req, f"next batch of {self.what}", self.stub
+            )
         except CkptdError as e:
             raise _corrupt_shard(e) from None
         if resp.end:
             return resp.stats
         lease = resp.lease
-        arena = self.client._lease_mapping(lease.arena_id)
+        arena = self.conn.lease_mapping(lease.arena_id)
         arena.region(lease.offset, lease.length)  # bounds check against the mapping
         views: list[memoryview] = []
         if self.copy:
             batch = _copied(resp.samples, arena, lease.offset, lease.length, self.what)
             self.give_back(lease.id)  # the bytes are ours: the slot can go back at once
         else:
-            region = memoryview(arena.mem)[lease.offset : lease.offset + lease.length]
+            region = arena.mem.data[lease.offset : lease.offset + lease.length]
             views.append(region.toreadonly())
             with self._cond:
                 self._held += 1
@@ -312,7 +336,7 @@ class _Prefetcher:
 
     def __init__(self, session: _Session, depth: int) -> None:
         self.session = session
-        self.items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.items: queue.SimpleQueue[_Fetched] = queue.SimpleQueue()
         self.graveyard: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.room = threading.Semaphore(depth)  # batches fetched and not yet taken
         self.stop = threading.Event()
@@ -325,7 +349,7 @@ class _Prefetcher:
         while self._wait_room() and self.session.wait_for_slot(self.stop):
             self._bury()
             try:
-                out: Any = self.session.fetch()
+                out: _Fetched = self.session.fetch()
             except BaseException as e:  # handed to the consumer, raised there
                 out = e
             if self.stop.is_set():
@@ -357,7 +381,7 @@ class _Prefetcher:
                 return True
         return False
 
-    def get(self) -> Any:
+    def get(self) -> _Fetched:
         """The next fetched item, waiting for it; a dead thread is an error, not a hang."""
         while True:
             try:
@@ -400,8 +424,8 @@ class Dataset:
     Made by Client.dataset(). Iterate it (once) for batches: a batch is a
     list of samples, a sample a dict with ``"__key__"`` and one entry per
     field (extension), as the webdataset library does. state() is what to
-    store in a checkpoint; ``client.dataset(**state)`` resumes exactly
-    after the last batch returned.
+    store in a checkpoint; ``client.dataset(DatasetSpec(**state))`` resumes
+    exactly after the last batch returned.
 
     The session is closed, and its ring slots freed in the daemon, when the
     epoch ends, on close() or leaving a ``with`` block, and when the object
@@ -409,19 +433,26 @@ class Dataset:
     ``client.dataset(...)`` frees it too). Use it from one thread.
     """
 
-    def __init__(self, client: Client, spec: DatasetSpec, copy: bool, prefetch: int) -> None:
-        self._client = client
+    def __init__(
+        self,
+        conn: Connection,
+        spec: DatasetSpec,
+        registry: weakref.WeakSet[Dataset],
+        copy: bool,
+        prefetch: int,
+    ) -> None:
+        self._registry = registry  # the client's open datasets, closed with it
         self._spec = spec
         what = f"dataset {spec.source!r} epoch {spec.epoch} rank {spec.rank}"
-        if client._mapping() is None:
+        if conn.mapping() is None:
             raise CkptdError(
                 f"{what}: datasets are delivered through the daemon's shared-memory "
-                f"arena, which this client cannot map (transport={client.transport!r})"
+                f"arena, which this client cannot map (transport={conn.transport!r})"
             )
-        resp = client._call("OpenDataset", spec.request(), f"open {what}", client._prefetch)
+        resp = conn.call("OpenDataset", spec.request(), f"open {what}", conn.prefetch)
         self.session: str = resp.session
         self.shards: int = resp.shards  # shards this rank reads this epoch
-        self._session = _Session(client, resp.session, copy, what)
+        self._session = _Session(conn, resp.session, copy, what)
         self._prefetch = prefetch
         self._prefetcher: _Prefetcher | None = None
         self._current: _Item | None = None
@@ -435,7 +466,7 @@ class Dataset:
         self._closed = False
         self._finalizer = weakref.finalize(self, _cleanup, self._session, None)
         self._finalizer.atexit = False  # at exit the daemon's idle reaper frees it
-        client._datasets.add(self)
+        registry.add(self)
 
     def __repr__(self) -> str:
         return (
@@ -491,19 +522,19 @@ class Dataset:
 
     def _prefetched(self) -> _Item | pb.PrefetchStats:
         """The next item from the prefetch thread (started on the first call)."""
-        if self._prefetcher is None:
-            self._start_prefetcher()
-        out = self._prefetcher.get()  # type: ignore[union-attr]
+        prefetcher = self._prefetcher or self._start_prefetcher()
+        out = prefetcher.get()
         if isinstance(out, BaseException):
             raise out
         return out
 
-    def _start_prefetcher(self) -> None:
+    def _start_prefetcher(self) -> _Prefetcher:
         """Start the thread on the first next(), so an unused dataset costs no thread."""
         self._prefetcher = _Prefetcher(self._session, self._prefetch)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _cleanup, self._session, self._prefetcher)
         self._finalizer.atexit = False
+        return self._prefetcher
 
     @property
     def position(self) -> int:
@@ -511,7 +542,7 @@ class Dataset:
         return self._position
 
     def state(self) -> dict[str, Any]:
-        """What to store in a checkpoint: ``client.dataset(**state)`` resumes here.
+        """What to store in a checkpoint: ``client.dataset(DatasetSpec(**state))`` resumes here.
 
         A dict of plain values (JSON-serializable): source, format,
         batch_size, rank, world_size, seed, epoch, shuffle_window,
@@ -555,7 +586,7 @@ class Dataset:
             self._session.retire(self._current)
             self._current = None
         self._previous = None
-        self._client._datasets.discard(self)
+        self._registry.discard(self)
         self._finalizer()
 
 
@@ -623,7 +654,7 @@ def _corrupt_shard(e: CkptdError) -> CkptdError:
     )
 
 
-def _close_session(stub: pb_grpc.PrefetchStub, session: str) -> None:
+def _close_session(stub: Any, session: str) -> None:
     """Free a session's ring in the daemon; quietly, as it runs on cleanup.
 
     A client closed first, a daemon gone, or a session the daemon already

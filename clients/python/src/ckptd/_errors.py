@@ -11,6 +11,8 @@ alone -- never by the words of its message.
 from __future__ import annotations
 
 import builtins
+import concurrent.futures
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -120,8 +122,23 @@ class CorruptShardError(DataLossError):
         self.shard = shard
 
 
-class TimeoutError(CkptdError, builtins.TimeoutError):
-    """A deadline passed before the daemon answered (the save may still finish)."""
+if sys.version_info >= (3, 11):  # concurrent.futures.TimeoutError is the builtin
+
+    class TimeoutError(CkptdError, builtins.TimeoutError):
+        """A deadline passed before the daemon answered (the save may still finish).
+
+        Also the builtin TimeoutError and concurrent.futures.TimeoutError
+        (what SaveHandle.result(timeout) raises, as a Future would).
+        """
+
+else:
+
+    class TimeoutError(CkptdError, builtins.TimeoutError, concurrent.futures.TimeoutError):
+        """A deadline passed before the daemon answered (the save may still finish).
+
+        Also the builtin TimeoutError and concurrent.futures.TimeoutError
+        (what SaveHandle.result(timeout) raises, as a Future would).
+        """
 
 
 class SaveFailedError(CkptdError):

@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ._limits import MAX_NAME_BYTES
+
 SEP = ":"
-MAX_NAME_BYTES = 255
 # Names the safetensors format reserves: its header's metadata entry.
 RESERVED = frozenset({"__metadata__"})
 

@@ -246,8 +246,8 @@ def numpy_out(dt: DType, shape: tuple[int, ...], src: np.ndarray) -> np.ndarray:
 
 def torch_out(
     torch: Any, dt: DType, shape: tuple[int, ...], src: np.ndarray, device: Any, pinned: bool
-) -> torch.Tensor:
-    """Copy src into a new torch tensor on device.
+) -> Any:
+    """Copy src into a new torch tensor on device (torch is the module, passed in).
 
     Bytes are copied as uint8 and reinterpreted on arrival, because restored
     tensors are packed back to back and may be unaligned for their dtype.

@@ -16,14 +16,14 @@ forkserver).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch.utils.data
 
 from ._client import Client
-from ._dataset import Sample, resolve_source
+from ._dataset import DatasetSpec, Sample
 
 
 class Batch(list):  # type: ignore[type-arg]
@@ -53,8 +53,8 @@ class CkptdIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
 
     Typical use, one per rank::
 
-        ds = CkptdIterableDataset("s3://bucket/train/", batch_size=64, rank=rank,
-                                  world_size=world, seed=0, transform=decode)
+        spec = ckptd.DatasetSpec("s3://bucket/train/", batch_size=64, seed=0)
+        ds = CkptdIterableDataset(spec, transform=decode)
         loader = DataLoader(ds, batch_size=None, num_workers=2, pin_memory=True)
         ds.load_state_dict(ckpt["data"])            # when resuming
         for epoch in range(ds.epoch, epochs):
@@ -65,9 +65,11 @@ class CkptdIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
                 ckpt["data"] = ds.state_dict()
 
     Args:
-        source, format, batch_size, rank, world_size, seed, epoch,
-        shuffle_window, skip_corrupt: as Client.dataset; rank and world_size
-            are the trainer's, the workers subdivide them.
+        spec: as Client.dataset: the source, format, batch size, seed, the
+            first epoch, shuffle_window, skip_corrupt, and the trainer's
+            rank and world_size (by default this process's), which the
+            workers subdivide. Its start must be 0: the position is resumed
+            with load_state_dict, per worker.
         socket: the daemon's socket (default: $CKPTD_SOCKET or the daemon's).
         timeout: per-call timeout of each worker's client.
         transform: applied to each sample (a dict of bytes) in the worker,
@@ -88,15 +90,7 @@ class CkptdIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
 
     def __init__(
         self,
-        source: str | os.PathLike[str],
-        format: str = "webdataset",
-        batch_size: int = 32,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        epoch: int = 0,
-        shuffle_window: int | None = None,
-        skip_corrupt: bool = False,
+        spec: DatasetSpec,
         *,
         socket: str | None = None,
         timeout: float | None = None,
@@ -106,15 +100,18 @@ class CkptdIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
         prefetch: int = 2,
     ) -> None:
         super().__init__()
-        self.source = resolve_source(source)  # relative to the trainer's cwd
-        self.format = format
-        self.batch_size = batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
-        self.epoch = epoch
-        self.shuffle_window = shuffle_window
-        self.skip_corrupt = skip_corrupt
+        if not isinstance(spec, DatasetSpec):
+            raise TypeError(
+                f"CkptdIterableDataset takes a ckptd.DatasetSpec, not {type(spec).__name__}: "
+                "e.g. CkptdIterableDataset(ckptd.DatasetSpec(source, batch_size=32))"
+            )
+        if spec.start != 0:
+            raise ValueError(
+                f"spec.start is {spec.start}: CkptdIterableDataset resumes with "
+                "load_state_dict(), which holds each DataLoader worker's position"
+            )
+        self.spec = spec  # the epoch is self.epoch, which set_epoch changes
+        self.epoch = spec.epoch
         self.socket = socket
         self.timeout = timeout
         self.transform = transform
@@ -124,6 +121,21 @@ class CkptdIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
         self._starts: list[int] | None = None  # per worker, from load_state_dict
         self._positions: dict[int, int] = {}
         self._num_workers: int | None = None
+
+    @property
+    def rank(self) -> int:
+        """The trainer's rank (the spec's)."""
+        return _int(self.spec.rank)
+
+    @property
+    def world_size(self) -> int:
+        """The trainer's world size (the spec's)."""
+        return _int(self.spec.world_size)
+
+    @property
+    def seed(self) -> int:
+        """The shuffling seed (the spec's)."""
+        return self.spec.seed
 
     def set_epoch(self, epoch: int) -> None:
         """Iterate epoch next (from its start, unless load_state_dict says otherwise)."""
@@ -138,16 +150,13 @@ class CkptdIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
         with (
             Client(self.socket, timeout=self.timeout) as c,
             c.dataset(
-                self.source,
-                format=self.format,
-                batch_size=self.batch_size,
-                rank=self.rank * workers + worker,
-                world_size=self.world_size * workers,
-                seed=self.seed,
-                epoch=self.epoch,
-                start=start,
-                shuffle_window=self.shuffle_window,
-                skip_corrupt=self.skip_corrupt,
+                replace(
+                    self.spec,
+                    rank=self.rank * workers + worker,
+                    world_size=self.world_size * workers,
+                    epoch=self.epoch,
+                    start=start,
+                ),
                 copy=self.copy,
                 prefetch=self.prefetch,
             ) as ds,
@@ -247,3 +256,9 @@ def _worker() -> tuple[int, int]:
     """(worker id, workers) of the DataLoader worker running this, (0, 1) in-process."""
     info = torch.utils.data.get_worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+def _int(v: int | None) -> int:
+    """A rank or world size of a DatasetSpec: always set once it is made."""
+    assert v is not None
+    return v

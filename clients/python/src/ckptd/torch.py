@@ -29,20 +29,23 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from . import _attempt
-from ._client import Client, SaveHandle
+from . import _attempt, _ranks
+from ._client import Client
+from ._dataset import DatasetSpec
 from ._errors import CkptdError
+from ._handle import SaveHandle
 from ._torch_data import Batch, BatchDict, CkptdIterableDataset
 
 __all__ = [
     "Batch",
     "BatchDict",
     "CkptdIterableDataset",
+    "DatasetSpec",
     "load_state_dict",
     "save_state_dict",
 ]
@@ -55,9 +58,14 @@ def save_state_dict(
     client: Client,
     step: int,
     model: torch.nn.Module | Mapping[str, Any],
+    *,
     optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None,
     extra: Any = None,
-    **kw: Any,
+    rank: int | None = None,
+    world_size: int | None = None,
+    metadata: bytes = b"",
+    job: str | None = None,
+    attempt: str | None = None,
 ) -> SaveHandle:
     """Stage a model, optimizer and extra state as one shard; see Client.save.
 
@@ -69,8 +77,13 @@ def save_state_dict(
         extra: anything built of tensors, numpy arrays, dicts, lists, tuples,
             str, int, float, bool, None and bytes: RNG states, the data
             loader's position, the epoch.
-        **kw: rank, world_size, metadata, job, attempt -- passed to
-            Client.save.
+        rank: as Client.save: default torch.distributed's rank when it is
+            initialized, else $RANK (see Client.save).
+        world_size: as Client.save: default torch.distributed's world
+            size, else $WORLD_SIZE.
+        metadata: as Client.save.
+        job: as Client.save.
+        attempt: as Client.save; see below.
 
     Without an attempt given (attempt=, Client(attempt=...) or
     $CKPTD_ATTEMPT), a save whose world_size is torch.distributed's world
@@ -95,30 +108,41 @@ def save_state_dict(
     }
     blob = json.dumps(skeleton, separators=(",", ":")).encode()
     packer.tree[SKELETON] = np.frombuffer(blob, dtype=np.uint8)
-    if kw.get("attempt") is None and client._attempt_random:
-        kw["attempt"] = _run_attempt(kw.get("world_size", 1))
-    return client.save(step, packer.tree, **kw)
+    rank, world_size = _ranks.resolve(rank, world_size)
+    if attempt is None and client._attempt_random:
+        attempt = _run_attempt(world_size)
+    return client.save(
+        step,
+        packer.tree,
+        rank=rank,
+        world_size=world_size,
+        metadata=metadata,
+        job=job,
+        attempt=attempt,
+    )
 
 
 def load_state_dict(
     client: Client,
-    step: int | None,
+    step: int | Literal["latest"],
     model: torch.nn.Module | None,
-    optimizer: torch.optim.Optimizer | None = None,
     *,
+    optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
-    **kw: Any,
+    rank: int | None = None,
+    job: str | None = None,
 ) -> Any:
     """Restore what save_state_dict saved into model and optimizer.
 
     Args:
         client: a connected ckptd.Client.
-        step: the step to load, or None with latest=True.
+        step: the step to load, or "latest" for the newest committed one.
         model: the module to load into (None: skip the model).
         optimizer: the optimizer to load into (None: skip it). It must be
             built over the same parameters, in the same order, as the saved one.
         strict: passed to Module.load_state_dict.
-        **kw: latest, rank, job -- passed to Client.load.
+        rank: which rank's shard (default: this process's, as Client.load).
+        job: as Client.load.
 
     Returns:
         extra, as saved. Its tensors are on the CPU (RNG states must be).
@@ -127,7 +151,7 @@ def load_state_dict(
         CkptdError: the step was not saved by save_state_dict.
         ValueError: an optimizer was given but the checkpoint has none.
     """
-    state = client.load(step, as_torch=True, **kw)
+    state = client.load(step, rank=rank, job=job, as_torch=True)
     skeleton = _skeleton(state)
     unpacker = _Unpacker(state)
     if model is not None:
@@ -150,7 +174,7 @@ def _skeleton(state: Mapping[str, Any]) -> dict[str, Any]:
             f"step {getattr(state, 'step', '?')} was not saved with ckptd.torch.save_state_dict "
             f"(it has no {SKELETON!r} tensor); load it with Client.load"
         )
-    skeleton = json.loads(blob.numpy().tobytes())
+    skeleton: dict[str, Any] = json.loads(blob.numpy().tobytes())
     if skeleton.get("format") != FORMAT:
         raise CkptdError(
             f"unknown ckptd.torch format {skeleton.get('format')!r} (this client reads {FORMAT})"
@@ -298,7 +322,7 @@ class _RunAttempt:
     attempt = ""
 
 
-def _run_attempt(world_size: Any) -> str | None:
+def _run_attempt(world_size: int) -> str | None:
     """The attempt every rank of the torch.distributed run shares, or None.
 
     None when torch.distributed is not initialized, or when the attempt is

@@ -1,0 +1,225 @@
+"""Loading one rank's shard of a committed step, and listing the committed steps.
+
+BeginRestore fills a region of the arena with the verified shard; the
+client copies its tensors out (straight to a GPU when asked) and releases
+the region before load returns, so nothing the caller keeps aliases shared
+memory. A client that cannot map the arena streams the bytes instead
+(RestoreStream).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from . import _limits, _names, _tensors
+from ._errors import (
+    CkptdError,
+    ClientClosedError,
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from ._transport import Connection, LeaseLost, Outage
+from .v1 import ckptd_pb2 as pb
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """A committed step."""
+
+    step: int
+    world_size: int
+    bytes: int  # tensor bytes over all ranks
+    stored_bytes: int  # bytes in storage, after compression
+    committed_at: _dt.datetime
+    attempt: str = ""  # the attempt whose ranks it holds ("" from an older daemon or step)
+
+
+class LoadedState(dict):  # type: ignore[type-arg]
+    """The state dict a load returns, with the shard's step and metadata.
+
+    It is a plain dict (nested as saved) plus four attributes, so code that
+    only wants the tensors can ignore them.
+    """
+
+    step: int
+    world_size: int
+    metadata: bytes
+    attempt: str  # the attempt that wrote the step ("" from an older daemon or step)
+
+
+def restore_request(step: int | str, rank: int, job: str | None) -> pb.BeginRestoreRequest:
+    """The BeginRestore request; range checks beyond the protocol's are the daemon's.
+
+    step is an int or "latest".
+    """
+    latest = isinstance(step, str)
+    if latest and step != "latest":
+        raise ValueError(f'step must be an int or "latest", not {step!r}')
+    if step is None:
+        raise TypeError('step must be an int or "latest", not None')
+    rank = _limits.as_int("rank", rank)
+    step = 0 if latest else _limits.as_int("step", step)
+    if not _limits.within(rank, _limits.INT32) or not _limits.within(step, _limits.INT64):
+        raise InvalidArgumentError(f"step {step} or rank {rank} is out of range")
+    return pb.BeginRestoreRequest(job=job or "", step=step, latest=latest, rank=rank)
+
+
+def load(
+    conn: Connection,
+    req: pb.BeginRestoreRequest,
+    what: str,
+    as_torch: bool,
+    device: Any,
+    nested: bool,
+) -> LoadedState:
+    """Restore req's shard; see Client.load.
+
+    A daemon that goes away is waited for (conn's reconnect_timeout), and
+    a load whose region may have been handed on meanwhile is made again.
+    """
+    out = _Outputs(as_torch or device is not None, device)
+    outage = Outage(conn, what)
+    while True:
+        try:
+            arena = conn.mapping(refresh=outage.active)
+            if arena is None:
+                header, items = _load_stream(conn, req, out, what)
+            else:
+                header, items = _load_shm(conn, req, out, what)
+            break
+        except DaemonUnavailableError as e:
+            outage.pause(e)
+        except LeaseLost as e:
+            outage.pause(e.error)
+    result = LoadedState(_names.unflatten(items) if nested else dict(items))
+    result.step, result.world_size, result.metadata, result.attempt = (
+        header.step,
+        header.world_size,
+        header.metadata,
+        header.attempt,
+    )
+    return result
+
+
+def _load_shm(
+    conn: Connection, req: pb.BeginRestoreRequest, out: _Outputs, what: str
+) -> tuple[pb.RestoreHeader, list[tuple[str, Any]]]:
+    resp = conn.call("BeginRestore", req, what)
+    release = pb.ReleaseRegionRequest(lease_id=resp.lease.id)
+    try:
+        header = resp.header
+        arena = conn.lease_mapping(resp.lease.arena_id)
+        region = arena.region(resp.lease.offset, header.size)
+        if out.needs_pin:
+            out.pinned = arena.pin()
+        items = out.build(header, region)
+    except BaseException:
+        # On failure the daemon reclaims the region after --lease-timeout.
+        with contextlib.suppress(CkptdError):
+            conn.call("ReleaseRegion", release, what)
+        raise
+    # The copies are good only if the region stayed ours while they were
+    # made: a daemon that went away meanwhile may have handed it on.
+    try:
+        conn.call("ReleaseRegion", release, what)
+    except NotFoundError as e:
+        if e.reason not in (None, "UNKNOWN_LEASE"):
+            raise
+        raise LeaseLost(e) from None
+    return header, items
+
+
+def _load_stream(
+    conn: Connection, req: pb.BeginRestoreRequest, out: _Outputs, what: str
+) -> tuple[pb.RestoreHeader, list[tuple[str, Any]]]:
+    if conn.closed:
+        raise ClientClosedError(f"{what}: the client is closed")
+    conn.ensure_trusted(what)
+    try:
+        stream = conn.stub.RestoreStream(req, timeout=conn.timeout)
+        first = next(stream, None)
+        if first is None or not first.HasField("header"):
+            raise CkptdError(f"{what}: the daemon's stream did not start with a header")
+        header = first.header
+        data = np.empty(header.size, np.uint8)
+        n = 0
+        for msg in stream:
+            piece = np.frombuffer(msg.data, np.uint8)
+            if n + piece.size > data.size:
+                raise CkptdError(
+                    f"{what}: the daemon streamed more than the {data.size} bytes announced"
+                )
+            data[n : n + piece.size] = piece
+            n += piece.size
+    except grpc.RpcError as e:
+        raise conn.error(e, what) from None
+    if n != data.size:
+        raise CkptdError(f"{what}: the stream ended after {n} of {data.size} bytes")
+    return header, out.build(header, data)
+
+
+def steps(conn: Connection, job: str | None) -> list[StepInfo]:
+    """The committed steps of job, oldest first; see Client.steps."""
+    req = pb.ListStepsRequest(job=job or "")
+    outage = Outage(conn, "list steps")
+    while True:
+        try:
+            resp = conn.call("ListSteps", req, "list steps")
+            break
+        except DaemonUnavailableError as e:
+            outage.pause(e)
+    return [
+        StepInfo(
+            step=s.step,
+            world_size=s.world_size,
+            bytes=s.bytes,
+            stored_bytes=s.stored_bytes,
+            committed_at=_dt.datetime.fromtimestamp(
+                s.committed_unix_nano / 1e9, tz=_dt.timezone.utc
+            ),
+            attempt=s.attempt,
+        )
+        for s in resp.steps
+    ]
+
+
+class _Outputs:
+    """Builds the restored tensors in the form load was asked for."""
+
+    def __init__(self, as_torch: bool, device: Any) -> None:
+        self.torch = _tensors.torch_module() if as_torch else None
+        if as_torch and self.torch is None:
+            raise ImportError("load(as_torch=True) or load(device=...) needs torch installed")
+        self.device = self.torch.device(device or "cpu") if self.torch is not None else None
+        self.needs_pin = self.device is not None and self.device.type == "cuda"
+        self.pinned = False
+
+    def build(self, header: pb.RestoreHeader, data: np.ndarray) -> list[tuple[str, Any]]:
+        items = []
+        for t in header.tensors:
+            dt = _tensors.BY_NAME.get(t.dtype)
+            if dt is None:
+                raise CkptdError(f"tensor {t.name!r} has dtype {t.dtype}, unknown to this client")
+            if t.offset + t.length > data.size:
+                raise CkptdError(f"tensor {t.name!r} lies outside the restored region")
+            src = data[t.offset : t.offset + t.length]
+            shape = tuple(t.shape)
+            if self.torch is None:
+                items.append((t.name, _tensors.default_out(dt, shape, src)))
+            else:
+                items.append(
+                    (
+                        t.name,
+                        _tensors.torch_out(self.torch, dt, shape, src, self.device, self.pinned),
+                    )
+                )
+        if self.pinned:
+            _tensors.loaded_torch().cuda.current_stream(self.device).synchronize()
+        return items

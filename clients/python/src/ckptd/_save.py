@@ -1,0 +1,263 @@
+"""Saving one rank's shard: the tensor table, the copy into the arena, the commit.
+
+The protocol (see proto/ckptd/v1/ckptd.proto and the Go client in
+clients/go/ckptd): BeginSave with the tensor table leases a region of the
+arena; the client copies each tensor straight into it; CommitSave returns
+once the daemon has journaled the save. That copy is the whole stall a
+trainer sees. A client that cannot map the arena streams the same bytes
+(SaveStream).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import grpc
+import numpy as np
+
+from . import _limits, _names, _tensors
+from ._errors import (
+    AlreadyExistsError,
+    CkptdError,
+    ClientClosedError,
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from ._handle import SaveHandle
+from ._transport import Connection, LeaseLost, Outage
+from .v1 import ckptd_pb2 as pb
+
+# States of a save the daemon has accepted (journaled) and not given up on.
+_ACCEPTED = frozenset(
+    {pb.SAVE_STATE_STAGED, pb.SAVE_STATE_DRAINING, pb.SAVE_STATE_DURABLE, pb.SAVE_STATE_COMMITTED}
+)
+
+
+def metadata_bytes(metadata: Any) -> bytes:
+    """The trainer's metadata as bytes, checked against the daemon's limit."""
+    if isinstance(metadata, str):
+        raise TypeError("metadata must be bytes, not str (encode it, e.g. metadata.encode())")
+    if not isinstance(metadata, (bytes, bytearray, memoryview)):
+        raise TypeError(f"metadata must be bytes, not {type(metadata).__name__}")
+    if len(metadata) > _limits.MAX_METADATA:
+        raise InvalidArgumentError(
+            f"metadata is {len(metadata)} bytes; at most {_limits.MAX_METADATA} fit in one request "
+            "to the daemon (save large state as tensors instead)"
+        )
+    return bytes(metadata)
+
+
+def target(job: str | None, step: int, rank: int, world_size: int, attempt: str) -> pb.SaveTarget:
+    """Build the save target; range checks are the daemon's, so one rule holds."""
+    step, rank, world_size = (
+        _limits.as_int("step", step),
+        _limits.as_int("rank", rank),
+        _limits.as_int("world_size", world_size),
+    )
+    fields = (("step", step, _limits.INT64), ("rank", rank, _limits.INT32))
+    for name, v, bounds in (*fields, ("world_size", world_size, _limits.INT32)):
+        if not _limits.within(v, bounds):
+            raise InvalidArgumentError(f"{name} {v} is out of range")
+    return pb.SaveTarget(
+        job=job or "", step=step, rank=rank, world_size=world_size, attempt=attempt
+    )
+
+
+def save(
+    conn: Connection, target: pb.SaveTarget, state: Mapping[str, Any], meta: bytes
+) -> SaveHandle:
+    """Stage state as target's shard; return as soon as the daemon has journaled it.
+
+    A daemon that goes away is waited for (conn's reconnect_timeout) and the
+    save made again; see Client.save.
+    """
+    leaves = [_tensors.make_leaf(n, v) for n, v in _flatten(state)]
+    size = _tensors.layout(leaves)
+    table = [
+        pb.Tensor(name=x.name, dtype=x.dtype.name, shape=x.shape, offset=x.offset, length=x.nbytes)
+        for x in leaves
+    ]
+    what = f"save step {target.step} rank {target.rank}"
+    shard = _Shard(target, table, leaves, size, meta, what)
+    outage = Outage(conn, what)
+    doubt = _Doubt()
+    while True:
+        try:
+            arena = conn.mapping(refresh=outage.active)
+            if arena is None:
+                resp = _save_stream(conn, shard, doubt)
+            else:
+                resp = _save_shm(conn, shard, doubt)
+        except DaemonUnavailableError as e:
+            outage.pause(e)
+        except LeaseLost as e:
+            outage.pause(e.error)
+        except AlreadyExistsError as e:
+            verdict = _saved_before(conn, e, target, doubt.sent, outage.active)
+            if verdict == "raise":
+                raise
+            if verdict == "accepted":
+                job_name = target.job or e.metadata.get("job", "")
+                return SaveHandle(conn, job_name, target.step, target.rank, attempt=target.attempt)
+            outage.pause(e)
+        else:
+            t = resp.target
+            return SaveHandle(conn, t.job, t.step, t.rank, attempt=target.attempt)
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """What one save sends: its target, tensor table and leaves, and metadata."""
+
+    target: pb.SaveTarget
+    table: list[pb.Tensor]
+    leaves: list[_tensors.Leaf]
+    size: int  # bytes of the region the leaves are laid out in
+    meta: bytes
+    what: str  # names the save in messages
+
+
+class _Doubt:
+    """Whether a commit of a save was sent and its answer lost (see save)."""
+
+    sent = False
+
+
+def _saved_before(  # noqa: PLR0911 - one answer per case of the contract
+    conn: Connection,
+    err: AlreadyExistsError,
+    target: pb.SaveTarget,
+    in_doubt: bool,
+    retrying: bool,
+) -> Literal["accepted", "retry", "raise"]:
+    """Decide about ALREADY_EXISTS for a save, which may be the answer to our own.
+
+    in_doubt: a commit of this save was sent and its answer lost (the
+    daemon went away), so the daemon may have journaled it and, after a
+    restart, replayed it. Only then can the save it reports be ours.
+    """
+    meta = err.metadata
+    if meta.get("attempt", target.attempt) != target.attempt:
+        return "raise"  # another attempt's: never ours
+    if err.reason == "SAVE_IN_PROGRESS":
+        if meta.get("state", "").lower() == "staging":
+            # A lease not committed yet: ours from before the outage, which
+            # the daemon releases when it notices the connection is gone.
+            return "retry" if retrying else "raise"
+        return "accepted" if in_doubt else "raise"
+    if err.reason == "STEP_COMMITTED":
+        # Committed from this attempt's saves, ours among them.
+        return "accepted" if in_doubt and "attempt" in meta else "raise"
+    if err.reason is None and in_doubt:
+        # A daemon without reasons: ask it about this very save.
+        probe = pb.WaitSaveRequest(
+            job=target.job, step=target.step, rank=target.rank, attempt=target.attempt,
+            nowait=True,
+        )  # fmt: skip
+        try:
+            state = conn.call("WaitSave", probe, "look up the save").state
+        except DaemonUnavailableError:
+            return "retry"  # gone again: start over, within the same bound
+        except CkptdError:
+            return "raise"  # it knows of no such save
+        return "accepted" if state in _ACCEPTED else "raise"
+    return "raise"
+
+
+def _save_shm(conn: Connection, shard: _Shard, doubt: _Doubt) -> pb.CommitSaveResponse:
+    what, size = shard.what, shard.size
+    begin = pb.BeginSaveRequest(target=shard.target, tensors=shard.table)
+    lease = conn.call("BeginSave", begin, what).lease
+    try:
+        if lease.length < size:
+            raise CkptdError(f"{what}: daemon leased {lease.length} bytes for a {size}-byte table")
+        arena = conn.lease_mapping(lease.arena_id)  # the lease says which arena it is in
+        region = arena.region(lease.offset, size)
+        _copy_leaves(shard.leaves, region, arena.pin)
+        try:
+            resp: pb.CommitSaveResponse = conn.call(
+                "CommitSave", pb.CommitSaveRequest(lease_id=lease.id, metadata=shard.meta), what
+            )
+        except DaemonUnavailableError as e:
+            # Without a reason nobody said no: it may have been journaled.
+            doubt.sent = doubt.sent or e.reason is None
+            raise
+        except NotFoundError as e:
+            if e.reason not in (None, "UNKNOWN_LEASE"):
+                raise
+            raise LeaseLost(e) from None  # it died with a daemon (or its connection)
+    except BaseException:
+        # Give the region back at once rather than after --lease-timeout.
+        # (A failed commit leaves nothing to abort; this then fails quietly.)
+        _abort(conn, lease.id)
+        raise
+    return resp
+
+
+def _abort(conn: Connection, lease_id: str) -> None:
+    with contextlib.suppress(grpc.RpcError, CkptdError):
+        conn.ensure_trusted("abort a save")
+        conn.stub.AbortSave(pb.AbortSaveRequest(lease_id=lease_id), timeout=5)
+
+
+def _save_stream(conn: Connection, shard: _Shard, doubt: _Doubt) -> pb.CommitSaveResponse:
+    what = shard.what
+    header = pb.SaveStreamHeader(target=shard.target, tensors=shard.table, metadata=shard.meta)
+
+    def messages() -> Iterator[pb.SaveStreamRequest]:
+        yield pb.SaveStreamRequest(header=header)
+        for piece in _stream_bytes(shard.leaves, shard.size):
+            yield pb.SaveStreamRequest(data=piece)
+
+    if conn.closed:
+        raise ClientClosedError(f"{what}: the client is closed")
+    conn.ensure_trusted(what)
+    try:
+        resp: pb.CommitSaveResponse = conn.stub.SaveStream(messages(), timeout=conn.timeout)
+    except grpc.RpcError as e:
+        err = conn.error(e, what)
+        if isinstance(err, DaemonUnavailableError) and err.reason is None:
+            doubt.sent = True  # the whole stream may have reached it
+        raise err from None
+    return resp
+
+
+def _flatten(state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Flatten state, reporting a bad structure as InvalidArgumentError."""
+    try:
+        yield from _names.flatten(state)
+    except ValueError as e:
+        raise InvalidArgumentError(str(e)) from None
+
+
+def _copy_leaves(leaves: list[_tensors.Leaf], region: np.ndarray, pin: Any) -> None:
+    """Copy every leaf into its place in region, then wait for device copies."""
+    devices = set()
+    for leaf in leaves:
+        if _tensors.copy_in(leaf, region[leaf.offset : leaf.offset + leaf.nbytes], pin):
+            devices.add(leaf.value.device)
+    if devices:
+        torch = _tensors.loaded_torch()
+        for d in devices:
+            torch.cuda.current_stream(d).synchronize()
+
+
+def _stream_bytes(leaves: list[_tensors.Leaf], size: int) -> Iterator[bytes]:
+    """The region's bytes as streamed: each tensor at its offset, gaps zeroed."""
+    pos = 0
+    for leaf in sorted(leaves, key=lambda x: x.offset):
+        if leaf.nbytes == 0:
+            continue
+        if leaf.offset > pos:
+            yield bytes(leaf.offset - pos)
+        buf = np.empty(leaf.nbytes, np.uint8)
+        _tensors.copy_in(leaf, buf, lambda: False)  # unpinned: a synchronous copy
+        for i in range(0, buf.size, _limits.STREAM_CHUNK):
+            yield buf[i : i + _limits.STREAM_CHUNK].tobytes()
+        pos = leaf.offset + leaf.nbytes
+    if size > pos:  # pragma: no cover - layout never ends in a gap
+        yield bytes(size - pos)
