@@ -15,15 +15,15 @@ import numpy as np
 # Trainer metadata of one save: checkpoint.MaxMetadata (checkpoint/save.go).
 MAX_METADATA = 8 << 20
 
-# The largest message the daemon receives: grpc.MaxRecvMsgSize in
-# `ckptd serve` (cmd/ckptd/serve.go). The client's send limit.
+# The largest message the daemon receives: ckptdv1.MaxMessageBytes
+# (proto/ckptd/v1/limits.go). The client's send limit.
 MAX_MESSAGE = 16 << 20
 
 # A tensor or job name, in bytes: checkpoint.MaxNameLen (checkpoint/names.go).
 MAX_NAME_BYTES = 255
 
-# Bytes per data message of a streamed restore: streamChunk
-# (internal/server/server.go). Streamed saves send pieces of the same size.
+# Bytes per data message of a streamed restore: ckptdv1.StreamChunkBytes
+# (proto/ckptd/v1/limits.go). Streamed saves send pieces of the same size.
 STREAM_CHUNK = 1 << 20
 
 # The ranges [low, high) of the protocol's integer fields
