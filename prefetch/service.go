@@ -83,8 +83,9 @@ const (
 	DefaultIdleTimeout = 10 * time.Minute
 )
 
-// NewService starts the prefetch service on the daemon's arena.
-func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
+// setDefaults fills in what cfg leaves zero, for an arena of arenaSize
+// bytes.
+func (cfg *ServiceConfig) setDefaults(arenaSize int64) {
 	if cfg.Slots <= 0 {
 		cfg.Slots = DefaultSlots
 	}
@@ -105,8 +106,13 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	}
 	cfg.Options.setDefaults()
 	if cfg.ArenaBytes <= 0 {
-		cfg.ArenaBytes = a.Size() / 2
+		cfg.ArenaBytes = arenaSize / 2
 	}
+}
+
+// NewService starts the prefetch service on the daemon's arena.
+func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
+	cfg.setDefaults(a.Size())
 	if cfg.ArenaBytes > a.Size() {
 		return nil, fmt.Errorf("%w: --dataset-arena-bytes %d exceeds the arena's %d bytes (--staging-bytes)", ErrInvalid, cfg.ArenaBytes, a.Size())
 	}
@@ -138,8 +144,10 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 
 // MaxSessions is how many sessions the datasets' share of the arena holds
 // rings for: no more can be open at once.
-func (s *Service) MaxSessions() int64 {
-	return s.cfg.ArenaBytes / (int64(s.cfg.Slots) * s.cfg.SlotBytes)
+func (s *Service) MaxSessions() int64 { return s.cfg.maxSessions() }
+
+func (cfg *ServiceConfig) maxSessions() int64 {
+	return cfg.ArenaBytes / (int64(cfg.Slots) * cfg.SlotBytes)
 }
 
 // MemoryCeiling bounds the memory the dataset service holds, whatever the
@@ -148,9 +156,15 @@ func (s *Service) MaxSessions() int64 {
 // buffer of a streamed shard. (The rings are in the arena, counted in
 // --staging-bytes; the Go runtime may hold up to GOGC% more as garbage
 // unless GOMEMLIMIT says otherwise.)
-func (s *Service) MemoryCeiling() int64 {
-	perSession := s.cfg.Options.ReadAheadBytes + int64(s.cfg.Slots)*maxBatchMeta + streamBuffer
-	return s.cfg.CacheBytes + s.MaxSessions()*perSession
+func (s *Service) MemoryCeiling() int64 { return s.cfg.MemoryCeiling(s.arena.Size()) }
+
+// MemoryCeiling is Service.MemoryCeiling for a service that cfg would
+// start on an arena of arenaSize bytes, without starting it (`ckptd serve
+// --print-memory`).
+func (cfg ServiceConfig) MemoryCeiling(arenaSize int64) int64 {
+	cfg.setDefaults(arenaSize)
+	perSession := cfg.Options.ReadAheadBytes + int64(cfg.Slots)*maxBatchMeta + streamBuffer
+	return cfg.CacheBytes + cfg.maxSessions()*perSession
 }
 
 // Cache returns the shard cache (for metrics).

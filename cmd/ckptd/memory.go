@@ -1,9 +1,14 @@
 package main
 
 import (
+	"encoding/json"
+	"io"
 	"log/slog"
 	"os"
+	"runtime"
 	"runtime/debug"
+
+	"github.com/ckptd/ckptd/prefetch"
 )
 
 // memoryHeadroom is what the daemon needs beyond its configured budgets:
@@ -30,6 +35,39 @@ const (
 	restoreReads    = 8
 	restoreManifest = 64 << 20
 )
+
+// prefetchConfig is the dataset service's configuration from the flags.
+func (o *serveOptions) prefetchConfig() prefetch.ServiceConfig {
+	return prefetch.ServiceConfig{
+		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
+		ArenaBytes: int64(o.DatasetArena), Allow: o.DatasetAllow,
+		Options: prefetch.Options{ReadAheadBytes: int64(o.ReadAhead)},
+	}
+}
+
+// memoryNeeds is what `ckptd serve --print-memory` prints.
+type memoryNeeds struct {
+	ArenaBytes   int64 `json:"arena_bytes"`        // shared memory: size /dev/shm for it
+	HeapCeiling  int64 `json:"heap_ceiling_bytes"` // the daemon's heap, whatever clients send
+	TotalBytes   int64 `json:"total_bytes"`        // what a container's memory limit must cover
+	Workers      int   `json:"workers"`            // the --workers the ceiling assumes
+	DatasetBytes int64 `json:"dataset_ceiling_bytes"`
+}
+
+// printMemory prints the memory the flags need, opening nothing. The
+// arena's pages are charged to the daemon's container, which touches them
+// first, so its limit covers both.
+func printMemory(o *serveOptions, out io.Writer) error {
+	if o.Workers <= 0 {
+		o.Workers = runtime.GOMAXPROCS(0) // what serve would use here: pass --workers for another machine
+	}
+	ds := o.prefetchConfig().MemoryCeiling(int64(o.StagingBytes))
+	heap := memoryCeiling(o, ds)
+	enc := json.NewEncoder(out)
+	enc.SetIndent("", "  ")
+	return enc.Encode(memoryNeeds{ArenaBytes: int64(o.StagingBytes), HeapCeiling: heap,
+		TotalBytes: int64(o.StagingBytes) + heap, Workers: o.Workers, DatasetBytes: ds})
+}
 
 // setMemoryLimit makes the garbage collector keep the heap under the
 // daemon's ceiling (a soft limit: it collects harder as the heap nears

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"os"
@@ -56,6 +57,7 @@ type serveOptions struct {
 	DatasetArena byteSize
 	DatasetAllow []string
 	ReadAhead    byteSize
+	PrintMemory  bool
 }
 
 func newServeCmd() *cobra.Command {
@@ -65,7 +67,7 @@ func newServeCmd() *cobra.Command {
 		Use:   "serve",
 		Short: "Run the sidecar: accept saves over a unix socket, drain them to storage, and serve datasets",
 		Args:  cobra.NoArgs,
-		RunE:  func(cmd *cobra.Command, _ []string) error { return runServe(cmd.Context(), o) },
+		RunE:  func(cmd *cobra.Command, _ []string) error { return runServe(cmd.Context(), o, cmd.OutOrStdout()) },
 	}
 	fs := cmd.Flags()
 	o.storageOptions.register(fs)
@@ -83,6 +85,7 @@ func newServeCmd() *cobra.Command {
 	fs.IntVar(&o.Workers, "workers", 0, "chunks compressed at once (default: number of CPUs)")
 	fs.IntVar(&o.Drains, "drains", checkpoint.DefaultDrains, "shards drained at once")
 	fs.IntVar(&o.Restores, "restores", checkpoint.DefaultRestores, "restores reading from storage at once (more wait their turn); bounds the memory restores take")
+	fs.BoolVar(&o.PrintMemory, "print-memory", false, "print the memory these flags need (the arena, the heap's ceiling, their sum; JSON) and exit without starting: size a container's memory limit with it")
 	fs.StringVar(&o.MetricsAddr, "metrics-addr", "", "serve Prometheus /metrics on this address, e.g. 127.0.0.1:9464")
 	fs.DurationVar(&o.Grace, "shutdown-grace", time.Minute, "on SIGTERM, how long to keep draining before leaving saves journaled for the next start")
 	fs.DurationVar(&o.DrainDelay, "debug-drain-delay", 0, "delay every drain (for crash tests)")
@@ -124,11 +127,14 @@ func (u *undoStack) run() {
 // arena, and takes back every step if a later one fails: the arena (what
 // it created of it, and only while its journal is empty), the listener and
 // the socket file, the socket folder it made.
-func runServe(ctx context.Context, o *serveOptions) error {
+func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	log := slog.Default()
 	c, gid, err := o.check()
 	if err != nil {
 		return usageError{err}
+	}
+	if o.PrintMemory {
+		return printMemory(o, out)
 	}
 	var undo undoStack
 	fail := func(err error) error {
@@ -185,14 +191,12 @@ func runServe(ctx context.Context, o *serveOptions) error {
 	if err != nil {
 		return fail(err)
 	}
-	pf, err := prefetch.NewService(server.PrefetchArena(a), prefetch.ServiceConfig{
-		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
-		Logger: log, Metrics: prefetch.NewMetrics(reg), ArenaBytes: int64(o.DatasetArena), Allow: o.DatasetAllow,
-		Options: prefetch.Options{ReadAheadBytes: int64(o.ReadAhead)},
-		Open: func(ctx context.Context, url string) (storage.Backend, error) {
-			return openStorage(ctx, url, &o.storageOptions, false)
-		},
-	})
+	pcfg := o.prefetchConfig()
+	pcfg.Logger, pcfg.Metrics = log, prefetch.NewMetrics(reg)
+	pcfg.Open = func(ctx context.Context, url string) (storage.Backend, error) {
+		return openStorage(ctx, url, &o.storageOptions, false)
+	}
+	pf, err := prefetch.NewService(server.PrefetchArena(a), pcfg)
 	if err == nil {
 		undo.push(pf.Close)
 		setMemoryLimit(memoryCeiling(o, pf.MemoryCeiling()), log)

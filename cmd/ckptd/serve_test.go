@@ -366,7 +366,7 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 				}
 				return nil
 			}
-			if err := runServe(context.Background(), serveOpts(dir, "")); !errors.Is(err, injected) {
+			if err := runServe(context.Background(), serveOpts(dir, ""), io.Discard); !errors.Is(err, injected) {
 				t.Fatalf("runServe = %v", err)
 			}
 			if got := tree(t, shm); !slices.Equal(got, []string{"."}) {
@@ -381,7 +381,7 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 	// Folders made for an explicit --socket go too.
 	root := t.TempDir()
 	startupFault = func(s string) error { return errors.New("injected at " + s) }
-	runServe(context.Background(), serveOpts(t.TempDir(), filepath.Join(root, "a", "b", "ckptd.sock")))
+	runServe(context.Background(), serveOpts(t.TempDir(), filepath.Join(root, "a", "b", "ckptd.sock")), io.Discard)
 	if got := tree(t, root); !slices.Equal(got, []string{"."}) {
 		t.Errorf("socket folders left: %q", got)
 	}
@@ -413,7 +413,7 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 			}
 			return nil
 		}
-		runServe(context.Background(), serveOpts(t.TempDir(), socket))
+		runServe(context.Background(), serveOpts(t.TempDir(), socket), io.Discard)
 		if got := settled(tree(t, shm)); !slices.Equal(got, before) {
 			t.Fatalf("failed at %s: arena was %q, now %q", step, before, got)
 		}
@@ -428,7 +428,7 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- runServe(ctx, serveOpts(t.TempDir(), socket)) }()
+	go func() { done <- runServe(ctx, serveOpts(t.TempDir(), socket), io.Discard) }()
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		if live, _, _ := probeSocket(socket); live {
 			break

@@ -2,6 +2,7 @@ package validate
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,17 +18,54 @@ import (
 // repo is the repository root, from this package's folder.
 const repo = "../.."
 
-var serveHelp = sync.OnceValues(func() (string, error) {
-	bin := filepath.Join(os.TempDir(), "ckptd-validate")
+// ckptdBin builds ckptd once for the package's tests; TestMain removes it.
+var ckptdBin = sync.OnceValues(func() (string, error) {
+	bin := filepath.Join(os.TempDir(), fmt.Sprintf("ckptd-validate-%d", os.Getpid()))
 	build := exec.Command("go", "build", "-o", bin, "./cmd/ckptd")
 	build.Dir = repo
 	if out, err := build.CombinedOutput(); err != nil {
 		return string(out), err
 	}
-	defer os.Remove(bin)
+	return bin, nil
+})
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if bin, err := ckptdBin(); err == nil {
+		os.Remove(bin)
+	}
+	os.Exit(code)
+}
+
+var serveHelp = sync.OnceValues(func() (string, error) {
+	bin, err := ckptdBin()
+	if err != nil {
+		return bin, err
+	}
 	out, err := exec.Command(bin, "serve", "--help").CombinedOutput()
 	return string(out), err
 })
+
+// memoryNeeds runs `ckptd serve ARGS --print-memory`.
+func memoryNeeds(t *testing.T, args []string) (arena, total int64) {
+	t.Helper()
+	bin, err := ckptdBin()
+	if err != nil {
+		t.Fatalf("build ckptd: %v\n%s", err, bin)
+	}
+	out, err := exec.Command(bin, append(append([]string{"serve"}, args...), "--print-memory")...).Output()
+	if err != nil {
+		t.Fatalf("ckptd serve --print-memory: %v", err)
+	}
+	var need struct {
+		Arena int64 `json:"arena_bytes"`
+		Total int64 `json:"total_bytes"`
+	}
+	if err := json.Unmarshal(out, &need); err != nil {
+		t.Fatalf("ckptd serve --print-memory: %v\n%s", err, out)
+	}
+	return need.Arena, need.Total
+}
 
 // checkFlags fails for every --flag in args that `ckptd serve` lacks.
 func checkFlags(t *testing.T, where string, args []string) {
@@ -93,6 +131,15 @@ func TestKubernetesPod(t *testing.T) {
 	}
 	if sm["dshm"] != "/dev/shm" {
 		t.Error("the arena's /dev/shm is not shared")
+	}
+	arena, total := memoryNeeds(t, side.Args[1:])
+	if limit := side.Resources.Limits.Memory(); limit.Value() < total {
+		t.Errorf("the sidecar's memory limit %s is less than the %d bytes its flags need (ckptd serve --print-memory)", limit, total)
+	}
+	for _, v := range pod.Spec.Volumes {
+		if v.Name == "dshm" && (v.EmptyDir.SizeLimit == nil || v.EmptyDir.SizeLimit.Value() < arena) {
+			t.Errorf("/dev/shm's sizeLimit %v is less than the %d-byte arena", v.EmptyDir.SizeLimit, arena)
+		}
 	}
 }
 
