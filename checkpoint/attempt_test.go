@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -283,4 +284,56 @@ func TestPruneSeesLateCommit(t *testing.T) {
 		t.Fatalf("removed %v of a step committed meanwhile", p.rep.Garbage)
 	}
 	checkStep(t, b, 2, []*Shard{r0, r1})
+}
+
+// rangeSink keeps what falls in [off, off+len(buf)) and counts the chunks
+// it was handed.
+type rangeSink struct {
+	off    int64
+	buf    []byte
+	mu     sync.Mutex
+	chunks int
+}
+
+func (s *rangeSink) WriteAt(p []byte, at int64) (int, error) {
+	s.mu.Lock()
+	s.chunks++
+	s.mu.Unlock()
+	lo, hi := max(at, s.off), min(at+int64(len(p)), s.off+int64(len(s.buf)))
+	if lo < hi {
+		copy(s.buf[lo-s.off:hi-s.off], p[lo-at:hi-at])
+	}
+	return len(p), nil
+}
+
+// ReadRange fetches only the chunks holding a tensor, and the tensor's
+// bytes come back exactly.
+func TestReadRange(t *testing.T) {
+	b, _ := newBackend(t)
+	sh := shardOf("run", 1, 0, 1)
+	save(t, b, sh)
+	store, _ := NewStore(b, "job")
+	rec, err := store.Resolve(context.Background(), 1, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := store.Manifest(context.Background(), rec, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tn := range m.Tensors {
+		s := &rangeSink{off: tn.Offset, buf: make([]byte, tn.Length)}
+		if err := store.ReadRange(context.Background(), m, tn.Offset, tn.Length, s, ReadOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(s.buf, sh.Data[tn.Offset:tn.Offset+tn.Length]) {
+			t.Fatalf("tensor %s: wrong bytes", tn.Name)
+		}
+		if tn.Length > 0 && s.chunks >= len(m.Chunks) && len(m.Chunks) > 2 {
+			t.Fatalf("tensor %s (%d bytes): read %d of %d chunks", tn.Name, tn.Length, s.chunks, len(m.Chunks))
+		}
+	}
+	if err := store.ReadRange(context.Background(), m, m.DataSize, 1, &rangeSink{}, ReadOptions{}); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("a range past the shard: %v", err)
+	}
 }

@@ -1,10 +1,12 @@
 package checkpoint
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"sync"
 	"unsafe"
 
@@ -51,6 +53,29 @@ type ReadOptions struct {
 // fails to decode or mismatches its hash yields an ErrCorrupt error naming
 // the step, rank and chunk.
 func (s *Store) ReadShard(ctx context.Context, m *Manifest, sink Sink, opts ReadOptions) error {
+	return s.readChunks(ctx, m, 0, len(m.Chunks), sink, opts)
+}
+
+// ReadRange is ReadShard for the chunks that hold data-space bytes [off,
+// off+n) (a tensor's, say): they are fetched and verified, and each is
+// written whole to sink at its data-space offset, so sink also receives
+// the bytes of other tensors that share those chunks.
+func (s *Store) ReadRange(ctx context.Context, m *Manifest, off, n int64, sink Sink, opts ReadOptions) error {
+	if off < 0 || n < 0 || off > m.DataSize || n > m.DataSize-off {
+		return fmt.Errorf("%w: range [%d, +%d) outside the shard's %d bytes", ErrInvalid, off, n, m.DataSize)
+	}
+	first, _ := slices.BinarySearchFunc(m.Chunks, off, func(c Chunk, off int64) int {
+		return cmp.Compare(c.RawOffset+c.Raw, off+1) // the first chunk ending past off
+	})
+	last := first
+	for last < len(m.Chunks) && m.Chunks[last].RawOffset < off+n {
+		last++
+	}
+	return s.readChunks(ctx, m, first, last, sink, opts)
+}
+
+// readChunks reads chunks [first, last) of m.
+func (s *Store) readChunks(ctx context.Context, m *Manifest, first, last int, sink Sink, opts ReadOptions) error {
 	if opts.Concurrency <= 0 {
 		opts.Concurrency = 8
 	}
@@ -63,10 +88,11 @@ func (s *Store) ReadShard(ctx context.Context, m *Manifest, sink Sink, opts Read
 	var pool sync.Pool
 	g, gctx := errgroup.WithContext(ctx)
 	g.SetLimit(opts.Concurrency)
-	for _, sp := range readRanges(m.Chunks, opts.SpanBytes) {
+	for _, sp := range readRanges(m.Chunks[first:last], opts.SpanBytes) {
 		if gctx.Err() != nil {
 			break
 		}
+		sp.first, sp.last = sp.first+first, sp.last+first
 		g.Go(func() error {
 			buf, _ := pool.Get().(*[]byte)
 			if buf == nil {
