@@ -1,0 +1,590 @@
+"""torch.distributed.checkpoint (DCP) storage through the ckptd sidecar.
+
+::
+
+    import torch.distributed.checkpoint as dcp
+    import ckptd.dcp
+
+    dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, step=100))
+    fut = dcp.async_save(sd, storage_writer=ckptd.dcp.Writer(client, step=200))
+    dcp.load(sd, storage_reader=ckptd.dcp.Reader(client, step="latest"))
+
+DCP plans the checkpoint (DTensor / FSDP2 shards, deduplication of
+replicated tensors, resharding on load); ckptd stores the bytes. Each rank's
+write items become ONE ckptd rank shard of the step (rank and world size:
+the rank's place in DCP's process group), which the daemon compresses,
+drains and commits atomically once every rank has saved.
+
+In a rank's shard:
+
+- a tensor write item is a shard tensor ``<group>:<fqn>`` (or
+  ``<group>:<fqn>@<offsets>`` when the rank holds several pieces of it),
+  the group taken from the state dict's top-level key ("model";
+  "optim"/"optimizer" -> "optimizer"; anything else "extra", whole FQN);
+- a non-tensor item, which DCP serializes with torch.save, is a uint8
+  tensor ``dcp.bytes:<fqn>``;
+- ``ckptd.sharding`` describes the tensor pieces (group, fqn, global shape,
+  offsets), so ``ckptd export`` can consolidate the step without torch;
+- rank 0 (DCP's coordinator) also holds ``dcp.metadata``: DCP's global
+  Metadata, pickled as DCP's FileSystemWriter pickles it. Its storage_data
+  maps every MetadataIndex to ``(rank, tensor name)``.
+
+Where the metadata is written. DCP knows the global Metadata only on the
+coordinator, after planning; rank 0's shard must hold it, and a shard is
+one save. So:
+
+- ``dcp.save``: ranks other than 0 save their shard in write_data and
+  return; rank 0 keeps references to its items (the trainer is blocked in
+  dcp.save, so they cannot change) and saves its shard, metadata included,
+  in finish(), then waits for the step to commit. DCP returns from save on
+  every rank only after finish: **dcp.save returning means the step is
+  durable and committed.**
+- ``dcp.async_save``: the Writer is DCP's AsyncStager, and stage() -- run in
+  the trainer's thread -- does the planning itself (DCP's
+  DefaultSavePlanner: the same local plans, gather, deduplication and global
+  plan DCP makes), then copies this rank's items straight into the daemon's
+  shared-memory arena (one copy: Client.save), rank 0's with the metadata.
+  When stage() returns the trainer may change its tensors. The background
+  save DCP then runs plans again (shapes only), write_data returns what
+  stage() wrote, and finish() waits for the step to commit: **the future
+  async_save returns completes only once the step is committed.**
+
+The trainer's stall in async_save is therefore the copy into shared memory
+plus two small collectives (the plans, and a check that every rank's copy
+was accepted). Staging plans with DCP's default planner: a custom planner
+passed to async_save is not used for what is stored (write_data raises if
+its plan asks for an item stage() did not write).
+
+Reading: every rank loads rank 0's shard for the metadata (ckptd restores
+whole shards), then the shards its reads need, each once, releasing each
+after use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.utils import _DistWrapper
+from torch.futures import Future
+
+from . import _sharding
+from ._client import Client
+from ._errors import CkptdError
+from ._handle import SaveHandle
+from ._load import LoadedState
+from .torch import _run_attempt
+
+__all__ = ["METADATA", "Reader", "Writer"]
+
+METADATA = "dcp.metadata"  # rank 0's pickled DCP Metadata
+BYTES = "dcp.bytes"  # top-level key of the torch.save'd non-tensor items
+DCP_VERSION = "1.0.0"  # Metadata.version, as DCP's FileSystemWriter writes it
+
+# storage_data of the stored Metadata: MetadataIndex -> (rank, tensor name),
+# plain tuples so the pickle names no ckptd class.
+Where = tuple[int, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankPlan:
+    """What prepare_global_plan tells each rank: its place in the step."""
+
+    rank: int
+    world_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where one write item goes in its rank's shard."""
+
+    path: tuple[str, str]  # the two dict keys: {path[0]: {path[1]: data}}
+    name: str  # the stored tensor name
+    piece: _sharding.Piece | None  # None for a bytes item
+
+
+@dataclasses.dataclass
+class _Staged:
+    """What stage() saved: the handle and each item's write result."""
+
+    handle: SaveHandle
+    results: dict[MetadataIndex, WriteResult]
+
+
+class Writer(StorageWriter, AsyncStager):
+    """A DCP StorageWriter (and AsyncStager) saving one step through ckptd.
+
+    Args:
+        client: a connected ckptd.Client.
+        step: the step this checkpoint is. One Writer per step.
+        job: the job (None: the daemon's).
+        attempt: the attempt every rank's save carries. Default: the
+            client's when it was given one (Client(attempt=...) or
+            $CKPTD_ATTEMPT), else the run's: rank 0 makes one and broadcasts
+            it over the default group, once per process group, as
+            ckptd.torch does. With a process_group smaller than the default
+            group, give one.
+        timeout: seconds finish() waits for the step to commit (None: no
+            limit).
+        process_group: the group async_save is given (stage() plans over
+            it); None: the default group. dcp.save uses the group it is given.
+
+    The rank and world size of each shard are the rank's place in DCP's
+    process group and that group's size.
+    """
+
+    _synchronize_after_execute: bool = False  # stage() is done when it returns
+
+    def __init__(
+        self,
+        client: Client,
+        step: int,
+        *,
+        job: str | None = None,
+        attempt: str | None = None,
+        timeout: float | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(client, Client):
+            raise TypeError(f"client must be a ckptd.Client, not {type(client).__name__}")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, not {type(step).__name__}")
+        self._client = client
+        self._step = step
+        self._job = job
+        self._attempt = attempt
+        self._timeout = timeout
+        self._group = process_group
+        self._lock = threading.Lock()
+        self._is_coordinator = False
+        self._staged: _Staged | None = None
+        # Rank 0's shard during dcp.save, saved in finish() with the metadata.
+        self._pending: tuple[dict[str, Any], _RankPlan, str | None] | None = None
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a ckptd.dcp.Writer cannot be sent to another process (its client holds a "
+            "connection): use async_save's default async_checkpointer_type (THREAD); "
+            "the daemon already drains the checkpoint in the background"
+        )
+
+    # ---- StorageWriter --------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a save. What stage() saved is kept: DCP resets after staging."""
+        self._pending = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Never: a ckptd checkpoint is named by Writer(step=...), not by an id."""
+        return False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Note the role; refuse DCP's save without collectives."""
+        if kwargs.get("use_collectives", True) is False:
+            raise CkptdError(
+                "ckptd.dcp.Writer needs use_collectives=True: a step is one shard per rank "
+                "of the process group, with DCP's global metadata in rank 0's"
+            )
+        self._is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Nothing to add to the local plan."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Tell each rank its rank and the world size (the coordinator's view)."""
+        n = len(plans)
+        return [dataclasses.replace(p, storage_data=_RankPlan(i, n)) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Save this rank's shard (rank 0: in finish()); see the module.
+
+        After stage(), return what it saved instead.
+        """
+        if self._staged is not None:
+            return _done(self._staged_results(plan))
+        info = plan.storage_data
+        if not isinstance(info, _RankPlan):
+            raise CkptdError(
+                "ckptd.dcp.Writer.write_data got a plan its prepare_global_plan did not make"
+            )
+        attempt = self._resolve_attempt(info.world_size)
+        slots = _layout(plan)
+        tree, results = _shard(plan.items, slots, planner, info.rank)
+        if self._is_coordinator:
+            self._pending = (tree, info, attempt)
+        else:
+            self._save(tree, info, attempt)
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Rank 0: save its shard with the metadata (or take stage()'s); wait for the commit."""
+        _complete_metadata(metadata, {wr.index: wr.storage_data for rank in results for wr in rank})
+        if self._staged is not None:
+            handle = self._staged.handle
+            self._staged = None
+        else:
+            if self._pending is None:
+                raise CkptdError("ckptd.dcp.Writer.finish before write_data on the coordinator")
+            tree, info, attempt = self._pending
+            self._pending = None
+            tree[METADATA] = _pickled(metadata)
+            handle = self._save(tree, info, attempt)
+        handle.wait(self._timeout)
+
+    # ---- AsyncStager ----------------------------------------------------
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Plan, and copy this rank's items into the daemon's arena; a collective.
+
+        Returns state_dict itself: once stage() returns, the bytes are in
+        shared memory and the trainer may change its tensors; DCP's
+        background save only plans over it (shapes) and waits for the commit.
+        """
+        with self._lock:
+            if self._staged is not None:
+                raise CkptdError(
+                    f"this ckptd.dcp.Writer already staged step {self._step}; make one per step"
+                )
+            use_dist = dist.is_available() and dist.is_initialized()
+            distw = _DistWrapper(self._group, use_dist, 0)
+            world = distw.get_world_size()
+            attempt = self._resolve_attempt(world)
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(state_dict, is_coordinator=distw.is_coordinator)
+            metadata: list[Metadata] = []
+
+            def global_plan(plans: list[SavePlan]) -> list[SavePlan]:
+                plans, md = planner.create_global_plan(plans)
+                where = {
+                    idx: (r, slot.name)
+                    for r, p in enumerate(plans)
+                    for idx, slot in _layout(p).items()
+                }
+                metadata.append(_complete_metadata(md, where))
+                return plans
+
+            central = distw.reduce_scatter(
+                "ckptd.dcp stage", planner.create_local_plan, global_plan
+            )
+            final = planner.finish_plan(central)
+            info = _RankPlan(distw.get_rank(), world)
+
+            def save() -> _Staged:
+                tree, results = _shard(final.items, _layout(final), planner, info.rank)
+                if metadata:
+                    tree[METADATA] = _pickled(metadata[0])
+                handle = self._save(tree, info, attempt)
+                return _Staged(handle, {r.index: r for r in results})
+
+            staged: list[_Staged | None] = [None]
+
+            def save_here() -> bool:
+                staged[0] = save()
+                return True
+
+            # Every rank learns whether every rank's copy was accepted.
+            distw.all_gather("ckptd.dcp stage", save_here)
+            assert staged[0] is not None
+            self._staged = staged[0]
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: stage() has copied when it returns."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    # ---- helpers --------------------------------------------------------
+
+    def _resolve_attempt(self, world_size: int) -> str | None:
+        """The attempt to save under; None: the client's own. Maybe a collective."""
+        if self._attempt is not None:
+            return self._attempt
+        if self._client._attempt_random:
+            return _run_attempt(world_size)
+        return None
+
+    def _save(self, tree: dict[str, Any], info: _RankPlan, attempt: str | None) -> SaveHandle:
+        return self._client.save(
+            self._step,
+            tree,
+            rank=info.rank,
+            world_size=info.world_size,
+            job=self._job,
+            attempt=attempt,
+        )
+
+    def _staged_results(self, plan: SavePlan) -> list[WriteResult]:
+        assert self._staged is not None
+        out = []
+        for item in plan.items:
+            wr = self._staged.results.get(item.index)
+            if wr is None:
+                raise CkptdError(
+                    f"DCP's plan writes {item.index.fqn!r} at {item.index.offset}, which "
+                    "ckptd.dcp.Writer.stage did not stage: async_save through ckptd.dcp "
+                    "stages with DCP's default planner; pass no other planner"
+                )
+            out.append(dataclasses.replace(wr, index=item.index))
+        return out
+
+
+class Reader(StorageReader):
+    """A DCP StorageReader loading a step that ckptd.dcp.Writer saved.
+
+    Args:
+        client: a connected ckptd.Client.
+        step: the step, or "latest" for the newest committed one (resolved
+            once, when DCP reads the metadata: every shard then comes from
+            that step).
+        job: the job (None: the daemon's).
+
+    Loading reshards freely: the process group may have another size than
+    the one that saved. Each rank loads rank 0's shard (for the metadata)
+    and each shard its reads need, once, and keeps none after dcp.load.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        step: int | Literal["latest"],
+        *,
+        job: str | None = None,
+    ) -> None:
+        if not isinstance(client, Client):
+            raise TypeError(f"client must be a ckptd.Client, not {type(client).__name__}")
+        if step != "latest" and (isinstance(step, bool) or not isinstance(step, int)):
+            raise TypeError(f'step must be an int or "latest", not {step!r}')
+        self._client = client
+        self._step: int | Literal["latest"] = step
+        self._job = job
+        self._resolved: int | None = None
+        self._shards: dict[int, LoadedState] = {}
+        self._where: dict[MetadataIndex, Where] = {}
+
+    @property
+    def step(self) -> int | None:
+        """The step being read (once the metadata is read; "latest" resolved)."""
+        return self._resolved
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a load: forget cached shards and a resolved "latest"."""
+        self._resolved = None
+        self._shards.clear()
+        self._where = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Never: a ckptd checkpoint is named by Reader(step=...), not by an id."""
+        return False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Load rank 0's shard of the step (kept for read_data) and unpickle its metadata.
+
+        Raises:
+            NotFoundError: no such committed step (or, for "latest", none).
+            CkptdError: the step was not saved by ckptd.dcp.Writer.
+        """
+        shard = self._load(self._step, 0)
+        blob = shard.pop(METADATA, None)
+        if blob is None:
+            raise CkptdError(
+                f"step {shard.step} was not saved by ckptd.dcp.Writer: rank 0's shard has no "
+                f"{METADATA!r} tensor (load it with ckptd.torch or Client.load)"
+            )
+        # As DCP's own FileSystemReader: the metadata is a pickle. Load only
+        # checkpoints you trust.
+        md = pickle.loads(blob.numpy().tobytes())
+        if not isinstance(md, Metadata):
+            raise CkptdError(f"step {shard.step}: {METADATA!r} is not DCP Metadata")
+        self._resolved = shard.step
+        self._shards[0] = shard
+        return md
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """Take the MetadataIndex -> (rank, tensor name) map from the metadata."""
+        where = metadata.storage_data
+        if not isinstance(where, Mapping) or not all(
+            isinstance(w, tuple) and len(w) == 2 for w in where.values()
+        ):
+            raise CkptdError(
+                "the checkpoint's DCP metadata does not map items to ckptd rank shards"
+            )
+        self._where = dict(where)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Nothing to add."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Nothing to add."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Copy each read item out of its rank shard, loading each shard once."""
+        by_rank: dict[int, list[tuple[ReadItem, str]]] = {}
+        for req in plan.items:
+            where = self._where.get(req.storage_index)
+            if where is None:
+                raise CkptdError(
+                    f"the checkpoint's metadata places no {req.storage_index.fqn!r} at "
+                    f"{req.storage_index.offset}"
+                )
+            by_rank.setdefault(where[0], []).append((req, where[1]))
+        step = self._resolved if self._resolved is not None else self._step
+        try:
+            # Shards already here first, then in rank order.
+            for rank in sorted(by_rank, key=lambda r: (r not in self._shards, r)):
+                shard = self._shards.pop(rank, None)
+                if shard is None:
+                    shard = self._load(step, rank)
+                _read(shard, by_rank[rank], planner, rank)
+                del shard
+        finally:
+            self._shards.clear()
+        return _done(None)
+
+    def _load(self, step: int | Literal["latest"], rank: int) -> LoadedState:
+        return self._client.load(step, rank=rank, job=self._job, as_torch=True, nested=False)
+
+
+def _read(
+    shard: Mapping[str, torch.Tensor],
+    reqs: Sequence[tuple[ReadItem, str]],
+    planner: LoadPlanner,
+    rank: int,
+) -> None:
+    for req, name in reqs:
+        t = shard.get(name)
+        if t is None:
+            raise CkptdError(f"rank {rank}'s shard has no tensor {name!r} the metadata names")
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(t.numpy().tobytes()))
+            continue
+        src = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
+        dst = planner.resolve_tensor(req).detach()
+        if dst.size() != src.size():
+            raise CkptdError(
+                f"{req.storage_index.fqn!r}: the read needs {tuple(dst.size())} elements, "
+                f"the stored piece {name!r} gives {tuple(src.size())}"
+            )
+        dst.copy_(src)
+        planner.commit_tensor(req, dst)
+
+
+def _done(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _split(fqn: str) -> tuple[str, ...]:
+    """A flattened FQN's path when the planner kept no mapping: first key, rest."""
+    head, sep, rest = fqn.partition(".")
+    return (head, rest) if sep else (head,)
+
+
+def _layout(plan: SavePlan) -> dict[MetadataIndex, _Slot]:
+    """Where each of a rank's write items goes in its shard (deterministic)."""
+    paths = plan.planner_data if isinstance(plan.planner_data, Mapping) else {}
+    keyed: list[tuple[WriteItem, str, str]] = []
+    for item in plan.items:
+        fqn = item.index.fqn
+        if item.type == WriteItemType.BYTE_IO:
+            keyed.append((item, BYTES, fqn))
+        else:
+            group, gfqn = _sharding.group_of(paths.get(fqn) or _split(fqn))
+            keyed.append((item, group, gfqn))
+    several = _sharding.repeated((g, f) for item, g, f in keyed if item.tensor_data is not None)
+    out: dict[MetadataIndex, _Slot] = {}
+    names: set[str] = set()
+    for item, group, fqn in keyed:
+        td = item.tensor_data
+        if td is None:
+            path, piece = _sharding.key_path(group, fqn, None), None
+        else:
+            offsets = tuple(int(o) for o in td.chunk.offsets)
+            path = _sharding.key_path(group, fqn, offsets if (group, fqn) in several else None)
+            piece = _sharding.Piece(group, fqn, tuple(int(d) for d in td.size), offsets)
+        name = _sharding.stored_name(path)
+        if name in names:
+            raise ValueError(
+                f"two items of the state dict would be stored as {name!r} "
+                f"(the last: {item.index.fqn!r}); rename a top-level key"
+            )
+        names.add(name)
+        out[item.index] = _Slot(path, name, piece)
+    return out
+
+
+def _shard(
+    items: Sequence[WriteItem],
+    slots: Mapping[MetadataIndex, _Slot],
+    planner: SavePlanner,
+    rank: int,
+) -> tuple[dict[str, Any], list[WriteResult]]:
+    """The nested dict Client.save stores for items, and their write results."""
+    tree: dict[str, Any] = {}
+    pieces: dict[str, _sharding.Piece] = {}
+    results = []
+    for item in items:
+        slot = slots[item.index]
+        data = planner.resolve_data(item)
+        if isinstance(data, io.BytesIO):
+            value: Any = np.frombuffer(data.getbuffer(), dtype=np.uint8).copy()
+            nbytes = value.nbytes
+        else:
+            value = data.detach()
+            nbytes = value.numel() * value.element_size()
+            if slot.piece is None or tuple(value.shape) != tuple(
+                item.tensor_data.chunk.sizes if item.tensor_data else ()
+            ):
+                raise CkptdError(
+                    f"{item.index.fqn!r}: the planner resolved a tensor of shape "
+                    f"{tuple(value.shape)} for a piece planned otherwise"
+                )
+            pieces[slot.name] = slot.piece
+        tree.setdefault(slot.path[0], {})[slot.path[1]] = value
+        results.append(
+            WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=(rank, slot.name))
+        )
+    tree[_sharding.TENSOR] = _sharding.encode(pieces)
+    return tree, results
+
+
+def _complete_metadata(md: Metadata, where: Mapping[MetadataIndex, Any]) -> Metadata:
+    md.version = DCP_VERSION
+    md.storage_data = dict(where)
+    return md
+
+
+def _pickled(md: Metadata) -> np.ndarray:
+    out: np.ndarray = np.frombuffer(pickle.dumps(md), dtype=np.uint8).copy()
+    return out
