@@ -92,6 +92,7 @@ func TestExport(t *testing.T) {
 		{Name: "model:fc.weight", DType: "F32", Shape: []int64{2, 2}, Data: f32s(0, 4)},
 		{Name: "optimizer:state:0:exp_avg", DType: "F32", Shape: []int64{2, 2}, Data: f32s(9, 4)},
 		{Name: "ckptd.torch", DType: "U8", Shape: []int64{2}, Data: []byte("{}")},
+		{Name: "hf.config.json", DType: "U8", Shape: []int64{21}, Data: []byte(`{"model_type":"bert"}`)},
 	}}
 	if _, err := c.Save(ctxT(t), plain); err != nil {
 		t.Fatal(err)
@@ -158,5 +159,8 @@ func TestExport(t *testing.T) {
 	got, _ = readSafetensors(t, filepath.Join(flat, "model.safetensors"))
 	if len(got) != 1 || !bytes.Equal(got["fc.weight"], f32s(0, 4)) {
 		t.Fatalf("plain export: %v", got)
+	}
+	if cfg, err := os.ReadFile(filepath.Join(flat, "config.json")); err != nil || string(cfg) != `{"model_type":"bert"}` {
+		t.Fatalf("config.json from hf.config.json: %q %v", cfg, err)
 	}
 }

@@ -110,6 +110,9 @@ func runExport(ctx context.Context, o *exportOptions, stdout io.Writer) error {
 			return err
 		}
 	}
+	if err := w.writeHFConfig(ctx, ms[0]); err != nil {
+		return err
+	}
 	if err := w.publish(); err != nil {
 		return err
 	}
@@ -213,12 +216,31 @@ func (w *restoreWriter) writeIndex(files [][]*fullTensor, total int64) error {
 	if err != nil {
 		return err
 	}
-	f, err := w.create("model.safetensors.index.json")
+	return w.writeFile("model.safetensors.index.json", append(b, '\n'))
+}
+
+// hfConfig is the tensor in which ckptd.torch saves a Hugging Face
+// model's config.json (rank 0).
+const hfConfig = "hf.config.json"
+
+// writeHFConfig writes config.json from rank 0's hf.config.json tensor,
+// when it has one, so that from_pretrained loads the folder.
+func (w *restoreWriter) writeHFConfig(ctx context.Context, m *checkpoint.Manifest) error {
+	b, err := readJSONTensor(ctx, w.store, m, hfConfig)
+	if b == nil || err != nil {
+		return err
+	}
+	return w.writeFile("config.json", b)
+}
+
+// writeFile writes a small file among the export's.
+func (w *restoreWriter) writeFile(name string, b []byte) error {
+	f, err := w.create(name)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
-	if _, err := f.Write(append(b, '\n')); err != nil {
+	if _, err := f.Write(b); err != nil {
 		return err
 	}
 	if err := f.Sync(); err != nil {

@@ -105,27 +105,40 @@ func planExport(ctx context.Context, s *checkpoint.Store, ms []*checkpoint.Manif
 // readSharding reads and parses m's sharding description, or returns nil
 // when it has none.
 func readSharding(ctx context.Context, s *checkpoint.Store, m *checkpoint.Manifest) (*shardingDoc, error) {
-	i := slices.IndexFunc(m.Tensors, func(t checkpoint.Tensor) bool { return t.Name == shardingTensor })
-	if i < 0 {
-		return nil, nil
-	}
-	t := m.Tensors[i]
-	if t.DType != dtype.U8 || t.Length > maxShardingJSON {
-		return nil, fmt.Errorf("%w: step %d rank %d: %s is %s of %d bytes, want U8 of at most %d",
-			checkpoint.ErrCorrupt, m.Step, m.Rank, shardingTensor, t.DType, t.Length, maxShardingJSON)
-	}
-	sink := &rangeSink{off: t.Offset, buf: make([]byte, t.Length)}
-	if err := s.ReadRange(ctx, m, t.Offset, t.Length, sink, checkpoint.ReadOptions{}); err != nil {
+	b, err := readJSONTensor(ctx, s, m, shardingTensor)
+	if b == nil || err != nil {
 		return nil, err
 	}
 	var doc shardingDoc
-	dec := json.NewDecoder(bytes.NewReader(sink.buf))
+	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&doc); err != nil || doc.Format != "ckptd.sharding" || doc.Version != 1 {
 		return nil, fmt.Errorf("%w: step %d rank %d: %s is not a version 1 ckptd.sharding document (%v)",
 			checkpoint.ErrCorrupt, m.Step, m.Rank, shardingTensor, err)
 	}
 	return &doc, nil
+}
+
+// readJSONTensor returns the bytes of m's U8 tensor name, which holds
+// JSON, or nil when m has no such tensor.
+func readJSONTensor(ctx context.Context, s *checkpoint.Store, m *checkpoint.Manifest, name string) ([]byte, error) {
+	i := slices.IndexFunc(m.Tensors, func(t checkpoint.Tensor) bool { return t.Name == name })
+	if i < 0 {
+		return nil, nil
+	}
+	t := m.Tensors[i]
+	if t.DType != dtype.U8 || t.Length > maxShardingJSON {
+		return nil, fmt.Errorf("%w: step %d rank %d: %s is %s of %d bytes, want U8 of at most %d",
+			checkpoint.ErrCorrupt, m.Step, m.Rank, name, t.DType, t.Length, maxShardingJSON)
+	}
+	sink := &rangeSink{off: t.Offset, buf: make([]byte, t.Length)}
+	if err := s.ReadRange(ctx, m, t.Offset, t.Length, sink, checkpoint.ReadOptions{}); err != nil {
+		return nil, err
+	}
+	if !json.Valid(sink.buf) {
+		return nil, fmt.Errorf("%w: step %d rank %d: %s is not JSON", checkpoint.ErrCorrupt, m.Step, m.Rank, name)
+	}
+	return sink.buf, nil
 }
 
 // replicated plans an export from rank 0 of a step without sharding

@@ -52,6 +52,9 @@ __all__ = [
 
 SKELETON = "ckptd.torch"
 FORMAT = 1
+# A Hugging Face model's config.json, saved with it so that `ckptd export`
+# writes a folder from_pretrained loads.
+HF_CONFIG = "hf.config.json"
 
 
 def save_state_dict(
@@ -108,6 +111,9 @@ def save_state_dict(
     }
     blob = json.dumps(skeleton, separators=(",", ":")).encode()
     packer.tree[SKELETON] = np.frombuffer(blob, dtype=np.uint8)
+    hf_config = _hf_config(model)
+    if hf_config is not None:
+        packer.tree[HF_CONFIG] = np.frombuffer(hf_config, dtype=np.uint8)
     rank, world_size = _ranks.resolve(rank, world_size)
     if attempt is None and client._attempt_random:
         attempt = _run_attempt(world_size)
@@ -180,6 +186,15 @@ def _skeleton(state: Mapping[str, Any]) -> dict[str, Any]:
             f"unknown ckptd.torch format {skeleton.get('format')!r} (this client reads {FORMAT})"
         )
     return skeleton
+
+
+def _hf_config(model: Any) -> bytes | None:
+    """A transformers model's full config.json, or None for other models."""
+    to_json = getattr(getattr(model, "config", None), "to_json_string", None)
+    if not isinstance(model, torch.nn.Module) or not callable(to_json):
+        return None
+    text = to_json(use_diff=False)
+    return text.encode() if isinstance(text, str) else None
 
 
 def _module_metadata(sd: Mapping[str, Any]) -> Any:
