@@ -250,6 +250,12 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.T
 			return // shutdown: the save stays journaled, and the commit is tried after the restart
 		}
 	}
+	// After the commit, so as not to delay it: the copy takes a while for a
+	// large shard. It is marked committed if the commit was this one's.
+	mgr.hot.add(m, l.layout, mgr.arena.Bytes()[l.region.Offset:l.region.Offset+l.size])
+	if res, _, _ := mgr.status(&saveKey{t.Job, t.Step, t.Rank, t.Attempt}); res.State == StateCommitted {
+		mgr.hot.committed(t.Job, t.Step, t.Attempt)
+	}
 	mgr.endDrain(l, StateDurable, nil)
 }
 
@@ -272,6 +278,9 @@ func (mgr *Manager) tryCommit(ctx context.Context, t Target) (bool, error) {
 		return false, err
 	case rec == nil:
 		return false, nil
+	}
+	mgr.hot.committed(t.Job, t.Step, rec.Attempt)
+	switch {
 	case rec.Attempt == t.Attempt:
 		mgr.markDone(keyOf(t), StateCommitted, nil)
 		if won { // the end-to-end tests count these lines: one per step

@@ -40,6 +40,11 @@ type ManagerConfig struct {
 	// 4); more wait their turn. Each holds Read.Concurrency chunk buffers
 	// and its manifest in memory, so this bounds the heap restores take.
 	Restores int
+	// HotBytes is the memory for the hot tier (0: none): the local ranks'
+	// shards of each job's newest HotSteps steps (default 2), kept after
+	// they drain, so that a restore of one of them reads no storage.
+	HotBytes int64
+	HotSteps int
 	Writer   WriterOptions
 	Read     ReadOptions
 	Metrics  *Metrics
@@ -57,6 +62,7 @@ const (
 	DefaultReuseFence   = 10 * time.Second
 	DefaultDrains       = 2
 	DefaultRestores     = 4
+	DefaultHotSteps     = 2
 )
 
 func (c *ManagerConfig) setDefaults() {
@@ -77,6 +83,9 @@ func (c *ManagerConfig) setDefaults() {
 	}
 	if c.Restores <= 0 {
 		c.Restores = DefaultRestores
+	}
+	if c.HotSteps <= 0 {
+		c.HotSteps = DefaultHotSteps
 	}
 	if c.Metrics == nil {
 		c.Metrics = NewMetrics(nil)
@@ -104,6 +113,7 @@ type Manager struct {
 	closing bool
 
 	restores chan struct{} // a slot per restore reading from storage (Restores)
+	hot      *hotTier
 
 	ctx      context.Context // cancelled to abandon drains at shutdown
 	cancel   context.CancelFunc
@@ -127,6 +137,7 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 		cfg: cfg, arena: a, b: b, w: w, log: cfg.Logger, m: cfg.Metrics,
 		leases: newLeaseTable(cfg.TableBudget, cfg.Metrics.TableBytes), saves: map[saveKey]*saveStatus{},
 		queue: drainQueue{wake: make(chan struct{}, 1)}, restores: make(chan struct{}, cfg.Restores),
+		hot: newHotTier(cfg.HotBytes, cfg.HotSteps),
 	}
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
 	if err := mgr.recover(); err != nil {

@@ -7,6 +7,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -49,11 +50,14 @@ func newManager(t *testing.T, cfg ManagerConfig) *Manager {
 	return mgr
 }
 
+// arenaSeq makes each test arena's folder unique.
+var arenaSeq atomic.Int64
+
 // newManagerOn starts a Manager on b with an arena of its own, which it
 // returns too, for tests that write a save's bytes.
 func newManagerOn(t *testing.T, b storage.Backend, cfg ManagerConfig) (*Manager, *arena.Arena) {
 	t.Helper()
-	dir := fmt.Sprintf("/dev/shm/ckptd-mgr-test-%d-%s", os.Getpid(), t.Name())
+	dir := fmt.Sprintf("/dev/shm/ckptd-mgr-test-%d-%s-%d", os.Getpid(), t.Name(), arenaSeq.Add(1))
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	a, err := arena.Open(arena.Options{Dir: dir, Size: 8 << 20})
 	if err != nil {
@@ -69,9 +73,17 @@ func newManagerOn(t *testing.T, b storage.Backend, cfg ManagerConfig) (*Manager,
 	return mgr, a
 }
 
+// arenaBytes is the part of an arena a test writes into and reads from.
+type arenaBytes interface{ Bytes() []byte }
+
 // saveBytes saves data as one U8 tensor of tg through mgr, as a client
 // would: lease, copy into the arena, commit.
 func saveBytes(t *testing.T, mgr *Manager, a *arena.Arena, tg Target, data []byte) {
+	t.Helper()
+	saveBytesTo(t, mgr, a, tg, data)
+}
+
+func saveBytesTo(t *testing.T, mgr *Manager, a arenaBytes, tg Target, data []byte) {
 	t.Helper()
 	info, err := mgr.BeginSave(context.Background(), Owner{}, tg, []Tensor{u8("w", 0, int64(len(data)))})
 	if err != nil {

@@ -2,8 +2,11 @@ package checkpoint
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
+
+	"github.com/ckptd/ckptd/storage"
 )
 
 // RestoreHeader describes a restored shard.
@@ -31,14 +34,12 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, job string, step 
 	case <-ctx.Done():
 		return LeaseInfo{}, nil, fmt.Errorf("waiting for one of the %d concurrent restores (--restores): %w", cap(mgr.restores), ctx.Err())
 	}
-	rec, err := store.Resolve(ctx, step, latest)
+	src, err := mgr.restoreSource(ctx, store, step, latest, rank)
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
-	m, err := store.Manifest(ctx, rec, rank)
-	if err != nil {
-		return LeaseInfo{}, nil, err
-	}
+	defer src.release()
+	m := src.m
 	mgr.mu.Lock()
 	closing := mgr.closing
 	mgr.mu.Unlock()
@@ -47,10 +48,9 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, job string, step 
 	}
 	region, err := mgr.alloc(ctx, m.DataSize)
 	if err != nil {
-		return LeaseInfo{}, nil, fmt.Errorf("restore step %d rank %d: %w", rec.Step, rank, err)
+		return LeaseInfo{}, nil, fmt.Errorf("restore step %d rank %d: %w", m.Step, rank, err)
 	}
-	buf := BufferSink(mgr.arena.Bytes()[region.Offset : region.Offset+m.DataSize])
-	if err := store.ReadShard(ctx, m, buf, mgr.cfg.Read); err != nil {
+	if err := src.fill(ctx, store, mgr.arena.Bytes()[region.Offset:region.Offset+m.DataSize], mgr.cfg.Read); err != nil {
 		mgr.m.failed("restore")
 		mgr.mu.Lock()
 		mgr.freeRegion(region)
@@ -70,6 +70,54 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, job string, step 
 	}
 	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: m.Tensors, Metadata: m.Metadata, Size: m.DataSize}
 	return l.info(), h, nil
+}
+
+// restoreSource is where a restore's bytes come from: the hot tier, or
+// storage through the manifest.
+type restoreSource struct {
+	m       *Manifest
+	hot     *hotEntry
+	release func()
+}
+
+// restoreSource resolves the step and finds rank's shard: in the hot tier
+// when it holds the committed attempt's copy (no storage read but the
+// commit record's), else in storage. When storage does not answer, the
+// hot tier's copy of the step (or, for latest, of its newest committed
+// step) is served alone.
+func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64, latest bool, rank int) (restoreSource, error) {
+	rec, err := store.Resolve(ctx, step, latest)
+	if errors.Is(err, storage.ErrUnavailable) {
+		found := !latest
+		if latest {
+			step, found = mgr.hot.latest(store.Job, rank)
+		}
+		if e, release := mgr.hot.get(store.Job, step, rank, ""); found && e != nil {
+			mgr.log.Warn("storage does not answer; restoring from the hot tier", "job", store.Job, "step", step, "rank", rank, "err", err)
+			return restoreSource{m: e.m, hot: e, release: release}, nil
+		}
+	}
+	if err != nil {
+		return restoreSource{}, err
+	}
+	mgr.hot.committed(store.Job, rec.Step, rec.Attempt) // the commit may have been another node's
+	if e, release := mgr.hot.get(store.Job, rec.Step, rank, rec.Attempt); e != nil {
+		return restoreSource{m: e.m, hot: e, release: release}, nil
+	}
+	m, err := store.Manifest(ctx, rec, rank)
+	if err != nil {
+		return restoreSource{}, err
+	}
+	return restoreSource{m: m, release: func() {}}, nil
+}
+
+// fill writes the shard's bytes into dst, verified against its chunk
+// hashes.
+func (src restoreSource) fill(ctx context.Context, store *Store, dst []byte, opts ReadOptions) error {
+	if src.hot == nil {
+		return store.ReadShard(ctx, src.m, BufferSink(dst), opts)
+	}
+	return src.hot.copyVerified(dst)
 }
 
 // Release returns a restore region, or an uncommitted save region, to the

@@ -16,9 +16,12 @@ type Snapshot struct {
 	// (leased or journaled), restore regions, and regions kept for gone or
 	// expired clients whose processes may still write (see Owner).
 	Staging, Restoring, Held int64
-	Leases                   []LeaseSnapshot
-	Saves                    []SaveSnapshot
-	Errors                   map[string]uint64 // by operation
+	// The hot tier: bytes held of its budget, and the rank shards held.
+	HotBytes, HotBudget int64
+	HotShards           int
+	Leases              []LeaseSnapshot
+	Saves               []SaveSnapshot
+	Errors              map[string]uint64 // by operation
 }
 
 // LeaseSnapshot describes one open lease. ID is a prefix of the lease id,
@@ -66,6 +69,7 @@ func (mgr *Manager) Snapshot() Snapshot {
 		s.Leases = append(s.Leases, ls)
 	}
 	s.Held = mgr.leases.heldBytes()
+	s.HotBytes, s.HotBudget, s.HotShards = mgr.hot.stats()
 	for k, st := range mgr.saves {
 		t := Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: st.worldSize, Attempt: k.attempt}
 		ss := SaveSnapshot{Target: t, State: st.state, Since: st.updated}

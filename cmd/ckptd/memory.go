@@ -24,7 +24,7 @@ func memoryCeiling(o *serveOptions, prefetchCeiling int64) int64 {
 	drainBuffers := 4 * int64(o.Workers) * 2 * int64(o.ChunkSize)
 	s3Parts := int64(o.Drains) * 8 * (16 << 20)
 	restores := int64(o.Restores) * (restoreReads*2*int64(o.ChunkSize) + restoreManifest)
-	return int64(o.TableBytes) + drainBuffers + s3Parts + restores + prefetchCeiling + memoryHeadroom
+	return int64(o.TableBytes) + drainBuffers + s3Parts + restores + int64(o.HotBytes) + prefetchCeiling + memoryHeadroom
 }
 
 // restoreReads is checkpoint.ReadOptions.Concurrency's default, the

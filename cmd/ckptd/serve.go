@@ -58,6 +58,8 @@ type serveOptions struct {
 	DatasetAllow []string
 	ReadAhead    byteSize
 	PrintMemory  bool
+	HotBytes     byteSize
+	HotSteps     int
 }
 
 func newServeCmd() *cobra.Command {
@@ -84,6 +86,8 @@ func newServeCmd() *cobra.Command {
 	fs.Var(&o.ChunkSize, "chunk-size", "raw bytes per chunk")
 	fs.IntVar(&o.Workers, "workers", 0, "chunks compressed at once (default: number of CPUs)")
 	fs.IntVar(&o.Drains, "drains", checkpoint.DefaultDrains, "shards drained at once")
+	fs.Var(&o.HotBytes, "hot-bytes", "memory for the hot tier: the local ranks' shards of each job's newest --hot-steps steps, kept after they drain so that restoring them reads no storage (0: off)")
+	fs.IntVar(&o.HotSteps, "hot-steps", checkpoint.DefaultHotSteps, "steps per job the hot tier keeps")
 	fs.IntVar(&o.Restores, "restores", checkpoint.DefaultRestores, "restores reading from storage at once (more wait their turn); bounds the memory restores take")
 	fs.BoolVar(&o.PrintMemory, "print-memory", false, "print the memory these flags need (the arena, the heap's ceiling, their sum; JSON) and exit without starting: size a container's memory limit with it")
 	fs.StringVar(&o.MetricsAddr, "metrics-addr", "", "serve Prometheus /metrics on this address, e.g. 127.0.0.1:9464")
@@ -177,7 +181,7 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mgr, err := checkpoint.NewManager(server.CheckpointArena(a), b, checkpoint.ManagerConfig{
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes), ReuseFence: o.ReuseFence,
-		Drains: o.Drains, Restores: o.Restores, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
+		Drains: o.Drains, Restores: o.Restores, HotBytes: int64(o.HotBytes), HotSteps: o.HotSteps, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
 	})
 	if err == nil {

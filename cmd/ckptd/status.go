@@ -106,6 +106,11 @@ func printSummary(w io.Writer, socket string, st *pb.DaemonStatus) {
 	fmt.Fprintf(w, "arena\t%s of %s used\tstaging %s, restores %s, datasets %s (of %s), held for gone clients %s\n",
 		human(int64(a.GetUsed())), human(int64(a.GetSize())), human(int64(a.GetStaging())), human(int64(a.GetRestores())),
 		human(int64(a.GetDatasets())), human(int64(a.GetDatasetsShare())), human(int64(a.GetHeld())))
+	if h := st.GetHot(); h.GetBudget() > 0 {
+		fmt.Fprintf(w, "hot tier\t%s of %s\t%d rank shards\n", human(int64(h.GetBytes())), human(int64(h.GetBudget())), h.GetShards())
+	} else {
+		fmt.Fprintf(w, "hot tier\toff (--hot-bytes)\n")
+	}
 	errs := "none"
 	if len(st.GetErrors()) > 0 {
 		var parts []string

@@ -48,6 +48,7 @@ func (d *Daemon) GetStatus(ctx context.Context, _ *pb.GetStatusRequest) (*pb.Dae
 			Datasets: uint64(ps.ArenaUsed), DatasetsShare: uint64(ps.ArenaShare),
 		},
 	}
+	st.Hot = &pb.HotTier{Bytes: uint64(cs.HotBytes), Budget: uint64(cs.HotBudget), Shards: uint32(cs.HotShards)}
 	if d.cfg.Storage != nil {
 		if err := d.cfg.Storage(ctx); err != nil {
 			st.StorageReady, st.StorageError = false, err.Error()

@@ -8,6 +8,7 @@
 //	drain           accepted → committed, vs min(raw O_DIRECT write of the
 //	                same bytes, the codec alone on the same chunks and cores)
 //	restore         BeginRestore into the arena (fetch, verify, decompress)
+//	hot restore     BeginRestore of a step the hot tier holds (verify, copy)
 //	                vs raw read of the data object + decompress
 package main
 
@@ -126,6 +127,11 @@ func run(cfg config) error {
 		return err
 	}
 	rows = append(rows, r...)
+	r, err = benchHotRestore(cfg, data, work)
+	if err != nil {
+		return err
+	}
+	rows = append(rows, r...)
 	r, err = benchS3(cfg, data, work)
 	if err != nil {
 		return err
@@ -174,7 +180,7 @@ func startDaemon(cfg config, work string) (*daemon, error) {
 	if err != nil {
 		return nil, err
 	}
-	return startDaemonOn(cfg, b, work, "local")
+	return startDaemonOn(cfg, b, work, "local", 0)
 }
 
 func (d *daemon) close() {

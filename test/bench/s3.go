@@ -74,7 +74,7 @@ func benchS3(cfg config, data []byte, work string) ([]row, error) {
 		return nil, err
 	}
 	defer b.Close()
-	d, err := startDaemonOn(cfg, b, work, "s3")
+	d, err := startDaemonOn(cfg, b, work, "s3", 0)
 	if err != nil {
 		return nil, err
 	}
@@ -95,7 +95,7 @@ func benchS3(cfg config, data []byte, work string) ([]row, error) {
 
 // startDaemonOn starts an in-process daemon (the Manager and gRPC server of
 // ckptd serve) on backend b, with its own arena and socket named by name.
-func startDaemonOn(cfg config, b storage.Backend, work, name string) (*daemon, error) {
+func startDaemonOn(cfg config, b storage.Backend, work, name string, hotBytes int64) (*daemon, error) {
 	a, err := arena.Open(arena.Options{Dir: fmt.Sprintf("/dev/shm/ckptd-bench-%s-%d", name, os.Getpid()), Size: cfg.size + 64<<20, Lock: true})
 	if err != nil {
 		return nil, err
@@ -104,6 +104,7 @@ func startDaemonOn(cfg config, b storage.Backend, work, name string) (*daemon, e
 		DefaultJob: "bench",
 		Writer:     checkpoint.WriterOptions{ChunkSize: cfg.chunkSize, Codec: cfg.codec, Workers: cfg.workers},
 		Read:       checkpoint.ReadOptions{Concurrency: restoreStreams},
+		HotBytes:   hotBytes,
 	})
 	if err != nil {
 		_ = a.Remove()

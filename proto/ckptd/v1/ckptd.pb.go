@@ -2185,6 +2185,7 @@ type DaemonStatus struct {
 	Datasets     []*DatasetState `protobuf:"bytes,10,rep,name=datasets,proto3" json:"datasets,omitempty"`
 	// Errors counted by operation (drain, commit, restore, alloc, journal).
 	Errors        map[string]uint64 `protobuf:"bytes,11,rep,name=errors,proto3" json:"errors,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	Hot           *HotTier          `protobuf:"bytes,12,opt,name=hot,proto3" json:"hot,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2296,6 +2297,75 @@ func (x *DaemonStatus) GetErrors() map[string]uint64 {
 	return nil
 }
 
+func (x *DaemonStatus) GetHot() *HotTier {
+	if x != nil {
+		return x.Hot
+	}
+	return nil
+}
+
+// HotTier is the memory holding the newest steps' local shards
+// (--hot-bytes), from which restores read no storage.
+type HotTier struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Bytes         uint64                 `protobuf:"varint,1,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	Budget        uint64                 `protobuf:"varint,2,opt,name=budget,proto3" json:"budget,omitempty"`
+	Shards        uint32                 `protobuf:"varint,3,opt,name=shards,proto3" json:"shards,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HotTier) Reset() {
+	*x = HotTier{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HotTier) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HotTier) ProtoMessage() {}
+
+func (x *HotTier) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HotTier.ProtoReflect.Descriptor instead.
+func (*HotTier) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *HotTier) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *HotTier) GetBudget() uint64 {
+	if x != nil {
+		return x.Budget
+	}
+	return 0
+}
+
+func (x *HotTier) GetShards() uint32 {
+	if x != nil {
+		return x.Shards
+	}
+	return 0
+}
+
 // ArenaUsage splits the arena's used bytes by what holds them.
 type ArenaUsage struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -2312,7 +2382,7 @@ type ArenaUsage struct {
 
 func (x *ArenaUsage) Reset() {
 	*x = ArenaUsage{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2324,7 +2394,7 @@ func (x *ArenaUsage) String() string {
 func (*ArenaUsage) ProtoMessage() {}
 
 func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2337,7 +2407,7 @@ func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ArenaUsage.ProtoReflect.Descriptor instead.
 func (*ArenaUsage) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *ArenaUsage) GetSize() uint64 {
@@ -2401,7 +2471,7 @@ type SaveActivity struct {
 
 func (x *SaveActivity) Reset() {
 	*x = SaveActivity{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2413,7 +2483,7 @@ func (x *SaveActivity) String() string {
 func (*SaveActivity) ProtoMessage() {}
 
 func (x *SaveActivity) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2426,7 +2496,7 @@ func (x *SaveActivity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveActivity.ProtoReflect.Descriptor instead.
 func (*SaveActivity) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *SaveActivity) GetTarget() *SaveTarget {
@@ -2473,7 +2543,7 @@ type LeaseState struct {
 
 func (x *LeaseState) Reset() {
 	*x = LeaseState{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2485,7 +2555,7 @@ func (x *LeaseState) String() string {
 func (*LeaseState) ProtoMessage() {}
 
 func (x *LeaseState) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2498,7 +2568,7 @@ func (x *LeaseState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaseState.ProtoReflect.Descriptor instead.
 func (*LeaseState) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *LeaseState) GetIdPrefix() string {
@@ -2572,7 +2642,7 @@ type DatasetState struct {
 
 func (x *DatasetState) Reset() {
 	*x = DatasetState{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2584,7 +2654,7 @@ func (x *DatasetState) String() string {
 func (*DatasetState) ProtoMessage() {}
 
 func (x *DatasetState) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2597,7 +2667,7 @@ func (x *DatasetState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetState.ProtoReflect.Descriptor instead.
 func (*DatasetState) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *DatasetState) GetPeer() string {
@@ -2794,7 +2864,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x13CloseDatasetRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\"\x16\n" +
 	"\x14CloseDatasetResponse\"\x12\n" +
-	"\x10GetStatusRequest\"\x87\x04\n" +
+	"\x10GetStatusRequest\"\xac\x04\n" +
 	"\fDaemonStatus\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12%\n" +
 	"\x0euptime_seconds\x18\x02 \x01(\x01R\ruptimeSeconds\x12\x1f\n" +
@@ -2808,10 +2878,15 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x06leases\x18\t \x03(\v2\x14.ckptd.v1.LeaseStateR\x06leases\x122\n" +
 	"\bdatasets\x18\n" +
 	" \x03(\v2\x16.ckptd.v1.DatasetStateR\bdatasets\x12:\n" +
-	"\x06errors\x18\v \x03(\v2\".ckptd.v1.DaemonStatus.ErrorsEntryR\x06errors\x1a9\n" +
+	"\x06errors\x18\v \x03(\v2\".ckptd.v1.DaemonStatus.ErrorsEntryR\x06errors\x12#\n" +
+	"\x03hot\x18\f \x01(\v2\x11.ckptd.v1.HotTierR\x03hot\x1a9\n" +
 	"\vErrorsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\xc1\x01\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"O\n" +
+	"\aHotTier\x12\x14\n" +
+	"\x05bytes\x18\x01 \x01(\x04R\x05bytes\x12\x16\n" +
+	"\x06budget\x18\x02 \x01(\x04R\x06budget\x12\x16\n" +
+	"\x06shards\x18\x03 \x01(\rR\x06shards\"\xc1\x01\n" +
 	"\n" +
 	"ArenaUsage\x12\x12\n" +
 	"\x04size\x18\x01 \x01(\x04R\x04size\x12\x12\n" +
@@ -2887,7 +2962,7 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 }
 
 var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
+var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 41)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(SaveState)(0),                // 0: ckptd.v1.SaveState
 	(*GetArenaRequest)(nil),       // 1: ckptd.v1.GetArenaRequest
@@ -2925,11 +3000,12 @@ var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(*CloseDatasetResponse)(nil),  // 33: ckptd.v1.CloseDatasetResponse
 	(*GetStatusRequest)(nil),      // 34: ckptd.v1.GetStatusRequest
 	(*DaemonStatus)(nil),          // 35: ckptd.v1.DaemonStatus
-	(*ArenaUsage)(nil),            // 36: ckptd.v1.ArenaUsage
-	(*SaveActivity)(nil),          // 37: ckptd.v1.SaveActivity
-	(*LeaseState)(nil),            // 38: ckptd.v1.LeaseState
-	(*DatasetState)(nil),          // 39: ckptd.v1.DatasetState
-	nil,                           // 40: ckptd.v1.DaemonStatus.ErrorsEntry
+	(*HotTier)(nil),               // 36: ckptd.v1.HotTier
+	(*ArenaUsage)(nil),            // 37: ckptd.v1.ArenaUsage
+	(*SaveActivity)(nil),          // 38: ckptd.v1.SaveActivity
+	(*LeaseState)(nil),            // 39: ckptd.v1.LeaseState
+	(*DatasetState)(nil),          // 40: ckptd.v1.DatasetState
+	nil,                           // 41: ckptd.v1.DaemonStatus.ErrorsEntry
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	4,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
@@ -2949,47 +3025,48 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	6,  // 14: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
 	29, // 15: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
 	30, // 16: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
-	36, // 17: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
-	37, // 18: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
-	38, // 19: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
-	39, // 20: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
-	40, // 21: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
-	4,  // 22: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
-	4,  // 23: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
-	30, // 24: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
-	1,  // 25: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
-	5,  // 26: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
-	8,  // 27: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
-	10, // 28: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
-	13, // 29: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
-	14, // 30: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
-	16, // 31: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
-	19, // 32: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
-	19, // 33: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
-	23, // 34: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
-	25, // 35: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
-	27, // 36: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
-	32, // 37: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
-	34, // 38: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
-	2,  // 39: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	7,  // 40: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	9,  // 41: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	11, // 42: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	9,  // 43: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	15, // 44: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	18, // 45: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	21, // 46: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	22, // 47: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	24, // 48: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	26, // 49: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	31, // 50: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	33, // 51: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	35, // 52: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
-	39, // [39:53] is the sub-list for method output_type
-	25, // [25:39] is the sub-list for method input_type
-	25, // [25:25] is the sub-list for extension type_name
-	25, // [25:25] is the sub-list for extension extendee
-	0,  // [0:25] is the sub-list for field type_name
+	37, // 17: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
+	38, // 18: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
+	39, // 19: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
+	40, // 20: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
+	41, // 21: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	36, // 22: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
+	4,  // 23: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
+	4,  // 24: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
+	30, // 25: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
+	1,  // 26: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
+	5,  // 27: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
+	8,  // 28: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
+	10, // 29: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
+	13, // 30: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
+	14, // 31: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
+	16, // 32: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
+	19, // 33: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
+	19, // 34: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
+	23, // 35: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
+	25, // 36: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
+	27, // 37: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
+	32, // 38: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
+	34, // 39: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
+	2,  // 40: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	7,  // 41: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	9,  // 42: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	11, // 43: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	9,  // 44: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	15, // 45: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	18, // 46: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	21, // 47: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	22, // 48: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	24, // 49: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	26, // 50: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	31, // 51: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	33, // 52: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	35, // 53: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	40, // [40:54] is the sub-list for method output_type
+	26, // [26:40] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_ckptd_v1_ckptd_proto_init() }
@@ -3011,7 +3088,7 @@ func file_ckptd_v1_ckptd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   40,
+			NumMessages:   41,
 			NumExtensions: 0,
 			NumServices:   3,
 		},

@@ -347,7 +347,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("version", "uptime_seconds", "default_job", "storage", "storage_ready", "storage_error", "arena", "saves", "leases", "datasets", "errors")
+    __slots__ = ("version", "uptime_seconds", "default_job", "storage", "storage_ready", "storage_error", "arena", "saves", "leases", "datasets", "errors", "hot")
     class ErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -366,6 +366,7 @@ class DaemonStatus(_message.Message):
     LEASES_FIELD_NUMBER: _ClassVar[int]
     DATASETS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    HOT_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_seconds: float
     default_job: str
@@ -377,7 +378,18 @@ class DaemonStatus(_message.Message):
     leases: _containers.RepeatedCompositeFieldContainer[LeaseState]
     datasets: _containers.RepeatedCompositeFieldContainer[DatasetState]
     errors: _containers.ScalarMap[str, int]
-    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., default_job: _Optional[str] = ..., storage: _Optional[str] = ..., storage_ready: _Optional[bool] = ..., storage_error: _Optional[str] = ..., arena: _Optional[_Union[ArenaUsage, _Mapping]] = ..., saves: _Optional[_Iterable[_Union[SaveActivity, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseState, _Mapping]]] = ..., datasets: _Optional[_Iterable[_Union[DatasetState, _Mapping]]] = ..., errors: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    hot: HotTier
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., default_job: _Optional[str] = ..., storage: _Optional[str] = ..., storage_ready: _Optional[bool] = ..., storage_error: _Optional[str] = ..., arena: _Optional[_Union[ArenaUsage, _Mapping]] = ..., saves: _Optional[_Iterable[_Union[SaveActivity, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseState, _Mapping]]] = ..., datasets: _Optional[_Iterable[_Union[DatasetState, _Mapping]]] = ..., errors: _Optional[_Mapping[str, int]] = ..., hot: _Optional[_Union[HotTier, _Mapping]] = ...) -> None: ...
+
+class HotTier(_message.Message):
+    __slots__ = ("bytes", "budget", "shards")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    budget: int
+    shards: int
+    def __init__(self, bytes: _Optional[int] = ..., budget: _Optional[int] = ..., shards: _Optional[int] = ...) -> None: ...
 
 class ArenaUsage(_message.Message):
     __slots__ = ("size", "used", "staging", "restores", "datasets", "held", "datasets_share")

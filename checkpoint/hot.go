@@ -1,0 +1,195 @@
+package checkpoint
+
+import (
+	"cmp"
+	"fmt"
+	"runtime"
+	"slices"
+	"sync"
+
+	"golang.org/x/sync/errgroup"
+
+	"github.com/ckptd/ckptd/checkpoint/codec"
+)
+
+// hotTier keeps the local ranks' shards of a job's newest steps in the
+// daemon's memory after they drain, so that a trainer restarted on the
+// same node restores them at memory speed, and without storage at all when
+// storage is down. It holds at most Budget bytes and Steps steps per job;
+// the oldest steps go first, but never a shard being copied out. Shards
+// are kept as their data space (the bytes a restore hands out) with the
+// manifest whose chunk hashes verify them when they are served.
+type hotTier struct {
+	mu      sync.Mutex
+	budget  int64
+	steps   int
+	used    int64
+	entries map[hotKey]*hotEntry
+}
+
+type hotKey struct {
+	job  string
+	step int64
+	rank int
+}
+
+type hotEntry struct {
+	m         *Manifest
+	data      []byte
+	committed bool // the step is committed by m's attempt
+	pins      int  // restores copying out of data
+}
+
+func newHotTier(budget int64, steps int) *hotTier {
+	return &hotTier{budget: budget, steps: steps, entries: map[hotKey]*hotEntry{}}
+}
+
+func (h *hotTier) enabled() bool { return h != nil && h.budget > 0 }
+
+// add keeps a durable shard, packed from its staging region, if it fits:
+// older steps of its job beyond Steps go, then the oldest steps of any job
+// until it fits. A shard that cannot fit is not kept.
+func (h *hotTier) add(m *Manifest, layout *Layout, region []byte) {
+	if !h.enabled() || m.DataSize > h.budget {
+		return
+	}
+	data := make([]byte, m.DataSize)
+	for i, p := range layout.Packed {
+		r := layout.Region[i]
+		copy(data[p.Offset:p.Offset+p.Length], region[r.Offset:r.Offset+r.Length])
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	k := hotKey{m.Job, m.Step, m.Rank}
+	if old := h.entries[k]; old != nil && old.pins == 0 {
+		h.drop(k, old)
+	}
+	if h.entries[k] != nil {
+		return // the old one is being copied out; keep it
+	}
+	h.evict(m.Job, m.Step, m.DataSize)
+	if h.used+m.DataSize > h.budget {
+		return
+	}
+	h.entries[k] = &hotEntry{m: m, data: data}
+	h.used += m.DataSize
+}
+
+// evict makes room for n bytes of step of job. Call with mu.
+func (h *hotTier) evict(job string, step int64, n int64) {
+	keys := make([]hotKey, 0, len(h.entries))
+	for k := range h.entries {
+		keys = append(keys, k)
+	}
+	slices.SortFunc(keys, func(a, b hotKey) int { return cmp.Compare(a.step, b.step) }) // oldest first
+	steps := map[int64]bool{step: true}
+	for _, k := range slices.Backward(keys) { // the job's newest steps, this one included, stay
+		if k.job == job && len(steps) < h.steps {
+			steps[k.step] = true
+		}
+	}
+	for _, k := range keys {
+		e := h.entries[k]
+		if e.pins > 0 || k.job == job && k.step == step {
+			continue
+		}
+		if k.job == job && !steps[k.step] || h.used+n > h.budget {
+			h.drop(k, e)
+		}
+	}
+}
+
+func (h *hotTier) drop(k hotKey, e *hotEntry) {
+	delete(h.entries, k)
+	h.used -= e.m.DataSize
+}
+
+// committed records which attempt committed step: its shards become
+// servable, and those of other attempts go.
+func (h *hotTier) committed(job string, step int64, attempt string) {
+	if !h.enabled() {
+		return
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for k, e := range h.entries {
+		if k.job != job || k.step != step {
+			continue
+		}
+		if e.m.Attempt == attempt {
+			e.committed = true
+		} else if e.pins == 0 {
+			h.drop(k, e)
+		}
+	}
+}
+
+// get pins the committed shard of rank of step (by attempt, when not
+// empty) for copying out; release unpins it.
+func (h *hotTier) get(job string, step int64, rank int, attempt string) (e *hotEntry, release func()) {
+	if !h.enabled() {
+		return nil, nil
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	e = h.entries[hotKey{job, step, rank}]
+	if e == nil || !e.committed || attempt != "" && e.m.Attempt != attempt {
+		return nil, nil
+	}
+	e.pins++
+	return e, func() {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		e.pins--
+	}
+}
+
+// latest returns the newest committed step of job the tier holds rank's
+// shard of.
+func (h *hotTier) latest(job string, rank int) (int64, bool) {
+	if !h.enabled() {
+		return 0, false
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	best, ok := int64(0), false
+	for k, e := range h.entries {
+		if k.job == job && k.rank == rank && e.committed && (!ok || k.step > best) {
+			best, ok = k.step, true
+		}
+	}
+	return best, ok
+}
+
+// stats returns the bytes held, the budget and the shards held.
+func (h *hotTier) stats() (used, budget int64, shards int) {
+	if h == nil {
+		return 0, 0, 0
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.used, h.budget, len(h.entries)
+}
+
+// copyVerified copies e's data into dst chunk by chunk, on every CPU,
+// checking each chunk against its manifest hash: a shard served from
+// memory is checked like one read from storage.
+func (e *hotEntry) copyVerified(dst []byte) error {
+	m := e.m
+	var g errgroup.Group
+	g.SetLimit(runtime.GOMAXPROCS(0))
+	for i, c := range m.Chunks {
+		if c.RawOffset < 0 || c.Raw < 0 || c.RawOffset > int64(len(e.data))-c.Raw || int64(len(dst)) < int64(len(e.data)) {
+			return fmt.Errorf("%w: hot copy of step %d rank %d: chunk %d outside its data", ErrCorrupt, m.Step, m.Rank, i)
+		}
+		g.Go(func() error {
+			raw := e.data[c.RawOffset : c.RawOffset+c.Raw]
+			if got := codec.FormatHash(codec.Hash(raw)); got != c.Hash {
+				return fmt.Errorf("%w: hot copy of step %d rank %d: chunk %d hash %s, want %s", ErrCorrupt, m.Step, m.Rank, i, got, c.Hash)
+			}
+			copy(dst[c.RawOffset:], raw)
+			return nil
+		})
+	}
+	return g.Wait()
+}

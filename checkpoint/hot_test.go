@@ -1,0 +1,99 @@
+package checkpoint
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"testing"
+
+	"github.com/ckptd/ckptd/storage"
+	"github.com/ckptd/ckptd/storage/faulty"
+	"github.com/ckptd/ckptd/storage/memstore"
+)
+
+// hotSave saves and commits step (one rank) and returns its bytes.
+func hotSave(t *testing.T, mgr *Manager, a arenaBytes, step int64) []byte {
+	t.Helper()
+	data := bytes.Repeat([]byte{byte(step)}, 100_000)
+	tg := Target{Job: "job", Step: step, WorldSize: 1, Attempt: "a"}
+	saveBytesTo(t, mgr, a, tg, data)
+	if res := settled(t, mgr, tg); res.State != StateCommitted {
+		t.Fatalf("step %d: %s (%v)", step, res.State, res.Err)
+	}
+	return data
+}
+
+// restoreBytes restores rank 0 of step (latest: the newest) and returns
+// its bytes.
+func restoreBytes(mgr *Manager, a arenaBytes, step int64, latest bool) ([]byte, int64, error) {
+	info, h, err := mgr.BeginRestore(context.Background(), Owner{}, "job", step, latest, 0)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer mgr.Release(Owner{}, info.ID)
+	return bytes.Clone(a.Bytes()[info.Offset : info.Offset+h.Size]), h.Step, nil
+}
+
+// The newest steps restore from memory: no data object is read, and they
+// restore with storage down (the newest for latest); older steps and a
+// daemon without a hot tier read storage.
+func TestHotTier(t *testing.T) {
+	b := faulty.New(memstore.New())
+	mgr, a := newManagerOn(t, b, ManagerConfig{HotBytes: 1 << 20, HotSteps: 2})
+	var saved [4][]byte
+	for step := int64(1); step <= 3; step++ {
+		saved[step] = hotSave(t, mgr, a, step)
+	}
+	dataGets := b.Inject(faulty.Fault{Kind: faulty.Fail, Ops: faulty.OpGet, Name: "job/steps/*/a/rank-*.data"})
+	for step := int64(2); step <= 3; step++ {
+		got, _, err := restoreBytes(mgr, a, step, false)
+		if err != nil || !bytes.Equal(got, saved[step]) {
+			t.Fatalf("hot step %d: %v", step, err)
+		}
+	}
+	if dataGets.Hits() != 0 {
+		t.Fatalf("hot restores read %d data objects", dataGets.Hits())
+	}
+	if _, _, err := restoreBytes(mgr, a, 1, false); !errors.Is(err, storage.ErrUnavailable) {
+		t.Fatalf("step 1, evicted (2 hot steps), restored without storage: %v", err)
+	}
+	dataGets.Remove()
+
+	b.Outage(faulty.OpAll)
+	if got, step, err := restoreBytes(mgr, a, 0, true); err != nil || step != 3 || !bytes.Equal(got, saved[3]) {
+		t.Fatalf("latest with storage down: step %d, %v", step, err)
+	}
+	if got, _, err := restoreBytes(mgr, a, 2, false); err != nil || !bytes.Equal(got, saved[2]) {
+		t.Fatalf("step 2 with storage down: %v", err)
+	}
+	b.Clear()
+
+	cold, ca := newManagerOn(t, b, ManagerConfig{})
+	hotSave(t, cold, ca, 4)
+	b.Outage(faulty.OpAll)
+	if _, _, err := restoreBytes(cold, ca, 4, false); !errors.Is(err, storage.ErrUnavailable) {
+		t.Fatalf("no hot tier, storage down: %v", err)
+	}
+}
+
+// A hot copy that no longer matches its chunk hashes is refused as
+// corrupt, like damaged storage; a shard larger than the budget is not
+// kept.
+func TestHotTierVerifies(t *testing.T) {
+	b := memstore.New()
+	mgr, a := newManagerOn(t, b, ManagerConfig{HotBytes: 150_000})
+	hotSave(t, mgr, a, 1)
+	mgr.hot.mu.Lock()
+	mgr.hot.entries[hotKey{"job", 1, 0}].data[10] ^= 1
+	mgr.hot.mu.Unlock()
+	if _, _, err := restoreBytes(mgr, a, 1, false); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("a damaged hot copy: %v", err)
+	}
+	big := bytes.Repeat([]byte{7}, 200_000)
+	tg := Target{Job: "job", Step: 2, WorldSize: 1, Attempt: "a"}
+	saveBytesTo(t, mgr, a, tg, big)
+	settled(t, mgr, tg)
+	if used, _, _ := mgr.hot.stats(); used > 150_000 {
+		t.Fatalf("hot tier holds %d bytes over its 150000 budget", used)
+	}
+}
