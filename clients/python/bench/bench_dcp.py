@@ -1,0 +1,283 @@
+"""Benchmark: torch.distributed.checkpoint through ckptd.dcp against DCP's own storage.
+
+WORLD processes (gloo on the CPU) each hold a Shard(0) DTensor piece of the
+same model state plus its AdamW state (exp_avg, exp_avg_sq: 3x the
+weights, float32, random), SIZE in all, and save it, one after the other,
+to the same local disk:
+
+    memcpy           a copy of the rank's tensors into fresh memory: the floor
+    dcp async        dcp.async_save with DCP's default stager (a CPU copy)
+                     and FileSystemWriter, the thread-based checkpointer
+    dcp async proc   the same with the process-based checkpointer
+    ckptd.dcp async  dcp.async_save with ckptd.dcp.Writer (stage() copies
+                     into the daemon's arena)
+    dcp save         dcp.save with FileSystemWriter (blocks until written)
+    ckptd.dcp save   dcp.save with ckptd.dcp.Writer (blocks until committed)
+
+Per method: the trainer's blocking time (async_save or save returning,
+the slowest rank), the time until durable (the future's result; for
+dcp.save the same), and the bytes it wrote. Then dcp.load of the saved
+checkpoints by WORLD and by WORLD/2 processes (resharding), FileSystemReader
+against ckptd.dcp.Reader. Prints a table of ratios to the memcpy (saves)
+and to dcp.load (loads). Absolute numbers on a shared machine are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[3]
+MiB = 1 << 20
+LAYERS = 8
+
+
+def parse_args() -> argparse.Namespace:
+    """Parse the command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-mib", type=int, default=1024, help="model + AdamW state, all ranks")
+    p.add_argument("--world", type=int, default=4, help="processes that save")
+    p.add_argument(
+        "--dir", default=str(REPO / ".bench" / "dcp"), help="folder on the disk to benchmark"
+    )
+    p.add_argument("--ckptd", default=None, help="a ckptd binary (default: go build one)")
+    p.add_argument("--no-process", action="store_true", help="skip the process-based checkpointer")
+    p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # mode rank world init out
+    return p.parse_args()
+
+
+# ---- one rank -----------------------------------------------------------
+
+
+def state(world: int, size_mib: int) -> dict[str, Any]:
+    """This rank's DTensor pieces of the model and its AdamW state (3 tensors a layer)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    # Global rows a multiple of 4, so that 4, 2 and 1 ranks hold equal pieces.
+    rows = max(4, size_mib * MiB // 4 // 3 // LAYERS // 1024 // 4 * 4) // world  # per rank
+    model, optim = {}, {}
+    torch.manual_seed(mesh.get_rank())
+
+    def piece() -> DTensor:
+        # Every rank makes only its own rows: no full tensor in memory.
+        return DTensor.from_local(torch.randn(rows, 1024), mesh, [Shard(0)], run_check=False)
+
+    for i in range(LAYERS):
+        name = f"layers.{i}.weight"
+        model[name] = piece()
+        optim[name] = {"exp_avg": piece(), "exp_avg_sq": piece(), "step": torch.tensor(2.0)}
+    return {"model": model, "optim": {"state": optim, "param_groups": [{"lr": 1e-3}]}}
+
+
+def local_bytes(sd: dict[str, Any]) -> int:
+    """Bytes of this rank's pieces."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    n = 0
+    stack: list[Any] = [sd]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, DTensor):
+            n += x.to_local().nbytes
+        elif isinstance(x, torch.Tensor):
+            n += x.nbytes
+    return n
+
+
+def du(path: Path) -> int:
+    """Bytes of the files under path."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
+    """One rank: time every method (mode save) or every load (mode load)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    import ckptd
+    import ckptd.dcp
+
+    cfg = json.loads(Path(out, "config.json").read_text())
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    sd = state(world, cfg["size_mib"])
+    disk = Path(cfg["dir"])
+    res: dict[str, Any] = {"bytes": local_bytes(sd)}
+    client = ckptd.Client(cfg["socket"])
+
+    def timed(name: str, start: Any, finish: Any = None) -> None:
+        dist.barrier()
+        t0 = time.perf_counter()
+        handle = start()
+        t1 = time.perf_counter()
+        if finish is not None:
+            finish(handle)
+        t2 = time.perf_counter()
+        dist.barrier()
+        res[name] = {"block": t1 - t0, "durable": t2 - t0}
+
+    if mode == "save":
+        copies = {}
+
+        def memcpy() -> None:
+            for k, t in sd["model"].items():
+                copies[k] = t.to_local().clone()
+                for s in ("exp_avg", "exp_avg_sq"):
+                    copies[k + s] = sd["optim"]["state"][k][s].to_local().clone()
+
+        timed("memcpy", memcpy)
+        copies.clear()
+        timed(
+            "dcp async",
+            lambda: dcp.async_save(sd, checkpoint_id=str(disk / "dcp_async")),
+            lambda f: f.result(),
+        )
+        if not cfg["no_process"]:
+            timed(
+                "dcp async proc",
+                lambda: dcp.async_save(
+                    sd,
+                    checkpoint_id=str(disk / "dcp_async_proc"),
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                ),
+                lambda f: f.result(),
+            )
+        timed(
+            "ckptd.dcp async",
+            lambda: dcp.async_save(sd, storage_writer=ckptd.dcp.Writer(client, 1)),
+            lambda f: f.result(),
+        )
+        timed("dcp save", lambda: dcp.save(sd, checkpoint_id=str(disk / "dcp_sync")))
+        timed("ckptd.dcp save", lambda: dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, 2)))
+    else:
+        for name, reader in (
+            ("dcp load", lambda: dcp.FileSystemReader(str(disk / "dcp_sync"))),
+            ("ckptd.dcp load", lambda: ckptd.dcp.Reader(client, 2)),
+        ):
+            timed(name, lambda r=reader: dcp.load(sd, storage_reader=r()))
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, res)
+    if rank == 0:
+        Path(out, f"{mode}-{world}.json").write_text(json.dumps(every))
+    client.close()
+    dist.destroy_process_group()
+
+
+# ---- the driver ---------------------------------------------------------
+
+
+def launch(mode: str, world: int, out: Path) -> list[dict[str, Any]]:
+    """Run world ranks of this script in mode; their results."""
+    init = out / f"init-{mode}-{world}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("CKPTD_ATTEMPT", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", mode, str(r), str(world), str(init), str(out)],
+            env=env,
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        if p.wait() != 0:
+            for q in procs:
+                q.kill()
+            sys.exit(f"{mode} at {world} ranks failed")
+    result: list[dict[str, Any]] = json.loads((out / f"{mode}-{world}.json").read_text())
+    return result
+
+
+def table(saves: list[dict[str, Any]], written: dict[str, int], loads: dict[int, Any]) -> str:
+    """The report: slowest rank per method, ratios to memcpy and to dcp.load."""
+
+    def worst(runs: list[dict[str, Any]], name: str, key: str) -> float:
+        return max(r[name][key] for r in runs)
+
+    base = worst(saves, "memcpy", "block")
+    total = sum(r["bytes"] for r in saves)
+    lines = [
+        f"state: {total / MiB:.0f} MiB over {len(saves)} ranks; memcpy of a rank's "
+        f"bytes {base * 1e3:.0f} ms (slowest rank)",
+        "",
+        f"{'method':<18}{'blocking':>10}{'x memcpy':>10}{'durable':>10}{'x memcpy':>10}"
+        f"{'written MiB':>13}",
+    ]
+    for name in ("memcpy", "dcp async", "dcp async proc", "ckptd.dcp async", "dcp save",
+                 "ckptd.dcp save"):  # fmt: skip
+        if name not in saves[0]:
+            continue
+        b, d = worst(saves, name, "block"), worst(saves, name, "durable")
+        w = f"{written[name] / MiB:.0f}" if name in written else "-"
+        lines.append(
+            f"{name:<18}{b * 1e3:>8.0f}ms{b / base:>10.2f}{d * 1e3:>8.0f}ms{d / base:>10.2f}{w:>13}"
+        )
+    lines += ["", f"{'load':<22}{'time':>10}{'x dcp.load':>12}"]
+    for world, runs in loads.items():
+        ref = worst(runs, "dcp load", "durable")
+        for name in ("dcp load", "ckptd.dcp load"):
+            t = worst(runs, name, "durable")
+            lines.append(f"{f'{name} at {world}':<22}{t * 1e3:>8.0f}ms{t / ref:>12.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Build, serve, run the saves and the loads, print the table."""
+    args = parse_args()
+    if args.worker:
+        mode, rank, world, init, out = args.worker
+        worker(mode, int(rank), int(world), init, out)
+        return
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _serve import serve
+
+    import ckptd
+
+    disk = Path(args.dir)
+    shutil.rmtree(disk, ignore_errors=True)
+    disk.mkdir(parents=True)
+    out = Path(tempfile.mkdtemp(prefix="bench-dcp-"))
+    binary = args.ckptd
+    if binary is None:
+        binary = str(out / "ckptd")
+        subprocess.run(["go", "build", "-o", binary, "./cmd/ckptd"], cwd=REPO, check=True)
+    staging = f"{args.size_mib * 3 // 2 + 64}MiB"
+    store = disk / "ckptd"
+    with serve(binary, "dcp", "--storage", str(store), "--staging-bytes", staging) as sock:
+        cfg = {"size_mib": args.size_mib, "dir": str(disk), "socket": sock}
+        cfg["no_process"] = args.no_process
+        (out / "config.json").write_text(json.dumps(cfg))
+        saves = launch("save", args.world, out)
+        with ckptd.Client(sock) as c:
+            stored = {s.step: s.stored_bytes for s in c.steps("bench")}
+        written = {
+            "dcp async": du(disk / "dcp_async"),
+            "dcp save": du(disk / "dcp_sync"),
+            "ckptd.dcp async": stored.get(1, 0),
+            "ckptd.dcp save": stored.get(2, 0),
+        }
+        if not args.no_process:
+            written["dcp async proc"] = du(disk / "dcp_async_proc")
+        loads = {w: launch("load", w, out) for w in (args.world, max(1, args.world // 2))}
+    print(table(saves, written, loads))
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(disk, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
