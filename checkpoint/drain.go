@@ -252,9 +252,17 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.T
 	}
 	// After the commit, so as not to delay it: the copy takes a while for a
 	// large shard. It is marked committed if the commit was this one's.
-	mgr.hot.add(m, l.layout, mgr.arena.Bytes()[l.region.Offset:l.region.Offset+l.size])
-	if res, _, _ := mgr.status(&saveKey{t.Job, t.Step, t.Rank, t.Attempt}); res.State == StateCommitted {
+	region := mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size]
+	data := mgr.hot.add(m, l.layout, region)
+	res, _, _ := mgr.status(&saveKey{t.Job, t.Step, t.Rank, t.Attempt})
+	if res.State == StateCommitted {
 		mgr.hot.committed(t.Job, t.Step, t.Attempt)
+	}
+	if mgr.cfg.Peers != nil {
+		if data == nil {
+			data = pack(l.layout, region)
+		}
+		mgr.replicate(m, data, res.State == StateCommitted)
 	}
 	mgr.endDrain(l, StateDurable, nil)
 }

@@ -49,14 +49,30 @@ func (h *hotTier) enabled() bool { return h != nil && h.budget > 0 }
 // add keeps a durable shard, packed from its staging region, if it fits:
 // older steps of its job beyond Steps go, then the oldest steps of any job
 // until it fits. A shard that cannot fit is not kept.
-func (h *hotTier) add(m *Manifest, layout *Layout, region []byte) {
+func (h *hotTier) add(m *Manifest, layout *Layout, region []byte) []byte {
 	if !h.enabled() || m.DataSize > h.budget {
-		return
+		return nil
 	}
-	data := make([]byte, m.DataSize)
+	data := pack(layout, region)
+	h.insert(m, data, false)
+	return data
+}
+
+// pack copies a staged shard's tensors from its region into data space.
+func pack(layout *Layout, region []byte) []byte {
+	data := make([]byte, layout.DataSize)
 	for i, p := range layout.Packed {
 		r := layout.Region[i]
 		copy(data[p.Offset:p.Offset+p.Length], region[r.Offset:r.Offset+r.Length])
+	}
+	return data
+}
+
+// insert keeps data, m's data space, making room as add says; it reports
+// whether it did.
+func (h *hotTier) insert(m *Manifest, data []byte, committed bool) bool {
+	if !h.enabled() || m.DataSize > h.budget {
+		return false
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -65,14 +81,15 @@ func (h *hotTier) add(m *Manifest, layout *Layout, region []byte) {
 		h.drop(k, old)
 	}
 	if h.entries[k] != nil {
-		return // the old one is being copied out; keep it
+		return false // the old one is being copied out; keep it
 	}
 	h.evict(m.Job, m.Step, m.DataSize)
 	if h.used+m.DataSize > h.budget {
-		return
+		return false
 	}
-	h.entries[k] = &hotEntry{m: m, data: data}
+	h.entries[k] = &hotEntry{m: m, data: data, committed: committed}
 	h.used += m.DataSize
+	return true
 }
 
 // evict makes room for n bytes of step of job. Call with mu.
@@ -134,6 +151,26 @@ func (h *hotTier) get(job string, step int64, rank int, attempt string) (e *hotE
 	defer h.mu.Unlock()
 	e = h.entries[hotKey{job, step, rank}]
 	if e == nil || !e.committed || attempt != "" && e.m.Attempt != attempt {
+		return nil, nil
+	}
+	e.pins++
+	return e, func() {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		e.pins--
+	}
+}
+
+// getAny is get for a peer: committed or not (the asking sidecar checks
+// the commit record), of attempt when not empty.
+func (h *hotTier) getAny(job string, step int64, rank int, attempt string) (e *hotEntry, release func()) {
+	if !h.enabled() {
+		return nil, nil
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	e = h.entries[hotKey{job, step, rank}]
+	if e == nil || attempt != "" && e.m.Attempt != attempt || attempt == "" && !e.committed {
 		return nil, nil
 	}
 	e.pins++

@@ -45,10 +45,13 @@ type ManagerConfig struct {
 	// they drain, so that a restore of one of them reads no storage.
 	HotBytes int64
 	HotSteps int
-	Writer   WriterOptions
-	Read     ReadOptions
-	Metrics  *Metrics
-	Logger   *slog.Logger
+	// Peers, when set, gets every drained shard to keep replicas of (see
+	// Peers), and is asked for a shard the hot tier lacks before storage.
+	Peers   Peers
+	Writer  WriterOptions
+	Read    ReadOptions
+	Metrics *Metrics
+	Logger  *slog.Logger
 	// DrainDelay delays every drain; tests use it to crash the daemon
 	// while a save is accepted but not yet durable.
 	DrainDelay time.Duration
@@ -114,6 +117,7 @@ type Manager struct {
 
 	restores chan struct{} // a slot per restore reading from storage (Restores)
 	hot      *hotTier
+	fetching chan struct{} // one shard fetched from peers at a time
 
 	ctx      context.Context // cancelled to abandon drains at shutdown
 	cancel   context.CancelFunc
@@ -137,7 +141,7 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 		cfg: cfg, arena: a, b: b, w: w, log: cfg.Logger, m: cfg.Metrics,
 		leases: newLeaseTable(cfg.TableBudget, cfg.Metrics.TableBytes), saves: map[saveKey]*saveStatus{},
 		queue: drainQueue{wake: make(chan struct{}, 1)}, restores: make(chan struct{}, cfg.Restores),
-		hot: newHotTier(cfg.HotBytes, cfg.HotSteps),
+		hot: newHotTier(cfg.HotBytes, cfg.HotSteps), fetching: make(chan struct{}, 1),
 	}
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
 	if err := mgr.recover(); err != nil {

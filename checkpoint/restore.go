@@ -96,6 +96,10 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64,
 			mgr.log.Warn("storage does not answer; restoring from the hot tier", "job", store.Job, "step", step, "rank", rank, "err", err)
 			return restoreSource{m: e.m, hot: e, release: release}, nil
 		}
+		if src, ok := mgr.fromPeers(ctx, store.Job, step, rank, ""); found && ok {
+			mgr.log.Warn("storage does not answer; restoring from a peer's replica", "job", store.Job, "step", step, "rank", rank, "err", err)
+			return src, nil
+		}
 	}
 	if err != nil {
 		return restoreSource{}, err
@@ -104,11 +108,42 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64,
 	if e, release := mgr.hot.get(store.Job, rec.Step, rank, rec.Attempt); e != nil {
 		return restoreSource{m: e.m, hot: e, release: release}, nil
 	}
+	if src, ok := mgr.fromPeers(ctx, store.Job, rec.Step, rank, rec.Attempt); ok {
+		return src, nil
+	}
 	m, err := store.Manifest(ctx, rec, rank)
 	if err != nil {
 		return restoreSource{}, err
 	}
 	return restoreSource{m: m, release: func() {}}, nil
+}
+
+// fromPeers fetches a shard from the peers that keep its rank's replicas,
+// if there are any and one has it (a node's trainer restarted on another
+// node reads no storage data). The caller verifies it like any other.
+func (mgr *Manager) fromPeers(ctx context.Context, job string, step int64, rank int, attempt string) (restoreSource, bool) {
+	if mgr.cfg.Peers == nil {
+		return restoreSource{}, false
+	}
+	select { // one fetched shard in memory at a time (--hot-bytes at most): see the memory ceiling
+	case mgr.fetching <- struct{}{}:
+	case <-ctx.Done():
+		return restoreSource{}, false
+	}
+	done := func() { <-mgr.fetching }
+	m, data, err := mgr.cfg.Peers.Fetch(ctx, job, step, rank, attempt, mgr.cfg.HotBytes)
+	if err != nil {
+		done()
+		mgr.log.Debug("no replica from peers", "job", job, "step", step, "rank", rank, "err", err)
+		return restoreSource{}, false
+	}
+	if m.Job != job || m.Step != step || m.Rank != rank || attempt != "" && m.Attempt != attempt || int64(len(data)) != m.DataSize {
+		done()
+		mgr.log.Warn("a peer answered with another shard; ignored", "want_step", step, "want_rank", rank, "got", m.Target())
+		return restoreSource{}, false
+	}
+	mgr.log.Info("restoring from a peer's replica", "target", m.Target())
+	return restoreSource{m: m, hot: &hotEntry{m: m, data: data}, release: done}, true
 }
 
 // fill writes the shard's bytes into dst, verified against its chunk

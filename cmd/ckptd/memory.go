@@ -24,7 +24,11 @@ func memoryCeiling(o *serveOptions, prefetchCeiling int64) int64 {
 	drainBuffers := 4 * int64(o.Workers) * 2 * int64(o.ChunkSize)
 	s3Parts := int64(o.Drains) * 8 * (16 << 20)
 	restores := int64(o.Restores) * (restoreReads*2*int64(o.ChunkSize) + restoreManifest)
-	return int64(o.TableBytes) + drainBuffers + s3Parts + restores + int64(o.HotBytes) + prefetchCeiling + memoryHeadroom
+	hot := int64(o.HotBytes)
+	if len(o.Peers) > 0 { // one replica being received and one being fetched, each up to --hot-bytes
+		hot *= 3
+	}
+	return int64(o.TableBytes) + drainBuffers + s3Parts + restores + hot + prefetchCeiling + memoryHeadroom
 }
 
 // restoreReads is checkpoint.ReadOptions.Concurrency's default, the

@@ -26,6 +26,7 @@ import (
 	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/peercred"
+	"github.com/ckptd/ckptd/internal/peers"
 	"github.com/ckptd/ckptd/internal/server"
 	"github.com/ckptd/ckptd/prefetch"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
@@ -60,6 +61,7 @@ type serveOptions struct {
 	PrintMemory  bool
 	HotBytes     byteSize
 	HotSteps     int
+	peerOptions
 }
 
 func newServeCmd() *cobra.Command {
@@ -73,6 +75,7 @@ func newServeCmd() *cobra.Command {
 	}
 	fs := cmd.Flags()
 	o.storageOptions.register(fs)
+	o.peerOptions.register(fs)
 	fs.StringVar(&o.Socket, "socket", "", "unix socket to listen on (default $CKPTD_SOCKET, else $XDG_RUNTIME_DIR/ckptd.sock, else /tmp/ckptd-<uid>/ckptd.sock)")
 	fs.StringVar(&o.SocketGroup, "socket-group", "", "group (name or gid) whose members may use the socket and map the arena, besides its owner")
 	fs.StringVar(&o.ArenaDir, "arena-dir", "", "shared-memory folder of the staging arena (default /dev/shm/ckptd-<uid>-<hash of socket path>, or a fresh name recorded next to the socket if another user holds that one)")
@@ -140,6 +143,15 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	if o.PrintMemory {
 		return printMemory(o, out)
 	}
+	peerClient, peerCreds, err := o.peerOptions.setup(int64(o.HotBytes), log)
+	if err != nil {
+		return usageError{err}
+	}
+	var replicas checkpoint.Peers // nil unless configured: a nil *peers.Client is not
+	if peerClient != nil {
+		replicas = peerClient
+		defer peerClient.Close()
+	}
 	var undo undoStack
 	fail := func(err error) error {
 		undo.run()
@@ -181,7 +193,7 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mgr, err := checkpoint.NewManager(server.CheckpointArena(a), b, checkpoint.ManagerConfig{
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes), ReuseFence: o.ReuseFence,
-		Drains: o.Drains, Restores: o.Restores, HotBytes: int64(o.HotBytes), HotSteps: o.HotSteps, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
+		Drains: o.Drains, Restores: o.Restores, HotBytes: int64(o.HotBytes), HotSteps: o.HotSteps, Peers: replicas, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
 	})
 	if err == nil {
@@ -194,6 +206,16 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	}
 	if err != nil {
 		return fail(err)
+	}
+	stopPeers := func() {}
+	if peerClient != nil {
+		addr, stop, perr := peers.Listen(o.peerOptions.Listen, peerCreds, peers.NewServer(mgr, int64(o.HotBytes)))
+		if perr != nil {
+			return fail(perr)
+		}
+		undo.push(stop)
+		stopPeers = stop
+		log.Info("peers: serving replicas", "listen", addr, "peers", o.Peers, "replicas", o.Replicas, "tls", peerCreds.Info().SecurityProtocol)
 	}
 	pcfg := o.prefetchConfig()
 	pcfg.Logger, pcfg.Metrics = log, prefetch.NewMetrics(reg)
@@ -244,6 +266,7 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	stopReady()
 	hs.Shutdown() // NOT_SERVING while draining
 	stopGRPC(srv, 5*time.Second)
+	stopPeers()
 	pf.Close()
 	removed, err := shutdown(mgr, a, o.Grace, err)
 	if removed {

@@ -2719,6 +2719,222 @@ func (x *DatasetState) GetStats() *PrefetchStats {
 	return nil
 }
 
+type ReplicaHeader struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ManifestSize  uint64                 `protobuf:"varint,1,opt,name=manifest_size,json=manifestSize,proto3" json:"manifest_size,omitempty"` // bytes of the manifest (JSON, format ckptd.manifest)
+	DataSize      uint64                 `protobuf:"varint,2,opt,name=data_size,json=dataSize,proto3" json:"data_size,omitempty"`             // bytes of data space that follow it
+	Committed     bool                   `protobuf:"varint,3,opt,name=committed,proto3" json:"committed,omitempty"`                           // the step is committed by the manifest's attempt
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplicaHeader) Reset() {
+	*x = ReplicaHeader{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplicaHeader) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplicaHeader) ProtoMessage() {}
+
+func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplicaHeader.ProtoReflect.Descriptor instead.
+func (*ReplicaHeader) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *ReplicaHeader) GetManifestSize() uint64 {
+	if x != nil {
+		return x.ManifestSize
+	}
+	return 0
+}
+
+func (x *ReplicaHeader) GetDataSize() uint64 {
+	if x != nil {
+		return x.DataSize
+	}
+	return 0
+}
+
+func (x *ReplicaHeader) GetCommitted() bool {
+	if x != nil {
+		return x.Committed
+	}
+	return false
+}
+
+type ReplicaPiece struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Header        *ReplicaHeader         `protobuf:"bytes,1,opt,name=header,proto3" json:"header,omitempty"` // in the first piece only
+	Data          []byte                 `protobuf:"bytes,2,opt,name=data,proto3" json:"data,omitempty"`     // the manifest, then the data space
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplicaPiece) Reset() {
+	*x = ReplicaPiece{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplicaPiece) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplicaPiece) ProtoMessage() {}
+
+func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplicaPiece.ProtoReflect.Descriptor instead.
+func (*ReplicaPiece) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *ReplicaPiece) GetHeader() *ReplicaHeader {
+	if x != nil {
+		return x.Header
+	}
+	return nil
+}
+
+func (x *ReplicaPiece) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+type PutReplicaResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PutReplicaResponse) Reset() {
+	*x = PutReplicaResponse{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PutReplicaResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PutReplicaResponse) ProtoMessage() {}
+
+func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PutReplicaResponse.ProtoReflect.Descriptor instead.
+func (*PutReplicaResponse) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
+}
+
+type GetReplicaRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Job           string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
+	Step          int64                  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
+	Rank          int32                  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
+	Attempt       string                 `protobuf:"bytes,4,opt,name=attempt,proto3" json:"attempt,omitempty"` // empty: whichever committed attempt the peer holds
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetReplicaRequest) Reset() {
+	*x = GetReplicaRequest{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetReplicaRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetReplicaRequest) ProtoMessage() {}
+
+func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetReplicaRequest.ProtoReflect.Descriptor instead.
+func (*GetReplicaRequest) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *GetReplicaRequest) GetJob() string {
+	if x != nil {
+		return x.Job
+	}
+	return ""
+}
+
+func (x *GetReplicaRequest) GetStep() int64 {
+	if x != nil {
+		return x.Step
+	}
+	return 0
+}
+
+func (x *GetReplicaRequest) GetRank() int32 {
+	if x != nil {
+		return x.Rank
+	}
+	return 0
+}
+
+func (x *GetReplicaRequest) GetAttempt() string {
+	if x != nil {
+		return x.Attempt
+	}
+	return ""
+}
+
 var File_ckptd_v1_ckptd_proto protoreflect.FileDescriptor
 
 const file_ckptd_v1_ckptd_proto_rawDesc = "" +
@@ -2920,7 +3136,20 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"world_size\x18\x04 \x01(\x05R\tworldSize\x12\x14\n" +
 	"\x05epoch\x18\x05 \x01(\x03R\x05epoch\x12!\n" +
 	"\fidle_seconds\x18\x06 \x01(\x01R\vidleSeconds\x12-\n" +
-	"\x05stats\x18\a \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats*\xa0\x01\n" +
+	"\x05stats\x18\a \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats\"o\n" +
+	"\rReplicaHeader\x12#\n" +
+	"\rmanifest_size\x18\x01 \x01(\x04R\fmanifestSize\x12\x1b\n" +
+	"\tdata_size\x18\x02 \x01(\x04R\bdataSize\x12\x1c\n" +
+	"\tcommitted\x18\x03 \x01(\bR\tcommitted\"S\n" +
+	"\fReplicaPiece\x12/\n" +
+	"\x06header\x18\x01 \x01(\v2\x17.ckptd.v1.ReplicaHeaderR\x06header\x12\x12\n" +
+	"\x04data\x18\x02 \x01(\fR\x04data\"\x14\n" +
+	"\x12PutReplicaResponse\"g\n" +
+	"\x11GetReplicaRequest\x12\x10\n" +
+	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
+	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x12\n" +
+	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x18\n" +
+	"\aattempt\x18\x04 \x01(\tR\aattempt*\xa0\x01\n" +
 	"\tSaveState\x12\x1a\n" +
 	"\x16SAVE_STATE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11SAVE_STATE_STAGED\x10\x01\x12\x17\n" +
@@ -2947,7 +3176,12 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\tNextBatch\x12\x1a.ckptd.v1.NextBatchRequest\x1a\x1b.ckptd.v1.NextBatchResponse\x12M\n" +
 	"\fCloseDataset\x12\x1d.ckptd.v1.CloseDatasetRequest\x1a\x1e.ckptd.v1.CloseDatasetResponse2I\n" +
 	"\x06Daemon\x12?\n" +
-	"\tGetStatus\x12\x1a.ckptd.v1.GetStatusRequest\x1a\x16.ckptd.v1.DaemonStatusB/Z-github.com/ckptd/ckptd/proto/ckptd/v1;ckptdv1b\x06proto3"
+	"\tGetStatus\x12\x1a.ckptd.v1.GetStatusRequest\x1a\x16.ckptd.v1.DaemonStatus2\x91\x01\n" +
+	"\x04Peer\x12D\n" +
+	"\n" +
+	"PutReplica\x12\x16.ckptd.v1.ReplicaPiece\x1a\x1c.ckptd.v1.PutReplicaResponse(\x01\x12C\n" +
+	"\n" +
+	"GetReplica\x12\x1b.ckptd.v1.GetReplicaRequest\x1a\x16.ckptd.v1.ReplicaPiece0\x01B/Z-github.com/ckptd/ckptd/proto/ckptd/v1;ckptdv1b\x06proto3"
 
 var (
 	file_ckptd_v1_ckptd_proto_rawDescOnce sync.Once
@@ -2962,7 +3196,7 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 }
 
 var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 41)
+var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 45)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(SaveState)(0),                // 0: ckptd.v1.SaveState
 	(*GetArenaRequest)(nil),       // 1: ckptd.v1.GetArenaRequest
@@ -3005,7 +3239,11 @@ var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(*SaveActivity)(nil),          // 38: ckptd.v1.SaveActivity
 	(*LeaseState)(nil),            // 39: ckptd.v1.LeaseState
 	(*DatasetState)(nil),          // 40: ckptd.v1.DatasetState
-	nil,                           // 41: ckptd.v1.DaemonStatus.ErrorsEntry
+	(*ReplicaHeader)(nil),         // 41: ckptd.v1.ReplicaHeader
+	(*ReplicaPiece)(nil),          // 42: ckptd.v1.ReplicaPiece
+	(*PutReplicaResponse)(nil),    // 43: ckptd.v1.PutReplicaResponse
+	(*GetReplicaRequest)(nil),     // 44: ckptd.v1.GetReplicaRequest
+	nil,                           // 45: ckptd.v1.DaemonStatus.ErrorsEntry
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	4,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
@@ -3029,44 +3267,49 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	38, // 18: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
 	39, // 19: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
 	40, // 20: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
-	41, // 21: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	45, // 21: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
 	36, // 22: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
 	4,  // 23: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
 	4,  // 24: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
 	30, // 25: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
-	1,  // 26: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
-	5,  // 27: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
-	8,  // 28: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
-	10, // 29: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
-	13, // 30: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
-	14, // 31: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
-	16, // 32: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
-	19, // 33: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
-	19, // 34: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
-	23, // 35: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
-	25, // 36: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
-	27, // 37: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
-	32, // 38: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
-	34, // 39: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
-	2,  // 40: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	7,  // 41: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	9,  // 42: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	11, // 43: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	9,  // 44: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	15, // 45: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	18, // 46: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	21, // 47: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	22, // 48: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	24, // 49: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	26, // 50: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	31, // 51: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	33, // 52: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	35, // 53: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
-	40, // [40:54] is the sub-list for method output_type
-	26, // [26:40] is the sub-list for method input_type
-	26, // [26:26] is the sub-list for extension type_name
-	26, // [26:26] is the sub-list for extension extendee
-	0,  // [0:26] is the sub-list for field type_name
+	41, // 26: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
+	1,  // 27: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
+	5,  // 28: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
+	8,  // 29: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
+	10, // 30: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
+	13, // 31: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
+	14, // 32: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
+	16, // 33: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
+	19, // 34: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
+	19, // 35: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
+	23, // 36: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
+	25, // 37: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
+	27, // 38: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
+	32, // 39: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
+	34, // 40: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
+	42, // 41: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
+	44, // 42: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
+	2,  // 43: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	7,  // 44: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	9,  // 45: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	11, // 46: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	9,  // 47: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	15, // 48: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	18, // 49: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	21, // 50: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	22, // 51: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	24, // 52: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	26, // 53: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	31, // 54: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	33, // 55: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	35, // 56: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	43, // 57: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
+	42, // 58: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
+	43, // [43:59] is the sub-list for method output_type
+	27, // [27:43] is the sub-list for method input_type
+	27, // [27:27] is the sub-list for extension type_name
+	27, // [27:27] is the sub-list for extension extendee
+	0,  // [0:27] is the sub-list for field type_name
 }
 
 func init() { file_ckptd_v1_ckptd_proto_init() }
@@ -3088,9 +3331,9 @@ func file_ckptd_v1_ckptd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   41,
+			NumMessages:   45,
 			NumExtensions: 0,
-			NumServices:   3,
+			NumServices:   4,
 		},
 		GoTypes:           file_ckptd_v1_ckptd_proto_goTypes,
 		DependencyIndexes: file_ckptd_v1_ckptd_proto_depIdxs,

@@ -819,3 +819,155 @@ var Daemon_ServiceDesc = grpc.ServiceDesc{
 	Streams:  []grpc.StreamDesc{},
 	Metadata: "ckptd/v1/ckptd.proto",
 }
+
+const (
+	Peer_PutReplica_FullMethodName = "/ckptd.v1.Peer/PutReplica"
+	Peer_GetReplica_FullMethodName = "/ckptd.v1.Peer/GetReplica"
+)
+
+// PeerClient is the client API for Peer service.
+//
+// For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
+//
+// Peer is the sidecars' service to each other, on TCP with mutual TLS:
+// a sidecar sends each drained shard to the peers that keep its rank's
+// replicas, and a sidecar whose hot tier lacks a shard asks them for it.
+type PeerClient interface {
+	// PutReplica stores a shard in the peer's hot tier: a ReplicaHeader,
+	// then the manifest's bytes and the shard's data space, in pieces.
+	PutReplica(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[ReplicaPiece, PutReplicaResponse], error)
+	// GetReplica returns a shard the peer holds, as PutReplica sends one;
+	// NOT_FOUND when it holds none.
+	GetReplica(ctx context.Context, in *GetReplicaRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[ReplicaPiece], error)
+}
+
+type peerClient struct {
+	cc grpc.ClientConnInterface
+}
+
+func NewPeerClient(cc grpc.ClientConnInterface) PeerClient {
+	return &peerClient{cc}
+}
+
+func (c *peerClient) PutReplica(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[ReplicaPiece, PutReplicaResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Peer_ServiceDesc.Streams[0], Peer_PutReplica_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[ReplicaPiece, PutReplicaResponse]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Peer_PutReplicaClient = grpc.ClientStreamingClient[ReplicaPiece, PutReplicaResponse]
+
+func (c *peerClient) GetReplica(ctx context.Context, in *GetReplicaRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[ReplicaPiece], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Peer_ServiceDesc.Streams[1], Peer_GetReplica_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[GetReplicaRequest, ReplicaPiece]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Peer_GetReplicaClient = grpc.ServerStreamingClient[ReplicaPiece]
+
+// PeerServer is the server API for Peer service.
+// All implementations must embed UnimplementedPeerServer
+// for forward compatibility.
+//
+// Peer is the sidecars' service to each other, on TCP with mutual TLS:
+// a sidecar sends each drained shard to the peers that keep its rank's
+// replicas, and a sidecar whose hot tier lacks a shard asks them for it.
+type PeerServer interface {
+	// PutReplica stores a shard in the peer's hot tier: a ReplicaHeader,
+	// then the manifest's bytes and the shard's data space, in pieces.
+	PutReplica(grpc.ClientStreamingServer[ReplicaPiece, PutReplicaResponse]) error
+	// GetReplica returns a shard the peer holds, as PutReplica sends one;
+	// NOT_FOUND when it holds none.
+	GetReplica(*GetReplicaRequest, grpc.ServerStreamingServer[ReplicaPiece]) error
+	mustEmbedUnimplementedPeerServer()
+}
+
+// UnimplementedPeerServer must be embedded to have
+// forward compatible implementations.
+//
+// NOTE: this should be embedded by value instead of pointer to avoid a nil
+// pointer dereference when methods are called.
+type UnimplementedPeerServer struct{}
+
+func (UnimplementedPeerServer) PutReplica(grpc.ClientStreamingServer[ReplicaPiece, PutReplicaResponse]) error {
+	return status.Error(codes.Unimplemented, "method PutReplica not implemented")
+}
+func (UnimplementedPeerServer) GetReplica(*GetReplicaRequest, grpc.ServerStreamingServer[ReplicaPiece]) error {
+	return status.Error(codes.Unimplemented, "method GetReplica not implemented")
+}
+func (UnimplementedPeerServer) mustEmbedUnimplementedPeerServer() {}
+func (UnimplementedPeerServer) testEmbeddedByValue()              {}
+
+// UnsafePeerServer may be embedded to opt out of forward compatibility for this service.
+// Use of this interface is not recommended, as added methods to PeerServer will
+// result in compilation errors.
+type UnsafePeerServer interface {
+	mustEmbedUnimplementedPeerServer()
+}
+
+func RegisterPeerServer(s grpc.ServiceRegistrar, srv PeerServer) {
+	// If the following call panics, it indicates UnimplementedPeerServer was
+	// embedded by pointer and is nil.  This will cause panics if an
+	// unimplemented method is ever invoked, so we test this at initialization
+	// time to prevent it from happening at runtime later due to I/O.
+	if t, ok := srv.(interface{ testEmbeddedByValue() }); ok {
+		t.testEmbeddedByValue()
+	}
+	s.RegisterService(&Peer_ServiceDesc, srv)
+}
+
+func _Peer_PutReplica_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(PeerServer).PutReplica(&grpc.GenericServerStream[ReplicaPiece, PutReplicaResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Peer_PutReplicaServer = grpc.ClientStreamingServer[ReplicaPiece, PutReplicaResponse]
+
+func _Peer_GetReplica_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(GetReplicaRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(PeerServer).GetReplica(m, &grpc.GenericServerStream[GetReplicaRequest, ReplicaPiece]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Peer_GetReplicaServer = grpc.ServerStreamingServer[ReplicaPiece]
+
+// Peer_ServiceDesc is the grpc.ServiceDesc for Peer service.
+// It's only intended for direct use with grpc.RegisterService,
+// and not to be introspected or modified (even as a copy)
+var Peer_ServiceDesc = grpc.ServiceDesc{
+	ServiceName: "ckptd.v1.Peer",
+	HandlerType: (*PeerServer)(nil),
+	Methods:     []grpc.MethodDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "PutReplica",
+			Handler:       _Peer_PutReplica_Handler,
+			ClientStreams: true,
+		},
+		{
+			StreamName:    "GetReplica",
+			Handler:       _Peer_GetReplica_Handler,
+			ServerStreams: true,
+		},
+	},
+	Metadata: "ckptd/v1/ckptd.proto",
+}

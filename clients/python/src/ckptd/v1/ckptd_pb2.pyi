@@ -458,3 +458,37 @@ class DatasetState(_message.Message):
     idle_seconds: float
     stats: PrefetchStats
     def __init__(self, peer: _Optional[str] = ..., source: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., stats: _Optional[_Union[PrefetchStats, _Mapping]] = ...) -> None: ...
+
+class ReplicaHeader(_message.Message):
+    __slots__ = ("manifest_size", "data_size", "committed")
+    MANIFEST_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    manifest_size: int
+    data_size: int
+    committed: bool
+    def __init__(self, manifest_size: _Optional[int] = ..., data_size: _Optional[int] = ..., committed: _Optional[bool] = ...) -> None: ...
+
+class ReplicaPiece(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ReplicaHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ReplicaHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutReplicaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetReplicaRequest(_message.Message):
+    __slots__ = ("job", "step", "rank", "attempt")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    rank: int
+    attempt: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., attempt: _Optional[str] = ...) -> None: ...

@@ -756,3 +756,131 @@ class Daemon:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PeerStub:
+    """Peer is the sidecars' service to each other, on TCP with mutual TLS:
+    a sidecar sends each drained shard to the peers that keep its rank's
+    replicas, and a sidecar whose hot tier lacks a shard asks them for it.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PutReplica = channel.stream_unary(
+                '/ckptd.v1.Peer/PutReplica',
+                request_serializer=ckptd_dot_v1_dot_ckptd__pb2.ReplicaPiece.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.PutReplicaResponse.FromString,
+                _registered_method=True)
+        self.GetReplica = channel.unary_stream(
+                '/ckptd.v1.Peer/GetReplica',
+                request_serializer=ckptd_dot_v1_dot_ckptd__pb2.GetReplicaRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.ReplicaPiece.FromString,
+                _registered_method=True)
+
+
+class PeerServicer:
+    """Peer is the sidecars' service to each other, on TCP with mutual TLS:
+    a sidecar sends each drained shard to the peers that keep its rank's
+    replicas, and a sidecar whose hot tier lacks a shard asks them for it.
+    """
+
+    def PutReplica(self, request_iterator, context):
+        """PutReplica stores a shard in the peer's hot tier: a ReplicaHeader,
+        then the manifest's bytes and the shard's data space, in pieces.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetReplica(self, request, context):
+        """GetReplica returns a shard the peer holds, as PutReplica sends one;
+        NOT_FOUND when it holds none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PutReplica': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutReplica,
+                    request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.ReplicaPiece.FromString,
+                    response_serializer=ckptd_dot_v1_dot_ckptd__pb2.PutReplicaResponse.SerializeToString,
+            ),
+            'GetReplica': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetReplica,
+                    request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.GetReplicaRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_ckptd__pb2.ReplicaPiece.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ckptd.v1.Peer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ckptd.v1.Peer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Peer:
+    """Peer is the sidecars' service to each other, on TCP with mutual TLS:
+    a sidecar sends each drained shard to the peers that keep its rank's
+    replicas, and a sidecar whose hot tier lacks a shard asks them for it.
+    """
+
+    @staticmethod
+    def PutReplica(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ckptd.v1.Peer/PutReplica',
+            ckptd_dot_v1_dot_ckptd__pb2.ReplicaPiece.SerializeToString,
+            ckptd_dot_v1_dot_ckptd__pb2.PutReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ckptd.v1.Peer/GetReplica',
+            ckptd_dot_v1_dot_ckptd__pb2.GetReplicaRequest.SerializeToString,
+            ckptd_dot_v1_dot_ckptd__pb2.ReplicaPiece.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

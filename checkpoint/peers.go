@@ -1,0 +1,75 @@
+package checkpoint
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// Peers carries shards to and from the sidecars that keep replicas of a
+// rank (ManagerConfig.Peers). The daemon's implementation speaks gRPC
+// with mutual TLS; the Manager knows only this.
+type Peers interface {
+	// Replicate sends a drained shard (its manifest and data space) to
+	// the peers that keep its rank's replicas.
+	Replicate(ctx context.Context, m *Manifest, data []byte, committed bool) error
+	// Fetch asks those peers for a shard of at most maxBytes; attempt ""
+	// means whichever committed attempt they hold. It fails when none
+	// holds it.
+	Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64) (*Manifest, []byte, error)
+}
+
+// replicateTimeout bounds sending one shard to its peers.
+const replicateTimeout = 5 * time.Minute
+
+// replicate sends a drained shard to its peers; a failure is logged and
+// counted, not fatal: the shard is durable in storage already.
+func (mgr *Manager) replicate(m *Manifest, data []byte, committed bool) {
+	if mgr.cfg.Peers == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(mgr.ctx, replicateTimeout)
+	defer cancel()
+	start := time.Now()
+	if err := mgr.cfg.Peers.Replicate(ctx, m, data, committed); err != nil {
+		mgr.m.failed("replicate")
+		mgr.log.Warn("replicating to peers failed; the shard stays in storage", "target", m.Target(), "err", err)
+		return
+	}
+	mgr.log.Debug("replicated to peers", "target", m.Target(), "bytes", m.DataSize, "duration", time.Since(start))
+}
+
+// AcceptReplica keeps a peer's shard in the hot tier, where restores (and
+// the peer's GetReplica) find it. The manifest is validated and the data
+// must be its data space; chunk hashes are checked when it is served.
+func (mgr *Manager) AcceptReplica(manifest, data []byte, committed bool) error {
+	if !mgr.hot.enabled() {
+		return fmt.Errorf("%w: this sidecar keeps no replicas (--hot-bytes is 0)", ErrArenaFull)
+	}
+	m, err := ParseManifest(manifest)
+	if err != nil {
+		return fmt.Errorf("%w: replica manifest: %w", ErrInvalid, err)
+	}
+	if int64(len(data)) != m.DataSize {
+		return fmt.Errorf("%w: replica of %s has %d bytes of data, its manifest says %d", ErrInvalid, m.Target(), len(data), m.DataSize)
+	}
+	if !mgr.hot.insert(m, data, committed) {
+		return fmt.Errorf("%w: no room in the hot tier for a replica of %d bytes (--hot-bytes)", ErrArenaFull, m.DataSize)
+	}
+	return nil
+}
+
+// Replica returns a shard the hot tier holds for a peer, and a func to
+// call once it is sent.
+func (mgr *Manager) Replica(job string, step int64, rank int, attempt string) (manifest, data []byte, committed bool, release func(), err error) {
+	e, release := mgr.hot.getAny(job, step, rank, attempt)
+	if e == nil {
+		return nil, nil, false, nil, fmt.Errorf("%w: no replica of job %q step %d rank %d here", ErrStepNotFound, job, step, rank)
+	}
+	manifest, err = e.m.Encode()
+	if err != nil {
+		release()
+		return nil, nil, false, nil, err
+	}
+	return manifest, e.data, e.committed, release, nil
+}

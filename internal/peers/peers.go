@@ -1,0 +1,316 @@
+// Package peers carries shard replicas between the sidecars of one job:
+// the Peer gRPC service on TCP with mutual TLS (Server), and the client
+// that sends each drained shard to the peers that keep its rank's
+// replicas and asks them for shards (Client, a checkpoint.Peers).
+//
+// Which peers keep rank r's replicas is a function of r and the peer
+// list alone, so a sidecar on any node knows where to look: with the list
+// sorted, the candidates are the R+1 entries after position r mod n; the
+// sender sends to the first R of them that are not itself, and a reader
+// asks every candidate but itself. Every sidecar of a job must be given
+// the same list.
+package peers
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"slices"
+	"sync"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/ckptd/ckptd/checkpoint"
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
+)
+
+// maxManifest bounds a replica's manifest, as readers of stored ones are.
+const maxManifest = 256 << 20
+
+// TLS is the mutual TLS of the peer service. Without CertFile the service
+// refuses to run unless Insecure says plaintext is wanted.
+type TLS struct {
+	CertFile, KeyFile, CAFile string
+	Insecure                  bool
+}
+
+// Credentials returns the server's and the client's transport
+// credentials: each side presents its certificate and accepts only
+// certificates signed by the CA.
+func (t TLS) Credentials() (server, client credentials.TransportCredentials, err error) {
+	if t.CertFile == "" && t.KeyFile == "" && t.CAFile == "" {
+		if !t.Insecure {
+			return nil, nil, errors.New("peers need --peer-cert, --peer-key and --peer-ca (mutual TLS), or --peer-insecure to send checkpoints in plaintext")
+		}
+		return insecure.NewCredentials(), insecure.NewCredentials(), nil
+	}
+	cert, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile)
+	if err != nil {
+		return nil, nil, fmt.Errorf("peer certificate: %w", err)
+	}
+	ca, err := os.ReadFile(t.CAFile)
+	if err != nil {
+		return nil, nil, fmt.Errorf("peer CA: %w", err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(ca) {
+		return nil, nil, fmt.Errorf("peer CA %s: no PEM certificate in it", t.CAFile)
+	}
+	server = credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: pool,
+		ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13})
+	client = credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool, MinVersion: tls.VersionTLS13})
+	return server, client, nil
+}
+
+// candidates returns the peers that may keep rank's replicas, self
+// excluded: of the R+1 entries of the sorted list after position rank mod
+// n. The first R of them are the ones a sender (self) sends to.
+func candidates(list []string, self string, rank, replicas int) []string {
+	sorted := slices.Clone(list)
+	slices.Sort(sorted)
+	sorted = slices.Compact(sorted)
+	n := len(sorted)
+	var out []string
+	for k := 1; k <= min(replicas+1, n); k++ {
+		if p := sorted[(rank+k)%n]; p != self {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// Holders returns the peers self sends rank's shards to.
+func Holders(list []string, self string, rank, replicas int) []string {
+	c := candidates(list, self, rank, replicas)
+	return c[:min(len(c), replicas)]
+}
+
+// Client is checkpoint.Peers over gRPC.
+type Client struct {
+	list     []string
+	self     string
+	replicas int
+	creds    credentials.TransportCredentials
+	log      *slog.Logger
+
+	mu    sync.Mutex
+	conns map[string]*grpc.ClientConn
+}
+
+// NewClient returns the client of the peers in list (host:port each; self
+// is this sidecar's own entry), keeping replicas copies of each shard.
+func NewClient(list []string, self string, replicas int, creds credentials.TransportCredentials, log *slog.Logger) *Client {
+	return &Client{list: list, self: self, replicas: replicas, creds: creds, log: log, conns: map[string]*grpc.ClientConn{}}
+}
+
+// Close closes the connections to the peers.
+func (c *Client) Close() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, cc := range c.conns {
+		_ = cc.Close()
+	}
+	c.conns = map[string]*grpc.ClientConn{}
+}
+
+func (c *Client) peer(addr string) (pb.PeerClient, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	cc := c.conns[addr]
+	if cc == nil {
+		var err error
+		cc, err = grpc.NewClient(addr, grpc.WithTransportCredentials(c.creds),
+			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(pb.MaxMessageBytes)))
+		if err != nil {
+			return nil, err
+		}
+		c.conns[addr] = cc
+	}
+	return pb.NewPeerClient(cc), nil
+}
+
+// Replicate sends the shard to each of its rank's holders.
+func (c *Client) Replicate(ctx context.Context, m *checkpoint.Manifest, data []byte, committed bool) error {
+	manifest, err := m.Encode()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, addr := range Holders(c.list, c.self, m.Rank, c.replicas) {
+		if err := c.put(ctx, addr, manifest, data, committed); err != nil {
+			errs = append(errs, fmt.Errorf("peer %s: %w", addr, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (c *Client) put(ctx context.Context, addr string, manifest, data []byte, committed bool) error {
+	p, err := c.peer(addr)
+	if err != nil {
+		return err
+	}
+	stream, err := p.PutReplica(ctx)
+	if err != nil {
+		return err
+	}
+	hdr := &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)), Committed: committed}
+	if err := sendPieces(hdr, manifest, data, stream.Send); err != nil && !errors.Is(err, io.EOF) {
+		return err
+	}
+	_, err = stream.CloseAndRecv()
+	return err
+}
+
+// sendPieces sends hdr, then manifest and data in pieces of
+// StreamChunkBytes.
+func sendPieces(hdr *pb.ReplicaHeader, manifest, data []byte, send func(*pb.ReplicaPiece) error) error {
+	if err := send(&pb.ReplicaPiece{Header: hdr}); err != nil {
+		return err
+	}
+	for _, b := range [][]byte{manifest, data} {
+		for len(b) > 0 {
+			n := min(len(b), pb.StreamChunkBytes)
+			if err := send(&pb.ReplicaPiece{Data: b[:n]}); err != nil {
+				return err
+			}
+			b = b[n:]
+		}
+	}
+	return nil
+}
+
+// Fetch asks the rank's holders in turn.
+func (c *Client) Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64) (*checkpoint.Manifest, []byte, error) {
+	var errs []error
+	for _, addr := range candidates(c.list, c.self, rank, c.replicas) {
+		m, data, err := c.get(ctx, addr, &pb.GetReplicaRequest{Job: job, Step: step, Rank: int32(rank), Attempt: attempt}, maxBytes)
+		if err == nil {
+			return m, data, nil
+		}
+		errs = append(errs, fmt.Errorf("peer %s: %w", addr, err))
+	}
+	if len(errs) == 0 {
+		return nil, nil, errors.New("no peers to ask")
+	}
+	return nil, nil, errors.Join(errs...)
+}
+
+func (c *Client) get(ctx context.Context, addr string, req *pb.GetReplicaRequest, maxBytes int64) (*checkpoint.Manifest, []byte, error) {
+	p, err := c.peer(addr)
+	if err != nil {
+		return nil, nil, err
+	}
+	stream, err := p.GetReplica(ctx, req)
+	if err != nil {
+		return nil, nil, err
+	}
+	hdr, manifest, data, err := receive(stream.Recv, maxBytes)
+	if err != nil {
+		return nil, nil, err
+	}
+	m, err := checkpoint.ParseManifest(manifest)
+	if err != nil {
+		return nil, nil, err
+	}
+	_ = hdr
+	return m, data, nil
+}
+
+// receive reads a header and the manifest and data it announces, refusing
+// more than maxManifest and maxData bytes of them.
+func receive(recv func() (*pb.ReplicaPiece, error), maxData int64) (*pb.ReplicaHeader, []byte, []byte, error) {
+	first, err := recv()
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	hdr := first.GetHeader()
+	switch {
+	case hdr == nil:
+		return nil, nil, nil, errors.New("the first piece of a replica has no header")
+	case hdr.GetManifestSize() > maxManifest || hdr.GetDataSize() > uint64(max(maxData, 0)):
+		return nil, nil, nil, fmt.Errorf("a replica of %d + %d bytes is more than this sidecar takes (%d + %d)",
+			hdr.GetManifestSize(), hdr.GetDataSize(), maxManifest, maxData)
+	}
+	buf := bytes.NewBuffer(make([]byte, 0, hdr.GetManifestSize()+hdr.GetDataSize()))
+	for {
+		piece, err := recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		if uint64(buf.Len())+uint64(len(piece.GetData())) > hdr.GetManifestSize()+hdr.GetDataSize() {
+			return nil, nil, nil, errors.New("a replica longer than its header says")
+		}
+		buf.Write(piece.GetData())
+	}
+	if uint64(buf.Len()) != hdr.GetManifestSize()+hdr.GetDataSize() {
+		return nil, nil, nil, fmt.Errorf("a replica of %d bytes, its header says %d", buf.Len(), hdr.GetManifestSize()+hdr.GetDataSize())
+	}
+	b := buf.Bytes()
+	return hdr, b[:hdr.GetManifestSize()], b[hdr.GetManifestSize():], nil
+}
+
+// Server is the Peer service over a Manager's hot tier.
+type Server struct {
+	pb.UnimplementedPeerServer
+	mgr      *checkpoint.Manager
+	maxBytes int64
+	receive  chan struct{} // one replica received at a time: its bytes are memory until stored
+}
+
+// NewServer serves replicas into and out of mgr's hot tier, taking
+// replicas of at most maxBytes (--hot-bytes), one at a time.
+func NewServer(mgr *checkpoint.Manager, maxBytes int64) *Server {
+	return &Server{mgr: mgr, maxBytes: maxBytes, receive: make(chan struct{}, 1)}
+}
+
+func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, pb.PutReplicaResponse]) error {
+	select {
+	case s.receive <- struct{}{}:
+		defer func() { <-s.receive }()
+	case <-stream.Context().Done():
+		return stream.Context().Err()
+	}
+	hdr, manifest, data, err := receive(stream.Recv, s.maxBytes)
+	if err != nil {
+		return err
+	}
+	if err := s.mgr.AcceptReplica(manifest, data, hdr.GetCommitted()); err != nil {
+		return err
+	}
+	return stream.SendAndClose(&pb.PutReplicaResponse{})
+}
+
+func (s *Server) GetReplica(req *pb.GetReplicaRequest, stream grpc.ServerStreamingServer[pb.ReplicaPiece]) error {
+	manifest, data, committed, release, err := s.mgr.Replica(req.GetJob(), req.GetStep(), int(req.GetRank()), req.GetAttempt())
+	if err != nil {
+		return err
+	}
+	defer release()
+	hdr := &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)), Committed: committed}
+	return sendPieces(hdr, manifest, data, stream.Send)
+}
+
+// Listen serves the Peer service on addr with creds until ctx ends; it
+// returns the listener's address (for addr ":0") and a func that stops it.
+func Listen(addr string, creds credentials.TransportCredentials, srv *Server) (string, func(), error) {
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		return "", nil, fmt.Errorf("peer listener: %w", err)
+	}
+	g := grpc.NewServer(grpc.Creds(creds), grpc.MaxRecvMsgSize(pb.MaxMessageBytes))
+	pb.RegisterPeerServer(g, srv)
+	go func() { _ = g.Serve(lis) }()
+	return lis.Addr().String(), g.Stop, nil
+}
