@@ -181,6 +181,29 @@ func (h *hotTier) getAny(job string, step int64, rank int, attempt string) (e *h
 	}
 }
 
+// copyParts copies the selected tensors out of e's data into dst,
+// checking every chunk they touch against its hash.
+func (e *hotEntry) copyParts(sel selection, dst []byte) error {
+	m := e.m
+	for _, r := range sel.ranges() {
+		for i, c := range m.Chunks {
+			if c.RawOffset >= r.off+r.n || c.RawOffset+c.Raw <= r.off {
+				continue
+			}
+			if c.RawOffset < 0 || c.Raw < 0 || c.RawOffset > int64(len(e.data))-c.Raw {
+				return fmt.Errorf("%w: hot copy of step %d rank %d: chunk %d outside its data", ErrCorrupt, m.Step, m.Rank, i)
+			}
+			if got := codec.FormatHash(codec.Hash(e.data[c.RawOffset : c.RawOffset+c.Raw])); got != c.Hash {
+				return fmt.Errorf("%w: hot copy of step %d rank %d: chunk %d hash %s, want %s", ErrCorrupt, m.Step, m.Rank, i, got, c.Hash)
+			}
+		}
+	}
+	for _, p := range sel.parts {
+		copy(dst[p.dst:p.dst+p.n], e.data[p.src:p.src+p.n])
+	}
+	return nil
+}
+
 // latest returns the newest committed step of job the tier holds rank's
 // shard of.
 func (h *hotTier) latest(job string, rank int) (int64, bool) {

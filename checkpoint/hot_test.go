@@ -26,7 +26,7 @@ func hotSave(t *testing.T, mgr *Manager, a arenaBytes, step int64) []byte {
 // restoreBytes restores rank 0 of step (latest: the newest) and returns
 // its bytes.
 func restoreBytes(mgr *Manager, a arenaBytes, step int64, latest bool) ([]byte, int64, error) {
-	info, h, err := mgr.BeginRestore(context.Background(), Owner{}, "job", step, latest, 0)
+	info, h, err := mgr.BeginRestore(context.Background(), Owner{}, RestoreRequest{Job: "job", Step: step, Latest: latest})
 	if err != nil {
 		return nil, 0, err
 	}
@@ -95,5 +95,48 @@ func TestHotTierVerifies(t *testing.T) {
 	settled(t, mgr, tg)
 	if used, _, _ := mgr.hot.stats(); used > 150_000 {
 		t.Fatalf("hot tier holds %d bytes over its 150000 budget", used)
+	}
+}
+
+// A restore of some tensors of a shard hands out exactly those, in the
+// order asked, from storage and from the hot tier; an unknown name is
+// refused.
+func TestPartialRestore(t *testing.T) {
+	for _, hot := range []int64{0, 8 << 20} {
+		mgr, a := newManagerOn(t, memstore.New(), ManagerConfig{HotBytes: hot, Writer: WriterOptions{ChunkSize: 64 << 10}})
+		sizes := map[string]int64{"a": 300_000, "b": 500_000, "c": 70_000}
+		var table []Tensor
+		var off int64
+		for _, name := range []string{"a", "b", "c"} {
+			table = append(table, u8(name, off, sizes[name]))
+			off += sizes[name]
+		}
+		tg := Target{Job: "job", Step: 1, WorldSize: 1, Attempt: "a"}
+		info, err := mgr.BeginSave(context.Background(), Owner{}, tg, table)
+		if err != nil {
+			t.Fatal(err)
+		}
+		data := a.Bytes()[info.Offset : info.Offset+off]
+		for i := range data {
+			data[i] = byte(i * 7)
+		}
+		want := bytes.Clone(data)
+		if _, _, err := mgr.CommitSave(Owner{}, info.ID, nil); err != nil {
+			t.Fatal(err)
+		}
+		settled(t, mgr, tg)
+		ri, h, err := mgr.BeginRestore(context.Background(), Owner{}, RestoreRequest{Job: "job", Step: 1, Tensors: []string{"c", "a"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := a.Bytes()[ri.Offset : ri.Offset+h.Size]
+		if h.Size != 370_000 || len(h.Tensors) != 2 || h.Tensors[0].Name != "c" || h.Tensors[1].Offset != 70_000 ||
+			!bytes.Equal(got[:70_000], want[800_000:]) || !bytes.Equal(got[70_000:], want[:300_000]) {
+			t.Fatalf("hot %d: partial restore: %+v", hot, h.Tensors)
+		}
+		mgr.Release(Owner{}, ri.ID)
+		if _, _, err := mgr.BeginRestore(context.Background(), Owner{}, RestoreRequest{Job: "job", Step: 1, Tensors: []string{"nope"}}); !errors.Is(err, ErrInvalid) {
+			t.Fatalf("an unknown tensor: %v", err)
+		}
 	}
 }

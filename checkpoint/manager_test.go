@@ -133,7 +133,7 @@ func TestOwnerGoneReleases(t *testing.T) {
 	if _, err := mgr.BeginSave(context.Background(), o, target(1), []Tensor{u8("w", 0, 1<<20)}); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := mgr.BeginRestore(context.Background(), o, "", 1, false, 0); !errors.Is(err, ErrStepNotFound) {
+	if _, _, err := mgr.BeginRestore(context.Background(), o, RestoreRequest{Step: 1}); !errors.Is(err, ErrStepNotFound) {
 		t.Fatalf("restore of nothing: %v", err)
 	}
 	if mgr.arena.Used() == 0 {
@@ -385,19 +385,19 @@ func TestRestoresBounded(t *testing.T) {
 	slow := b.Inject(faulty.Fault{Kind: faulty.Delay, Ops: faulty.OpGet, Name: "job/steps/*/a/rank-*.data", Delay: time.Second})
 	first := make(chan error, 1)
 	go func() {
-		_, _, err := mgr.BeginRestore(context.Background(), Owner{}, "job", 1, false, 0)
+		_, _, err := mgr.BeginRestore(context.Background(), Owner{}, RestoreRequest{Job: "job", Step: 1})
 		first <- err
 	}()
 	eventually(t, "the first restore reads", func() bool { return slow.Hits() > 0 })
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
-	if _, _, err := mgr.BeginRestore(ctx, Owner{}, "job", 1, false, 0); !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "--restores") {
+	if _, _, err := mgr.BeginRestore(ctx, Owner{}, RestoreRequest{Job: "job", Step: 1}); !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "--restores") {
 		t.Fatalf("a second restore while the only slot is taken: %v", err)
 	}
 	if err := <-first; err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := mgr.BeginRestore(context.Background(), Owner{}, "job", 1, false, 0); err != nil {
+	if _, _, err := mgr.BeginRestore(context.Background(), Owner{}, RestoreRequest{Job: "job", Step: 1}); err != nil {
 		t.Fatalf("a restore after the first ended: %v", err)
 	}
 }

@@ -19,11 +19,24 @@ type RestoreHeader struct {
 	Size      int64
 }
 
+// RestoreRequest names what BeginRestore restores.
+type RestoreRequest struct {
+	Job    string // "" for the default job
+	Step   int64  // ignored when Latest
+	Latest bool
+	Rank   int
+	// Tensors, when not empty, restores only these tensors of the shard,
+	// back to back in this order (only their chunks are read): a reader
+	// that needs a few tensors of a large shard.
+	Tensors []string
+}
+
 // BeginRestore fills a region of the arena with one rank's shard of a
-// committed step (the newest when latest is set), every chunk verified.
-// The caller reads the region and then calls Release; the region is freed
-// too when owner goes away.
-func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, job string, step int64, latest bool, rank int) (LeaseInfo, *RestoreHeader, error) {
+// committed step (the newest when latest is set), or the tensors of it
+// the request names, every chunk verified. The caller reads the region
+// and then calls Release; the region is freed too when owner goes away.
+func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreRequest) (LeaseInfo, *RestoreHeader, error) {
+	job, step, latest, rank := req.Job, req.Step, req.Latest, req.Rank
 	store, err := mgr.jobStore(job)
 	if err != nil {
 		return LeaseInfo{}, nil, err
@@ -40,26 +53,30 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, job string, step 
 	}
 	defer src.release()
 	m := src.m
+	sel, err := selectTensors(m, req.Tensors)
+	if err != nil {
+		return LeaseInfo{}, nil, err
+	}
 	mgr.mu.Lock()
 	closing := mgr.closing
 	mgr.mu.Unlock()
 	if closing {
 		return LeaseInfo{}, nil, ErrClosing
 	}
-	region, err := mgr.alloc(ctx, m.DataSize)
+	region, err := mgr.alloc(ctx, sel.size)
 	if err != nil {
 		return LeaseInfo{}, nil, fmt.Errorf("restore step %d rank %d: %w", m.Step, rank, err)
 	}
-	if err := src.fill(ctx, store, mgr.arena.Bytes()[region.Offset:region.Offset+m.DataSize], mgr.cfg.Read); err != nil {
+	if err := src.fill(ctx, store, sel, mgr.arena.Bytes()[region.Offset:region.Offset+sel.size], mgr.cfg.Read); err != nil {
 		mgr.m.failed("restore")
 		mgr.mu.Lock()
 		mgr.freeRegion(region)
 		mgr.mu.Unlock()
 		return LeaseInfo{}, nil, err
 	}
-	mgr.m.Restored.Add(float64(m.DataSize))
+	mgr.m.Restored.Add(float64(sel.size))
 	l := &lease{
-		id: newLeaseID(), kind: restoreLease, region: region, size: m.DataSize,
+		id: newLeaseID(), kind: restoreLease, region: region, size: sel.size,
 		begun: time.Now(), expires: time.Now().Add(mgr.cfg.LeaseTimeout),
 	}
 	mgr.mu.Lock()
@@ -68,7 +85,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, job string, step 
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
-	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: m.Tensors, Metadata: m.Metadata, Size: m.DataSize}
+	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: sel.table, Metadata: m.Metadata, Size: sel.size}
 	return l.info(), h, nil
 }
 
@@ -146,13 +163,25 @@ func (mgr *Manager) fromPeers(ctx context.Context, job string, step int64, rank 
 	return restoreSource{m: m, hot: &hotEntry{m: m, data: data}, release: done}, true
 }
 
-// fill writes the shard's bytes into dst, verified against its chunk
+// fill writes the selected bytes into dst, verified against their chunk
 // hashes.
-func (src restoreSource) fill(ctx context.Context, store *Store, dst []byte, opts ReadOptions) error {
-	if src.hot == nil {
+func (src restoreSource) fill(ctx context.Context, store *Store, sel selection, dst []byte, opts ReadOptions) error {
+	switch {
+	case src.hot == nil && sel.whole:
 		return store.ReadShard(ctx, src.m, BufferSink(dst), opts)
+	case src.hot == nil:
+		sink := &scatterSink{parts: sel.parts, dst: dst}
+		for _, r := range sel.ranges() {
+			if err := store.ReadRange(ctx, src.m, r.off, r.n, sink, opts); err != nil {
+				return err
+			}
+		}
+		return nil
+	case sel.whole:
+		return src.hot.copyVerified(dst)
+	default:
+		return src.hot.copyParts(sel, dst)
 	}
-	return src.hot.copyVerified(dst)
 }
 
 // Release returns a restore region, or an uncommitted save region, to the

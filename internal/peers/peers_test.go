@@ -24,7 +24,7 @@ func TestPlacement(t *testing.T) {
 		want     []string
 	}{
 		{"a:1", 0, 1, []string{"b:1"}},
-		{"b:1", 0, 1, []string{"c:1"}}, // the holder itself sends on
+		{"b:1", 0, 1, []string{"c:1"}},        // the holder itself sends on
 		{"a:1", 3, 2, []string{"b:1", "c:1"}}, // wraps around, skipping self
 		{"c:1", 5, 2, []string{"d:1", "a:1"}},
 	} {

@@ -140,7 +140,7 @@ func (s *Checkpoint) ListSteps(ctx context.Context, req *pb.ListStepsRequest) (*
 }
 
 func (s *Checkpoint) BeginRestore(ctx context.Context, req *pb.BeginRestoreRequest) (*pb.BeginRestoreResponse, error) {
-	lease, h, err := s.mgr.BeginRestore(ctx, owner(ctx), req.GetJob(), req.GetStep(), req.GetLatest(), int(req.GetRank()))
+	lease, h, err := s.mgr.BeginRestore(ctx, owner(ctx), fromRestoreRequest(req))
 	if err != nil {
 		return nil, toStatus(err)
 	}
@@ -150,7 +150,7 @@ func (s *Checkpoint) BeginRestore(ctx context.Context, req *pb.BeginRestoreReque
 func (s *Checkpoint) RestoreStream(req *pb.BeginRestoreRequest, stream grpc.ServerStreamingServer[pb.RestoreStreamResponse]) error {
 	ctx := stream.Context()
 	o := owner(ctx)
-	lease, h, err := s.mgr.BeginRestore(ctx, o, req.GetJob(), req.GetStep(), req.GetLatest(), int(req.GetRank()))
+	lease, h, err := s.mgr.BeginRestore(ctx, o, fromRestoreRequest(req))
 	if err != nil {
 		return toStatus(err)
 	}
@@ -177,6 +177,10 @@ func (s *Checkpoint) ReleaseRegion(ctx context.Context, req *pb.ReleaseRegionReq
 }
 
 var _ io.Reader = (*streamReader)(nil)
+
+func fromRestoreRequest(r *pb.BeginRestoreRequest) checkpoint.RestoreRequest {
+	return checkpoint.RestoreRequest{Job: r.GetJob(), Step: r.GetStep(), Latest: r.GetLatest(), Rank: int(r.GetRank()), Tensors: r.GetTensors()}
+}
 
 func fromTarget(t *pb.SaveTarget) checkpoint.Target {
 	return checkpoint.Target{Job: t.GetJob(), Step: t.GetStep(), Rank: int(t.GetRank()), WorldSize: int(t.GetWorldSize()), Attempt: t.GetAttempt()}

@@ -15,6 +15,9 @@ type LoadRequest struct {
 	Step   int64
 	Latest bool
 	Rank   int
+	// Tensors, when not empty, loads only these tensors (only their chunks
+	// are read).
+	Tensors []string
 }
 
 // Shard is a restored shard. Tensor data is copied out of the arena, so it
@@ -28,7 +31,7 @@ type Shard struct {
 }
 
 func (r *LoadRequest) pb() *pb.BeginRestoreRequest {
-	return &pb.BeginRestoreRequest{Job: r.Job, Step: r.Step, Latest: r.Latest, Rank: int32(r.Rank)}
+	return &pb.BeginRestoreRequest{Job: r.Job, Step: r.Step, Latest: r.Latest, Rank: int32(r.Rank), Tensors: r.Tensors}
 }
 
 // Load restores one rank's shard through the arena.

@@ -1176,9 +1176,13 @@ type BeginRestoreRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Job   string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
 	// The step to restore; ignored when latest is set.
-	Step          int64 `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
-	Latest        bool  `protobuf:"varint,3,opt,name=latest,proto3" json:"latest,omitempty"`
-	Rank          int32 `protobuf:"varint,4,opt,name=rank,proto3" json:"rank,omitempty"`
+	Step   int64 `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
+	Latest bool  `protobuf:"varint,3,opt,name=latest,proto3" json:"latest,omitempty"`
+	Rank   int32 `protobuf:"varint,4,opt,name=rank,proto3" json:"rank,omitempty"`
+	// When not empty, restore only these tensors of the shard, back to back
+	// in this order (the header's table says where each is); only their
+	// chunks are read.
+	Tensors       []string `protobuf:"bytes,5,rep,name=tensors,proto3" json:"tensors,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1239,6 +1243,13 @@ func (x *BeginRestoreRequest) GetRank() int32 {
 		return x.Rank
 	}
 	return 0
+}
+
+func (x *BeginRestoreRequest) GetTensors() []string {
+	if x != nil {
+		return x.Tensors
+	}
+	return nil
 }
 
 type RestoreHeader struct {
@@ -3009,12 +3020,13 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x13committed_unix_nano\x18\x05 \x01(\x03R\x11committedUnixNano\x12\x18\n" +
 	"\aattempt\x18\x06 \x01(\tR\aattempt\"=\n" +
 	"\x11ListStepsResponse\x12(\n" +
-	"\x05steps\x18\x01 \x03(\v2\x12.ckptd.v1.StepInfoR\x05steps\"g\n" +
+	"\x05steps\x18\x01 \x03(\v2\x12.ckptd.v1.StepInfoR\x05steps\"\x81\x01\n" +
 	"\x13BeginRestoreRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x16\n" +
 	"\x06latest\x18\x03 \x01(\bR\x06latest\x12\x12\n" +
-	"\x04rank\x18\x04 \x01(\x05R\x04rank\"\xb8\x01\n" +
+	"\x04rank\x18\x04 \x01(\x05R\x04rank\x12\x18\n" +
+	"\atensors\x18\x05 \x03(\tR\atensors\"\xb8\x01\n" +
 	"\rRestoreHeader\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x1d\n" +
 	"\n" +

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from . import _attempt, _limits, _load, _ranks, _save
@@ -306,8 +306,9 @@ class Client:
         as_torch: bool = False,
         device: Any = None,
         nested: bool = True,
+        tensors: Sequence[str] | None = None,
     ) -> LoadedState:
-        """Restore one rank's shard of a committed step.
+        """Restore one rank's shard of a committed step, or some of its tensors.
 
         Every chunk is verified against its hash by the daemon. Tensors are
         copied once out of the shared-memory region into memory they own
@@ -324,6 +325,9 @@ class Client:
                 implies as_torch. From CUDA-registered memory this is DMA.
             nested: rebuild the nesting of the saved dict (default); False
                 returns the flat tensor names as stored.
+            tensors: only these tensors, by their stored (flat) names: the
+                daemon reads only their chunks. An unknown name raises
+                InvalidArgumentError.
 
         Without as_torch, numpy arrays come back, except bfloat16 and float8
         tensors, which numpy cannot represent: they come back as torch
@@ -340,7 +344,7 @@ class Client:
             DataLossError: stored data failed verification.
         """
         rank = _ranks.rank(rank)
-        req = _load.restore_request(step, rank, job)
+        req = _load.restore_request(step, rank, job, tensors)
         what = f"load {'latest step' if req.latest else f'step {step}'} rank {rank}"
         return _load.load(self._conn, req, what, as_torch, device, nested)
 

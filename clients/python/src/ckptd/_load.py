@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,11 +55,16 @@ class LoadedState(dict):  # type: ignore[type-arg]
     attempt: str  # the attempt that wrote the step ("" from an older daemon or step)
 
 
-def restore_request(step: int | str, rank: int, job: str | None) -> pb.BeginRestoreRequest:
+def restore_request(
+    step: int | str, rank: int, job: str | None, tensors: Sequence[str] | None = None
+) -> pb.BeginRestoreRequest:
     """The BeginRestore request; range checks beyond the protocol's are the daemon's.
 
-    step is an int or "latest".
+    step is an int or "latest"; tensors, when given, the stored names to
+    restore (only their chunks are read).
     """
+    if isinstance(tensors, str):
+        raise TypeError("tensors must be a sequence of names, not a str")
     latest = isinstance(step, str)
     if latest and step != "latest":
         raise ValueError(f'step must be an int or "latest", not {step!r}')
@@ -68,7 +74,9 @@ def restore_request(step: int | str, rank: int, job: str | None) -> pb.BeginRest
     step = 0 if latest else _limits.as_int("step", step)
     if not _limits.within(rank, _limits.INT32) or not _limits.within(step, _limits.INT64):
         raise InvalidArgumentError(f"step {step} or rank {rank} is out of range")
-    return pb.BeginRestoreRequest(job=job or "", step=step, latest=latest, rank=rank)
+    return pb.BeginRestoreRequest(
+        job=job or "", step=step, latest=latest, rank=rank, tensors=list(tensors or ())
+    )
 
 
 def load(

@@ -189,16 +189,18 @@ class ListStepsResponse(_message.Message):
     def __init__(self, steps: _Optional[_Iterable[_Union[StepInfo, _Mapping]]] = ...) -> None: ...
 
 class BeginRestoreRequest(_message.Message):
-    __slots__ = ("job", "step", "latest", "rank")
+    __slots__ = ("job", "step", "latest", "rank", "tensors")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     latest: bool
     rank: int
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
+    tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RestoreHeader(_message.Message):
     __slots__ = ("step", "world_size", "tensors", "metadata", "size", "attempt")
