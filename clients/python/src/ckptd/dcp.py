@@ -93,7 +93,7 @@ from torch.futures import Future
 
 from . import _sharding
 from ._client import Client
-from ._errors import CkptdError
+from ._errors import CkptdError, InvalidArgumentError
 from ._handle import SaveHandle
 from ._load import LoadedState
 from .torch import _run_attempt
@@ -384,7 +384,6 @@ class Reader(StorageReader):
         self._step: int | Literal["latest"] = step
         self._job = job
         self._resolved: int | None = None
-        self._shards: dict[int, LoadedState] = {}
         self._where: dict[MetadataIndex, Where] = {}
 
     @property
@@ -393,9 +392,8 @@ class Reader(StorageReader):
         return self._resolved
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Start a load: forget cached shards and a resolved "latest"."""
+        """Start a load: forget a resolved "latest"."""
         self._resolved = None
-        self._shards.clear()
         self._where = {}
 
     @classmethod
@@ -404,26 +402,28 @@ class Reader(StorageReader):
         return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Load rank 0's shard of the step (kept for read_data) and unpickle its metadata.
+        """Load the metadata tensor of rank 0's shard of the step and unpickle it.
+
+        Only that tensor is restored (the daemon reads only its chunks).
 
         Raises:
             NotFoundError: no such committed step (or, for "latest", none).
             CkptdError: the step was not saved by ckptd.dcp.Writer.
         """
-        shard = self._load(self._step, 0)
-        blob = shard.pop(METADATA, None)
-        if blob is None:
+        try:
+            shard = self._load(self._step, 0, [METADATA])
+        except InvalidArgumentError as e:  # the daemon names the tensor it lacks
             raise CkptdError(
-                f"step {shard.step} was not saved by ckptd.dcp.Writer: rank 0's shard has no "
-                f"{METADATA!r} tensor (load it with ckptd.torch or Client.load)"
-            )
+                f"the step was not saved by ckptd.dcp.Writer: rank 0's shard has no "
+                f"{METADATA!r} tensor (load it with ckptd.torch or Client.load): {e}"
+            ) from None
+        blob = shard.pop(METADATA)
         # As DCP's own FileSystemReader: the metadata is a pickle. Load only
         # checkpoints you trust.
         md = pickle.loads(blob.numpy().tobytes())
         if not isinstance(md, Metadata):
             raise CkptdError(f"step {shard.step}: {METADATA!r} is not DCP Metadata")
         self._resolved = shard.step
-        self._shards[0] = shard
         return md
 
     def set_up_storage_reader(
@@ -448,7 +448,11 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Copy each read item out of its rank shard, loading each shard once."""
+        """Copy each read item out of its rank shard.
+
+        Of each rank shard, one restore brings only the tensors this rank's
+        items need: the daemon reads only their chunks.
+        """
         by_rank: dict[int, list[tuple[ReadItem, str]]] = {}
         for req in plan.items:
             where = self._where.get(req.storage_index)
@@ -459,20 +463,17 @@ class Reader(StorageReader):
                 )
             by_rank.setdefault(where[0], []).append((req, where[1]))
         step = self._resolved if self._resolved is not None else self._step
-        try:
-            # Shards already here first, then in rank order.
-            for rank in sorted(by_rank, key=lambda r: (r not in self._shards, r)):
-                shard = self._shards.pop(rank, None)
-                if shard is None:
-                    shard = self._load(step, rank)
-                _read(shard, by_rank[rank], planner, rank)
-                del shard
-        finally:
-            self._shards.clear()
+        for rank in sorted(by_rank):
+            names = list(dict.fromkeys(name for _, name in by_rank[rank]))
+            shard = self._load(step, rank, names)
+            _read(shard, by_rank[rank], planner, rank)
+            del shard
         return _done(None)
 
-    def _load(self, step: int | Literal["latest"], rank: int) -> LoadedState:
-        return self._client.load(step, rank=rank, job=self._job, as_torch=True, nested=False)
+    def _load(self, step: int | Literal["latest"], rank: int, names: Sequence[str]) -> LoadedState:
+        return self._client.load(
+            step, rank=rank, job=self._job, as_torch=True, nested=False, tensors=names
+        )
 
 
 def _read(
