@@ -63,11 +63,13 @@ bench:
 
 # save() stall from Python vs a numpy copy into shared memory, and torch.save;
 # then Client.dataset's samples/s and stall vs torch DataLoader + webdataset and
-# the disk's raw read bandwidth (about a minute).
+# the disk's raw read bandwidth (about a minute); then ckptd.dcp against DCP's
+# own writers and reader, 4 processes (a few minutes).
 bench-python:
 	scripts/tools.sh
 	.venv/bin/python clients/python/bench/bench_save.py $(PYBENCHFLAGS)
 	.venv/bin/python clients/python/bench/bench_dataset.py $(PYDSBENCHFLAGS)
+	.venv/bin/python clients/python/bench/bench_dcp.py $(PYDCPBENCHFLAGS)
 
 # The chunk codecs (float-aware, zstd, lz4) and zipnn on the weights and Adam
 # states of a small transformer trained on the spot (torch, CPU, ~1 minute):
