@@ -1,6 +1,7 @@
 package prefetch
 
 import (
+	"sort"
 	"sync"
 	"time"
 
@@ -82,13 +83,18 @@ func (a *admission) group(g string) *group {
 }
 
 // reserve books size bytes for key in group g, if the policy admits it.
-// It returns the keys of stale groups that must be deleted from the cache
-// to make the room (already gone from the books).
-func (a *admission) reserve(key, g string, size int64) (evict []string, ok bool) {
+// It returns the keys that must be deleted from the cache to make the
+// room (already gone from the books). With next (the open iterations'
+// distances to each key's next read), room is made by Belady's rule;
+// without, from stale groups only.
+func (a *admission) reserve(key, g string, size int64, next func(string) int) (evict []string, ok bool) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if size > a.budget {
 		return nil, false
+	}
+	if next != nil {
+		return a.reserveLookahead(key, g, size, next)
 	}
 	now := a.now()
 	need := a.resident + size - a.budget
@@ -115,7 +121,45 @@ func (a *admission) reserve(key, g string, size int64) (evict []string, ok bool)
 	if need > 0 {
 		return nil, false // full of shards in use: keep them
 	}
-	for _, k := range stale {
+	a.admit(key, g, size, stale)
+	return stale, true
+}
+
+// reserveLookahead makes room by evicting the cached shards read farthest
+// in the future, as long as they are read later than key; when that does
+// not make room, key is not admitted. Call with mu.
+func (a *admission) reserveLookahead(key, g string, size int64, next func(string) int) (evict []string, ok bool) {
+	need := a.resident + size - a.budget
+	if need > 0 {
+		type cand struct {
+			key  string
+			size int64
+			dist int
+		}
+		var cands []cand
+		for _, e := range a.entries {
+			cands = append(cands, cand{e.key, e.size, next(e.key)})
+		}
+		sort.Slice(cands, func(i, j int) bool { return cands[i].dist > cands[j].dist })
+		mine := next(key)
+		for _, c := range cands {
+			if need <= 0 || c.dist <= mine {
+				break
+			}
+			evict = append(evict, c.key)
+			need -= c.size
+		}
+		if need > 0 {
+			return nil, false // everything cached is read sooner than key
+		}
+	}
+	a.admit(key, g, size, evict)
+	return evict, true
+}
+
+// admit drops evicted keys from the books and books key. Call with mu.
+func (a *admission) admit(key, g string, size int64, evicted []string) {
+	for _, k := range evicted {
 		a.drop(hashOf(k))
 	}
 	h, conflict := z.KeyToHash(key)
@@ -123,8 +167,7 @@ func (a *admission) reserve(key, g string, size int64) (evict []string, ok bool)
 	a.resident += size
 	gr := a.group(g)
 	gr.keys[key] = true
-	gr.lastUse = now
-	return stale, true
+	gr.lastUse = a.now()
 }
 
 // release forgets an entry the cache no longer holds.

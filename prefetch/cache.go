@@ -20,6 +20,7 @@ import (
 type Cache struct {
 	rc      *ristretto.Cache[string, []byte]
 	adm     *admission
+	ahead   *lookahead
 	storeMu sync.Mutex
 	reads   atomic.Int64 // shard reads from storage, for tests and metrics
 
@@ -48,7 +49,7 @@ func NewCache(budget int64) (*Cache, error) {
 	if budget < 0 {
 		return nil, fmt.Errorf("%w: negative cache budget %d", ErrInvalid, budget)
 	}
-	c := &Cache{adm: newAdmission(budget, DefaultStaleAfter), fills: map[string]*fill{}}
+	c := &Cache{adm: newAdmission(budget, DefaultStaleAfter), ahead: newLookahead(), fills: map[string]*fill{}}
 	gone := func(it *ristretto.Item[[]byte]) { c.adm.release(it.Key, it.Conflict) }
 	counters := max(budget/(1<<20)*10, 10_000) // ~10 per expected 1 MiB+ shard
 	rc, err := ristretto.NewCache(&ristretto.Config[string, []byte]{
@@ -86,9 +87,7 @@ const (
 // onMiss is called, before any storage read, when the shard is not cached,
 // so the caller can account the wait to storage.
 func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh Shard, onMiss func()) (data []byte, held bool, how fetch, err error) {
-	// Size and time in the key: a shard rewritten in place is a new entry,
-	// never the stale bytes of the old one.
-	key := fmt.Sprintf("%s\x00%s\x00%d\x00%d", b.Location(), sh.Name, sh.Size, sh.ModTime.UnixNano())
+	key := shardKey(b, sh)
 	group := groupOf(b, dataset)
 	if data, ok := c.rc.Get(key); ok {
 		c.adm.used(group)
@@ -152,6 +151,25 @@ func (c *Cache) leave(key string, f *fill) {
 
 func groupOf(b storage.Backend, dataset string) string { return b.Location() + "\x00" + dataset }
 
+// shardKey is a shard's cache key. Size and time are in it: a shard
+// rewritten in place is a new entry, never the stale bytes of the old one.
+func shardKey(b storage.Backend, sh Shard) string {
+	return fmt.Sprintf("%s\x00%s\x00%d\x00%d", b.Location(), sh.Name, sh.Size, sh.ModTime.UnixNano())
+}
+
+// plan registers the shards an iteration will read from b, in order (see
+// lookahead); the returned funcs say it reads the i-th now, and that it
+// ended.
+func (c *Cache) plan(b storage.Backend, shards []Shard) (advance func(i int), done func()) {
+	keys := make([]string, len(shards))
+	for i, sh := range shards {
+		keys[i] = shardKey(b, sh)
+	}
+	p := c.ahead.register(keys)
+	var once sync.Once
+	return func(i int) { c.ahead.advance(p, i) }, func() { once.Do(func() { c.ahead.remove(p) }) }
+}
+
 // pin keeps the cached shards of the dataset under prefix in b from being
 // evicted (as stale) until the returned function is called: an iteration's
 // samples may alias them.
@@ -169,7 +187,7 @@ func (c *Cache) pin(b storage.Backend, prefix string) func() {
 func (c *Cache) store(key, group string, data []byte) bool {
 	c.storeMu.Lock()
 	defer c.storeMu.Unlock()
-	evict, ok := c.adm.reserve(key, group, int64(len(data)))
+	evict, ok := c.adm.reserve(key, group, int64(len(data)), c.ahead.distances())
 	if !ok {
 		return false
 	}

@@ -3,6 +3,7 @@ package prefetch
 import (
 	"context"
 	"io"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -122,6 +123,8 @@ type Iterator struct {
 	done    chan struct{}
 	closed  sync.Once
 	unpin   func()
+	advance func(i int) // tells the cache's lookahead which shard is read now
+	unplan  func()
 	last    *Batch // the batch Next returned last, released by the next call
 	// The halves of the read-ahead budget: shards read ahead, samples.
 	shardsMem, samplesMem *meter
@@ -161,11 +164,15 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 		return nil, err
 	}
 	mine := ShardsForRank(all, spec.Seed, spec.Epoch, spec.Rank, spec.WorldSize)
+	// The cache looks ahead over this epoch and the rank's next one.
+	next := ShardsForRank(all, spec.Seed, spec.Epoch+1, spec.Rank, spec.WorldSize)
+	advance, unplan := cache.plan(b, append(slices.Clone(mine), next...))
 	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	it := &Iterator{
 		spec: spec, batches: make(chan result, opts.BatchesAhead),
 		cancel: cancel, done: make(chan struct{}),
-		unpin:     cache.pin(b, prefix), // samples may alias the dataset's cached shards
+		unpin:  cache.pin(b, prefix), // samples may alias the dataset's cached shards
+		unplan: unplan, advance: advance,
 		shardsMem: newMeter(opts.readAhead()), samplesMem: newMeter(opts.samples()),
 	}
 	it.stats.Shards = len(mine)
@@ -189,6 +196,7 @@ func (it *Iterator) Close() {
 			}
 		}
 		it.unpin()
+		it.unplan()
 	})
 }
 
@@ -251,7 +259,8 @@ func (it *Iterator) count(f func(*Stats)) {
 func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix string, cache *Cache, shards []Shard, opts Options, queue chan<- *pendingShard) {
 	defer close(queue)
 	budget := it.shardsMem
-	for _, sh := range shards {
+	for i, sh := range shards {
+		it.advance(i)
 		p := &pendingShard{shard: sh, done: make(chan struct{}), release: func() {}}
 		if sh.Size > opts.streamAbove() {
 			p.stream, p.how = true, fromStorage
