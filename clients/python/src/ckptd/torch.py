@@ -15,6 +15,14 @@ it. Python floats round-trip exactly through JSON (repr is shortest exact),
 tuples and non-str keys are tagged, so what comes back is equal, type for
 type, to what was saved.
 
+DTensors (FSDP2's ``fully_shard``, ``distribute_tensor``) are stored as
+each rank's local piece, named as the ``ckptd.sharding`` convention says
+(``model:<fqn>``, ``optimizer:state.0.exp_avg``), with a description of
+where each piece lies in its global tensor (_sharding.py); ``ckptd export``
+reads it. Loading at another world size (or into an unsharded model)
+assembles each target's region from the overlapping saved pieces of every
+rank; at the same layout each rank reads only its own shard.
+
 Saves carry an attempt shared by the ranks of a run. When neither the
 caller (``attempt=``, ``Client(attempt=...)``) nor ``$CKPTD_ATTEMPT`` names
 one and torch.distributed is initialized, rank 0 makes a random one and
@@ -29,17 +37,25 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
+from math import prod
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from . import _attempt, _ranks
+from . import _attempt, _names, _ranks, _sharding
 from ._client import Client
 from ._dataset import DatasetSpec
-from ._errors import CkptdError
+from ._errors import CkptdError, NotFoundError
 from ._handle import SaveHandle
 from ._torch_data import Batch, BatchDict, CkptdIterableDataset
+
+# DTensors exist where torch.distributed does (not in every build of torch).
+_DISTRIBUTED = torch.distributed.is_available()
+if _DISTRIBUTED:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 __all__ = [
     "Batch",
@@ -51,7 +67,10 @@ __all__ = [
 ]
 
 SKELETON = "ckptd.torch"
-FORMAT = 1
+# 1: tensors only; 2: DTensor pieces too, with a ckptd.sharding description.
+# A save without DTensors is still written as format 1.
+FORMAT = 2
+FORMATS = (1, 2)
 # A Hugging Face model's config.json, saved with it so that `ckptd export`
 # writes a folder from_pretrained loads.
 HF_CONFIG = "hf.config.json"
@@ -95,26 +114,35 @@ def save_state_dict(
     call: every rank saves that step), and later saves reuse it. Other saves
     use the client's own attempt.
 
+    DTensors (an FSDP2 model and its optimizer state, distribute_tensor)
+    are saved as this rank's local piece, with where it lies in the global
+    tensor; every rank must then save (a step is sharded on all its ranks
+    or on none). Plain tensors beside them are taken to be replicated:
+    rank 0's are the ones ``ckptd export`` uses.
+
     Returns:
         The save's handle; wait() on it for durability.
     """
+    rank, world_size = _ranks.resolve(rank, world_size)
     packer = _Packer()
     model_sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
     optim_sd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     skeleton = {
-        "format": FORMAT,
+        "format": 1,
         "torch": torch.__version__,
         "model": packer.encode(model_sd, ("model",)),
         "model_metadata": _module_metadata(model_sd),
         "optimizer": None if optim_sd is None else packer.encode(optim_sd, ("optimizer",)),
         "extra": packer.encode(extra, ("extra",)),
     }
+    if packer.pieces:
+        skeleton["format"] = FORMAT
+        packer.tree[_sharding.TENSOR] = _sharding.encode(packer.description(rank == 0))
     blob = json.dumps(skeleton, separators=(",", ":")).encode()
     packer.tree[SKELETON] = np.frombuffer(blob, dtype=np.uint8)
     hf_config = _hf_config(model)
     if hf_config is not None:
         packer.tree[HF_CONFIG] = np.frombuffer(hf_config, dtype=np.uint8)
-    rank, world_size = _ranks.resolve(rank, world_size)
     if attempt is None and client._attempt_random:
         attempt = _run_attempt(world_size)
     return client.save(
@@ -150,6 +178,14 @@ def load_state_dict(
         rank: which rank's shard (default: this process's, as Client.load).
         job: as Client.load.
 
+    A step saved with DTensors loads at any world size: each DTensor of
+    the model's (and optimizer's) current state dict gets its local region,
+    read from this rank's shard when it holds exactly that piece, else
+    assembled from the pieces of every saved rank (each loaded once); a
+    plain tensor there gets the whole tensor. A rank beyond the saved world
+    size reads the skeleton and plain tensors of rank 0's shard. Optimizer
+    state the optimizer does not have yet is sharded as its parameter is.
+
     Returns:
         extra, as saved. Its tensors are on the CPU (RNG states must be).
 
@@ -157,11 +193,12 @@ def load_state_dict(
         CkptdError: the step was not saved by save_state_dict.
         ValueError: an optimizer was given but the checkpoint has none.
     """
-    state = client.load(step, rank=rank, job=job, as_torch=True)
+    source = _Source(client, step, rank, job)
+    state = source.state
     skeleton = _skeleton(state)
-    unpacker = _Unpacker(state)
+    unpacker = _Unpacker(state, source)
     if model is not None:
-        sd = unpacker.decode(skeleton["model"])
+        sd = unpacker.decode(skeleton["model"], model.state_dict())
         model_sd = OrderedDict(sd)
         if skeleton.get("model_metadata") is not None:
             model_sd._metadata = unpacker.decode(skeleton["model_metadata"])  # type: ignore[attr-defined]
@@ -169,7 +206,7 @@ def load_state_dict(
     if optimizer is not None:
         if skeleton["optimizer"] is None:
             raise ValueError(f"step {state.step} was saved without an optimizer state")
-        optimizer.load_state_dict(unpacker.decode(skeleton["optimizer"]))
+        optimizer.load_state_dict(unpacker.decode(skeleton["optimizer"], _optim_like(optimizer)))
     return unpacker.decode(skeleton["extra"])
 
 
@@ -181,9 +218,10 @@ def _skeleton(state: Mapping[str, Any]) -> dict[str, Any]:
             f"(it has no {SKELETON!r} tensor); load it with Client.load"
         )
     skeleton: dict[str, Any] = json.loads(blob.numpy().tobytes())
-    if skeleton.get("format") != FORMAT:
+    if skeleton.get("format") not in FORMATS:
         raise CkptdError(
-            f"unknown ckptd.torch format {skeleton.get('format')!r} (this client reads {FORMAT})"
+            f"unknown ckptd.torch format {skeleton.get('format')!r} "
+            f"(this client reads {', '.join(map(str, FORMATS))})"
         )
     return skeleton
 
@@ -203,12 +241,35 @@ def _module_metadata(sd: Mapping[str, Any]) -> Any:
     return None if meta is None else _Packer().encode(dict(meta), ("_metadata",))
 
 
+def _is_dtensor(obj: Any) -> bool:
+    return _DISTRIBUTED and isinstance(obj, DTensor)
+
+
+def _local_box(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A DTensor's local piece on this rank: its (shape, offsets) in the global tensor."""
+    for p in t.placements:
+        if not isinstance(p, (Shard, Replicate)):
+            raise TypeError(
+                f"a DTensor placed {p!r} has no piece of its own on each rank; "
+                "ckptd.torch stores Shard and Replicate placements (redistribute it first)"
+            )
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(int(d) for d in shape), tuple(int(o) for o in offsets)
+
+
 class _Packer:
-    """Splits a structure into a tensor tree and a JSON-able skeleton."""
+    """Splits a structure into a tensor tree and a JSON-able skeleton.
+
+    A DTensor's local piece goes under ``<group>:<fqn>`` (its path after the
+    group, joined with "."), as the ckptd.sharding convention names pieces,
+    and pieces describes it.
+    """
 
     def __init__(self) -> None:
         self.tree: dict[str, Any] = {}
         self._used: dict[tuple[str, ...], set[str]] = {}
+        self.pieces: dict[str, _sharding.Piece] = {}
+        self._plain: list[tuple[tuple[str, ...], torch.Tensor]] = []
 
     def _segment(self, parent: tuple[str, ...], key: Any) -> tuple[str, ...]:
         """A path segment for key, unique within its parent (1 and "1" differ)."""
@@ -232,7 +293,10 @@ class _Packer:
         """Return obj's skeleton, moving its tensors into the tree."""
         if obj is None or isinstance(obj, (bool, int, float, str)):
             return obj
+        if _is_dtensor(obj):
+            return self._dtensor(obj, path)
         if isinstance(obj, torch.Tensor):
+            self._plain.append((path, obj))
             return {"T": "tensor", "p": self._place(path, obj)}
         if isinstance(obj, np.ndarray):
             return {"T": "ndarray", "p": self._place(path, obj)}
@@ -269,6 +333,59 @@ class _Packer:
             "convert it, or serialise it to bytes yourself"
         )
 
+    def _dtensor(self, t: Any, path: tuple[str, ...]) -> dict[str, Any]:
+        if len(path) < 2 or path[0] not in _sharding.GROUPS:
+            raise TypeError(f"{':'.join(path)}: a DTensor must be inside model, optimizer or extra")
+        group, fqn = path[0], ".".join(path[1:])
+        shape, offsets = _local_box(t)
+        local = t.to_local().detach().contiguous()
+        if tuple(local.shape) != shape:
+            raise ValueError(
+                f"{':'.join(path)}: the local tensor is {tuple(local.shape)}, but its "
+                f"placements {t.placements} give {shape}"
+            )
+        where = _sharding.key_path(group, fqn, None)
+        if where != path:  # a nested path: the piece goes flat under its group
+            used = self._used.setdefault(where[:1], set())
+            if where[1] in used:
+                raise ValueError(
+                    f"{':'.join(path)} is stored as {where[0]}:{where[1]}, a name "
+                    "another entry already has"
+                )
+            used.add(where[1])
+        self._place(where, local)
+        self.pieces[_sharding.stored_name(where)] = _sharding.Piece(
+            group, fqn, tuple(int(d) for d in t.shape), offsets
+        )
+        return {
+            "T": "dtensor",
+            "p": list(where),
+            "s": [int(d) for d in t.shape],
+            "pl": [repr(p) for p in t.placements],
+            "m": [int(d) for d in t.device_mesh.shape],
+        }
+
+    def description(self, with_plain: bool) -> dict[str, _sharding.Piece]:
+        """The ckptd.sharding description of the pieces placed.
+
+        with_plain: describe the plain model and optimizer tensors too, as
+        whole tensors (on one rank: they are taken to be replicated).
+        """
+        out = dict(self.pieces)
+        if not with_plain:
+            return out
+        taken = {(p.group, p.fqn) for p in out.values()}
+        for path, t in self._plain:
+            group, fqn = path[0], ".".join(path[1:])
+            if group not in ("model", "optimizer") or len(path) < 2:
+                continue
+            if (group, fqn) in taken:
+                raise ValueError(f"{':'.join(path)} and a DTensor are both {group} {fqn!r}")
+            taken.add((group, fqn))
+            shape = tuple(int(d) for d in t.shape)
+            out[_sharding.stored_name(path)] = _sharding.Piece(group, fqn, shape, (0,) * len(shape))
+        return out
+
     def _key(self, key: Any, path: tuple[str, ...]) -> Any:
         if key is None or isinstance(key, (bool, int, float, str)):
             return key
@@ -279,11 +396,145 @@ class _Packer:
         )
 
 
-class _Unpacker:
-    """Rebuilds a structure from its skeleton and the loaded tensor tree."""
+class _Source:
+    """The shards a load reads: this rank's (or rank 0's), and the others' on demand."""
 
-    def __init__(self, tree: Mapping[str, Any]) -> None:
+    def __init__(
+        self, client: Client, step: int | Literal["latest"], rank: int | None, job: str | None
+    ) -> None:
+        self.client, self.job = client, job
+        self.rank = _ranks.rank(rank)  # whose shard state is
+        try:
+            self.state = client.load(step, rank=self.rank, job=job, as_torch=True)
+        except NotFoundError as missing:
+            # A rank the step does not have: a sharded step loads from rank 0's.
+            try:
+                state = client.load(step, rank=0, job=job, as_torch=True)
+            except NotFoundError:
+                raise missing from None
+            if _sharding.TENSOR not in state:
+                raise
+            self.state, self.rank = state, 0
+        own = self.state.get(_sharding.TENSOR)
+        self.described = {} if own is None else _sharding.decode(own)
+        self._flat: dict[str, Any] | None = None
+        self._index: dict[tuple[str, str], list[tuple[_sharding.Piece, torch.Tensor]]] | None = None
+
+    def flat(self) -> dict[str, Any]:
+        """The loaded shard's tensors by stored name."""
+        if self._flat is None:
+            self._flat = dict(_names.flatten(self.state))
+        return self._flat
+
+    def own(self, name: str) -> tuple[_sharding.Piece, torch.Tensor] | None:
+        """The piece stored as name in the loaded shard, if described."""
+        piece = self.described.get(name)
+        return None if piece is None else (piece, self.flat()[name])
+
+    def pieces(self, group: str, fqn: str) -> list[tuple[_sharding.Piece, torch.Tensor]]:
+        """Every saved piece of (group, fqn), from every rank's shard."""
+        if self._index is None:
+            index: dict[tuple[str, str], list[tuple[_sharding.Piece, torch.Tensor]]] = {}
+            for r in range(self.state.world_size):
+                shard = (
+                    self.flat()
+                    if r == self.rank
+                    else self.client.load(
+                        self.state.step, rank=r, job=self.job, as_torch=True, nested=False
+                    )
+                )
+                blob = shard.get(_sharding.TENSOR)
+                if blob is None:
+                    raise CkptdError(
+                        f"step {self.state.step} rank {r} has no {_sharding.TENSOR} description, "
+                        "which a step saved with DTensors has on every rank"
+                    )
+                for name, p in _sharding.decode(blob).items():
+                    index.setdefault((p.group, p.fqn), []).append((p, shard[name]))
+            self._index = index
+        return self._index.get((group, fqn), [])
+
+    def region(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The box (offsets, shape) of the global tensor whose piece is stored as name here."""
+        mine = self.own(name)
+        if mine is None:
+            raise CkptdError(
+                f"{_sharding.TENSOR} does not describe {name!r}, which the skeleton names"
+            )
+        piece, tensor = mine
+        if piece.offsets == offsets and tuple(tensor.shape) == shape:
+            return tensor  # this rank's own piece: the layout did not change
+        out = torch.empty(shape, dtype=tensor.dtype)
+        seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        filled = 0
+        for p, t in self.pieces(piece.group, piece.fqn):
+            box = (p.offsets, tuple(t.shape))
+            lo = [max(a, b) for a, b in zip(offsets, p.offsets, strict=True)]
+            hi = [
+                min(a + n, b + m)
+                for a, n, b, m in zip(offsets, shape, p.offsets, t.shape, strict=True)
+            ]
+            if box in seen or any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
+                continue
+            seen.add(box)
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))
+            src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p.offsets, strict=True))
+            out[dst] = t[src]
+            filled += prod(b - a for a, b in zip(lo, hi, strict=True))
+        if filled != prod(shape):
+            raise CkptdError(
+                f"step {self.state.step}: the saved pieces of {piece.group} {piece.fqn!r} cover "
+                f"{filled} of the {prod(shape)} elements at offsets {list(offsets)}, "
+                f"shape {list(shape)}"
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class _ParamState:
+    """What an optimizer's state for one parameter should look like.
+
+    Entries it has give their own layout; others are laid out as the
+    parameter is (exp_avg, exp_avg_sq, momentum_buffer...).
+    """
+
+    state: Mapping[str, Any]
+    param: torch.Tensor
+
+    def get(self, key: Any) -> Any:
+        return self.state.get(key, self.param)
+
+
+def _optim_like(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The template a saved optimizer state is loaded against: its state per parameter."""
+    sd = optimizer.state_dict()
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = sd["state"]
+    return {
+        "state": {i: _ParamState(state.get(i, {}), p) for i, p in zip(ids, params, strict=False)}
+    }
+
+
+def _child(like: Any, key: Any) -> Any:
+    """The entry for key in like, or None."""
+    if isinstance(like, (Mapping, _ParamState)):
+        return like.get(key)
+    if isinstance(like, (list, tuple)) and isinstance(key, int) and 0 <= key < len(like):
+        return like[key]
+    return None
+
+
+class _Unpacker:
+    """Rebuilds a structure from its skeleton and the loaded tensor tree.
+
+    decode's like is the live structure being loaded into (a state dict):
+    a DTensor there gets its local region, rebuilt as a DTensor like it.
+    """
+
+    def __init__(self, tree: Mapping[str, Any], source: _Source | None = None) -> None:
         self.tree = tree
+        self.source = source
 
     def _get(self, path: list[str]) -> Any:
         node: Any = self.tree
@@ -296,25 +547,28 @@ class _Unpacker:
             ) from None
         return node
 
-    def decode(self, node: Any) -> Any:  # noqa: PLR0911 - one case per tag
-        """Return the object node describes."""
+    def decode(self, node: Any, like: Any = None) -> Any:  # noqa: PLR0911 - one case per tag
+        """Return the object node describes, laid out as like where like is a DTensor."""
         if not isinstance(node, dict):
             return node
         tag = node["T"]
         if tag == "tensor":
-            return self._get(node["p"])
+            return _as_like(self._get(node["p"]), like)
+        if tag == "dtensor":
+            return self._dtensor(node, like)
         if tag == "ndarray":
             return self._get(node["p"]).numpy()
         if tag == "npscalar":
             return self._get(node["p"]).numpy()[()]
         if tag == "dict":
+            keys = [self.decode(k) for k in node["k"]]
             return {
-                self.decode(k): self.decode(v) for k, v in zip(node["k"], node["v"], strict=True)
+                k: self.decode(v, _child(like, k)) for k, v in zip(keys, node["v"], strict=True)
             }
         if tag == "list":
-            return [self.decode(v) for v in node["v"]]
+            return [self.decode(v, _child(like, i)) for i, v in enumerate(node["v"])]
         if tag == "tuple":
-            return tuple(self.decode(v) for v in node["v"])
+            return tuple(self.decode(v, _child(like, i)) for i, v in enumerate(node["v"]))
         if tag == "size":
             return torch.Size(self.decode(v) for v in node["v"])
         if tag == "bytes":
@@ -324,6 +578,39 @@ class _Unpacker:
         if tag == "device":
             return torch.device(node["v"])
         raise CkptdError(f"unknown tag {tag!r} in a ckptd.torch skeleton")
+
+    def _dtensor(self, node: Mapping[str, Any], like: Any) -> torch.Tensor:
+        """A saved DTensor: like's local region as a DTensor like it, else the whole tensor."""
+        if self.source is None:
+            raise CkptdError("a DTensor in a skeleton that has no pieces")
+        name = _sharding.stored_name(node["p"])
+        shape = tuple(int(d) for d in node["s"])
+        if _is_dtensor(like) and tuple(like.shape) == shape:
+            local_shape, offsets = _local_box(like)
+            return _from_local(self.source.region(name, offsets, local_shape), like)
+        return self.source.region(name, (0,) * len(shape), shape)
+
+
+def _from_local(local: torch.Tensor, like: Any) -> torch.Tensor:
+    """A DTensor laid out as like, whose local piece is local."""
+    out: torch.Tensor = DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+    return out
+
+
+def _as_like(value: Any, like: Any) -> Any:
+    """A whole saved tensor, cut to like's local region where like is a DTensor."""
+    if not (_is_dtensor(like) and isinstance(value, torch.Tensor) and value.shape == like.shape):
+        return value
+    shape, offsets = _local_box(like)
+    box = tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
+    return _from_local(value[box].contiguous(), like)
 
 
 class _RunAttempt:
