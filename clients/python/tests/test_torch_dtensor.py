@@ -118,6 +118,25 @@ def test_export_assembles_the_full_tensors(saved, daemon, ckptd_bin, tmp_path):
         assert torch.equal(got[name].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)), name
 
 
+def test_a_2d_mesh_with_replicas_saves_loads_and_exports(daemon, ckptd_bin, job, tmp_path):
+    launch("mesh2d", SAVED_WORLD, daemon.socket, job, tmp_path)  # it checks its load itself
+    with daemon.client() as c:
+        pieces = [
+            _sharding.decode(c.load(20, rank=r, job=job)[_sharding.TENSOR])["model:r"]
+            for r in range(SAVED_WORLD)
+        ]
+    assert sorted(p.offsets for p in pieces) == [(0, 0), (0, 0), (3, 0), (3, 0)]  # replicas
+    subprocess.run(
+        [str(ckptd_bin), "export", "--storage", str(daemon.storage), "--job", job,
+         "--step", "20", "--out", str(tmp_path / "export")],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    got = load_file(tmp_path / "export" / "model.safetensors")
+    want = torch.load(tmp_path / "mesh2d.pt")
+    assert set(got) == {"w", "r"}
+    assert torch.equal(got["w"], want["w"]) and torch.equal(got["r"], want["r"])
+
+
 def test_a_save_without_dtensors_is_still_format_1(client, job):
     model = torch.nn.Linear(3, 2)
     ct.save_state_dict(client, 1, model, rank=0, world_size=1, job=job).wait(30)

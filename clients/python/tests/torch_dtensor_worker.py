@@ -15,6 +15,10 @@ load (any WORLD; 1: a plain, unsharded model): a differently initialised
   loaded from step 10; rank 0 compares the gathered full state with
   full.pt bit for bit and writes OUT_DIR/load_<WORLD>.json. Then one more
   training step, which must run on the loaded state.
+mesh2d (WORLD 4): two tensors distributed on a 2x2 mesh (Shard(0)/Shard(1),
+  Replicate/Shard(0)) saved as step 20 (rank 0 writes them whole to
+  OUT_DIR/mesh2d.pt), then loaded into a 1-D mesh's Shard(1) and Replicate
+  placements and checked there.
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ import torch.distributed as dist
 from dcp_worker import diff, full, train
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import ckptd
 import ckptd.torch as ct
 
 STEP = 10
+MESH2D_STEP = 20
 
 
 def build(world: int, seed: int, shard: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -102,12 +107,42 @@ def load(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> No
         (out / f"load_{world}.json").write_text(json.dumps(report))
 
 
+def holder(**tensors: torch.Tensor) -> torch.nn.Module:
+    """A module whose parameters are tensors."""
+    m = torch.nn.Module()
+    for name, t in tensors.items():
+        m.register_parameter(name, torch.nn.Parameter(t))
+    return m
+
+
+def mesh2d(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> None:
+    """Save from a 2x2 mesh (Shard/Shard, Replicate/Shard); load on a 1-D mesh of 4."""
+    torch.manual_seed(0)
+    w, r = torch.randn(7, 6), torch.randn(5, 3)  # the same on every rank
+    mesh = init_device_mesh("cpu", (2, 2))
+    src = holder(
+        w=distribute_tensor(w, mesh, [Shard(0), Shard(1)]),
+        r=distribute_tensor(r, mesh, [Replicate(), Shard(0)]),
+    )
+    ct.save_state_dict(client, MESH2D_STEP, src, job=job).wait(120)
+    if rank == 0:
+        torch.save({"w": w, "r": r}, out / "mesh2d.pt")
+    line = init_device_mesh("cpu", (world,))
+    dst = holder(
+        w=distribute_tensor(torch.zeros(7, 6), line, [Shard(1)]),
+        r=distribute_tensor(torch.zeros(5, 3), line, [Replicate()]),
+    )
+    ct.load_state_dict(client, MESH2D_STEP, dst, job=job)
+    assert isinstance(dst.w, DTensor) and dst.w.placements == (Shard(1),)
+    assert torch.equal(dst.w.full_tensor(), w) and torch.equal(dst.r.full_tensor(), r)
+
+
 def main() -> None:
     mode, rank, world, init, sock, job, out = sys.argv[1:8]
     rank, world = int(rank), int(world)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     with ckptd.Client(sock) as client:
-        (save if mode == "save" else load)(rank, world, client, job, Path(out))
+        {"save": save, "load": load, "mesh2d": mesh2d}[mode](rank, world, client, job, Path(out))
     dist.barrier()
     dist.destroy_process_group()
 
