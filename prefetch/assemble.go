@@ -69,6 +69,7 @@ type assembler struct {
 
 	cur  *Sample // the sample being read: a run of members sharing a key
 	bad  string  // why cur cannot be delivered ("" when it can)
+	ord  int     // samples begun in the current shard
 	seen int64   // samples out of the shuffler, skipped ones included
 	pos  int64
 
@@ -95,6 +96,7 @@ func (a *assembler) shard(p *pendingShard, b storage.Backend, prefix string) err
 		return p.err
 	}
 	a.it.countFetch(p.how)
+	a.ord = 0
 	var err error
 	if p.stream {
 		err = a.stream(b, p.shard, prefix)
@@ -104,6 +106,7 @@ func (a *assembler) shard(p *pendingShard, b storage.Backend, prefix string) err
 	}
 	a.it.state.Store(stateWork)
 	if err == nil {
+		a.it.shardTotal(p.shard.Name, a.ord)
 		return a.endSample()
 	}
 	a.dropSample()
@@ -180,8 +183,13 @@ func (a *assembler) member(sh Shard, name, key, ext string, size int64, get func
 	}
 	cost := size + int64(len(ext)) + fieldOverhead
 	if a.cur == nil {
-		a.cur = &Sample{Key: strings.Clone(key)}
+		a.cur = &Sample{Key: strings.Clone(key), shard: sh.Name, ord: a.ord}
+		a.cur.skip = a.spec.Delivered != nil && a.spec.Delivered.Has(sh.Name, a.ord)
+		a.ord++
 		cost += int64(len(key)) + sampleOverhead
+	}
+	if a.cur.skip {
+		return nil // delivered before the resume: its members are passed over
 	}
 	if a.bad == "" {
 		a.bad = badName(key, ext)
@@ -243,6 +251,9 @@ func (a *assembler) endSample() error {
 		return nil
 	}
 	a.cur = nil
+	if s.skip {
+		return nil
+	}
 	if a.bad != "" {
 		a.bad = ""
 		a.it.count(func(st *Stats) { st.CorruptSkipped++ })

@@ -2,6 +2,7 @@ package prefetch
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"slices"
 	"sync"
@@ -131,6 +132,19 @@ type Iterator struct {
 
 	mu    sync.Mutex
 	stats Stats
+	// What Delivered answers from: the batches Next returned, not yet
+	// folded into delivered, and each shard's sample count once parsed.
+	log       []batchIDs
+	delivered *Delivered
+	folded    int64 // the position delivered is at
+	totals    map[string]int
+}
+
+// batchIDs are the samples of a batch Next returned, by shard and place.
+type batchIDs struct {
+	position int64
+	shards   []string
+	ords     []int
 }
 
 type result struct {
@@ -163,7 +177,7 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 	if err != nil {
 		return nil, err
 	}
-	mine := ShardsForRank(all, spec.Seed, spec.Epoch, spec.Rank, spec.WorldSize)
+	mine := shardsForRank(all, spec.Seed, spec.Epoch, spec.Rank, spec.WorldSize, spec.Delivered)
 	// The cache looks ahead over this epoch and the rank's next one.
 	next := ShardsForRank(all, spec.Seed, spec.Epoch+1, spec.Rank, spec.WorldSize)
 	advance, unplan := cache.plan(b, append(slices.Clone(mine), next...))
@@ -176,6 +190,10 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 		shardsMem: newMeter(opts.readAhead()), samplesMem: newMeter(opts.samples()),
 	}
 	it.stats.Shards = len(mine)
+	it.delivered, it.totals, it.folded = NewDelivered(), map[string]int{}, spec.Start
+	if spec.Delivered != nil {
+		it.delivered = spec.Delivered.Clone()
+	}
 	queue := make(chan *pendingShard, opts.MaxReads)
 	go it.fetchAll(ctx, b, prefix, cache, mine, opts, queue)
 	go func() {
@@ -215,6 +233,9 @@ func (it *Iterator) Next(ctx context.Context) (*Batch, error) {
 			return nil, io.EOF
 		}
 		it.last = r.batch
+		if r.batch != nil {
+			it.logBatch(r.batch)
+		}
 		return r.batch, r.err
 	case <-ctx.Done():
 		return nil, ctx.Err()
@@ -282,4 +303,54 @@ func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix stri
 			return
 		}
 	}
+}
+
+// logBatch remembers which samples a batch handed out, for Delivered.
+func (it *Iterator) logBatch(b *Batch) {
+	ids := batchIDs{position: b.Position, shards: make([]string, len(b.Samples)), ords: make([]int, len(b.Samples))}
+	for i, s := range b.Samples {
+		ids.shards[i], ids.ords[i] = s.shard, s.ord
+	}
+	it.mu.Lock()
+	defer it.mu.Unlock()
+	it.log = append(it.log, ids)
+}
+
+// shardTotal records how many samples a shard parsed whole has.
+func (it *Iterator) shardTotal(shard string, n int) {
+	it.mu.Lock()
+	defer it.mu.Unlock()
+	it.totals[shard] = n
+}
+
+// Delivered returns the samples of the epoch delivered once the consumer
+// has position samples (a Batch.Position it was handed, or the position it
+// resumed from): with the set the iteration resumed from, if any. Positions
+// only move forward: one before the last asked for is refused.
+func (it *Iterator) Delivered(position int64) (*Delivered, error) {
+	it.mu.Lock()
+	defer it.mu.Unlock()
+	if position < it.folded {
+		return nil, fmt.Errorf("%w: position %d is before %d, asked for already", ErrInvalid, position, it.folded)
+	}
+	n := 0
+	for n < len(it.log) && it.log[n].position <= position {
+		n++
+	}
+	if position != it.folded && (n == 0 || it.log[n-1].position != position) {
+		return nil, fmt.Errorf("%w: position %d is not where a batch handed out ends", ErrInvalid, position)
+	}
+	for _, b := range it.log[:n] {
+		for i, shard := range b.shards {
+			it.delivered.add(shard, b.ords[i])
+		}
+	}
+	it.log = slices.Delete(it.log, 0, n)
+	it.folded = position
+	for shard, total := range it.totals {
+		if _, ok := it.delivered.shards[shard]; ok {
+			it.delivered.setTotal(shard, total)
+		}
+	}
+	return it.delivered.Clone(), nil
 }

@@ -21,6 +21,11 @@ type Spec struct {
 	// SkipCorrupt skips (and counts) shards that fail to parse instead of
 	// failing the iteration.
 	SkipCorrupt bool
+	// Delivered, when set, resumes the epoch from the samples it holds
+	// (the union of every rank's Iterator.Delivered), at any world size:
+	// the shards not fully delivered are dealt anew among the ranks, and
+	// the samples delivered are passed over. Start must then be 0.
+	Delivered *Delivered
 }
 
 // Validate checks the spec and fills defaults.
@@ -36,6 +41,8 @@ func (s *Spec) Validate() error {
 		return fmt.Errorf("%w: epoch and start must not be negative (got %d, %d)", ErrInvalid, s.Epoch, s.Start)
 	case s.ShuffleWindow < 0:
 		return fmt.Errorf("%w: shuffle window must not be negative, got %d", ErrInvalid, s.ShuffleWindow)
+	case s.Delivered != nil && s.Start != 0:
+		return fmt.Errorf("%w: resume from a delivered set or from a start, not both", ErrInvalid)
 	}
 	if s.ShuffleWindow == 0 {
 		s.ShuffleWindow = 1000
@@ -49,11 +56,23 @@ func (s *Spec) Validate() error {
 // all shards seeded by (seed, epoch), of which rank takes every
 // world_size-th. Ranks beyond the shard count get none.
 func ShardsForRank(shards []Shard, seed uint64, epoch int64, rank, worldSize int) []Shard {
+	return shardsForRank(shards, seed, epoch, rank, worldSize, nil)
+}
+
+// shardsForRank is ShardsForRank over the shards that delivered (if not
+// nil) does not hold whole: a resumed epoch deals what is left.
+func shardsForRank(shards []Shard, seed uint64, epoch int64, rank, worldSize int, delivered *Delivered) []Shard {
 	rng := rand.New(rand.NewPCG(seed, uint64(epoch)))
 	perm := rng.Perm(len(shards))
+	var left []Shard
+	for _, i := range perm {
+		if delivered == nil || !delivered.Done(shards[i].Name) {
+			left = append(left, shards[i])
+		}
+	}
 	var mine []Shard
-	for i := rank; i < len(perm); i += worldSize {
-		mine = append(mine, shards[perm[i]])
+	for i := rank; i < len(left); i += worldSize {
+		mine = append(mine, left[i])
 	}
 	return mine
 }

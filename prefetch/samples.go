@@ -23,6 +23,11 @@ type Sample struct {
 	Key    string
 	Fields []Field
 	cost   int64 // what it is charged to the read-ahead budget: see sampleCost
+	// Where it comes from, for Delivered: its shard and its place among
+	// the shard's samples, in file order.
+	shard string
+	ord   int
+	skip  bool // delivered before a resume: passed over, not counted
 }
 
 // Size is the bytes of the sample's fields.

@@ -330,6 +330,24 @@ func (s *Service) Undeliver(owner Owner, id, lease string) {
 }
 
 // CloseSession ends owner's session and frees its ring.
+// Position returns, encoded, the samples session id of owner has
+// delivered once its consumer holds position samples (see
+// Iterator.Delivered), and how many they are.
+func (s *Service) Position(owner Owner, id string, position int64) ([]byte, int64, error) {
+	s.mu.Lock()
+	ss := s.sessions[id]
+	s.mu.Unlock()
+	if ss == nil || ss.owner != owner.ID {
+		return nil, 0, unknownSession(id)
+	}
+	ss.touch()
+	d, err := ss.it.Delivered(position)
+	if err != nil {
+		return nil, 0, err
+	}
+	return d.Encode(), d.Count(), nil
+}
+
 func (s *Service) CloseSession(owner Owner, id string) error {
 	s.mu.Lock()
 	ss := s.sessions[id]

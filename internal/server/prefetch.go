@@ -51,6 +51,16 @@ func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) 
 	if req.GetSource() == "" {
 		return nil, status.Error(codes.InvalidArgument, "dataset source is empty")
 	}
+	for _, blob := range req.GetDelivered() {
+		d, err := prefetch.DecodeDelivered(blob)
+		if err != nil {
+			return nil, toStatus(err)
+		}
+		if spec.Delivered == nil {
+			spec.Delivered = prefetch.NewDelivered()
+		}
+		spec.Delivered.Union(d)
+	}
 	start, o := time.Now(), pfOwner(ctx)
 	id, st, err := p.svc.OpenSession(ctx, o, req.GetSource(), spec)
 	if err != nil {
@@ -122,6 +132,14 @@ func tooLate(ctx context.Context, start time.Time) bool {
 
 func (p *Prefetch) CloseDataset(ctx context.Context, req *pb.CloseDatasetRequest) (*pb.CloseDatasetResponse, error) {
 	return &pb.CloseDatasetResponse{}, toStatus(p.svc.CloseSession(pfOwner(ctx), req.GetSession()))
+}
+
+func (p *Prefetch) DatasetPosition(ctx context.Context, req *pb.DatasetPositionRequest) (*pb.DatasetPositionResponse, error) {
+	b, n, err := p.svc.Position(pfOwner(ctx), req.GetSession(), req.GetPosition())
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	return &pb.DatasetPositionResponse{Delivered: b, Samples: n}, nil
 }
 
 func toPrefetchStats(st prefetch.Stats) *pb.PrefetchStats {

@@ -1568,7 +1568,12 @@ type OpenDatasetRequest struct {
 	// Samples shuffled within this window (0: the daemon's default, 1: none).
 	ShuffleWindow int32 `protobuf:"varint,9,opt,name=shuffle_window,json=shuffleWindow,proto3" json:"shuffle_window,omitempty"`
 	// Skip and count shards that fail to parse instead of failing.
-	SkipCorrupt   bool `protobuf:"varint,10,opt,name=skip_corrupt,json=skipCorrupt,proto3" json:"skip_corrupt,omitempty"`
+	SkipCorrupt bool `protobuf:"varint,10,opt,name=skip_corrupt,json=skipCorrupt,proto3" json:"skip_corrupt,omitempty"`
+	// Resume the epoch at any world size from what was delivered: the
+	// positions (DatasetPosition) of every rank of the run that read it, or
+	// of some ranks whose positions hold the others' (they are unioned).
+	// start must be 0.
+	Delivered     [][]byte `protobuf:"bytes,11,rep,name=delivered,proto3" json:"delivered,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1671,6 +1676,13 @@ func (x *OpenDatasetRequest) GetSkipCorrupt() bool {
 		return x.SkipCorrupt
 	}
 	return false
+}
+
+func (x *OpenDatasetRequest) GetDelivered() [][]byte {
+	if x != nil {
+		return x.Delivered
+	}
+	return nil
 }
 
 type OpenDatasetResponse struct {
@@ -2144,6 +2156,111 @@ func (*CloseDatasetResponse) Descriptor() ([]byte, []int) {
 	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{32}
 }
 
+type DatasetPositionRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Session       string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
+	Position      int64                  `protobuf:"varint,2,opt,name=position,proto3" json:"position,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DatasetPositionRequest) Reset() {
+	*x = DatasetPositionRequest{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DatasetPositionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DatasetPositionRequest) ProtoMessage() {}
+
+func (x *DatasetPositionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DatasetPositionRequest.ProtoReflect.Descriptor instead.
+func (*DatasetPositionRequest) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{33}
+}
+
+func (x *DatasetPositionRequest) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+func (x *DatasetPositionRequest) GetPosition() int64 {
+	if x != nil {
+		return x.Position
+	}
+	return 0
+}
+
+type DatasetPositionResponse struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Delivered []byte                 `protobuf:"bytes,1,opt,name=delivered,proto3" json:"delivered,omitempty"`
+	// The samples in it: this session's and those it resumed from.
+	Samples       int64 `protobuf:"varint,2,opt,name=samples,proto3" json:"samples,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DatasetPositionResponse) Reset() {
+	*x = DatasetPositionResponse{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DatasetPositionResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DatasetPositionResponse) ProtoMessage() {}
+
+func (x *DatasetPositionResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DatasetPositionResponse.ProtoReflect.Descriptor instead.
+func (*DatasetPositionResponse) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *DatasetPositionResponse) GetDelivered() []byte {
+	if x != nil {
+		return x.Delivered
+	}
+	return nil
+}
+
+func (x *DatasetPositionResponse) GetSamples() int64 {
+	if x != nil {
+		return x.Samples
+	}
+	return 0
+}
+
 type GetStatusRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2152,7 +2269,7 @@ type GetStatusRequest struct {
 
 func (x *GetStatusRequest) Reset() {
 	*x = GetStatusRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2164,7 +2281,7 @@ func (x *GetStatusRequest) String() string {
 func (*GetStatusRequest) ProtoMessage() {}
 
 func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2177,7 +2294,7 @@ func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatusRequest.ProtoReflect.Descriptor instead.
 func (*GetStatusRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{33}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
 }
 
 type DaemonStatus struct {
@@ -2203,7 +2320,7 @@ type DaemonStatus struct {
 
 func (x *DaemonStatus) Reset() {
 	*x = DaemonStatus{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2215,7 +2332,7 @@ func (x *DaemonStatus) String() string {
 func (*DaemonStatus) ProtoMessage() {}
 
 func (x *DaemonStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2228,7 +2345,7 @@ func (x *DaemonStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DaemonStatus.ProtoReflect.Descriptor instead.
 func (*DaemonStatus) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{34}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *DaemonStatus) GetVersion() string {
@@ -2328,7 +2445,7 @@ type HotTier struct {
 
 func (x *HotTier) Reset() {
 	*x = HotTier{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2340,7 +2457,7 @@ func (x *HotTier) String() string {
 func (*HotTier) ProtoMessage() {}
 
 func (x *HotTier) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2353,7 +2470,7 @@ func (x *HotTier) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HotTier.ProtoReflect.Descriptor instead.
 func (*HotTier) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *HotTier) GetBytes() uint64 {
@@ -2393,7 +2510,7 @@ type ArenaUsage struct {
 
 func (x *ArenaUsage) Reset() {
 	*x = ArenaUsage{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2405,7 +2522,7 @@ func (x *ArenaUsage) String() string {
 func (*ArenaUsage) ProtoMessage() {}
 
 func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2418,7 +2535,7 @@ func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ArenaUsage.ProtoReflect.Descriptor instead.
 func (*ArenaUsage) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *ArenaUsage) GetSize() uint64 {
@@ -2482,7 +2599,7 @@ type SaveActivity struct {
 
 func (x *SaveActivity) Reset() {
 	*x = SaveActivity{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2494,7 +2611,7 @@ func (x *SaveActivity) String() string {
 func (*SaveActivity) ProtoMessage() {}
 
 func (x *SaveActivity) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2507,7 +2624,7 @@ func (x *SaveActivity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveActivity.ProtoReflect.Descriptor instead.
 func (*SaveActivity) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *SaveActivity) GetTarget() *SaveTarget {
@@ -2554,7 +2671,7 @@ type LeaseState struct {
 
 func (x *LeaseState) Reset() {
 	*x = LeaseState{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2566,7 +2683,7 @@ func (x *LeaseState) String() string {
 func (*LeaseState) ProtoMessage() {}
 
 func (x *LeaseState) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2579,7 +2696,7 @@ func (x *LeaseState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaseState.ProtoReflect.Descriptor instead.
 func (*LeaseState) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *LeaseState) GetIdPrefix() string {
@@ -2653,7 +2770,7 @@ type DatasetState struct {
 
 func (x *DatasetState) Reset() {
 	*x = DatasetState{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2665,7 +2782,7 @@ func (x *DatasetState) String() string {
 func (*DatasetState) ProtoMessage() {}
 
 func (x *DatasetState) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2678,7 +2795,7 @@ func (x *DatasetState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetState.ProtoReflect.Descriptor instead.
 func (*DatasetState) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{39}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *DatasetState) GetPeer() string {
@@ -2741,7 +2858,7 @@ type ReplicaHeader struct {
 
 func (x *ReplicaHeader) Reset() {
 	*x = ReplicaHeader{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2753,7 +2870,7 @@ func (x *ReplicaHeader) String() string {
 func (*ReplicaHeader) ProtoMessage() {}
 
 func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2766,7 +2883,7 @@ func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaHeader.ProtoReflect.Descriptor instead.
 func (*ReplicaHeader) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{40}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *ReplicaHeader) GetManifestSize() uint64 {
@@ -2800,7 +2917,7 @@ type ReplicaPiece struct {
 
 func (x *ReplicaPiece) Reset() {
 	*x = ReplicaPiece{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2812,7 +2929,7 @@ func (x *ReplicaPiece) String() string {
 func (*ReplicaPiece) ProtoMessage() {}
 
 func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2825,7 +2942,7 @@ func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaPiece.ProtoReflect.Descriptor instead.
 func (*ReplicaPiece) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{41}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *ReplicaPiece) GetHeader() *ReplicaHeader {
@@ -2850,7 +2967,7 @@ type PutReplicaResponse struct {
 
 func (x *PutReplicaResponse) Reset() {
 	*x = PutReplicaResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2862,7 +2979,7 @@ func (x *PutReplicaResponse) String() string {
 func (*PutReplicaResponse) ProtoMessage() {}
 
 func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2875,7 +2992,7 @@ func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutReplicaResponse.ProtoReflect.Descriptor instead.
 func (*PutReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
 }
 
 type GetReplicaRequest struct {
@@ -2890,7 +3007,7 @@ type GetReplicaRequest struct {
 
 func (x *GetReplicaRequest) Reset() {
 	*x = GetReplicaRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2902,7 +3019,7 @@ func (x *GetReplicaRequest) String() string {
 func (*GetReplicaRequest) ProtoMessage() {}
 
 func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2915,7 +3032,7 @@ func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReplicaRequest.ProtoReflect.Descriptor instead.
 func (*GetReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *GetReplicaRequest) GetJob() string {
@@ -3044,7 +3161,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x03msg\"1\n" +
 	"\x14ReleaseRegionRequest\x12\x19\n" +
 	"\blease_id\x18\x01 \x01(\tR\aleaseId\"\x17\n" +
-	"\x15ReleaseRegionResponse\"\xa0\x02\n" +
+	"\x15ReleaseRegionResponse\"\xbe\x02\n" +
 	"\x12OpenDatasetRequest\x12\x16\n" +
 	"\x06source\x18\x01 \x01(\tR\x06source\x12\x16\n" +
 	"\x06format\x18\x02 \x01(\tR\x06format\x12\x1d\n" +
@@ -3058,7 +3175,8 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x05start\x18\b \x01(\x03R\x05start\x12%\n" +
 	"\x0eshuffle_window\x18\t \x01(\x05R\rshuffleWindow\x12!\n" +
 	"\fskip_corrupt\x18\n" +
-	" \x01(\bR\vskipCorrupt\"G\n" +
+	" \x01(\bR\vskipCorrupt\x12\x1c\n" +
+	"\tdelivered\x18\v \x03(\fR\tdelivered\"G\n" +
 	"\x13OpenDatasetResponse\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x16\n" +
 	"\x06shards\x18\x02 \x01(\x03R\x06shards\"F\n" +
@@ -3091,7 +3209,13 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x05stats\x18\x05 \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats\"/\n" +
 	"\x13CloseDatasetRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\"\x16\n" +
-	"\x14CloseDatasetResponse\"\x12\n" +
+	"\x14CloseDatasetResponse\"N\n" +
+	"\x16DatasetPositionRequest\x12\x18\n" +
+	"\asession\x18\x01 \x01(\tR\asession\x12\x1a\n" +
+	"\bposition\x18\x02 \x01(\x03R\bposition\"Q\n" +
+	"\x17DatasetPositionResponse\x12\x1c\n" +
+	"\tdelivered\x18\x01 \x01(\fR\tdelivered\x12\x18\n" +
+	"\asamples\x18\x02 \x01(\x03R\asamples\"\x12\n" +
 	"\x10GetStatusRequest\"\xac\x04\n" +
 	"\fDaemonStatus\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12%\n" +
@@ -3182,11 +3306,12 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\tListSteps\x12\x1a.ckptd.v1.ListStepsRequest\x1a\x1b.ckptd.v1.ListStepsResponse\x12M\n" +
 	"\fBeginRestore\x12\x1d.ckptd.v1.BeginRestoreRequest\x1a\x1e.ckptd.v1.BeginRestoreResponse\x12Q\n" +
 	"\rRestoreStream\x12\x1d.ckptd.v1.BeginRestoreRequest\x1a\x1f.ckptd.v1.RestoreStreamResponse0\x01\x12P\n" +
-	"\rReleaseRegion\x12\x1e.ckptd.v1.ReleaseRegionRequest\x1a\x1f.ckptd.v1.ReleaseRegionResponse2\xeb\x01\n" +
+	"\rReleaseRegion\x12\x1e.ckptd.v1.ReleaseRegionRequest\x1a\x1f.ckptd.v1.ReleaseRegionResponse2\xc3\x02\n" +
 	"\bPrefetch\x12J\n" +
 	"\vOpenDataset\x12\x1c.ckptd.v1.OpenDatasetRequest\x1a\x1d.ckptd.v1.OpenDatasetResponse\x12D\n" +
 	"\tNextBatch\x12\x1a.ckptd.v1.NextBatchRequest\x1a\x1b.ckptd.v1.NextBatchResponse\x12M\n" +
-	"\fCloseDataset\x12\x1d.ckptd.v1.CloseDatasetRequest\x1a\x1e.ckptd.v1.CloseDatasetResponse2I\n" +
+	"\fCloseDataset\x12\x1d.ckptd.v1.CloseDatasetRequest\x1a\x1e.ckptd.v1.CloseDatasetResponse\x12V\n" +
+	"\x0fDatasetPosition\x12 .ckptd.v1.DatasetPositionRequest\x1a!.ckptd.v1.DatasetPositionResponse2I\n" +
 	"\x06Daemon\x12?\n" +
 	"\tGetStatus\x12\x1a.ckptd.v1.GetStatusRequest\x1a\x16.ckptd.v1.DaemonStatus2\x91\x01\n" +
 	"\x04Peer\x12D\n" +
@@ -3208,54 +3333,56 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 }
 
 var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 45)
+var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 47)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
-	(SaveState)(0),                // 0: ckptd.v1.SaveState
-	(*GetArenaRequest)(nil),       // 1: ckptd.v1.GetArenaRequest
-	(*ArenaInfo)(nil),             // 2: ckptd.v1.ArenaInfo
-	(*Tensor)(nil),                // 3: ckptd.v1.Tensor
-	(*SaveTarget)(nil),            // 4: ckptd.v1.SaveTarget
-	(*BeginSaveRequest)(nil),      // 5: ckptd.v1.BeginSaveRequest
-	(*Lease)(nil),                 // 6: ckptd.v1.Lease
-	(*BeginSaveResponse)(nil),     // 7: ckptd.v1.BeginSaveResponse
-	(*CommitSaveRequest)(nil),     // 8: ckptd.v1.CommitSaveRequest
-	(*CommitSaveResponse)(nil),    // 9: ckptd.v1.CommitSaveResponse
-	(*AbortSaveRequest)(nil),      // 10: ckptd.v1.AbortSaveRequest
-	(*AbortSaveResponse)(nil),     // 11: ckptd.v1.AbortSaveResponse
-	(*SaveStreamHeader)(nil),      // 12: ckptd.v1.SaveStreamHeader
-	(*SaveStreamRequest)(nil),     // 13: ckptd.v1.SaveStreamRequest
-	(*WaitSaveRequest)(nil),       // 14: ckptd.v1.WaitSaveRequest
-	(*WaitSaveResponse)(nil),      // 15: ckptd.v1.WaitSaveResponse
-	(*ListStepsRequest)(nil),      // 16: ckptd.v1.ListStepsRequest
-	(*StepInfo)(nil),              // 17: ckptd.v1.StepInfo
-	(*ListStepsResponse)(nil),     // 18: ckptd.v1.ListStepsResponse
-	(*BeginRestoreRequest)(nil),   // 19: ckptd.v1.BeginRestoreRequest
-	(*RestoreHeader)(nil),         // 20: ckptd.v1.RestoreHeader
-	(*BeginRestoreResponse)(nil),  // 21: ckptd.v1.BeginRestoreResponse
-	(*RestoreStreamResponse)(nil), // 22: ckptd.v1.RestoreStreamResponse
-	(*ReleaseRegionRequest)(nil),  // 23: ckptd.v1.ReleaseRegionRequest
-	(*ReleaseRegionResponse)(nil), // 24: ckptd.v1.ReleaseRegionResponse
-	(*OpenDatasetRequest)(nil),    // 25: ckptd.v1.OpenDatasetRequest
-	(*OpenDatasetResponse)(nil),   // 26: ckptd.v1.OpenDatasetResponse
-	(*NextBatchRequest)(nil),      // 27: ckptd.v1.NextBatchRequest
-	(*SampleField)(nil),           // 28: ckptd.v1.SampleField
-	(*Sample)(nil),                // 29: ckptd.v1.Sample
-	(*PrefetchStats)(nil),         // 30: ckptd.v1.PrefetchStats
-	(*NextBatchResponse)(nil),     // 31: ckptd.v1.NextBatchResponse
-	(*CloseDatasetRequest)(nil),   // 32: ckptd.v1.CloseDatasetRequest
-	(*CloseDatasetResponse)(nil),  // 33: ckptd.v1.CloseDatasetResponse
-	(*GetStatusRequest)(nil),      // 34: ckptd.v1.GetStatusRequest
-	(*DaemonStatus)(nil),          // 35: ckptd.v1.DaemonStatus
-	(*HotTier)(nil),               // 36: ckptd.v1.HotTier
-	(*ArenaUsage)(nil),            // 37: ckptd.v1.ArenaUsage
-	(*SaveActivity)(nil),          // 38: ckptd.v1.SaveActivity
-	(*LeaseState)(nil),            // 39: ckptd.v1.LeaseState
-	(*DatasetState)(nil),          // 40: ckptd.v1.DatasetState
-	(*ReplicaHeader)(nil),         // 41: ckptd.v1.ReplicaHeader
-	(*ReplicaPiece)(nil),          // 42: ckptd.v1.ReplicaPiece
-	(*PutReplicaResponse)(nil),    // 43: ckptd.v1.PutReplicaResponse
-	(*GetReplicaRequest)(nil),     // 44: ckptd.v1.GetReplicaRequest
-	nil,                           // 45: ckptd.v1.DaemonStatus.ErrorsEntry
+	(SaveState)(0),                  // 0: ckptd.v1.SaveState
+	(*GetArenaRequest)(nil),         // 1: ckptd.v1.GetArenaRequest
+	(*ArenaInfo)(nil),               // 2: ckptd.v1.ArenaInfo
+	(*Tensor)(nil),                  // 3: ckptd.v1.Tensor
+	(*SaveTarget)(nil),              // 4: ckptd.v1.SaveTarget
+	(*BeginSaveRequest)(nil),        // 5: ckptd.v1.BeginSaveRequest
+	(*Lease)(nil),                   // 6: ckptd.v1.Lease
+	(*BeginSaveResponse)(nil),       // 7: ckptd.v1.BeginSaveResponse
+	(*CommitSaveRequest)(nil),       // 8: ckptd.v1.CommitSaveRequest
+	(*CommitSaveResponse)(nil),      // 9: ckptd.v1.CommitSaveResponse
+	(*AbortSaveRequest)(nil),        // 10: ckptd.v1.AbortSaveRequest
+	(*AbortSaveResponse)(nil),       // 11: ckptd.v1.AbortSaveResponse
+	(*SaveStreamHeader)(nil),        // 12: ckptd.v1.SaveStreamHeader
+	(*SaveStreamRequest)(nil),       // 13: ckptd.v1.SaveStreamRequest
+	(*WaitSaveRequest)(nil),         // 14: ckptd.v1.WaitSaveRequest
+	(*WaitSaveResponse)(nil),        // 15: ckptd.v1.WaitSaveResponse
+	(*ListStepsRequest)(nil),        // 16: ckptd.v1.ListStepsRequest
+	(*StepInfo)(nil),                // 17: ckptd.v1.StepInfo
+	(*ListStepsResponse)(nil),       // 18: ckptd.v1.ListStepsResponse
+	(*BeginRestoreRequest)(nil),     // 19: ckptd.v1.BeginRestoreRequest
+	(*RestoreHeader)(nil),           // 20: ckptd.v1.RestoreHeader
+	(*BeginRestoreResponse)(nil),    // 21: ckptd.v1.BeginRestoreResponse
+	(*RestoreStreamResponse)(nil),   // 22: ckptd.v1.RestoreStreamResponse
+	(*ReleaseRegionRequest)(nil),    // 23: ckptd.v1.ReleaseRegionRequest
+	(*ReleaseRegionResponse)(nil),   // 24: ckptd.v1.ReleaseRegionResponse
+	(*OpenDatasetRequest)(nil),      // 25: ckptd.v1.OpenDatasetRequest
+	(*OpenDatasetResponse)(nil),     // 26: ckptd.v1.OpenDatasetResponse
+	(*NextBatchRequest)(nil),        // 27: ckptd.v1.NextBatchRequest
+	(*SampleField)(nil),             // 28: ckptd.v1.SampleField
+	(*Sample)(nil),                  // 29: ckptd.v1.Sample
+	(*PrefetchStats)(nil),           // 30: ckptd.v1.PrefetchStats
+	(*NextBatchResponse)(nil),       // 31: ckptd.v1.NextBatchResponse
+	(*CloseDatasetRequest)(nil),     // 32: ckptd.v1.CloseDatasetRequest
+	(*CloseDatasetResponse)(nil),    // 33: ckptd.v1.CloseDatasetResponse
+	(*DatasetPositionRequest)(nil),  // 34: ckptd.v1.DatasetPositionRequest
+	(*DatasetPositionResponse)(nil), // 35: ckptd.v1.DatasetPositionResponse
+	(*GetStatusRequest)(nil),        // 36: ckptd.v1.GetStatusRequest
+	(*DaemonStatus)(nil),            // 37: ckptd.v1.DaemonStatus
+	(*HotTier)(nil),                 // 38: ckptd.v1.HotTier
+	(*ArenaUsage)(nil),              // 39: ckptd.v1.ArenaUsage
+	(*SaveActivity)(nil),            // 40: ckptd.v1.SaveActivity
+	(*LeaseState)(nil),              // 41: ckptd.v1.LeaseState
+	(*DatasetState)(nil),            // 42: ckptd.v1.DatasetState
+	(*ReplicaHeader)(nil),           // 43: ckptd.v1.ReplicaHeader
+	(*ReplicaPiece)(nil),            // 44: ckptd.v1.ReplicaPiece
+	(*PutReplicaResponse)(nil),      // 45: ckptd.v1.PutReplicaResponse
+	(*GetReplicaRequest)(nil),       // 46: ckptd.v1.GetReplicaRequest
+	nil,                             // 47: ckptd.v1.DaemonStatus.ErrorsEntry
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	4,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
@@ -3275,16 +3402,16 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	6,  // 14: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
 	29, // 15: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
 	30, // 16: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
-	37, // 17: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
-	38, // 18: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
-	39, // 19: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
-	40, // 20: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
-	45, // 21: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
-	36, // 22: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
+	39, // 17: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
+	40, // 18: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
+	41, // 19: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
+	42, // 20: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
+	47, // 21: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	38, // 22: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
 	4,  // 23: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
 	4,  // 24: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
 	30, // 25: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
-	41, // 26: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
+	43, // 26: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
 	1,  // 27: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
 	5,  // 28: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
 	8,  // 29: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
@@ -3298,27 +3425,29 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	25, // 37: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
 	27, // 38: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
 	32, // 39: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
-	34, // 40: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
-	42, // 41: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
-	44, // 42: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
-	2,  // 43: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	7,  // 44: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	9,  // 45: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	11, // 46: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	9,  // 47: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	15, // 48: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	18, // 49: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	21, // 50: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	22, // 51: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	24, // 52: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	26, // 53: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	31, // 54: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	33, // 55: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	35, // 56: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
-	43, // 57: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
-	42, // 58: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
-	43, // [43:59] is the sub-list for method output_type
-	27, // [27:43] is the sub-list for method input_type
+	34, // 40: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
+	36, // 41: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
+	44, // 42: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
+	46, // 43: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
+	2,  // 44: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	7,  // 45: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	9,  // 46: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	11, // 47: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	9,  // 48: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	15, // 49: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	18, // 50: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	21, // 51: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	22, // 52: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	24, // 53: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	26, // 54: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	31, // 55: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	33, // 56: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	35, // 57: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
+	37, // 58: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	45, // 59: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
+	44, // 60: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
+	44, // [44:61] is the sub-list for method output_type
+	27, // [27:44] is the sub-list for method input_type
 	27, // [27:27] is the sub-list for extension type_name
 	27, // [27:27] is the sub-list for extension extendee
 	0,  // [0:27] is the sub-list for field type_name
@@ -3343,7 +3472,7 @@ func file_ckptd_v1_ckptd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   45,
+			NumMessages:   47,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

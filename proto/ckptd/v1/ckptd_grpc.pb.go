@@ -509,9 +509,10 @@ var Checkpoint_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	Prefetch_OpenDataset_FullMethodName  = "/ckptd.v1.Prefetch/OpenDataset"
-	Prefetch_NextBatch_FullMethodName    = "/ckptd.v1.Prefetch/NextBatch"
-	Prefetch_CloseDataset_FullMethodName = "/ckptd.v1.Prefetch/CloseDataset"
+	Prefetch_OpenDataset_FullMethodName     = "/ckptd.v1.Prefetch/OpenDataset"
+	Prefetch_NextBatch_FullMethodName       = "/ckptd.v1.Prefetch/NextBatch"
+	Prefetch_CloseDataset_FullMethodName    = "/ckptd.v1.Prefetch/CloseDataset"
+	Prefetch_DatasetPosition_FullMethodName = "/ckptd.v1.Prefetch/DatasetPosition"
 )
 
 // PrefetchClient is the client API for Prefetch service.
@@ -532,6 +533,12 @@ type PrefetchClient interface {
 	NextBatch(ctx context.Context, in *NextBatchRequest, opts ...grpc.CallOption) (*NextBatchResponse, error)
 	// CloseDataset ends a session and frees its ring.
 	CloseDataset(ctx context.Context, in *CloseDatasetRequest, opts ...grpc.CallOption) (*CloseDatasetResponse, error)
+	// DatasetPosition returns the samples of the epoch this session has
+	// delivered once the consumer holds position samples (the position of
+	// a batch it received): opaque bytes to store with a checkpoint and hand
+	// to OpenDataset's delivered to resume at any world size. Positions only
+	// move forward.
+	DatasetPosition(ctx context.Context, in *DatasetPositionRequest, opts ...grpc.CallOption) (*DatasetPositionResponse, error)
 }
 
 type prefetchClient struct {
@@ -572,6 +579,16 @@ func (c *prefetchClient) CloseDataset(ctx context.Context, in *CloseDatasetReque
 	return out, nil
 }
 
+func (c *prefetchClient) DatasetPosition(ctx context.Context, in *DatasetPositionRequest, opts ...grpc.CallOption) (*DatasetPositionResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DatasetPositionResponse)
+	err := c.cc.Invoke(ctx, Prefetch_DatasetPosition_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // PrefetchServer is the server API for Prefetch service.
 // All implementations must embed UnimplementedPrefetchServer
 // for forward compatibility.
@@ -590,6 +607,12 @@ type PrefetchServer interface {
 	NextBatch(context.Context, *NextBatchRequest) (*NextBatchResponse, error)
 	// CloseDataset ends a session and frees its ring.
 	CloseDataset(context.Context, *CloseDatasetRequest) (*CloseDatasetResponse, error)
+	// DatasetPosition returns the samples of the epoch this session has
+	// delivered once the consumer holds position samples (the position of
+	// a batch it received): opaque bytes to store with a checkpoint and hand
+	// to OpenDataset's delivered to resume at any world size. Positions only
+	// move forward.
+	DatasetPosition(context.Context, *DatasetPositionRequest) (*DatasetPositionResponse, error)
 	mustEmbedUnimplementedPrefetchServer()
 }
 
@@ -608,6 +631,9 @@ func (UnimplementedPrefetchServer) NextBatch(context.Context, *NextBatchRequest)
 }
 func (UnimplementedPrefetchServer) CloseDataset(context.Context, *CloseDatasetRequest) (*CloseDatasetResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method CloseDataset not implemented")
+}
+func (UnimplementedPrefetchServer) DatasetPosition(context.Context, *DatasetPositionRequest) (*DatasetPositionResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method DatasetPosition not implemented")
 }
 func (UnimplementedPrefetchServer) mustEmbedUnimplementedPrefetchServer() {}
 func (UnimplementedPrefetchServer) testEmbeddedByValue()                  {}
@@ -684,6 +710,24 @@ func _Prefetch_CloseDataset_Handler(srv interface{}, ctx context.Context, dec fu
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Prefetch_DatasetPosition_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DatasetPositionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PrefetchServer).DatasetPosition(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Prefetch_DatasetPosition_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PrefetchServer).DatasetPosition(ctx, req.(*DatasetPositionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Prefetch_ServiceDesc is the grpc.ServiceDesc for Prefetch service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -702,6 +746,10 @@ var Prefetch_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "CloseDataset",
 			Handler:    _Prefetch_CloseDataset_Handler,
+		},
+		{
+			MethodName: "DatasetPosition",
+			Handler:    _Prefetch_DatasetPosition_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -245,7 +245,7 @@ class ReleaseRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenDatasetRequest(_message.Message):
-    __slots__ = ("source", "format", "batch_size", "rank", "world_size", "seed", "epoch", "start", "shuffle_window", "skip_corrupt")
+    __slots__ = ("source", "format", "batch_size", "rank", "world_size", "seed", "epoch", "start", "shuffle_window", "skip_corrupt", "delivered")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,7 @@ class OpenDatasetRequest(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     SHUFFLE_WINDOW_FIELD_NUMBER: _ClassVar[int]
     SKIP_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
     source: str
     format: str
     batch_size: int
@@ -266,7 +267,8 @@ class OpenDatasetRequest(_message.Message):
     start: int
     shuffle_window: int
     skip_corrupt: bool
-    def __init__(self, source: _Optional[str] = ..., format: _Optional[str] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., shuffle_window: _Optional[int] = ..., skip_corrupt: _Optional[bool] = ...) -> None: ...
+    delivered: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, source: _Optional[str] = ..., format: _Optional[str] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., shuffle_window: _Optional[int] = ..., skip_corrupt: _Optional[bool] = ..., delivered: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class OpenDatasetResponse(_message.Message):
     __slots__ = ("session", "shards")
@@ -343,6 +345,22 @@ class CloseDatasetRequest(_message.Message):
 class CloseDatasetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DatasetPositionRequest(_message.Message):
+    __slots__ = ("session", "position")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    position: int
+    def __init__(self, session: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
+
+class DatasetPositionResponse(_message.Message):
+    __slots__ = ("delivered", "samples")
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    delivered: bytes
+    samples: int
+    def __init__(self, delivered: _Optional[bytes] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -532,6 +532,11 @@ class PrefetchStub:
                 request_serializer=ckptd_dot_v1_dot_ckptd__pb2.CloseDatasetRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.CloseDatasetResponse.FromString,
                 _registered_method=True)
+        self.DatasetPosition = channel.unary_unary(
+                '/ckptd.v1.Prefetch/DatasetPosition',
+                request_serializer=ckptd_dot_v1_dot_ckptd__pb2.DatasetPositionRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.DatasetPositionResponse.FromString,
+                _registered_method=True)
 
 
 class PrefetchServicer:
@@ -565,6 +570,17 @@ class PrefetchServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DatasetPosition(self, request, context):
+        """DatasetPosition returns the samples of the epoch this session has
+        delivered once the consumer holds position samples (the position of
+        a batch it received): opaque bytes to store with a checkpoint and hand
+        to OpenDataset's delivered to resume at any world size. Positions only
+        move forward.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefetchServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -582,6 +598,11 @@ def add_PrefetchServicer_to_server(servicer, server):
                     servicer.CloseDataset,
                     request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.CloseDatasetRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_ckptd__pb2.CloseDatasetResponse.SerializeToString,
+            ),
+            'DatasetPosition': grpc.unary_unary_rpc_method_handler(
+                    servicer.DatasetPosition,
+                    request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.DatasetPositionRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_ckptd__pb2.DatasetPositionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -669,6 +690,33 @@ class Prefetch:
             '/ckptd.v1.Prefetch/CloseDataset',
             ckptd_dot_v1_dot_ckptd__pb2.CloseDatasetRequest.SerializeToString,
             ckptd_dot_v1_dot_ckptd__pb2.CloseDatasetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DatasetPosition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Prefetch/DatasetPosition',
+            ckptd_dot_v1_dot_ckptd__pb2.DatasetPositionRequest.SerializeToString,
+            ckptd_dot_v1_dot_ckptd__pb2.DatasetPositionResponse.FromString,
             options,
             channel_credentials,
             insecure,
