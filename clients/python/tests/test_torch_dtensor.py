@@ -18,8 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
+import ckptd
 import ckptd.torch as ct
 from ckptd import _sharding
 
@@ -135,6 +140,32 @@ def test_a_2d_mesh_with_replicas_saves_loads_and_exports(daemon, ckptd_bin, job,
     want = torch.load(tmp_path / "mesh2d.pt")
     assert set(got) == {"w", "r"}
     assert torch.equal(got["w"], want["w"]) and torch.equal(got["r"], want["r"])
+
+
+@pytest.fixture
+def mesh_of_one(tmp_path):
+    """A 1-D device mesh over an in-process gloo group of one rank."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_plain_tensors_load_into_dtensors_and_a_missing_rank_reads_rank_0(client, job, mesh_of_one):
+    plain = torch.nn.Linear(3, 2)
+    ct.save_state_dict(client, 1, plain, rank=0, world_size=1, job=job).wait(30)
+    sharded = torch.nn.Linear(3, 2)
+    fully_shard(sharded, mesh=mesh_of_one)
+    ct.load_state_dict(client, 1, sharded, job=job)  # plain saved, DTensors loaded
+    assert isinstance(sharded.weight, DTensor)
+    assert torch.equal(sharded.weight.full_tensor(), plain.weight.detach())
+
+    ct.save_state_dict(client, 2, sharded, rank=0, world_size=1, job=job).wait(30)
+    again = torch.nn.Linear(3, 2)
+    fully_shard(again, mesh=mesh_of_one)
+    ct.load_state_dict(client, 2, again, rank=3, job=job)  # rank 3 of 1: rank 0's pieces
+    assert torch.equal(again.bias.full_tensor(), plain.bias.detach())
+    with pytest.raises(ckptd.InvalidArgumentError, match="rank 3 out of range"):
+        ct.load_state_dict(client, 1, plain, rank=3, job=job)  # not sharded: no fallback
 
 
 def test_a_save_without_dtensors_is_still_format_1(client, job):

@@ -47,7 +47,7 @@ import torch
 from . import _attempt, _names, _ranks, _sharding
 from ._client import Client
 from ._dataset import DatasetSpec
-from ._errors import CkptdError, NotFoundError
+from ._errors import CkptdError, InvalidArgumentError, NotFoundError
 from ._handle import SaveHandle
 from ._torch_data import Batch, BatchDict, CkptdIterableDataset
 
@@ -406,11 +406,12 @@ class _Source:
         self.rank = _ranks.rank(rank)  # whose shard state is
         try:
             self.state = client.load(step, rank=self.rank, job=job, as_torch=True)
-        except NotFoundError as missing:
-            # A rank the step does not have: a sharded step loads from rank 0's.
+        except (NotFoundError, InvalidArgumentError) as missing:
+            # A rank the step does not have (out of its world size): a
+            # sharded step loads from rank 0's shard.
             try:
                 state = client.load(step, rank=0, job=job, as_torch=True)
-            except NotFoundError:
+            except (NotFoundError, InvalidArgumentError):
                 raise missing from None
             if _sharding.TENSOR not in state:
                 raise
