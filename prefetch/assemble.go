@@ -280,6 +280,7 @@ func (a *assembler) emit(s Sample) error {
 	a.inWindow -= s.cost
 	if a.seen <= a.spec.Start {
 		a.mem.Release(s.cost)
+		a.it.skipped(s.shard, s.ord) // delivered before the resume
 		return nil
 	}
 	a.batch = append(a.batch, s)

@@ -110,9 +110,18 @@ func TestDeliveredPositions(t *testing.T) {
 	if _, err := it.Delivered(4); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("a position gone back: %v", err)
 	}
-	_, err = Open(context.Background(), b, "train/", newCache(t, 1<<20), Spec{BatchSize: 4, WorldSize: 1, Start: 3, Delivered: NewDelivered()}, Options{})
-	if !errors.Is(err, ErrInvalid) {
-		t.Fatalf("start and delivered: %v", err)
+	// Resumed from a start, the samples skipped count as delivered.
+	again, err := Open(context.Background(), b, "train/", newCache(t, 1<<20), Spec{BatchSize: 4, WorldSize: 1, ShuffleWindow: 1, Start: 8}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	batch, err := again.Next(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d, err := again.Delivered(batch.Position); err != nil || d.Count() != 12 {
+		t.Fatalf("after a resume at 8 and a batch of 4: %v", err)
 	}
 }
 

@@ -316,6 +316,14 @@ func (it *Iterator) logBatch(b *Batch) {
 	it.log = append(it.log, ids)
 }
 
+// skipped records a sample delivered before the iteration resumed from
+// Spec.Start: part of what Delivered answers.
+func (it *Iterator) skipped(shard string, ord int) {
+	it.mu.Lock()
+	defer it.mu.Unlock()
+	it.delivered.add(shard, ord)
+}
+
 // shardTotal records how many samples a shard parsed whole has.
 func (it *Iterator) shardTotal(shard string, n int) {
 	it.mu.Lock()

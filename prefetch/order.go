@@ -24,7 +24,8 @@ type Spec struct {
 	// Delivered, when set, resumes the epoch from the samples it holds
 	// (the union of every rank's Iterator.Delivered), at any world size:
 	// the shards not fully delivered are dealt anew among the ranks, and
-	// the samples delivered are passed over. Start must then be 0.
+	// the samples delivered are passed over. Start then counts samples of
+	// that resumed order.
 	Delivered *Delivered
 }
 
@@ -41,8 +42,6 @@ func (s *Spec) Validate() error {
 		return fmt.Errorf("%w: epoch and start must not be negative (got %d, %d)", ErrInvalid, s.Epoch, s.Start)
 	case s.ShuffleWindow < 0:
 		return fmt.Errorf("%w: shuffle window must not be negative, got %d", ErrInvalid, s.ShuffleWindow)
-	case s.Delivered != nil && s.Start != 0:
-		return fmt.Errorf("%w: resume from a delivered set or from a start, not both", ErrInvalid)
 	}
 	if s.ShuffleWindow == 0 {
 		s.ShuffleWindow = 1000

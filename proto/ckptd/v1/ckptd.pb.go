@@ -1572,7 +1572,7 @@ type OpenDatasetRequest struct {
 	// Resume the epoch at any world size from what was delivered: the
 	// positions (DatasetPosition) of every rank of the run that read it, or
 	// of some ranks whose positions hold the others' (they are unioned).
-	// start must be 0.
+	// start then counts samples of the resumed order.
 	Delivered     [][]byte `protobuf:"bytes,11,rep,name=delivered,proto3" json:"delivered,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -30,6 +30,7 @@ from importlib import metadata as _metadata
 
 from ._client import Client
 from ._dataset import Dataset, DatasetSpec, DatasetStats
+from ._elastic import gather_dataset_state
 from ._errors import (
     AlreadyExistsError,
     CkptdError,
@@ -75,6 +76,7 @@ __all__ = [
     "UntrustedDaemonError",
     "__version__",
     "default_socket",
+    "gather_dataset_state",
 ]
 
 

@@ -78,6 +78,13 @@ class DatasetSpec:
         seed: the shuffling seed, the same on every rank.
         epoch: which epoch: each epoch has its own order.
         start: samples of this epoch this rank already consumed (resume).
+        delivered: instead of start, the epoch's samples delivered so far,
+            as ``Dataset.state(elastic=True)`` of every rank that read it
+            gives them (``ckptd.torch.gather_dataset_state`` gathers them):
+            opaque bytes, one per old rank. The epoch then resumes at any
+            world size: what is left is dealt among the new ranks, each
+            sample delivered once (start then counts samples of that
+            resumed order).
         shuffle_window: samples shuffled together (None: the daemon's
             default, 1000; 1: shard order, no shuffling).
         skip_corrupt: skip shards that cannot be parsed, counting them in
@@ -103,8 +110,14 @@ class DatasetSpec:
     start: int = 0
     shuffle_window: int | None = None
     skip_corrupt: bool = False
+    delivered: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
+        given: Any = self.delivered  # callers pass lists, or by mistake one bytes
+        delivered = tuple(given)
+        if isinstance(given, (bytes, str)) or not all(isinstance(b, bytes) for b in delivered):
+            raise TypeError("delivered must be a sequence of bytes (one per old rank)")
+        object.__setattr__(self, "delivered", delivered)
         if not isinstance(self.format, str):
             raise TypeError(f"format must be a str, not {type(self.format).__name__}")
         if not isinstance(self.skip_corrupt, bool):
@@ -127,7 +140,7 @@ class DatasetSpec:
         object.__setattr__(self, "source", resolve_source(self.source))
 
     def as_dict(self) -> dict[str, Any]:
-        """The spec's fields as a dict of plain values (JSON-serializable)."""
+        """The spec's fields as a dict of plain values (delivered is bytes)."""
         return asdict(self)
 
     def request(self) -> pb.OpenDatasetRequest:
@@ -143,6 +156,7 @@ class DatasetSpec:
             start=self.start,
             shuffle_window=self.shuffle_window or 0,
             skip_corrupt=self.skip_corrupt,
+            delivered=list(self.delivered),
         )
 
 
@@ -541,15 +555,38 @@ class Dataset:
         """Samples this rank has consumed this epoch, the last batch included."""
         return self._position
 
-    def state(self) -> dict[str, Any]:
+    def state(self, *, elastic: bool = False) -> dict[str, Any]:
         """What to store in a checkpoint: ``client.dataset(DatasetSpec(**state))`` resumes here.
 
         A dict of plain values (JSON-serializable): source, format,
         batch_size, rank, world_size, seed, epoch, shuffle_window,
         skip_corrupt and start, the samples consumed so far this epoch
         (batches fetched ahead by the prefetch thread do not count).
+
+        With elastic=True, the position survives a change of world size:
+        start is 0 and delivered holds (as opaque bytes, asked of the daemon)
+        the samples this rank delivered, with those it resumed from. The
+        union of every rank's (``ckptd.torch.gather_dataset_state``) resumes
+        the epoch at any world size. Take it while the epoch runs: a
+        dataset closed (its epoch over, or close()) has no session to ask.
+
+        Raises:
+            CkptdError: elastic, and the dataset is closed.
         """
-        return replace(self._spec, start=self._position).as_dict()
+        if not elastic:
+            return replace(self._spec, start=self._position).as_dict()
+        if self._closed:
+            raise CkptdError(
+                f"dataset {self._spec.source!r} epoch {self._spec.epoch} is closed: "
+                "take its elastic state while the epoch runs"
+            )
+        resp = self._session.conn.call(
+            "DatasetPosition",
+            pb.DatasetPositionRequest(session=self.session, position=self._position),
+            f"position of dataset {self._spec.source!r}",
+            self._session.conn.prefetch,
+        )
+        return replace(self._spec, start=0, delivered=(resp.delivered,)).as_dict()
 
     def stats(self) -> DatasetStats:
         """The session's totals as of the last batch (see DatasetStats)."""

@@ -47,6 +47,7 @@ import torch
 from . import _attempt, _names, _ranks, _sharding
 from ._client import Client
 from ._dataset import DatasetSpec
+from ._elastic import gather_dataset_state
 from ._errors import CkptdError, InvalidArgumentError, NotFoundError
 from ._handle import SaveHandle
 from ._torch_data import Batch, BatchDict, CkptdIterableDataset
@@ -62,6 +63,7 @@ __all__ = [
     "BatchDict",
     "CkptdIterableDataset",
     "DatasetSpec",
+    "gather_dataset_state",
     "load_state_dict",
     "save_state_dict",
 ]

@@ -1,0 +1,31 @@
+"""Gathering a dataset's elastic position across the ranks of a job."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ._dataset import Dataset
+
+
+def gather_dataset_state(dataset: Dataset, group: Any = None) -> dict[str, Any]:
+    """Every rank's elastic position of an epoch, as one resumable state.
+
+    A collective over torch.distributed (``group``: the default group when
+    None): each rank passes its Dataset of the same epoch; all get the same
+    dict, to store in the checkpoint. ``client.dataset(DatasetSpec(**state))``
+    resumes the epoch at any world size: rank and world_size are left out
+    (None: this process's), and delivered holds every old rank's position.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        CkptdError: the dataset is closed (see Dataset.state).
+    """
+    dist: Any = sys.modules.get("torch.distributed")  # initialized means imported
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("gather_dataset_state needs torch.distributed to be initialized")
+    mine = dataset.state(elastic=True)
+    states: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, mine, group=group)
+    delivered = tuple(b for s in states for b in s["delivered"])
+    return {**mine, "rank": None, "world_size": None, "start": 0, "delivered": delivered}
