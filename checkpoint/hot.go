@@ -144,33 +144,28 @@ func (h *hotTier) committed(job string, step int64, attempt string) {
 // get pins the committed shard of rank of step (by attempt, when not
 // empty) for copying out; release unpins it.
 func (h *hotTier) get(job string, step int64, rank int, attempt string) (e *hotEntry, release func()) {
-	if !h.enabled() {
-		return nil, nil
-	}
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	e = h.entries[hotKey{job, step, rank}]
-	if e == nil || !e.committed || attempt != "" && e.m.Attempt != attempt {
-		return nil, nil
-	}
-	e.pins++
-	return e, func() {
-		h.mu.Lock()
-		defer h.mu.Unlock()
-		e.pins--
-	}
+	return h.pin(job, step, rank, func(e *hotEntry) bool {
+		return e.committed && (attempt == "" || e.m.Attempt == attempt)
+	})
 }
 
 // getAny is get for a peer: committed or not (the asking sidecar checks
-// the commit record), of attempt when not empty.
+// the commit record) when it names the attempt, committed when not.
 func (h *hotTier) getAny(job string, step int64, rank int, attempt string) (e *hotEntry, release func()) {
+	return h.pin(job, step, rank, func(e *hotEntry) bool {
+		return attempt != "" && e.m.Attempt == attempt || attempt == "" && e.committed
+	})
+}
+
+// pin pins the shard of rank of step if ok says it will do.
+func (h *hotTier) pin(job string, step int64, rank int, ok func(*hotEntry) bool) (e *hotEntry, release func()) {
 	if !h.enabled() {
 		return nil, nil
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	e = h.entries[hotKey{job, step, rank}]
-	if e == nil || attempt != "" && e.m.Attempt != attempt || attempt == "" && !e.committed {
+	if e == nil || !ok(e) {
 		return nil, nil
 	}
 	e.pins++

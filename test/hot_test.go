@@ -25,10 +25,11 @@ func TestHotTierRestoresWithoutStorage(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	out, stderr, err := ckptdCLI(t, "status", "--socket", d.socket)
-	if err != nil || !strings.Contains(out, "2 rank shards") {
-		t.Fatalf("ckptd status: %v %s\n%s", err, stderr, out)
-	}
+	// A shard enters the hot tier just after its step commits.
+	waitUntil(t, "ckptd status shows both shards hot", func() bool {
+		out, _, err := ckptdCLI(t, "status", "--socket", d.socket)
+		return err == nil && strings.Contains(out, "2 rank shards")
+	})
 	srv.Kill()
 	c2 := d.client() // the trainer, restarted
 	got, err := c2.Load(ctxT(t), &ckptd.LoadRequest{Step: 5})

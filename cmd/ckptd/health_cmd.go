@@ -29,13 +29,19 @@ func newHealthCmd() *cobra.Command {
 	return cmd
 }
 
-// runHealth prints one line and fails unless the daemon is ready.
-func runHealth(ctx context.Context, o *healthOptions, out io.Writer) error {
-	socket := o.Socket
+// dialDaemon connects to the daemon on socket ("" for the default) and
+// returns the client and the socket it used.
+func dialDaemon(socket string) (*ckptd.Client, string, error) {
 	if socket == "" {
 		socket = ckptd.DefaultSocket()
 	}
 	c, err := ckptd.Dial(socket)
+	return c, socket, err
+}
+
+// runHealth prints one line and fails unless the daemon is ready.
+func runHealth(ctx context.Context, o *healthOptions, out io.Writer) error {
+	c, socket, err := dialDaemon(o.Socket)
 	if err != nil {
 		return err
 	}

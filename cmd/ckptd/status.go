@@ -13,7 +13,6 @@ import (
 	"github.com/spf13/cobra"
 	"google.golang.org/protobuf/encoding/protojson"
 
-	"github.com/ckptd/ckptd/clients/go/ckptd"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
@@ -44,11 +43,7 @@ func runStatus(ctx context.Context, o *statusOptions, out io.Writer) error {
 	if o.Watch < 0 {
 		return usageError{fmt.Errorf("--watch must be positive, got %s", o.Watch)}
 	}
-	socket := o.Socket
-	if socket == "" {
-		socket = ckptd.DefaultSocket()
-	}
-	c, err := ckptd.Dial(socket)
+	c, socket, err := dialDaemon(o.Socket)
 	if err != nil {
 		return err
 	}

@@ -10,15 +10,14 @@ ckptd.sharding description the ranks wrote.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from launch import launch as run_workers
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -34,30 +33,8 @@ STEP = 10
 
 
 def launch(mode: str, world: int, socket: str, job: str, out: Path) -> None:
-    """Run WORLD worker processes, as torchrun would, and wait for them."""
-    init = out / f"store-{mode}-{world}"
-    env = {k: v for k, v in os.environ.items() if k != "CKPTD_ATTEMPT"}
-    env["OMP_NUM_THREADS"] = "1"
-    args = [str(world), str(init), socket, job, str(out)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), mode, str(r), *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    for r, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"{mode} rank {r} of {world} failed:\n{text}"
+    """Run world workers of this test, as torchrun would, and wait for them."""
+    run_workers(WORKER, mode, world, socket, job, out)
 
 
 @pytest.fixture(scope="module")
