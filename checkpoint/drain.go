@@ -258,11 +258,8 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.T
 	if res.State == StateCommitted {
 		mgr.hot.committed(t.Job, t.Step, t.Attempt)
 	}
-	if mgr.cfg.Peers != nil {
-		if data == nil {
-			data = pack(l.layout, region)
-		}
-		mgr.replicate(m, data, res.State == StateCommitted)
+	if mgr.cfg.Peers != nil && data != nil {
+		mgr.queueReplica(replica{m: m, data: data, committed: res.State == StateCommitted})
 	}
 	mgr.endDrain(l, StateDurable, nil)
 }

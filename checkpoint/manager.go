@@ -118,6 +118,7 @@ type Manager struct {
 	restores chan struct{} // a slot per restore reading from storage (Restores)
 	hot      *hotTier
 	fetching chan struct{} // one shard fetched from peers at a time
+	replicas chan replica  // drained shards for replicateLoop
 
 	ctx      context.Context // cancelled to abandon drains at shutdown
 	cancel   context.CancelFunc
@@ -141,7 +142,7 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 		cfg: cfg, arena: a, b: b, w: w, log: cfg.Logger, m: cfg.Metrics,
 		leases: newLeaseTable(cfg.TableBudget, cfg.Metrics.TableBytes), saves: map[saveKey]*saveStatus{},
 		queue: drainQueue{wake: make(chan struct{}, 1)}, restores: make(chan struct{}, cfg.Restores),
-		hot: newHotTier(cfg.HotBytes, cfg.HotSteps), fetching: make(chan struct{}, 1),
+		hot: newHotTier(cfg.HotBytes, cfg.HotSteps), fetching: make(chan struct{}, 1), replicas: make(chan replica, replicaQueue),
 	}
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
 	if err := mgr.recover(); err != nil {
@@ -151,6 +152,9 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 		mgr.wg.Go(mgr.drainLoop)
 	}
 	mgr.wg.Go(mgr.reapLoop)
+	if cfg.Peers != nil {
+		mgr.watchers.Go(mgr.replicateLoop) // stopped by cancel, as the watchers are
+	}
 	return mgr, nil
 }
 

@@ -19,24 +19,59 @@ type Peers interface {
 	Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64) (*Manifest, []byte, error)
 }
 
-// replicateTimeout bounds sending one shard to its peers.
-const replicateTimeout = 5 * time.Minute
+// replicateTimeout bounds sending one shard to its peers: a slow or dead
+// peer is given up on after it, and counted.
+const replicateTimeout = time.Minute
+
+// replicaQueue bounds the shards waiting to be sent to peers. They are the
+// hot tier's copies (no more memory), sent one at a time by replicateLoop,
+// after their drain ended: replication never holds the arena or the
+// trainer. A shard that finds the queue full is not replicated (counted).
+const replicaQueue = 8
+
+// replica is a drained shard to send to its peers.
+type replica struct {
+	m         *Manifest
+	data      []byte
+	committed bool
+}
+
+// queueReplica hands a drained shard to replicateLoop, or drops it when
+// the peers are that far behind.
+func (mgr *Manager) queueReplica(r replica) {
+	select {
+	case mgr.replicas <- r:
+	default:
+		mgr.m.failed("replicate")
+		mgr.log.Warn("peers are behind; this shard is not replicated (it is in storage)", "target", r.m.Target())
+	}
+}
+
+// replicateLoop sends queued shards to their peers until the Manager
+// closes; NewManager starts it when there are peers.
+func (mgr *Manager) replicateLoop() {
+	for {
+		select {
+		case r := <-mgr.replicas:
+			mgr.replicate(r)
+		case <-mgr.ctx.Done():
+			return
+		}
+	}
+}
 
 // replicate sends a drained shard to its peers; a failure is logged and
 // counted, not fatal: the shard is durable in storage already.
-func (mgr *Manager) replicate(m *Manifest, data []byte, committed bool) {
-	if mgr.cfg.Peers == nil {
-		return
-	}
+func (mgr *Manager) replicate(r replica) {
 	ctx, cancel := context.WithTimeout(mgr.ctx, replicateTimeout)
 	defer cancel()
 	start := time.Now()
-	if err := mgr.cfg.Peers.Replicate(ctx, m, data, committed); err != nil {
+	if err := mgr.cfg.Peers.Replicate(ctx, r.m, r.data, r.committed); err != nil {
 		mgr.m.failed("replicate")
-		mgr.log.Warn("replicating to peers failed; the shard stays in storage", "target", m.Target(), "err", err)
+		mgr.log.Warn("replicating to peers failed; the shard stays in storage", "target", r.m.Target(), "err", err)
 		return
 	}
-	mgr.log.Debug("replicated to peers", "target", m.Target(), "bytes", m.DataSize, "duration", time.Since(start))
+	mgr.log.Debug("replicated to peers", "target", r.m.Target(), "bytes", r.m.DataSize, "duration", time.Since(start))
 }
 
 // AcceptReplica keeps a peer's shard in the hot tier, where restores (and
