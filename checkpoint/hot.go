@@ -35,6 +35,7 @@ type hotKey struct {
 
 type hotEntry struct {
 	m         *Manifest
+	hash      string // of m as stored: what commit records pin
 	data      []byte
 	committed bool // the step is committed by m's attempt
 	pins      int  // restores copying out of data
@@ -87,7 +88,7 @@ func (h *hotTier) insert(m *Manifest, data []byte, committed bool) bool {
 	if h.used+m.DataSize > h.budget {
 		return false
 	}
-	h.entries[k] = &hotEntry{m: m, data: data, committed: committed}
+	h.entries[k] = &hotEntry{m: m, hash: manifestHash(m), data: data, committed: committed}
 	h.used += m.DataSize
 	return true
 }
@@ -224,6 +225,24 @@ func (h *hotTier) stats() (used, budget int64, shards int) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.used, h.budget, len(h.entries)
+}
+
+// manifestHash is the hash a commit record pins for m's manifest object
+// (the writer stores m.Encode()), or "" if m does not encode.
+func manifestHash(m *Manifest) string {
+	b, err := m.Encode()
+	if err != nil {
+		return ""
+	}
+	return codec.FormatHash(codec.Hash(b))
+}
+
+// pinnedBy reports whether the commit record names this very manifest for
+// rank (records before attempts pin none): a hot copy, a peer's above all,
+// is served only when it is exactly what the step committed.
+func (e *hotEntry) pinnedBy(rec *CommitRecord, rank int) bool {
+	_, want := rec.manifestObject(rank)
+	return want == "" || want == e.hash
 }
 
 // copyVerified copies e's data into dst chunk by chunk, on every CPU,

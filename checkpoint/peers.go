@@ -34,11 +34,21 @@ type replica struct {
 	m         *Manifest
 	data      []byte
 	committed bool
+	queued    time.Time
 }
+
+// commitWait is how often a replica whose step is not yet committed is
+// looked at again: peers serve a shard without storage only once they know
+// its step committed, so a replica waits (up to replicateTimeout) for the
+// commit, usually made moments later by the step's last rank, elsewhere.
+const commitWait = 500 * time.Millisecond
 
 // queueReplica hands a drained shard to replicateLoop, or drops it when
 // the peers are that far behind.
 func (mgr *Manager) queueReplica(r replica) {
+	if r.queued.IsZero() {
+		r.queued = time.Now()
+	}
 	select {
 	case mgr.replicas <- r:
 	default:
@@ -53,11 +63,36 @@ func (mgr *Manager) replicateLoop() {
 	for {
 		select {
 		case r := <-mgr.replicas:
+			if !r.committed && !mgr.committedYet(&r) {
+				continue
+			}
 			mgr.replicate(r)
 		case <-mgr.ctx.Done():
 			return
 		}
 	}
+}
+
+// committedYet looks up r's step in storage: true once it is committed
+// (r is marked so), or once r has waited long enough (it is then sent as
+// not committed); false when r went back in the queue, or was dropped
+// because another attempt committed the step.
+func (mgr *Manager) committedYet(r *replica) bool {
+	rec, err := mgr.store(r.m.Job).readCommit(mgr.ctx, r.m.Step)
+	switch {
+	case err == nil && rec.Attempt == r.m.Attempt:
+		r.committed = true
+		return true
+	case err == nil:
+		return false // another run committed the step: nothing to replicate
+	case time.Since(r.queued) > replicateTimeout:
+		return true
+	}
+	if !mgr.sleep(commitWait) {
+		return false
+	}
+	mgr.queueReplica(*r)
+	return false
 }
 
 // replicate sends a drained shard to its peers; a failure is logged and

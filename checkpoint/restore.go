@@ -122,11 +122,21 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64,
 		return restoreSource{}, err
 	}
 	mgr.hot.committed(store.Job, rec.Step, rec.Attempt) // the commit may have been another node's
-	if e, release := mgr.hot.get(store.Job, rec.Step, rank, rec.Attempt); e != nil {
-		return restoreSource{m: e.m, hot: e, release: release}, nil
-	}
-	if src, ok := mgr.fromPeers(ctx, store.Job, rec.Step, rank, rec.Attempt); ok {
-		return src, nil
+	if rank >= 0 && rank < rec.WorldSize {
+		if e, release := mgr.hot.get(store.Job, rec.Step, rank, rec.Attempt); e != nil {
+			if e.pinnedBy(rec, rank) {
+				return restoreSource{m: e.m, hot: e, release: release}, nil
+			}
+			release()
+			mgr.log.Warn("the hot copy is not the manifest the step committed; reading storage", "job", store.Job, "step", rec.Step, "rank", rank)
+		}
+		if src, ok := mgr.fromPeers(ctx, store.Job, rec.Step, rank, rec.Attempt); ok {
+			if src.hot.pinnedBy(rec, rank) {
+				return src, nil
+			}
+			src.release()
+			mgr.log.Warn("a peer's replica is not the manifest the step committed; reading storage", "job", store.Job, "step", rec.Step, "rank", rank)
+		}
 	}
 	m, err := store.Manifest(ctx, rec, rank)
 	if err != nil {
@@ -160,7 +170,7 @@ func (mgr *Manager) fromPeers(ctx context.Context, job string, step int64, rank 
 		return restoreSource{}, false
 	}
 	mgr.log.Info("restoring from a peer's replica", "target", m.Target())
-	return restoreSource{m: m, hot: &hotEntry{m: m, data: data}, release: done}, true
+	return restoreSource{m: m, hot: &hotEntry{m: m, hash: manifestHash(m), data: data}, release: done}, true
 }
 
 // fill writes the selected bytes into dst, verified against their chunk
