@@ -74,6 +74,17 @@ func (s *Store) ReadRange(ctx context.Context, m *Manifest, off, n int64, sink S
 	return s.readChunks(ctx, m, first, last, sink, opts)
 }
 
+// ReadTensor returns the bytes of one of m's tensors, reading and
+// verifying only the chunks that hold them.
+func (s *Store) ReadTensor(ctx context.Context, m *Manifest, t Tensor, opts ReadOptions) ([]byte, error) {
+	out := make([]byte, t.Length)
+	sink := &scatterSink{parts: []part{{src: t.Offset, n: t.Length}}, dst: out}
+	if err := s.ReadRange(ctx, m, t.Offset, t.Length, sink, opts); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // readChunks reads chunks [first, last) of m.
 func (s *Store) readChunks(ctx context.Context, m *Manifest, first, last int, sink Sink, opts ReadOptions) error {
 	if opts.Concurrency <= 0 {

@@ -67,15 +67,11 @@ all are written.`,
 }
 
 func runExport(ctx context.Context, o *exportOptions, stdout io.Writer) error {
-	store, closeStore, err := o.openStore(ctx)
+	store, rec, closeStore, err := o.openStep(ctx, o.Step, o.Latest)
 	if err != nil {
 		return err
 	}
 	defer closeStore()
-	rec, err := store.Resolve(ctx, o.Step, o.Latest)
-	if err != nil {
-		return err
-	}
 	ms := make([]*checkpoint.Manifest, rec.WorldSize)
 	for r := range ms {
 		if ms[r], err = store.Manifest(ctx, rec, r); err != nil {
@@ -186,13 +182,13 @@ func (w *restoreWriter) writePiece(ctx context.Context, f *os.File, base int64, 
 	if pc.t.Length == 0 {
 		return nil
 	}
-	sink := &rangeSink{off: pc.t.Offset, buf: make([]byte, pc.t.Length)}
-	if err := w.store.ReadRange(ctx, pc.m, pc.t.Offset, pc.t.Length, sink, checkpoint.ReadOptions{}); err != nil {
+	buf, err := w.store.ReadTensor(ctx, pc.m, pc.t, checkpoint.ReadOptions{})
+	if err != nil {
 		return err
 	}
 	elem := int64(t.dtype.Size())
 	for src, dst := range runs(t.shape, pc.t.Shape, pc.offsets) {
-		run := sink.buf[src.begin*elem : src.end*elem]
+		run := buf[src.begin*elem : src.end*elem]
 		if _, err := f.WriteAt(run, base+dst*elem); err != nil {
 			return err
 		}
@@ -247,19 +243,4 @@ func (w *restoreWriter) writeFile(name string, b []byte) error {
 		return err
 	}
 	return f.Close()
-}
-
-// rangeSink keeps the bytes of [off, off+len(buf)) of what it is handed
-// (ReadRange hands whole chunks, which other tensors may share).
-type rangeSink struct {
-	off int64
-	buf []byte
-}
-
-func (s *rangeSink) WriteAt(p []byte, at int64) (int, error) {
-	lo, hi := max(at, s.off), min(at+int64(len(p)), s.off+int64(len(s.buf)))
-	if lo < hi {
-		copy(s.buf[lo-s.off:hi-s.off], p[lo-at:hi-at])
-	}
-	return len(p), nil
 }

@@ -131,14 +131,14 @@ func readJSONTensor(ctx context.Context, s *checkpoint.Store, m *checkpoint.Mani
 		return nil, fmt.Errorf("%w: step %d rank %d: %s is %s of %d bytes, want U8 of at most %d",
 			checkpoint.ErrCorrupt, m.Step, m.Rank, name, t.DType, t.Length, maxShardingJSON)
 	}
-	sink := &rangeSink{off: t.Offset, buf: make([]byte, t.Length)}
-	if err := s.ReadRange(ctx, m, t.Offset, t.Length, sink, checkpoint.ReadOptions{}); err != nil {
+	b, err := s.ReadTensor(ctx, m, t, checkpoint.ReadOptions{})
+	if err != nil {
 		return nil, err
 	}
-	if !json.Valid(sink.buf) {
+	if !json.Valid(b) {
 		return nil, fmt.Errorf("%w: step %d rank %d: %s is not JSON", checkpoint.ErrCorrupt, m.Step, m.Rank, name)
 	}
-	return sink.buf, nil
+	return b, nil
 }
 
 // replicated plans an export from rank 0 of a step without sharding

@@ -91,6 +91,21 @@ func (o *storageOptions) open(ctx context.Context, create bool) (storage.Backend
 	return openStorage(ctx, o.URL, o, create)
 }
 
+// openStep opens the job's Store and resolves a committed step (the
+// newest when latest) in it; close closes the store.
+func (o *storageOptions) openStep(ctx context.Context, step int64, latest bool) (*checkpoint.Store, *checkpoint.CommitRecord, func(), error) {
+	store, closeStore, err := o.openStore(ctx)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	rec, err := store.Resolve(ctx, step, latest)
+	if err != nil {
+		closeStore()
+		return nil, nil, nil, err
+	}
+	return store, rec, closeStore, nil
+}
+
 // openStore opens the backend and a Store for the job.
 func (o *storageOptions) openStore(ctx context.Context) (*checkpoint.Store, func(), error) {
 	b, err := o.open(ctx, false)

@@ -79,15 +79,11 @@ type stepMeta struct {
 }
 
 func runRestore(ctx context.Context, o *restoreOptions, stdout io.Writer) error {
-	store, closeStore, err := o.openStore(ctx)
+	store, rec, closeStore, err := o.openStep(ctx, o.Step, o.Latest)
 	if err != nil {
 		return err
 	}
 	defer closeStore()
-	rec, err := store.Resolve(ctx, o.Step, o.Latest)
-	if err != nil {
-		return err
-	}
 	ranks, err := ranksToRestore(rec, o.Rank)
 	if err != nil {
 		return err

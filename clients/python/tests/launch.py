@@ -5,22 +5,21 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
-def launch(worker: Path, mode: str, world: int, socket: str, job: str, out: Path) -> None:
-    """Run world processes of `worker mode rank world init socket job out` and wait.
+def run_ranks(argv: Callable[[int], list[str]], world: int, what: str, timeout: int = 300) -> None:
+    """Run `python argv(rank)` for each of world ranks at once and wait.
 
-    init is a file-store path under out, one per (mode, world). Each must
-    exit 0; a failure shows the rank's output.
+    Each must exit 0; a failure shows the rank's output. $CKPTD_ATTEMPT is
+    not passed on: the ranks agree on an attempt themselves.
     """
-    init = out / f"store-{mode}-{world}"
     env = {k: v for k, v in os.environ.items() if k != "CKPTD_ATTEMPT"}
     env["OMP_NUM_THREADS"] = "1"
-    args = [str(world), str(init), socket, job, str(out)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(worker), mode, str(r), *args],
+            [sys.executable, *argv(r)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -31,9 +30,18 @@ def launch(worker: Path, mode: str, world: int, socket: str, job: str, out: Path
     outputs = []
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=300)[0])
+            outputs.append(p.communicate(timeout=timeout)[0])
     finally:
         for p in procs:
             p.kill()
     for r, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"{mode} rank {r} of {world} failed:\n{text}"
+        assert p.returncode == 0, f"{what} rank {r} of {world} failed:\n{text}"
+
+
+def launch(worker: Path, mode: str, world: int, socket: str, job: str, out: Path) -> None:
+    """Run `worker mode rank world init socket job out` on world ranks and wait.
+
+    init is a file-store path under out, one per (mode, world).
+    """
+    args = [str(world), str(out / f"store-{mode}-{world}"), socket, job, str(out)]
+    run_ranks(lambda r: [str(worker), mode, str(r), *args], world, mode)

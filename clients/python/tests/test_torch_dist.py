@@ -8,16 +8,14 @@ broadcasts it; a restarted run (new processes, new group) makes another.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from launch import run_ranks
 
 import ckptd
 import ckptd.torch as ct
@@ -28,28 +26,8 @@ WORLD = 4
 
 def run(socket: str, job: str, step: int) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-dist-"))
-    env = {k: v for k, v in os.environ.items() if k != "CKPTD_ATTEMPT"}
-    env["OMP_NUM_THREADS"] = "1"
     args = [str(WORLD), str(tmp / "store"), socket, job, str(step), str(tmp / "out.json")]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=180)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    for r, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {r} failed:\n{out}"
+    run_ranks(lambda r: [str(WORKER), str(r), *args], WORLD, f"step {step}", timeout=180)
     result = json.loads((tmp / "out.json").read_text())
     shutil.rmtree(tmp, ignore_errors=True)
     return result
