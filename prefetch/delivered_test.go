@@ -149,3 +149,32 @@ func FuzzDecodeDelivered(f *testing.F) {
 		_ = d.Count()
 	})
 }
+
+// A session nobody asks for its position keeps a bounded log: the batches
+// beyond the last maxLogged are folded into the bitmaps, and positions
+// inside the log still answer exactly.
+func TestDeliveredLogBounded(t *testing.T) {
+	b := dataset(t, 10, 10, 100)
+	it, err := Open(context.Background(), b, "train/", newCache(t, 1<<20), Spec{BatchSize: 1, WorldSize: 1, ShuffleWindow: 1}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer it.Close()
+	for range 90 {
+		if _, err := it.Next(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	it.mu.Lock()
+	logged := len(it.log)
+	it.mu.Unlock()
+	if logged > maxLogged {
+		t.Fatalf("%d batches logged, more than %d", logged, maxLogged)
+	}
+	if _, err := it.Delivered(10); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("a position folded away: %v", err)
+	}
+	if d, err := it.Delivered(80); err != nil || d.Count() != 80 {
+		t.Fatalf("position 80: %v", err)
+	}
+}

@@ -305,6 +305,12 @@ func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix stri
 	}
 }
 
+// maxLogged bounds the batches logBatch keeps by sample: the consumer's
+// position trails the batches handed out by the ring and its own prefetch,
+// a few batches; older ones are folded into the delivered bitmaps, so a
+// session nobody asks for its position holds a bit per sample, not a log.
+const maxLogged = 64
+
 // logBatch remembers which samples a batch handed out, for Delivered.
 func (it *Iterator) logBatch(b *Batch) {
 	ids := batchIDs{position: b.Position, shards: make([]string, len(b.Samples)), ords: make([]int, len(b.Samples))}
@@ -314,6 +320,20 @@ func (it *Iterator) logBatch(b *Batch) {
 	it.mu.Lock()
 	defer it.mu.Unlock()
 	it.log = append(it.log, ids)
+	if n := len(it.log) - maxLogged; n > 0 {
+		it.fold(n)
+	}
+}
+
+// fold moves the first n logged batches into delivered. Call with mu.
+func (it *Iterator) fold(n int) {
+	for _, b := range it.log[:n] {
+		for i, shard := range b.shards {
+			it.delivered.add(shard, b.ords[i])
+		}
+		it.folded = b.position
+	}
+	it.log = slices.Delete(it.log, 0, n)
 }
 
 // skipped records a sample delivered before the iteration resumed from
@@ -339,7 +359,8 @@ func (it *Iterator) Delivered(position int64) (*Delivered, error) {
 	it.mu.Lock()
 	defer it.mu.Unlock()
 	if position < it.folded {
-		return nil, fmt.Errorf("%w: position %d is before %d, asked for already", ErrInvalid, position, it.folded)
+		return nil, fmt.Errorf("%w: position %d is before %d, asked for already or more than %d batches behind",
+			ErrInvalid, position, it.folded, maxLogged)
 	}
 	n := 0
 	for n < len(it.log) && it.log[n].position <= position {
@@ -348,12 +369,7 @@ func (it *Iterator) Delivered(position int64) (*Delivered, error) {
 	if position != it.folded && (n == 0 || it.log[n-1].position != position) {
 		return nil, fmt.Errorf("%w: position %d is not where a batch handed out ends", ErrInvalid, position)
 	}
-	for _, b := range it.log[:n] {
-		for i, shard := range b.shards {
-			it.delivered.add(shard, b.ords[i])
-		}
-	}
-	it.log = slices.Delete(it.log, 0, n)
+	it.fold(n)
 	it.folded = position
 	for shard, total := range it.totals {
 		if _, ok := it.delivered.shards[shard]; ok {
