@@ -14,9 +14,10 @@ to the same local disk:
     dcp save         dcp.save with FileSystemWriter (blocks until written)
     ckptd.dcp save   dcp.save with ckptd.dcp.Writer (blocks until committed)
 
-Per method: the trainer's blocking time (async_save or save returning,
-the slowest rank), the time until durable (the future's result; for
-dcp.save the same), and the bytes it wrote. Then dcp.load of the saved
+Per method, run REPEAT times (each rank's median counts, then the slowest
+rank's): the trainer's blocking time (async_save or save returning), the
+time until durable (the future's result; for dcp.save the same), and the
+bytes it wrote. Then dcp.load of the saved
 checkpoints by WORLD and by WORLD/2 processes (resharding), FileSystemReader
 against ckptd.dcp.Reader. Prints a table of ratios to the memcpy (saves)
 and to dcp.load (loads). Absolute numbers on a shared machine are noise.
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--ckptd", default=None, help="a ckptd binary (default: go build one)")
     p.add_argument("--no-process", action="store_true", help="skip the process-based checkpointer")
+    p.add_argument("--repeat", type=int, default=5, help="runs of each method (the median counts)")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # mode rank world init out
     return p.parse_args()
 
@@ -122,20 +125,27 @@ def worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
     client = ckptd.Client(cfg["socket"])
 
     def timed(name: str, start: Any, finish: Any = None) -> None:
-        dist.barrier()
-        t0 = time.perf_counter()
-        handle = start()
-        t1 = time.perf_counter()
-        if finish is not None:
-            finish(handle)
-        t2 = time.perf_counter()
-        dist.barrier()
-        res[name] = {"block": t1 - t0, "durable": t2 - t0}
+        runs: list[tuple[float, float]] = []
+        for i in range(cfg["repeat"]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            handle = start(i)
+            t1 = time.perf_counter()
+            if finish is not None:
+                finish(handle)
+            t2 = time.perf_counter()
+            dist.barrier()
+            runs.append((t1 - t0, t2 - t0))
+        res[name] = {
+            "block": statistics.median(b for b, _ in runs),
+            "durable": statistics.median(d for _, d in runs),
+        }
 
     if mode == "save":
         copies = {}
 
-        def memcpy() -> None:
+        def memcpy(i: int) -> None:
+            copies.clear()
             for k, t in sd["model"].items():
                 copies[k] = t.to_local().clone()
                 for s in ("exp_avg", "exp_avg_sq"):
@@ -145,32 +155,35 @@ def worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
         copies.clear()
         timed(
             "dcp async",
-            lambda: dcp.async_save(sd, checkpoint_id=str(disk / "dcp_async")),
+            lambda i: dcp.async_save(sd, checkpoint_id=str(disk / f"dcp_async{i}")),
             lambda f: f.result(),
         )
         if not cfg["no_process"]:
             timed(
                 "dcp async proc",
-                lambda: dcp.async_save(
+                lambda i: dcp.async_save(
                     sd,
-                    checkpoint_id=str(disk / "dcp_async_proc"),
+                    checkpoint_id=str(disk / f"dcp_async_proc{i}"),
                     async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 ),
                 lambda f: f.result(),
             )
         timed(
             "ckptd.dcp async",
-            lambda: dcp.async_save(sd, storage_writer=ckptd.dcp.Writer(client, 1)),
+            lambda i: dcp.async_save(sd, storage_writer=ckptd.dcp.Writer(client, 100 + i)),
             lambda f: f.result(),
         )
-        timed("dcp save", lambda: dcp.save(sd, checkpoint_id=str(disk / "dcp_sync")))
-        timed("ckptd.dcp save", lambda: dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, 2)))
+        timed("dcp save", lambda i: dcp.save(sd, checkpoint_id=str(disk / f"dcp_sync{i}")))
+        timed(
+            "ckptd.dcp save",
+            lambda i: dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, 200 + i)),
+        )
     else:
         for name, reader in (
-            ("dcp load", lambda: dcp.FileSystemReader(str(disk / "dcp_sync"))),
-            ("ckptd.dcp load", lambda: ckptd.dcp.Reader(client, 2)),
+            ("dcp load", lambda: dcp.FileSystemReader(str(disk / "dcp_sync0"))),
+            ("ckptd.dcp load", lambda: ckptd.dcp.Reader(client, 200)),
         ):
-            timed(name, lambda r=reader: dcp.load(sd, storage_reader=r()))
+            timed(name, lambda i, r=reader: dcp.load(sd, storage_reader=r()))
     every: list[Any] = [None] * world
     dist.all_gather_object(every, res)
     if rank == 0:
@@ -227,6 +240,14 @@ def table(saves: list[dict[str, Any]], written: dict[str, int], loads: dict[int,
         lines.append(
             f"{name:<18}{b * 1e3:>8.0f}ms{b / base:>10.2f}{d * 1e3:>8.0f}ms{d / base:>10.2f}{w:>13}"
         )
+    targets = (
+        ("ckptd.dcp save blocking / memcpy", "ckptd.dcp save", "memcpy", "block"),
+        ("ckptd.dcp async blocking / dcp async", "ckptd.dcp async", "dcp async", "block"),
+        ("ckptd.dcp async durable / dcp async", "ckptd.dcp async", "dcp async", "durable"),
+    )
+    lines.append("")
+    for label, name, ref, key in targets:
+        lines.append(f"{label:<40}{worst(saves, name, key) / worst(saves, ref, key):>6.2f}")
     lines += ["", f"{'load':<22}{'time':>10}{'x dcp.load':>12}"]
     for world, runs in loads.items():
         ref = worst(runs, "dcp load", "durable")
@@ -260,19 +281,19 @@ def main() -> None:
     store = disk / "ckptd"
     with serve(binary, "dcp", "--storage", str(store), "--staging-bytes", staging) as sock:
         cfg = {"size_mib": args.size_mib, "dir": str(disk), "socket": sock}
-        cfg["no_process"] = args.no_process
+        cfg["no_process"], cfg["repeat"] = args.no_process, max(1, args.repeat)
         (out / "config.json").write_text(json.dumps(cfg))
         saves = launch("save", args.world, out)
         with ckptd.Client(sock) as c:
             stored = {s.step: s.stored_bytes for s in c.steps("bench")}
         written = {
-            "dcp async": du(disk / "dcp_async"),
-            "dcp save": du(disk / "dcp_sync"),
-            "ckptd.dcp async": stored.get(1, 0),
-            "ckptd.dcp save": stored.get(2, 0),
+            "dcp async": du(disk / "dcp_async0"),
+            "dcp save": du(disk / "dcp_sync0"),
+            "ckptd.dcp async": stored.get(100, 0),
+            "ckptd.dcp save": stored.get(200, 0),
         }
         if not args.no_process:
-            written["dcp async proc"] = du(disk / "dcp_async_proc")
+            written["dcp async proc"] = du(disk / "dcp_async_proc0")
         loads = {w: launch("load", w, out) for w in (args.world, max(1, args.world // 2))}
     print(table(saves, written, loads))
     shutil.rmtree(out, ignore_errors=True)
