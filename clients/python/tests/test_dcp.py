@@ -9,6 +9,7 @@ runs of 4, 2 and 1 processes load both steps through ckptd.dcp.Reader
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from launch import launch as run_workers
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 import ckptd
 import ckptd.dcp
@@ -61,18 +63,28 @@ def test_load_reshards_bit_for_bit(saved, daemon, world):
     assert report["latest"] == {"step": 11, "diff": []}
 
 
-def test_each_rank_shard_describes_its_pieces(saved, daemon):
-    """ckptd.sharding names every tensor piece, and the pieces tile each tensor once."""
+@pytest.mark.parametrize("step", [10, 11])
+def test_each_rank_shard_describes_its_pieces(saved, daemon, step):
+    """ckptd.sharding names every tensor piece, and the pieces tile each tensor once.
+
+    Step 11 (async_save) stages without collectives: each rank stores its
+    own copy of the plain (replicated) tensors, which only rank 0 describes.
+    """
     job, _ = saved
     covered: dict[tuple[str, str], np.ndarray] = {}
     with daemon.client() as c:
         for rank in range(SAVED_WORLD):
-            shard = c.load(10, rank=rank, job=job, nested=False)
+            shard = c.load(step, rank=rank, job=job, nested=False)
             described = _sharding.decode(shard[_sharding.TENSOR])
-            names = set(shard) - {_sharding.TENSOR, ckptd.dcp.METADATA}
+            names = set(shard) - {_sharding.TENSOR}
             tensors = {n for n in names if not n.startswith(f"{ckptd.dcp.BYTES}:")}
-            assert set(described) == tensors, rank
-            assert (ckptd.dcp.METADATA in shard) == (rank == 0)
+            if step == 10 or rank == 0:
+                assert set(described) == tensors, rank
+            else:
+                assert set(described) <= tensors, rank
+            assert ckptd.dcp.METADATA not in shard  # small: the save's metadata
+            md = pickle.loads(shard.metadata) if rank == 0 else None
+            assert isinstance(md, Metadata) if rank == 0 else shard.metadata == b""
             for name, p in described.items():
                 assert name == f"{p.group}:{p.fqn}"  # one piece of each per rank here
                 shape = shard[name].shape
@@ -84,9 +96,29 @@ def test_each_rank_shard_describes_its_pieces(saved, daemon):
                 cover[box] += 1
     assert covered[("model", "0.weight")].shape == (16, 8)
     assert ("optimizer", "state.4.bias.exp_avg_sq") in covered
-    assert ("optimizer", "state.4.bias.step") in covered  # replicated: stored by one rank
+    assert ("optimizer", "state.4.bias.step") in covered  # replicated: described by one rank
     for key, cover in covered.items():
         assert (cover == 1).all(), key
+
+
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_metadata_too_large_for_a_request_is_a_tensor(client, job, monkeypatch, how):
+    """Metadata over MAX_METADATA goes in rank 0's dcp.metadata tensor, and loads the same."""
+    monkeypatch.setattr(ckptd.dcp._limits, "MAX_METADATA", 16)
+    sd = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "extra": {"n": 7}}
+    writer = ckptd.dcp.Writer(client, 3, job=job)
+    if how == "save":
+        dcp.save(sd, storage_writer=writer)
+    else:
+        fut = dcp.async_save(sd, storage_writer=writer)
+        sd["model"]["w"].add_(100)  # the staged copy is in the daemon
+        fut.result(timeout=60)
+        sd["model"]["w"].sub_(100)
+    shard = client.load(3, rank=0, job=job, nested=False)
+    assert ckptd.dcp.METADATA in shard and shard.metadata == b""
+    got = {"model": {"w": torch.zeros(2, 3)}, "extra": {"n": 0}}
+    dcp.load(got, storage_reader=ckptd.dcp.Reader(client, 3, job=job))
+    assert torch.equal(got["model"]["w"], sd["model"]["w"]) and got["extra"]["n"] == 7
 
 
 def test_reader_for_an_unknown_step_says_so(saved, daemon):

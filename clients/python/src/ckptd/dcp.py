@@ -25,39 +25,49 @@ In a rank's shard:
   tensor ``dcp.bytes:<fqn>``;
 - ``ckptd.sharding`` describes the tensor pieces (group, fqn, global shape,
   offsets), so ``ckptd export`` can consolidate the step without torch;
-- rank 0 (DCP's coordinator) also holds ``dcp.metadata``: DCP's global
-  Metadata, pickled as DCP's FileSystemWriter pickles it. Its storage_data
-  maps every MetadataIndex to ``(rank, tensor name)``.
+- rank 0's save (DCP's coordinator) carries DCP's global Metadata, pickled
+  as DCP's FileSystemWriter pickles it, as the save's metadata (or, when
+  larger than a request to the daemon takes, 8 MiB, as a uint8 tensor
+  ``dcp.metadata`` of its shard, which older versions always wrote). Its
+  storage_data maps every MetadataIndex to ``(rank, tensor name)``.
 
 Where the metadata is written. DCP knows the global Metadata only on the
-coordinator, after planning; rank 0's shard must hold it, and a shard is
-one save. So:
+coordinator, after planning, and a rank's shard is one save. So rank 0
+copies its items into a leased region of the arena as soon as it has
+them, and commits that region with the metadata in finish(); the other
+ranks save theirs at once:
 
-- ``dcp.save``: ranks other than 0 save their shard in write_data and
-  return; rank 0 keeps references to its items (the trainer is blocked in
-  dcp.save, so they cannot change) and saves its shard, metadata included,
-  in finish(), then waits for the step to commit. DCP returns from save on
-  every rank only after finish: **dcp.save returning means the step is
-  durable and committed.**
+- ``dcp.save``: every rank copies its items in write_data (rank 0 holds
+  its region uncommitted), rank 0 commits in finish() and waits for the
+  step to commit. DCP returns from save on every rank only after finish:
+  **dcp.save returning means the step is durable and committed.**
 - ``dcp.async_save``: the Writer is DCP's AsyncStager, and stage() -- run in
-  the trainer's thread -- does the planning itself (DCP's
-  DefaultSavePlanner: the same local plans, gather, deduplication and global
-  plan DCP makes), then copies this rank's items straight into the daemon's
-  shared-memory arena (one copy: Client.save), rank 0's with the metadata.
-  When stage() returns the trainer may change its tensors. The background
-  save DCP then runs plans again (shapes only), write_data returns what
-  stage() wrote, and finish() waits for the step to commit: **the future
-  async_save returns completes only once the step is committed.**
+  the trainer's thread -- makes this rank's local plan (DCP's
+  DefaultSavePlanner) and copies its items straight into the daemon's
+  shared-memory arena (one copy), with **no collective**: of a DTensor piece
+  replicated over a mesh dimension, only the rank at coordinate 0 of it
+  stores it; plain (non-DTensor) values, which DCP takes to be replicated,
+  are stored by every rank (the metadata names the lowest rank's copy,
+  ckptd.sharding describes rank 0's). When stage() returns the trainer
+  may change its tensors. The background save DCP then runs plans (shapes
+  and collectives), write_data returns what stage() stored, and finish()
+  maps DCP's metadata to the stored copies (raising, and saving nothing
+  of rank 0, when a planned item was not stored), commits rank 0's region
+  with it and waits for the step: **the future async_save returns
+  completes only once the step is committed.**
 
-The trainer's stall in async_save is therefore the copy into shared memory
-plus two small collectives (the plans, and a check that every rank's copy
-was accepted). Staging plans with DCP's default planner: a custom planner
-passed to async_save is not used for what is stored (write_data raises if
-its plan asks for an item stage() did not write).
+The trainer's stall in async_save is therefore the local plan and the copy
+into shared memory (the first save of a run without an attempt also
+broadcasts one, as ckptd.torch does). Staging plans with DCP's default
+planner: a custom planner passed to async_save is not used for what is
+stored (finish raises if its plan has an item stage() did not store).
+A background save that fails before finish leaves rank 0's region leased
+until its connection closes or the daemon's --lease-timeout.
 
-Reading: every rank loads rank 0's shard for the metadata (ckptd restores
-whole shards), then the shards its reads need, each once, releasing each
-after use.
+Reading: every rank reads rank 0's save for the metadata (restoring only
+its small ckptd.sharding tensor, or the ``dcp.metadata`` one), then of
+each shard its reads need only those tensors, each shard once, releasing
+each after use.
 """
 
 from __future__ import annotations
@@ -67,7 +77,7 @@ import io
 import os
 import pickle
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any, Literal
 
 import numpy as np
@@ -75,7 +85,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -89,18 +99,20 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from . import _sharding
+from . import _limits, _names, _save, _sharding, _tensors
 from ._client import Client
 from ._errors import CkptdError, InvalidArgumentError
 from ._handle import SaveHandle
 from ._load import LoadedState
 from .torch import _run_attempt
+from .v1 import ckptd_pb2 as pb
 
 __all__ = ["METADATA", "Reader", "Writer"]
 
-METADATA = "dcp.metadata"  # rank 0's pickled DCP Metadata
+METADATA = "dcp.metadata"  # rank 0's pickled DCP Metadata, when too large for a save's
 BYTES = "dcp.bytes"  # top-level key of the torch.save'd non-tensor items
 DCP_VERSION = "1.0.0"  # Metadata.version, as DCP's FileSystemWriter writes it
 
@@ -128,10 +140,115 @@ class _Slot:
 
 @dataclasses.dataclass
 class _Staged:
-    """What stage() saved: the handle and each item's write result."""
+    """What stage() saved: the save (rank 0: held until finish) and its write results."""
 
-    handle: SaveHandle
-    results: dict[MetadataIndex, WriteResult]
+    save: SaveHandle | _Held
+    results: list[WriteResult]
+
+
+class _Held:
+    """Rank 0's shard: copied into a leased region now, committed in finish() with the metadata.
+
+    The copy is the trainer's stall; the commit, carrying DCP's pickled
+    Metadata as the save's metadata, waits for the global plan. Metadata
+    larger than one request (MAX_METADATA) goes in a ``dcp.metadata``
+    tensor instead: the region is copied out and the shard saved again, in
+    the background. A client that streams (no arena mapping) keeps a
+    private copy and saves it at the commit.
+    """
+
+    def __init__(
+        self, writer: Writer, tree: dict[str, Any], info: _RankPlan, attempt: str | None
+    ) -> None:
+        client = writer._client
+        self._writer, self._info, self._attempt = writer, info, attempt
+        self._conn = client._conn
+        own = attempt is None
+        resolved = client._attempt if attempt is None else attempt
+        self._target = _save.target(writer._job, writer._step, info.rank, info.world_size, resolved)
+        if own and client._attempt_random and info.world_size > 1:
+            client._warn_random_attempt(info.world_size)
+        self._what = f"save step {writer._step} rank {info.rank}"
+        leaves = [_tensors.make_leaf(n, v) for n, v in _save._flatten(tree)]
+        size = _tensors.layout(leaves)
+        self._leaves = leaves
+        self._lease: pb.Lease | None = None
+        self._private: dict[str, Any] | None = None
+        arena = self._conn.mapping()
+        if arena is None:
+            self._private = {x.name: _copied(x) for x in leaves}
+            return
+        table = [
+            pb.Tensor(
+                name=x.name, dtype=x.dtype.name, shape=x.shape, offset=x.offset, length=x.nbytes
+            )
+            for x in leaves
+        ]
+        begin = pb.BeginSaveRequest(target=self._target, tensors=table)
+        lease = self._conn.call("BeginSave", begin, self._what).lease
+        try:
+            if lease.length < size:
+                raise CkptdError(
+                    f"{self._what}: daemon leased {lease.length} bytes for a {size}-byte table"
+                )
+            arena = self._conn.lease_mapping(lease.arena_id)
+            self._region = arena.region(lease.offset, size)
+            _save._copy_leaves(leaves, self._region, arena.pin)
+        except BaseException:
+            _save._abort(self._conn, lease.id)
+            raise
+        self._lease = lease
+
+    def commit(self, metadata: Metadata) -> SaveHandle:
+        """Save the shard with the metadata; return its handle."""
+        blob = pickle.dumps(metadata)
+        if self._lease is not None and len(blob) <= _limits.MAX_METADATA:
+            lease, self._lease = self._lease, None
+            req = pb.CommitSaveRequest(lease_id=lease.id, metadata=blob)
+            try:
+                resp = self._conn.call("CommitSave", req, self._what)
+            except BaseException as e:
+                _save._abort(self._conn, lease.id)
+                raise CkptdError(
+                    f"{self._what}: the commit of rank 0's staged shard failed, and the "
+                    f"staged copy is gone (the trainer's tensors have changed since): {e}"
+                ) from e
+            t = resp.target
+            return SaveHandle(self._conn, t.job, t.step, t.rank, attempt=self._target.attempt)
+        if self._lease is not None:  # too large for the request: a tensor of the shard
+            self._private = {x.name: _copied(x, self._region) for x in self._leaves}
+            self.abort()
+        assert self._private is not None
+        tree = _names.unflatten(list(self._private.items()))
+        if len(blob) <= _limits.MAX_METADATA:
+            md = blob
+        else:
+            tree[METADATA], md = np.frombuffer(blob, dtype=np.uint8), b""
+        return self._writer._client.save(
+            self._writer._step,
+            tree,
+            rank=self._info.rank,
+            world_size=self._info.world_size,
+            metadata=md,
+            job=self._writer._job,
+            attempt=self._target.attempt,
+        )
+
+    def abort(self) -> None:
+        """Give the region back (the save failed)."""
+        if self._lease is not None:
+            _save._abort(self._conn, self._lease.id)
+            self._lease = None
+
+
+def _copied(leaf: _tensors.Leaf, region: np.ndarray | None = None) -> Any:
+    """A private copy of a leaf: from its region when given, else from its value."""
+    if region is None:
+        buf = np.empty(leaf.nbytes, np.uint8)
+        _tensors.copy_in(leaf, buf, lambda: False)
+    else:
+        buf = region[leaf.offset : leaf.offset + leaf.nbytes]
+    return _tensors.default_out(leaf.dtype, leaf.shape, buf)
 
 
 class Writer(StorageWriter, AsyncStager):
@@ -181,8 +298,8 @@ class Writer(StorageWriter, AsyncStager):
         self._lock = threading.Lock()
         self._is_coordinator = False
         self._staged: _Staged | None = None
-        # Rank 0's shard during dcp.save, saved in finish() with the metadata.
-        self._pending: tuple[dict[str, Any], _RankPlan, str | None] | None = None
+        # Rank 0's shard during dcp.save, copied in write_data, committed in finish().
+        self._pending: _Held | None = None
 
     def __reduce__(self) -> Any:
         raise TypeError(
@@ -195,6 +312,8 @@ class Writer(StorageWriter, AsyncStager):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a save. What stage() saved is kept: DCP resets after staging."""
+        if self._pending is not None:
+            self._pending.abort()
         self._pending = None
 
     @classmethod
@@ -221,49 +340,51 @@ class Writer(StorageWriter, AsyncStager):
         return [dataclasses.replace(p, storage_data=_RankPlan(i, n)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Save this rank's shard (rank 0: in finish()); see the module.
+        """Save this rank's shard (rank 0: copy it, commit in finish()); see the module.
 
         After stage(), return what it saved instead.
         """
         if self._staged is not None:
-            return _done(self._staged_results(plan))
+            return _done(self._staged.results)
         info = plan.storage_data
         if not isinstance(info, _RankPlan):
             raise CkptdError(
                 "ckptd.dcp.Writer.write_data got a plan its prepare_global_plan did not make"
             )
         attempt = self._resolve_attempt(info.world_size)
-        slots = _layout(plan)
-        tree, results = _shard(plan.items, slots, planner, info.rank)
+        tree, results = _shard(plan.items, _layout(plan), planner, info.rank)
         if self._is_coordinator:
-            self._pending = (tree, info, attempt)
+            self._pending = _Held(self, tree, info, attempt)
         else:
             self._save(tree, info, attempt)
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Rank 0: save its shard with the metadata (or take stage()'s); wait for the commit."""
-        _complete_metadata(metadata, {wr.index: wr.storage_data for rank in results for wr in rank})
+        """Rank 0: commit its shard with the metadata; wait for the step to commit."""
+        held: SaveHandle | _Held | None
         if self._staged is not None:
-            handle = self._staged.handle
-            self._staged = None
+            held, self._staged = self._staged.save, None
         else:
-            if self._pending is None:
+            held, self._pending = self._pending, None
+        try:
+            if held is None:
                 raise CkptdError("ckptd.dcp.Writer.finish before write_data on the coordinator")
-            tree, info, attempt = self._pending
-            self._pending = None
-            tree[METADATA] = _pickled(metadata)
-            handle = self._save(tree, info, attempt)
+            _complete_metadata(metadata, _where(metadata, results))
+            handle = held.commit(metadata) if isinstance(held, _Held) else held
+        except BaseException:
+            if isinstance(held, _Held):
+                held.abort()
+            raise
         handle.wait(self._timeout)
 
     # ---- AsyncStager ----------------------------------------------------
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Plan, and copy this rank's items into the daemon's arena; a collective.
+        """Copy this rank's items into the daemon's arena; no collective (see the module).
 
         Returns state_dict itself: once stage() returns, the bytes are in
         shared memory and the trainer may change its tensors; DCP's
-        background save only plans over it (shapes) and waits for the commit.
+        background save only plans over it (shapes) and commits.
         """
         with self._lock:
             if self._staged is not None:
@@ -272,45 +393,31 @@ class Writer(StorageWriter, AsyncStager):
                 )
             use_dist = dist.is_available() and dist.is_initialized()
             distw = _DistWrapper(self._group, use_dist, 0)
-            world = distw.get_world_size()
-            attempt = self._resolve_attempt(world)
+            info = _RankPlan(distw.get_rank(), distw.get_world_size())
+            attempt = self._resolve_attempt(info.world_size)
             planner = DefaultSavePlanner()
             planner.set_up_planner(state_dict, is_coordinator=distw.is_coordinator)
-            metadata: list[Metadata] = []
-
-            def global_plan(plans: list[SavePlan]) -> list[SavePlan]:
-                plans, md = planner.create_global_plan(plans)
-                where = {
-                    idx: (r, slot.name)
-                    for r, p in enumerate(plans)
-                    for idx, slot in _layout(p).items()
-                }
-                metadata.append(_complete_metadata(md, where))
-                return plans
-
-            central = distw.reduce_scatter(
-                "ckptd.dcp stage", planner.create_local_plan, global_plan
+            plan = _own_items(planner.create_local_plan(), planner.state_dict)
+            plain = {
+                item.index
+                for item in plan.items
+                if not isinstance(planner.state_dict.get(item.index.fqn), DTensor)
+            }
+            # Plain values are taken to be replicated: every rank stores its
+            # own (the metadata names the lowest rank's); rank 0 describes them.
+            tree, results = _shard(
+                plan.items,
+                _layout(plan),
+                planner,
+                info.rank,
+                skip=set() if info.rank == 0 else plain,
             )
-            final = planner.finish_plan(central)
-            info = _RankPlan(distw.get_rank(), world)
-
-            def save() -> _Staged:
-                tree, results = _shard(final.items, _layout(final), planner, info.rank)
-                if metadata:
-                    tree[METADATA] = _pickled(metadata[0])
-                handle = self._save(tree, info, attempt)
-                return _Staged(handle, {r.index: r for r in results})
-
-            staged: list[_Staged | None] = [None]
-
-            def save_here() -> bool:
-                staged[0] = save()
-                return True
-
-            # Every rank learns whether every rank's copy was accepted.
-            distw.all_gather("ckptd.dcp stage", save_here)
-            assert staged[0] is not None
-            self._staged = staged[0]
+            save: SaveHandle | _Held
+            if distw.is_coordinator:
+                save = _Held(self, tree, info, attempt)
+            else:
+                save = self._save(tree, info, attempt)
+            self._staged = _Staged(save, results)
         return state_dict
 
     def synchronize_staging(self) -> None:
@@ -338,20 +445,6 @@ class Writer(StorageWriter, AsyncStager):
             job=self._job,
             attempt=attempt,
         )
-
-    def _staged_results(self, plan: SavePlan) -> list[WriteResult]:
-        assert self._staged is not None
-        out = []
-        for item in plan.items:
-            wr = self._staged.results.get(item.index)
-            if wr is None:
-                raise CkptdError(
-                    f"DCP's plan writes {item.index.fqn!r} at {item.index.offset}, which "
-                    "ckptd.dcp.Writer.stage did not stage: async_save through ckptd.dcp "
-                    "stages with DCP's default planner; pass no other planner"
-                )
-            out.append(dataclasses.replace(wr, index=item.index))
-        return out
 
 
 class Reader(StorageReader):
@@ -402,29 +495,43 @@ class Reader(StorageReader):
         return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Load the metadata tensor of rank 0's shard of the step and unpickle it.
+        """Unpickle DCP's Metadata from rank 0's save of the step.
 
-        Only that tensor is restored (the daemon reads only its chunks).
+        It is the save's metadata (restored with the small ckptd.sharding
+        tensor only), or, when it was too large for that, the shard's
+        ``dcp.metadata`` tensor (the daemon reads only that tensor's chunks).
 
         Raises:
             NotFoundError: no such committed step (or, for "latest", none).
             CkptdError: the step was not saved by ckptd.dcp.Writer.
         """
+        shard = self._load_metadata(self._step, _sharding.TENSOR)
+        blob = shard.metadata
+        if not blob:
+            shard = self._load_metadata(shard.step, METADATA)
+            blob = shard.pop(METADATA).numpy().tobytes()
+        # As DCP's own FileSystemReader: the metadata is a pickle. Load only
+        # checkpoints you trust.
         try:
-            shard = self._load(self._step, 0, [METADATA])
+            md = pickle.loads(blob)
+        except Exception:  # another client's metadata, whatever it is
+            md = None
+        if not isinstance(md, Metadata):
+            raise CkptdError(
+                f"step {shard.step} was not saved by ckptd.dcp.Writer: rank 0's save holds no "
+                "DCP Metadata (load it with ckptd.torch or Client.load)"
+            )
+        self._resolved = shard.step
+        return md
+
+    def _load_metadata(self, step: int | Literal["latest"], name: str) -> LoadedState:
+        try:
+            return self._load(step, 0, [name])
         except InvalidArgumentError as e:  # the daemon names the tensor it lacks
             raise CkptdError(
                 f"the step was not saved by ckptd.dcp.Writer: rank 0's shard has no "
-                f"{METADATA!r} tensor (load it with ckptd.torch or Client.load): {e}"
+                f"{name!r} tensor (load it with ckptd.torch or Client.load): {e}"
             ) from None
-        blob = shard.pop(METADATA)
-        # As DCP's own FileSystemReader: the metadata is a pickle. Load only
-        # checkpoints you trust.
-        md = pickle.loads(blob.numpy().tobytes())
-        if not isinstance(md, Metadata):
-            raise CkptdError(f"step {shard.step}: {METADATA!r} is not DCP Metadata")
-        self._resolved = shard.step
-        return md
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -550,8 +657,12 @@ def _shard(
     slots: Mapping[MetadataIndex, _Slot],
     planner: SavePlanner,
     rank: int,
+    skip: Set[MetadataIndex] = frozenset(),
 ) -> tuple[dict[str, Any], list[WriteResult]]:
-    """The nested dict Client.save stores for items, and their write results."""
+    """The nested dict Client.save stores for items, and their write results.
+
+    ckptd.sharding describes every tensor piece but those of skip.
+    """
     tree: dict[str, Any] = {}
     pieces: dict[str, _sharding.Piece] = {}
     results = []
@@ -571,7 +682,8 @@ def _shard(
                     f"{item.index.fqn!r}: the planner resolved a tensor of shape "
                     f"{tuple(value.shape)} for a piece planned otherwise"
                 )
-            pieces[slot.name] = slot.piece
+            if item.index not in skip:
+                pieces[slot.name] = slot.piece
         tree.setdefault(slot.path[0], {})[slot.path[1]] = value
         results.append(
             WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=(rank, slot.name))
@@ -580,12 +692,52 @@ def _shard(
     return tree, results
 
 
+def _own_items(plan: SavePlan, flat: Mapping[str, Any]) -> SavePlan:
+    """The plan less the DTensor pieces another rank stores, decided locally.
+
+    A piece replicated over a mesh dimension (any placement but Shard) is
+    stored by the rank at coordinate 0 of it, as DCP's deduplication would
+    keep one copy; every rank can tell without a collective.
+    """
+    items = []
+    for item in plan.items:
+        obj = flat.get(item.index.fqn)
+        if isinstance(obj, DTensor):
+            coord = obj.device_mesh.get_coordinate() or ()
+            if any(c != 0 and not p.is_shard() for c, p in zip(coord, obj.placements, strict=True)):
+                continue
+        items.append(item)
+    return dataclasses.replace(plan, items=items)
+
+
+def _where(md: Metadata, results: Sequence[Sequence[WriteResult]]) -> dict[MetadataIndex, Any]:
+    """The stored place of each item of md: the lowest rank's copy of it.
+
+    Raises CkptdError when no rank stored one (a planner that plans other
+    items than DCP's default one, which stage() uses).
+    """
+    stored: dict[MetadataIndex, Any] = {}
+    for rank_results in results:  # in rank order
+        for wr in rank_results:
+            stored.setdefault(wr.index, wr.storage_data)
+    where = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            wanted = [MetadataIndex(fqn)]
+        else:
+            wanted = [MetadataIndex(fqn, c.offsets) for c in item.chunks]
+        for idx in wanted:
+            if idx not in stored:
+                raise CkptdError(
+                    f"DCP's plan has {fqn!r} at {idx.offset}, which no rank's "
+                    "ckptd.dcp.Writer stored: async_save through ckptd.dcp stages with "
+                    "DCP's default planner; pass no other planner"
+                )
+            where[idx] = stored[idx]
+    return where
+
+
 def _complete_metadata(md: Metadata, where: Mapping[MetadataIndex, Any]) -> Metadata:
     md.version = DCP_VERSION
     md.storage_data = dict(where)
     return md
-
-
-def _pickled(md: Metadata) -> np.ndarray:
-    out: np.ndarray = np.frombuffer(pickle.dumps(md), dtype=np.uint8).copy()
-    return out
