@@ -90,6 +90,9 @@ func (mgr *Manager) drain(l *lease) {
 	if !mgr.sleep(mgr.cfg.DrainDelay) {
 		return
 	}
+	if !mgr.persists(l.target.Step) && mgr.keepInMemory(l) {
+		return
+	}
 	start := time.Now()
 	sh := &Shard{
 		Target: l.target, Layout: l.layout, Metadata: l.metadata,
@@ -253,7 +256,7 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.T
 	// After the commit, so as not to delay it: the copy takes a while for a
 	// large shard. It is marked committed if the commit was this one's.
 	region := mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size]
-	data := mgr.hot.add(m, l.layout, region)
+	data, _ := mgr.hot.add(m, l.layout, region, false)
 	res, _, _ := mgr.status(&saveKey{t.Job, t.Step, t.Rank, t.Attempt})
 	if res.State == StateCommitted {
 		mgr.hot.committed(t.Job, t.Step, t.Attempt)

@@ -6,6 +6,7 @@ import (
 	"runtime"
 	"slices"
 	"sync"
+	"time"
 
 	"golang.org/x/sync/errgroup"
 
@@ -38,6 +39,7 @@ type hotEntry struct {
 	hash      string // of m as stored: what commit records pin
 	data      []byte
 	committed bool // the step is committed by m's attempt
+	memory    bool // the step is kept in memory only (--persist-every): no commit record will come
 	pins      int  // restores copying out of data
 }
 
@@ -47,16 +49,16 @@ func newHotTier(budget int64, steps int) *hotTier {
 
 func (h *hotTier) enabled() bool { return h != nil && h.budget > 0 }
 
-// add keeps a durable shard, packed from its staging region, if it fits:
-// older steps of its job beyond Steps go, then the oldest steps of any job
-// until it fits. A shard that cannot fit is not kept.
-func (h *hotTier) add(m *Manifest, layout *Layout, region []byte) []byte {
+// add keeps a shard, packed from its staging region, if it fits: older
+// steps of its job beyond Steps go, then the oldest steps of any job until
+// it fits. A shard that cannot fit is not kept (kept is false; data is
+// packed all the same when it is within the budget, for the peers).
+func (h *hotTier) add(m *Manifest, layout *Layout, region []byte, memory bool) (data []byte, kept bool) {
 	if !h.enabled() || m.DataSize > h.budget {
-		return nil
+		return nil, false
 	}
-	data := pack(layout, region)
-	h.insert(m, data, false)
-	return data
+	data = pack(layout, region)
+	return data, h.insert(m, data, false, memory)
 }
 
 // pack copies a staged shard's tensors from its region into data space.
@@ -71,7 +73,7 @@ func pack(layout *Layout, region []byte) []byte {
 
 // insert keeps data, m's data space, making room as add says; it reports
 // whether it did.
-func (h *hotTier) insert(m *Manifest, data []byte, committed bool) bool {
+func (h *hotTier) insert(m *Manifest, data []byte, committed, memory bool) bool {
 	if !h.enabled() || m.DataSize > h.budget {
 		return false
 	}
@@ -88,7 +90,7 @@ func (h *hotTier) insert(m *Manifest, data []byte, committed bool) bool {
 	if h.used+m.DataSize > h.budget {
 		return false
 	}
-	h.entries[k] = &hotEntry{m: m, hash: manifestHash(m), data: data, committed: committed}
+	h.entries[k] = &hotEntry{m: m, hash: manifestHash(m), data: data, committed: committed, memory: memory}
 	h.used += m.DataSize
 	return true
 }
@@ -215,6 +217,35 @@ func (h *hotTier) latest(job string, rank int) (int64, bool) {
 		}
 	}
 	return best, ok
+}
+
+// HeldShard is a shard a sidecar holds in memory, as its inventory lists
+// it for the job's other sidecars.
+type HeldShard struct {
+	Step       int64
+	Rank       int
+	WorldSize  int
+	Attempt    string
+	Committed  bool // the step is committed in storage by Attempt
+	MemoryOnly bool // the step is not drained (--persist-every)
+	Created    time.Time
+}
+
+// inventory lists the shards of job the tier holds.
+func (h *hotTier) inventory(job string) []HeldShard {
+	if !h.enabled() {
+		return nil
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var out []HeldShard
+	for k, e := range h.entries {
+		if k.job == job {
+			out = append(out, HeldShard{Step: k.step, Rank: k.rank, WorldSize: e.m.WorldSize, Attempt: e.m.Attempt,
+				Committed: e.committed, MemoryOnly: e.memory, Created: e.m.Created})
+		}
+	}
+	return out
 }
 
 // stats returns the bytes held, the budget and the shards held.

@@ -45,6 +45,10 @@ type ManagerConfig struct {
 	// they drain, so that a restore of one of them reads no storage.
 	HotBytes int64
 	HotSteps int
+	// PersistEvery, above 1, drains only the steps it divides to storage:
+	// the others are kept in the hot tier and sent to the peers only (see
+	// tiers.go). It needs HotBytes; without it every step is persisted.
+	PersistEvery int
 	// Peers, when set, gets every drained shard to keep replicas of (see
 	// Peers), and is asked for a shard the hot tier lacks before storage.
 	Peers   Peers

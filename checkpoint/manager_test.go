@@ -95,7 +95,7 @@ func saveBytesTo(t *testing.T, mgr *Manager, a arenaBytes, tg Target, data []byt
 	}
 }
 
-// settled waits for the save of tg to be committed or failed, asking only
+// settled waits for the save of tg to be committed, failed or kept in memory, asking only
 // for its status: nobody calls Wait, which would try the commit itself.
 func settled(t *testing.T, mgr *Manager, tg Target) WaitResult {
 	t.Helper()
@@ -103,7 +103,7 @@ func settled(t *testing.T, mgr *Manager, tg Target) WaitResult {
 	eventually(t, "the save settles", func() bool {
 		var err error
 		res, err = mgr.Status(context.Background(), tg.Job, tg.Step, tg.Rank, tg.Attempt)
-		return err == nil && (res.State == StateCommitted || res.State == StateFailed)
+		return err == nil && (res.final || res.State == StateCommitted || res.State == StateFailed)
 	})
 	return res
 }

@@ -33,6 +33,12 @@ type Metrics struct {
 	// Quarantined counts journal entries set aside at start because they
 	// no longer validated.
 	Quarantined prometheus.Counter
+	// Tiers counts saves by the strongest tier they reached: hot,
+	// replicated (memory-only steps, --persist-every), committed.
+	Tiers *prometheus.CounterVec
+	// RestoreTiers counts restores by the tier that served them: hot,
+	// peer, storage.
+	RestoreTiers *prometheus.CounterVec
 
 	mu     sync.Mutex
 	errors map[string]uint64 // Errors' counts, for ErrorCounts
@@ -72,11 +78,15 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "ckptd_leases_released_total", Help: "Leases ended without commit or release, by reason (disconnect, expired)."}, []string{"reason"}),
 		Quarantined: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ckptd_journal_quarantined_total", Help: "Journal entries set aside at start because they no longer validated."}),
+		Tiers: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ckptd_saves_total", Help: "Saves by the strongest tier they reached (hot, replicated, committed)."}, []string{"tier"}),
+		RestoreTiers: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ckptd_restores_total", Help: "Restores by the tier that served them (hot, peer, storage)."}, []string{"tier"}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.StagedBytes, m.DrainedBytes, m.StoredBytes, m.Restored,
 			m.QueueDepth, m.ArenaUsed, m.SaveStall, m.DrainTime, m.Errors, m.CodecRaw, m.CodecStored,
-			m.TableBytes, m.LeasesReleased, m.Quarantined)
+			m.TableBytes, m.LeasesReleased, m.Quarantined, m.Tiers, m.RestoreTiers)
 	}
 	return m
 }

@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 )
@@ -10,13 +11,18 @@ import (
 // rank (ManagerConfig.Peers). The daemon's implementation speaks gRPC
 // with mutual TLS; the Manager knows only this.
 type Peers interface {
-	// Replicate sends a drained shard (its manifest and data space) to
-	// the peers that keep its rank's replicas.
-	Replicate(ctx context.Context, m *Manifest, data []byte, committed bool) error
-	// Fetch asks those peers for a shard of at most maxBytes; attempt ""
-	// means whichever committed attempt they hold. It fails when none
-	// holds it.
-	Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64) (*Manifest, []byte, error)
+	// Replicate sends a shard (its manifest and data space) to the peers
+	// that keep its rank's replicas: a drained one (committed when its
+	// step is), or one of a step kept in memory only (memory).
+	Replicate(ctx context.Context, m *Manifest, data []byte, committed, memory bool) error
+	// Fetch asks the peers in from (those peers when from is empty) for a
+	// shard of at most maxBytes; attempt "" means whichever committed
+	// attempt they hold. It fails when none holds it.
+	Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64, from []string) (*Manifest, []byte, error)
+	// Inventory asks every peer which shards of job it holds, by peer
+	// address. Peers that do not answer within a short deadline are left
+	// out, and named in the error.
+	Inventory(ctx context.Context, job string) (map[string][]HeldShard, error)
 }
 
 // replicateTimeout bounds sending one shard to its peers: a slow or dead
@@ -34,6 +40,7 @@ type replica struct {
 	m         *Manifest
 	data      []byte
 	committed bool
+	memory    bool // a step kept in memory only: no commit to wait for
 	queued    time.Time
 }
 
@@ -53,6 +60,11 @@ func (mgr *Manager) queueReplica(r replica) {
 	case mgr.replicas <- r:
 	default:
 		mgr.m.failed("replicate")
+		if r.memory {
+			mgr.log.Warn("peers are behind; this shard is not replicated: it is held in this node's memory only", "target", r.m.Target())
+			mgr.markDone(keyOf(r.m.Target()), StateHot, errors.New("not replicated: the peers are behind"))
+			return
+		}
 		mgr.log.Warn("peers are behind; this shard is not replicated (it is in storage)", "target", r.m.Target())
 	}
 }
@@ -63,7 +75,7 @@ func (mgr *Manager) replicateLoop() {
 	for {
 		select {
 		case r := <-mgr.replicas:
-			if !r.committed && !mgr.committedYet(&r) {
+			if !r.committed && !r.memory && !mgr.committedYet(&r) {
 				continue
 			}
 			mgr.replicate(r)
@@ -95,24 +107,35 @@ func (mgr *Manager) committedYet(r *replica) bool {
 	return false
 }
 
-// replicate sends a drained shard to its peers; a failure is logged and
-// counted, not fatal: the shard is durable in storage already.
+// replicate sends a shard to its peers. A failure is logged and counted,
+// not fatal: a drained shard is durable in storage already, and one of a
+// step kept in memory only stays in this node's memory (its save's state
+// says so).
 func (mgr *Manager) replicate(r replica) {
 	ctx, cancel := context.WithTimeout(mgr.ctx, replicateTimeout)
 	defer cancel()
 	start := time.Now()
-	if err := mgr.cfg.Peers.Replicate(ctx, r.m, r.data, r.committed); err != nil {
+	err := mgr.cfg.Peers.Replicate(ctx, r.m, r.data, r.committed, r.memory)
+	if err != nil {
 		mgr.m.failed("replicate")
-		mgr.log.Warn("replicating to peers failed; the shard stays in storage", "target", r.m.Target(), "err", err)
+		mgr.log.Warn("replicating to peers failed", "target", r.m.Target(), "memory_only", r.memory, "err", err)
+	} else {
+		mgr.log.Debug("replicated to peers", "target", r.m.Target(), "bytes", r.m.DataSize, "duration", time.Since(start))
+	}
+	if !r.memory {
 		return
 	}
-	mgr.log.Debug("replicated to peers", "target", r.m.Target(), "bytes", r.m.DataSize, "duration", time.Since(start))
+	if err != nil {
+		mgr.markDone(keyOf(r.m.Target()), StateHot, fmt.Errorf("not replicated: %w", err))
+		return
+	}
+	mgr.markDone(keyOf(r.m.Target()), StateReplicated, nil)
 }
 
 // AcceptReplica keeps a peer's shard in the hot tier, where restores (and
 // the peer's GetReplica) find it. The manifest is validated and the data
 // must be its data space; chunk hashes are checked when it is served.
-func (mgr *Manager) AcceptReplica(manifest, data []byte, committed bool) error {
+func (mgr *Manager) AcceptReplica(manifest, data []byte, committed, memory bool) error {
 	if !mgr.hot.enabled() {
 		return fmt.Errorf("%w: this sidecar keeps no replicas (--hot-bytes is 0)", ErrArenaFull)
 	}
@@ -123,7 +146,7 @@ func (mgr *Manager) AcceptReplica(manifest, data []byte, committed bool) error {
 	if int64(len(data)) != m.DataSize {
 		return fmt.Errorf("%w: replica of %s has %d bytes of data, its manifest says %d", ErrInvalid, m.Target(), len(data), m.DataSize)
 	}
-	if !mgr.hot.insert(m, data, committed) {
+	if !mgr.hot.insert(m, data, committed, memory) {
 		return fmt.Errorf("%w: no room in the hot tier for a replica of %d bytes (--hot-bytes)", ErrArenaFull, m.DataSize)
 	}
 	return nil

@@ -17,6 +17,13 @@ type RestoreHeader struct {
 	Tensors   []Tensor // offsets relative to the region
 	Metadata  []byte
 	Size      int64
+	// Tier is where the bytes came from: "hot" (this node's memory),
+	// "peer" (another sidecar's replica) or "storage".
+	Tier string
+	// SkippedStep, for latest, is a newer step kept in memory only whose
+	// ranks are no longer all held anywhere (their nodes were lost), so
+	// that this older step was restored instead; 0 when none.
+	SkippedStep int64
 }
 
 // RestoreRequest names what BeginRestore restores.
@@ -75,6 +82,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 		return LeaseInfo{}, nil, err
 	}
 	mgr.m.Restored.Add(float64(sel.size))
+	mgr.m.RestoreTiers.WithLabelValues(src.tier).Inc()
 	l := &lease{
 		id: newLeaseID(), kind: restoreLease, region: region, size: sel.size,
 		begun: time.Now(), expires: time.Now().Add(mgr.cfg.LeaseTimeout),
@@ -85,7 +93,8 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
-	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: sel.table, Metadata: m.Metadata, Size: sel.size}
+	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: sel.table, Metadata: m.Metadata, Size: sel.size,
+		Tier: src.tier, SkippedStep: src.skipped}
 	return l.info(), h, nil
 }
 
@@ -95,26 +104,53 @@ type restoreSource struct {
 	m       *Manifest
 	hot     *hotEntry
 	release func()
+	tier    string // see RestoreHeader.Tier
+	skipped int64  // see RestoreHeader.SkippedStep
 }
 
 // restoreSource resolves the step and finds rank's shard: in the hot tier
 // when it holds the committed attempt's copy (no storage read but the
-// commit record's), else in storage. When storage does not answer, the
-// hot tier's copy of the step (or, for latest, of its newest committed
-// step) is served alone.
+// commit record's), else at a peer, else in storage. A step kept in memory
+// only (--persist-every) is found through the sidecars' inventories, and
+// is latest when it is newer than every committed step and whole. When
+// storage does not answer, the hot tier's copy of the step (or, for
+// latest, of its newest committed step) is served alone.
 func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64, latest bool, rank int) (restoreSource, error) {
 	rec, err := store.Resolve(ctx, step, latest)
+	var skipped int64
+	if mgr.cfg.PersistEvery > 1 && (latest || rec == nil) && (err == nil || errors.Is(err, ErrStepNotFound) || errors.Is(err, storage.ErrUnavailable)) {
+		committed := int64(-1)
+		if rec != nil {
+			committed = rec.Step
+		}
+		src, found, merr := mgr.fromMemory(ctx, store.Job, step, latest, committed, rank)
+		if found || merr != nil {
+			return src, merr
+		}
+		if skipped = src.skipped; skipped > 0 && !latest {
+			return restoreSource{}, fmt.Errorf("%w: step %d of job %q was kept in memory only (--persist-every) and some of its ranks are held by no sidecar now; "+
+				"restore a persisted step (ckptd list)", ErrStepNotFound, step, store.Job)
+		}
+		if skipped > 0 {
+			mgr.log.Warn("a newer step was kept in memory only and some of its ranks are held nowhere now; restoring the last persisted step",
+				"job", store.Job, "skipped_step", skipped, "rank", rank)
+		}
+	}
+	src, err := mgr.persistedSource(ctx, store, rec, err, step, latest, rank)
+	src.skipped = skipped
+	return src, err
+}
+
+// persistedSource finds rank's shard of a step persisted in storage, rec
+// and err being what resolving it said.
+func (mgr *Manager) persistedSource(ctx context.Context, store *Store, rec *CommitRecord, err error, step int64, latest bool, rank int) (restoreSource, error) {
 	if errors.Is(err, storage.ErrUnavailable) {
 		found := !latest
 		if latest {
 			step, found = mgr.hot.latest(store.Job, rank)
 		}
-		if e, release := mgr.hot.get(store.Job, step, rank, ""); found && e != nil {
-			mgr.log.Warn("storage does not answer; restoring from the hot tier", "job", store.Job, "step", step, "rank", rank, "err", err)
-			return restoreSource{m: e.m, hot: e, release: release}, nil
-		}
-		if src, ok := mgr.fromPeers(ctx, store.Job, step, rank, ""); found && ok {
-			mgr.log.Warn("storage does not answer; restoring from a peer's replica", "job", store.Job, "step", step, "rank", rank, "err", err)
+		if src, ok := mgr.committedCopy(ctx, store.Job, step, rank, found); ok {
+			mgr.log.Warn("storage does not answer; restoring from the "+src.tier+" tier", "job", store.Job, "step", step, "rank", rank, "err", err)
 			return src, nil
 		}
 	}
@@ -125,12 +161,12 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64,
 	if rank >= 0 && rank < rec.WorldSize {
 		if e, release := mgr.hot.get(store.Job, rec.Step, rank, rec.Attempt); e != nil {
 			if e.pinnedBy(rec, rank) {
-				return restoreSource{m: e.m, hot: e, release: release}, nil
+				return restoreSource{m: e.m, hot: e, release: release, tier: "hot"}, nil
 			}
 			release()
 			mgr.log.Warn("the hot copy is not the manifest the step committed; reading storage", "job", store.Job, "step", rec.Step, "rank", rank)
 		}
-		if src, ok := mgr.fromPeers(ctx, store.Job, rec.Step, rank, rec.Attempt); ok {
+		if src, ok := mgr.fromPeers(ctx, store.Job, rec.Step, rank, rec.Attempt, nil); ok {
 			if src.hot.pinnedBy(rec, rank) {
 				return src, nil
 			}
@@ -142,13 +178,26 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64,
 	if err != nil {
 		return restoreSource{}, err
 	}
-	return restoreSource{m: m, release: func() {}}, nil
+	return restoreSource{m: m, release: func() {}, tier: "storage"}, nil
+}
+
+// committedCopy is a copy, here or at a peer, of rank's shard of a step
+// committed by whichever attempt the copy's holder knows of, if found
+// says there is a step to look for.
+func (mgr *Manager) committedCopy(ctx context.Context, job string, step int64, rank int, found bool) (restoreSource, bool) {
+	if !found {
+		return restoreSource{}, false
+	}
+	if e, release := mgr.hot.get(job, step, rank, ""); e != nil {
+		return restoreSource{m: e.m, hot: e, release: release, tier: "hot"}, true
+	}
+	return mgr.fromPeers(ctx, job, step, rank, "", nil)
 }
 
 // fromPeers fetches a shard from the peers that keep its rank's replicas,
 // if there are any and one has it (a node's trainer restarted on another
 // node reads no storage data). The caller verifies it like any other.
-func (mgr *Manager) fromPeers(ctx context.Context, job string, step int64, rank int, attempt string) (restoreSource, bool) {
+func (mgr *Manager) fromPeers(ctx context.Context, job string, step int64, rank int, attempt string, from []string) (restoreSource, bool) {
 	if mgr.cfg.Peers == nil {
 		return restoreSource{}, false
 	}
@@ -158,7 +207,7 @@ func (mgr *Manager) fromPeers(ctx context.Context, job string, step int64, rank 
 		return restoreSource{}, false
 	}
 	done := func() { <-mgr.fetching }
-	m, data, err := mgr.cfg.Peers.Fetch(ctx, job, step, rank, attempt, mgr.cfg.HotBytes)
+	m, data, err := mgr.cfg.Peers.Fetch(ctx, job, step, rank, attempt, mgr.cfg.HotBytes, from)
 	if err != nil {
 		done()
 		mgr.log.Debug("no replica from peers", "job", job, "step", step, "rank", rank, "err", err)
@@ -170,7 +219,7 @@ func (mgr *Manager) fromPeers(ctx context.Context, job string, step int64, rank 
 		return restoreSource{}, false
 	}
 	mgr.log.Info("restoring from a peer's replica", "target", m.Target())
-	return restoreSource{m: m, hot: &hotEntry{m: m, hash: manifestHash(m), data: data}, release: done}, true
+	return restoreSource{m: m, hot: &hotEntry{m: m, hash: manifestHash(m), data: data}, release: done, tier: "peer"}, true
 }
 
 // fill writes the selected bytes into dst, verified against their chunk

@@ -61,7 +61,7 @@ func (mgr *Manager) reserveSave(ctx context.Context, l *lease) error {
 		return ErrClosing
 	}
 	k := keyOf(t)
-	if st := mgr.saves[k]; st != nil && st.state != StateFailed && st.state != StateCommitted {
+	if st := mgr.saves[k]; st != nil && !st.final() {
 		return &InProgressError{Target: t, State: st.state}
 	}
 	if err := mgr.leases.charge(l, tableCost(l.layout)); err != nil {

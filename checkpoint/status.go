@@ -21,10 +21,27 @@ const (
 	StateDurable         // data and manifest durable; other ranks missing
 	StateCommitted       // the step's COMMIT.json exists
 	StateFailed
+	// The tiers of a step --persist-every keeps in memory only: in this
+	// node's hot tier, then also on --replicas peers. Hot is final once
+	// replication ended (or there are no peers): see saveStatus.settled.
+	StateHot
+	StateReplicated
 )
 
 func (s State) String() string {
-	return [...]string{"unknown", "staging", "staged", "draining", "durable", "committed", "failed"}[s]
+	return [...]string{"unknown", "staging", "staged", "draining", "durable", "committed", "failed", "hot", "replicated"}[s]
+}
+
+// final reports whether a save in st has reached where it ends: committed,
+// failed, or the memory tier it was kept in.
+func (st *saveStatus) final() bool {
+	switch st.state {
+	case StateCommitted, StateFailed, StateReplicated:
+		return true
+	case StateHot:
+		return st.settled
+	}
+	return false
 }
 
 type saveKey struct {
@@ -42,6 +59,7 @@ type saveStatus struct {
 	state     State
 	err       error // why it failed, or the last transient drain error
 	worldSize int
+	settled   bool // a memory-only save's replication has ended (see StateHot)
 	updated   time.Time
 	changed   chan struct{}
 }
@@ -53,7 +71,7 @@ func (mgr *Manager) setState(k saveKey, s State, err error) {
 		st = &saveStatus{changed: make(chan struct{})}
 		mgr.saves[k] = st
 	}
-	st.state, st.err, st.updated = s, err, time.Now()
+	st.state, st.err, st.updated, st.settled = s, err, time.Now(), false
 	close(st.changed)
 	st.changed = make(chan struct{})
 }
@@ -76,8 +94,7 @@ const statusTTL = 10 * time.Minute
 // gcStatuses drops settled statuses past their TTL. Call with mu.
 func (mgr *Manager) gcStatuses(now time.Time) {
 	for k, st := range mgr.saves {
-		settled := st.state == StateCommitted || st.state == StateFailed || st.state == StateDurable
-		if settled && now.Sub(st.updated) > statusTTL {
+		if (st.final() || st.state == StateDurable || st.state == StateHot) && now.Sub(st.updated) > statusTTL {
 			delete(mgr.saves, k)
 		}
 	}
@@ -87,6 +104,7 @@ func (mgr *Manager) gcStatuses(now time.Time) {
 type WaitResult struct {
 	State State
 	Err   error // the failure, or the last transient error while retrying
+	final bool  // State is where the save ends (see saveStatus.final)
 }
 
 // Wait blocks until the rank's save of step by attempt is committed or
@@ -105,6 +123,9 @@ func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int, 
 	poll := 50 * time.Millisecond
 	for {
 		res, changed, known := mgr.status(&k)
+		if known && res.final {
+			return res, nil
+		}
 		if !known {
 			var err error
 			if res, err = mgr.stateFromStorage(ctx, k); err != nil {
@@ -151,7 +172,7 @@ func (mgr *Manager) status(k *saveKey) (WaitResult, chan struct{}, bool) {
 	if st == nil {
 		return WaitResult{}, nil, false
 	}
-	return WaitResult{st.state, st.err}, st.changed, true
+	return WaitResult{State: st.state, Err: st.err, final: st.final()}, st.changed, true
 }
 
 // Status returns a save's current state without waiting: from memory when
@@ -211,9 +232,13 @@ func (mgr *Manager) worldSize(k saveKey) int {
 func (mgr *Manager) markDone(k saveKey, s State, err error) {
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
-	if st := mgr.saves[k]; st != nil && st.state != StateCommitted && st.state != StateFailed {
+	if st := mgr.saves[k]; st != nil && !st.final() {
 		ws := st.worldSize
 		mgr.setState(k, s, err)
 		mgr.saves[k].worldSize = ws
+		mgr.saves[k].settled = true
+		if s != StateFailed {
+			mgr.m.Tiers.WithLabelValues(s.String()).Inc()
+		}
 	}
 }

@@ -61,6 +61,7 @@ type serveOptions struct {
 	PrintMemory  bool
 	HotBytes     byteSize
 	HotSteps     int
+	PersistEvery int
 	peerOptions
 }
 
@@ -91,6 +92,7 @@ func newServeCmd() *cobra.Command {
 	fs.IntVar(&o.Drains, "drains", checkpoint.DefaultDrains, "shards drained at once")
 	fs.Var(&o.HotBytes, "hot-bytes", "memory for the hot tier: the local ranks' shards of each job's newest --hot-steps steps, kept after they drain so that restoring them reads no storage (0: off)")
 	fs.IntVar(&o.HotSteps, "hot-steps", checkpoint.DefaultHotSteps, "steps per job the hot tier keeps")
+	fs.IntVar(&o.PersistEvery, "persist-every", 1, "drain only the steps this number divides to storage; the others stay in the hot tier and on the peers only (needs --hot-bytes; the same on every sidecar of a job)")
 	fs.IntVar(&o.Restores, "restores", checkpoint.DefaultRestores, "restores reading from storage at once (more wait their turn); bounds the memory restores take")
 	fs.BoolVar(&o.PrintMemory, "print-memory", false, "print the memory these flags need (the arena, the heap's ceiling, their sum; JSON) and exit without starting: size a container's memory limit with it")
 	fs.StringVar(&o.MetricsAddr, "metrics-addr", "", "serve Prometheus /metrics on this address, e.g. 127.0.0.1:9464")
@@ -193,7 +195,7 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mgr, err := checkpoint.NewManager(server.CheckpointArena(a), b, checkpoint.ManagerConfig{
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes), ReuseFence: o.ReuseFence,
-		Drains: o.Drains, Restores: o.Restores, HotBytes: int64(o.HotBytes), HotSteps: o.HotSteps, Peers: replicas, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
+		Drains: o.Drains, Restores: o.Restores, HotBytes: int64(o.HotBytes), HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, Peers: replicas, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
 	})
 	if err == nil {
@@ -289,6 +291,9 @@ func (o *serveOptions) check() (codec.Codec, int, error) {
 	}
 	if err := checkpoint.ValidateName("job", o.Job); err != nil {
 		return "", 0, fmt.Errorf("--job: %w", err)
+	}
+	if o.PersistEvery < 0 || o.PersistEvery > 1 && o.HotBytes <= 0 {
+		return "", 0, fmt.Errorf("--persist-every %d: want 1 (every step; 0 too), or more with --hot-bytes for the steps kept in memory only", o.PersistEvery)
 	}
 	if o.StagingBytes < 4096 {
 		return "", 0, fmt.Errorf("--staging-bytes %d is less than one 4096-byte page", o.StagingBytes)

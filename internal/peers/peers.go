@@ -24,6 +24,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -139,21 +140,22 @@ func (c *Client) peer(addr string) (pb.PeerClient, error) {
 }
 
 // Replicate sends the shard to each of its rank's holders.
-func (c *Client) Replicate(ctx context.Context, m *checkpoint.Manifest, data []byte, committed bool) error {
+func (c *Client) Replicate(ctx context.Context, m *checkpoint.Manifest, data []byte, committed, memory bool) error {
 	manifest, err := m.Encode()
 	if err != nil {
 		return err
 	}
 	var errs []error
 	for _, addr := range Holders(c.list, c.self, m.Rank, c.replicas) {
-		if err := c.put(ctx, addr, manifest, data, committed); err != nil {
+		if err := c.put(ctx, addr, &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)),
+			Committed: committed, MemoryOnly: memory}, manifest, data); err != nil {
 			errs = append(errs, fmt.Errorf("peer %s: %w", addr, err))
 		}
 	}
 	return errors.Join(errs...)
 }
 
-func (c *Client) put(ctx context.Context, addr string, manifest, data []byte, committed bool) error {
+func (c *Client) put(ctx context.Context, addr string, hdr *pb.ReplicaHeader, manifest, data []byte) error {
 	p, err := c.peer(addr)
 	if err != nil {
 		return err
@@ -162,7 +164,6 @@ func (c *Client) put(ctx context.Context, addr string, manifest, data []byte, co
 	if err != nil {
 		return err
 	}
-	hdr := &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)), Committed: committed}
 	if err := sendPieces(hdr, manifest, data, stream.Send); err != nil && !errors.Is(err, io.EOF) {
 		return err
 	}
@@ -188,10 +189,13 @@ func sendPieces(hdr *pb.ReplicaHeader, manifest, data []byte, send func(*pb.Repl
 	return nil
 }
 
-// Fetch asks the rank's holders in turn.
-func (c *Client) Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64) (*checkpoint.Manifest, []byte, error) {
+// Fetch asks the peers in from, or the rank's holders, in turn.
+func (c *Client) Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64, from []string) (*checkpoint.Manifest, []byte, error) {
+	if len(from) == 0 {
+		from = candidates(c.list, c.self, rank, c.replicas)
+	}
 	var errs []error
-	for _, addr := range candidates(c.list, c.self, rank, c.replicas) {
+	for _, addr := range from {
 		m, data, err := c.get(ctx, addr, &pb.GetReplicaRequest{Job: job, Step: step, Rank: int32(rank), Attempt: attempt}, maxBytes)
 		if err == nil {
 			return m, data, nil
@@ -223,6 +227,62 @@ func (c *Client) get(ctx context.Context, addr string, req *pb.GetReplicaRequest
 	}
 	_ = hdr
 	return m, data, nil
+}
+
+// inventoryTimeout bounds asking one peer what it holds: a restore waits
+// no longer than this for a dead peer.
+const inventoryTimeout = 3 * time.Second
+
+// maxHeld bounds the shards taken from one peer's inventory.
+const maxHeld = 1 << 20
+
+// Inventory asks every other peer at once what it holds of job.
+func (c *Client) Inventory(ctx context.Context, job string) (map[string][]checkpoint.HeldShard, error) {
+	ctx, cancel := context.WithTimeout(ctx, inventoryTimeout)
+	defer cancel()
+	var (
+		mu   sync.Mutex
+		out  = map[string][]checkpoint.HeldShard{}
+		errs []error
+		wg   sync.WaitGroup
+	)
+	for _, addr := range slices.Compact(slices.Sorted(slices.Values(c.list))) {
+		if addr == c.self {
+			continue
+		}
+		wg.Go(func() {
+			held, err := c.inventory(ctx, addr, job)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, fmt.Errorf("peer %s: %w", addr, err))
+				return
+			}
+			out[addr] = held
+		})
+	}
+	wg.Wait()
+	return out, errors.Join(errs...)
+}
+
+func (c *Client) inventory(ctx context.Context, addr, job string) ([]checkpoint.HeldShard, error) {
+	p, err := c.peer(addr)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := p.Inventory(ctx, &pb.InventoryRequest{Job: job})
+	if err != nil {
+		return nil, err
+	}
+	if len(resp.GetShards()) > maxHeld {
+		return nil, fmt.Errorf("an inventory of %d shards, more than %d", len(resp.GetShards()), maxHeld)
+	}
+	held := make([]checkpoint.HeldShard, 0, len(resp.GetShards()))
+	for _, h := range resp.GetShards() {
+		held = append(held, checkpoint.HeldShard{Step: h.GetStep(), Rank: int(h.GetRank()), WorldSize: int(h.GetWorldSize()),
+			Attempt: h.GetAttempt(), Committed: h.GetCommitted(), MemoryOnly: h.GetMemoryOnly(), Created: time.Unix(0, h.GetCreatedUnixNano())})
+	}
+	return held, nil
 }
 
 // receive reads a header and the manifest and data it announces, refusing
@@ -286,7 +346,7 @@ func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, p
 	if err != nil {
 		return err
 	}
-	if err := s.mgr.AcceptReplica(manifest, data, hdr.GetCommitted()); err != nil {
+	if err := s.mgr.AcceptReplica(manifest, data, hdr.GetCommitted(), hdr.GetMemoryOnly()); err != nil {
 		return err
 	}
 	return stream.SendAndClose(&pb.PutReplicaResponse{})
@@ -300,6 +360,19 @@ func (s *Server) GetReplica(req *pb.GetReplicaRequest, stream grpc.ServerStreami
 	defer release()
 	hdr := &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)), Committed: committed}
 	return sendPieces(hdr, manifest, data, stream.Send)
+}
+
+func (s *Server) Inventory(_ context.Context, req *pb.InventoryRequest) (*pb.InventoryResponse, error) {
+	held, err := s.mgr.Inventory(req.GetJob())
+	if err != nil {
+		return nil, err
+	}
+	resp := &pb.InventoryResponse{Shards: make([]*pb.HeldShard, 0, len(held))}
+	for _, h := range held {
+		resp.Shards = append(resp.Shards, &pb.HeldShard{Step: h.Step, Rank: int32(h.Rank), WorldSize: int32(h.WorldSize), Attempt: h.Attempt,
+			Committed: h.Committed, MemoryOnly: h.MemoryOnly, CreatedUnixNano: h.Created.UnixNano()})
+	}
+	return resp, nil
 }
 
 // Listen serves the Peer service on addr with creds until ctx ends; it

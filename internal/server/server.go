@@ -125,6 +125,9 @@ func (s *Checkpoint) WaitSave(ctx context.Context, req *pb.WaitSaveRequest) (*pb
 }
 
 func (s *Checkpoint) ListSteps(ctx context.Context, req *pb.ListStepsRequest) (*pb.ListStepsResponse, error) {
+	if req.GetTiers() {
+		return s.listTiers(ctx, req.GetJob())
+	}
 	recs, err := s.mgr.Steps(ctx, req.GetJob())
 	if err != nil {
 		return nil, toStatus(err)
@@ -135,6 +138,25 @@ func (s *Checkpoint) ListSteps(ctx context.Context, req *pb.ListStepsRequest) (*
 			Step: r.Step, WorldSize: int32(r.WorldSize), Bytes: uint64(r.Bytes),
 			StoredBytes: uint64(r.StoredBytes), CommittedUnixNano: r.CommittedAt.UnixNano(), Attempt: r.Attempt,
 		})
+	}
+	return resp, nil
+}
+
+// listTiers answers ListSteps with tiers: committed steps and those kept
+// in memory only, each with where it can be restored from.
+func (s *Checkpoint) listTiers(ctx context.Context, job string) (*pb.ListStepsResponse, error) {
+	steps, err := s.mgr.Tiers(ctx, job)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	resp := &pb.ListStepsResponse{}
+	for _, st := range steps {
+		info := &pb.StepInfo{Step: st.Step, WorldSize: int32(st.WorldSize), Attempt: st.Attempt, Tiers: st.Tiers,
+			MemoryOnly: st.MemoryOnly, RanksHeld: int32(st.RanksHeld)}
+		if r := st.Commit; r != nil {
+			info.Bytes, info.StoredBytes, info.CommittedUnixNano = uint64(r.Bytes), uint64(r.StoredBytes), r.CommittedAt.UnixNano()
+		}
+		resp.Steps = append(resp.Steps, info)
 	}
 	return resp, nil
 }
@@ -223,7 +245,8 @@ func (s *Checkpoint) toLease(l checkpoint.LeaseInfo) *pb.Lease {
 }
 
 func toHeader(h *checkpoint.RestoreHeader) *pb.RestoreHeader {
-	return &pb.RestoreHeader{Step: h.Step, WorldSize: int32(h.WorldSize), Attempt: h.Attempt, Tensors: toTensors(h.Tensors), Metadata: h.Metadata, Size: uint64(h.Size)}
+	return &pb.RestoreHeader{Step: h.Step, WorldSize: int32(h.WorldSize), Attempt: h.Attempt, Tensors: toTensors(h.Tensors), Metadata: h.Metadata, Size: uint64(h.Size),
+		Tier: h.Tier, SkippedStep: h.SkippedStep}
 }
 
 func toState(s checkpoint.State) pb.SaveState {
@@ -234,6 +257,10 @@ func toState(s checkpoint.State) pb.SaveState {
 		return pb.SaveState_SAVE_STATE_DRAINING
 	case checkpoint.StateDurable:
 		return pb.SaveState_SAVE_STATE_DURABLE
+	case checkpoint.StateHot:
+		return pb.SaveState_SAVE_STATE_HOT
+	case checkpoint.StateReplicated:
+		return pb.SaveState_SAVE_STATE_REPLICATED
 	case checkpoint.StateCommitted:
 		return pb.SaveState_SAVE_STATE_COMMITTED
 	case checkpoint.StateFailed:

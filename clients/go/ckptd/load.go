@@ -26,6 +26,13 @@ type Shard struct {
 	Step      int64
 	WorldSize int
 	Attempt   string
+	// Tier is where the daemon found the bytes: "hot", "peer" or
+	// "storage".
+	Tier string
+	// SkippedStep, for Latest, is a newer step the daemon kept in memory
+	// only and could not restore whole (nodes holding some of its ranks
+	// were lost); 0 when none.
+	SkippedStep int64
 	Tensors   []Tensor
 	Metadata  []byte
 }
@@ -95,7 +102,8 @@ func (c *Client) LoadStream(ctx context.Context, req *LoadRequest) (*Shard, erro
 // header whose tensors lie outside it: the header comes from the daemon,
 // and a crafted one must be an error, not a panic or a huge allocation.
 func shardFrom(h *pb.RestoreHeader, region []byte) (*Shard, error) {
-	s := &Shard{Step: h.GetStep(), WorldSize: int(h.GetWorldSize()), Attempt: h.GetAttempt(), Metadata: h.GetMetadata()}
+	s := &Shard{Step: h.GetStep(), WorldSize: int(h.GetWorldSize()), Attempt: h.GetAttempt(), Metadata: h.GetMetadata(),
+		Tier: h.GetTier(), SkippedStep: h.GetSkippedStep()}
 	size := uint64(len(region))
 	for _, t := range h.GetTensors() {
 		off, n := t.GetOffset(), t.GetLength()

@@ -130,14 +130,18 @@ func (c *Client) closeStream(stream interface {
 // ErrSaveFailed is returned by Wait when the daemon gave up on a save.
 var ErrSaveFailed = errors.New("save failed")
 
-// Wait blocks until the save is durable and its step committed, the save
-// failed, or ctx ends.
+// Wait blocks until the save reached where it ends, the save failed, or
+// ctx ends. A save ends committed, or, for a step the daemon keeps in
+// memory only (ckptd serve --persist-every), hot or replicated: Status
+// tells which.
 func (h *SaveHandle) Wait(ctx context.Context) error {
 	resp, err := h.c.api.WaitSave(ctx, &pb.WaitSaveRequest{Job: h.job, Step: h.step, Rank: int32(h.rank), Attempt: h.attempt})
 	if err != nil {
 		return h.c.wrap(err)
 	}
-	if resp.GetState() != pb.SaveState_SAVE_STATE_COMMITTED {
+	switch resp.GetState() {
+	case pb.SaveState_SAVE_STATE_COMMITTED, pb.SaveState_SAVE_STATE_REPLICATED, pb.SaveState_SAVE_STATE_HOT:
+	default:
 		return fmt.Errorf("%w: step %d rank %d: %s: %s", ErrSaveFailed, h.step, h.rank, resp.GetState(), resp.GetError())
 	}
 	return nil

@@ -43,6 +43,13 @@ const (
 	// The step's commit record exists.
 	SaveState_SAVE_STATE_COMMITTED SaveState = 4
 	SaveState_SAVE_STATE_FAILED    SaveState = 5
+	// Kept in this node's memory (the hot tier) and not drained: the step is
+	// not one --persist-every persists. Final when the daemon has no peers
+	// or sending to them failed (the error says why).
+	SaveState_SAVE_STATE_HOT SaveState = 6
+	// Kept in this node's memory and on --replicas peers; not drained (see
+	// HOT). Final.
+	SaveState_SAVE_STATE_REPLICATED SaveState = 7
 )
 
 // Enum value maps for SaveState.
@@ -54,6 +61,8 @@ var (
 		3: "SAVE_STATE_DURABLE",
 		4: "SAVE_STATE_COMMITTED",
 		5: "SAVE_STATE_FAILED",
+		6: "SAVE_STATE_HOT",
+		7: "SAVE_STATE_REPLICATED",
 	}
 	SaveState_value = map[string]int32{
 		"SAVE_STATE_UNSPECIFIED": 0,
@@ -62,6 +71,8 @@ var (
 		"SAVE_STATE_DURABLE":     3,
 		"SAVE_STATE_COMMITTED":   4,
 		"SAVE_STATE_FAILED":      5,
+		"SAVE_STATE_HOT":         6,
+		"SAVE_STATE_REPLICATED":  7,
 	}
 )
 
@@ -997,8 +1008,11 @@ func (x *WaitSaveResponse) GetError() string {
 }
 
 type ListStepsRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Job           string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Job   string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
+	// Also list the steps kept in memory only (ckptd serve --persist-every)
+	// that this sidecar and its peers hold, and fill each step's tiers.
+	Tiers         bool `protobuf:"varint,2,opt,name=tiers,proto3" json:"tiers,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1040,6 +1054,13 @@ func (x *ListStepsRequest) GetJob() string {
 	return ""
 }
 
+func (x *ListStepsRequest) GetTiers() bool {
+	if x != nil {
+		return x.Tiers
+	}
+	return false
+}
+
 type StepInfo struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Step      int64                  `protobuf:"varint,1,opt,name=step,proto3" json:"step,omitempty"`
@@ -1051,7 +1072,15 @@ type StepInfo struct {
 	CommittedUnixNano int64 `protobuf:"varint,5,opt,name=committed_unix_nano,json=committedUnixNano,proto3" json:"committed_unix_nano,omitempty"`
 	// The attempt whose ranks the step holds (empty for steps written before
 	// attempts existed).
-	Attempt       string `protobuf:"bytes,6,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	Attempt string `protobuf:"bytes,6,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	// With ListStepsRequest.tiers: where the step can be restored from,
+	// strongest first: "storage" (committed), "hot" (this node's memory holds
+	// ranks of it), "peers" (other sidecars hold ranks of it).
+	Tiers []string `protobuf:"bytes,7,rep,name=tiers,proto3" json:"tiers,omitempty"`
+	// A step kept in memory only: not in storage, so restorable only while
+	// every rank is held by some sidecar (ranks_held of world_size).
+	MemoryOnly    bool  `protobuf:"varint,8,opt,name=memory_only,json=memoryOnly,proto3" json:"memory_only,omitempty"`
+	RanksHeld     int32 `protobuf:"varint,9,opt,name=ranks_held,json=ranksHeld,proto3" json:"ranks_held,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1126,6 +1155,27 @@ func (x *StepInfo) GetAttempt() string {
 		return x.Attempt
 	}
 	return ""
+}
+
+func (x *StepInfo) GetTiers() []string {
+	if x != nil {
+		return x.Tiers
+	}
+	return nil
+}
+
+func (x *StepInfo) GetMemoryOnly() bool {
+	if x != nil {
+		return x.MemoryOnly
+	}
+	return false
+}
+
+func (x *StepInfo) GetRanksHeld() int32 {
+	if x != nil {
+		return x.RanksHeld
+	}
+	return 0
 }
 
 type ListStepsResponse struct {
@@ -1262,7 +1312,14 @@ type RestoreHeader struct {
 	Size     uint64    `protobuf:"varint,5,opt,name=size,proto3" json:"size,omitempty"`
 	// The attempt that wrote the step (empty for steps written before
 	// attempts existed).
-	Attempt       string `protobuf:"bytes,6,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	Attempt string `protobuf:"bytes,6,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	// Where the bytes came from: "hot" (this node's memory), "peer" (another
+	// sidecar's replica) or "storage".
+	Tier string `protobuf:"bytes,7,opt,name=tier,proto3" json:"tier,omitempty"`
+	// For latest: a newer step that exists only in memory but is missing
+	// ranks in every tier (their nodes were lost), so that this older step
+	// was restored instead; 0 when none.
+	SkippedStep   int64 `protobuf:"varint,8,opt,name=skipped_step,json=skippedStep,proto3" json:"skipped_step,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1337,6 +1394,20 @@ func (x *RestoreHeader) GetAttempt() string {
 		return x.Attempt
 	}
 	return ""
+}
+
+func (x *RestoreHeader) GetTier() string {
+	if x != nil {
+		return x.Tier
+	}
+	return ""
+}
+
+func (x *RestoreHeader) GetSkippedStep() int64 {
+	if x != nil {
+		return x.SkippedStep
+	}
+	return 0
 }
 
 type BeginRestoreResponse struct {
@@ -2847,18 +2918,202 @@ func (x *DatasetState) GetStats() *PrefetchStats {
 	return nil
 }
 
+type InventoryRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Job           string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InventoryRequest) Reset() {
+	*x = InventoryRequest{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InventoryRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InventoryRequest) ProtoMessage() {}
+
+func (x *InventoryRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InventoryRequest.ProtoReflect.Descriptor instead.
+func (*InventoryRequest) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *InventoryRequest) GetJob() string {
+	if x != nil {
+		return x.Job
+	}
+	return ""
+}
+
+type HeldShard struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Step      int64                  `protobuf:"varint,1,opt,name=step,proto3" json:"step,omitempty"`
+	Rank      int32                  `protobuf:"varint,2,opt,name=rank,proto3" json:"rank,omitempty"`
+	WorldSize int32                  `protobuf:"varint,3,opt,name=world_size,json=worldSize,proto3" json:"world_size,omitempty"`
+	Attempt   string                 `protobuf:"bytes,4,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	// The step is committed in storage by this attempt.
+	Committed bool `protobuf:"varint,5,opt,name=committed,proto3" json:"committed,omitempty"`
+	// Not drained to storage (a step --persist-every keeps in memory only).
+	MemoryOnly bool `protobuf:"varint,6,opt,name=memory_only,json=memoryOnly,proto3" json:"memory_only,omitempty"`
+	// When the shard was saved, Unix nanoseconds (its manifest's created).
+	CreatedUnixNano int64 `protobuf:"varint,7,opt,name=created_unix_nano,json=createdUnixNano,proto3" json:"created_unix_nano,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *HeldShard) Reset() {
+	*x = HeldShard{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HeldShard) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HeldShard) ProtoMessage() {}
+
+func (x *HeldShard) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HeldShard.ProtoReflect.Descriptor instead.
+func (*HeldShard) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *HeldShard) GetStep() int64 {
+	if x != nil {
+		return x.Step
+	}
+	return 0
+}
+
+func (x *HeldShard) GetRank() int32 {
+	if x != nil {
+		return x.Rank
+	}
+	return 0
+}
+
+func (x *HeldShard) GetWorldSize() int32 {
+	if x != nil {
+		return x.WorldSize
+	}
+	return 0
+}
+
+func (x *HeldShard) GetAttempt() string {
+	if x != nil {
+		return x.Attempt
+	}
+	return ""
+}
+
+func (x *HeldShard) GetCommitted() bool {
+	if x != nil {
+		return x.Committed
+	}
+	return false
+}
+
+func (x *HeldShard) GetMemoryOnly() bool {
+	if x != nil {
+		return x.MemoryOnly
+	}
+	return false
+}
+
+func (x *HeldShard) GetCreatedUnixNano() int64 {
+	if x != nil {
+		return x.CreatedUnixNano
+	}
+	return 0
+}
+
+type InventoryResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Shards        []*HeldShard           `protobuf:"bytes,1,rep,name=shards,proto3" json:"shards,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InventoryResponse) Reset() {
+	*x = InventoryResponse{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InventoryResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InventoryResponse) ProtoMessage() {}
+
+func (x *InventoryResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InventoryResponse.ProtoReflect.Descriptor instead.
+func (*InventoryResponse) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *InventoryResponse) GetShards() []*HeldShard {
+	if x != nil {
+		return x.Shards
+	}
+	return nil
+}
+
 type ReplicaHeader struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	ManifestSize  uint64                 `protobuf:"varint,1,opt,name=manifest_size,json=manifestSize,proto3" json:"manifest_size,omitempty"` // bytes of the manifest (JSON, format ckptd.manifest)
 	DataSize      uint64                 `protobuf:"varint,2,opt,name=data_size,json=dataSize,proto3" json:"data_size,omitempty"`             // bytes of data space that follow it
 	Committed     bool                   `protobuf:"varint,3,opt,name=committed,proto3" json:"committed,omitempty"`                           // the step is committed by the manifest's attempt
+	MemoryOnly    bool                   `protobuf:"varint,4,opt,name=memory_only,json=memoryOnly,proto3" json:"memory_only,omitempty"`       // the step is kept in memory only (--persist-every)
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReplicaHeader) Reset() {
 	*x = ReplicaHeader{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2870,7 +3125,7 @@ func (x *ReplicaHeader) String() string {
 func (*ReplicaHeader) ProtoMessage() {}
 
 func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2883,7 +3138,7 @@ func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaHeader.ProtoReflect.Descriptor instead.
 func (*ReplicaHeader) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *ReplicaHeader) GetManifestSize() uint64 {
@@ -2907,6 +3162,13 @@ func (x *ReplicaHeader) GetCommitted() bool {
 	return false
 }
 
+func (x *ReplicaHeader) GetMemoryOnly() bool {
+	if x != nil {
+		return x.MemoryOnly
+	}
+	return false
+}
+
 type ReplicaPiece struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Header        *ReplicaHeader         `protobuf:"bytes,1,opt,name=header,proto3" json:"header,omitempty"` // in the first piece only
@@ -2917,7 +3179,7 @@ type ReplicaPiece struct {
 
 func (x *ReplicaPiece) Reset() {
 	*x = ReplicaPiece{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2929,7 +3191,7 @@ func (x *ReplicaPiece) String() string {
 func (*ReplicaPiece) ProtoMessage() {}
 
 func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2942,7 +3204,7 @@ func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaPiece.ProtoReflect.Descriptor instead.
 func (*ReplicaPiece) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *ReplicaPiece) GetHeader() *ReplicaHeader {
@@ -2967,7 +3229,7 @@ type PutReplicaResponse struct {
 
 func (x *PutReplicaResponse) Reset() {
 	*x = PutReplicaResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2979,7 +3241,7 @@ func (x *PutReplicaResponse) String() string {
 func (*PutReplicaResponse) ProtoMessage() {}
 
 func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2992,7 +3254,7 @@ func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutReplicaResponse.ProtoReflect.Descriptor instead.
 func (*PutReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{47}
 }
 
 type GetReplicaRequest struct {
@@ -3007,7 +3269,7 @@ type GetReplicaRequest struct {
 
 func (x *GetReplicaRequest) Reset() {
 	*x = GetReplicaRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3019,7 +3281,7 @@ func (x *GetReplicaRequest) String() string {
 func (*GetReplicaRequest) ProtoMessage() {}
 
 func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3032,7 +3294,7 @@ func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReplicaRequest.ProtoReflect.Descriptor instead.
 func (*GetReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *GetReplicaRequest) GetJob() string {
@@ -3125,9 +3387,10 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\aattempt\x18\x05 \x01(\tR\aattempt\"S\n" +
 	"\x10WaitSaveResponse\x12)\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x13.ckptd.v1.SaveStateR\x05state\x12\x14\n" +
-	"\x05error\x18\x02 \x01(\tR\x05error\"$\n" +
+	"\x05error\x18\x02 \x01(\tR\x05error\":\n" +
 	"\x10ListStepsRequest\x12\x10\n" +
-	"\x03job\x18\x01 \x01(\tR\x03job\"\xc0\x01\n" +
+	"\x03job\x18\x01 \x01(\tR\x03job\x12\x14\n" +
+	"\x05tiers\x18\x02 \x01(\bR\x05tiers\"\x96\x02\n" +
 	"\bStepInfo\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x1d\n" +
 	"\n" +
@@ -3135,7 +3398,12 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x05bytes\x18\x03 \x01(\x04R\x05bytes\x12!\n" +
 	"\fstored_bytes\x18\x04 \x01(\x04R\vstoredBytes\x12.\n" +
 	"\x13committed_unix_nano\x18\x05 \x01(\x03R\x11committedUnixNano\x12\x18\n" +
-	"\aattempt\x18\x06 \x01(\tR\aattempt\"=\n" +
+	"\aattempt\x18\x06 \x01(\tR\aattempt\x12\x14\n" +
+	"\x05tiers\x18\a \x03(\tR\x05tiers\x12\x1f\n" +
+	"\vmemory_only\x18\b \x01(\bR\n" +
+	"memoryOnly\x12\x1d\n" +
+	"\n" +
+	"ranks_held\x18\t \x01(\x05R\tranksHeld\"=\n" +
 	"\x11ListStepsResponse\x12(\n" +
 	"\x05steps\x18\x01 \x03(\v2\x12.ckptd.v1.StepInfoR\x05steps\"\x81\x01\n" +
 	"\x13BeginRestoreRequest\x12\x10\n" +
@@ -3143,7 +3411,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x16\n" +
 	"\x06latest\x18\x03 \x01(\bR\x06latest\x12\x12\n" +
 	"\x04rank\x18\x04 \x01(\x05R\x04rank\x12\x18\n" +
-	"\atensors\x18\x05 \x03(\tR\atensors\"\xb8\x01\n" +
+	"\atensors\x18\x05 \x03(\tR\atensors\"\xef\x01\n" +
 	"\rRestoreHeader\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x1d\n" +
 	"\n" +
@@ -3151,7 +3419,9 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\atensors\x18\x03 \x03(\v2\x10.ckptd.v1.TensorR\atensors\x12\x1a\n" +
 	"\bmetadata\x18\x04 \x01(\fR\bmetadata\x12\x12\n" +
 	"\x04size\x18\x05 \x01(\x04R\x04size\x12\x18\n" +
-	"\aattempt\x18\x06 \x01(\tR\aattempt\"n\n" +
+	"\aattempt\x18\x06 \x01(\tR\aattempt\x12\x12\n" +
+	"\x04tier\x18\a \x01(\tR\x04tier\x12!\n" +
+	"\fskipped_step\x18\b \x01(\x03R\vskippedStep\"n\n" +
 	"\x14BeginRestoreResponse\x12%\n" +
 	"\x05lease\x18\x01 \x01(\v2\x0f.ckptd.v1.LeaseR\x05lease\x12/\n" +
 	"\x06header\x18\x02 \x01(\v2\x17.ckptd.v1.RestoreHeaderR\x06header\"g\n" +
@@ -3272,11 +3542,27 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"world_size\x18\x04 \x01(\x05R\tworldSize\x12\x14\n" +
 	"\x05epoch\x18\x05 \x01(\x03R\x05epoch\x12!\n" +
 	"\fidle_seconds\x18\x06 \x01(\x01R\vidleSeconds\x12-\n" +
-	"\x05stats\x18\a \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats\"o\n" +
+	"\x05stats\x18\a \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats\"$\n" +
+	"\x10InventoryRequest\x12\x10\n" +
+	"\x03job\x18\x01 \x01(\tR\x03job\"\xd7\x01\n" +
+	"\tHeldShard\x12\x12\n" +
+	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x12\n" +
+	"\x04rank\x18\x02 \x01(\x05R\x04rank\x12\x1d\n" +
+	"\n" +
+	"world_size\x18\x03 \x01(\x05R\tworldSize\x12\x18\n" +
+	"\aattempt\x18\x04 \x01(\tR\aattempt\x12\x1c\n" +
+	"\tcommitted\x18\x05 \x01(\bR\tcommitted\x12\x1f\n" +
+	"\vmemory_only\x18\x06 \x01(\bR\n" +
+	"memoryOnly\x12*\n" +
+	"\x11created_unix_nano\x18\a \x01(\x03R\x0fcreatedUnixNano\"@\n" +
+	"\x11InventoryResponse\x12+\n" +
+	"\x06shards\x18\x01 \x03(\v2\x13.ckptd.v1.HeldShardR\x06shards\"\x90\x01\n" +
 	"\rReplicaHeader\x12#\n" +
 	"\rmanifest_size\x18\x01 \x01(\x04R\fmanifestSize\x12\x1b\n" +
 	"\tdata_size\x18\x02 \x01(\x04R\bdataSize\x12\x1c\n" +
-	"\tcommitted\x18\x03 \x01(\bR\tcommitted\"S\n" +
+	"\tcommitted\x18\x03 \x01(\bR\tcommitted\x12\x1f\n" +
+	"\vmemory_only\x18\x04 \x01(\bR\n" +
+	"memoryOnly\"S\n" +
 	"\fReplicaPiece\x12/\n" +
 	"\x06header\x18\x01 \x01(\v2\x17.ckptd.v1.ReplicaHeaderR\x06header\x12\x12\n" +
 	"\x04data\x18\x02 \x01(\fR\x04data\"\x14\n" +
@@ -3285,14 +3571,16 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x12\n" +
 	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x18\n" +
-	"\aattempt\x18\x04 \x01(\tR\aattempt*\xa0\x01\n" +
+	"\aattempt\x18\x04 \x01(\tR\aattempt*\xcf\x01\n" +
 	"\tSaveState\x12\x1a\n" +
 	"\x16SAVE_STATE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11SAVE_STATE_STAGED\x10\x01\x12\x17\n" +
 	"\x13SAVE_STATE_DRAINING\x10\x02\x12\x16\n" +
 	"\x12SAVE_STATE_DURABLE\x10\x03\x12\x18\n" +
 	"\x14SAVE_STATE_COMMITTED\x10\x04\x12\x15\n" +
-	"\x11SAVE_STATE_FAILED\x10\x052\xe5\x05\n" +
+	"\x11SAVE_STATE_FAILED\x10\x05\x12\x12\n" +
+	"\x0eSAVE_STATE_HOT\x10\x06\x12\x19\n" +
+	"\x15SAVE_STATE_REPLICATED\x10\a2\xe5\x05\n" +
 	"\n" +
 	"Checkpoint\x12:\n" +
 	"\bGetArena\x12\x19.ckptd.v1.GetArenaRequest\x1a\x13.ckptd.v1.ArenaInfo\x12D\n" +
@@ -3313,12 +3601,13 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\fCloseDataset\x12\x1d.ckptd.v1.CloseDatasetRequest\x1a\x1e.ckptd.v1.CloseDatasetResponse\x12V\n" +
 	"\x0fDatasetPosition\x12 .ckptd.v1.DatasetPositionRequest\x1a!.ckptd.v1.DatasetPositionResponse2I\n" +
 	"\x06Daemon\x12?\n" +
-	"\tGetStatus\x12\x1a.ckptd.v1.GetStatusRequest\x1a\x16.ckptd.v1.DaemonStatus2\x91\x01\n" +
+	"\tGetStatus\x12\x1a.ckptd.v1.GetStatusRequest\x1a\x16.ckptd.v1.DaemonStatus2\xd7\x01\n" +
 	"\x04Peer\x12D\n" +
 	"\n" +
 	"PutReplica\x12\x16.ckptd.v1.ReplicaPiece\x1a\x1c.ckptd.v1.PutReplicaResponse(\x01\x12C\n" +
 	"\n" +
-	"GetReplica\x12\x1b.ckptd.v1.GetReplicaRequest\x1a\x16.ckptd.v1.ReplicaPiece0\x01B/Z-github.com/ckptd/ckptd/proto/ckptd/v1;ckptdv1b\x06proto3"
+	"GetReplica\x12\x1b.ckptd.v1.GetReplicaRequest\x1a\x16.ckptd.v1.ReplicaPiece0\x01\x12D\n" +
+	"\tInventory\x12\x1a.ckptd.v1.InventoryRequest\x1a\x1b.ckptd.v1.InventoryResponseB/Z-github.com/ckptd/ckptd/proto/ckptd/v1;ckptdv1b\x06proto3"
 
 var (
 	file_ckptd_v1_ckptd_proto_rawDescOnce sync.Once
@@ -3333,7 +3622,7 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 }
 
 var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 47)
+var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 50)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(SaveState)(0),                  // 0: ckptd.v1.SaveState
 	(*GetArenaRequest)(nil),         // 1: ckptd.v1.GetArenaRequest
@@ -3378,11 +3667,14 @@ var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(*SaveActivity)(nil),            // 40: ckptd.v1.SaveActivity
 	(*LeaseState)(nil),              // 41: ckptd.v1.LeaseState
 	(*DatasetState)(nil),            // 42: ckptd.v1.DatasetState
-	(*ReplicaHeader)(nil),           // 43: ckptd.v1.ReplicaHeader
-	(*ReplicaPiece)(nil),            // 44: ckptd.v1.ReplicaPiece
-	(*PutReplicaResponse)(nil),      // 45: ckptd.v1.PutReplicaResponse
-	(*GetReplicaRequest)(nil),       // 46: ckptd.v1.GetReplicaRequest
-	nil,                             // 47: ckptd.v1.DaemonStatus.ErrorsEntry
+	(*InventoryRequest)(nil),        // 43: ckptd.v1.InventoryRequest
+	(*HeldShard)(nil),               // 44: ckptd.v1.HeldShard
+	(*InventoryResponse)(nil),       // 45: ckptd.v1.InventoryResponse
+	(*ReplicaHeader)(nil),           // 46: ckptd.v1.ReplicaHeader
+	(*ReplicaPiece)(nil),            // 47: ckptd.v1.ReplicaPiece
+	(*PutReplicaResponse)(nil),      // 48: ckptd.v1.PutReplicaResponse
+	(*GetReplicaRequest)(nil),       // 49: ckptd.v1.GetReplicaRequest
+	nil,                             // 50: ckptd.v1.DaemonStatus.ErrorsEntry
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	4,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
@@ -3406,51 +3698,54 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	40, // 18: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
 	41, // 19: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
 	42, // 20: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
-	47, // 21: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	50, // 21: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
 	38, // 22: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
 	4,  // 23: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
 	4,  // 24: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
 	30, // 25: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
-	43, // 26: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
-	1,  // 27: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
-	5,  // 28: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
-	8,  // 29: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
-	10, // 30: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
-	13, // 31: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
-	14, // 32: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
-	16, // 33: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
-	19, // 34: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
-	19, // 35: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
-	23, // 36: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
-	25, // 37: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
-	27, // 38: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
-	32, // 39: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
-	34, // 40: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
-	36, // 41: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
-	44, // 42: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
-	46, // 43: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
-	2,  // 44: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	7,  // 45: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	9,  // 46: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	11, // 47: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	9,  // 48: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	15, // 49: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	18, // 50: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	21, // 51: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	22, // 52: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	24, // 53: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	26, // 54: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	31, // 55: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	33, // 56: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	35, // 57: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
-	37, // 58: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
-	45, // 59: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
-	44, // 60: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
-	44, // [44:61] is the sub-list for method output_type
-	27, // [27:44] is the sub-list for method input_type
-	27, // [27:27] is the sub-list for extension type_name
-	27, // [27:27] is the sub-list for extension extendee
-	0,  // [0:27] is the sub-list for field type_name
+	44, // 26: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
+	46, // 27: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
+	1,  // 28: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
+	5,  // 29: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
+	8,  // 30: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
+	10, // 31: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
+	13, // 32: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
+	14, // 33: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
+	16, // 34: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
+	19, // 35: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
+	19, // 36: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
+	23, // 37: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
+	25, // 38: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
+	27, // 39: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
+	32, // 40: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
+	34, // 41: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
+	36, // 42: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
+	47, // 43: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
+	49, // 44: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
+	43, // 45: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
+	2,  // 46: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	7,  // 47: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	9,  // 48: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	11, // 49: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	9,  // 50: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	15, // 51: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	18, // 52: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	21, // 53: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	22, // 54: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	24, // 55: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	26, // 56: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	31, // 57: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	33, // 58: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	35, // 59: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
+	37, // 60: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	48, // 61: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
+	47, // 62: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
+	45, // 63: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
+	46, // [46:64] is the sub-list for method output_type
+	28, // [28:46] is the sub-list for method input_type
+	28, // [28:28] is the sub-list for extension type_name
+	28, // [28:28] is the sub-list for extension extendee
+	0,  // [0:28] is the sub-list for field type_name
 }
 
 func init() { file_ckptd_v1_ckptd_proto_init() }
@@ -3472,7 +3767,7 @@ func file_ckptd_v1_ckptd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   47,
+			NumMessages:   50,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

@@ -871,6 +871,7 @@ var Daemon_ServiceDesc = grpc.ServiceDesc{
 const (
 	Peer_PutReplica_FullMethodName = "/ckptd.v1.Peer/PutReplica"
 	Peer_GetReplica_FullMethodName = "/ckptd.v1.Peer/GetReplica"
+	Peer_Inventory_FullMethodName  = "/ckptd.v1.Peer/Inventory"
 )
 
 // PeerClient is the client API for Peer service.
@@ -887,6 +888,10 @@ type PeerClient interface {
 	// GetReplica returns a shard the peer holds, as PutReplica sends one;
 	// NOT_FOUND when it holds none.
 	GetReplica(ctx context.Context, in *GetReplicaRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[ReplicaPiece], error)
+	// Inventory lists the shards of a job the peer holds in memory, so that
+	// a restore can tell which steps not in storage are whole across the
+	// job's sidecars, and where each rank's copy is.
+	Inventory(ctx context.Context, in *InventoryRequest, opts ...grpc.CallOption) (*InventoryResponse, error)
 }
 
 type peerClient struct {
@@ -929,6 +934,16 @@ func (c *peerClient) GetReplica(ctx context.Context, in *GetReplicaRequest, opts
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Peer_GetReplicaClient = grpc.ServerStreamingClient[ReplicaPiece]
 
+func (c *peerClient) Inventory(ctx context.Context, in *InventoryRequest, opts ...grpc.CallOption) (*InventoryResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(InventoryResponse)
+	err := c.cc.Invoke(ctx, Peer_Inventory_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // PeerServer is the server API for Peer service.
 // All implementations must embed UnimplementedPeerServer
 // for forward compatibility.
@@ -943,6 +958,10 @@ type PeerServer interface {
 	// GetReplica returns a shard the peer holds, as PutReplica sends one;
 	// NOT_FOUND when it holds none.
 	GetReplica(*GetReplicaRequest, grpc.ServerStreamingServer[ReplicaPiece]) error
+	// Inventory lists the shards of a job the peer holds in memory, so that
+	// a restore can tell which steps not in storage are whole across the
+	// job's sidecars, and where each rank's copy is.
+	Inventory(context.Context, *InventoryRequest) (*InventoryResponse, error)
 	mustEmbedUnimplementedPeerServer()
 }
 
@@ -958,6 +977,9 @@ func (UnimplementedPeerServer) PutReplica(grpc.ClientStreamingServer[ReplicaPiec
 }
 func (UnimplementedPeerServer) GetReplica(*GetReplicaRequest, grpc.ServerStreamingServer[ReplicaPiece]) error {
 	return status.Error(codes.Unimplemented, "method GetReplica not implemented")
+}
+func (UnimplementedPeerServer) Inventory(context.Context, *InventoryRequest) (*InventoryResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Inventory not implemented")
 }
 func (UnimplementedPeerServer) mustEmbedUnimplementedPeerServer() {}
 func (UnimplementedPeerServer) testEmbeddedByValue()              {}
@@ -998,13 +1020,36 @@ func _Peer_GetReplica_Handler(srv interface{}, stream grpc.ServerStream) error {
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Peer_GetReplicaServer = grpc.ServerStreamingServer[ReplicaPiece]
 
+func _Peer_Inventory_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(InventoryRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PeerServer).Inventory(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Peer_Inventory_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PeerServer).Inventory(ctx, req.(*InventoryRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Peer_ServiceDesc is the grpc.ServiceDesc for Peer service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
 var Peer_ServiceDesc = grpc.ServiceDesc{
 	ServiceName: "ckptd.v1.Peer",
 	HandlerType: (*PeerServer)(nil),
-	Methods:     []grpc.MethodDesc{},
+	Methods: []grpc.MethodDesc{
+		{
+			MethodName: "Inventory",
+			Handler:    _Peer_Inventory_Handler,
+		},
+	},
 	Streams: []grpc.StreamDesc{
 		{
 			StreamName:    "PutReplica",

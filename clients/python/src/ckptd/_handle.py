@@ -47,6 +47,12 @@ class SaveStatus(str, enum.Enum):
     DURABLE = "durable"  # this rank is durable; other ranks of the step are missing
     COMMITTED = "committed"  # durable, and the step's commit record exists
     FAILED = "failed"  # the daemon gave up; wait() raises SaveFailedError
+    # The tiers of a step the daemon keeps in memory only (ckptd serve
+    # --persist-every): where such a save ends, as a committed one ends
+    # committed. HOT: in this node's memory (replicating failed, or no
+    # peers); REPLICATED: also on --replicas peer nodes.
+    HOT = "hot"
+    REPLICATED = "replicated"
 
 
 _LIVE: dict[int, SaveStatus] = {
@@ -54,7 +60,13 @@ _LIVE: dict[int, SaveStatus] = {
     pb.SAVE_STATE_DURABLE: SaveStatus.DURABLE,
     pb.SAVE_STATE_COMMITTED: SaveStatus.COMMITTED,
     pb.SAVE_STATE_FAILED: SaveStatus.FAILED,
+    pb.SAVE_STATE_HOT: SaveStatus.HOT,
+    pb.SAVE_STATE_REPLICATED: SaveStatus.REPLICATED,
 }
+
+# Where a save ends well: committed in storage, or kept in memory (and on
+# peers) when its step is not one the daemon persists.
+_ENDS = {pb.SAVE_STATE_COMMITTED, pb.SAVE_STATE_HOT, pb.SAVE_STATE_REPLICATED}
 
 
 class SaveHandle(_Future[None]):
@@ -100,6 +112,7 @@ class SaveHandle(_Future[None]):
         self._callbacks: list[Callable[[_Future[None]], object]] = []
         self._following = False  # a thread waits for the daemon to come back
         self._delay = BACKOFF[0]
+        self._ended_at = SaveStatus.COMMITTED  # the tier it ended at, once settled well
         with self._lock:
             self._watch()
 
@@ -175,13 +188,18 @@ class SaveHandle(_Future[None]):
         """Where the save stands now; asks the daemon (without waiting) while it runs."""
         if not self._polled():
             return self._live_status()
-        return SaveStatus.COMMITTED if _Future.exception(self, 0) is None else SaveStatus.FAILED
+        if _Future.exception(self, 0) is not None:
+            return SaveStatus.FAILED
+        return self._ended_at
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save is durable and its step committed.
 
         The step commits once every rank of world_size has saved, so with
-        several ranks this waits for the others too. A daemon that restarts
+        several ranks this waits for the others too. A step the daemon keeps
+        in memory only (``ckptd serve --persist-every``) is not committed:
+        wait returns once the save is in the node's memory and, with peers,
+        on them; ``status`` then says HOT or REPLICATED. A daemon that restarts
         meanwhile is waited for, up to the client's reconnect_timeout each
         time it goes away.
 
@@ -377,8 +395,9 @@ class SaveHandle(_Future[None]):
         return TimeoutError(f"{self._what()} not committed within the timeout; it goes on")
 
     def _failure(self, r: pb.WaitSaveResponse) -> SaveFailedError | None:
-        """None when the answer says committed, else the error saying how it ended."""
-        if r.state == pb.SAVE_STATE_COMMITTED:
+        """None when the answer says the save ended well, else the error saying how it ended."""
+        if r.state in _ENDS:
+            self._ended_at = _LIVE[r.state]
             return None
         state = pb.SaveState.Name(r.state).removeprefix("SAVE_STATE_").lower()
         return SaveFailedError(f"{self._what()} failed ({state}): {r.error}", details=r.error)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from ._errors import (
 from ._transport import Connection, LeaseLost, Outage
 from .v1 import ckptd_pb2 as pb
 
+_LOG = logging.getLogger("ckptd")
+
 
 @dataclass(frozen=True)
 class StepInfo:
@@ -45,14 +48,21 @@ class StepInfo:
 class LoadedState(dict):  # type: ignore[type-arg]
     """The state dict a load returns, with the shard's step and metadata.
 
-    It is a plain dict (nested as saved) plus four attributes, so code that
-    only wants the tensors can ignore them.
+    It is a plain dict (nested as saved) plus these attributes, so code
+    that only wants the tensors can ignore them.
     """
 
     step: int
     world_size: int
     metadata: bytes
     attempt: str  # the attempt that wrote the step ("" from an older daemon or step)
+    # Where the daemon found it: "hot" (the node's memory), "peer" (another
+    # node's replica) or "storage" ("" from an older daemon).
+    tier: str
+    # For "latest": a newer step kept in memory only (ckptd serve
+    # --persist-every) that could not be restored whole because nodes
+    # holding some of its ranks were lost; 0 when none.
+    skipped_step: int
 
 
 def restore_request(
@@ -113,6 +123,15 @@ def load(
         header.metadata,
         header.attempt,
     )
+    result.tier, result.skipped_step = header.tier, header.skipped_step
+    if header.skipped_step:
+        _LOG.warning(
+            "ckptd: %s: step %d was kept in memory only and some of its ranks were lost "
+            "with their nodes; restored step %d, the newest whole one",
+            what,
+            header.skipped_step,
+            header.step,
+        )
     return result
 
 

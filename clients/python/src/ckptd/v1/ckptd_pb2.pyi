@@ -15,12 +15,16 @@ class SaveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SAVE_STATE_DURABLE: _ClassVar[SaveState]
     SAVE_STATE_COMMITTED: _ClassVar[SaveState]
     SAVE_STATE_FAILED: _ClassVar[SaveState]
+    SAVE_STATE_HOT: _ClassVar[SaveState]
+    SAVE_STATE_REPLICATED: _ClassVar[SaveState]
 SAVE_STATE_UNSPECIFIED: SaveState
 SAVE_STATE_STAGED: SaveState
 SAVE_STATE_DRAINING: SaveState
 SAVE_STATE_DURABLE: SaveState
 SAVE_STATE_COMMITTED: SaveState
 SAVE_STATE_FAILED: SaveState
+SAVE_STATE_HOT: SaveState
+SAVE_STATE_REPLICATED: SaveState
 
 class GetArenaRequest(_message.Message):
     __slots__ = ()
@@ -161,26 +165,34 @@ class WaitSaveResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[SaveState, str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ListStepsRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "tiers")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    tiers: bool
+    def __init__(self, job: _Optional[str] = ..., tiers: _Optional[bool] = ...) -> None: ...
 
 class StepInfo(_message.Message):
-    __slots__ = ("step", "world_size", "bytes", "stored_bytes", "committed_unix_nano", "attempt")
+    __slots__ = ("step", "world_size", "bytes", "stored_bytes", "committed_unix_nano", "attempt", "tiers", "memory_only", "ranks_held")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    RANKS_HELD_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     bytes: int
     stored_bytes: int
     committed_unix_nano: int
     attempt: str
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., committed_unix_nano: _Optional[int] = ..., attempt: _Optional[str] = ...) -> None: ...
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    memory_only: bool
+    ranks_held: int
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., committed_unix_nano: _Optional[int] = ..., attempt: _Optional[str] = ..., tiers: _Optional[_Iterable[str]] = ..., memory_only: _Optional[bool] = ..., ranks_held: _Optional[int] = ...) -> None: ...
 
 class ListStepsResponse(_message.Message):
     __slots__ = ("steps",)
@@ -203,20 +215,24 @@ class BeginRestoreRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RestoreHeader(_message.Message):
-    __slots__ = ("step", "world_size", "tensors", "metadata", "size", "attempt")
+    __slots__ = ("step", "world_size", "tensors", "metadata", "size", "attempt", "tier", "skipped_step")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
     metadata: bytes
     size: int
     attempt: str
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metadata: _Optional[bytes] = ..., size: _Optional[int] = ..., attempt: _Optional[str] = ...) -> None: ...
+    tier: str
+    skipped_step: int
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metadata: _Optional[bytes] = ..., size: _Optional[int] = ..., attempt: _Optional[str] = ..., tier: _Optional[str] = ..., skipped_step: _Optional[int] = ...) -> None: ...
 
 class BeginRestoreResponse(_message.Message):
     __slots__ = ("lease", "header")
@@ -479,15 +495,47 @@ class DatasetState(_message.Message):
     stats: PrefetchStats
     def __init__(self, peer: _Optional[str] = ..., source: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., stats: _Optional[_Union[PrefetchStats, _Mapping]] = ...) -> None: ...
 
+class InventoryRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class HeldShard(_message.Message):
+    __slots__ = ("step", "rank", "world_size", "attempt", "committed", "memory_only", "created_unix_nano")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rank: int
+    world_size: int
+    attempt: str
+    committed: bool
+    memory_only: bool
+    created_unix_nano: int
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., attempt: _Optional[str] = ..., committed: _Optional[bool] = ..., memory_only: _Optional[bool] = ..., created_unix_nano: _Optional[int] = ...) -> None: ...
+
+class InventoryResponse(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[HeldShard]
+    def __init__(self, shards: _Optional[_Iterable[_Union[HeldShard, _Mapping]]] = ...) -> None: ...
+
 class ReplicaHeader(_message.Message):
-    __slots__ = ("manifest_size", "data_size", "committed")
+    __slots__ = ("manifest_size", "data_size", "committed", "memory_only")
     MANIFEST_SIZE_FIELD_NUMBER: _ClassVar[int]
     DATA_SIZE_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     manifest_size: int
     data_size: int
     committed: bool
-    def __init__(self, manifest_size: _Optional[int] = ..., data_size: _Optional[int] = ..., committed: _Optional[bool] = ...) -> None: ...
+    memory_only: bool
+    def __init__(self, manifest_size: _Optional[int] = ..., data_size: _Optional[int] = ..., committed: _Optional[bool] = ..., memory_only: _Optional[bool] = ...) -> None: ...
 
 class ReplicaPiece(_message.Message):
     __slots__ = ("header", "data")

@@ -828,6 +828,11 @@ class PeerStub:
                 request_serializer=ckptd_dot_v1_dot_ckptd__pb2.GetReplicaRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.ReplicaPiece.FromString,
                 _registered_method=True)
+        self.Inventory = channel.unary_unary(
+                '/ckptd.v1.Peer/Inventory',
+                request_serializer=ckptd_dot_v1_dot_ckptd__pb2.InventoryRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.InventoryResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -852,6 +857,15 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Inventory(self, request, context):
+        """Inventory lists the shards of a job the peer holds in memory, so that
+        a restore can tell which steps not in storage are whole across the
+        job's sidecars, and where each rank's copy is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -864,6 +878,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.GetReplica,
                     request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.GetReplicaRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_ckptd__pb2.ReplicaPiece.SerializeToString,
+            ),
+            'Inventory': grpc.unary_unary_rpc_method_handler(
+                    servicer.Inventory,
+                    request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.InventoryRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_ckptd__pb2.InventoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -923,6 +942,33 @@ class Peer:
             '/ckptd.v1.Peer/GetReplica',
             ckptd_dot_v1_dot_ckptd__pb2.GetReplicaRequest.SerializeToString,
             ckptd_dot_v1_dot_ckptd__pb2.ReplicaPiece.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Inventory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Peer/Inventory',
+            ckptd_dot_v1_dot_ckptd__pb2.InventoryRequest.SerializeToString,
+            ckptd_dot_v1_dot_ckptd__pb2.InventoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,270 @@
+package checkpoint
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"runtime"
+	"slices"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+
+	"github.com/ckptd/ckptd/checkpoint/codec"
+)
+
+// The persistent tier policy (ManagerConfig.PersistEvery): every step is
+// kept in the hot tier and sent to the peers, and only every N-th is also
+// drained to storage and committed there. A step kept in memory only has
+// no commit record; it is restorable while every one of its ranks is held
+// by some sidecar of the job, which a restore learns from the sidecars'
+// inventories (Peers.Inventory): no coordinator, as for storage commits.
+
+// persists reports whether step goes to storage.
+func (mgr *Manager) persists(step int64) bool {
+	n := int64(mgr.cfg.PersistEvery)
+	return n <= 1 || !mgr.hot.enabled() || step%n == 0
+}
+
+// keepInMemory keeps a save of a step that is not persisted in the hot
+// tier instead of draining it, and queues it for the peers. It returns
+// false, leaving the save to the drain, when the hot tier cannot hold it:
+// such a save is persisted rather than lost.
+func (mgr *Manager) keepInMemory(l *lease) bool {
+	t := l.target
+	if l.layout.DataSize > mgr.cfg.HotBytes {
+		mgr.log.Warn("the shard is larger than the hot tier (--hot-bytes); persisting a step --persist-every would keep in memory", "target", t)
+		return false
+	}
+	start := time.Now()
+	data := pack(l.layout, mgr.arena.Bytes()[l.region.Offset:l.region.Offset+l.size])
+	m := memoryManifest(t, l.layout, l.metadata, data, mgr.w.opts.ChunkSize)
+	if !mgr.hot.insert(m, data, false, true) {
+		mgr.log.Warn("no room in the hot tier (restores hold it); persisting a step --persist-every would keep in memory", "target", t)
+		return false
+	}
+	mgr.endDrain(l, StateHot, nil)
+	mgr.log.Info("save kept in memory", "job", t.Job, "step", t.Step, "rank", t.Rank, "attempt", t.Attempt,
+		"bytes", m.DataSize, "duration", time.Since(start), "persist_every", mgr.cfg.PersistEvery)
+	if mgr.cfg.Peers == nil {
+		mgr.markDone(keyOf(t), StateHot, nil)
+		return true
+	}
+	mgr.queueReplica(replica{m: m, data: data, memory: true})
+	return true
+}
+
+// memoryManifest describes a shard kept in memory: its chunks as the
+// writer would cut them, stored raw at their data-space offsets in the
+// data object a persisted save would have, each with its hash, so that it
+// is served and sent to peers verified like any other.
+func memoryManifest(t Target, layout *Layout, metadata, data []byte, chunkSize int64) *Manifest {
+	plan := planChunks(layout, chunkSize)
+	m := &Manifest{
+		Format: ManifestFormat, Version: ManifestVersion,
+		Job: t.Job, Step: t.Step, Rank: t.Rank, WorldSize: t.WorldSize, Attempt: t.Attempt,
+		Created: time.Now().UTC(), DataSize: layout.DataSize, StoredSize: layout.DataSize,
+		Tensors: layout.Packed, Metadata: metadata, Chunks: make([]Chunk, len(plan)),
+	}
+	obj := dataObject(t.Step, t.Attempt, t.Rank)
+	var g errgroup.Group
+	g.SetLimit(runtime.GOMAXPROCS(0))
+	for i, p := range plan {
+		g.Go(func() error {
+			raw := data[p.rawOffset : p.rawOffset+p.raw]
+			m.Chunks[i] = Chunk{Object: obj, Offset: p.rawOffset, Stored: p.raw, RawOffset: p.rawOffset, Raw: p.raw,
+				Codec: codec.None, Hash: codec.FormatHash(codec.Hash(raw))}
+			return nil
+		})
+	}
+	_ = g.Wait()
+	return m
+}
+
+// Inventory lists the shards of job this sidecar holds in memory, for a
+// peer's restore.
+func (mgr *Manager) Inventory(job string) ([]HeldShard, error) {
+	if err := ValidateName("job", job); err != nil {
+		return nil, err
+	}
+	return mgr.hot.inventory(job), nil
+}
+
+// heldStep is a step not in storage and whose ranks are held in memory,
+// as the inventories of this sidecar and its peers show it.
+type heldStep struct {
+	step      int64
+	attempt   string
+	worldSize int
+	created   time.Time        // the newest of its shards'
+	holders   map[int][]string // by rank: the peers holding it, "" for this sidecar
+}
+
+func (s *heldStep) whole() bool { return len(s.holders) == s.worldSize }
+
+// heldSteps gathers the memory-only steps of job from this sidecar's hot
+// tier and the inventories of the peers that answer, newest first (by
+// step, then by the time their shards were saved).
+func (mgr *Manager) heldSteps(ctx context.Context, job string) []*heldStep {
+	return memoryOnly(mgr.inventories(ctx, job))
+}
+
+// inventories is what this sidecar ("") and each peer that answers hold
+// of job.
+func (mgr *Manager) inventories(ctx context.Context, job string) map[string][]HeldShard {
+	byPeer := map[string][]HeldShard{"": mgr.hot.inventory(job)}
+	if mgr.cfg.Peers != nil {
+		inv, err := mgr.cfg.Peers.Inventory(ctx, job)
+		if err != nil {
+			mgr.log.Warn("some peers did not say what they hold", "job", job, "err", err)
+		}
+		for addr, held := range inv {
+			byPeer[addr] = held
+		}
+	}
+	return byPeer
+}
+
+// memoryOnly gathers the memory-only steps of the inventories, newest
+// first (see heldSteps).
+func memoryOnly(byPeer map[string][]HeldShard) []*heldStep {
+	type key struct {
+		step    int64
+		attempt string
+	}
+	steps := map[key]*heldStep{}
+	for addr, held := range byPeer {
+		for _, h := range held {
+			if !h.MemoryOnly || h.Rank < 0 || h.Rank >= h.WorldSize {
+				continue
+			}
+			s := steps[key{h.Step, h.Attempt}]
+			if s == nil {
+				s = &heldStep{step: h.Step, attempt: h.Attempt, worldSize: h.WorldSize, holders: map[int][]string{}}
+				steps[key{h.Step, h.Attempt}] = s
+			}
+			if h.WorldSize != s.worldSize {
+				continue // another world size under the same attempt: not this step's rank
+			}
+			s.holders[h.Rank] = append(s.holders[h.Rank], addr)
+			if h.Created.After(s.created) {
+				s.created = h.Created
+			}
+		}
+	}
+	out := make([]*heldStep, 0, len(steps))
+	for _, s := range steps {
+		out = append(out, s)
+	}
+	slices.SortFunc(out, func(a, b *heldStep) int {
+		return cmp.Or(cmp.Compare(b.step, a.step), b.created.Compare(a.created))
+	})
+	return out
+}
+
+// fromMemory finds rank's shard of a memory-only step: for latest, the
+// newest whole one newer than the newest committed step (committed: 0 and
+// none when the store has none or does not answer); else the step asked
+// for. found is false when no such step is whole; skipped is then (or
+// even when found) the newest memory-only step passed over because some
+// of its ranks are held nowhere.
+func (mgr *Manager) fromMemory(ctx context.Context, job string, step int64, latest bool, committed int64, rank int) (src restoreSource, found bool, err error) {
+	var skipped int64
+	for _, s := range mgr.heldSteps(ctx, job) {
+		if latest && s.step <= committed || !latest && s.step != step {
+			continue
+		}
+		if !s.whole() {
+			skipped = max(skipped, s.step)
+			continue
+		}
+		if rank < 0 || rank >= s.worldSize {
+			return restoreSource{}, true, fmt.Errorf("%w: rank %d of step %d, saved at a world size of %d", ErrInvalid, rank, s.step, s.worldSize)
+		}
+		src, err := mgr.heldShard(ctx, job, s, rank)
+		src.skipped = skipped
+		return src, true, err
+	}
+	return restoreSource{skipped: skipped}, false, nil
+}
+
+// heldShard pins rank's shard of s here, or fetches it from a peer the
+// inventories say holds it.
+func (mgr *Manager) heldShard(ctx context.Context, job string, s *heldStep, rank int) (restoreSource, error) {
+	var from []string
+	for _, addr := range s.holders[rank] {
+		if addr == "" {
+			if e, release := mgr.hot.getAny(job, s.step, rank, s.attempt); e != nil {
+				return restoreSource{m: e.m, hot: e, release: release, tier: "hot"}, nil
+			}
+			continue // evicted since the inventory
+		}
+		from = append(from, addr)
+	}
+	if src, ok := mgr.fromPeers(ctx, job, s.step, rank, s.attempt, from); ok {
+		return src, nil
+	}
+	return restoreSource{}, fmt.Errorf("%w: step %d of job %q is kept in memory only (--persist-every) and rank %d's copy went away while restoring",
+		ErrStepNotFound, s.step, job, rank)
+}
+
+// StepTiers is a step as `ckptd list --tiers` shows it: committed in
+// storage, or kept in memory only, and where it can be restored from.
+type StepTiers struct {
+	Step       int64
+	WorldSize  int
+	Attempt    string
+	Commit     *CommitRecord // nil for a step kept in memory only
+	Tiers      []string      // "storage", "hot" (this sidecar), "peers"
+	RanksHeld  int           // of a memory-only step: ranks some sidecar holds
+	MemoryOnly bool
+}
+
+// Tiers lists job's committed steps and the steps kept in memory only
+// that this sidecar or its peers hold, oldest first, each with the tiers
+// that can restore it.
+func (mgr *Manager) Tiers(ctx context.Context, job string) ([]StepTiers, error) {
+	store, err := mgr.jobStore(job)
+	if err != nil {
+		return nil, err
+	}
+	recs, err := store.Steps(ctx)
+	if err != nil {
+		return nil, err
+	}
+	inv := mgr.inventories(ctx, store.Job)
+	type key struct {
+		step    int64
+		attempt string
+	}
+	where := map[key][]string{} // the tiers holding some rank of a step's attempt
+	for addr, held := range inv {
+		tier := "peers"
+		if addr == "" {
+			tier = "hot"
+		}
+		for _, h := range held {
+			k := key{h.Step, h.Attempt}
+			if !slices.Contains(where[k], tier) {
+				where[k] = append(where[k], tier)
+			}
+		}
+	}
+	var out []StepTiers
+	for _, r := range recs {
+		out = append(out, StepTiers{Step: r.Step, WorldSize: r.WorldSize, Attempt: r.Attempt, Commit: r,
+			Tiers: append([]string{"storage"}, sortTiers(where[key{r.Step, r.Attempt}])...)})
+	}
+	for _, s := range memoryOnly(inv) {
+		out = append(out, StepTiers{Step: s.step, WorldSize: s.worldSize, Attempt: s.attempt, MemoryOnly: true,
+			RanksHeld: len(s.holders), Tiers: sortTiers(where[key{s.step, s.attempt}])})
+	}
+	slices.SortStableFunc(out, func(a, b StepTiers) int { return cmp.Compare(a.Step, b.Step) })
+	return out, nil
+}
+
+// sortTiers orders tiers strongest first: hot before peers.
+func sortTiers(t []string) []string {
+	slices.Sort(t) // "hot" < "peers"
+	return t
+}
