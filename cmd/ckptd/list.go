@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -15,9 +16,11 @@ import (
 
 type listOptions struct {
 	storageOptions
-	JSON bool
-	All  bool
-	Jobs bool
+	JSON   bool
+	All    bool
+	Jobs   bool
+	Tiers  bool
+	Socket string
 }
 
 func newListCmd() *cobra.Command {
@@ -26,12 +29,19 @@ func newListCmd() *cobra.Command {
 		Use:   "list",
 		Short: "List committed steps (with --all, also every attempt's objects, committed or not)",
 		Args:  cobra.NoArgs,
-		RunE:  func(cmd *cobra.Command, _ []string) error { return runList(cmd.Context(), o, cmd.OutOrStdout()) },
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if o.Tiers && !cmd.Flags().Changed("job") {
+				o.Job = "" // the daemon's own default job
+			}
+			return runList(cmd.Context(), o, cmd.OutOrStdout())
+		},
 	}
 	o.storageOptions.registerInteractive(cmd.Flags())
 	cmd.Flags().BoolVar(&o.JSON, "json", false, "print JSON")
 	cmd.Flags().BoolVar(&o.Jobs, "jobs", false, "list the jobs in the store instead of one job's steps")
 	cmd.Flags().BoolVar(&o.All, "all", false, "also show uncommitted attempts (half-written steps, a crashed run's ranks) and damaged steps; lists every object")
+	cmd.Flags().BoolVar(&o.Tiers, "tiers", false, "ask the daemon on --socket: also the steps kept in memory only (serve --persist-every), and where each step can be restored from (storage, hot, peers)")
+	cmd.Flags().StringVar(&o.Socket, "socket", "", "the daemon's socket, for --tiers (default as for serve)")
 	return cmd
 }
 
@@ -48,6 +58,9 @@ type stepJSON struct {
 func runList(ctx context.Context, o *listOptions, out io.Writer) error {
 	if o.Jobs {
 		return listJobs(ctx, o, out)
+	}
+	if o.Tiers {
+		return listTiers(ctx, o, out)
 	}
 	store, closeStore, err := o.openStore(ctx)
 	if err != nil {
@@ -66,9 +79,7 @@ func runList(ctx context.Context, o *listOptions, out io.Writer) error {
 		steps[i] = stepJSON{r.Step, r.WorldSize, r.Bytes, r.StoredBytes, r.CommittedAt, r.Attempt}
 	}
 	if o.JSON {
-		enc := json.NewEncoder(out)
-		enc.SetIndent("", "  ")
-		return enc.Encode(steps)
+		return writeJSON(out, steps)
 	}
 	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "STEP\tRANKS\tBYTES\tSTORED\tRATIO\tCOMMITTED\tATTEMPT")
@@ -120,9 +131,7 @@ func listAll(ctx context.Context, store *checkpoint.Store, asJSON bool, out io.W
 		}
 	}
 	if asJSON {
-		enc := json.NewEncoder(out)
-		enc.SetIndent("", "  ")
-		return enc.Encode(rows)
+		return writeJSON(out, rows)
 	}
 	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "STEP\tATTEMPT\tSTATE\tRANKS\tBYTES\tLAST WRITE")
@@ -167,4 +176,61 @@ func listJobs(ctx context.Context, o *listOptions, out io.Writer) error {
 		fmt.Fprintln(out, j)
 	}
 	return nil
+}
+
+// tierJSON is one line of `list --tiers --json`.
+type tierJSON struct {
+	Step       int64    `json:"step"`
+	WorldSize  int      `json:"world_size"`
+	Attempt    string   `json:"attempt,omitempty"`
+	Tiers      []string `json:"tiers"`
+	MemoryOnly bool     `json:"memory_only"`
+	RanksHeld  int      `json:"ranks_held,omitempty"`
+}
+
+// tiersTimeout bounds `list --tiers`: the daemon lists storage and asks
+// its peers (each for a few seconds at most).
+const tiersTimeout = 30 * time.Second
+
+// listTiers asks the daemon which steps it, its peers and storage can
+// restore.
+func listTiers(ctx context.Context, o *listOptions, out io.Writer) error {
+	c, _, err := dialDaemon(o.Socket)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(ctx, tiersTimeout)
+	defer cancel()
+	steps, err := c.Tiers(ctx, o.Job)
+	if err != nil {
+		return err
+	}
+	rows := make([]tierJSON, len(steps))
+	for i, s := range steps {
+		rows[i] = tierJSON{s.Step, s.WorldSize, s.Attempt, s.Tiers, s.MemoryOnly, s.RanksHeld}
+	}
+	if o.JSON {
+		return writeJSON(out, rows)
+	}
+	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "STEP\tRANKS\tATTEMPT\tTIERS\tNOTE")
+	for _, r := range rows {
+		note := ""
+		switch {
+		case r.MemoryOnly && r.RanksHeld < r.WorldSize:
+			note = fmt.Sprintf("memory only, %d/%d ranks held: not restorable", r.RanksHeld, r.WorldSize)
+		case r.MemoryOnly:
+			note = "memory only"
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%s\n", r.Step, r.WorldSize, attemptLabel(r.Attempt), strings.Join(r.Tiers, ","), note)
+	}
+	return tw.Flush()
+}
+
+// writeJSON prints v indented, as the --json outputs are.
+func writeJSON(out io.Writer, v any) error {
+	enc := json.NewEncoder(out)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
 }

@@ -222,9 +222,34 @@ func (c *Client) Steps(ctx context.Context, job string) ([]StepInfo, error) {
 	return out, nil
 }
 
-// Health asks the daemon whether it can do its work now (the standard
-// gRPC health service): nil when it serves and its storage answers, else
-// why not.
+// StepTiers is a step and where it can be restored from.
+type StepTiers struct {
+	StepInfo
+	// Tiers, strongest first: "storage" (committed), "hot" (this node's
+	// memory holds ranks of it), "peers" (other sidecars hold ranks of it).
+	Tiers []string
+	// MemoryOnly: a step kept in memory only (ckptd serve --persist-every),
+	// restorable while every rank is held somewhere: RanksHeld of
+	// WorldSize.
+	MemoryOnly bool
+	RanksHeld  int
+}
+
+// Tiers lists job's committed steps and the steps kept in memory only
+// that the daemon and its peers hold, oldest first, with their tiers.
+func (c *Client) Tiers(ctx context.Context, job string) ([]StepTiers, error) {
+	resp, err := c.api.ListSteps(ctx, &pb.ListStepsRequest{Job: job, Tiers: true})
+	if err != nil {
+		return nil, c.wrap(err)
+	}
+	out := make([]StepTiers, len(resp.GetSteps()))
+	for i, s := range resp.GetSteps() {
+		out[i] = StepTiers{StepInfo{s.GetStep(), int(s.GetWorldSize()), int64(s.GetBytes()), int64(s.GetStoredBytes()), s.GetAttempt()},
+			s.GetTiers(), s.GetMemoryOnly(), int(s.GetRanksHeld())}
+	}
+	return out, nil
+}
+
 // Status returns what the daemon is doing now (`ckptd status`): arena use,
 // saves and their states, leases and their owners, dataset sessions and
 // error counts, as the protocol's message.
