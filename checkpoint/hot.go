@@ -277,8 +277,9 @@ func (e *hotEntry) pinnedBy(rec *CommitRecord, rank int) bool {
 }
 
 // copyVerified copies e's data into dst chunk by chunk, on every CPU,
-// checking each chunk against its manifest hash: a shard served from
-// memory is checked like one read from storage.
+// checking each chunk against its manifest hash as it copies it (one pass
+// over memory): a shard served from memory is checked like one read from
+// storage. dst holds garbage when it fails.
 func (e *hotEntry) copyVerified(dst []byte) error {
 	m := e.m
 	var g errgroup.Group
@@ -289,10 +290,9 @@ func (e *hotEntry) copyVerified(dst []byte) error {
 		}
 		g.Go(func() error {
 			raw := e.data[c.RawOffset : c.RawOffset+c.Raw]
-			if got := codec.FormatHash(codec.Hash(raw)); got != c.Hash {
+			if got := codec.FormatHash(codec.CopyHash(dst[c.RawOffset:c.RawOffset+c.Raw], raw)); got != c.Hash {
 				return fmt.Errorf("%w: hot copy of step %d rank %d: chunk %d hash %s, want %s", ErrCorrupt, m.Step, m.Rank, i, got, c.Hash)
 			}
-			copy(dst[c.RawOffset:], raw)
 			return nil
 		})
 	}

@@ -15,6 +15,28 @@ var ErrBadHash = errors.New("malformed hash")
 // Hash returns the XXH3-64 digest of b.
 func Hash(b []byte) uint64 { return xxh3.Hash(b) }
 
+// copyBlock is how much CopyHash hashes and copies at a time: small enough
+// to stay in a core's cache between the two, so the source is read from
+// memory once.
+const copyBlock = 128 << 10
+
+// CopyHash copies src into dst (which must be as long) and returns the
+// XXH3-64 digest of src, as Hash would: one pass over memory for what a
+// Hash then a copy read twice.
+func CopyHash(dst, src []byte) uint64 {
+	if len(src) <= copyBlock {
+		copy(dst, src)
+		return xxh3.Hash(src)
+	}
+	h := xxh3.New()
+	for off := 0; off < len(src); off += copyBlock {
+		b := src[off:min(off+copyBlock, len(src))]
+		_, _ = h.Write(b)
+		copy(dst[off:], b)
+	}
+	return h.Sum64()
+}
+
 // FormatHash writes h in the manifest form "xxh3:" + 16 lowercase hex digits.
 func FormatHash(h uint64) string {
 	const digits = "0123456789abcdef"

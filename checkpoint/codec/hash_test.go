@@ -1,6 +1,7 @@
 package codec
 
 import (
+	"bytes"
 	"errors"
 	"testing"
 )
@@ -67,4 +68,22 @@ func FuzzParseHash(f *testing.F) {
 			t.Fatalf("ParseHash(%q) = %#x, which formats as %q", s, h, back)
 		}
 	})
+}
+
+// CopyHash copies exactly and hashes as Hash does, at every size around
+// its block boundaries.
+func TestCopyHash(t *testing.T) {
+	src := make([]byte, 3*copyBlock+17)
+	for i := range src {
+		src[i] = byte(i*31 + i>>9)
+	}
+	for _, n := range []int{0, 1, 1023, copyBlock, copyBlock + 1, 2*copyBlock - 5, len(src)} {
+		dst := make([]byte, n)
+		if got, want := CopyHash(dst, src[:n]), Hash(src[:n]); got != want {
+			t.Fatalf("%d bytes: hash %#x, want %#x", n, got, want)
+		}
+		if !bytes.Equal(dst, src[:n]) {
+			t.Fatalf("%d bytes: copy differs", n)
+		}
+	}
 }
