@@ -119,10 +119,12 @@ type Manager struct {
 	queue   drainQueue
 	closing bool
 
-	restores chan struct{} // a slot per restore reading from storage (Restores)
-	hot      *hotTier
-	fetching chan struct{} // one shard fetched from peers at a time
-	replicas chan replica  // drained shards for replicateLoop
+	restores  chan struct{} // a slot per restore reading from storage (Restores)
+	hot       *hotTier
+	fetching  chan struct{} // one shard fetched from peers at a time; held, it guards fetchBuf
+	fetchBuf  []byte        // the last fetch's buffer, reused until fetchIdle fires
+	fetchIdle *time.Timer   // drops fetchBuf fetchKeep after the last fetch
+	replicas  chan replica  // drained shards for replicateLoop
 
 	ctx      context.Context // cancelled to abandon drains at shutdown
 	cancel   context.CancelFunc
@@ -148,6 +150,8 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 		queue: drainQueue{wake: make(chan struct{}, 1)}, restores: make(chan struct{}, cfg.Restores),
 		hot: newHotTier(cfg.HotBytes, cfg.HotSteps), fetching: make(chan struct{}, 1), replicas: make(chan replica, replicaQueue),
 	}
+	mgr.fetchIdle = time.AfterFunc(time.Hour, mgr.dropFetchBuf)
+	mgr.fetchIdle.Stop()
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
 	if err := mgr.recover(); err != nil {
 		return nil, err
@@ -213,6 +217,7 @@ func (mgr *Manager) Close(ctx context.Context) int {
 	}
 	mgr.cancel()
 	mgr.watchers.Wait()
+	mgr.fetchIdle.Stop()
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
 	return mgr.leases.journaled()

@@ -17,8 +17,9 @@ type Peers interface {
 	Replicate(ctx context.Context, m *Manifest, data []byte, committed, memory bool) error
 	// Fetch asks the peers in from (those peers when from is empty) for a
 	// shard of at most maxBytes; attempt "" means whichever committed
-	// attempt they hold. It fails when none holds it.
-	Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64, from []string) (*Manifest, []byte, error)
+	// attempt they hold. It fails when none holds it. The data is received
+	// into buf when buf's capacity allows.
+	Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64, from []string, buf []byte) (*Manifest, []byte, error)
 	// Inventory asks every peer which shards of job it holds, by peer
 	// address. Peers that do not answer within a short deadline are left
 	// out, and named in the error.

@@ -194,6 +194,21 @@ func (mgr *Manager) committedCopy(ctx context.Context, job string, step int64, r
 	return mgr.fromPeers(ctx, job, step, rank, "", nil)
 }
 
+// fetchKeep is how long the buffer of the last shard fetched from a peer
+// is kept for the next fetch: a restart restores its ranks in a burst, and
+// reusing the buffer spares a page fault per page; then it goes.
+const fetchKeep = 30 * time.Second
+
+// dropFetchBuf lets the fetch buffer go, unless a fetch holds it now.
+func (mgr *Manager) dropFetchBuf() {
+	select {
+	case mgr.fetching <- struct{}{}:
+		mgr.fetchBuf = nil
+		<-mgr.fetching
+	default:
+	}
+}
+
 // fromPeers fetches a shard from the peers that keep its rank's replicas,
 // if there are any and one has it (a node's trainer restarted on another
 // node reads no storage data). The caller verifies it like any other.
@@ -206,8 +221,11 @@ func (mgr *Manager) fromPeers(ctx context.Context, job string, step int64, rank 
 	case <-ctx.Done():
 		return restoreSource{}, false
 	}
-	done := func() { <-mgr.fetching }
-	m, data, err := mgr.cfg.Peers.Fetch(ctx, job, step, rank, attempt, mgr.cfg.HotBytes, from)
+	done := func() { mgr.fetchIdle.Reset(fetchKeep); <-mgr.fetching }
+	m, data, err := mgr.cfg.Peers.Fetch(ctx, job, step, rank, attempt, mgr.cfg.HotBytes, from, mgr.fetchBuf)
+	if len(data) > 0 {
+		mgr.fetchBuf = data[:0:cap(data)] // manifest and data share one buffer; see receive
+	}
 	if err != nil {
 		done()
 		mgr.log.Debug("no replica from peers", "job", job, "step", step, "rank", rank, "err", err)

@@ -12,7 +12,6 @@
 package peers
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -32,6 +31,17 @@ import (
 
 	"github.com/ckptd/ckptd/checkpoint"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
+)
+
+// Shards travel in pieces of piece bytes, with flow-control windows of
+// window bytes per stream and connection and socket buffers of
+// socketBuffer: gRPC's defaults (64 KiB windows probed upward, 32 KiB
+// buffers) hold a loopback or datacenter link to a fraction of its
+// bandwidth. Each peer connection buffers at most about a window.
+const (
+	piece        = 4 << 20
+	window       = 16 << 20
+	socketBuffer = 1 << 20
 )
 
 // maxManifest bounds a replica's manifest, as readers of stored ones are.
@@ -130,7 +140,9 @@ func (c *Client) peer(addr string) (pb.PeerClient, error) {
 	if cc == nil {
 		var err error
 		cc, err = grpc.NewClient(addr, grpc.WithTransportCredentials(c.creds),
-			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(pb.MaxMessageBytes)))
+			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(pb.MaxMessageBytes)),
+			grpc.WithInitialWindowSize(window), grpc.WithInitialConnWindowSize(window),
+			grpc.WithReadBufferSize(socketBuffer), grpc.WithWriteBufferSize(socketBuffer))
 		if err != nil {
 			return nil, err
 		}
@@ -172,14 +184,14 @@ func (c *Client) put(ctx context.Context, addr string, hdr *pb.ReplicaHeader, ma
 }
 
 // sendPieces sends hdr, then manifest and data in pieces of
-// StreamChunkBytes.
+// piece.
 func sendPieces(hdr *pb.ReplicaHeader, manifest, data []byte, send func(*pb.ReplicaPiece) error) error {
 	if err := send(&pb.ReplicaPiece{Header: hdr}); err != nil {
 		return err
 	}
 	for _, b := range [][]byte{manifest, data} {
 		for len(b) > 0 {
-			n := min(len(b), pb.StreamChunkBytes)
+			n := min(len(b), piece)
 			if err := send(&pb.ReplicaPiece{Data: b[:n]}); err != nil {
 				return err
 			}
@@ -190,13 +202,13 @@ func sendPieces(hdr *pb.ReplicaHeader, manifest, data []byte, send func(*pb.Repl
 }
 
 // Fetch asks the peers in from, or the rank's holders, in turn.
-func (c *Client) Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64, from []string) (*checkpoint.Manifest, []byte, error) {
+func (c *Client) Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64, from []string, buf []byte) (*checkpoint.Manifest, []byte, error) {
 	if len(from) == 0 {
 		from = candidates(c.list, c.self, rank, c.replicas)
 	}
 	var errs []error
 	for _, addr := range from {
-		m, data, err := c.get(ctx, addr, &pb.GetReplicaRequest{Job: job, Step: step, Rank: int32(rank), Attempt: attempt}, maxBytes)
+		m, data, err := c.get(ctx, addr, &pb.GetReplicaRequest{Job: job, Step: step, Rank: int32(rank), Attempt: attempt}, maxBytes, buf)
 		if err == nil {
 			return m, data, nil
 		}
@@ -208,7 +220,7 @@ func (c *Client) Fetch(ctx context.Context, job string, step int64, rank int, at
 	return nil, nil, errors.Join(errs...)
 }
 
-func (c *Client) get(ctx context.Context, addr string, req *pb.GetReplicaRequest, maxBytes int64) (*checkpoint.Manifest, []byte, error) {
+func (c *Client) get(ctx context.Context, addr string, req *pb.GetReplicaRequest, maxBytes int64, buf []byte) (*checkpoint.Manifest, []byte, error) {
 	p, err := c.peer(addr)
 	if err != nil {
 		return nil, nil, err
@@ -217,7 +229,7 @@ func (c *Client) get(ctx context.Context, addr string, req *pb.GetReplicaRequest
 	if err != nil {
 		return nil, nil, err
 	}
-	hdr, manifest, data, err := receive(stream.Recv, maxBytes)
+	hdr, manifest, data, err := receive(stream.Recv, maxBytes, buf)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -286,8 +298,10 @@ func (c *Client) inventory(ctx context.Context, addr, job string) ([]checkpoint.
 }
 
 // receive reads a header and the manifest and data it announces, refusing
-// more than maxManifest and maxData bytes of them.
-func receive(recv func() (*pb.ReplicaPiece, error), maxData int64) (*pb.ReplicaHeader, []byte, []byte, error) {
+// more than maxManifest and maxData bytes of them. It receives into buf
+// when buf is large enough (a fetch reuses its buffer: fresh memory costs
+// a page fault and a zeroing per page, as much as the copy itself).
+func receive(recv func() (*pb.ReplicaPiece, error), maxData int64, buf []byte) (*pb.ReplicaHeader, []byte, []byte, error) {
 	first, err := recv()
 	if err != nil {
 		return nil, nil, nil, err
@@ -300,7 +314,11 @@ func receive(recv func() (*pb.ReplicaPiece, error), maxData int64) (*pb.ReplicaH
 		return nil, nil, nil, fmt.Errorf("a replica of %d + %d bytes is more than this sidecar takes (%d + %d)",
 			hdr.GetManifestSize(), hdr.GetDataSize(), maxManifest, maxData)
 	}
-	buf := bytes.NewBuffer(make([]byte, 0, hdr.GetManifestSize()+hdr.GetDataSize()))
+	want := hdr.GetManifestSize() + hdr.GetDataSize()
+	if uint64(cap(buf)) < want {
+		buf = make([]byte, 0, want)
+	}
+	buf = buf[:0]
 	for {
 		piece, err := recv()
 		if errors.Is(err, io.EOF) {
@@ -309,16 +327,15 @@ func receive(recv func() (*pb.ReplicaPiece, error), maxData int64) (*pb.ReplicaH
 		if err != nil {
 			return nil, nil, nil, err
 		}
-		if uint64(buf.Len())+uint64(len(piece.GetData())) > hdr.GetManifestSize()+hdr.GetDataSize() {
+		if uint64(len(buf))+uint64(len(piece.GetData())) > want {
 			return nil, nil, nil, errors.New("a replica longer than its header says")
 		}
-		buf.Write(piece.GetData())
+		buf = append(buf, piece.GetData()...)
 	}
-	if uint64(buf.Len()) != hdr.GetManifestSize()+hdr.GetDataSize() {
-		return nil, nil, nil, fmt.Errorf("a replica of %d bytes, its header says %d", buf.Len(), hdr.GetManifestSize()+hdr.GetDataSize())
+	if uint64(len(buf)) != want {
+		return nil, nil, nil, fmt.Errorf("a replica of %d bytes, its header says %d", len(buf), want)
 	}
-	b := buf.Bytes()
-	return hdr, b[:hdr.GetManifestSize()], b[hdr.GetManifestSize():], nil
+	return hdr, buf[:hdr.GetManifestSize()], buf[hdr.GetManifestSize():], nil
 }
 
 // Server is the Peer service over a Manager's hot tier.
@@ -342,7 +359,7 @@ func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, p
 	case <-stream.Context().Done():
 		return stream.Context().Err()
 	}
-	hdr, manifest, data, err := receive(stream.Recv, s.maxBytes)
+	hdr, manifest, data, err := receive(stream.Recv, s.maxBytes, nil)
 	if err != nil {
 		return err
 	}
@@ -382,7 +399,9 @@ func Listen(addr string, creds credentials.TransportCredentials, srv *Server) (s
 	if err != nil {
 		return "", nil, fmt.Errorf("peer listener: %w", err)
 	}
-	g := grpc.NewServer(grpc.Creds(creds), grpc.MaxRecvMsgSize(pb.MaxMessageBytes))
+	g := grpc.NewServer(grpc.Creds(creds), grpc.MaxRecvMsgSize(pb.MaxMessageBytes),
+		grpc.InitialWindowSize(window), grpc.InitialConnWindowSize(window),
+		grpc.ReadBufferSize(socketBuffer), grpc.WriteBufferSize(socketBuffer))
 	pb.RegisterPeerServer(g, srv)
 	go func() { _ = g.Serve(lis) }()
 	return lis.Addr().String(), g.Stop, nil

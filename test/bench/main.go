@@ -9,7 +9,10 @@
 //	                same bytes, the codec alone on the same chunks and cores)
 //	restore         BeginRestore into the arena (fetch, verify, decompress)
 //	hot restore     BeginRestore of a step the hot tier holds (verify, copy)
-//	                vs raw read of the data object + decompress
+//	                vs a memcpy of the same bytes into warm shared memory
+//	peers           restore from a peer sidecar (fetch over loopback TCP,
+//	                verify, copy) and replication after commit, vs a raw
+//	                loopback TCP transfer of the same bytes
 package main
 
 import (
@@ -25,6 +28,7 @@ import (
 	"runtime"
 	"runtime/pprof"
 	"slices"
+	"strings"
 	"sync"
 	"text/tabwriter"
 
@@ -45,6 +49,12 @@ type config struct {
 	codec     codec.Codec
 	chunkSize int64
 	workers   int
+	only      string
+}
+
+// runs reports whether the part named is to run (-only).
+func (c config) wants(part string) bool {
+	return c.only == "" || slices.Contains(strings.Split(c.only, ","), part)
 }
 
 func main() {
@@ -57,6 +67,7 @@ func main() {
 	flag.Int64Var(&cfg.chunkSize, "chunk-size", 4<<20, "chunk bytes")
 	flag.IntVar(&cfg.workers, "workers", runtime.GOMAXPROCS(0), "compression workers")
 	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile here")
+	flag.StringVar(&cfg.only, "only", "", "run only these parts, comma-separated: save (save stall and drain), restore (needs save), hot, peer, s3")
 	flag.Parse()
 	if *cpuprofile != "" {
 		f, err := os.Create(*cpuprofile)
@@ -117,26 +128,26 @@ func run(cfg config) error {
 	}
 	defer d.close()
 	var rows []row
-	r, err := benchSaveAndDrain(cfg, d, data, work)
-	if err != nil {
-		return err
+	parts := []struct {
+		name string
+		fn   func() ([]row, error)
+	}{
+		{"save", func() ([]row, error) { return benchSaveAndDrain(cfg, d, data, work) }},
+		{"restore", func() ([]row, error) { return benchRestore(cfg, d, work) }},
+		{"hot", func() ([]row, error) { return benchHotRestore(cfg, data, work) }},
+		{"peer", func() ([]row, error) { return benchPeers(cfg, data, work) }},
+		{"s3", func() ([]row, error) { return benchS3(cfg, data, work) }},
 	}
-	rows = append(rows, r...)
-	r, err = benchRestore(cfg, d, work)
-	if err != nil {
-		return err
+	for _, p := range parts {
+		if !cfg.wants(p.name) {
+			continue
+		}
+		r, err := p.fn()
+		if err != nil {
+			return fmt.Errorf("%s: %w", p.name, err)
+		}
+		rows = append(rows, r...)
 	}
-	rows = append(rows, r...)
-	r, err = benchHotRestore(cfg, data, work)
-	if err != nil {
-		return err
-	}
-	rows = append(rows, r...)
-	r, err = benchS3(cfg, data, work)
-	if err != nil {
-		return err
-	}
-	rows = append(rows, r...)
 	printTable(rows)
 	return nil
 }
@@ -180,7 +191,7 @@ func startDaemon(cfg config, work string) (*daemon, error) {
 	if err != nil {
 		return nil, err
 	}
-	return startDaemonOn(cfg, b, work, "local", 0)
+	return startDaemonOn(cfg, b, work, "local", 0, nil)
 }
 
 func (d *daemon) close() {

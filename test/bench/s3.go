@@ -74,7 +74,7 @@ func benchS3(cfg config, data []byte, work string) ([]row, error) {
 		return nil, err
 	}
 	defer b.Close()
-	d, err := startDaemonOn(cfg, b, work, "s3", 0)
+	d, err := startDaemonOn(cfg, b, work, "s3", 0, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -94,8 +94,9 @@ func benchS3(cfg config, data []byte, work string) ([]row, error) {
 }
 
 // startDaemonOn starts an in-process daemon (the Manager and gRPC server of
-// ckptd serve) on backend b, with its own arena and socket named by name.
-func startDaemonOn(cfg config, b storage.Backend, work, name string, hotBytes int64) (*daemon, error) {
+// ckptd serve) on backend b, with its own arena and socket named by name,
+// a hot tier of hotBytes and peers p (nil: none).
+func startDaemonOn(cfg config, b storage.Backend, work, name string, hotBytes int64, p checkpoint.Peers) (*daemon, error) {
 	a, err := arena.Open(arena.Options{Dir: fmt.Sprintf("/dev/shm/ckptd-bench-%s-%d", name, os.Getpid()), Size: cfg.size + 64<<20, Lock: true})
 	if err != nil {
 		return nil, err
@@ -105,6 +106,7 @@ func startDaemonOn(cfg config, b storage.Backend, work, name string, hotBytes in
 		Writer:     checkpoint.WriterOptions{ChunkSize: cfg.chunkSize, Codec: cfg.codec, Workers: cfg.workers},
 		Read:       checkpoint.ReadOptions{Concurrency: restoreStreams},
 		HotBytes:   hotBytes,
+		Peers:      p,
 	})
 	if err != nil {
 		_ = a.Remove()
