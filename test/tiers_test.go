@@ -15,7 +15,7 @@ import (
 )
 
 // Four sidecars play four nodes of one job (2 ranks each, one shared
-// store, --replicas 1, --persist-every 5): step 5 is persisted, steps 6
+// store, --replicas 1, --persist-every 5, the peers listed in a file): step 5 is persisted, steps 6
 // and 7 live in memory only, and restore from the hot tier (a restarted
 // trainer), from peers (a lost node's ranks, on a replacement sidecar),
 // and, with both copies of a rank lost, fall back to step 5, saying so.
@@ -30,9 +30,13 @@ func TestTiersFourNodes(t *testing.T) {
 	for i := range addrs {
 		addrs[i] = closedAddr(t)
 	}
+	peerFile := filepath.Join(dir, "peers") // as a launcher would write it; each sidecar finds itself by its port
+	if err := os.WriteFile(peerFile, []byte("# the job's sidecars\n"+strings.Join(addrs, "\n")+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	sidecar := func(node int) *daemon {
 		return startDaemon(t, store, "--hot-bytes", "96MiB", "--persist-every", "5", "--replicas", "1",
-			"--shutdown-grace", "1s", "--peers", strings.Join(addrs, ","), "--peer-listen", addrs[node],
+			"--shutdown-grace", "1s", "--peers-file", peerFile, "--peer-listen", addrs[node],
 			"--peer-cert", cert, "--peer-key", key, "--peer-ca", ca.File)
 	}
 	ds := make([]*daemon, nodes)

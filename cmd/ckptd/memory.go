@@ -25,7 +25,7 @@ func memoryCeiling(o *serveOptions, prefetchCeiling int64) int64 {
 	s3Parts := int64(o.Drains) * 8 * (16 << 20)
 	restores := int64(o.Restores) * (restoreReads*2*int64(o.ChunkSize) + restoreManifest)
 	hot := int64(o.HotBytes)
-	if len(o.Peers) > 0 { // one replica being received and one being fetched, each up to --hot-bytes
+	if len(o.Peers) > 0 || o.PeersFile != "" || o.PeersDNS != "" { // one replica being received and one being fetched, each up to --hot-bytes
 		hot *= 3
 	}
 	return int64(o.TableBytes) + drainBuffers + s3Parts + restores + hot + prefetchCeiling + memoryHeadroom

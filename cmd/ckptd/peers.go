@@ -1,9 +1,11 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"slices"
 
 	"github.com/spf13/pflag"
@@ -15,14 +17,19 @@ import (
 // peerOptions are serve's flags for replicas on peer sidecars.
 type peerOptions struct {
 	Peers     []string
+	PeersFile string
+	PeersDNS  string
 	Listen    string
 	Advertise string
 	Replicas  int
 	TLS       peers.TLS
+	discovery peers.Discovery // set by setup when the list is discovered
 }
 
 func (p *peerOptions) register(fs *pflag.FlagSet) {
 	fs.StringSliceVar(&p.Peers, "peers", nil, "the job's sidecars, host:port each (the same list on every node, this one included): each drained shard is sent to --replicas of them, chosen from its rank, and a restore asks them before storage; needs --hot-bytes")
+	fs.StringVar(&p.PeersFile, "peers-file", "", "instead of --peers: a file listing the job's sidecars, host:port per line, read again every 10s")
+	fs.StringVar(&p.PeersDNS, "peers-dns", "", "instead of --peers: name:port, a DNS name resolving to every sidecar of the job (a Kubernetes headless service), looked up again every 10s")
 	fs.StringVar(&p.Listen, "peer-listen", "", "TCP address for the peers' service (e.g. :7465)")
 	fs.StringVar(&p.Advertise, "peer-advertise", "", "this sidecar's entry in --peers (default --peer-listen)")
 	fs.IntVar(&p.Replicas, "replicas", 1, "peers that keep a copy of each shard")
@@ -34,26 +41,30 @@ func (p *peerOptions) register(fs *pflag.FlagSet) {
 
 // setup checks the flags and returns the peers' client and the server's
 // credentials, or nils when no peers are configured.
-func (p *peerOptions) setup(hotBytes int64, log *slog.Logger) (*peers.Client, credentials.TransportCredentials, error) {
-	if len(p.Peers) == 0 {
-		if p.Listen != "" {
-			return nil, nil, errors.New("--peer-listen without --peers")
+func (p *peerOptions) setup(ctx context.Context, hotBytes int64, log *slog.Logger) (*peers.Client, credentials.TransportCredentials, error) {
+	sources := 0
+	for _, set := range []bool{len(p.Peers) > 0, p.PeersFile != "", p.PeersDNS != ""} {
+		if set {
+			sources++
 		}
-		return nil, nil, nil
-	}
-	self := p.Advertise
-	if self == "" {
-		self = p.Listen
 	}
 	switch {
+	case sources == 0 && p.Listen != "":
+		return nil, nil, errors.New("--peer-listen without --peers, --peers-file or --peers-dns")
+	case sources == 0:
+		return nil, nil, nil
+	case sources > 1:
+		return nil, nil, errors.New("--peers, --peers-file and --peers-dns: give one")
 	case hotBytes <= 0:
-		return nil, nil, errors.New("--peers needs --hot-bytes: replicas are kept in the hot tier")
+		return nil, nil, errors.New("peers need --hot-bytes: replicas are kept in the hot tier")
 	case p.Listen == "":
-		return nil, nil, errors.New("--peers needs --peer-listen")
-	case !slices.Contains(p.Peers, self):
-		return nil, nil, fmt.Errorf("this sidecar (%s: --peer-advertise, else --peer-listen) is not in --peers %v", self, p.Peers)
-	case p.Replicas < 1 || p.Replicas >= len(p.Peers):
-		return nil, nil, fmt.Errorf("--replicas %d: want 1 to %d (the other peers)", p.Replicas, len(p.Peers)-1)
+		return nil, nil, errors.New("peers need --peer-listen")
+	case p.Replicas < 1:
+		return nil, nil, fmt.Errorf("--replicas %d: want 1 or more", p.Replicas)
+	}
+	list, self, err := p.members(ctx, log)
+	if err != nil {
+		return nil, nil, err
 	}
 	server, client, err := p.TLS.Credentials()
 	if err != nil {
@@ -62,5 +73,41 @@ func (p *peerOptions) setup(hotBytes int64, log *slog.Logger) (*peers.Client, cr
 	if p.TLS.Insecure && p.TLS.CertFile == "" {
 		log.Warn("peers: checkpoints travel in plaintext (--peer-insecure)")
 	}
-	return peers.NewClient(p.Peers, self, p.Replicas, client, log), server, nil
+	return peers.NewClient(list, self, p.Replicas, client, log), server, nil
+}
+
+// members returns the first peer list and this sidecar's entry: the
+// --peers list, checked, or what discovery finds (a DNS name that does
+// not resolve yet is looked up again later: pods start before their
+// service lists them).
+func (p *peerOptions) members(ctx context.Context, log *slog.Logger) ([]string, string, error) {
+	self := p.Advertise
+	if self == "" && len(p.Peers) > 0 {
+		self = p.Listen
+	}
+	if len(p.Peers) > 0 {
+		switch {
+		case !slices.Contains(p.Peers, self):
+			return nil, "", fmt.Errorf("this sidecar (%s: --peer-advertise, else --peer-listen) is not in --peers %v", self, p.Peers)
+		case p.Replicas >= len(p.Peers):
+			return nil, "", fmt.Errorf("--replicas %d: want 1 to %d (the other peers)", p.Replicas, len(p.Peers)-1)
+		}
+		return p.Peers, self, nil
+	}
+	_, port, err := net.SplitHostPort(p.Listen)
+	if err != nil {
+		return nil, "", fmt.Errorf("--peer-listen %q: %w", p.Listen, err)
+	}
+	p.discovery = peers.Discovery{File: p.PeersFile, DNS: p.PeersDNS, Self: p.Advertise, Port: port}
+	list, self, err := p.discovery.Lookup(ctx)
+	switch {
+	case err != nil && p.PeersFile != "":
+		return nil, "", err
+	case err != nil:
+		log.Warn("peers: the DNS name does not resolve yet; looking it up again every 10s", "err", err)
+	case self == "":
+		log.Warn("peers: this sidecar is not in the discovered list (yet); replicas are sent once it is", "peers", list,
+			"hint", "--peer-advertise names this sidecar's entry")
+	}
+	return list, self, nil
 }

@@ -145,7 +145,7 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	if o.PrintMemory {
 		return printMemory(o, out)
 	}
-	peerClient, peerCreds, err := o.peerOptions.setup(int64(o.HotBytes), log)
+	peerClient, peerCreds, err := o.peerOptions.setup(ctx, int64(o.HotBytes), log)
 	if err != nil {
 		return usageError{err}
 	}
@@ -217,7 +217,13 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 		}
 		undo.push(stop)
 		stopPeers = stop
-		log.Info("peers: serving replicas", "listen", addr, "peers", o.Peers, "replicas", o.Replicas, "tls", peerCreds.Info().SecurityProtocol)
+		list, self := peerClient.Members()
+		log.Info("peers: serving replicas", "listen", addr, "peers", list, "self", self, "replicas", o.Replicas, "tls", peerCreds.Info().SecurityProtocol)
+		if o.discovery.Enabled() {
+			wctx, stopWatch := context.WithCancel(ctx)
+			defer stopWatch()
+			go peerClient.Watch(wctx, o.discovery, log) // stopped when serve returns
+		}
 	}
 	pcfg := o.prefetchConfig()
 	pcfg.Logger, pcfg.Metrics = log, prefetch.NewMetrics(reg)

@@ -107,14 +107,39 @@ func Holders(list []string, self string, rank, replicas int) []string {
 
 // Client is checkpoint.Peers over gRPC.
 type Client struct {
-	list     []string
-	self     string
 	replicas int
 	creds    credentials.TransportCredentials
 	log      *slog.Logger
 
-	mu    sync.Mutex
+	mu    sync.Mutex // guards list, self and conns
+	list  []string
+	self  string
 	conns map[string]*grpc.ClientConn
+}
+
+// Members returns the peer list and this sidecar's entry in it.
+func (c *Client) Members() ([]string, string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.list, c.self
+}
+
+// SetMembers replaces the peer list (discovered anew) and reports whether
+// it changed. Connections to peers no longer listed are closed.
+func (c *Client) SetMembers(list []string, self string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if slices.Equal(list, c.list) && self == c.self {
+		return false
+	}
+	c.list, c.self = list, self
+	for addr, cc := range c.conns {
+		if !slices.Contains(list, addr) {
+			_ = cc.Close()
+			delete(c.conns, addr)
+		}
+	}
+	return true
 }
 
 // NewClient returns the client of the peers in list (host:port each; self
@@ -157,8 +182,12 @@ func (c *Client) Replicate(ctx context.Context, m *checkpoint.Manifest, data []b
 	if err != nil {
 		return err
 	}
+	list, self := c.Members()
+	if self == "" {
+		return errors.New("this sidecar is not in the peer list (yet): nowhere to send replicas from")
+	}
 	var errs []error
-	for _, addr := range Holders(c.list, c.self, m.Rank, c.replicas) {
+	for _, addr := range Holders(list, self, m.Rank, c.replicas) {
 		if err := c.put(ctx, addr, &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)),
 			Committed: committed, MemoryOnly: memory}, manifest, data); err != nil {
 			errs = append(errs, fmt.Errorf("peer %s: %w", addr, err))
@@ -204,7 +233,8 @@ func sendPieces(hdr *pb.ReplicaHeader, manifest, data []byte, send func(*pb.Repl
 // Fetch asks the peers in from, or the rank's holders, in turn.
 func (c *Client) Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64, from []string, buf []byte) (*checkpoint.Manifest, []byte, error) {
 	if len(from) == 0 {
-		from = candidates(c.list, c.self, rank, c.replicas)
+		list, self := c.Members()
+		from = candidates(list, self, rank, c.replicas)
 	}
 	var errs []error
 	for _, addr := range from {
@@ -258,8 +288,9 @@ func (c *Client) Inventory(ctx context.Context, job string) (map[string][]checkp
 		errs []error
 		wg   sync.WaitGroup
 	)
-	for _, addr := range slices.Compact(slices.Sorted(slices.Values(c.list))) {
-		if addr == c.self {
+	list, self := c.Members()
+	for _, addr := range slices.Compact(slices.Sorted(slices.Values(list))) {
+		if addr == self {
 			continue
 		}
 		wg.Go(func() {
