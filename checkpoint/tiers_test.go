@@ -68,6 +68,11 @@ func TestPersistEvery(t *testing.T) {
 		t.Fatalf("restores from memory read %d shard objects", gets.Hits())
 	}
 	gets.Remove()
+	b.Outage(faulty.OpAll) // memory-only steps need no storage at all
+	if got, step, err := restoreBytes(mgr, a, 0, true); err != nil || step != 5 || !bytes.Equal(got, saved[5]) {
+		t.Fatalf("latest with storage down: step %d, %v", step, err)
+	}
+	b.Clear()
 	if _, _, err := restoreBytes(mgr, a, 1, false); !errors.Is(err, ErrStepNotFound) {
 		t.Fatalf("step 1, kept in memory and evicted since: %v", err)
 	}
