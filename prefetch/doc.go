@@ -67,6 +67,18 @@
 // The Go runtime may hold up to GOGC% more as garbage unless GOMEMLIMIT
 // caps it. (The listing of a dataset, a name per object, is not bounded.)
 //
+// # The first batch
+//
+// A session reads ahead from the moment it opens, before any request:
+// shards are fetched, the shuffle window filled and batches copied into
+// the ring. The first batch is handed out once the ring is full (or the
+// epoch over), waiting for that at most as long again as the first batch
+// took to come (at least 50 ms): a consumer that starts on an empty ring
+// and takes batches nearly as fast as storage reads them has no lead to
+// absorb a late shard, and would wait again and again in its first
+// seconds. A full ring is that lead, paid once per epoch, in the time to
+// the first batch.
+//
 // # Sources and owners
 //
 // Only the sources --dataset-allow lists may be read (ErrNotAllowed

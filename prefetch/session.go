@@ -14,6 +14,12 @@ import (
 
 // session is one rank's epoch: a filler goroutine moves batches from the
 // iterator into ring slots, ahead of the consumer by up to the ring's size.
+// It starts at open, before the first request. The first batch is handed
+// out once the ring is full (or the epoch over), waiting for that at most
+// as long again as the first batch took to come (primeWait): a consumer
+// that starts with an empty ring and takes batches nearly as fast as
+// storage reads them has no lead to absorb a late shard, and would wait
+// again and again in its first seconds; a full ring is its lead.
 //
 // Deliveries are released in the order they were delivered: releasing one
 // also releases those delivered before it that are still held. A delivery
@@ -33,6 +39,9 @@ type session struct {
 	it      *Iterator
 	ring    *Ring
 	filled  chan *Delivery
+	primed  chan struct{} // closed once the ring is full, the filler ends, or primeWait passed
+	prime   sync.Once
+	opened  time.Time
 	state   atomic.Int32 // fillerIterating, or a Cause the filler waits on
 	err     error        // the filler's, valid once filled is closed
 	cancel  context.CancelFunc
@@ -65,7 +74,7 @@ func newSession(id, owner string, it *Iterator, ring *Ring, slots int, m *Metric
 	ss := &session{
 		id: id, owner: owner, it: it, ring: ring, filled: make(chan *Delivery, slots),
 		cancel: cancel, done: make(chan struct{}), held: map[string]heldDelivery{}, m: m,
-		redone: make(chan struct{}, 1),
+		redone: make(chan struct{}, 1), primed: make(chan struct{}), opened: time.Now(),
 	}
 	ss.touch()
 	go func() {
@@ -79,8 +88,21 @@ func newSession(id, owner string, it *Iterator, ring *Ring, slots int, m *Metric
 func (ss *session) touch()              { ss.used.Store(time.Now().UnixNano()) }
 func (ss *session) lastUsed() time.Time { return time.Unix(0, ss.used.Load()) }
 
+// minPrimeWait is the least primeWait: a first batch that came at once
+// (from the cache) may still wait this long for the ring to fill.
+const minPrimeWait = 50 * time.Millisecond
+
+// primeWait bounds how long the first batch waits, once ready, for the
+// ring to fill: as long as it took to come since the session opened.
+func primeWait(first time.Duration) time.Duration { return max(first, minPrimeWait) }
+
+// markPrimed lets the first batch be handed out.
+func (ss *session) markPrimed() { ss.prime.Do(func() { close(ss.primed) }) }
+
 // fill runs the iterator into the ring until the epoch ends.
 func (ss *session) fill(ctx context.Context) error {
+	defer ss.markPrimed()
+	first := true
 	for {
 		ss.state.Store(fillerIterating)
 		b, err := ss.it.Next(ctx)
@@ -102,6 +124,14 @@ func (ss *session) fill(ctx context.Context) error {
 			ss.ring.Release(d)
 			return ctx.Err()
 		}
+		if first {
+			first = false
+			t := time.AfterFunc(primeWait(time.Since(ss.opened)), ss.markPrimed)
+			defer t.Stop()
+		}
+		if len(ss.filled) == cap(ss.filled) {
+			ss.markPrimed() // every turn of the ring is taken: nothing more can come before the consumer takes one
+		}
 	}
 }
 
@@ -119,6 +149,11 @@ func (ss *session) cause() Cause {
 
 func (ss *session) next(ctx context.Context) (*Delivery, string, Stats, error) {
 	start, cause := time.Now(), ss.cause()
+	select {
+	case <-ss.primed: // at once after the first batch
+	case <-ctx.Done():
+		return nil, "", ss.stats(), ctx.Err()
+	}
 	for {
 		if d := ss.takeRedo(); d != nil {
 			return ss.hand(ctx, d)

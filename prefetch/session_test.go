@@ -1,0 +1,102 @@
+package prefetch
+
+import (
+	"context"
+	"errors"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/ckptd/ckptd/storage"
+)
+
+// A session reads ahead from the moment it opens: its ring is full before
+// anyone asks for a batch, and the first batch comes with the ring full.
+func TestSessionReadsAheadFromOpen(t *testing.T) {
+	s := newService(t, posixDataset(t, 3, 10, 1000), ServiceConfig{Slots: 4, SlotBytes: 1 << 20})
+	ctx := context.Background()
+	id := openPairs(t, s)
+	ss, _ := s.session(Owner{}, id)
+	for deadline := time.Now().Add(10 * time.Second); len(ss.filled) < 4; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d batches in the ring 10s after open, none asked for; want 4", len(ss.filled))
+		}
+	}
+	if n := s.cache.StorageReads(); n == 0 {
+		t.Fatal("no shard read before the first request")
+	}
+	if _, _, _, err := s.Next(ctx, Owner{}, id, nil); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(ss.filled); n != 3 {
+		t.Fatalf("%d batches queued behind the first; want the ring's other 3", n)
+	}
+}
+
+// openPairs opens a session of batches of 2, unshuffled.
+func openPairs(t *testing.T, s *Service) string {
+	t.Helper()
+	id, _, err := s.OpenSession(context.Background(), Owner{}, src, Spec{BatchSize: 2, WorldSize: 1, ShuffleWindow: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// gatedBackend lets reads of the shard first in order through and holds
+// the others until open is closed.
+type gatedBackend struct {
+	storage.Backend
+	first string
+	open  chan struct{}
+}
+
+func (g gatedBackend) Get(ctx context.Context, name string, off, n int64) (io.ReadCloser, error) {
+	if name != g.first {
+		select {
+		case <-g.open:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	return g.Backend.Get(ctx, name, off, n)
+}
+
+// The first batch waits for the ring to fill only so long: with storage
+// stalled after one shard, it comes after primeWait, not never.
+func TestFirstBatchWaitsForTheRingBoundedly(t *testing.T) {
+	ctx := context.Background()
+	b := posixDataset(t, 3, 4, 1000)
+	all, err := ListShards(ctx, b, "", WebDataset)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gate := gatedBackend{b, ShardsForRank(all, 0, 0, 0, 1)[0].Name, make(chan struct{})}
+	s := newService(t, gate, ServiceConfig{Slots: 4, SlotBytes: 1 << 20})
+	opened := time.Now()
+	id := openPairs(t, s)
+	tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	d, lease, _, err := s.Next(tctx, Owner{}, id, nil)
+	if err != nil {
+		t.Fatalf("first batch with storage stalled after one shard: %v", err)
+	}
+	if took := time.Since(opened); took < minPrimeWait {
+		t.Fatalf("first batch after %v with the ring half full; want it to wait %v for the ring", took, minPrimeWait)
+	}
+	close(gate.open)
+	n, release := 1, []string{lease}
+	for {
+		d, lease, _, err = s.Next(ctx, Owner{}, id, release)
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, release = n+1, []string{lease}
+	}
+	if n != 6 || d != nil {
+		t.Fatalf("%d batches; want 6", n)
+	}
+}
