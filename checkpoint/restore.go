@@ -122,6 +122,8 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64,
 		committed := int64(-1)
 		if rec != nil {
 			committed = rec.Step
+		} else if s, ok := mgr.hot.latest(store.Job, rank); ok && latest { // storage is down: what is known committed
+			committed = s
 		}
 		src, found, merr := mgr.fromMemory(ctx, store.Job, step, latest, committed, rank)
 		if found || merr != nil {

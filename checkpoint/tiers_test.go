@@ -73,15 +73,24 @@ func TestPersistEvery(t *testing.T) {
 		t.Fatalf("latest with storage down: step %d, %v", step, err)
 	}
 	b.Clear()
+	saved[6] = bytes.Repeat([]byte{6}, 100_000) // persisted, newer than every memory-only step
+	tg := Target{Job: "job", Step: 6, WorldSize: 1, Attempt: "a"}
+	saveBytesTo(t, mgr, a, tg, saved[6])
+	settled(t, mgr, tg)
+	b.Outage(faulty.OpAll)
+	if got, step, err := restoreBytes(mgr, a, 0, true); err != nil || step != 6 || !bytes.Equal(got, saved[6]) {
+		t.Fatalf("latest with storage down, the newest step committed: step %d, %v", step, err)
+	}
+	b.Clear()
 	if _, _, err := restoreBytes(mgr, a, 1, false); !errors.Is(err, ErrStepNotFound) {
 		t.Fatalf("step 1, kept in memory and evicted since: %v", err)
 	}
-	if n := testutil.ToFloat64(mgr.m.Tiers.WithLabelValues("hot")); n != 4 {
+	if n := testutil.ToFloat64(mgr.m.Tiers.WithLabelValues("hot")); n != 4 { // steps 1, 2, 4, 5
 		t.Fatalf("ckptd_saves_total{tier=hot} = %v, want 4", n)
 	}
 
 	lost, la := newManagerOn(t, b, ManagerConfig{HotBytes: 4 << 20, PersistEvery: 3})
-	if got, step, err := restoreBytes(lost, la, 0, true); err != nil || step != 3 || !bytes.Equal(got, saved[3]) {
+	if got, step, err := restoreBytes(lost, la, 0, true); err != nil || step != 6 || !bytes.Equal(got, saved[6]) {
 		t.Fatalf("latest after the memory was lost: step %d, %v", step, err)
 	}
 }
