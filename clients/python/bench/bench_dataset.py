@@ -10,7 +10,7 @@ the same storage:
     DataLoader + wds     torch DataLoader(num_workers=2) over the webdataset
                          library's WebDataset(...).shuffle(1000).batched(B),
                          from the evicted files
-    ckptd epoch 0        Client.dataset (copy=True, prefetch=1) through a
+    ckptd epoch 0        Client.dataset (copy=True, prefetch=2) through a
                          freshly started `ckptd serve`, files evicted: all
                          from storage
     ckptd epoch 1        the next epoch, served from the daemon's cache
@@ -22,9 +22,11 @@ needs 0.9x the backend's raw bandwidth -- reporting the stall fraction:
 the share of the consumer's wall time lost to the loader (one minus the
 ideal time, batches x the sleep's own duration, over the time taken: waits
 in next(), GIL contention, freeing batches; in next() alone is shown too). The first
-batch's wait (the daemon fills its 1000-sample shuffle window before the
-first batch; webdataset starts workers) is shown apart: it is paid once per
-epoch, and over a real epoch of hours it vanishes.
+batch's wait (the daemon fills its 1000-sample shuffle window, then its
+ring, before the first batch; webdataset starts workers) is shown apart: it
+is paid once per epoch, and over a real epoch of hours it vanishes. (This
+epoch lasts about 0.4 s, so its first tenth, before the read-ahead has
+built any lead, weighs in the stall far more than in a real one.)
 
 Targets: stall <= 1% at 0.9x the backend's bandwidth, and
 >= 1.5x the samples/s of DataLoader + webdataset. Absolute numbers on a
