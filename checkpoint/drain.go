@@ -90,7 +90,7 @@ func (mgr *Manager) drain(l *lease) {
 	if !mgr.sleep(mgr.cfg.DrainDelay) {
 		return
 	}
-	if !mgr.persists(l.target.Step) && mgr.keepInMemory(l) {
+	if !mgr.persists(l.target) && mgr.keepInMemory(l) {
 		return
 	}
 	start := time.Now()
@@ -98,27 +98,41 @@ func (mgr *Manager) drain(l *lease) {
 		Target: l.target, Layout: l.layout, Metadata: l.metadata,
 		Data: mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size],
 	}
+	m, reused, err := mgr.writeRetrying(sh)
+	switch {
+	case err == nil:
+		mgr.finishDrain(l, m, reused, start)
+	case errors.Is(err, errAbandoned):
+		mgr.log.Warn("drain abandoned at shutdown; save stays journaled", "target", l.target)
+	default:
+		mgr.log.Error("save refused", "target", l.target, "err", err)
+		mgr.endDrain(l, StateFailed, err)
+	}
+}
+
+// errAbandoned: the daemon shut down while a shard was being written.
+var errAbandoned = errors.New("abandoned at shutdown")
+
+// writeRetrying makes sh durable (writeShard), retrying storage errors
+// with backoff for as long as the daemon runs; it fails when the save
+// can never be written, or with errAbandoned at shutdown.
+func (mgr *Manager) writeRetrying(sh *Shard) (*Manifest, bool, error) {
 	backoff := newBackoff()
 	for {
 		m, reused, err := mgr.writeShard(sh)
-		if err == nil {
-			mgr.finishDrain(l, m, reused, start)
-			return
-		}
-		if errors.Is(err, ErrExists) || errors.Is(err, ErrInvalid) || errors.Is(err, ErrCorrupt) {
-			mgr.log.Error("save refused", "target", l.target, "err", err)
-			mgr.endDrain(l, StateFailed, err)
-			return
-		}
-		if mgr.ctx.Err() != nil {
-			mgr.log.Warn("drain abandoned at shutdown; save stays journaled", "target", l.target)
-			return
+		switch {
+		case err == nil:
+			return m, reused, nil
+		case errors.Is(err, ErrExists) || errors.Is(err, ErrInvalid) || errors.Is(err, ErrCorrupt):
+			return nil, false, err
+		case mgr.ctx.Err() != nil:
+			return nil, false, errAbandoned
 		}
 		mgr.m.failed("drain")
-		mgr.log.Error("drain failed; retrying", "target", l.target, "in", backoff.d, "err", err)
-		mgr.setStateLocked(k, StateDraining, err)
+		mgr.log.Error("drain failed; retrying", "target", sh.Target, "in", backoff.d, "err", err)
+		mgr.setStateLocked(keyOf(sh.Target), StateDraining, err)
 		if !mgr.sleep(backoff.next()) {
-			return
+			return nil, false, errAbandoned
 		}
 	}
 }
@@ -229,29 +243,10 @@ func (mgr *Manager) endDrain(l *lease, state State, err error) {
 // journaled (a restarted daemon finds the same bytes stored and tries the
 // commit again) and the commit is retried with backoff meanwhile.
 func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.Time) {
-	mgr.setStateLocked(keyOf(l.target), StateDurable, nil)
-	if !reused { // the drain metrics count what this drain wrote
-		mgr.m.DrainedBytes.Add(float64(m.DataSize))
-		mgr.m.StoredBytes.Add(float64(m.StoredSize))
-		for _, c := range m.Chunks {
-			mgr.m.CodecRaw.WithLabelValues(string(c.Codec)).Add(float64(c.Raw))
-			mgr.m.CodecStored.WithLabelValues(string(c.Codec)).Add(float64(c.Stored))
-		}
-		mgr.m.DrainTime.Observe(time.Since(start).Seconds())
-	}
-	t := l.target // one line per save, with stable keys (log shippers index them)
-	mgr.log.Info("save durable", "job", t.Job, "step", t.Step, "rank", t.Rank, "attempt", t.Attempt,
-		"bytes", m.DataSize, "stored", m.StoredSize, "duration", time.Since(start), "reused", reused)
-
-	for b := newBackoff(); ; {
-		_, err := mgr.tryCommit(mgr.ctx, l.target)
-		if err == nil {
-			break
-		}
-		mgr.setStateLocked(keyOf(l.target), StateDurable, err) // waiters see why; refreshes the status's age
-		if !mgr.sleep(b.next()) {
-			return // shutdown: the save stays journaled, and the commit is tried after the restart
-		}
+	t := l.target
+	mgr.recordDurable(t, m, reused, start)
+	if !mgr.commitSettled(t) {
+		return // shutdown: the save stays journaled, and the commit is tried after the restart
 	}
 	// After the commit, so as not to delay it: the copy takes a while for a
 	// large shard. It is marked committed if the commit was this one's.
@@ -265,6 +260,39 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.T
 		mgr.queueReplica(replica{m: m, data: data, committed: res.State == StateCommitted})
 	}
 	mgr.endDrain(l, StateDurable, nil)
+}
+
+// recordDurable marks a save durable, counts what its drain wrote and
+// logs it.
+func (mgr *Manager) recordDurable(t Target, m *Manifest, reused bool, start time.Time) {
+	mgr.setStateLocked(keyOf(t), StateDurable, nil)
+	if !reused { // the drain metrics count what this drain wrote
+		mgr.m.DrainedBytes.Add(float64(m.DataSize))
+		mgr.m.StoredBytes.Add(float64(m.StoredSize))
+		for _, c := range m.Chunks {
+			mgr.m.CodecRaw.WithLabelValues(string(c.Codec)).Add(float64(c.Raw))
+			mgr.m.CodecStored.WithLabelValues(string(c.Codec)).Add(float64(c.Stored))
+		}
+		mgr.m.DrainTime.Observe(time.Since(start).Seconds())
+	}
+	// One line per save, with stable keys (log shippers index them).
+	mgr.log.Info("save durable", "job", t.Job, "step", t.Step, "rank", t.Rank, "attempt", t.Attempt,
+		"bytes", m.DataSize, "stored", m.StoredSize, "duration", time.Since(start), "reused", reused)
+}
+
+// commitSettled tries t's step's commit until the outcome is known (see
+// tryCommit), with backoff; false when the daemon shuts down first.
+func (mgr *Manager) commitSettled(t Target) bool {
+	for b := newBackoff(); ; {
+		_, err := mgr.tryCommit(mgr.ctx, t)
+		if err == nil {
+			return true
+		}
+		mgr.setStateLocked(keyOf(t), StateDurable, err) // waiters see why; refreshes the status's age
+		if !mgr.sleep(b.next()) {
+			return false
+		}
+	}
 }
 
 // tryCommit commits t's step if t's attempt has every rank, and records

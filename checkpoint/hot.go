@@ -40,6 +40,7 @@ type hotEntry struct {
 	data      []byte
 	committed bool // the step is committed by m's attempt
 	memory    bool // the step is kept in memory only (--persist-every): no commit record will come
+	origin    bool // saved through this sidecar (not a peer's replica): this sidecar persists it if told to
 	pins      int  // restores copying out of data
 }
 
@@ -58,7 +59,7 @@ func (h *hotTier) add(m *Manifest, layout *Layout, region []byte, memory bool) (
 		return nil, false
 	}
 	data = pack(layout, region)
-	return data, h.insert(m, data, false, memory)
+	return data, h.insert(m, data, hotFlags{memory: memory})
 }
 
 // pack copies a staged shard's tensors from its region into data space.
@@ -73,7 +74,10 @@ func pack(layout *Layout, region []byte) []byte {
 
 // insert keeps data, m's data space, making room as add says; it reports
 // whether it did.
-func (h *hotTier) insert(m *Manifest, data []byte, committed, memory bool) bool {
+// hotFlags say what a shard kept in the tier is; see hotEntry.
+type hotFlags struct{ committed, memory, origin bool }
+
+func (h *hotTier) insert(m *Manifest, data []byte, f hotFlags) bool {
 	if !h.enabled() || m.DataSize > h.budget {
 		return false
 	}
@@ -90,7 +94,7 @@ func (h *hotTier) insert(m *Manifest, data []byte, committed, memory bool) bool 
 	if h.used+m.DataSize > h.budget {
 		return false
 	}
-	h.entries[k] = &hotEntry{m: m, hash: manifestHash(m), data: data, committed: committed, memory: memory}
+	h.entries[k] = &hotEntry{m: m, hash: manifestHash(m), data: data, committed: f.committed, memory: f.memory, origin: f.origin}
 	h.used += m.DataSize
 	return true
 }
@@ -172,7 +176,12 @@ func (h *hotTier) pin(job string, step int64, rank int, ok func(*hotEntry) bool)
 		return nil, nil
 	}
 	e.pins++
-	return e, func() {
+	return e, h.unpin(e)
+}
+
+// unpin returns the func that undoes one pin of e.
+func (h *hotTier) unpin(e *hotEntry) func() {
+	return func() {
 		h.mu.Lock()
 		defer h.mu.Unlock()
 		e.pins--
@@ -217,6 +226,30 @@ func (h *hotTier) latest(job string, rank int) (int64, bool) {
 		}
 	}
 	return best, ok
+}
+
+// held is a pinned shard and the func that unpins it.
+type held struct {
+	e       *hotEntry
+	release func()
+}
+
+// originals pins the shards of step of job by attempt that were saved
+// through this sidecar and kept in memory only.
+func (h *hotTier) originals(job string, step int64, attempt string) []held {
+	if !h.enabled() {
+		return nil
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var out []held
+	for k, e := range h.entries {
+		if k.job == job && k.step == step && e.origin && e.memory && e.m.Attempt == attempt {
+			e.pins++
+			out = append(out, held{e, h.unpin(e)})
+		}
+	}
+	return out
 }
 
 // HeldShard is a shard a sidecar holds in memory, as its inventory lists

@@ -47,8 +47,11 @@ type ManagerConfig struct {
 	HotSteps int
 	// PersistEvery, above 1, drains only the steps it divides to storage:
 	// the others are kept in the hot tier and sent to the peers only (see
-	// tiers.go). It needs HotBytes; without it every step is persisted.
-	PersistEvery int
+	// tiers.go). PersistInterval, above 0, drains a step whenever that
+	// long has passed since the last one drained (see policy.go). They
+	// need HotBytes; without them every step is persisted.
+	PersistEvery    int
+	PersistInterval time.Duration
 	// Peers, when set, gets every drained shard to keep replicas of (see
 	// Peers), and is asked for a shard the hot tier lacks before storage.
 	Peers   Peers
@@ -121,6 +124,7 @@ type Manager struct {
 
 	restores  chan struct{} // a slot per restore reading from storage (Restores)
 	hot       *hotTier
+	policy    *persistPolicy
 	fetching  chan struct{} // one shard fetched from peers at a time; held, it guards fetchBuf
 	fetchBuf  []byte        // the last fetch's buffer, reused until fetchIdle fires
 	fetchIdle *time.Timer   // drops fetchBuf fetchKeep after the last fetch
@@ -148,7 +152,7 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 		cfg: cfg, arena: a, b: b, w: w, log: cfg.Logger, m: cfg.Metrics,
 		leases: newLeaseTable(cfg.TableBudget, cfg.Metrics.TableBytes), saves: map[saveKey]*saveStatus{},
 		queue: drainQueue{wake: make(chan struct{}, 1)}, restores: make(chan struct{}, cfg.Restores),
-		hot: newHotTier(cfg.HotBytes, cfg.HotSteps), fetching: make(chan struct{}, 1), replicas: make(chan replica, replicaQueue),
+		hot: newHotTier(cfg.HotBytes, cfg.HotSteps), policy: newPersistPolicy(), fetching: make(chan struct{}, 1), replicas: make(chan replica, replicaQueue),
 	}
 	mgr.fetchIdle = time.AfterFunc(time.Hour, mgr.dropFetchBuf)
 	mgr.fetchIdle.Stop()

@@ -20,6 +20,9 @@ type Peers interface {
 	// attempt they hold. It fails when none holds it. The data is received
 	// into buf when buf's capacity allows.
 	Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64, from []string, buf []byte) (*Manifest, []byte, error)
+	// Persist tells every peer that this sidecar persisted step of job
+	// by attempt (see policy.go).
+	Persist(ctx context.Context, job string, step int64, attempt string) error
 	// Inventory asks every peer which shards of job it holds, by peer
 	// address. Peers that do not answer within a short deadline are left
 	// out, and named in the error.
@@ -147,7 +150,7 @@ func (mgr *Manager) AcceptReplica(manifest, data []byte, committed, memory bool)
 	if int64(len(data)) != m.DataSize {
 		return fmt.Errorf("%w: replica of %s has %d bytes of data, its manifest says %d", ErrInvalid, m.Target(), len(data), m.DataSize)
 	}
-	if !mgr.hot.insert(m, data, committed, memory) {
+	if !mgr.hot.insert(m, data, hotFlags{committed: committed, memory: memory}) {
 		return fmt.Errorf("%w: no room in the hot tier for a replica of %d bytes (--hot-bytes)", ErrArenaFull, m.DataSize)
 	}
 	return nil

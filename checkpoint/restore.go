@@ -118,7 +118,7 @@ type restoreSource struct {
 func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64, latest bool, rank int) (restoreSource, error) {
 	rec, err := store.Resolve(ctx, step, latest)
 	var skipped int64
-	if mgr.cfg.PersistEvery > 1 && (latest || rec == nil) && (err == nil || errors.Is(err, ErrStepNotFound) || errors.Is(err, storage.ErrUnavailable)) {
+	if mgr.memoryTier() && (latest || rec == nil) && (err == nil || errors.Is(err, ErrStepNotFound) || errors.Is(err, storage.ErrUnavailable)) {
 		committed := int64(-1)
 		if rec != nil {
 			committed = rec.Step

@@ -20,10 +20,9 @@ import (
 // by some sidecar of the job, which a restore learns from the sidecars'
 // inventories (Peers.Inventory): no coordinator, as for storage commits.
 
-// persists reports whether step goes to storage.
-func (mgr *Manager) persists(step int64) bool {
-	n := int64(mgr.cfg.PersistEvery)
-	return n <= 1 || !mgr.hot.enabled() || step%n == 0
+// memoryTier reports whether some steps may be kept in memory only.
+func (mgr *Manager) memoryTier() bool {
+	return mgr.hot.enabled() && (mgr.cfg.PersistEvery > 1 || mgr.cfg.PersistInterval > 0)
 }
 
 // keepInMemory keeps a save of a step that is not persisted in the hot
@@ -39,11 +38,14 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 	start := time.Now()
 	data := pack(l.layout, mgr.arena.Bytes()[l.region.Offset:l.region.Offset+l.size])
 	m := memoryManifest(t, l.layout, l.metadata, data, mgr.w.opts.ChunkSize)
-	if !mgr.hot.insert(m, data, false, true) {
+	if !mgr.hot.insert(m, data, hotFlags{memory: true, origin: true}) {
 		mgr.log.Warn("no room in the hot tier (restores hold it); persisting a step --persist-every would keep in memory", "target", t)
 		return false
 	}
 	mgr.endDrain(l, StateHot, nil)
+	if mgr.policy.persisted(stepKey{t.Job, t.Step, t.Attempt}) { // a peer said so meanwhile
+		mgr.persistHeld(t.Job, t.Step, t.Attempt)
+	}
 	mgr.log.Info("save kept in memory", "job", t.Job, "step", t.Step, "rank", t.Rank, "attempt", t.Attempt,
 		"bytes", m.DataSize, "duration", time.Since(start), "persist_every", mgr.cfg.PersistEvery)
 	if mgr.cfg.Peers == nil {
@@ -135,7 +137,7 @@ func memoryOnly(byPeer map[string][]HeldShard) []*heldStep {
 	steps := map[key]*heldStep{}
 	for addr, held := range byPeer {
 		for _, h := range held {
-			if !h.MemoryOnly || h.Rank < 0 || h.Rank >= h.WorldSize {
+			if !h.MemoryOnly || h.Committed || h.Rank < 0 || h.Rank >= h.WorldSize { // committed: persisted after all
 				continue
 			}
 			s := steps[key{h.Step, h.Attempt}]

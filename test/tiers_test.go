@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 	"github.com/ckptd/ckptd/internal/peers"
@@ -154,4 +155,66 @@ func loadLatest(t *testing.T, d *daemon, rank int, step int64, tier string, skip
 	if tier != "" && got.Tier != tier || got.SkippedStep != skipped {
 		t.Fatalf("latest of rank %d: step %d from %q, skipped %d; want from %q, skipped %d", rank, got.Step, got.Tier, got.SkippedStep, tier, skipped)
 	}
+}
+
+// With --persist-interval, sidecars decide from their own clocks: here
+// node 1 (a 1h interval) keeps step 3 in memory while node 0 (1s)
+// persists it, tells node 1, and node 1 persists its rank from memory, so
+// that the step commits.
+func TestPersistIntervalConverges(t *testing.T) {
+	store := filepath.Join(t.TempDir(), "store")
+	addrs := []string{closedAddr(t), closedAddr(t)}
+	var ds []*daemon
+	for n, interval := range []string{"1s", "1h"} {
+		ds = append(ds, startDaemon(t, store, "--hot-bytes", "64MiB", "--persist-interval", interval, "--shutdown-grace", "1s",
+			"--peers", strings.Join(addrs, ","), "--peer-listen", addrs[n], "--peer-insecure"))
+	}
+	save := func(step int64, rank int) *ckptd.SaveHandle {
+		h, err := ds[rank].client().Save(ctxT(t), shard(step, rank, 2))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return h
+	}
+	wait := func(h *ckptd.SaveHandle, want pb.SaveState) {
+		t.Helper()
+		if err := h.Wait(ctxT(t)); err != nil {
+			t.Fatal(err)
+		}
+		waitUntil(t, "a save reaches "+want.String(), func() bool {
+			st, err := h.Status(ctxT(t))
+			return err == nil && st == want
+		})
+	}
+	committed := func(step string) bool {
+		_, err := os.Stat(filepath.Join(store, "e2e/steps", step, "COMMIT.json"))
+		return err == nil
+	}
+	// Step 1: the first since the daemons started, persisted by both.
+	h0, h1 := save(1, 0), save(1, 1)
+	wait(h0, pb.SaveState_SAVE_STATE_COMMITTED)
+	wait(h1, pb.SaveState_SAVE_STATE_COMMITTED)
+	// Step 2, at once: in memory on both.
+	h0, h1 = save(2, 0), save(2, 1)
+	wait(h0, pb.SaveState_SAVE_STATE_REPLICATED)
+	wait(h1, pb.SaveState_SAVE_STATE_REPLICATED)
+	if committed("000000000002") {
+		t.Fatal("step 2, within both intervals, reached storage")
+	}
+	time.Sleep(1100 * time.Millisecond)
+	// Step 3: node 1 keeps its rank in memory (1h), node 0 persists (1s)
+	// and tells it.
+	h1 = save(3, 1)
+	wait(h1, pb.SaveState_SAVE_STATE_REPLICATED)
+	h0 = save(3, 0)
+	wait(h0, pb.SaveState_SAVE_STATE_COMMITTED)
+	wait(h1, pb.SaveState_SAVE_STATE_COMMITTED)
+	if !committed("000000000003") || !strings.Contains(ds[1].logs(), "persisted this sidecar's rank of it from memory") {
+		t.Fatalf("step 3 did not converge:\n%s", ds[1].logs())
+	}
+	got, err := ds[1].client().Load(ctxT(t), &ckptd.LoadRequest{Latest: true, Rank: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkShard(t, got, shard(3, 1, 2))
 }

@@ -35,33 +35,34 @@ import (
 
 type serveOptions struct {
 	storageOptions
-	Socket       string
-	SocketGroup  string
-	ArenaDir     string
-	StagingBytes byteSize
-	StagingWait  time.Duration
-	LeaseTimeout time.Duration
-	ReuseFence   time.Duration
-	TableBytes   byteSize
-	Codec        string
-	ChunkSize    byteSize
-	Workers      int
-	Drains       int
-	Restores     int
-	MetricsAddr  string
-	Grace        time.Duration
-	DrainDelay   time.Duration
-	CacheBytes   byteSize
-	RingSlots    int
-	SlotBytes    byteSize
-	RestartWait  time.Duration
-	DatasetArena byteSize
-	DatasetAllow []string
-	ReadAhead    byteSize
-	PrintMemory  bool
-	HotBytes     byteSize
-	HotSteps     int
-	PersistEvery int
+	Socket          string
+	SocketGroup     string
+	ArenaDir        string
+	StagingBytes    byteSize
+	StagingWait     time.Duration
+	LeaseTimeout    time.Duration
+	ReuseFence      time.Duration
+	TableBytes      byteSize
+	Codec           string
+	ChunkSize       byteSize
+	Workers         int
+	Drains          int
+	Restores        int
+	MetricsAddr     string
+	Grace           time.Duration
+	DrainDelay      time.Duration
+	CacheBytes      byteSize
+	RingSlots       int
+	SlotBytes       byteSize
+	RestartWait     time.Duration
+	DatasetArena    byteSize
+	DatasetAllow    []string
+	ReadAhead       byteSize
+	PrintMemory     bool
+	HotBytes        byteSize
+	HotSteps        int
+	PersistEvery    int
+	PersistInterval time.Duration
 	peerOptions
 }
 
@@ -92,6 +93,7 @@ func newServeCmd() *cobra.Command {
 	fs.IntVar(&o.Drains, "drains", checkpoint.DefaultDrains, "shards drained at once")
 	fs.Var(&o.HotBytes, "hot-bytes", "memory for the hot tier: the local ranks' shards of each job's newest --hot-steps steps, kept after they drain so that restoring them reads no storage (0: off)")
 	fs.IntVar(&o.HotSteps, "hot-steps", checkpoint.DefaultHotSteps, "steps per job the hot tier keeps")
+	fs.DurationVar(&o.PersistInterval, "persist-interval", 0, "drain a step to storage whenever this long has passed since the last one drained (e.g. 10m; with --persist-every, a step either picks is drained); the others stay in the hot tier and on the peers only (needs --hot-bytes)")
 	fs.IntVar(&o.PersistEvery, "persist-every", 1, "drain only the steps this number divides to storage; the others stay in the hot tier and on the peers only (needs --hot-bytes; the same on every sidecar of a job)")
 	fs.IntVar(&o.Restores, "restores", checkpoint.DefaultRestores, "restores reading from storage at once (more wait their turn); bounds the memory restores take")
 	fs.BoolVar(&o.PrintMemory, "print-memory", false, "print the memory these flags need (the arena, the heap's ceiling, their sum; JSON) and exit without starting: size a container's memory limit with it")
@@ -195,7 +197,7 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	mgr, err := checkpoint.NewManager(server.CheckpointArena(a), b, checkpoint.ManagerConfig{
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes), ReuseFence: o.ReuseFence,
-		Drains: o.Drains, Restores: o.Restores, HotBytes: int64(o.HotBytes), HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, Peers: replicas, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
+		Drains: o.Drains, Restores: o.Restores, HotBytes: int64(o.HotBytes), HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, PersistInterval: o.PersistInterval, Peers: replicas, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
 	})
 	if err == nil {
@@ -300,6 +302,9 @@ func (o *serveOptions) check() (codec.Codec, int, error) {
 	}
 	if o.PersistEvery < 0 || o.PersistEvery > 1 && o.HotBytes <= 0 {
 		return "", 0, fmt.Errorf("--persist-every %d: want 1 (every step; 0 too), or more with --hot-bytes for the steps kept in memory only", o.PersistEvery)
+	}
+	if o.PersistInterval < 0 || o.PersistInterval > 0 && o.HotBytes <= 0 {
+		return "", 0, fmt.Errorf("--persist-interval %s: want 0 (off), or more with --hot-bytes for the steps kept in memory only", o.PersistInterval)
 	}
 	if o.StagingBytes < 4096 {
 		return "", 0, fmt.Errorf("--staging-bytes %d is less than one 4096-byte page", o.StagingBytes)

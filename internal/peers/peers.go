@@ -282,9 +282,36 @@ const maxHeld = 1 << 20
 func (c *Client) Inventory(ctx context.Context, job string) (map[string][]checkpoint.HeldShard, error) {
 	ctx, cancel := context.WithTimeout(ctx, inventoryTimeout)
 	defer cancel()
+	var mu sync.Mutex
+	out := map[string][]checkpoint.HeldShard{}
+	err := c.eachPeer(func(addr string) error {
+		held, err := c.inventory(ctx, addr, job)
+		if err == nil {
+			mu.Lock()
+			out[addr] = held
+			mu.Unlock()
+		}
+		return err
+	})
+	return out, err
+}
+
+// Persist tells every other peer at once that this sidecar persisted step.
+func (c *Client) Persist(ctx context.Context, job string, step int64, attempt string) error {
+	return c.eachPeer(func(addr string) error {
+		p, err := c.peer(addr)
+		if err == nil {
+			_, err = p.Persist(ctx, &pb.PersistRequest{Job: job, Step: step, Attempt: attempt})
+		}
+		return err
+	})
+}
+
+// eachPeer runs fn for every peer but this sidecar, at once, and joins
+// their errors, each naming its peer.
+func (c *Client) eachPeer(fn func(addr string) error) error {
 	var (
 		mu   sync.Mutex
-		out  = map[string][]checkpoint.HeldShard{}
 		errs []error
 		wg   sync.WaitGroup
 	)
@@ -294,18 +321,15 @@ func (c *Client) Inventory(ctx context.Context, job string) (map[string][]checkp
 			continue
 		}
 		wg.Go(func() {
-			held, err := c.inventory(ctx, addr, job)
-			mu.Lock()
-			defer mu.Unlock()
-			if err != nil {
+			if err := fn(addr); err != nil {
+				mu.Lock()
 				errs = append(errs, fmt.Errorf("peer %s: %w", addr, err))
-				return
+				mu.Unlock()
 			}
-			out[addr] = held
 		})
 	}
 	wg.Wait()
-	return out, errors.Join(errs...)
+	return errors.Join(errs...)
 }
 
 func (c *Client) inventory(ctx context.Context, addr, job string) ([]checkpoint.HeldShard, error) {
@@ -421,6 +445,13 @@ func (s *Server) Inventory(_ context.Context, req *pb.InventoryRequest) (*pb.Inv
 			Committed: h.Committed, MemoryOnly: h.MemoryOnly, CreatedUnixNano: h.Created.UnixNano()})
 	}
 	return resp, nil
+}
+
+func (s *Server) Persist(_ context.Context, req *pb.PersistRequest) (*pb.PersistResponse, error) {
+	if err := s.mgr.PersistStep(req.GetJob(), req.GetStep(), req.GetAttempt()); err != nil {
+		return nil, err
+	}
+	return &pb.PersistResponse{}, nil
 }
 
 // Listen serves the Peer service on addr with creds until ctx ends; it

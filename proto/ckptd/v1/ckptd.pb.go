@@ -2918,6 +2918,102 @@ func (x *DatasetState) GetStats() *PrefetchStats {
 	return nil
 }
 
+type PersistRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Job           string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
+	Step          int64                  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
+	Attempt       string                 `protobuf:"bytes,3,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PersistRequest) Reset() {
+	*x = PersistRequest{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PersistRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PersistRequest) ProtoMessage() {}
+
+func (x *PersistRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PersistRequest.ProtoReflect.Descriptor instead.
+func (*PersistRequest) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *PersistRequest) GetJob() string {
+	if x != nil {
+		return x.Job
+	}
+	return ""
+}
+
+func (x *PersistRequest) GetStep() int64 {
+	if x != nil {
+		return x.Step
+	}
+	return 0
+}
+
+func (x *PersistRequest) GetAttempt() string {
+	if x != nil {
+		return x.Attempt
+	}
+	return ""
+}
+
+type PersistResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PersistResponse) Reset() {
+	*x = PersistResponse{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PersistResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PersistResponse) ProtoMessage() {}
+
+func (x *PersistResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PersistResponse.ProtoReflect.Descriptor instead.
+func (*PersistResponse) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
+}
+
 type InventoryRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Job           string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
@@ -2927,7 +3023,7 @@ type InventoryRequest struct {
 
 func (x *InventoryRequest) Reset() {
 	*x = InventoryRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2939,7 +3035,7 @@ func (x *InventoryRequest) String() string {
 func (*InventoryRequest) ProtoMessage() {}
 
 func (x *InventoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2952,7 +3048,7 @@ func (x *InventoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InventoryRequest.ProtoReflect.Descriptor instead.
 func (*InventoryRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *InventoryRequest) GetJob() string {
@@ -2980,7 +3076,7 @@ type HeldShard struct {
 
 func (x *HeldShard) Reset() {
 	*x = HeldShard{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2992,7 +3088,7 @@ func (x *HeldShard) String() string {
 func (*HeldShard) ProtoMessage() {}
 
 func (x *HeldShard) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3005,7 +3101,7 @@ func (x *HeldShard) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeldShard.ProtoReflect.Descriptor instead.
 func (*HeldShard) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *HeldShard) GetStep() int64 {
@@ -3066,7 +3162,7 @@ type InventoryResponse struct {
 
 func (x *InventoryResponse) Reset() {
 	*x = InventoryResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3078,7 +3174,7 @@ func (x *InventoryResponse) String() string {
 func (*InventoryResponse) ProtoMessage() {}
 
 func (x *InventoryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3091,7 +3187,7 @@ func (x *InventoryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InventoryResponse.ProtoReflect.Descriptor instead.
 func (*InventoryResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *InventoryResponse) GetShards() []*HeldShard {
@@ -3113,7 +3209,7 @@ type ReplicaHeader struct {
 
 func (x *ReplicaHeader) Reset() {
 	*x = ReplicaHeader{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3125,7 +3221,7 @@ func (x *ReplicaHeader) String() string {
 func (*ReplicaHeader) ProtoMessage() {}
 
 func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3138,7 +3234,7 @@ func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaHeader.ProtoReflect.Descriptor instead.
 func (*ReplicaHeader) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *ReplicaHeader) GetManifestSize() uint64 {
@@ -3179,7 +3275,7 @@ type ReplicaPiece struct {
 
 func (x *ReplicaPiece) Reset() {
 	*x = ReplicaPiece{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3191,7 +3287,7 @@ func (x *ReplicaPiece) String() string {
 func (*ReplicaPiece) ProtoMessage() {}
 
 func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3204,7 +3300,7 @@ func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaPiece.ProtoReflect.Descriptor instead.
 func (*ReplicaPiece) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{46}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *ReplicaPiece) GetHeader() *ReplicaHeader {
@@ -3229,7 +3325,7 @@ type PutReplicaResponse struct {
 
 func (x *PutReplicaResponse) Reset() {
 	*x = PutReplicaResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3241,7 +3337,7 @@ func (x *PutReplicaResponse) String() string {
 func (*PutReplicaResponse) ProtoMessage() {}
 
 func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3254,7 +3350,7 @@ func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutReplicaResponse.ProtoReflect.Descriptor instead.
 func (*PutReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{47}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{49}
 }
 
 type GetReplicaRequest struct {
@@ -3269,7 +3365,7 @@ type GetReplicaRequest struct {
 
 func (x *GetReplicaRequest) Reset() {
 	*x = GetReplicaRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3281,7 +3377,7 @@ func (x *GetReplicaRequest) String() string {
 func (*GetReplicaRequest) ProtoMessage() {}
 
 func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3294,7 +3390,7 @@ func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReplicaRequest.ProtoReflect.Descriptor instead.
 func (*GetReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{48}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *GetReplicaRequest) GetJob() string {
@@ -3542,7 +3638,12 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"world_size\x18\x04 \x01(\x05R\tworldSize\x12\x14\n" +
 	"\x05epoch\x18\x05 \x01(\x03R\x05epoch\x12!\n" +
 	"\fidle_seconds\x18\x06 \x01(\x01R\vidleSeconds\x12-\n" +
-	"\x05stats\x18\a \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats\"$\n" +
+	"\x05stats\x18\a \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats\"P\n" +
+	"\x0ePersistRequest\x12\x10\n" +
+	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
+	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x18\n" +
+	"\aattempt\x18\x03 \x01(\tR\aattempt\"\x11\n" +
+	"\x0fPersistResponse\"$\n" +
 	"\x10InventoryRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\"\xd7\x01\n" +
 	"\tHeldShard\x12\x12\n" +
@@ -3601,13 +3702,14 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\fCloseDataset\x12\x1d.ckptd.v1.CloseDatasetRequest\x1a\x1e.ckptd.v1.CloseDatasetResponse\x12V\n" +
 	"\x0fDatasetPosition\x12 .ckptd.v1.DatasetPositionRequest\x1a!.ckptd.v1.DatasetPositionResponse2I\n" +
 	"\x06Daemon\x12?\n" +
-	"\tGetStatus\x12\x1a.ckptd.v1.GetStatusRequest\x1a\x16.ckptd.v1.DaemonStatus2\xd7\x01\n" +
+	"\tGetStatus\x12\x1a.ckptd.v1.GetStatusRequest\x1a\x16.ckptd.v1.DaemonStatus2\x97\x02\n" +
 	"\x04Peer\x12D\n" +
 	"\n" +
 	"PutReplica\x12\x16.ckptd.v1.ReplicaPiece\x1a\x1c.ckptd.v1.PutReplicaResponse(\x01\x12C\n" +
 	"\n" +
 	"GetReplica\x12\x1b.ckptd.v1.GetReplicaRequest\x1a\x16.ckptd.v1.ReplicaPiece0\x01\x12D\n" +
-	"\tInventory\x12\x1a.ckptd.v1.InventoryRequest\x1a\x1b.ckptd.v1.InventoryResponseB/Z-github.com/ckptd/ckptd/proto/ckptd/v1;ckptdv1b\x06proto3"
+	"\tInventory\x12\x1a.ckptd.v1.InventoryRequest\x1a\x1b.ckptd.v1.InventoryResponse\x12>\n" +
+	"\aPersist\x12\x18.ckptd.v1.PersistRequest\x1a\x19.ckptd.v1.PersistResponseB/Z-github.com/ckptd/ckptd/proto/ckptd/v1;ckptdv1b\x06proto3"
 
 var (
 	file_ckptd_v1_ckptd_proto_rawDescOnce sync.Once
@@ -3622,7 +3724,7 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 }
 
 var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 50)
+var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 52)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(SaveState)(0),                  // 0: ckptd.v1.SaveState
 	(*GetArenaRequest)(nil),         // 1: ckptd.v1.GetArenaRequest
@@ -3667,14 +3769,16 @@ var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(*SaveActivity)(nil),            // 40: ckptd.v1.SaveActivity
 	(*LeaseState)(nil),              // 41: ckptd.v1.LeaseState
 	(*DatasetState)(nil),            // 42: ckptd.v1.DatasetState
-	(*InventoryRequest)(nil),        // 43: ckptd.v1.InventoryRequest
-	(*HeldShard)(nil),               // 44: ckptd.v1.HeldShard
-	(*InventoryResponse)(nil),       // 45: ckptd.v1.InventoryResponse
-	(*ReplicaHeader)(nil),           // 46: ckptd.v1.ReplicaHeader
-	(*ReplicaPiece)(nil),            // 47: ckptd.v1.ReplicaPiece
-	(*PutReplicaResponse)(nil),      // 48: ckptd.v1.PutReplicaResponse
-	(*GetReplicaRequest)(nil),       // 49: ckptd.v1.GetReplicaRequest
-	nil,                             // 50: ckptd.v1.DaemonStatus.ErrorsEntry
+	(*PersistRequest)(nil),          // 43: ckptd.v1.PersistRequest
+	(*PersistResponse)(nil),         // 44: ckptd.v1.PersistResponse
+	(*InventoryRequest)(nil),        // 45: ckptd.v1.InventoryRequest
+	(*HeldShard)(nil),               // 46: ckptd.v1.HeldShard
+	(*InventoryResponse)(nil),       // 47: ckptd.v1.InventoryResponse
+	(*ReplicaHeader)(nil),           // 48: ckptd.v1.ReplicaHeader
+	(*ReplicaPiece)(nil),            // 49: ckptd.v1.ReplicaPiece
+	(*PutReplicaResponse)(nil),      // 50: ckptd.v1.PutReplicaResponse
+	(*GetReplicaRequest)(nil),       // 51: ckptd.v1.GetReplicaRequest
+	nil,                             // 52: ckptd.v1.DaemonStatus.ErrorsEntry
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	4,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
@@ -3698,13 +3802,13 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	40, // 18: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
 	41, // 19: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
 	42, // 20: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
-	50, // 21: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	52, // 21: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
 	38, // 22: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
 	4,  // 23: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
 	4,  // 24: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
 	30, // 25: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
-	44, // 26: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
-	46, // 27: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
+	46, // 26: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
+	48, // 27: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
 	1,  // 28: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
 	5,  // 29: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
 	8,  // 30: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
@@ -3720,29 +3824,31 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	32, // 40: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
 	34, // 41: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
 	36, // 42: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
-	47, // 43: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
-	49, // 44: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
-	43, // 45: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
-	2,  // 46: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	7,  // 47: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	9,  // 48: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	11, // 49: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	9,  // 50: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	15, // 51: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	18, // 52: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	21, // 53: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	22, // 54: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	24, // 55: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	26, // 56: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	31, // 57: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	33, // 58: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	35, // 59: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
-	37, // 60: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
-	48, // 61: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
-	47, // 62: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
-	45, // 63: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
-	46, // [46:64] is the sub-list for method output_type
-	28, // [28:46] is the sub-list for method input_type
+	49, // 43: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
+	51, // 44: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
+	45, // 45: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
+	43, // 46: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
+	2,  // 47: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	7,  // 48: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	9,  // 49: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	11, // 50: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	9,  // 51: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	15, // 52: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	18, // 53: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	21, // 54: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	22, // 55: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	24, // 56: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	26, // 57: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	31, // 58: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	33, // 59: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	35, // 60: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
+	37, // 61: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	50, // 62: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
+	49, // 63: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
+	47, // 64: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
+	44, // 65: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
+	47, // [47:66] is the sub-list for method output_type
+	28, // [28:47] is the sub-list for method input_type
 	28, // [28:28] is the sub-list for extension type_name
 	28, // [28:28] is the sub-list for extension extendee
 	0,  // [0:28] is the sub-list for field type_name
@@ -3767,7 +3873,7 @@ func file_ckptd_v1_ckptd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   50,
+			NumMessages:   52,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

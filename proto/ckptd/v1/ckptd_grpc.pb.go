@@ -872,6 +872,7 @@ const (
 	Peer_PutReplica_FullMethodName = "/ckptd.v1.Peer/PutReplica"
 	Peer_GetReplica_FullMethodName = "/ckptd.v1.Peer/GetReplica"
 	Peer_Inventory_FullMethodName  = "/ckptd.v1.Peer/Inventory"
+	Peer_Persist_FullMethodName    = "/ckptd.v1.Peer/Persist"
 )
 
 // PeerClient is the client API for Peer service.
@@ -892,6 +893,10 @@ type PeerClient interface {
 	// a restore can tell which steps not in storage are whole across the
 	// job's sidecars, and where each rank's copy is.
 	Inventory(ctx context.Context, in *InventoryRequest, opts ...grpc.CallOption) (*InventoryResponse, error)
+	// Persist tells the peer that this sidecar persisted a step that the
+	// time policy (--persist-interval) may have had it keep in memory only:
+	// the peer persists its own ranks of that step too, so that it commits.
+	Persist(ctx context.Context, in *PersistRequest, opts ...grpc.CallOption) (*PersistResponse, error)
 }
 
 type peerClient struct {
@@ -944,6 +949,16 @@ func (c *peerClient) Inventory(ctx context.Context, in *InventoryRequest, opts .
 	return out, nil
 }
 
+func (c *peerClient) Persist(ctx context.Context, in *PersistRequest, opts ...grpc.CallOption) (*PersistResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(PersistResponse)
+	err := c.cc.Invoke(ctx, Peer_Persist_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // PeerServer is the server API for Peer service.
 // All implementations must embed UnimplementedPeerServer
 // for forward compatibility.
@@ -962,6 +977,10 @@ type PeerServer interface {
 	// a restore can tell which steps not in storage are whole across the
 	// job's sidecars, and where each rank's copy is.
 	Inventory(context.Context, *InventoryRequest) (*InventoryResponse, error)
+	// Persist tells the peer that this sidecar persisted a step that the
+	// time policy (--persist-interval) may have had it keep in memory only:
+	// the peer persists its own ranks of that step too, so that it commits.
+	Persist(context.Context, *PersistRequest) (*PersistResponse, error)
 	mustEmbedUnimplementedPeerServer()
 }
 
@@ -980,6 +999,9 @@ func (UnimplementedPeerServer) GetReplica(*GetReplicaRequest, grpc.ServerStreami
 }
 func (UnimplementedPeerServer) Inventory(context.Context, *InventoryRequest) (*InventoryResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Inventory not implemented")
+}
+func (UnimplementedPeerServer) Persist(context.Context, *PersistRequest) (*PersistResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Persist not implemented")
 }
 func (UnimplementedPeerServer) mustEmbedUnimplementedPeerServer() {}
 func (UnimplementedPeerServer) testEmbeddedByValue()              {}
@@ -1038,6 +1060,24 @@ func _Peer_Inventory_Handler(srv interface{}, ctx context.Context, dec func(inte
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Peer_Persist_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PersistRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PeerServer).Persist(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Peer_Persist_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PeerServer).Persist(ctx, req.(*PersistRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Peer_ServiceDesc is the grpc.ServiceDesc for Peer service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -1048,6 +1088,10 @@ var Peer_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Inventory",
 			Handler:    _Peer_Inventory_Handler,
+		},
+		{
+			MethodName: "Persist",
+			Handler:    _Peer_Persist_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -495,6 +495,20 @@ class DatasetState(_message.Message):
     stats: PrefetchStats
     def __init__(self, peer: _Optional[str] = ..., source: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., stats: _Optional[_Union[PrefetchStats, _Mapping]] = ...) -> None: ...
 
+class PersistRequest(_message.Message):
+    __slots__ = ("job", "step", "attempt")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    attempt: str
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., attempt: _Optional[str] = ...) -> None: ...
+
+class PersistResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class InventoryRequest(_message.Message):
     __slots__ = ("job",)
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -833,6 +833,11 @@ class PeerStub:
                 request_serializer=ckptd_dot_v1_dot_ckptd__pb2.InventoryRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.InventoryResponse.FromString,
                 _registered_method=True)
+        self.Persist = channel.unary_unary(
+                '/ckptd.v1.Peer/Persist',
+                request_serializer=ckptd_dot_v1_dot_ckptd__pb2.PersistRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.PersistResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -866,6 +871,15 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Persist(self, request, context):
+        """Persist tells the peer that this sidecar persisted a step that the
+        time policy (--persist-interval) may have had it keep in memory only:
+        the peer persists its own ranks of that step too, so that it commits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -883,6 +897,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Inventory,
                     request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.InventoryRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_ckptd__pb2.InventoryResponse.SerializeToString,
+            ),
+            'Persist': grpc.unary_unary_rpc_method_handler(
+                    servicer.Persist,
+                    request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.PersistRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_ckptd__pb2.PersistResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -969,6 +988,33 @@ class Peer:
             '/ckptd.v1.Peer/Inventory',
             ckptd_dot_v1_dot_ckptd__pb2.InventoryRequest.SerializeToString,
             ckptd_dot_v1_dot_ckptd__pb2.InventoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Persist(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.Peer/Persist',
+            ckptd_dot_v1_dot_ckptd__pb2.PersistRequest.SerializeToString,
+            ckptd_dot_v1_dot_ckptd__pb2.PersistResponse.FromString,
             options,
             channel_credentials,
             insecure,
