@@ -26,6 +26,13 @@ type Cache struct {
 
 	mu    sync.Mutex
 	fills map[string]*fill // shards being read, by key
+
+	// Get holds life shared and Close whole, so that the ristretto cache is
+	// closed after every Get and every fill is over (a fill outlives the
+	// Gets that left it, until its read returns).
+	life    sync.RWMutex
+	closed  bool // under life
+	running sync.WaitGroup
 }
 
 // fill is one read of a shard from storage, shared by the callers that
@@ -65,8 +72,24 @@ func NewCache(budget int64) (*Cache, error) {
 	return c, nil
 }
 
-// Close releases the cache.
-func (c *Cache) Close() { c.rc.Close() }
+// Close cancels the reads under way, waits for them and for every Get,
+// and releases the cache; a Get after it is ErrClosed.
+func (c *Cache) Close() {
+	c.mu.Lock()
+	for _, f := range c.fills {
+		f.cancel()
+	}
+	c.mu.Unlock()
+	c.life.Lock()
+	closed := c.closed
+	c.closed = true
+	c.life.Unlock()
+	if closed {
+		return
+	}
+	c.running.Wait()
+	c.rc.Close()
+}
 
 // StorageReads is how many shard reads went to storage.
 func (c *Cache) StorageReads() int64 { return c.reads.Load() }
@@ -87,6 +110,11 @@ const (
 // onMiss is called, before any storage read, when the shard is not cached,
 // so the caller can account the wait to storage.
 func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh Shard, onMiss func()) (data []byte, held bool, how fetch, err error) {
+	c.life.RLock()
+	defer c.life.RUnlock()
+	if c.closed {
+		return nil, false, fromStorage, ErrClosed
+	}
 	key := shardKey(b, sh)
 	group := groupOf(b, dataset)
 	if data, ok := c.rc.Get(key); ok {
@@ -100,7 +128,11 @@ func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh S
 		fctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 		f, how = &fill{done: make(chan struct{}), cancel: cancel}, fromStorage
 		c.fills[key] = f
-		go c.fill(fctx, f, key, group, b, sh)
+		c.running.Add(1)
+		go func() {
+			defer c.running.Done()
+			c.fill(fctx, f, key, group, b, sh)
+		}()
 	}
 	f.waiters++
 	c.mu.Unlock()
