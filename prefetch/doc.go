@@ -71,13 +71,14 @@
 //
 // A session reads ahead from the moment it opens, before any request:
 // shards are fetched, the shuffle window filled and batches copied into
-// the ring. The first batch is handed out once the ring is full (or the
-// epoch over), waiting for that at most as long again as the first batch
-// took to come (at least 50 ms): a consumer that starts on an empty ring
-// and takes batches nearly as fast as storage reads them has no lead to
-// absorb a late shard, and would wait again and again in its first
-// seconds. A full ring is that lead, paid once per epoch, in the time to
-// the first batch.
+// the ring. When a shard before the first batch came from storage, the
+// first batch is handed out once the ring is full (or the epoch over),
+// waiting for that at most as long again as the first batch took to come
+// (at least 50 ms): a consumer that starts on an empty ring and takes
+// batches nearly as fast as storage reads them has no lead to absorb a
+// late shard, and would wait again and again in its first seconds. A
+// full ring is that lead, paid once per epoch, in the time to the first
+// batch. An epoch whose first shards were cached starts at once.
 //
 // # Sources and owners
 //

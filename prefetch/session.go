@@ -14,9 +14,10 @@ import (
 
 // session is one rank's epoch: a filler goroutine moves batches from the
 // iterator into ring slots, ahead of the consumer by up to the ring's size.
-// It starts at open, before the first request. The first batch is handed
-// out once the ring is full (or the epoch over), waiting for that at most
-// as long again as the first batch took to come (primeWait): a consumer
+// It starts at open, before the first request. The first batch, when one
+// of the shards before it came from storage, is handed out once the ring
+// is full (or the epoch over), waiting for that at most as long again as
+// the first batch took to come (primeWait): a consumer
 // that starts with an empty ring and takes batches nearly as fast as
 // storage reads them has no lead to absorb a late shard, and would wait
 // again and again in its first seconds; a full ring is its lead.
@@ -126,6 +127,9 @@ func (ss *session) fill(ctx context.Context) error {
 		}
 		if first {
 			first = false
+			if ss.it.Stats().CacheMisses == 0 {
+				ss.markPrimed() // from the cache: no shard will be late, and a wait would only delay the start
+			}
 			t := time.AfterFunc(primeWait(time.Since(ss.opened)), ss.markPrimed)
 			defer t.Stop()
 		}

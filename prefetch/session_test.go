@@ -47,12 +47,23 @@ func openPairs(t *testing.T, s *Service) string {
 // the others until open is closed.
 type gatedBackend struct {
 	storage.Backend
-	first string
+	first Shard
 	open  chan struct{}
 }
 
+// gatedDataset is a dataset of 3 shards of 4 samples behind a gate.
+func gatedDataset(t *testing.T) gatedBackend {
+	t.Helper()
+	b := posixDataset(t, 3, 4, 1000)
+	all, err := ListShards(context.Background(), b, "", WebDataset)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return gatedBackend{b, ShardsForRank(all, 0, 0, 0, 1)[0], make(chan struct{})}
+}
+
 func (g gatedBackend) Get(ctx context.Context, name string, off, n int64) (io.ReadCloser, error) {
-	if name != g.first {
+	if name != g.first.Name {
 		select {
 		case <-g.open:
 		case <-ctx.Done():
@@ -66,12 +77,7 @@ func (g gatedBackend) Get(ctx context.Context, name string, off, n int64) (io.Re
 // stalled after one shard, it comes after primeWait, not never.
 func TestFirstBatchWaitsForTheRingBoundedly(t *testing.T) {
 	ctx := context.Background()
-	b := posixDataset(t, 3, 4, 1000)
-	all, err := ListShards(ctx, b, "", WebDataset)
-	if err != nil {
-		t.Fatal(err)
-	}
-	gate := gatedBackend{b, ShardsForRank(all, 0, 0, 0, 1)[0].Name, make(chan struct{})}
+	gate := gatedDataset(t)
 	s := newService(t, gate, ServiceConfig{Slots: 4, SlotBytes: 1 << 20})
 	opened := time.Now()
 	id := openPairs(t, s)
@@ -98,5 +104,25 @@ func TestFirstBatchWaitsForTheRingBoundedly(t *testing.T) {
 	}
 	if n != 6 || d != nil {
 		t.Fatalf("%d batches; want 6", n)
+	}
+}
+
+// An epoch whose first shard is cached hands out its first batch at once,
+// without waiting for the ring to fill (nothing from the cache is late).
+func TestCachedStartDoesNotWaitForTheRing(t *testing.T) {
+	ctx := context.Background()
+	gate := gatedDataset(t)
+	defer close(gate.open)
+	s := newService(t, gate, ServiceConfig{Slots: 4, SlotBytes: 1 << 20, CacheBytes: 64 << 20})
+	if _, held, _, err := s.cache.Get(ctx, gate.Backend, "", gate.first, func() {}); err != nil || !held {
+		t.Fatalf("caching the first shard: held %v, %v", held, err)
+	}
+	opened := time.Now()
+	id := openPairs(t, s)
+	if _, _, _, err := s.Next(ctx, Owner{}, id, nil); err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(opened); took >= minPrimeWait {
+		t.Fatalf("first batch from the cache after %v; want it before the ring could fill (%v)", took, minPrimeWait)
 	}
 }
