@@ -73,6 +73,9 @@ func TestTiersFourNodes(t *testing.T) {
 	ds[1] = sidecar(1)
 	loadLatest(t, ds[1], 2, 7, "peer", 0)
 	loadLatest(t, ds[1], 3, 7, "peer", 0)
+	if strings.Contains(ds[1].logs(), "raw data path failed") { // shards travel off gRPC, with the same mutual TLS
+		t.Errorf("the raw data path failed:\n%s", ds[1].logs())
+	}
 
 	// Rank 0's node and the one holding its replica lost: steps 6 and 7
 	// are no longer whole anywhere; latest is step 5, and says what it

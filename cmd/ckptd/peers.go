@@ -9,7 +9,6 @@ import (
 	"slices"
 
 	"github.com/spf13/pflag"
-	"google.golang.org/grpc/credentials"
 
 	"github.com/ckptd/ckptd/internal/peers"
 )
@@ -41,7 +40,7 @@ func (p *peerOptions) register(fs *pflag.FlagSet) {
 
 // setup checks the flags and returns the peers' client and the server's
 // credentials, or nils when no peers are configured.
-func (p *peerOptions) setup(ctx context.Context, hotBytes int64, log *slog.Logger) (*peers.Client, credentials.TransportCredentials, error) {
+func (p *peerOptions) setup(ctx context.Context, hotBytes int64, log *slog.Logger) (*peers.Client, peers.Creds, error) {
 	sources := 0
 	for _, set := range []bool{len(p.Peers) > 0, p.PeersFile != "", p.PeersDNS != ""} {
 		if set {
@@ -50,25 +49,25 @@ func (p *peerOptions) setup(ctx context.Context, hotBytes int64, log *slog.Logge
 	}
 	switch {
 	case sources == 0 && p.Listen != "":
-		return nil, nil, errors.New("--peer-listen without --peers, --peers-file or --peers-dns")
+		return nil, peers.Creds{}, errors.New("--peer-listen without --peers, --peers-file or --peers-dns")
 	case sources == 0:
-		return nil, nil, nil
+		return nil, peers.Creds{}, nil
 	case sources > 1:
-		return nil, nil, errors.New("--peers, --peers-file and --peers-dns: give one")
+		return nil, peers.Creds{}, errors.New("--peers, --peers-file and --peers-dns: give one")
 	case hotBytes <= 0:
-		return nil, nil, errors.New("peers need --hot-bytes: replicas are kept in the hot tier")
+		return nil, peers.Creds{}, errors.New("peers need --hot-bytes: replicas are kept in the hot tier")
 	case p.Listen == "":
-		return nil, nil, errors.New("peers need --peer-listen")
+		return nil, peers.Creds{}, errors.New("peers need --peer-listen")
 	case p.Replicas < 1:
-		return nil, nil, fmt.Errorf("--replicas %d: want 1 or more", p.Replicas)
+		return nil, peers.Creds{}, fmt.Errorf("--replicas %d: want 1 or more", p.Replicas)
 	}
 	list, self, err := p.members(ctx, log)
 	if err != nil {
-		return nil, nil, err
+		return nil, peers.Creds{}, err
 	}
 	server, client, err := p.TLS.Credentials()
 	if err != nil {
-		return nil, nil, err
+		return nil, peers.Creds{}, err
 	}
 	if p.TLS.Insecure && p.TLS.CertFile == "" {
 		log.Warn("peers: checkpoints travel in plaintext (--peer-insecure)")

@@ -220,7 +220,7 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 		undo.push(stop)
 		stopPeers = stop
 		list, self := peerClient.Members()
-		log.Info("peers: serving replicas", "listen", addr, "peers", list, "self", self, "replicas", o.Replicas, "tls", peerCreds.Info().SecurityProtocol)
+		log.Info("peers: serving replicas", "listen", addr, "peers", list, "self", self, "replicas", o.Replicas, "tls", peerCreds.Protocol())
 		if o.discovery.Enabled() {
 			wctx, stopWatch := context.WithCancel(ctx)
 			defer stopWatch()

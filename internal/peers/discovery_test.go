@@ -36,7 +36,7 @@ func TestPeerFile(t *testing.T) {
 		t.Fatalf("advertised self: %q", self)
 	}
 
-	c := NewClient(list, self, 1, insecure.NewCredentials(), slog.Default())
+	c := NewClient(list, self, 1, Creds{GRPC: insecure.NewCredentials()}, slog.Default())
 	defer c.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})

@@ -54,32 +54,44 @@ type TLS struct {
 	Insecure                  bool
 }
 
-// Credentials returns the server's and the client's transport
-// credentials: each side presents its certificate and accepts only
-// certificates signed by the CA.
-func (t TLS) Credentials() (server, client credentials.TransportCredentials, err error) {
+// Creds are one side's transport security: the TLS configuration (nil:
+// plaintext) and the gRPC credentials made of it.
+type Creds struct {
+	TLS  *tls.Config
+	GRPC credentials.TransportCredentials
+}
+
+// Protocol names the security for logs: "tls" or "insecure".
+func (c Creds) Protocol() string { return c.GRPC.Info().SecurityProtocol }
+
+// Credentials returns the server's and the client's transport security:
+// each side presents its certificate and accepts only certificates signed
+// by the CA.
+func (t TLS) Credentials() (server, client Creds, err error) {
 	if t.CertFile == "" && t.KeyFile == "" && t.CAFile == "" {
 		if !t.Insecure {
-			return nil, nil, errors.New("peers need --peer-cert, --peer-key and --peer-ca (mutual TLS), or --peer-insecure to send checkpoints in plaintext")
+			return Creds{}, Creds{}, errors.New("peers need --peer-cert, --peer-key and --peer-ca (mutual TLS), or --peer-insecure to send checkpoints in plaintext")
 		}
-		return insecure.NewCredentials(), insecure.NewCredentials(), nil
+		return Creds{GRPC: insecure.NewCredentials()}, Creds{GRPC: insecure.NewCredentials()}, nil
 	}
 	cert, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile)
 	if err != nil {
-		return nil, nil, fmt.Errorf("peer certificate: %w", err)
+		return Creds{}, Creds{}, fmt.Errorf("peer certificate: %w", err)
 	}
 	ca, err := os.ReadFile(t.CAFile)
 	if err != nil {
-		return nil, nil, fmt.Errorf("peer CA: %w", err)
+		return Creds{}, Creds{}, fmt.Errorf("peer CA: %w", err)
 	}
 	pool := x509.NewCertPool()
 	if !pool.AppendCertsFromPEM(ca) {
-		return nil, nil, fmt.Errorf("peer CA %s: no PEM certificate in it", t.CAFile)
+		return Creds{}, Creds{}, fmt.Errorf("peer CA %s: no PEM certificate in it", t.CAFile)
 	}
-	server = credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: pool,
-		ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS13})
-	client = credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool, MinVersion: tls.VersionTLS13})
-	return server, client, nil
+	// The server side names h2 for gRPC's clients, which insist on it; the
+	// raw path's clients name nothing.
+	sc := &tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: pool, ClientAuth: tls.RequireAndVerifyClientCert,
+		MinVersion: tls.VersionTLS13, NextProtos: []string{"h2"}}
+	cc := &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool, MinVersion: tls.VersionTLS13}
+	return Creds{TLS: sc, GRPC: credentials.NewTLS(sc)}, Creds{TLS: cc, GRPC: credentials.NewTLS(cc)}, nil
 }
 
 // candidates returns the peers that may keep rank's replicas, self
@@ -108,7 +120,7 @@ func Holders(list []string, self string, rank, replicas int) []string {
 // Client is checkpoint.Peers over gRPC.
 type Client struct {
 	replicas int
-	creds    credentials.TransportCredentials
+	creds    Creds
 	log      *slog.Logger
 
 	mu    sync.Mutex // guards list, self and conns
@@ -144,7 +156,10 @@ func (c *Client) SetMembers(list []string, self string) bool {
 
 // NewClient returns the client of the peers in list (host:port each; self
 // is this sidecar's own entry), keeping replicas copies of each shard.
-func NewClient(list []string, self string, replicas int, creds credentials.TransportCredentials, log *slog.Logger) *Client {
+func NewClient(list []string, self string, replicas int, creds Creds, log *slog.Logger) *Client {
+	if log == nil {
+		log = slog.Default()
+	}
 	return &Client{list: list, self: self, replicas: replicas, creds: creds, log: log, conns: map[string]*grpc.ClientConn{}}
 }
 
@@ -164,7 +179,7 @@ func (c *Client) peer(addr string) (pb.PeerClient, error) {
 	cc := c.conns[addr]
 	if cc == nil {
 		var err error
-		cc, err = grpc.NewClient(addr, grpc.WithTransportCredentials(c.creds),
+		cc, err = grpc.NewClient(addr, grpc.WithTransportCredentials(c.creds.GRPC),
 			grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(pb.MaxMessageBytes)),
 			grpc.WithInitialWindowSize(window), grpc.WithInitialConnWindowSize(window),
 			grpc.WithReadBufferSize(socketBuffer), grpc.WithWriteBufferSize(socketBuffer))
@@ -250,7 +265,18 @@ func (c *Client) Fetch(ctx context.Context, job string, step int64, rank int, at
 	return nil, nil, errors.Join(errs...)
 }
 
+// get fetches a shard from addr: on the raw path, or through GetReplica
+// when that fails (a peer from before it, or a refusal gRPC words better).
 func (c *Client) get(ctx context.Context, addr string, req *pb.GetReplicaRequest, maxBytes int64, buf []byte) (*checkpoint.Manifest, []byte, error) {
+	m, data, err := c.getRaw(ctx, addr, req, maxBytes, buf)
+	if err == nil {
+		return m, data, nil
+	}
+	c.log.Debug("peers: the raw data path failed; asking through gRPC", "peer", addr, "err", err)
+	return c.getGRPC(ctx, addr, req, maxBytes, buf)
+}
+
+func (c *Client) getGRPC(ctx context.Context, addr string, req *pb.GetReplicaRequest, maxBytes int64, buf []byte) (*checkpoint.Manifest, []byte, error) {
 	p, err := c.peer(addr)
 	if err != nil {
 		return nil, nil, err
@@ -454,17 +480,22 @@ func (s *Server) Persist(_ context.Context, req *pb.PersistRequest) (*pb.Persist
 	return &pb.PersistResponse{}, nil
 }
 
-// Listen serves the Peer service on addr with creds until ctx ends; it
-// returns the listener's address (for addr ":0") and a func that stops it.
-func Listen(addr string, creds credentials.TransportCredentials, srv *Server) (string, func(), error) {
+// Listen serves the Peer service on addr with creds until the func it
+// returns is called, which stops it; it returns the listener's address
+// (for addr ":0"). Every connection's TLS handshake is made here, then
+// mux routes it to the raw data path or to gRPC (which then sees
+// plaintext).
+func Listen(addr string, creds Creds, srv *Server) (string, func(), error) {
 	lis, err := net.Listen("tcp", addr)
 	if err != nil {
 		return "", nil, fmt.Errorf("peer listener: %w", err)
 	}
-	g := grpc.NewServer(grpc.Creds(creds), grpc.MaxRecvMsgSize(pb.MaxMessageBytes),
+	g := grpc.NewServer(grpc.Creds(insecure.NewCredentials()), grpc.MaxRecvMsgSize(pb.MaxMessageBytes),
 		grpc.InitialWindowSize(window), grpc.InitialConnWindowSize(window),
 		grpc.ReadBufferSize(socketBuffer), grpc.WriteBufferSize(socketBuffer))
 	pb.RegisterPeerServer(g, srv)
-	go func() { _ = g.Serve(lis) }()
-	return lis.Addr().String(), g.Stop, nil
+	m := &mux{lis: lis, tls: creds.TLS, srv: srv, grpc: newChanListener(lis.Addr())}
+	go m.serve()
+	go func() { _ = g.Serve(m.grpc) }()
+	return lis.Addr().String(), func() { lis.Close(); m.grpc.Close(); g.Stop() }, nil
 }

@@ -2,6 +2,7 @@ package peers
 
 import (
 	"context"
+	"log/slog"
 	"slices"
 	"strings"
 	"testing"
@@ -68,7 +69,7 @@ func TestMutualTLS(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(creds))
+		cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(creds.GRPC))
 		if err != nil {
 			return err
 		}
@@ -92,6 +93,16 @@ func TestMutualTLS(t *testing.T) {
 	}
 	if err := call(TLS{Insecure: true}); err == nil || strings.Contains(err.Error(), "more than this sidecar takes") {
 		t.Fatalf("plaintext was let in: %v", err)
+	}
+	for name, tl := range map[string]TLS{"another CA": {CertFile: badCert, KeyFile: badKey, CAFile: ca.File}, "plaintext": {Insecure: true}} {
+		_, creds, err := tl.Credentials()
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := NewClient(nil, "", 1, creds, slog.Default())
+		if _, _, err := c.getRaw(context.Background(), addr, &pb.GetReplicaRequest{Job: "j"}, 1<<20, nil); err == nil {
+			t.Fatalf("%s: the raw data path answered", name)
+		}
 	}
 	if _, _, err := (TLS{}).Credentials(); err == nil || !strings.Contains(err.Error(), "--peer-insecure") {
 		t.Fatalf("no TLS and no --peer-insecure: %v", err)

@@ -3198,11 +3198,14 @@ func (x *InventoryResponse) GetShards() []*HeldShard {
 }
 
 type ReplicaHeader struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	ManifestSize  uint64                 `protobuf:"varint,1,opt,name=manifest_size,json=manifestSize,proto3" json:"manifest_size,omitempty"` // bytes of the manifest (JSON, format ckptd.manifest)
-	DataSize      uint64                 `protobuf:"varint,2,opt,name=data_size,json=dataSize,proto3" json:"data_size,omitempty"`             // bytes of data space that follow it
-	Committed     bool                   `protobuf:"varint,3,opt,name=committed,proto3" json:"committed,omitempty"`                           // the step is committed by the manifest's attempt
-	MemoryOnly    bool                   `protobuf:"varint,4,opt,name=memory_only,json=memoryOnly,proto3" json:"memory_only,omitempty"`       // the step is kept in memory only (--persist-every)
+	state        protoimpl.MessageState `protogen:"open.v1"`
+	ManifestSize uint64                 `protobuf:"varint,1,opt,name=manifest_size,json=manifestSize,proto3" json:"manifest_size,omitempty"` // bytes of the manifest (JSON, format ckptd.manifest)
+	DataSize     uint64                 `protobuf:"varint,2,opt,name=data_size,json=dataSize,proto3" json:"data_size,omitempty"`             // bytes of data space that follow it
+	Committed    bool                   `protobuf:"varint,3,opt,name=committed,proto3" json:"committed,omitempty"`                           // the step is committed by the manifest's attempt
+	MemoryOnly   bool                   `protobuf:"varint,4,opt,name=memory_only,json=memoryOnly,proto3" json:"memory_only,omitempty"`       // the step is kept in memory only (--persist-every)
+	// On the raw data path only (where there is no gRPC status): why the
+	// request was refused; nothing follows the header then.
+	Error         string `protobuf:"bytes,5,opt,name=error,proto3" json:"error,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3263,6 +3266,13 @@ func (x *ReplicaHeader) GetMemoryOnly() bool {
 		return x.MemoryOnly
 	}
 	return false
+}
+
+func (x *ReplicaHeader) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
 }
 
 type ReplicaPiece struct {
@@ -3657,13 +3667,14 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"memoryOnly\x12*\n" +
 	"\x11created_unix_nano\x18\a \x01(\x03R\x0fcreatedUnixNano\"@\n" +
 	"\x11InventoryResponse\x12+\n" +
-	"\x06shards\x18\x01 \x03(\v2\x13.ckptd.v1.HeldShardR\x06shards\"\x90\x01\n" +
+	"\x06shards\x18\x01 \x03(\v2\x13.ckptd.v1.HeldShardR\x06shards\"\xa6\x01\n" +
 	"\rReplicaHeader\x12#\n" +
 	"\rmanifest_size\x18\x01 \x01(\x04R\fmanifestSize\x12\x1b\n" +
 	"\tdata_size\x18\x02 \x01(\x04R\bdataSize\x12\x1c\n" +
 	"\tcommitted\x18\x03 \x01(\bR\tcommitted\x12\x1f\n" +
 	"\vmemory_only\x18\x04 \x01(\bR\n" +
-	"memoryOnly\"S\n" +
+	"memoryOnly\x12\x14\n" +
+	"\x05error\x18\x05 \x01(\tR\x05error\"S\n" +
 	"\fReplicaPiece\x12/\n" +
 	"\x06header\x18\x01 \x01(\v2\x17.ckptd.v1.ReplicaHeaderR\x06header\x12\x12\n" +
 	"\x04data\x18\x02 \x01(\fR\x04data\"\x14\n" +

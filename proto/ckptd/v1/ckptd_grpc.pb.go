@@ -882,6 +882,12 @@ const (
 // Peer is the sidecars' service to each other, on TCP with mutual TLS:
 // a sidecar sends each drained shard to the peers that keep its rank's
 // replicas, and a sidecar whose hot tier lacks a shard asks them for it.
+// A shard is fetched, when the peer offers it, on the raw data path of the
+// same port instead of GetReplica (gRPC's framing costs more than half of
+// what a link carries): a connection that opens with the 8 bytes
+// "CKPTDRAW" carries one GetReplicaRequest, as a 4-byte big-endian length
+// and the message, answered by a ReplicaHeader so framed, then the
+// manifest's and the data's bytes as they are.
 type PeerClient interface {
 	// PutReplica stores a shard in the peer's hot tier: a ReplicaHeader,
 	// then the manifest's bytes and the shard's data space, in pieces.
@@ -966,6 +972,12 @@ func (c *peerClient) Persist(ctx context.Context, in *PersistRequest, opts ...gr
 // Peer is the sidecars' service to each other, on TCP with mutual TLS:
 // a sidecar sends each drained shard to the peers that keep its rank's
 // replicas, and a sidecar whose hot tier lacks a shard asks them for it.
+// A shard is fetched, when the peer offers it, on the raw data path of the
+// same port instead of GetReplica (gRPC's framing costs more than half of
+// what a link carries): a connection that opens with the 8 bytes
+// "CKPTDRAW" carries one GetReplicaRequest, as a 4-byte big-endian length
+// and the message, answered by a ReplicaHeader so framed, then the
+// manifest's and the data's bytes as they are.
 type PeerServer interface {
 	// PutReplica stores a shard in the peer's hot tier: a ReplicaHeader,
 	// then the manifest's bytes and the shard's data space, in pieces.

@@ -540,16 +540,18 @@ class InventoryResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[HeldShard, _Mapping]]] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("manifest_size", "data_size", "committed", "memory_only")
+    __slots__ = ("manifest_size", "data_size", "committed", "memory_only", "error")
     MANIFEST_SIZE_FIELD_NUMBER: _ClassVar[int]
     DATA_SIZE_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     manifest_size: int
     data_size: int
     committed: bool
     memory_only: bool
-    def __init__(self, manifest_size: _Optional[int] = ..., data_size: _Optional[int] = ..., committed: _Optional[bool] = ..., memory_only: _Optional[bool] = ...) -> None: ...
+    error: str
+    def __init__(self, manifest_size: _Optional[int] = ..., data_size: _Optional[int] = ..., committed: _Optional[bool] = ..., memory_only: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ReplicaPiece(_message.Message):
     __slots__ = ("header", "data")

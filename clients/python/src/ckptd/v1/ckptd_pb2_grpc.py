@@ -810,6 +810,12 @@ class PeerStub:
     """Peer is the sidecars' service to each other, on TCP with mutual TLS:
     a sidecar sends each drained shard to the peers that keep its rank's
     replicas, and a sidecar whose hot tier lacks a shard asks them for it.
+    A shard is fetched, when the peer offers it, on the raw data path of the
+    same port instead of GetReplica (gRPC's framing costs more than half of
+    what a link carries): a connection that opens with the 8 bytes
+    "CKPTDRAW" carries one GetReplicaRequest, as a 4-byte big-endian length
+    and the message, answered by a ReplicaHeader so framed, then the
+    manifest's and the data's bytes as they are.
     """
 
     def __init__(self, channel):
@@ -844,6 +850,12 @@ class PeerServicer:
     """Peer is the sidecars' service to each other, on TCP with mutual TLS:
     a sidecar sends each drained shard to the peers that keep its rank's
     replicas, and a sidecar whose hot tier lacks a shard asks them for it.
+    A shard is fetched, when the peer offers it, on the raw data path of the
+    same port instead of GetReplica (gRPC's framing costs more than half of
+    what a link carries): a connection that opens with the 8 bytes
+    "CKPTDRAW" carries one GetReplicaRequest, as a 4-byte big-endian length
+    and the message, answered by a ReplicaHeader so framed, then the
+    manifest's and the data's bytes as they are.
     """
 
     def PutReplica(self, request_iterator, context):
@@ -915,6 +927,12 @@ class Peer:
     """Peer is the sidecars' service to each other, on TCP with mutual TLS:
     a sidecar sends each drained shard to the peers that keep its rank's
     replicas, and a sidecar whose hot tier lacks a shard asks them for it.
+    A shard is fetched, when the peer offers it, on the raw data path of the
+    same port instead of GetReplica (gRPC's framing costs more than half of
+    what a link carries): a connection that opens with the 8 bytes
+    "CKPTDRAW" carries one GetReplicaRequest, as a 4-byte big-endian length
+    and the message, answered by a ReplicaHeader so framed, then the
+    manifest's and the data's bytes as they are.
     """
 
     @staticmethod

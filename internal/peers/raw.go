@@ -1,0 +1,253 @@
+package peers
+
+import (
+	"bufio"
+	"context"
+	"crypto/tls"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/ckptd/ckptd/checkpoint"
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
+)
+
+// The raw data path: a shard fetched through GetReplica crosses gRPC's
+// HTTP/2 framing (16 KiB frames, a copy per message on each side), which
+// holds it to well under half of what the link carries. So the peer port
+// also takes plain connections that open with rawPreface: one request,
+// framed by hand, answered by a header and the shard's bytes as they are,
+// read straight into the fetch buffer. The TLS handshake (the same mutual
+// TLS) comes first on every connection, whichever path it then takes.
+const rawPreface = "CKPTDRAW"
+
+// maxFrame bounds a framed message of the raw path (a request or a
+// header: a few hundred bytes).
+const maxFrame = 64 << 10
+
+// handshakeTimeout bounds a new connection's TLS handshake and first
+// bytes; rawSendMin and rawSendRate bound sending a shard: a reader that
+// stalls does not pin a hot-tier entry for long.
+const (
+	handshakeTimeout = 10 * time.Second
+	rawSendMin       = time.Minute
+	rawSendRate      = 50 << 20 // bytes per second, the slowest a reader may take them
+)
+
+// mux routes the peer port's connections: the raw path to the Server,
+// anything else (gRPC's HTTP/2 preface) to the gRPC server's listener.
+type mux struct {
+	lis  net.Listener
+	tls  *tls.Config // nil: plaintext (--peer-insecure)
+	srv  *Server
+	grpc *chanListener
+}
+
+func (m *mux) serve() {
+	for {
+		c, err := m.lis.Accept()
+		if err != nil {
+			return // the listener closed: Listen's stop
+		}
+		go m.route(c)
+	}
+}
+
+func (m *mux) route(c net.Conn) {
+	_ = c.SetReadDeadline(time.Now().Add(handshakeTimeout))
+	if m.tls != nil {
+		tc := tls.Server(c, m.tls)
+		if err := tc.Handshake(); err != nil {
+			c.Close()
+			return
+		}
+		c = tc
+	}
+	br := bufio.NewReaderSize(c, 64)
+	head, err := br.Peek(len(rawPreface))
+	if err != nil {
+		c.Close()
+		return
+	}
+	_ = c.SetReadDeadline(time.Time{})
+	pc := &peekedConn{Conn: c, r: br}
+	if string(head) == rawPreface {
+		m.srv.serveRaw(pc)
+		return
+	}
+	m.grpc.deliver(pc)
+}
+
+// peekedConn is a connection whose first bytes were peeked: reads go
+// through the reader that holds them.
+type peekedConn struct {
+	net.Conn
+	r *bufio.Reader
+}
+
+func (c *peekedConn) Read(p []byte) (int, error) { return c.r.Read(p) }
+
+// chanListener is the gRPC server's listener: the connections mux hands
+// it.
+type chanListener struct {
+	addr  net.Addr
+	conns chan net.Conn
+	done  chan struct{}
+	once  sync.Once
+}
+
+func newChanListener(addr net.Addr) *chanListener {
+	return &chanListener{addr: addr, conns: make(chan net.Conn), done: make(chan struct{})}
+}
+
+func (l *chanListener) deliver(c net.Conn) {
+	select {
+	case l.conns <- c:
+	case <-l.done:
+		c.Close()
+	}
+}
+
+func (l *chanListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.done:
+		return nil, net.ErrClosed
+	}
+}
+
+func (l *chanListener) Close() error {
+	l.once.Do(func() { close(l.done) })
+	return nil
+}
+
+func (l *chanListener) Addr() net.Addr { return l.addr }
+
+// serveRaw answers one raw request: the shard the peer asks for.
+func (s *Server) serveRaw(c net.Conn) {
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(handshakeTimeout))
+	req := &pb.GetReplicaRequest{}
+	if _, err := io.ReadFull(c, make([]byte, len(rawPreface))); err != nil {
+		return
+	}
+	if err := readFrame(c, req); err != nil {
+		return
+	}
+	manifest, data, committed, release, err := s.mgr.Replica(req.GetJob(), req.GetStep(), int(req.GetRank()), req.GetAttempt())
+	if err != nil {
+		_ = writeFrame(c, &pb.ReplicaHeader{Error: err.Error()})
+		return
+	}
+	defer release()
+	n := int64(len(manifest) + len(data))
+	_ = c.SetDeadline(time.Now().Add(rawSendMin + time.Duration(n/rawSendRate)*time.Second))
+	hdr := &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)), Committed: committed}
+	if writeFrame(c, hdr) != nil {
+		return
+	}
+	if _, err := c.Write(manifest); err != nil {
+		return
+	}
+	_, _ = c.Write(data)
+}
+
+// getRaw fetches a shard on the raw path, into buf when it is large
+// enough.
+func (c *Client) getRaw(ctx context.Context, addr string, req *pb.GetReplicaRequest, maxBytes int64, buf []byte) (*checkpoint.Manifest, []byte, error) {
+	conn, err := c.dialRaw(ctx, addr)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer conn.Close()
+	stop := context.AfterFunc(ctx, func() { conn.Close() }) // a cancelled restore stops the read
+	defer stop()
+	if _, err := io.WriteString(conn, rawPreface); err != nil {
+		return nil, nil, err
+	}
+	if err := writeFrame(conn, req); err != nil {
+		return nil, nil, err
+	}
+	hdr := &pb.ReplicaHeader{}
+	if err := readFrame(conn, hdr); err != nil {
+		return nil, nil, err
+	}
+	switch {
+	case hdr.GetError() != "":
+		return nil, nil, errors.New(hdr.GetError())
+	case hdr.GetManifestSize() > maxManifest || hdr.GetDataSize() > uint64(max(maxBytes, 0)):
+		return nil, nil, fmt.Errorf("a replica of %d + %d bytes is more than this sidecar takes (%d + %d)",
+			hdr.GetManifestSize(), hdr.GetDataSize(), maxManifest, maxBytes)
+	}
+	want := hdr.GetManifestSize() + hdr.GetDataSize()
+	if uint64(cap(buf)) < want {
+		buf = make([]byte, want)
+	}
+	buf = buf[:want]
+	if _, err := io.ReadFull(conn, buf); err != nil {
+		return nil, nil, fmt.Errorf("a replica cut short: %w", err)
+	}
+	m, err := checkpoint.ParseManifest(buf[:hdr.GetManifestSize()])
+	if err != nil {
+		return nil, nil, err
+	}
+	return m, buf[hdr.GetManifestSize():], nil
+}
+
+// dialRaw connects to a peer's port for the raw path, with the mutual TLS
+// gRPC uses.
+func (c *Client) dialRaw(ctx context.Context, addr string) (net.Conn, error) {
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil || c.creds.TLS == nil {
+		return conn, err
+	}
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		conn.Close()
+		return nil, err
+	}
+	conf := c.creds.TLS.Clone()
+	conf.ServerName = host
+	tc := tls.Client(conn, conf)
+	if err := tc.HandshakeContext(ctx); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	return tc, nil
+}
+
+// writeFrame writes msg as a 4-byte big-endian length and its bytes.
+func writeFrame(w io.Writer, msg proto.Message) error {
+	b, err := proto.Marshal(msg)
+	if err != nil {
+		return err
+	}
+	frame := binary.BigEndian.AppendUint32(make([]byte, 0, 4+len(b)), uint32(len(b)))
+	_, err = w.Write(append(frame, b...))
+	return err
+}
+
+// readFrame reads what writeFrame writes, at most maxFrame bytes of it.
+func readFrame(r io.Reader, msg proto.Message) error {
+	var n [4]byte
+	if _, err := io.ReadFull(r, n[:]); err != nil {
+		return err
+	}
+	size := binary.BigEndian.Uint32(n[:])
+	if size > maxFrame {
+		return fmt.Errorf("a frame of %d bytes, more than %d", size, maxFrame)
+	}
+	b := make([]byte, size)
+	if _, err := io.ReadFull(r, b); err != nil {
+		return err
+	}
+	return proto.Unmarshal(b, msg)
+}
