@@ -39,14 +39,14 @@ func benchPeers(cfg config, data []byte, work string) ([]row, error) {
 	hot := cfg.size + 64<<20
 	var ds []*daemon
 	for i, addr := range addrs {
-		pc := peers.NewClient(addrs, addr, 1, insecure.NewCredentials(), slog.Default())
+		pc := peers.NewClient(addrs, addr, 1, peers.Creds{GRPC: insecure.NewCredentials()}, slog.Default())
 		d, err := startDaemonOn(cfg, b, work, fmt.Sprintf("peer%d", i), hot, pc)
 		if err != nil {
 			return nil, err
 		}
 		defer d.close()
 		defer pc.Close()
-		_, stop, err := peers.Listen(addr, insecure.NewCredentials(), peers.NewServer(d.mgr, hot))
+		_, stop, err := peers.Listen(addr, peers.Creds{GRPC: insecure.NewCredentials()}, peers.NewServer(d.mgr, hot))
 		if err != nil {
 			return nil, err
 		}
