@@ -154,8 +154,6 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 		queue: drainQueue{wake: make(chan struct{}, 1)}, restores: make(chan struct{}, cfg.Restores),
 		hot: newHotTier(cfg.HotBytes, cfg.HotSteps), policy: newPersistPolicy(), fetching: make(chan struct{}, 1), replicas: make(chan replica, replicaQueue),
 	}
-	mgr.fetchIdle = time.AfterFunc(time.Hour, mgr.dropFetchBuf)
-	mgr.fetchIdle.Stop()
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
 	if err := mgr.recover(); err != nil {
 		return nil, err
@@ -221,7 +219,6 @@ func (mgr *Manager) Close(ctx context.Context) int {
 	}
 	mgr.cancel()
 	mgr.watchers.Wait()
-	mgr.fetchIdle.Stop()
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
 	return mgr.leases.journaled()

@@ -15,11 +15,15 @@ type Peers interface {
 	// that keep its rank's replicas: a drained one (committed when its
 	// step is), or one of a step kept in memory only (memory).
 	Replicate(ctx context.Context, m *Manifest, data []byte, committed, memory bool) error
-	// Fetch asks the peers in from (those peers when from is empty) for a
-	// shard of at most maxBytes; attempt "" means whichever committed
-	// attempt they hold. It fails when none holds it. The data is received
-	// into buf when buf's capacity allows.
-	Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64, from []string, buf []byte) (*Manifest, []byte, error)
+	// FetchManifest asks the peers in from (those peers when from is
+	// empty) for a shard's manifest; attempt "" means whichever committed
+	// attempt they hold. It returns the manifest and the peer that has
+	// the shard, or fails when none holds it.
+	FetchManifest(ctx context.Context, job string, step int64, rank int, attempt string, from []string) (*Manifest, string, error)
+	// FetchData reads the data space of the shard m describes from peer
+	// into dst (m.DataSize bytes), calling progress with the bytes read so
+	// far as they arrive. It fails if the peer's copy is no longer m's.
+	FetchData(ctx context.Context, peer string, m *Manifest, dst []byte, progress func(int64)) error
 	// Persist tells every peer that this sidecar persisted step of job
 	// by attempt (see policy.go).
 	Persist(ctx context.Context, job string, step int64, attempt string) error

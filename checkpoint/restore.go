@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -102,7 +103,8 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 // storage through the manifest.
 type restoreSource struct {
 	m       *Manifest
-	hot     *hotEntry
+	hot     *hotEntry // in memory here (or, with fetch, a peer's: only its manifest's hash)
+	fetch   func(ctx context.Context, dst []byte, progress func(int64)) error
 	release func()
 	tier    string // see RestoreHeader.Tier
 	skipped int64  // see RestoreHeader.SkippedStep
@@ -196,56 +198,55 @@ func (mgr *Manager) committedCopy(ctx context.Context, job string, step int64, r
 	return mgr.fromPeers(ctx, job, step, rank, "", nil)
 }
 
-// fetchKeep is how long the buffer of the last shard fetched from a peer
-// is kept for the next fetch: a restart restores its ranks in a burst, and
-// reusing the buffer spares a page fault per page; then it goes.
-const fetchKeep = 30 * time.Second
-
-// dropFetchBuf lets the fetch buffer go, unless a fetch holds it now.
-func (mgr *Manager) dropFetchBuf() {
-	select {
-	case mgr.fetching <- struct{}{}:
-		mgr.fetchBuf = nil
-		<-mgr.fetching
-	default:
-	}
-}
-
-// fromPeers fetches a shard from the peers that keep its rank's replicas,
-// if there are any and one has it (a node's trainer restarted on another
-// node reads no storage data). The caller verifies it like any other.
+// fromPeers finds a shard at the peers that keep its rank's replicas (or
+// those in from), if there are any and one has it: a node's trainer
+// restarted on another node reads no storage data. Only the manifest is
+// read here; fill reads the data straight into the restore's region,
+// verifying each chunk as it arrives.
 func (mgr *Manager) fromPeers(ctx context.Context, job string, step int64, rank int, attempt string, from []string) (restoreSource, bool) {
 	if mgr.cfg.Peers == nil {
 		return restoreSource{}, false
 	}
-	select { // one fetched shard in memory at a time (--hot-bytes at most): see the memory ceiling
+	select { // one shard from peers at a time (a partial restore buffers it: --hot-bytes at most, see the memory ceiling)
 	case mgr.fetching <- struct{}{}:
 	case <-ctx.Done():
 		return restoreSource{}, false
 	}
-	done := func() { mgr.fetchIdle.Reset(fetchKeep); <-mgr.fetching }
-	m, data, err := mgr.cfg.Peers.Fetch(ctx, job, step, rank, attempt, mgr.cfg.HotBytes, from, mgr.fetchBuf)
-	if len(data) > 0 {
-		mgr.fetchBuf = data[:0:cap(data)] // manifest and data share one buffer; see receive
-	}
-	if err != nil {
+	done := func() { <-mgr.fetching }
+	m, peer, err := mgr.cfg.Peers.FetchManifest(ctx, job, step, rank, attempt, from)
+	switch {
+	case err != nil:
 		done()
 		mgr.log.Debug("no replica from peers", "job", job, "step", step, "rank", rank, "err", err)
 		return restoreSource{}, false
-	}
-	if m.Job != job || m.Step != step || m.Rank != rank || attempt != "" && m.Attempt != attempt || int64(len(data)) != m.DataSize {
+	case m.Job != job || m.Step != step || m.Rank != rank || attempt != "" && m.Attempt != attempt:
 		done()
 		mgr.log.Warn("a peer answered with another shard; ignored", "want_step", step, "want_rank", rank, "got", m.Target())
 		return restoreSource{}, false
+	case m.DataSize > mgr.cfg.HotBytes:
+		done()
+		mgr.log.Warn("a peer's replica is larger than this sidecar's hot tier; ignored", "target", m.Target(), "bytes", m.DataSize)
+		return restoreSource{}, false
 	}
-	mgr.log.Info("restoring from a peer's replica", "target", m.Target())
-	return restoreSource{m: m, hot: &hotEntry{m: m, hash: manifestHash(m), data: data}, release: done, tier: "peer"}, true
+	mgr.log.Info("restoring from a peer's replica", "target", m.Target(), "peer", peer)
+	fetch := func(ctx context.Context, dst []byte, progress func(int64)) error {
+		return mgr.cfg.Peers.FetchData(ctx, peer, m, dst, progress)
+	}
+	return restoreSource{m: m, hot: &hotEntry{m: m, hash: manifestHash(m)}, fetch: fetch, release: done, tier: "peer"}, true
 }
 
 // fill writes the selected bytes into dst, verified against their chunk
 // hashes.
 func (src restoreSource) fill(ctx context.Context, store *Store, sel selection, dst []byte, opts ReadOptions) error {
 	switch {
+	case src.fetch != nil && sel.whole:
+		return src.fetchVerified(ctx, dst)
+	case src.fetch != nil:
+		data := make([]byte, src.m.DataSize)
+		if err := src.fetch(ctx, data, func(int64) {}); err != nil {
+			return err
+		}
+		return (&hotEntry{m: src.m, data: data}).copyParts(sel, dst)
 	case src.hot == nil && sel.whole:
 		return store.ReadShard(ctx, src.m, BufferSink(dst), opts)
 	case src.hot == nil:
@@ -261,6 +262,50 @@ func (src restoreSource) fill(ctx context.Context, store *Store, sel selection, 
 	default:
 		return src.hot.copyParts(sel, dst)
 	}
+}
+
+// fetchVerified reads a peer's replica into dst, checking each chunk
+// against its hash as soon as it has arrived, on a goroutine of its own:
+// the check overlaps the transfer.
+func (src restoreSource) fetchVerified(ctx context.Context, dst []byte) error {
+	m := src.m
+	if int64(len(dst)) < m.DataSize {
+		return fmt.Errorf("%w: a region of %d bytes for %d", ErrCorrupt, len(dst), m.DataSize)
+	}
+	arrived := make(chan int64, 64)
+	checked := make(chan error, 1)
+	go func() { checked <- verifyArriving(m, dst, arrived) }()
+	err := src.fetch(ctx, dst[:m.DataSize], func(n int64) { arrived <- n })
+	close(arrived)
+	return errors.Join(err, <-checked)
+}
+
+// verifyArriving checks m's chunks in dst in order, each once arrived
+// says the bytes up to its end are there; it drains arrived to its end
+// whatever it finds.
+func verifyArriving(m *Manifest, dst []byte, arrived <-chan int64) error {
+	defer func() {
+		for range arrived {
+		}
+	}()
+	var have int64
+	for i, c := range m.Chunks {
+		end := c.RawOffset + c.Raw
+		if c.RawOffset < 0 || c.Raw < 0 || end > int64(len(dst)) {
+			return fmt.Errorf("%w: replica of step %d rank %d: chunk %d outside its data", ErrCorrupt, m.Step, m.Rank, i)
+		}
+		for have < end {
+			n, ok := <-arrived
+			if !ok {
+				return nil // the transfer ended early: its error says why
+			}
+			have = n
+		}
+		if got := codec.FormatHash(codec.Hash(dst[c.RawOffset:end])); got != c.Hash {
+			return fmt.Errorf("%w: replica of step %d rank %d from a peer: chunk %d hash %s, want %s", ErrCorrupt, m.Step, m.Rank, i, got, c.Hash)
+		}
+	}
+	return nil
 }
 
 // Release returns a restore region, or an uncommitted save region, to the

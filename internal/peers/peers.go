@@ -12,6 +12,7 @@
 package peers
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -202,9 +203,14 @@ func (c *Client) Replicate(ctx context.Context, m *checkpoint.Manifest, data []b
 		return errors.New("this sidecar is not in the peer list (yet): nowhere to send replicas from")
 	}
 	var errs []error
+	hdr := &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)), Committed: committed, MemoryOnly: memory}
 	for _, addr := range Holders(list, self, m.Rank, c.replicas) {
-		if err := c.put(ctx, addr, &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)),
-			Committed: committed, MemoryOnly: memory}, manifest, data); err != nil {
+		err := c.putRaw(ctx, addr, hdr, manifest, data)
+		if err != nil && !errors.Is(err, errRefused) { // a peer from before the raw path, or a broken connection
+			c.log.Debug("peers: the raw data path failed; sending through gRPC", "peer", addr, "err", err)
+			err = c.put(ctx, addr, hdr, manifest, data)
+		}
+		if err != nil {
 			errs = append(errs, fmt.Errorf("peer %s: %w", addr, err))
 		}
 	}
@@ -245,38 +251,96 @@ func sendPieces(hdr *pb.ReplicaHeader, manifest, data []byte, send func(*pb.Repl
 	return nil
 }
 
-// Fetch asks the peers in from, or the rank's holders, in turn.
-func (c *Client) Fetch(ctx context.Context, job string, step int64, rank int, attempt string, maxBytes int64, from []string, buf []byte) (*checkpoint.Manifest, []byte, error) {
+// FetchManifest asks the peers in from, or the rank's holders, in turn
+// for a shard's manifest, and returns it with the peer that answered.
+func (c *Client) FetchManifest(ctx context.Context, job string, step int64, rank int, attempt string, from []string) (*checkpoint.Manifest, string, error) {
 	if len(from) == 0 {
 		list, self := c.Members()
 		from = candidates(list, self, rank, c.replicas)
 	}
 	var errs []error
 	for _, addr := range from {
-		m, data, err := c.get(ctx, addr, &pb.GetReplicaRequest{Job: job, Step: step, Rank: int32(rank), Attempt: attempt}, maxBytes, buf)
+		req := &pb.GetReplicaRequest{Job: job, Step: step, Rank: int32(rank), Attempt: attempt, ManifestOnly: true}
+		manifest, err := c.fetchManifest(ctx, addr, req)
 		if err == nil {
-			return m, data, nil
+			var m *checkpoint.Manifest
+			if m, err = checkpoint.ParseManifest(manifest); err == nil {
+				return m, addr, nil
+			}
 		}
 		errs = append(errs, fmt.Errorf("peer %s: %w", addr, err))
 	}
 	if len(errs) == 0 {
-		return nil, nil, errors.New("no peers to ask")
+		return nil, "", errors.New("no peers to ask")
 	}
-	return nil, nil, errors.Join(errs...)
+	return nil, "", errors.Join(errs...)
 }
 
-// get fetches a shard from addr: on the raw path, or through GetReplica
-// when that fails (a peer from before it, or a refusal gRPC words better).
-func (c *Client) get(ctx context.Context, addr string, req *pb.GetReplicaRequest, maxBytes int64, buf []byte) (*checkpoint.Manifest, []byte, error) {
-	m, data, err := c.getRaw(ctx, addr, req, maxBytes, buf)
+// fetchManifest gets a manifest on the raw path, else through GetReplica
+// (a peer from before the raw path, or a refusal gRPC words better).
+func (c *Client) fetchManifest(ctx context.Context, addr string, req *pb.GetReplicaRequest) ([]byte, error) {
+	var manifest []byte
+	err := c.raw(ctx, addr, req, func(hdr *pb.ReplicaHeader, r io.Reader) error {
+		manifest = make([]byte, hdr.GetManifestSize())
+		_, err := io.ReadFull(r, manifest)
+		return err
+	})
 	if err == nil {
-		return m, data, nil
+		return manifest, nil
 	}
 	c.log.Debug("peers: the raw data path failed; asking through gRPC", "peer", addr, "err", err)
-	return c.getGRPC(ctx, addr, req, maxBytes, buf)
+	manifest, _, err = c.getGRPC(ctx, addr, req, 0)
+	return manifest, err
 }
 
-func (c *Client) getGRPC(ctx context.Context, addr string, req *pb.GetReplicaRequest, maxBytes int64, buf []byte) (*checkpoint.Manifest, []byte, error) {
+// FetchData reads the data space of the shard m describes from peer into
+// dst, which holds exactly m.DataSize bytes, calling progress with the
+// bytes read so far as they arrive; it fails if the peer's copy is no
+// longer described by m.
+func (c *Client) FetchData(ctx context.Context, peer string, m *checkpoint.Manifest, dst []byte, progress func(int64)) error {
+	want, err := m.Encode()
+	if err != nil {
+		return err
+	}
+	if int64(len(dst)) != m.DataSize {
+		return fmt.Errorf("a destination of %d bytes for %d", len(dst), m.DataSize)
+	}
+	req := &pb.GetReplicaRequest{Job: m.Job, Step: m.Step, Rank: int32(m.Rank), Attempt: m.Attempt}
+	err = c.raw(ctx, peer, req, func(hdr *pb.ReplicaHeader, r io.Reader) error {
+		if hdr.GetManifestSize() != uint64(len(want)) || hdr.GetDataSize() != uint64(len(dst)) {
+			return errors.New("the peer's copy changed since its manifest was read")
+		}
+		got := make([]byte, len(want))
+		if _, err := io.ReadFull(r, got); err != nil || !bytes.Equal(got, want) {
+			return errors.Join(errors.New("the peer's copy changed since its manifest was read"), err)
+		}
+		for off := 0; off < len(dst); off += piece {
+			if _, err := io.ReadFull(r, dst[off:min(off+piece, len(dst))]); err != nil {
+				return fmt.Errorf("a replica cut short: %w", err)
+			}
+			progress(int64(min(off+piece, len(dst))))
+		}
+		return nil
+	})
+	if err == nil {
+		return nil
+	}
+	c.log.Debug("peers: the raw data path failed; asking through gRPC", "peer", peer, "err", err)
+	manifest, data, err := c.getGRPC(ctx, peer, req, m.DataSize)
+	switch {
+	case err != nil:
+		return err
+	case !bytes.Equal(manifest, want) || len(data) != len(dst):
+		return errors.New("the peer's copy changed since its manifest was read")
+	}
+	copy(dst, data)
+	progress(int64(len(dst)))
+	return nil
+}
+
+// getGRPC gets a replica through GetReplica: its manifest's bytes and its
+// data (none when the request asks for the manifest only).
+func (c *Client) getGRPC(ctx context.Context, addr string, req *pb.GetReplicaRequest, maxBytes int64) (manifest, data []byte, err error) {
 	p, err := c.peer(addr)
 	if err != nil {
 		return nil, nil, err
@@ -285,16 +349,8 @@ func (c *Client) getGRPC(ctx context.Context, addr string, req *pb.GetReplicaReq
 	if err != nil {
 		return nil, nil, err
 	}
-	hdr, manifest, data, err := receive(stream.Recv, maxBytes, buf)
-	if err != nil {
-		return nil, nil, err
-	}
-	m, err := checkpoint.ParseManifest(manifest)
-	if err != nil {
-		return nil, nil, err
-	}
-	_ = hdr
-	return m, data, nil
+	_, manifest, data, err = receive(stream.Recv, maxBytes, nil)
+	return manifest, data, err
 }
 
 // inventoryTimeout bounds asking one peer what it holds: a restore waits
@@ -450,12 +506,24 @@ func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, p
 	return stream.SendAndClose(&pb.PutReplicaResponse{})
 }
 
+// tooLarge is the refusal of a replica larger than this sidecar takes.
+func (s *Server) tooLarge(hdr *pb.ReplicaHeader) error {
+	if hdr.GetManifestSize() > maxManifest || hdr.GetDataSize() > uint64(max(s.maxBytes, 0)) {
+		return fmt.Errorf("a replica of %d + %d bytes is more than this sidecar takes (%d + %d)",
+			hdr.GetManifestSize(), hdr.GetDataSize(), maxManifest, s.maxBytes)
+	}
+	return nil
+}
+
 func (s *Server) GetReplica(req *pb.GetReplicaRequest, stream grpc.ServerStreamingServer[pb.ReplicaPiece]) error {
 	manifest, data, committed, release, err := s.mgr.Replica(req.GetJob(), req.GetStep(), int(req.GetRank()), req.GetAttempt())
 	if err != nil {
 		return err
 	}
 	defer release()
+	if req.GetManifestOnly() {
+		data = nil
+	}
 	hdr := &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)), Committed: committed}
 	return sendPieces(hdr, manifest, data, stream.Send)
 }

@@ -2,6 +2,7 @@ package peers
 
 import (
 	"context"
+	"io"
 	"log/slog"
 	"slices"
 	"strings"
@@ -100,7 +101,7 @@ func TestMutualTLS(t *testing.T) {
 			t.Fatal(err)
 		}
 		c := NewClient(nil, "", 1, creds, slog.Default())
-		if _, _, err := c.getRaw(context.Background(), addr, &pb.GetReplicaRequest{Job: "j"}, 1<<20, nil); err == nil {
+		if err := c.raw(context.Background(), addr, &pb.GetReplicaRequest{Job: "j"}, func(*pb.ReplicaHeader, io.Reader) error { return nil }); err == nil {
 			t.Fatalf("%s: the raw data path answered", name)
 		}
 	}

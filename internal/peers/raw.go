@@ -14,7 +14,6 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
-	"github.com/ckptd/ckptd/checkpoint"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
@@ -25,7 +24,17 @@ import (
 // framed by hand, answered by a header and the shard's bytes as they are,
 // read straight into the fetch buffer. The TLS handshake (the same mutual
 // TLS) comes first on every connection, whichever path it then takes.
-const rawPreface = "CKPTDRAW"
+// rawPut opens one that sends a replica: a ReplicaHeader, framed, then
+// the manifest's and the data's bytes, answered by a ReplicaHeader that
+// carries the refusal, if any.
+const (
+	rawPreface = "CKPTDRAW"
+	rawPut     = "CKPTDPUT"
+)
+
+// errRefused wraps a peer's refusal on the raw path (no room, too large):
+// the same request through gRPC would be refused too.
+var errRefused = errors.New("refused")
 
 // maxFrame bounds a framed message of the raw path (a request or a
 // header: a few hundred bytes).
@@ -77,8 +86,12 @@ func (m *mux) route(c net.Conn) {
 	}
 	_ = c.SetReadDeadline(time.Time{})
 	pc := &peekedConn{Conn: c, r: br}
-	if string(head) == rawPreface {
+	switch string(head) {
+	case rawPreface:
 		m.srv.serveRaw(pc)
+		return
+	case rawPut:
+		m.srv.serveRawPut(pc)
 		return
 	}
 	m.grpc.deliver(pc)
@@ -153,52 +166,102 @@ func (s *Server) serveRaw(c net.Conn) {
 	if writeFrame(c, hdr) != nil {
 		return
 	}
-	if _, err := c.Write(manifest); err != nil {
+	if _, err := c.Write(manifest); err != nil || req.GetManifestOnly() {
 		return
 	}
 	_, _ = c.Write(data)
 }
 
-// getRaw fetches a shard on the raw path, into buf when it is large
-// enough.
-func (c *Client) getRaw(ctx context.Context, addr string, req *pb.GetReplicaRequest, maxBytes int64, buf []byte) (*checkpoint.Manifest, []byte, error) {
+// serveRawPut takes one replica sent on the raw path into the hot tier,
+// one at a time (as PutReplica), its bytes read straight into the buffer
+// the tier keeps.
+func (s *Server) serveRawPut(c net.Conn) {
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(handshakeTimeout))
+	hdr := &pb.ReplicaHeader{}
+	if _, err := io.ReadFull(c, make([]byte, len(rawPut))); err != nil || readFrame(c, hdr) != nil {
+		return
+	}
+	answer := func(err error) {
+		if err != nil {
+			_ = writeFrame(c, &pb.ReplicaHeader{Error: err.Error()})
+		} else {
+			_ = writeFrame(c, &pb.ReplicaHeader{})
+		}
+	}
+	if err := s.tooLarge(hdr); err != nil {
+		answer(err)
+		return
+	}
+	s.receive <- struct{}{}
+	defer func() { <-s.receive }()
+	n := hdr.GetManifestSize() + hdr.GetDataSize()
+	_ = c.SetDeadline(time.Now().Add(rawSendMin + time.Duration(int64(n)/rawSendRate)*time.Second))
+	buf := make([]byte, n)
+	if _, err := io.ReadFull(c, buf); err != nil {
+		return
+	}
+	answer(s.mgr.AcceptReplica(buf[:hdr.GetManifestSize()], buf[hdr.GetManifestSize():], hdr.GetCommitted(), hdr.GetMemoryOnly()))
+}
+
+// putRaw sends a replica on the raw path; a refusal wraps errRefused.
+func (c *Client) putRaw(ctx context.Context, addr string, hdr *pb.ReplicaHeader, manifest, data []byte) error {
 	conn, err := c.dialRaw(ctx, addr)
 	if err != nil {
-		return nil, nil, err
+		return err
+	}
+	defer conn.Close()
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	defer stop()
+	if _, err := io.WriteString(conn, rawPut); err != nil {
+		return err
+	}
+	if err := writeFrame(conn, hdr); err != nil {
+		return err
+	}
+	for _, b := range [][]byte{manifest, data} {
+		if _, err := conn.Write(b); err != nil {
+			return err
+		}
+	}
+	answer := &pb.ReplicaHeader{}
+	if err := readFrame(conn, answer); err != nil {
+		return err
+	}
+	if answer.GetError() != "" {
+		return fmt.Errorf("%w: %s", errRefused, answer.GetError())
+	}
+	return nil
+}
+
+// raw makes one request on the raw path to addr and hands the answer's
+// header and the stream of bytes after it to read, unless the peer
+// refused (its error).
+func (c *Client) raw(ctx context.Context, addr string, req *pb.GetReplicaRequest, read func(*pb.ReplicaHeader, io.Reader) error) error {
+	conn, err := c.dialRaw(ctx, addr)
+	if err != nil {
+		return err
 	}
 	defer conn.Close()
 	stop := context.AfterFunc(ctx, func() { conn.Close() }) // a cancelled restore stops the read
 	defer stop()
 	if _, err := io.WriteString(conn, rawPreface); err != nil {
-		return nil, nil, err
+		return err
 	}
 	if err := writeFrame(conn, req); err != nil {
-		return nil, nil, err
+		return err
 	}
 	hdr := &pb.ReplicaHeader{}
 	if err := readFrame(conn, hdr); err != nil {
-		return nil, nil, err
+		return err
 	}
 	switch {
 	case hdr.GetError() != "":
-		return nil, nil, errors.New(hdr.GetError())
-	case hdr.GetManifestSize() > maxManifest || hdr.GetDataSize() > uint64(max(maxBytes, 0)):
-		return nil, nil, fmt.Errorf("a replica of %d + %d bytes is more than this sidecar takes (%d + %d)",
-			hdr.GetManifestSize(), hdr.GetDataSize(), maxManifest, maxBytes)
+		return errors.New(hdr.GetError())
+	case hdr.GetManifestSize() > maxManifest:
+		return fmt.Errorf("a manifest of %d bytes, more than %d", hdr.GetManifestSize(), maxManifest)
 	}
-	want := hdr.GetManifestSize() + hdr.GetDataSize()
-	if uint64(cap(buf)) < want {
-		buf = make([]byte, want)
-	}
-	buf = buf[:want]
-	if _, err := io.ReadFull(conn, buf); err != nil {
-		return nil, nil, fmt.Errorf("a replica cut short: %w", err)
-	}
-	m, err := checkpoint.ParseManifest(buf[:hdr.GetManifestSize()])
-	if err != nil {
-		return nil, nil, err
-	}
-	return m, buf[hdr.GetManifestSize():], nil
+	return read(hdr, conn)
 }
 
 // dialRaw connects to a peer's port for the raw path, with the mutual TLS

@@ -3364,11 +3364,15 @@ func (*PutReplicaResponse) Descriptor() ([]byte, []int) {
 }
 
 type GetReplicaRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Job           string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
-	Step          int64                  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
-	Rank          int32                  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
-	Attempt       string                 `protobuf:"bytes,4,opt,name=attempt,proto3" json:"attempt,omitempty"` // empty: whichever committed attempt the peer holds
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Job     string                 `protobuf:"bytes,1,opt,name=job,proto3" json:"job,omitempty"`
+	Step    int64                  `protobuf:"varint,2,opt,name=step,proto3" json:"step,omitempty"`
+	Rank    int32                  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
+	Attempt string                 `protobuf:"bytes,4,opt,name=attempt,proto3" json:"attempt,omitempty"` // empty: whichever committed attempt the peer holds
+	// Only the header and the manifest (data_size says how much data there
+	// is): a restore reads the manifest first, then the data straight into
+	// its region of the arena.
+	ManifestOnly  bool `protobuf:"varint,5,opt,name=manifest_only,json=manifestOnly,proto3" json:"manifest_only,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3429,6 +3433,13 @@ func (x *GetReplicaRequest) GetAttempt() string {
 		return x.Attempt
 	}
 	return ""
+}
+
+func (x *GetReplicaRequest) GetManifestOnly() bool {
+	if x != nil {
+		return x.ManifestOnly
+	}
+	return false
 }
 
 var File_ckptd_v1_ckptd_proto protoreflect.FileDescriptor
@@ -3678,12 +3689,13 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\fReplicaPiece\x12/\n" +
 	"\x06header\x18\x01 \x01(\v2\x17.ckptd.v1.ReplicaHeaderR\x06header\x12\x12\n" +
 	"\x04data\x18\x02 \x01(\fR\x04data\"\x14\n" +
-	"\x12PutReplicaResponse\"g\n" +
+	"\x12PutReplicaResponse\"\x8c\x01\n" +
 	"\x11GetReplicaRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x12\n" +
 	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x18\n" +
-	"\aattempt\x18\x04 \x01(\tR\aattempt*\xcf\x01\n" +
+	"\aattempt\x18\x04 \x01(\tR\aattempt\x12#\n" +
+	"\rmanifest_only\x18\x05 \x01(\bR\fmanifestOnly*\xcf\x01\n" +
 	"\tSaveState\x12\x1a\n" +
 	"\x16SAVE_STATE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11SAVE_STATE_STAGED\x10\x01\x12\x17\n" +

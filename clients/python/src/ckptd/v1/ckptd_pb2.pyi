@@ -566,13 +566,15 @@ class PutReplicaResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetReplicaRequest(_message.Message):
-    __slots__ = ("job", "step", "rank", "attempt")
+    __slots__ = ("job", "step", "rank", "attempt", "manifest_only")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_ONLY_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     rank: int
     attempt: str
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., attempt: _Optional[str] = ...) -> None: ...
+    manifest_only: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., attempt: _Optional[str] = ..., manifest_only: _Optional[bool] = ...) -> None: ...
