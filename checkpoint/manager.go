@@ -122,13 +122,11 @@ type Manager struct {
 	queue   drainQueue
 	closing bool
 
-	restores  chan struct{} // a slot per restore reading from storage (Restores)
-	hot       *hotTier
-	policy    *persistPolicy
-	fetching  chan struct{} // one shard fetched from peers at a time; held, it guards fetchBuf
-	fetchBuf  []byte        // the last fetch's buffer, reused until fetchIdle fires
-	fetchIdle *time.Timer   // drops fetchBuf fetchKeep after the last fetch
-	replicas  chan replica  // drained shards for replicateLoop
+	restores chan struct{} // a slot per restore reading from storage (Restores)
+	hot      *hotTier
+	policy   *persistPolicy
+	fetching chan struct{} // one shard fetched from peers at a time
+	replicas chan replica  // drained shards for replicateLoop
 
 	ctx      context.Context // cancelled to abandon drains at shutdown
 	cancel   context.CancelFunc

@@ -285,8 +285,8 @@ func (c *Client) fetchManifest(ctx context.Context, addr string, req *pb.GetRepl
 		_, err := io.ReadFull(r, manifest)
 		return err
 	})
-	if err == nil {
-		return manifest, nil
+	if err == nil || errors.Is(err, errRefused) {
+		return manifest, err
 	}
 	c.log.Debug("peers: the raw data path failed; asking through gRPC", "peer", addr, "err", err)
 	manifest, _, err = c.getGRPC(ctx, addr, req, 0)
@@ -322,8 +322,8 @@ func (c *Client) FetchData(ctx context.Context, peer string, m *checkpoint.Manif
 		}
 		return nil
 	})
-	if err == nil {
-		return nil
+	if err == nil || errors.Is(err, errRefused) {
+		return err
 	}
 	c.log.Debug("peers: the raw data path failed; asking through gRPC", "peer", peer, "err", err)
 	manifest, data, err := c.getGRPC(ctx, peer, req, m.DataSize)

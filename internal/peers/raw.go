@@ -32,8 +32,8 @@ const (
 	rawPut     = "CKPTDPUT"
 )
 
-// errRefused wraps a peer's refusal on the raw path (no room, too large):
-// the same request through gRPC would be refused too.
+// errRefused wraps a peer's refusal on the raw path (no such shard, no
+// room, too large): the same request through gRPC would be refused too.
 var errRefused = errors.New("refused")
 
 // maxFrame bounds a framed message of the raw path (a request or a
@@ -257,7 +257,7 @@ func (c *Client) raw(ctx context.Context, addr string, req *pb.GetReplicaRequest
 	}
 	switch {
 	case hdr.GetError() != "":
-		return errors.New(hdr.GetError())
+		return fmt.Errorf("%w: %s", errRefused, hdr.GetError())
 	case hdr.GetManifestSize() > maxManifest:
 		return fmt.Errorf("a manifest of %d bytes, more than %d", hdr.GetManifestSize(), maxManifest)
 	}

@@ -33,8 +33,8 @@ type Shard struct {
 	// only and could not restore whole (nodes holding some of its ranks
 	// were lost); 0 when none.
 	SkippedStep int64
-	Tensors   []Tensor
-	Metadata  []byte
+	Tensors     []Tensor
+	Metadata    []byte
 }
 
 func (r *LoadRequest) pb() *pb.BeginRestoreRequest {
