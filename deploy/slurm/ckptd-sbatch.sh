@@ -15,11 +15,27 @@ export CKPTD_SOCKET="/tmp/ckptd-${SLURM_JOB_ID}/ckptd.sock"
 CKPTD_STORAGE="${CKPTD_STORAGE:-/lustre/ckpt}"
 CKPTD_JOB="${CKPTD_JOB:-${SLURM_JOB_NAME}}"
 
+# Tiers, when CKPTD_HOT_BYTES is set: each sidecar keeps the newest steps in
+# memory, and with CKPTD_PEER_CA (and CKPTD_PEER_CERT, CKPTD_PEER_KEY) the
+# sidecars also keep replicas of each other's shards, over mutual TLS on port
+# 7465, so that only every CKPTD_PERSIST_EVERY-th step (default: every one)
+# is written to $CKPTD_STORAGE. The peers are this job's nodes, listed in a
+# file on each node; each sidecar finds itself in it by its host name.
+tiers=()
+if [[ -n "${CKPTD_HOT_BYTES:-}" ]]; then
+	tiers+=(--hot-bytes "$CKPTD_HOT_BYTES" --persist-every "${CKPTD_PERSIST_EVERY:-1}")
+	if [[ -n "${CKPTD_PEER_CA:-}" ]]; then
+		peer_file="/tmp/ckptd-${SLURM_JOB_ID}.peers" # beside, not in, the socket's private folder
+		srun --ntasks-per-node=1 bash -c 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/\$/:7465/" >"$1.tmp" && mv "$1.tmp" "$1"' _ "$peer_file"
+		tiers+=(--peers-file "$peer_file" --peer-listen :7465 --peer-cert "$CKPTD_PEER_CERT" --peer-key "$CKPTD_PEER_KEY" --peer-ca "$CKPTD_PEER_CA")
+	fi
+fi
+
 # One sidecar per node, in the background for the life of the job. --overlap
 # lets the training step share the nodes' CPUs with it.
 srun --overlap --ntasks-per-node=1 --kill-on-bad-exit=0 \
 	ckptd serve --socket "$CKPTD_SOCKET" --storage "$CKPTD_STORAGE" --job "$CKPTD_JOB" \
-	--staging-bytes "${CKPTD_STAGING_BYTES:-16GiB}" --log-format json &
+	--staging-bytes "${CKPTD_STAGING_BYTES:-16GiB}" --log-format json "${tiers[@]}" &
 sidecars=$!
 
 # Wait until every node's sidecar answers.

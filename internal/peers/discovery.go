@@ -23,7 +23,7 @@ type Discovery struct {
 	DNS   string // name:port
 	Every time.Duration
 	// Self is this sidecar's entry; "" finds it in the list: the entry
-	// whose address is one of this host's, on Port.
+	// whose host is one of this host's addresses or its name, on Port.
 	Self string
 	Port string
 }
@@ -79,9 +79,15 @@ func (d Discovery) self(list []string) string {
 	return ""
 }
 
-// localAddrs is this host's IP addresses, as text.
+// localAddrs is this host's IP addresses, as text, and its names (a
+// launcher writes a peer file of host names: Slurm's node list).
 func localAddrs() map[string]bool {
 	out := map[string]bool{}
+	if name, err := os.Hostname(); err == nil {
+		out[name] = true
+		short, _, _ := strings.Cut(name, ".")
+		out[short] = true
+	}
 	addrs, _ := net.InterfaceAddrs()
 	for _, a := range addrs {
 		if ipn, ok := a.(*net.IPNet); ok {

@@ -35,6 +35,14 @@ func TestPeerFile(t *testing.T) {
 	if _, self, _ := (Discovery{File: path, Self: "10.0.0.2:7465"}).Lookup(context.Background()); self != "10.0.0.2:7465" {
 		t.Fatalf("advertised self: %q", self)
 	}
+	host, _ := os.Hostname()
+	named := filepath.Join(t.TempDir(), "named")
+	if err := os.WriteFile(named, []byte("node-a:7465\n"+host+":7465\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, self, _ := (Discovery{File: named, Port: "7465"}).Lookup(context.Background()); self != host+":7465" {
+		t.Fatalf("found itself by host name as %q", self)
+	}
 
 	c := NewClient(list, self, 1, Creds{GRPC: insecure.NewCredentials()}, slog.Default())
 	defer c.Close()
