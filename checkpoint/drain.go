@@ -251,13 +251,15 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.T
 	// After the commit, so as not to delay it: the copy takes a while for a
 	// large shard. It is marked committed if the commit was this one's.
 	region := mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size]
-	data, _ := mgr.hot.add(m, l.layout, region, false)
+	data, release, _ := mgr.hot.add(m, l.layout, region, false)
 	res, _, _ := mgr.status(&saveKey{t.Job, t.Step, t.Rank, t.Attempt})
 	if res.State == StateCommitted {
 		mgr.hot.committed(t.Job, t.Step, t.Attempt)
 	}
 	if mgr.cfg.Peers != nil && data != nil {
-		mgr.queueReplica(replica{m: m, data: data, committed: res.State == StateCommitted})
+		mgr.queueReplica(replica{m: m, data: data, committed: res.State == StateCommitted, release: release})
+	} else {
+		release()
 	}
 	mgr.endDrain(l, StateDurable, nil)
 }

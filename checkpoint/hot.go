@@ -20,12 +20,18 @@ import (
 // the oldest steps go first, but never a shard being copied out. Shards
 // are kept as their data space (the bytes a restore hands out) with the
 // manifest whose chunk hashes verify them when they are served.
+//
+// The buffers of dropped shards are kept as spares (within the budget) and
+// reused for the next shards of a size that fits: memory the kernel has
+// not handed out yet costs a page fault per page on first touch, which on
+// some machines takes longer than the copy into it.
 type hotTier struct {
 	mu      sync.Mutex
 	budget  int64
 	steps   int
-	used    int64
+	used    int64 // bytes of entries, and capacity of spares
 	entries map[hotKey]*hotEntry
+	spares  [][]byte
 }
 
 type hotKey struct {
@@ -41,7 +47,7 @@ type hotEntry struct {
 	committed bool // the step is committed by m's attempt
 	memory    bool // the step is kept in memory only (--persist-every): no commit record will come
 	origin    bool // saved through this sidecar (not a peer's replica): this sidecar persists it if told to
-	pins      int  // restores copying out of data
+	pins      int  // restores copying out of data, replicas being sent: data is not reused while pinned
 }
 
 func newHotTier(budget int64, steps int) *hotTier {
@@ -53,33 +59,64 @@ func (h *hotTier) enabled() bool { return h != nil && h.budget > 0 }
 // add keeps a shard, packed from its staging region, if it fits: older
 // steps of its job beyond Steps go, then the oldest steps of any job until
 // it fits. A shard that cannot fit is not kept (kept is false; data is
-// packed all the same when it is within the budget, for the peers).
-func (h *hotTier) add(m *Manifest, layout *Layout, region []byte, memory bool) (data []byte, kept bool) {
+// packed all the same when it is within the budget, for the peers). A kept
+// shard comes pinned: call release when done with data.
+func (h *hotTier) add(m *Manifest, layout *Layout, region []byte, memory bool) (data []byte, release func(), kept bool) {
 	if !h.enabled() || m.DataSize > h.budget {
-		return nil, false
+		return nil, func() {}, false
 	}
-	data = pack(layout, region)
-	return data, h.insert(m, data, hotFlags{memory: memory})
+	data = h.buffer(m.Job, m.Step, m.DataSize)
+	pack(layout, region, data)
+	release, kept = h.insert(m, data, hotFlags{memory: memory})
+	return data, release, kept
 }
 
 // pack copies a staged shard's tensors from its region into data space.
-func pack(layout *Layout, region []byte) []byte {
-	data := make([]byte, layout.DataSize)
+func pack(layout *Layout, region, data []byte) {
 	for i, p := range layout.Packed {
 		r := layout.Region[i]
 		copy(data[p.Offset:p.Offset+p.Length], region[r.Offset:r.Offset+r.Length])
 	}
-	return data
 }
 
-// insert keeps data, m's data space, making room as add says; it reports
-// whether it did.
+// buffer returns n bytes for a shard of step of job: a spare that fits,
+// once room is made as insert would, or new memory.
+func (h *hotTier) buffer(job string, step, n int64) []byte {
+	if !h.enabled() {
+		return make([]byte, n)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.evict(job, step, n, true)
+	if i := h.fit(n); i >= 0 {
+		b := h.spares[i][:n]
+		h.used -= int64(cap(b))
+		h.spares = slices.Delete(h.spares, i, i+1)
+		return b
+	}
+	return make([]byte, n)
+}
+
+// fit returns the index of the smallest spare that holds n bytes without
+// wasting more than as much again, or -1. Call with mu.
+func (h *hotTier) fit(n int64) int {
+	best := -1
+	for i, b := range h.spares {
+		if c := int64(cap(b)); c >= n && c <= 2*n && (best < 0 || c < int64(cap(h.spares[best]))) {
+			best = i
+		}
+	}
+	return best
+}
+
 // hotFlags say what a shard kept in the tier is; see hotEntry.
 type hotFlags struct{ committed, memory, origin bool }
 
-func (h *hotTier) insert(m *Manifest, data []byte, f hotFlags) bool {
+// insert keeps data, m's data space, making room as add says; it reports
+// whether it did, and returns the new entry pinned (release unpins it).
+func (h *hotTier) insert(m *Manifest, data []byte, f hotFlags) (release func(), ok bool) {
 	if !h.enabled() || m.DataSize > h.budget {
-		return false
+		return func() {}, false
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -88,19 +125,23 @@ func (h *hotTier) insert(m *Manifest, data []byte, f hotFlags) bool {
 		h.drop(k, old)
 	}
 	if h.entries[k] != nil {
-		return false // the old one is being copied out; keep it
+		return func() {}, false // the old one is being copied out; keep it
 	}
-	h.evict(m.Job, m.Step, m.DataSize)
+	h.evict(m.Job, m.Step, m.DataSize, false)
 	if h.used+m.DataSize > h.budget {
-		return false
+		return func() {}, false
 	}
-	h.entries[k] = &hotEntry{m: m, hash: manifestHash(m), data: data, committed: f.committed, memory: f.memory, origin: f.origin}
+	e := &hotEntry{m: m, hash: manifestHash(m), data: data, committed: f.committed, memory: f.memory, origin: f.origin, pins: 1}
+	h.entries[k] = e
 	h.used += m.DataSize
-	return true
+	return h.unpin(e), true
 }
 
-// evict makes room for n bytes of step of job. Call with mu.
-func (h *hotTier) evict(job string, step int64, n int64) {
+// evict makes room for n bytes of step of job: the job's steps beyond
+// Steps go, then spares, then the oldest steps of any job, never a pinned
+// shard. With keepFit a spare that fits n counts as room (buffer takes
+// it). Call with mu.
+func (h *hotTier) evict(job string, step int64, n int64, keepFit bool) {
 	keys := make([]hotKey, 0, len(h.entries))
 	for k := range h.entries {
 		keys = append(keys, k)
@@ -113,19 +154,60 @@ func (h *hotTier) evict(job string, step int64, n int64) {
 		}
 	}
 	for _, k := range keys {
-		e := h.entries[k]
-		if e.pins > 0 || k.job == job && k.step == step {
-			continue
-		}
-		if k.job == job && !steps[k.step] || h.used+n > h.budget {
+		if e := h.entries[k]; e.pins == 0 && k.job == job && !steps[k.step] {
 			h.drop(k, e)
+		}
+	}
+	for {
+		keep, room := -1, h.budget
+		if keepFit {
+			if keep = h.fit(n); keep >= 0 {
+				room += int64(cap(h.spares[keep]))
+			}
+		}
+		if h.used+n <= room || !h.freeSpare(keep) && !h.dropOldest(keys, job, step) {
+			return
 		}
 	}
 }
 
+// freeSpare lets go of the largest spare but the one at keep; it reports
+// whether there was one. Call with mu.
+func (h *hotTier) freeSpare(keep int) bool {
+	victim := -1
+	for i, b := range h.spares {
+		if i != keep && (victim < 0 || cap(b) > cap(h.spares[victim])) {
+			victim = i
+		}
+	}
+	if victim < 0 {
+		return false
+	}
+	h.used -= int64(cap(h.spares[victim]))
+	h.spares = slices.Delete(h.spares, victim, victim+1)
+	return true
+}
+
+// dropOldest drops the oldest shard of keys still held and not pinned,
+// step of job aside; it reports whether there was one. Call with mu.
+func (h *hotTier) dropOldest(keys []hotKey, job string, step int64) bool {
+	for _, k := range keys {
+		if e := h.entries[k]; e != nil && e.pins == 0 && (k.job != job || k.step != step) {
+			h.drop(k, e)
+			return true
+		}
+	}
+	return false
+}
+
+// drop forgets a shard nobody reads; its buffer becomes a spare.
 func (h *hotTier) drop(k hotKey, e *hotEntry) {
 	delete(h.entries, k)
 	h.used -= e.m.DataSize
+	if cap(e.data) > 0 {
+		h.spares = append(h.spares, e.data[:0])
+		h.used += int64(cap(e.data))
+	}
 }
 
 // committed records which attempt committed step: its shards become

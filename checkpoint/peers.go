@@ -48,7 +48,8 @@ type replica struct {
 	m         *Manifest
 	data      []byte
 	committed bool
-	memory    bool // a step kept in memory only: no commit to wait for
+	memory    bool   // a step kept in memory only: no commit to wait for
+	release   func() // unpins the hot-tier entry data belongs to, once sent or dropped
 	queued    time.Time
 }
 
@@ -67,6 +68,7 @@ func (mgr *Manager) queueReplica(r replica) {
 	select {
 	case mgr.replicas <- r:
 	default:
+		r.release()
 		mgr.m.failed("replicate")
 		if r.memory {
 			mgr.log.Warn("peers are behind; this shard is not replicated: it is held in this node's memory only", "target", r.m.Target())
@@ -104,6 +106,7 @@ func (mgr *Manager) committedYet(r *replica) bool {
 		r.committed = true
 		return true
 	case err == nil:
+		r.release()
 		return false // another run committed the step: nothing to replicate
 	case time.Since(r.queued) > replicateTimeout:
 		return true
@@ -120,6 +123,7 @@ func (mgr *Manager) committedYet(r *replica) bool {
 // step kept in memory only stays in this node's memory (its save's state
 // says so).
 func (mgr *Manager) replicate(r replica) {
+	defer r.release()
 	ctx, cancel := context.WithTimeout(mgr.ctx, replicateTimeout)
 	defer cancel()
 	start := time.Now()
@@ -154,10 +158,19 @@ func (mgr *Manager) AcceptReplica(manifest, data []byte, committed, memory bool)
 	if int64(len(data)) != m.DataSize {
 		return fmt.Errorf("%w: replica of %s has %d bytes of data, its manifest says %d", ErrInvalid, m.Target(), len(data), m.DataSize)
 	}
-	if !mgr.hot.insert(m, data, hotFlags{committed: committed, memory: memory}) {
+	release, ok := mgr.hot.insert(m, data, hotFlags{committed: committed, memory: memory})
+	release()
+	if !ok {
 		return fmt.Errorf("%w: no room in the hot tier for a replica of %d bytes (--hot-bytes)", ErrArenaFull, m.DataSize)
 	}
 	return nil
+}
+
+// ReplicaBuffer returns n bytes to receive a peer's replica into: a spare
+// of the hot tier when one fits (see hotTier), room made for it as an
+// insert would.
+func (mgr *Manager) ReplicaBuffer(n int64) []byte {
+	return mgr.hot.buffer("", -1, n)
 }
 
 // Replica returns a shard the hot tier holds for a peer, and a func to

@@ -36,9 +36,11 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 		return false
 	}
 	start := time.Now()
-	data := pack(l.layout, mgr.arena.Bytes()[l.region.Offset:l.region.Offset+l.size])
+	data := mgr.hot.buffer(t.Job, t.Step, l.layout.DataSize)
+	pack(l.layout, mgr.arena.Bytes()[l.region.Offset:l.region.Offset+l.size], data)
 	m := memoryManifest(t, l.layout, l.metadata, data, mgr.w.opts.ChunkSize)
-	if !mgr.hot.insert(m, data, hotFlags{memory: true, origin: true}) {
+	release, ok := mgr.hot.insert(m, data, hotFlags{memory: true, origin: true})
+	if !ok {
 		mgr.log.Warn("no room in the hot tier (restores hold it); persisting a step --persist-every would keep in memory", "target", t)
 		return false
 	}
@@ -49,10 +51,11 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 	mgr.log.Info("save kept in memory", "job", t.Job, "step", t.Step, "rank", t.Rank, "attempt", t.Attempt,
 		"bytes", m.DataSize, "duration", time.Since(start), "persist_every", mgr.cfg.PersistEvery)
 	if mgr.cfg.Peers == nil {
+		release()
 		mgr.markDone(keyOf(t), StateHot, nil)
 		return true
 	}
-	mgr.queueReplica(replica{m: m, data: data, memory: true})
+	mgr.queueReplica(replica{m: m, data: data, memory: true, release: release})
 	return true
 }
 

@@ -197,11 +197,13 @@ func (s *Server) serveRawPut(c net.Conn) {
 	defer func() { <-s.receive }()
 	n := hdr.GetManifestSize() + hdr.GetDataSize()
 	_ = c.SetDeadline(time.Now().Add(rawSendMin + time.Duration(int64(n)/rawSendRate)*time.Second))
-	buf := make([]byte, n)
-	if _, err := io.ReadFull(c, buf); err != nil {
-		return
+	manifest, data := make([]byte, hdr.GetManifestSize()), s.mgr.ReplicaBuffer(int64(hdr.GetDataSize()))
+	for _, b := range [][]byte{manifest, data} {
+		if _, err := io.ReadFull(c, b); err != nil {
+			return
+		}
 	}
-	answer(s.mgr.AcceptReplica(buf[:hdr.GetManifestSize()], buf[hdr.GetManifestSize():], hdr.GetCommitted(), hdr.GetMemoryOnly()))
+	answer(s.mgr.AcceptReplica(manifest, data, hdr.GetCommitted(), hdr.GetMemoryOnly()))
 }
 
 // putRaw sends a replica on the raw path; a refusal wraps errRefused.
