@@ -243,6 +243,7 @@ func readShard(ctx context.Context, b storage.Backend, sh Shard) ([]byte, error)
 	}
 	defer rc.Close()
 	data := make([]byte, sh.Size)
+	prefault(data)
 	if _, err := io.ReadFull(rc, data); err != nil {
 		return nil, fmt.Errorf("read shard %s: %w (expected %d bytes)", printable(sh.Name), err, sh.Size)
 	}
