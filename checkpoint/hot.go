@@ -45,7 +45,7 @@ type hotEntry struct {
 	hash      string // of m as stored: what commit records pin
 	data      []byte
 	committed bool // the step is committed by m's attempt
-	memory    bool // the step is kept in memory only (--persist-every): no commit record will come
+	memory    bool // the step is kept in memory only (--persist-every, --persist-interval): no commit record will come
 	origin    bool // saved through this sidecar (not a peer's replica): this sidecar persists it if told to
 	pins      int  // restores copying out of data, replicas being sent: data is not reused while pinned
 }
@@ -342,7 +342,7 @@ type HeldShard struct {
 	WorldSize  int
 	Attempt    string
 	Committed  bool // the step is committed in storage by Attempt
-	MemoryOnly bool // the step is not drained (--persist-every)
+	MemoryOnly bool // the step is not drained (--persist-every, --persist-interval)
 	Created    time.Time
 }
 

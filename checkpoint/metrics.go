@@ -34,7 +34,8 @@ type Metrics struct {
 	// no longer validated.
 	Quarantined prometheus.Counter
 	// Tiers counts saves by the strongest tier they reached: hot,
-	// replicated (memory-only steps, --persist-every), committed.
+	// replicated (memory-only steps: --persist-every, --persist-interval),
+	// committed.
 	Tiers *prometheus.CounterVec
 	// RestoreTiers counts restores by the tier that served them: hot,
 	// peer, storage.

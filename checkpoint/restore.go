@@ -113,7 +113,7 @@ type restoreSource struct {
 // restoreSource resolves the step and finds rank's shard: in the hot tier
 // when it holds the committed attempt's copy (no storage read but the
 // commit record's), else at a peer, else in storage. A step kept in memory
-// only (--persist-every) is found through the sidecars' inventories, and
+// only (--persist-every, --persist-interval) is found through the sidecars' inventories, and
 // is latest when it is newer than every committed step and whole. When
 // storage does not answer, the hot tier's copy of the step (or, for
 // latest, of its newest committed step) is served alone.
@@ -132,7 +132,7 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64,
 			return src, merr
 		}
 		if skipped = src.skipped; skipped > 0 && !latest {
-			return restoreSource{}, fmt.Errorf("%w: step %d of job %q was kept in memory only (--persist-every) and some of its ranks are held by no sidecar now; "+
+			return restoreSource{}, fmt.Errorf("%w: step %d of job %q was kept in memory only (--persist-every, --persist-interval) and some of its ranks are held by no sidecar now; "+
 				"restore a persisted step (ckptd list)", ErrStepNotFound, step, store.Job)
 		}
 		if skipped > 0 {

@@ -13,9 +13,10 @@ import (
 	"github.com/ckptd/ckptd/checkpoint/codec"
 )
 
-// The persistent tier policy (ManagerConfig.PersistEvery): every step is
-// kept in the hot tier and sent to the peers, and only every N-th is also
-// drained to storage and committed there. A step kept in memory only has
+// The persistent tier policy (ManagerConfig.PersistEvery, PersistInterval;
+// see policy.go): every step is kept in the hot tier and sent to the peers,
+// and only the steps the policy picks are also drained to storage and
+// committed there. A step kept in memory only has
 // no commit record; it is restorable while every one of its ranks is held
 // by some sidecar of the job, which a restore learns from the sidecars'
 // inventories (Peers.Inventory): no coordinator, as for storage commits.
@@ -32,7 +33,7 @@ func (mgr *Manager) memoryTier() bool {
 func (mgr *Manager) keepInMemory(l *lease) bool {
 	t := l.target
 	if l.layout.DataSize > mgr.cfg.HotBytes {
-		mgr.log.Warn("the shard is larger than the hot tier (--hot-bytes); persisting a step --persist-every would keep in memory", "target", t)
+		mgr.log.Warn("the shard is larger than the hot tier (--hot-bytes); persisting a step the policy (--persist-every, --persist-interval) would keep in memory", "target", t)
 		return false
 	}
 	start := time.Now()
@@ -41,7 +42,7 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 	m := memoryManifest(t, l.layout, l.metadata, data, mgr.w.opts.ChunkSize)
 	release, ok := mgr.hot.insert(m, data, hotFlags{memory: true, origin: true})
 	if !ok {
-		mgr.log.Warn("no room in the hot tier (restores hold it); persisting a step --persist-every would keep in memory", "target", t)
+		mgr.log.Warn("no room in the hot tier (restores hold it); persisting a step the policy (--persist-every, --persist-interval) would keep in memory", "target", t)
 		return false
 	}
 	mgr.endDrain(l, StateHot, nil)
@@ -209,7 +210,7 @@ func (mgr *Manager) heldShard(ctx context.Context, job string, s *heldStep, rank
 	if src, ok := mgr.fromPeers(ctx, job, s.step, rank, s.attempt, from); ok {
 		return src, nil
 	}
-	return restoreSource{}, fmt.Errorf("%w: step %d of job %q is kept in memory only (--persist-every) and rank %d's copy went away while restoring",
+	return restoreSource{}, fmt.Errorf("%w: step %d of job %q is kept in memory only (--persist-every, --persist-interval) and rank %d's copy went away while restoring",
 		ErrStepNotFound, s.step, job, rank)
 }
 
