@@ -229,7 +229,7 @@ func (mgr *Manager) endDrain(l *lease, state State, err error) {
 	mgr.mu.Lock()
 	mgr.leases.remove(l)
 	mgr.freeRegion(l.region)
-	if st := mgr.saves[keyOf(l.target)]; st == nil || (st.state != StateCommitted && st.state != StateFailed) {
+	if st := mgr.saves[keyOf(l.target)]; st == nil || !st.final() {
 		mgr.setState(keyOf(l.target), state, err)
 	}
 	mgr.mu.Unlock()

@@ -21,9 +21,9 @@ const (
 	StateDurable         // data and manifest durable; other ranks missing
 	StateCommitted       // the step's COMMIT.json exists
 	StateFailed
-	// The tiers of a step --persist-every keeps in memory only: in this
-	// node's hot tier, then also on --replicas peers. Hot is final once
-	// replication ended (or there are no peers): see saveStatus.settled.
+	// Where a save of a step the persist policy keeps in memory only ends
+	// (it stays draining while it is sent to the peers): in this node's
+	// hot tier (no peers, or sending failed), or also on --replicas peers.
 	StateHot
 	StateReplicated
 )
@@ -36,13 +36,15 @@ func (s State) String() string {
 // failed, or the memory tier it was kept in.
 func (st *saveStatus) final() bool {
 	switch st.state {
-	case StateCommitted, StateFailed, StateReplicated:
+	case StateCommitted, StateFailed, StateHot, StateReplicated:
 		return true
-	case StateHot:
-		return st.settled
 	}
 	return false
 }
+
+// inMemory reports whether s is a memory tier: weaker than durable, which
+// a save kept in memory reaches when a peer's word has it persisted.
+func (s State) inMemory() bool { return s == StateHot || s == StateReplicated }
 
 type saveKey struct {
 	job     string
@@ -59,7 +61,6 @@ type saveStatus struct {
 	state     State
 	err       error // why it failed, or the last transient drain error
 	worldSize int
-	settled   bool // a memory-only save's replication has ended (see StateHot)
 	updated   time.Time
 	changed   chan struct{}
 }
@@ -71,7 +72,7 @@ func (mgr *Manager) setState(k saveKey, s State, err error) {
 		st = &saveStatus{changed: make(chan struct{})}
 		mgr.saves[k] = st
 	}
-	st.state, st.err, st.updated, st.settled = s, err, time.Now(), false
+	st.state, st.err, st.updated = s, err, time.Now()
 	close(st.changed)
 	st.changed = make(chan struct{})
 }
@@ -94,7 +95,7 @@ const statusTTL = 10 * time.Minute
 // gcStatuses drops settled statuses past their TTL. Call with mu.
 func (mgr *Manager) gcStatuses(now time.Time) {
 	for k, st := range mgr.saves {
-		if (st.final() || st.state == StateDurable || st.state == StateHot) && now.Sub(st.updated) > statusTTL {
+		if (st.final() || st.state == StateDurable) && now.Sub(st.updated) > statusTTL {
 			delete(mgr.saves, k)
 		}
 	}
@@ -227,18 +228,20 @@ func (mgr *Manager) worldSize(k saveKey) int {
 	return 0
 }
 
-// markDone records a save's final state (committed or failed) unless it
-// has one already.
+// markDone records a save's final state unless it has one already, or the
+// state is a memory tier and the save is durable meanwhile: a save is
+// reported at the strongest tier it reached.
 func (mgr *Manager) markDone(k saveKey, s State, err error) {
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
-	if st := mgr.saves[k]; st != nil && !st.final() {
-		ws := st.worldSize
-		mgr.setState(k, s, err)
-		mgr.saves[k].worldSize = ws
-		mgr.saves[k].settled = true
-		if s != StateFailed {
-			mgr.m.Tiers.WithLabelValues(s.String()).Inc()
-		}
+	st := mgr.saves[k]
+	if st == nil || st.final() || s.inMemory() && st.state == StateDurable {
+		return
+	}
+	ws := st.worldSize
+	mgr.setState(k, s, err)
+	mgr.saves[k].worldSize = ws
+	if s != StateFailed {
+		mgr.m.Tiers.WithLabelValues(s.String()).Inc()
 	}
 }

@@ -94,3 +94,21 @@ func TestPersistEvery(t *testing.T) {
 		t.Fatalf("latest after the memory was lost: step %d, %v", step, err)
 	}
 }
+
+// A save is reported at the strongest tier it reached: a memory tier
+// arriving late (its replication ending after a peer's word had it
+// persisted) does not hide that it is durable, nor keep it from
+// committing.
+func TestStrongestTierWins(t *testing.T) {
+	mgr, _ := newManagerOn(t, memstore.New(), ManagerConfig{HotBytes: 1 << 20, PersistEvery: 2})
+	k := saveKey{"job", 3, 0, "a"}
+	mgr.setStateLocked(k, StateDurable, nil)
+	mgr.markDone(k, StateReplicated, nil)
+	if res, _, _ := mgr.status(&k); res.State != StateDurable {
+		t.Fatalf("durable, then replicated: %s", res.State)
+	}
+	mgr.markDone(k, StateCommitted, nil)
+	if res, _, _ := mgr.status(&k); res.State != StateCommitted || !res.final {
+		t.Fatalf("then committed: %s", res.State)
+	}
+}
