@@ -279,11 +279,8 @@ func (e *hotEntry) copyParts(sel selection, dst []byte) error {
 			if c.RawOffset >= r.off+r.n || c.RawOffset+c.Raw <= r.off {
 				continue
 			}
-			if c.RawOffset < 0 || c.Raw < 0 || c.RawOffset > int64(len(e.data))-c.Raw {
-				return fmt.Errorf("%w: hot copy of step %d rank %d: chunk %d outside its data", ErrCorrupt, m.Step, m.Rank, i)
-			}
-			if got := codec.FormatHash(codec.Hash(e.data[c.RawOffset : c.RawOffset+c.Raw])); got != c.Hash {
-				return fmt.Errorf("%w: hot copy of step %d rank %d: chunk %d hash %s, want %s", ErrCorrupt, m.Step, m.Rank, i, got, c.Hash)
+			if err := verifyChunk(m, i, e.data, nil, "hot copy"); err != nil {
+				return err
 			}
 		}
 	}
@@ -399,17 +396,32 @@ func (e *hotEntry) copyVerified(dst []byte) error {
 	m := e.m
 	var g errgroup.Group
 	g.SetLimit(runtime.GOMAXPROCS(0))
-	for i, c := range m.Chunks {
-		if c.RawOffset < 0 || c.Raw < 0 || c.RawOffset > int64(len(e.data))-c.Raw || int64(len(dst)) < int64(len(e.data)) {
-			return fmt.Errorf("%w: hot copy of step %d rank %d: chunk %d outside its data", ErrCorrupt, m.Step, m.Rank, i)
-		}
-		g.Go(func() error {
-			raw := e.data[c.RawOffset : c.RawOffset+c.Raw]
-			if got := codec.FormatHash(codec.CopyHash(dst[c.RawOffset:c.RawOffset+c.Raw], raw)); got != c.Hash {
-				return fmt.Errorf("%w: hot copy of step %d rank %d: chunk %d hash %s, want %s", ErrCorrupt, m.Step, m.Rank, i, got, c.Hash)
-			}
-			return nil
-		})
+	if len(dst) < len(e.data) {
+		return fmt.Errorf("%w: hot copy of step %d rank %d: a region of %d bytes for %d", ErrCorrupt, m.Step, m.Rank, len(dst), len(e.data))
+	}
+	for i := range m.Chunks {
+		g.Go(func() error { return verifyChunk(m, i, e.data, dst, "hot copy") })
 	}
 	return g.Wait()
+}
+
+// verifyChunk checks chunk i of m in data, m's data space held in memory
+// (whose copy it is, where says, for the error); with dst it copies the
+// chunk there as it hashes it (one pass over memory).
+func verifyChunk(m *Manifest, i int, data, dst []byte, where string) error {
+	c := m.Chunks[i]
+	if c.RawOffset < 0 || c.Raw < 0 || c.RawOffset > int64(len(data))-c.Raw {
+		return fmt.Errorf("%w: %s of step %d rank %d: chunk %d outside its data", ErrCorrupt, where, m.Step, m.Rank, i)
+	}
+	raw := data[c.RawOffset : c.RawOffset+c.Raw]
+	var h uint64
+	if dst != nil {
+		h = codec.CopyHash(dst[c.RawOffset:c.RawOffset+c.Raw], raw)
+	} else {
+		h = codec.Hash(raw)
+	}
+	if got := codec.FormatHash(h); got != c.Hash {
+		return fmt.Errorf("%w: %s of step %d rank %d: chunk %d hash %s, want %s", ErrCorrupt, where, m.Step, m.Rank, i, got, c.Hash)
+	}
+	return nil
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -290,19 +289,15 @@ func verifyArriving(m *Manifest, dst []byte, arrived <-chan int64) error {
 	}()
 	var have int64
 	for i, c := range m.Chunks {
-		end := c.RawOffset + c.Raw
-		if c.RawOffset < 0 || c.Raw < 0 || end > int64(len(dst)) {
-			return fmt.Errorf("%w: replica of step %d rank %d: chunk %d outside its data", ErrCorrupt, m.Step, m.Rank, i)
-		}
-		for have < end {
+		for end := c.RawOffset + c.Raw; have < end && end <= int64(len(dst)); {
 			n, ok := <-arrived
 			if !ok {
 				return nil // the transfer ended early: its error says why
 			}
 			have = n
 		}
-		if got := codec.FormatHash(codec.Hash(dst[c.RawOffset:end])); got != c.Hash {
-			return fmt.Errorf("%w: replica of step %d rank %d from a peer: chunk %d hash %s, want %s", ErrCorrupt, m.Step, m.Rank, i, got, c.Hash)
+		if err := verifyChunk(m, i, dst, nil, "replica from a peer"); err != nil {
+			return err
 		}
 	}
 	return nil

@@ -45,7 +45,8 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 		mgr.log.Warn("no room in the hot tier (restores hold it); persisting a step the policy (--persist-every, --persist-interval) would keep in memory", "target", t)
 		return false
 	}
-	mgr.endDrain(l, StateDraining, nil) // until it reaches the peers: see StateHot
+	// Draining until it reaches the peers: see StateHot.
+	mgr.endDrain(l, StateDraining, nil)
 	if mgr.policy.persisted(stepKey{t.Job, t.Step, t.Attempt}) { // a peer said so meanwhile
 		mgr.persistHeld(t.Job, t.Step, t.Attempt)
 	}
