@@ -349,7 +349,7 @@ func (c *Client) getGRPC(ctx context.Context, addr string, req *pb.GetReplicaReq
 	if err != nil {
 		return nil, nil, err
 	}
-	_, manifest, data, err = receive(stream.Recv, maxBytes, nil)
+	_, manifest, data, err = receive(stream.Recv, maxBytes)
 	return manifest, data, err
 }
 
@@ -435,27 +435,21 @@ func (c *Client) inventory(ctx context.Context, addr, job string) ([]checkpoint.
 }
 
 // receive reads a header and the manifest and data it announces, refusing
-// more than maxManifest and maxData bytes of them. It receives into buf
-// when buf is large enough (a fetch reuses its buffer: fresh memory costs
-// a page fault and a zeroing per page, as much as the copy itself).
-func receive(recv func() (*pb.ReplicaPiece, error), maxData int64, buf []byte) (*pb.ReplicaHeader, []byte, []byte, error) {
+// more than maxManifest and maxData bytes of them.
+func receive(recv func() (*pb.ReplicaPiece, error), maxData int64) (*pb.ReplicaHeader, []byte, []byte, error) {
 	first, err := recv()
 	if err != nil {
 		return nil, nil, nil, err
 	}
 	hdr := first.GetHeader()
-	switch {
-	case hdr == nil:
+	if hdr == nil {
 		return nil, nil, nil, errors.New("the first piece of a replica has no header")
-	case hdr.GetManifestSize() > maxManifest || hdr.GetDataSize() > uint64(max(maxData, 0)):
-		return nil, nil, nil, fmt.Errorf("a replica of %d + %d bytes is more than this sidecar takes (%d + %d)",
-			hdr.GetManifestSize(), hdr.GetDataSize(), maxManifest, maxData)
+	}
+	if err := tooLarge(hdr, maxData); err != nil {
+		return nil, nil, nil, err
 	}
 	want := hdr.GetManifestSize() + hdr.GetDataSize()
-	if uint64(cap(buf)) < want {
-		buf = make([]byte, 0, want)
-	}
-	buf = buf[:0]
+	buf := make([]byte, 0, want)
 	for {
 		piece, err := recv()
 		if errors.Is(err, io.EOF) {
@@ -496,7 +490,7 @@ func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, p
 	case <-stream.Context().Done():
 		return stream.Context().Err()
 	}
-	hdr, manifest, data, err := receive(stream.Recv, s.maxBytes, nil)
+	hdr, manifest, data, err := receive(stream.Recv, s.maxBytes)
 	if err != nil {
 		return err
 	}
@@ -506,11 +500,12 @@ func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, p
 	return stream.SendAndClose(&pb.PutReplicaResponse{})
 }
 
-// tooLarge is the refusal of a replica larger than this sidecar takes.
-func (s *Server) tooLarge(hdr *pb.ReplicaHeader) error {
-	if hdr.GetManifestSize() > maxManifest || hdr.GetDataSize() > uint64(max(s.maxBytes, 0)) {
+// tooLarge is the refusal of a replica of more than maxManifest bytes of
+// manifest and maxData of data.
+func tooLarge(hdr *pb.ReplicaHeader, maxData int64) error {
+	if hdr.GetManifestSize() > maxManifest || hdr.GetDataSize() > uint64(max(maxData, 0)) {
 		return fmt.Errorf("a replica of %d + %d bytes is more than this sidecar takes (%d + %d)",
-			hdr.GetManifestSize(), hdr.GetDataSize(), maxManifest, s.maxBytes)
+			hdr.GetManifestSize(), hdr.GetDataSize(), maxManifest, maxData)
 	}
 	return nil
 }

@@ -189,7 +189,7 @@ func (s *Server) serveRawPut(c net.Conn) {
 			_ = writeFrame(c, &pb.ReplicaHeader{})
 		}
 	}
-	if err := s.tooLarge(hdr); err != nil {
+	if err := tooLarge(hdr, s.maxBytes); err != nil {
 		answer(err)
 		return
 	}
@@ -208,62 +208,69 @@ func (s *Server) serveRawPut(c net.Conn) {
 
 // putRaw sends a replica on the raw path; a refusal wraps errRefused.
 func (c *Client) putRaw(ctx context.Context, addr string, hdr *pb.ReplicaHeader, manifest, data []byte) error {
-	conn, err := c.dialRaw(ctx, addr)
+	conn, done, err := c.openRaw(ctx, addr, rawPut, hdr)
 	if err != nil {
 		return err
 	}
-	defer conn.Close()
-	stop := context.AfterFunc(ctx, func() { conn.Close() })
-	defer stop()
-	if _, err := io.WriteString(conn, rawPut); err != nil {
-		return err
-	}
-	if err := writeFrame(conn, hdr); err != nil {
-		return err
-	}
+	defer done()
 	for _, b := range [][]byte{manifest, data} {
 		if _, err := conn.Write(b); err != nil {
 			return err
 		}
 	}
-	answer := &pb.ReplicaHeader{}
-	if err := readFrame(conn, answer); err != nil {
-		return err
-	}
-	if answer.GetError() != "" {
-		return fmt.Errorf("%w: %s", errRefused, answer.GetError())
-	}
-	return nil
+	_, err = readAnswer(conn)
+	return err
 }
 
 // raw makes one request on the raw path to addr and hands the answer's
 // header and the stream of bytes after it to read, unless the peer
-// refused (its error).
+// refused (errRefused).
 func (c *Client) raw(ctx context.Context, addr string, req *pb.GetReplicaRequest, read func(*pb.ReplicaHeader, io.Reader) error) error {
-	conn, err := c.dialRaw(ctx, addr)
+	conn, done, err := c.openRaw(ctx, addr, rawPreface, req)
 	if err != nil {
 		return err
 	}
-	defer conn.Close()
-	stop := context.AfterFunc(ctx, func() { conn.Close() }) // a cancelled restore stops the read
-	defer stop()
-	if _, err := io.WriteString(conn, rawPreface); err != nil {
+	defer done()
+	hdr, err := readAnswer(conn)
+	if err != nil {
 		return err
 	}
-	if err := writeFrame(conn, req); err != nil {
-		return err
-	}
-	hdr := &pb.ReplicaHeader{}
-	if err := readFrame(conn, hdr); err != nil {
-		return err
-	}
-	switch {
-	case hdr.GetError() != "":
-		return fmt.Errorf("%w: %s", errRefused, hdr.GetError())
-	case hdr.GetManifestSize() > maxManifest:
+	if hdr.GetManifestSize() > maxManifest {
 		return fmt.Errorf("a manifest of %d bytes, more than %d", hdr.GetManifestSize(), maxManifest)
 	}
 	return read(hdr, conn)
+}
+
+// openRaw connects to addr's raw path and sends preface and msg; done
+// closes the connection, which ctx ending closes too (a cancelled restore
+// stops its read).
+func (c *Client) openRaw(ctx context.Context, addr, preface string, msg proto.Message) (conn net.Conn, done func(), err error) {
+	if conn, err = c.dialRaw(ctx, addr); err != nil {
+		return nil, nil, err
+	}
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	done = func() { stop(); conn.Close() }
+	if _, err = io.WriteString(conn, preface); err == nil {
+		err = writeFrame(conn, msg)
+	}
+	if err != nil {
+		done()
+		return nil, nil, err
+	}
+	return conn, done, nil
+}
+
+// readAnswer reads a peer's framed ReplicaHeader; the refusal it carries,
+// if any, is an error wrapping errRefused.
+func readAnswer(r io.Reader) (*pb.ReplicaHeader, error) {
+	hdr := &pb.ReplicaHeader{}
+	if err := readFrame(r, hdr); err != nil {
+		return nil, err
+	}
+	if hdr.GetError() != "" {
+		return nil, fmt.Errorf("%w: %s", errRefused, hdr.GetError())
+	}
+	return hdr, nil
 }
 
 // dialRaw connects to a peer's port for the raw path, with the mutual TLS
