@@ -170,8 +170,8 @@ func memoryOnly(byPeer map[string][]HeldShard) []*heldStep {
 }
 
 // fromMemory finds rank's shard of a memory-only step: for latest, the
-// newest whole one newer than the newest committed step (committed: 0 and
-// none when the store has none or does not answer); else the step asked
+// newest whole one newer than the newest committed step (committed: -1
+// when none is known); else the step asked
 // for. found is false when no such step is whole; skipped is then (or
 // even when found) the newest memory-only step passed over because some
 // of its ranks are held nowhere.

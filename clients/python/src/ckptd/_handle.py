@@ -287,6 +287,8 @@ class SaveHandle(_Future[None]):
                     return False
                 self._settle(err)
                 return True
+            if answer.state in _ENDS:
+                self._ended_at = _LIVE[answer.state]
             self._settle(self._failure(answer))
             return True
 
@@ -397,7 +399,6 @@ class SaveHandle(_Future[None]):
     def _failure(self, r: pb.WaitSaveResponse) -> SaveFailedError | None:
         """None when the answer says the save ended well, else the error saying how it ended."""
         if r.state in _ENDS:
-            self._ended_at = _LIVE[r.state]
             return None
         state = pb.SaveState.Name(r.state).removeprefix("SAVE_STATE_").lower()
         return SaveFailedError(f"{self._what()} failed ({state}): {r.error}", details=r.error)
