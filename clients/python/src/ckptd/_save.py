@@ -75,14 +75,8 @@ def save(
     A daemon that goes away is waited for (conn's reconnect_timeout) and the
     save made again; see Client.save.
     """
-    leaves = [_tensors.make_leaf(n, v) for n, v in _flatten(state)]
-    size = _tensors.layout(leaves)
-    table = [
-        pb.Tensor(name=x.name, dtype=x.dtype.name, shape=x.shape, offset=x.offset, length=x.nbytes)
-        for x in leaves
-    ]
-    what = f"save step {target.step} rank {target.rank}"
-    shard = _Shard(target, table, leaves, size, meta, what)
+    shard = _shard(target, state, meta)
+    what = shard.what
     outage = Outage(conn, what)
     doubt = _Doubt()
     while True:
@@ -119,6 +113,17 @@ class _Shard:
     size: int  # bytes of the region the leaves are laid out in
     meta: bytes
     what: str  # names the save in messages
+
+
+def _shard(target: pb.SaveTarget, state: Mapping[str, Any], meta: bytes) -> _Shard:
+    """Lay state's leaves out as target's shard."""
+    leaves = [_tensors.make_leaf(n, v) for n, v in _flatten(state)]
+    size = _tensors.layout(leaves)
+    table = [
+        pb.Tensor(name=x.name, dtype=x.dtype.name, shape=x.shape, offset=x.offset, length=x.nbytes)
+        for x in leaves
+    ]
+    return _Shard(target, table, leaves, size, meta, f"save step {target.step} rank {target.rank}")
 
 
 class _Doubt:
@@ -168,7 +173,8 @@ def _saved_before(  # noqa: PLR0911 - one answer per case of the contract
     return "raise"
 
 
-def _save_shm(conn: Connection, shard: _Shard, doubt: _Doubt) -> pb.CommitSaveResponse:
+def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, np.ndarray]:
+    """Lease a region for shard and copy its leaves in; the region goes back if that fails."""
     what, size = shard.what, shard.size
     begin = pb.BeginSaveRequest(target=shard.target, tensors=shard.table)
     lease = conn.call("BeginSave", begin, what).lease
@@ -178,6 +184,16 @@ def _save_shm(conn: Connection, shard: _Shard, doubt: _Doubt) -> pb.CommitSaveRe
         arena = conn.lease_mapping(lease.arena_id)  # the lease says which arena it is in
         region = arena.region(lease.offset, size)
         _copy_leaves(shard.leaves, region, arena.pin)
+    except BaseException:
+        _abort(conn, lease.id)
+        raise
+    return lease, region
+
+
+def _save_shm(conn: Connection, shard: _Shard, doubt: _Doubt) -> pb.CommitSaveResponse:
+    what = shard.what
+    lease, _ = _stage(conn, shard)
+    try:
         try:
             resp: pb.CommitSaveResponse = conn.call(
                 "CommitSave", pb.CommitSaveRequest(lease_id=lease.id, metadata=shard.meta), what

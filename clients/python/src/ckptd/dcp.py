@@ -168,36 +168,15 @@ class _Held:
         self._target = _save.target(writer._job, writer._step, info.rank, info.world_size, resolved)
         if own and client._attempt_random and info.world_size > 1:
             client._warn_random_attempt(info.world_size)
-        self._what = f"save step {writer._step} rank {info.rank}"
-        leaves = [_tensors.make_leaf(n, v) for n, v in _save._flatten(tree)]
-        size = _tensors.layout(leaves)
-        self._leaves = leaves
+        shard = _save._shard(self._target, tree, b"")
+        self._what = shard.what
+        self._leaves = shard.leaves
         self._lease: pb.Lease | None = None
         self._private: dict[str, Any] | None = None
-        arena = self._conn.mapping()
-        if arena is None:
-            self._private = {x.name: _copied(x) for x in leaves}
+        if self._conn.mapping() is None:
+            self._private = {x.name: _copied(x) for x in shard.leaves}
             return
-        table = [
-            pb.Tensor(
-                name=x.name, dtype=x.dtype.name, shape=x.shape, offset=x.offset, length=x.nbytes
-            )
-            for x in leaves
-        ]
-        begin = pb.BeginSaveRequest(target=self._target, tensors=table)
-        lease = self._conn.call("BeginSave", begin, self._what).lease
-        try:
-            if lease.length < size:
-                raise CkptdError(
-                    f"{self._what}: daemon leased {lease.length} bytes for a {size}-byte table"
-                )
-            arena = self._conn.lease_mapping(lease.arena_id)
-            self._region = arena.region(lease.offset, size)
-            _save._copy_leaves(leaves, self._region, arena.pin)
-        except BaseException:
-            _save._abort(self._conn, lease.id)
-            raise
-        self._lease = lease
+        self._lease, self._region = _save._stage(self._conn, shard)
 
     def commit(self, metadata: Metadata) -> SaveHandle:
         """Save the shard with the metadata; return its handle."""
