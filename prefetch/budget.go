@@ -43,6 +43,17 @@ func (b *arenaBudget) acquire(ctx context.Context, n int64, wait time.Duration, 
 	return nil
 }
 
+// tryAcquire charges n bytes if that leaves at least keep bytes free,
+// without waiting.
+func (b *arenaBudget) tryAcquire(n, keep int64) bool {
+	if !b.sem.TryAcquire(n + keep) {
+		return false
+	}
+	b.sem.Release(keep)
+	b.used.Add(n)
+	return true
+}
+
 func (b *arenaBudget) release(n int64) {
 	b.used.Add(-n)
 	b.sem.Release(n)

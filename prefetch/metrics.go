@@ -12,6 +12,7 @@ type Metrics struct {
 	CacheMisses prometheus.Counter
 	Corrupt     prometheus.Counter
 	Sessions    prometheus.Gauge
+	RingGrown   prometheus.Counter
 }
 
 // NewMetrics creates the prefetch metrics and registers them with reg
@@ -31,9 +32,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "ckptd_prefetch_corrupt_shards_total", Help: "Shards skipped because they failed to parse."}),
 		Sessions: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "ckptd_prefetch_sessions", Help: "Open dataset sessions."}),
+		RingGrown: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_prefetch_ring_slots_grown_total", Help: "Ring slots added to sessions whose trainer caught up with a full ring."}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Wait, m.Samples, m.CacheHits, m.CacheMisses, m.Corrupt, m.Sessions)
+		reg.MustRegister(m.Wait, m.Samples, m.CacheHits, m.CacheMisses, m.Corrupt, m.Sessions, m.RingGrown)
 	}
 	return m
 }

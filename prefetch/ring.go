@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -27,21 +28,30 @@ type Delivery struct {
 	slot     bool // a ring slot (else a one-off region for an oversized batch)
 }
 
-// Ring is a fixed set of equal slots in the shared-memory arena that
-// batches are copied into for the trainer to read: pre-faulted and locked
-// with the arena, and registrable once with CUDA like the rest of it. A
-// batch larger than a slot gets a region of its own, freed on release, so
-// that oversized samples are still delivered; it takes one of the ring's
-// turns like a slot, so a session never has more deliveries out than its
-// ring has slots. Slots and oversized regions are charged to the
-// datasets' share of the arena.
+// Ring is a set of equal slots in the shared-memory arena that batches
+// are copied into for the trainer to read: pre-faulted and locked with the
+// arena, and registrable once with CUDA like the rest of it. A batch
+// larger than a slot gets a region of its own, freed on release, so that
+// oversized samples are still delivered; it takes one of the ring's turns
+// like a slot, so a session never has more deliveries out than its ring
+// has slots. Slots and oversized regions are charged to the datasets'
+// share of the arena.
+//
+// A ring starts with n slots and may grow to max (Grow), one slot at a
+// time, into room of the datasets' share that leaves a whole n-slot ring
+// free for the next session to open; it keeps its slots until it closes.
 type Ring struct {
 	a        Arena
 	budget   *arenaBudget
 	wait     time.Duration // for arena space for an oversized batch
 	slotSize int64
+	base     int // slots at the start: the room a growth must leave free
 	free     chan Region
-	turns    chan struct{} // one per delivery not released
+	// turns holds a token per delivery not released, and one per slot the
+	// ring may still grow by, so that its free capacity is the number of
+	// turns left.
+	turns chan struct{}
+	size  atomic.Int32 // slots allocated
 
 	mu     sync.Mutex
 	slots  []Region // all, for Close
@@ -49,38 +59,86 @@ type Ring struct {
 }
 
 // newRing charges n slots of slotSize bytes to budget and allocates them
-// from a, waiting up to wait for room (for an oversized batch too).
-func newRing(ctx context.Context, a Arena, budget *arenaBudget, n int, slotSize int64, wait time.Duration) (*Ring, error) {
+// from a, waiting up to wait for room (for an oversized batch too). The
+// ring may grow to most slots (most < n means n).
+func newRing(ctx context.Context, a Arena, budget *arenaBudget, n, most int, slotSize int64, wait time.Duration) (*Ring, error) {
 	if n <= 0 || slotSize <= 0 {
 		return nil, fmt.Errorf("%w: ring of %d slots of %d bytes", ErrInvalid, n, slotSize)
 	}
+	most = max(most, n)
 	size := int64(n) * slotSize
 	if err := budget.acquire(ctx, size, wait, fmt.Sprintf("a dataset session's ring (--ring-slots %d × --slot-bytes %d)", n, slotSize)); err != nil {
 		return nil, err
 	}
-	r := &Ring{a: a, budget: budget, wait: wait, slotSize: slotSize, free: make(chan Region, n), turns: make(chan struct{}, n)}
+	r := &Ring{a: a, budget: budget, wait: wait, slotSize: slotSize, base: n, free: make(chan Region, most), turns: make(chan struct{}, most)}
+	for range most - n {
+		r.turns <- struct{}{}
+	}
 	actx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
 	for range n {
 		reg, err := a.Alloc(actx, slotSize)
 		if err != nil {
+			r.budget.release(int64(n-len(r.slots)) * slotSize)
 			r.Close()
 			return nil, fmt.Errorf("ring slot: %w", err)
 		}
-		r.slots = append(r.slots, reg)
-		r.free <- reg
+		r.add(reg)
 	}
 	return r, nil
 }
 
+// add puts a new slot in the ring. Call with mu, or before the ring is shared.
+func (r *Ring) add(reg Region) {
+	r.slots = append(r.slots, reg)
+	r.size.Add(1)
+	r.free <- reg
+}
+
+// Slots is the number of slots the ring has now.
+func (r *Ring) Slots() int { return int(r.size.Load()) }
+
+// Max is the number of slots the ring may grow to.
+func (r *Ring) Max() int { return cap(r.free) }
+
+// Grow adds a slot if the ring is below its maximum and the datasets'
+// share of the arena has room for it beside a whole starting ring; it
+// never waits for room. It reports whether the ring grew.
+func (r *Ring) Grow() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed || len(r.slots) >= cap(r.free) || !r.budget.tryAcquire(r.slotSize, int64(r.base)*r.slotSize) {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), growAllocWait)
+	defer cancel()
+	reg, err := r.a.Alloc(ctx, r.slotSize)
+	if err != nil {
+		r.budget.release(r.slotSize)
+		return false
+	}
+	r.add(reg)
+	<-r.turns // one growth token: a turn more
+	return true
+}
+
+// growAllocWait bounds Grow's wait for the arena to find room the budget
+// says is there (taken by saves, beyond the datasets' share of it).
+const growAllocWait = 10 * time.Millisecond
+
 // Fill copies a batch into a free slot or, if it does not fit one, into a
-// region of its own, waiting for a turn (a delivery released) first.
+// region of its own, waiting for a turn (a delivery released) first;
+// waitSlot is called before it waits.
 func (r *Ring) Fill(ctx context.Context, b *Batch, waitSlot func()) (*Delivery, error) {
-	waitSlot()
 	select {
 	case r.turns <- struct{}{}:
-	case <-ctx.Done():
-		return nil, ctx.Err()
+	default:
+		waitSlot()
+		select {
+		case r.turns <- struct{}{}:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
 	}
 	d, err := r.fill(ctx, b)
 	if err != nil {
@@ -158,6 +216,6 @@ func (r *Ring) Close() {
 	for _, reg := range r.slots {
 		_ = r.a.Free(reg)
 	}
+	r.budget.release(int64(len(r.slots)) * r.slotSize)
 	r.slots = nil
-	r.budget.release(int64(cap(r.free)) * r.slotSize)
 }

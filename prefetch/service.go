@@ -29,6 +29,9 @@ type ServiceConfig struct {
 	// Slots and SlotBytes size each session's ring (defaults 4 × 16 MiB).
 	Slots     int
 	SlotBytes int64
+	// MaxSlots is what a ring may grow to when its trainer catches up
+	// with it (default 2 × Slots; at most Slots means never): see Ring.
+	MaxSlots int
 	// ArenaBytes is the datasets' share of the staging arena (serve's
 	// --dataset-arena-bytes; default half the arena): ring slots and
 	// oversized batches are charged to it, so that dataset sessions can
@@ -92,6 +95,10 @@ func (cfg *ServiceConfig) setDefaults(arenaSize int64) {
 	if cfg.SlotBytes <= 0 {
 		cfg.SlotBytes = DefaultSlotBytes
 	}
+	if cfg.MaxSlots == 0 {
+		cfg.MaxSlots = 2 * cfg.Slots
+	}
+	cfg.MaxSlots = max(cfg.MaxSlots, cfg.Slots)
 	if cfg.AllocWait <= 0 {
 		cfg.AllocWait = DefaultAllocWait
 	}
@@ -151,9 +158,10 @@ func (cfg *ServiceConfig) maxSessions() int64 {
 }
 
 // MemoryCeiling bounds the memory the dataset service holds, whatever the
-// datasets and clients do: the cache, and per session its read-ahead
-// budget, the keys and names of the deliveries its ring holds, and the
-// buffer of a streamed shard. (The rings are in the arena, counted in
+// datasets and clients do: the cache, per session its read-ahead budget
+// and the buffer of a streamed shard, and the keys and names of the
+// deliveries the rings hold (a turn per slot, and every slot is charged to
+// the datasets' share of the arena, however the rings grow). (The rings are in the arena, counted in
 // --staging-bytes; the Go runtime may hold up to GOGC% more as garbage
 // unless GOMEMLIMIT says otherwise.)
 func (s *Service) MemoryCeiling() int64 { return s.cfg.MemoryCeiling(s.arena.Size()) }
@@ -163,8 +171,8 @@ func (s *Service) MemoryCeiling() int64 { return s.cfg.MemoryCeiling(s.arena.Siz
 // --print-memory`).
 func (cfg ServiceConfig) MemoryCeiling(arenaSize int64) int64 {
 	cfg.setDefaults(arenaSize)
-	perSession := cfg.Options.ReadAheadBytes + int64(cfg.Slots)*maxBatchMeta + streamBuffer
-	return cfg.CacheBytes + cfg.maxSessions()*perSession
+	perSession := cfg.Options.ReadAheadBytes + streamBuffer
+	return cfg.CacheBytes + cfg.maxSessions()*perSession + cfg.ArenaBytes/cfg.SlotBytes*maxBatchMeta
 }
 
 // Cache returns the shard cache (for metrics).
@@ -211,13 +219,13 @@ func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, s
 		s.backends.release(br)
 		return "", Stats{}, err
 	}
-	ring, err := newRing(ctx, s.arena, s.budget, s.cfg.Slots, s.cfg.SlotBytes, s.cfg.AllocWait)
+	ring, err := newRing(ctx, s.arena, s.budget, s.cfg.Slots, s.cfg.MaxSlots, s.cfg.SlotBytes, s.cfg.AllocWait)
 	if err != nil {
 		it.Close()
 		s.backends.release(br)
 		return "", Stats{}, err
 	}
-	ss := newSession(newID(), owner.ID, it, ring, s.cfg.Slots, s.cfg.Metrics)
+	ss := newSession(newID(), owner.ID, it, ring, s.cfg.Metrics)
 	ss.onClose = func() { s.backends.release(br) }
 	ss.peer, ss.source, ss.spec = owner.Peer, source, spec
 	if err := s.insert(owner, ss); err != nil {

@@ -32,25 +32,28 @@ import (
 // it cannot do knowingly: no batch could come). So a client that times out
 // calls loses no slot and never waits for good.
 type session struct {
-	id      string
-	owner   string // Owner.ID
-	peer    string // Owner.Peer
-	source  string
-	spec    Spec
-	it      *Iterator
-	ring    *Ring
-	filled  chan *Delivery
-	primed  chan struct{} // closed once the ring is full, the filler ends, or primeWait passed
-	prime   sync.Once
-	opened  time.Time
-	state   atomic.Int32 // fillerIterating, or a Cause the filler waits on
-	err     error        // the filler's, valid once filled is closed
-	cancel  context.CancelFunc
-	done    chan struct{}
-	closed  sync.Once
-	onClose func()       // after the ring is freed (releases the backend)
-	used    atomic.Int64 // unix nanos of the last call
-	m       *Metrics
+	id     string
+	owner  string // Owner.ID
+	peer   string // Owner.Peer
+	source string
+	spec   Spec
+	it     *Iterator
+	ring   *Ring
+	filled chan *Delivery
+	primed chan struct{} // closed once the ring is full, the filler ends, or primeWait passed
+	prime  sync.Once
+	opened time.Time
+	state  atomic.Int32 // fillerIterating, or a Cause the filler waits on
+	// ringFull says the filler waited for a turn since the consumer last
+	// found no batch ready; grow asks the filler to add a slot.
+	ringFull, grow atomic.Bool
+	err            error // the filler's, valid once filled is closed
+	cancel         context.CancelFunc
+	done           chan struct{}
+	closed         sync.Once
+	onClose        func()       // after the ring is freed (releases the backend)
+	used           atomic.Int64 // unix nanos of the last call
+	m              *Metrics
 
 	mu     sync.Mutex
 	gone   bool // closed: what a call still brings back is released at once
@@ -70,10 +73,10 @@ type heldDelivery struct {
 
 const fillerIterating = -1
 
-func newSession(id, owner string, it *Iterator, ring *Ring, slots int, m *Metrics) *session {
+func newSession(id, owner string, it *Iterator, ring *Ring, m *Metrics) *session {
 	ctx, cancel := context.WithCancel(context.Background())
 	ss := &session{
-		id: id, owner: owner, it: it, ring: ring, filled: make(chan *Delivery, slots),
+		id: id, owner: owner, it: it, ring: ring, filled: make(chan *Delivery, ring.Max()),
 		cancel: cancel, done: make(chan struct{}), held: map[string]heldDelivery{}, m: m,
 		redone: make(chan struct{}, 1), primed: make(chan struct{}), opened: time.Now(),
 	}
@@ -113,7 +116,11 @@ func (ss *session) fill(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		d, err := ss.ring.Fill(ctx, b, func() { ss.state.Store(int32(CauseRing)) })
+		ss.growIfAsked()
+		d, err := ss.ring.Fill(ctx, b, func() {
+			ss.ringFull.Store(true)
+			ss.state.Store(int32(CauseRing))
+		})
 		b.Release() // copied (or failed): its memory goes back to the read-ahead budget
 		if err != nil {
 			return err
@@ -133,10 +140,28 @@ func (ss *session) fill(ctx context.Context) error {
 			t := time.AfterFunc(primeWait(time.Since(ss.opened)), ss.markPrimed)
 			defer t.Stop()
 		}
-		if len(ss.filled) == cap(ss.filled) {
+		if len(ss.filled) >= ss.ring.Slots() {
 			ss.markPrimed() // every turn of the ring is taken: nothing more can come before the consumer takes one
 		}
 	}
+}
+
+// growIfAsked adds a ring slot when the consumer asked for one (next): it
+// found no batch ready although the ring had been full since it last did,
+// so the ring, not storage, bounded its lead. A slot more lets the filler
+// run further ahead while the consumer is slower than storage, and absorb
+// a longer hiccup after; the ring grows this way up to --ring-slots-max.
+func (ss *session) growIfAsked() {
+	if ss.grow.Swap(false) && ss.ring.Grow() {
+		ss.m.RingGrown.Inc()
+	}
+}
+
+// behind says the consumer has caught up with the producer: no batch is
+// in the ring or ready to be copied into it, and the filler waits for the
+// iterator (storage or parsing), not for a turn of the ring.
+func (ss *session) behind() bool {
+	return len(ss.filled) == 0 && len(ss.it.batches) == 0 && ss.state.Load() == fillerIterating
 }
 
 // cause is what a consumer that starts waiting now is waiting on.
@@ -155,6 +180,9 @@ func (ss *session) next(ctx context.Context) (*Delivery, string, Stats, error) {
 	start, cause := time.Now(), ss.cause()
 	select {
 	case <-ss.primed: // at once after the first batch
+		if ss.behind() && ss.ringFull.Swap(false) {
+			ss.grow.Store(true) // the consumer caught up with a ring that had been full
+		}
 	case <-ctx.Done():
 		return nil, "", ss.stats(), ctx.Err()
 	}
@@ -229,7 +257,7 @@ func (ss *session) handAs(ctx context.Context, d *Delivery, seq uint64) (*Delive
 func (ss *session) stuck() (*Delivery, uint64) {
 	ss.mu.Lock()
 	defer ss.mu.Unlock()
-	if len(ss.held) < cap(ss.ring.turns) {
+	if len(ss.held) < ss.ring.Slots() {
 		return nil, 0
 	}
 	var oldest string

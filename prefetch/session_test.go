@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -128,5 +129,92 @@ func TestCachedStartDoesNotWaitForTheRing(t *testing.T) {
 	}
 	if took := time.Since(opened); took >= minPrimeWait {
 		t.Fatalf("first batch from the cache after %v; want it before the ring could fill (%v)", took, minPrimeWait)
+	}
+}
+
+// orderedGate lets reads of the first n shards of an order through, n
+// raised by the test.
+type orderedGate struct {
+	storage.Backend
+	order map[string]int
+	n     *atomic.Int32
+}
+
+func newOrderedGate(t *testing.T, b storage.Backend) orderedGate {
+	all, err := ListShards(context.Background(), b, "", WebDataset)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := orderedGate{b, map[string]int{}, new(atomic.Int32)}
+	for i, sh := range ShardsForRank(all, 0, 0, 0, 1) {
+		g.order[sh.Name] = i
+	}
+	return g
+}
+
+func (g orderedGate) Get(ctx context.Context, name string, off, n int64) (io.ReadCloser, error) {
+	for g.order[name] >= int(g.n.Load()) {
+		select {
+		case <-time.After(time.Millisecond):
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	return g.Backend.Get(ctx, name, off, n)
+}
+
+// A trainer that catches up with a ring that had been full (it was
+// slower than storage, then faster) gets a slot more, up to MaxSlots; a
+// ring never grows into the room a new session's ring needs.
+func TestRingGrowsWhenTheTrainerCatchesUp(t *testing.T) {
+	ctx := context.Background()
+	gate := newOrderedGate(t, posixDataset(t, 12, 4, 1000))
+	// Room for two starting rings of 2 and one slot more: the first ring
+	// may grow by one slot only.
+	s := newService(t, gate, ServiceConfig{Slots: 2, MaxSlots: 4, SlotBytes: 1 << 20, ArenaBytes: 5 << 20})
+	id := openPairs(t, s)
+	ss, _ := s.session(Owner{}, id)
+	var release []string
+	take := func(n int) { // n batches, each as soon as it is ready
+		t.Helper()
+		for range n {
+			_, lease, _, err := s.Next(ctx, Owner{}, id, release)
+			if err != nil {
+				t.Fatal(err)
+			}
+			release = []string{lease}
+		}
+	}
+	for round, want := range []int{3, 3} {
+		gate.n.Add(2) // a shard: 2 batches, the ring's 2 slots; another for the filler to wait on the ring with
+		waitFor(t, "the filler to wait on a full ring", func() bool { return ss.state.Load() == int32(CauseRing) })
+		take(4) // the trainer takes all 4, then finds the ring empty
+		done := make(chan error, 1)
+		go func() {
+			_, lease, _, err := s.Next(ctx, Owner{}, id, release)
+			release = []string{lease}
+			done <- err
+		}()
+		waitFor(t, "the trainer to ask for a batch not ready", func() bool { return ss.grow.Load() })
+		gate.n.Add(1)
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		if got := ss.ring.Slots(); got != want {
+			t.Fatalf("round %d: ring of %d slots; want %d", round, got, want)
+		}
+		take(1)
+	}
+	if _, _, err := s.OpenSession(ctx, Owner{}, src, Spec{BatchSize: 2, WorldSize: 1}); err != nil {
+		t.Fatalf("a second session beside a grown ring: %v", err)
+	}
+}
+
+func waitFor(t *testing.T, what string, ok func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !ok(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("10s waiting for %s", what)
+		}
 	}
 }

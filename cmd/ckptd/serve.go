@@ -53,6 +53,7 @@ type serveOptions struct {
 	DrainDelay      time.Duration
 	CacheBytes      byteSize
 	RingSlots       int
+	RingSlotsMax    int
 	SlotBytes       byteSize
 	RestartWait     time.Duration
 	DatasetArena    byteSize
@@ -103,6 +104,7 @@ func newServeCmd() *cobra.Command {
 	_ = fs.MarkHidden("debug-drain-delay")
 	fs.Var(&o.CacheBytes, "cache-bytes", "dataset shard cache budget, shared by every rank on the node (0 disables it)")
 	fs.IntVar(&o.RingSlots, "ring-slots", prefetch.DefaultSlots, "batches each dataset session delivers ahead of the trainer")
+	fs.IntVar(&o.RingSlotsMax, "ring-slots-max", 0, "slots a session's ring may grow to when its trainer catches up with a full ring, in room of --dataset-arena-bytes that leaves a whole ring free (default 2 x --ring-slots; --ring-slots: never grow)")
 	fs.Var(&o.SlotBytes, "slot-bytes", "size of a ring slot in the arena (a larger batch gets a region of its own)")
 	fs.StringSliceVar(&o.DatasetAllow, "dataset-allow", nil, "folders and s3://bucket/prefix sources trainers may read datasets from (repeat or comma-separate; none: datasets are off); the checkpoint store is not implied")
 	fs.Var(&o.ReadAhead, "read-ahead-bytes", "memory each dataset session may hold: shards read ahead, its shuffle window (bounded by half of it), batches being assembled (default 256MiB)")
