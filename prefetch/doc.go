@@ -60,10 +60,25 @@
 // most S = dataset-arena-bytes / (ring-slots × slot-bytes) are open, and
 // the service holds at most (Service.MemoryCeiling)
 //
-//	cache-bytes + S × (read-ahead-bytes + ring-slots × 4 MiB + 256 KiB)
+//	cache-bytes + S × (read-ahead-bytes + 256 KiB) + dataset-arena-bytes / slot-bytes × 4 MiB
 //
-// where 4 MiB bounds the keys and names of a delivery and 256 KiB is a
-// streamed shard's read buffer; the rings themselves are arena memory.
+// where 256 KiB is a streamed shard's read buffer and 4 MiB bounds the
+// keys and names of a delivery, one per ring slot however the rings grow;
+// the rings themselves are arena memory.
+//
+// # Pacing
+//
+// The read-ahead budget is a ceiling. Within it, an iteration holds as
+// many shard bytes ahead as its consumer needs (pacer): twice the
+// consumption rate times a storage read's duration, at least two shards,
+// measured as it goes; so a consumer slower than storage holds a couple
+// of shards, and one as fast as storage the whole budget. A ring starts
+// with ring-slots slots and grows by one, up to ring-slots-max, each time
+// its consumer catches up with it after it had been full (it found no
+// batch ready and the filler waiting for the iterator): the ring, not
+// storage, had bounded the consumer's lead. A ring grows only into room
+// of the datasets' share that leaves a starting ring free, so growth
+// never keeps the next session from opening.
 // The Go runtime may hold up to GOGC% more as garbage unless GOMEMLIMIT
 // caps it. (The listing of a dataset, a name per object, is not bounded.)
 //

@@ -129,6 +129,7 @@ type Iterator struct {
 	last    *Batch // the batch Next returned last, released by the next call
 	// The halves of the read-ahead budget: shards read ahead, samples.
 	shardsMem, samplesMem *meter
+	pace                  *pacer // how much of shardsMem to use
 
 	mu    sync.Mutex
 	stats Stats
@@ -188,6 +189,7 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 		unpin:  cache.pin(b, prefix), // samples may alias the dataset's cached shards
 		unplan: unplan, advance: advance,
 		shardsMem: newMeter(opts.readAhead()), samplesMem: newMeter(opts.samples()),
+		pace: newPacer(opts.readAhead()),
 	}
 	it.stats.Shards = len(mine)
 	it.delivered, it.totals, it.folded = NewDelivered(), map[string]int{}, spec.Start
@@ -272,11 +274,11 @@ func (it *Iterator) count(f func(*Stats)) {
 	f(&it.stats)
 }
 
-// fetchAll reads shards ahead, in order, bounded by bytes in flight and
-// (through queue's capacity) by concurrent reads, and queues them for
-// assemble, which returns each shard's weight when done with it. Shards
-// larger than streamAbove are queued to be streamed, not read. It closes
-// queue.
+// fetchAll reads shards ahead, in order, bounded by bytes in flight (the
+// pacer's target within the budget) and (through queue's capacity) by
+// concurrent reads, and queues them for assemble, which returns each
+// shard's weight when done with it. Shards larger than streamAbove are
+// queued to be streamed, not read. It closes queue.
 func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix string, cache *Cache, shards []Shard, opts Options, queue chan<- *pendingShard) {
 	defer close(queue)
 	budget := it.shardsMem
@@ -288,13 +290,23 @@ func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix stri
 			close(p.done)
 		} else {
 			w := max(sh.Size, 1)
+			if err := it.pace.wait(ctx, w, budget.used.Load); err != nil {
+				return
+			}
 			if err := budget.Acquire(ctx, w); err != nil {
 				return
 			}
-			p.release = func() { budget.Release(w) }
+			p.release = func() {
+				budget.Release(w)
+				it.pace.consumedShard(w)
+			}
 			go func() {
 				defer close(p.done)
+				start := time.Now()
 				p.data, p.held, p.how, p.err = cache.Get(ctx, b, prefix, sh, func() { p.miss.Store(true) })
+				if p.how != fromCache && p.err == nil {
+					it.pace.fetched(time.Since(start))
+				}
 			}()
 		}
 		select {
