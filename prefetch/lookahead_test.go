@@ -115,3 +115,49 @@ func TestLookaheadSharedDataset(t *testing.T) {
 		t.Errorf("lookahead read %d shards, keep-what-you-hold %d", reads[true], reads[false])
 	}
 }
+
+// One node of a two-node job reads a different half of the dataset each
+// epoch (its rank's shards). Keeping what the cache holds hits only what
+// the halves share with the first one; the lookahead knows the rank's
+// next epoch and keeps what it will read: strictly fewer storage reads
+// once the node's half does not fit.
+func TestLookaheadOneNodeOfTwo(t *testing.T) {
+	const shards, epochs = 40, 5
+	for _, ratio := range []float64{1.5, 2, 4} {
+		reads := map[bool]int64{}
+		fit := int(float64(shards) / ratio)
+		var seq []string
+		for _, ahead := range []bool{false, true} {
+			b := dataset(t, shards, 4, 10_000)
+			c := newCache(t, int64(fit)*shardSize(t, b))
+			if !ahead {
+				c.ahead = nil
+			}
+			all, err := ListShards(context.Background(), b, "train/", WebDataset)
+			if err != nil {
+				t.Fatal(err)
+			}
+			seq = seq[:0]
+			for epoch := range int64(epochs) {
+				for _, sh := range ShardsForRank(all, 0, epoch, 0, 2) {
+					seq = append(seq, sh.Name)
+				}
+				before := c.StorageReads()
+				keys(t, b, c, Spec{BatchSize: 8, WorldSize: 2, Rank: 0, Epoch: epoch, ShuffleWindow: 1})
+				if epoch > 0 {
+					reads[ahead] += c.StorageReads() - before
+				}
+			}
+		}
+		var best int64
+		for _, m := range beladyMisses(seq, fit, shards/2)[1:] {
+			best += int64(m)
+		}
+		per := float64((epochs - 1) * shards / 2)
+		t.Logf("dataset %.1fx the cache, one node of two: hit rate epochs 1-%d: lookahead %.0f%%, keep-what-you-hold %.0f%%, optimum %.0f%%",
+			ratio, epochs-1, 100*(1-float64(reads[true])/per), 100*(1-float64(reads[false])/per), 100*(1-float64(best)/per))
+		if reads[true] >= reads[false] {
+			t.Errorf("dataset %.1fx the cache: lookahead read %d shards, keep-what-you-hold %d", ratio, reads[true], reads[false])
+		}
+	}
+}

@@ -26,6 +26,10 @@ type OpenFunc func(ctx context.Context, url string) (storage.Backend, error)
 type ServiceConfig struct {
 	// CacheBytes is the shard cache budget shared by all sessions.
 	CacheBytes int64
+	// NoLookahead makes a full cache keep what it holds instead of
+	// following the open sessions' known orders (Belady's rule): the
+	// policy the lookahead replaced, kept to compare against.
+	NoLookahead bool
 	// Slots and SlotBytes size each session's ring (defaults 4 × 16 MiB).
 	Slots     int
 	SlotBytes int64
@@ -136,6 +140,9 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	c, err := NewCache(cfg.CacheBytes)
 	if err != nil {
 		return nil, err
+	}
+	if cfg.NoLookahead {
+		c.ahead = nil
 	}
 	s := &Service{
 		cfg: cfg, allow: allow, arena: a, budget: newArenaBudget(cfg.ArenaBytes), cache: c, stop: make(chan struct{}),

@@ -43,7 +43,7 @@ const (
 // prefetchConfig is the dataset service's configuration from the flags.
 func (o *serveOptions) prefetchConfig() prefetch.ServiceConfig {
 	return prefetch.ServiceConfig{
-		CacheBytes: int64(o.CacheBytes), Slots: o.RingSlots, MaxSlots: o.RingSlotsMax, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
+		CacheBytes: int64(o.CacheBytes), NoLookahead: !o.CacheLookahead, Slots: o.RingSlots, MaxSlots: o.RingSlotsMax, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
 		ArenaBytes: int64(o.DatasetArena), Allow: o.DatasetAllow,
 		Options: prefetch.Options{ReadAheadBytes: int64(o.ReadAhead)},
 	}

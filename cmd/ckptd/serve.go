@@ -52,6 +52,7 @@ type serveOptions struct {
 	Grace           time.Duration
 	DrainDelay      time.Duration
 	CacheBytes      byteSize
+	CacheLookahead  bool
 	RingSlots       int
 	RingSlotsMax    int
 	SlotBytes       byteSize
@@ -103,6 +104,7 @@ func newServeCmd() *cobra.Command {
 	fs.DurationVar(&o.DrainDelay, "debug-drain-delay", 0, "delay every drain (for crash tests)")
 	_ = fs.MarkHidden("debug-drain-delay")
 	fs.Var(&o.CacheBytes, "cache-bytes", "dataset shard cache budget, shared by every rank on the node (0 disables it)")
+	fs.BoolVar(&o.CacheLookahead, "cache-lookahead", true, "when the cache is full, evict the shard the open sessions read farthest in the future (false: keep what the cache holds)")
 	fs.IntVar(&o.RingSlots, "ring-slots", prefetch.DefaultSlots, "batches each dataset session delivers ahead of the trainer")
 	fs.IntVar(&o.RingSlotsMax, "ring-slots-max", 0, "slots a session's ring may grow to when its trainer catches up with a full ring, in room of --dataset-arena-bytes that leaves a whole ring free (default 2 x --ring-slots; --ring-slots: never grow)")
 	fs.Var(&o.SlotBytes, "slot-bytes", "size of a ring slot in the arena (a larger batch gets a region of its own)")
