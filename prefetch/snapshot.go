@@ -23,6 +23,10 @@ type SessionSnapshot struct {
 	Epoch     int64
 	LastUsed  time.Time
 	Stats     Stats
+	// RingSlots of RingMax; ReadAhead bytes of shards held ahead, of
+	// ReadAheadTarget (the pacer's).
+	RingSlots, RingMax         int
+	ReadAhead, ReadAheadTarget int64
 }
 
 // Snapshot returns the service's sessions, oldest use first.
@@ -34,6 +38,8 @@ func (s *Service) Snapshot() Snapshot {
 		snap.Sessions = append(snap.Sessions, SessionSnapshot{
 			Peer: ss.peer, Source: ss.source, Rank: ss.spec.Rank, WorldSize: ss.spec.WorldSize,
 			Epoch: ss.spec.Epoch, LastUsed: ss.lastUsed(), Stats: ss.it.Stats(),
+			RingSlots: ss.ring.Slots(), RingMax: ss.ring.Max(),
+			ReadAhead: ss.it.shardsMem.used.Load(), ReadAheadTarget: ss.it.pace.target(),
 		})
 	}
 	slices.SortFunc(snap.Sessions, func(a, b SessionSnapshot) int { return a.LastUsed.Compare(b.LastUsed) })

@@ -18,8 +18,10 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
 var arenas atomic.Int64
@@ -503,4 +505,44 @@ func peakRSS(t *testing.T, pid int) int64 {
 	}
 	t.Fatal("no VmHWM in /proc/<pid>/status")
 	return 0
+}
+
+// `ckptd status` shows each dataset session's ring (slots now, and what
+// it may grow to) and its read-ahead (held, and the pacer's target).
+func TestStatusShowsDatasetRings(t *testing.T) {
+	data := t.TempDir()
+	writeShards(t, data, 4, 10)
+	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--slot-bytes", "64KiB", "--ring-slots", "2", "--ring-slots-max", "5")
+	ds, err := d.client().Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ds.Close(context.Background())
+	if _, err := ds.Next(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	out, stderr, err := ckptdCLI(t, "status", "--socket", d.socket, "--json")
+	if err != nil {
+		t.Fatalf("ckptd status --json: %v\n%s", err, stderr)
+	}
+	var st pb.DaemonStatus
+	if err := protojson.Unmarshal([]byte(out), &st); err != nil {
+		t.Fatalf("not a DaemonStatus: %v\n%s", err, out)
+	}
+	if len(st.GetDatasets()) != 1 {
+		t.Fatalf("%d dataset sessions in the status; want 1", len(st.GetDatasets()))
+	}
+	s := st.GetDatasets()[0]
+	if s.GetRingSlots() != 2 || s.GetRingSlotsMax() != 5 || s.GetReadAheadTarget() <= 0 {
+		t.Fatalf("dataset session %v: want a ring of 2 of 5 slots and a read-ahead target", s)
+	}
+	out, stderr, err = ckptdCLI(t, "status", "--socket", d.socket)
+	if err != nil {
+		t.Fatalf("ckptd status: %v\n%s", err, stderr)
+	}
+	for _, want := range []string{"DATASETS (1)", "RING SLOTS", "2 of 5", "READ AHEAD"} {
+		if !strings.Contains(out, want) {
+			t.Fatalf("ckptd status lacks %q:\n%s", want, out)
+		}
+	}
 }

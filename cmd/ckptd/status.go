@@ -156,10 +156,11 @@ func printDatasets(w io.Writer, ds []*pb.DatasetState) {
 	if len(ds) == 0 {
 		return
 	}
-	fmt.Fprintln(w, "PEER\tSOURCE\tRANK\tEPOCH\tIDLE\tCACHE HITS/MISSES")
+	fmt.Fprintln(w, "PEER\tSOURCE\tRANK\tEPOCH\tIDLE\tCACHE HITS/MISSES\tRING SLOTS\tREAD AHEAD")
 	for _, d := range ds {
-		fmt.Fprintf(w, "%s\t%s\t%d/%d\t%d\t%s\t%d/%d\n", orDash(d.GetPeer()), d.GetSource(), d.GetRank(), d.GetWorldSize(),
-			d.GetEpoch(), seconds(d.GetIdleSeconds()), d.GetStats().GetCacheHits(), d.GetStats().GetCacheMisses())
+		fmt.Fprintf(w, "%s\t%s\t%d/%d\t%d\t%s\t%d/%d\t%d of %d\t%s of %s\n", orDash(d.GetPeer()), d.GetSource(), d.GetRank(), d.GetWorldSize(),
+			d.GetEpoch(), seconds(d.GetIdleSeconds()), d.GetStats().GetCacheHits(), d.GetStats().GetCacheMisses(),
+			d.GetRingSlots(), d.GetRingSlotsMax(), human(d.GetReadAheadBytes()), human(d.GetReadAheadTarget()))
 	}
 }
 

@@ -72,7 +72,8 @@ func (d *Daemon) GetStatus(ctx context.Context, _ *pb.GetStatusRequest) (*pb.Dae
 	for _, s := range ps.Sessions {
 		st.Datasets = append(st.Datasets, &pb.DatasetState{Peer: s.Peer, Source: s.Source, Rank: int32(s.Rank),
 			WorldSize: int32(s.WorldSize), Epoch: s.Epoch, IdleSeconds: now.Sub(s.LastUsed).Seconds(),
-			Stats: toPrefetchStats(s.Stats)})
+			Stats: toPrefetchStats(s.Stats), RingSlots: int32(s.RingSlots), RingSlotsMax: int32(s.RingMax),
+			ReadAheadBytes: s.ReadAhead, ReadAheadTarget: s.ReadAheadTarget})
 	}
 	return st, nil
 }

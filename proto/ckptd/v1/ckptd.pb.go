@@ -2827,16 +2827,23 @@ func (x *LeaseState) GetJournaled() bool {
 }
 
 type DatasetState struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Peer          string                 `protobuf:"bytes,1,opt,name=peer,proto3" json:"peer,omitempty"`
-	Source        string                 `protobuf:"bytes,2,opt,name=source,proto3" json:"source,omitempty"`
-	Rank          int32                  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
-	WorldSize     int32                  `protobuf:"varint,4,opt,name=world_size,json=worldSize,proto3" json:"world_size,omitempty"`
-	Epoch         int64                  `protobuf:"varint,5,opt,name=epoch,proto3" json:"epoch,omitempty"`
-	IdleSeconds   float64                `protobuf:"fixed64,6,opt,name=idle_seconds,json=idleSeconds,proto3" json:"idle_seconds,omitempty"`
-	Stats         *PrefetchStats         `protobuf:"bytes,7,opt,name=stats,proto3" json:"stats,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Peer        string                 `protobuf:"bytes,1,opt,name=peer,proto3" json:"peer,omitempty"`
+	Source      string                 `protobuf:"bytes,2,opt,name=source,proto3" json:"source,omitempty"`
+	Rank        int32                  `protobuf:"varint,3,opt,name=rank,proto3" json:"rank,omitempty"`
+	WorldSize   int32                  `protobuf:"varint,4,opt,name=world_size,json=worldSize,proto3" json:"world_size,omitempty"`
+	Epoch       int64                  `protobuf:"varint,5,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	IdleSeconds float64                `protobuf:"fixed64,6,opt,name=idle_seconds,json=idleSeconds,proto3" json:"idle_seconds,omitempty"`
+	Stats       *PrefetchStats         `protobuf:"bytes,7,opt,name=stats,proto3" json:"stats,omitempty"`
+	// The session's ring: slots now, and what it may grow to.
+	RingSlots    int32 `protobuf:"varint,8,opt,name=ring_slots,json=ringSlots,proto3" json:"ring_slots,omitempty"`
+	RingSlotsMax int32 `protobuf:"varint,9,opt,name=ring_slots_max,json=ringSlotsMax,proto3" json:"ring_slots_max,omitempty"`
+	// Shard bytes read ahead now, and the pacer's target for them (within
+	// the read-ahead part of --read-ahead-bytes).
+	ReadAheadBytes  int64 `protobuf:"varint,10,opt,name=read_ahead_bytes,json=readAheadBytes,proto3" json:"read_ahead_bytes,omitempty"`
+	ReadAheadTarget int64 `protobuf:"varint,11,opt,name=read_ahead_target,json=readAheadTarget,proto3" json:"read_ahead_target,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *DatasetState) Reset() {
@@ -2916,6 +2923,34 @@ func (x *DatasetState) GetStats() *PrefetchStats {
 		return x.Stats
 	}
 	return nil
+}
+
+func (x *DatasetState) GetRingSlots() int32 {
+	if x != nil {
+		return x.RingSlots
+	}
+	return 0
+}
+
+func (x *DatasetState) GetRingSlotsMax() int32 {
+	if x != nil {
+		return x.RingSlotsMax
+	}
+	return 0
+}
+
+func (x *DatasetState) GetReadAheadBytes() int64 {
+	if x != nil {
+		return x.ReadAheadBytes
+	}
+	return 0
+}
+
+func (x *DatasetState) GetReadAheadTarget() int64 {
+	if x != nil {
+		return x.ReadAheadTarget
+	}
+	return 0
 }
 
 type PersistRequest struct {
@@ -3650,7 +3685,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"ageSeconds\x12,\n" +
 	"\x12expires_in_seconds\x18\x06 \x01(\x01R\x10expiresInSeconds\x12,\n" +
 	"\x06target\x18\a \x01(\v2\x14.ckptd.v1.SaveTargetR\x06target\x12\x1c\n" +
-	"\tjournaled\x18\b \x01(\bR\tjournaled\"\xd5\x01\n" +
+	"\tjournaled\x18\b \x01(\bR\tjournaled\"\xf0\x02\n" +
 	"\fDatasetState\x12\x12\n" +
 	"\x04peer\x18\x01 \x01(\tR\x04peer\x12\x16\n" +
 	"\x06source\x18\x02 \x01(\tR\x06source\x12\x12\n" +
@@ -3659,7 +3694,13 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"world_size\x18\x04 \x01(\x05R\tworldSize\x12\x14\n" +
 	"\x05epoch\x18\x05 \x01(\x03R\x05epoch\x12!\n" +
 	"\fidle_seconds\x18\x06 \x01(\x01R\vidleSeconds\x12-\n" +
-	"\x05stats\x18\a \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats\"P\n" +
+	"\x05stats\x18\a \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats\x12\x1d\n" +
+	"\n" +
+	"ring_slots\x18\b \x01(\x05R\tringSlots\x12$\n" +
+	"\x0ering_slots_max\x18\t \x01(\x05R\fringSlotsMax\x12(\n" +
+	"\x10read_ahead_bytes\x18\n" +
+	" \x01(\x03R\x0ereadAheadBytes\x12*\n" +
+	"\x11read_ahead_target\x18\v \x01(\x03R\x0freadAheadTarget\"P\n" +
 	"\x0ePersistRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x18\n" +

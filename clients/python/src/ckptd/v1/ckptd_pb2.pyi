@@ -478,7 +478,7 @@ class LeaseState(_message.Message):
     def __init__(self, id_prefix: _Optional[str] = ..., kind: _Optional[str] = ..., peer: _Optional[str] = ..., bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., target: _Optional[_Union[SaveTarget, _Mapping]] = ..., journaled: _Optional[bool] = ...) -> None: ...
 
 class DatasetState(_message.Message):
-    __slots__ = ("peer", "source", "rank", "world_size", "epoch", "idle_seconds", "stats")
+    __slots__ = ("peer", "source", "rank", "world_size", "epoch", "idle_seconds", "stats", "ring_slots", "ring_slots_max", "read_ahead_bytes", "read_ahead_target")
     PEER_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -486,6 +486,10 @@ class DatasetState(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    RING_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RING_SLOTS_MAX_FIELD_NUMBER: _ClassVar[int]
+    READ_AHEAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_AHEAD_TARGET_FIELD_NUMBER: _ClassVar[int]
     peer: str
     source: str
     rank: int
@@ -493,7 +497,11 @@ class DatasetState(_message.Message):
     epoch: int
     idle_seconds: float
     stats: PrefetchStats
-    def __init__(self, peer: _Optional[str] = ..., source: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., stats: _Optional[_Union[PrefetchStats, _Mapping]] = ...) -> None: ...
+    ring_slots: int
+    ring_slots_max: int
+    read_ahead_bytes: int
+    read_ahead_target: int
+    def __init__(self, peer: _Optional[str] = ..., source: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., stats: _Optional[_Union[PrefetchStats, _Mapping]] = ..., ring_slots: _Optional[int] = ..., ring_slots_max: _Optional[int] = ..., read_ahead_bytes: _Optional[int] = ..., read_ahead_target: _Optional[int] = ...) -> None: ...
 
 class PersistRequest(_message.Message):
     __slots__ = ("job", "step", "attempt")
