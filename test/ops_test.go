@@ -1,15 +1,18 @@
 package test
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/encoding/protojson"
 
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
@@ -156,6 +159,32 @@ func TestStatus(t *testing.T) {
 	for _, want := range []string{"storage", "ready", "SAVES (2)", "LEASES (2)", "DATASETS (0)", me, "staging"} {
 		if !strings.Contains(out, want) {
 			t.Fatalf("ckptd status lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+// serve --nice N runs every thread of the daemon N nice levels below the
+// test's own, so that a trainer beside it wins a contended core.
+func TestServeNice(t *testing.T) {
+	own, err := unix.Getpriority(unix.PRIO_PROCESS, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := min(20-own+7, 19)
+	d := startDaemon(t, t.TempDir(), "--nice", "7")
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", d.cmd.Process.Pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range tasks {
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", d.cmd.Process.Pid, e.Name()))
+		if err != nil {
+			continue // a thread gone meanwhile
+		}
+		// Field 19 is nice; the name in field 2 is in parentheses and may hold spaces.
+		fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+		if nice, err := strconv.Atoi(fields[16]); err != nil || nice != want {
+			t.Errorf("thread %s runs at nice %s; want %d", e.Name(), fields[16], want)
 		}
 	}
 }

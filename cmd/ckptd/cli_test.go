@@ -277,3 +277,16 @@ func TestUnknownCommandAndVersion(t *testing.T) {
 		t.Fatalf("--version: %v %q", err, out.String())
 	}
 }
+
+// --nice outside 0-19 is a usage error, before anything starts.
+func TestNiceFlag(t *testing.T) {
+	for _, n := range []string{"-1", "20", "99"} {
+		root := newRootCmd()
+		root.SetArgs([]string{"serve", "--nice", n, "--socket", filepath.Join(t.TempDir(), "s.sock")})
+		root.SetOut(io.Discard)
+		err := root.ExecuteContext(t.Context())
+		if exitCode(err) != 2 || !strings.Contains(fmtErr(err), "--nice") {
+			t.Errorf("serve --nice %s: %v (exit %d), want a usage error naming --nice", n, err, exitCode(err))
+		}
+	}
+}

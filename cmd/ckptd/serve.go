@@ -53,6 +53,7 @@ type serveOptions struct {
 	DrainDelay      time.Duration
 	CacheBytes      byteSize
 	CacheLookahead  bool
+	Nice            int
 	RingSlots       int
 	RingSlotsMax    int
 	SlotBytes       byteSize
@@ -104,6 +105,7 @@ func newServeCmd() *cobra.Command {
 	fs.DurationVar(&o.DrainDelay, "debug-drain-delay", 0, "delay every drain (for crash tests)")
 	_ = fs.MarkHidden("debug-drain-delay")
 	fs.Var(&o.CacheBytes, "cache-bytes", "dataset shard cache budget, shared by every rank on the node (0 disables it)")
+	fs.IntVar(&o.Nice, "nice", 10, "run the daemon this many nice levels (0-19) below the priority it starts with, so that the trainer beside it wins a contended core; 0 keeps it. It orders the daemon against processes of its own cgroup only: give a sidecar container a small CPU request instead")
 	fs.BoolVar(&o.CacheLookahead, "cache-lookahead", true, "when the cache is full, evict the shard the open sessions read farthest in the future (false: keep what the cache holds)")
 	fs.IntVar(&o.RingSlots, "ring-slots", prefetch.DefaultSlots, "batches each dataset session delivers ahead of the trainer")
 	fs.IntVar(&o.RingSlotsMax, "ring-slots-max", 0, "slots a session's ring may grow to when its trainer catches up with a full ring, in room of --dataset-arena-bytes that leaves a whole ring free (default 2 x --ring-slots; --ring-slots: never grow)")
@@ -150,6 +152,11 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	}
 	if o.PrintMemory {
 		return printMemory(o, out)
+	}
+	if nice, err := lowerPriority(o.Nice); err != nil {
+		log.Warn("could not lower the daemon's CPU priority (--nice)", "err", err)
+	} else {
+		log.Info("cpu priority", "nice", nice)
 	}
 	peerClient, peerCreds, err := o.peerOptions.setup(ctx, int64(o.HotBytes), log)
 	if err != nil {
@@ -309,6 +316,9 @@ func (o *serveOptions) check() (codec.Codec, int, error) {
 	}
 	if o.PersistInterval < 0 || o.PersistInterval > 0 && o.HotBytes <= 0 {
 		return "", 0, fmt.Errorf("--persist-interval %s: want 0 (off), or more with --hot-bytes for the steps kept in memory only", o.PersistInterval)
+	}
+	if o.Nice < 0 || o.Nice > maxNice {
+		return "", 0, fmt.Errorf("--nice %d: want 0 (keep the priority) to %d", o.Nice, maxNice)
 	}
 	if o.StagingBytes < 4096 {
 		return "", 0, fmt.Errorf("--staging-bytes %d is less than one 4096-byte page", o.StagingBytes)
