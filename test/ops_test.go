@@ -121,14 +121,7 @@ func TestStatus(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	out, stderr, err := ckptdCLI(t, "status", "--socket", d.socket, "--json")
-	if err != nil {
-		t.Fatalf("ckptd status --json: %v\n%s", err, stderr)
-	}
-	var st pb.DaemonStatus
-	if err := protojson.Unmarshal([]byte(out), &st); err != nil {
-		t.Fatalf("not a DaemonStatus: %v\n%s", err, out)
-	}
+	st := statusJSON(t, d.socket)
 	a := st.GetArena()
 	if !st.GetStorageReady() || a.GetSize() != 256<<20 || a.GetStaging() == 0 || a.GetUsed() < a.GetStaging() {
 		t.Fatalf("status: ready %v, arena %v", st.GetStorageReady(), a)
@@ -152,7 +145,7 @@ func TestStatus(t *testing.T) {
 	if !journaled || !leased {
 		t.Fatalf("leases %v: want step 7 journaled and step 8 open", st.GetLeases())
 	}
-	out, stderr, err = ckptdCLI(t, "status", "--socket", d.socket)
+	out, stderr, err := ckptdCLI(t, "status", "--socket", d.socket)
 	if err != nil {
 		t.Fatalf("ckptd status: %v\n%s", err, stderr)
 	}
@@ -187,4 +180,18 @@ func TestServeNice(t *testing.T) {
 			t.Errorf("thread %s runs at nice %s; want %d", e.Name(), fields[16], want)
 		}
 	}
+}
+
+// statusJSON is `ckptd status --json` of the daemon on socket.
+func statusJSON(t *testing.T, socket string) *pb.DaemonStatus {
+	t.Helper()
+	out, stderr, err := ckptdCLI(t, "status", "--socket", socket, "--json")
+	if err != nil {
+		t.Fatalf("ckptd status --json: %v\n%s", err, stderr)
+	}
+	var st pb.DaemonStatus
+	if err := protojson.Unmarshal([]byte(out), &st); err != nil {
+		t.Fatalf("not a DaemonStatus: %v\n%s", err, out)
+	}
+	return &st
 }

@@ -18,10 +18,8 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
-	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
 var arenas atomic.Int64
@@ -521,14 +519,7 @@ func TestStatusShowsDatasetRings(t *testing.T) {
 	if _, err := ds.Next(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
-	out, stderr, err := ckptdCLI(t, "status", "--socket", d.socket, "--json")
-	if err != nil {
-		t.Fatalf("ckptd status --json: %v\n%s", err, stderr)
-	}
-	var st pb.DaemonStatus
-	if err := protojson.Unmarshal([]byte(out), &st); err != nil {
-		t.Fatalf("not a DaemonStatus: %v\n%s", err, out)
-	}
+	st := statusJSON(t, d.socket)
 	if len(st.GetDatasets()) != 1 {
 		t.Fatalf("%d dataset sessions in the status; want 1", len(st.GetDatasets()))
 	}
@@ -536,7 +527,7 @@ func TestStatusShowsDatasetRings(t *testing.T) {
 	if s.GetRingSlots() != 2 || s.GetRingSlotsMax() != 5 || s.GetReadAheadTarget() <= 0 {
 		t.Fatalf("dataset session %v: want a ring of 2 of 5 slots and a read-ahead target", s)
 	}
-	out, stderr, err = ckptdCLI(t, "status", "--socket", d.socket)
+	out, stderr, err := ckptdCLI(t, "status", "--socket", d.socket)
 	if err != nil {
 		t.Fatalf("ckptd status: %v\n%s", err, stderr)
 	}
