@@ -480,3 +480,31 @@ def test_a_closed_client_ends_iteration_with_client_closed(dataset_daemon, data)
     assert list(ds) == []
     with pytest.raises(ckptd.ClientClosedError):
         c.dataset(ckptd.DatasetSpec(folder, batch_size=4))
+
+
+def test_copies_hand_the_gil_over_only_while_the_trainer_has_a_batch(monkeypatch):
+    """copy=True copies yield the GIL every few samples while the trainer has a batch to take.
+
+    Then a trainer waking from its step never waits for a copy to end; a
+    batch the trainer is waiting for is copied in one go.
+    """
+    from types import SimpleNamespace
+
+    from ckptd import _dataset
+    from ckptd.v1 import ckptd_pb2 as pb
+
+    n, size = 40, 8
+    region = bytes(range(256)) * 2
+    samples = [
+        pb.Sample(key=f"k{i}", fields=[pb.SampleField(name="bin", offset=i * size, length=size)])
+        for i in range(n)
+    ]
+    arena = SimpleNamespace(mapping=region)
+    naps: list[float] = []
+    monkeypatch.setattr(_dataset.time, "sleep", naps.append)
+    for ahead, want in ((False, 0), (True, n // _dataset._YIELD_EVERY)):
+        naps.clear()
+        out = _dataset._copied(samples, arena, 0, len(region), "test", lambda a=ahead: a)
+        assert len(naps) == want
+        assert [s["bin"] for s in out] == [region[i * size : (i + 1) * size] for i in range(n)]
+        assert all(type(s["bin"]) is bytes for s in out)
