@@ -18,11 +18,7 @@ func TestSessionReadsAheadFromOpen(t *testing.T) {
 	ctx := context.Background()
 	id := openPairs(t, s)
 	ss, _ := s.session(Owner{}, id)
-	for deadline := time.Now().Add(10 * time.Second); len(ss.filled) < 4; time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d batches in the ring 10s after open, none asked for; want 4", len(ss.filled))
-		}
-	}
+	waitFor(t, "4 batches in the ring, none asked for", func() bool { return len(ss.filled) == 4 })
 	if n := s.cache.StorageReads(); n == 0 {
 		t.Fatal("no shard read before the first request")
 	}

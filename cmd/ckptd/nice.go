@@ -23,13 +23,10 @@ const maxNice = 19
 // started meanwhile by a thread not yet set).
 func lowerPriority(n int) (int, error) {
 	self, err := niceOf(0)
-	if err != nil {
-		return 0, err
+	if err != nil || n == 0 {
+		return self, err
 	}
 	target := min(self+n, maxNice)
-	if n == 0 {
-		return self, nil
-	}
 	for range 5 {
 		behind, err := setThreads(target)
 		if err != nil || !behind {

@@ -241,7 +241,7 @@ EPOCHS = 4  # for the hit rates
 
 
 def hit_rates(
-    binary: str, work: Path, paths: list[Path], cache: int, world: int, lookahead: bool
+    binary: str, work: Path, paths: list[Path], batch: int, cache: int, world: int, lookahead: bool
 ) -> tuple[list[float], list[int]]:
     """Shard hit rate and shards read from storage, epochs 0-3, of rank 0 of world.
 
@@ -253,7 +253,7 @@ def hit_rates(
         rates, misses = [], []
         for epoch in range(EPOCHS):
             spec = ckptd.DatasetSpec(
-                paths[0].parent, batch_size=128, epoch=epoch, rank=0, world_size=world
+                paths[0].parent, batch_size=batch, epoch=epoch, rank=0, world_size=world
             )
             with c.dataset(spec) as ds:
                 for _ in ds:
@@ -423,7 +423,7 @@ def run(args: argparse.Namespace, work: Path, paths: list[Path], binary: str) ->
         f"\ntime to the first batch after a trainer restart (a new connection resumes epoch 1 "
         f"halfway; the daemon's cache warm): {restart * 1e3:.0f} ms (target <= 1 s: {ok})"
     )
-    hit_table(binary, work, paths, total)
+    hit_table(binary, work, paths, args.batch, total)
     return 0
 
 
@@ -470,7 +470,7 @@ def stall_table(
         print(f"  {demand:.2f}x the backend: stall {stall} ({each}), in next() {in_next}")
 
 
-def hit_table(binary: str, work: Path, paths: list[Path], total: int) -> None:
+def hit_table(binary: str, work: Path, paths: list[Path], batch: int, total: int) -> None:
     """Hit rates and storage bytes per epoch, lookahead against keeping what is held."""
     shard = total / len(paths)
     print(
@@ -482,7 +482,9 @@ def hit_table(binary: str, work: Path, paths: list[Path], total: int) -> None:
     for frac in (1.5, 2, 4):
         cache = int(total / frac)
         for world, who in ((1, "all of it"), (2, "half (1 node of 2)")):
-            res = {la: hit_rates(binary, work, paths, cache, world, la) for la in (True, False)}
+            res = {
+                la: hit_rates(binary, work, paths, batch, cache, world, la) for la in (True, False)
+            }
             mib = {la: statistics.mean(m[1:]) * shard / MiB for la, (_, m) in res.items()}
             shown = {la: " ".join(f"{r:.0%}" for r in rates) for la, (rates, _) in res.items()}
             ratio = mib[True] / max(mib[False], 1e-9)
