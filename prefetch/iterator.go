@@ -124,7 +124,7 @@ type Iterator struct {
 	done    chan struct{}
 	closed  sync.Once
 	unpin   func()
-	advance func(i int) // tells the cache's lookahead which shard is read now
+	advance func(i int) // tells the cache's lookahead which shard is consumed now
 	unplan  func()
 	last    *Batch // the batch Next returned last, released by the next call
 	// The halves of the read-ahead budget: shards read ahead, samples.
@@ -157,6 +157,7 @@ type result struct {
 // streamed by the assembler); done is closed when data or err is set.
 type pendingShard struct {
 	shard   Shard
+	index   int // in the iteration's order
 	stream  bool
 	data    []byte
 	held    bool // data is the cache's: samples may alias it
@@ -283,8 +284,7 @@ func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix stri
 	defer close(queue)
 	budget := it.shardsMem
 	for i, sh := range shards {
-		it.advance(i)
-		p := &pendingShard{shard: sh, done: make(chan struct{}), release: func() {}}
+		p := &pendingShard{shard: sh, index: i, done: make(chan struct{}), release: func() {}}
 		if sh.Size > opts.streamAbove() {
 			p.stream, p.how = true, fromStorage
 			close(p.done)

@@ -41,7 +41,8 @@ func (l *lookahead) register(keys []string) *plan {
 	return p
 }
 
-// advance says the iteration is reading its i-th shard.
+// advance says the iteration is consuming its i-th shard: the shards
+// after it, read ahead or not, are still to come.
 func (l *lookahead) advance(p *plan, i int) {
 	if l == nil {
 		return
