@@ -15,6 +15,20 @@ from pathlib import Path
 
 import ckptd
 
+_PIDS: dict[str, int] = {}  # socket -> the pid of the daemon serving it
+
+
+def pid_of(sock: str) -> int:
+    """The pid of the daemon serve() started on sock (for its CPU time)."""
+    return _PIDS[sock]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a running process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 
 @contextlib.contextmanager
 def serve(binary: str, name: str, *args: str) -> Iterator[str]:
@@ -27,8 +41,10 @@ def serve(binary: str, name: str, *args: str) -> Iterator[str]:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_ready(sock, proc, tmp / "ckptd.log")
+        _PIDS[sock] = proc.pid
         yield sock
     finally:
+        _PIDS.pop(sock, None)
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
         log.close()

@@ -31,7 +31,11 @@ is paid once per epoch, and over a real epoch of hours it vanishes. (This
 epoch lasts about 0.4 s, so its first tenth, before the read-ahead has
 built any lead, weighs in the stall far more than in a real one.)
 
-Then the time to the first batch after a trainer restart (a new
+Then the CPU seconds per GB delivered, of the loader's processes (ckptd's
+daemon, DataLoader's workers) and of the consumer's own (ckptd's prefetch
+thread and its copies), against reading the files into one buffer: on a
+node with few spare cores, what the loader takes from the trainer. Then
+the time to the first batch after a trainer restart (a new
 connection resumes epoch 1 halfway, the daemon's cache warm), and, with a
 cache smaller than the dataset (1.5x, 2x, 4x), the shard hit rate per
 epoch and the bytes read from storage per epoch, for the node reading the
@@ -52,6 +56,7 @@ import argparse
 import contextlib
 import io
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -64,7 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from _serve import serve
+from _serve import cpu_seconds, pid_of, serve
 
 import ckptd
 
@@ -126,6 +131,18 @@ def evict(paths: Iterable[Path]) -> None:
             os.close(fd)
 
 
+def self_cpu() -> float:
+    """CPU seconds this process has used (every thread, user + system)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's children that have ended (DataLoader workers)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def raw_read(paths: list[Path]) -> float:
     """Seconds to read every file once, sequentially, into one reused buffer."""
     buf = bytearray(16 * MiB)
@@ -150,6 +167,8 @@ class Run:
     waited: float  # time spent in next(), first batch included
     first: float  # the first batch's wait
     step: float = 0.0  # what one training step (a sleep) takes with no loader running
+    cpu_loader: float = 0.0  # CPU seconds of the loader's own processes (daemon, workers)
+    cpu_trainer: float = 0.0  # CPU seconds of the consumer's process (its threads)
 
     @property
     def rate(self) -> float:
@@ -205,6 +224,28 @@ def calibrate_step(step: float, n: int = 200) -> float:
     for _ in range(n):
         time.sleep(step)
     return (time.perf_counter() - t0) / n
+
+
+def cold_raw(paths: list[Path], cpu: list[float] | None = None) -> float:
+    """raw_read of the files evicted first: the disk's time (its CPU appended to cpu)."""
+    evict(paths)
+    c0 = self_cpu()
+    t = raw_read(paths)
+    if cpu is not None:
+        cpu.append(self_cpu() - c0)
+    return t
+
+
+def wds_run(paths: list[Path], batch: int, step: float, nominal: float, warm: bool = False) -> Run:
+    """One epoch of DataLoader + webdataset, from evicted files or the page cache."""
+    if warm:
+        raw_read(paths)  # into the page cache
+    else:
+        evict(paths)
+    w0, t0 = children_cpu(), self_cpu()
+    r = consume(wds_loader(paths, batch), step, nominal)
+    r.cpu_loader, r.cpu_trainer = children_cpu() - w0, self_cpu() - t0  # workers have ended
+    return r
 
 
 def wds_loader(paths: list[Path], batch: int) -> Iterable[list]:
@@ -284,11 +325,14 @@ def ckptd_epochs(
         with ckptd.Client(sock) as c:
             runs = []
             for epoch in (0, 1):
+                d0, t0 = cpu_seconds(pid_of(sock)), self_cpu()
                 with c.dataset(
                     ckptd.DatasetSpec(paths[0].parent, batch_size=batch, epoch=epoch), copy=copy
                 ) as ds:
-                    runs.append(consume(ds, step, nominal))
+                    r = consume(ds, step, nominal)
                     st = ds.stats()
+                r.cpu_loader, r.cpu_trainer = cpu_seconds(pid_of(sock)) - d0, self_cpu() - t0
+                runs.append(r)
                 want = (len(paths), 0) if epoch == 0 else (0, len(paths))
                 if (st.cache_misses, st.cache_hits) != want:
                     print(f"warning: epoch {epoch} cache misses/hits {st}", file=sys.stderr)
@@ -343,11 +387,9 @@ def run(args: argparse.Namespace, work: Path, paths: list[Path], binary: str) ->
     samples = args.shards * args.per_shard
     per_sample = total / samples
 
-    def cold_raw() -> float:
-        evict(paths)
-        return raw_read(paths)
-
-    t_raw = statistics.median(cold_raw() for _ in range(args.runs))
+    raw_cpu: list[float] = []
+    t_raw = statistics.median(cold_raw(paths, raw_cpu) for _ in range(args.runs))
+    cpu_raw = statistics.median(raw_cpu)
     backend = total / t_raw  # bytes/s
     step = args.batch * per_sample / (args.demand * backend)
 
@@ -358,7 +400,7 @@ def run(args: argparse.Namespace, work: Path, paths: list[Path], binary: str) ->
         and its CPUs' wake-up latency with it: each run's step is sized
         from a read, and its ideal timed, just before it.
         """
-        t = statistics.median(cold_raw() for _ in range(2))
+        t = statistics.median(cold_raw(paths) for _ in range(2))
         st = args.batch * per_sample * t / (demand * total)
         return st, calibrate_step(st, 50)
 
@@ -374,16 +416,9 @@ def run(args: argparse.Namespace, work: Path, paths: list[Path], binary: str) ->
 
     print("DataLoader + webdataset...", file=sys.stderr)
 
-    def wds_run(step_s: float, nom: float, warm: bool = False) -> Run:
-        if warm:
-            raw_read(paths)  # into the page cache
-        else:
-            evict(paths)
-        return consume(wds_loader(paths, args.batch), step_s, nom)
-
-    wds_max = median_run(lambda: wds_run(0.0, 0.0), args.runs)
-    wds_hot = median_run(lambda: wds_run(0.0, 0.0, warm=True), args.runs)
-    wds_step = wds_run(*paced(args.demand))
+    wds_max = median_run(lambda: wds_run(paths, args.batch, 0.0, 0.0), args.runs)
+    wds_hot = median_run(lambda: wds_run(paths, args.batch, 0.0, 0.0, warm=True), args.runs)
+    wds_step = wds_run(paths, args.batch, *paced(args.demand))
 
     print("ckptd...", file=sys.stderr)
     pairs = [ckptd_epochs(binary, work, paths, args.batch, 0.0) for _ in range(args.runs)]
@@ -418,6 +453,12 @@ def run(args: argparse.Namespace, work: Path, paths: list[Path], binary: str) ->
          _vs(zc.rate, wds_max.rate, "") + f"; {zc.rate / wds_hot.rate:.2f}x warm"),
     ])  # fmt: skip
     stall_table(args, step, per_sample, [s_cold, s_warm, z_cold, z_warm, wds_step], sweep)
+    cpu_table(total, cpu_raw, [
+        ("DataLoader(num_workers=2) + webdataset", wds_max),
+        ("ckptd epoch 0 (from storage), copy=True", cold),
+        ("ckptd epoch 1 (from its cache), copy=True", warm),
+        ("ckptd epoch 1 (from its cache), copy=False", zc),
+    ])  # fmt: skip
     ok = "met" if restart <= 1.0 else "NOT met"
     print(
         f"\ntime to the first batch after a trainer restart (a new connection resumes epoch 1 "
@@ -433,6 +474,26 @@ def throughput_table(per_sample: float, rows: list[tuple[str, float, str]]) -> N
           f"{'GB/s':>6}  ratio")  # fmt: skip
     for what, rate, ratio in rows:
         print(f"{what:<58} {rate:>10.0f} {rate * per_sample / 1e9:>6.2f}  {ratio}")
+
+
+def cpu_table(total: int, raw: float, rows: list[tuple[str, Run]]) -> None:
+    """CPU seconds per GB delivered, of the loader's processes and of the consumer's.
+
+    On a node with few spare cores this is what the loader takes from the
+    trainer; the baseline is reading the same files into one buffer.
+    """
+    per = 1e9 / total
+    print(
+        f"\nCPU seconds per GB delivered (user + system; the throughput runs above; "
+        f"ckptd's daemon and DataLoader's workers / the consumer's own process):\n"
+        f"{'loader':<48} {'loader':>7} {'consumer':>9} {'total':>7}  vs raw read"
+    )
+    print(f"{'backend raw read (evicted files, 1 thread)':<48} {'':>7} {'':>9} "
+          f"{raw * per:>7.2f}  1.00x")  # fmt: skip
+    for what, r in rows:
+        both = (r.cpu_loader + r.cpu_trainer) * per
+        print(f"{what:<48} {r.cpu_loader * per:>7.2f} {r.cpu_trainer * per:>9.2f} "
+              f"{both:>7.2f}  {both / (raw * per):.2f}x")  # fmt: skip
 
 
 def stall_table(
