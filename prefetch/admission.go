@@ -85,16 +85,16 @@ func (a *admission) group(g string) *group {
 // reserve books size bytes for key in group g, if the policy admits it.
 // It returns the keys that must be deleted from the cache to make the
 // room (already gone from the books). With next (the open iterations'
-// distances to each key's next read), room is made by Belady's rule;
-// without, from stale groups only.
-func (a *admission) reserve(key, g string, size int64, next func(string) int) (evict []string, ok bool) {
+// distances to each cached key's next read; mine, key's own), room is
+// made by Belady's rule; without, from stale groups only.
+func (a *admission) reserve(key, g string, size int64, next func(string) int, mine int) (evict []string, ok bool) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if size > a.budget {
 		return nil, false
 	}
 	if next != nil {
-		return a.reserveLookahead(key, g, size, next)
+		return a.reserveLookahead(key, g, size, next, mine)
 	}
 	now := a.now()
 	need := a.resident + size - a.budget
@@ -126,9 +126,10 @@ func (a *admission) reserve(key, g string, size int64, next func(string) int) (e
 }
 
 // reserveLookahead makes room by evicting the cached shards read farthest
-// in the future, as long as they are read later than key; when that does
-// not make room, key is not admitted. Call with mu.
-func (a *admission) reserveLookahead(key, g string, size int64, next func(string) int) (evict []string, ok bool) {
+// in the future, as long as they are read later than key (whose next read
+// is mine reads away); when that does not make room, key is not admitted.
+// Call with mu.
+func (a *admission) reserveLookahead(key, g string, size int64, next func(string) int, mine int) (evict []string, ok bool) {
 	need := a.resident + size - a.budget
 	if need > 0 {
 		type cand struct {
@@ -141,7 +142,6 @@ func (a *admission) reserveLookahead(key, g string, size int64, next func(string
 			cands = append(cands, cand{e.key, e.size, next(e.key)})
 		}
 		sort.Slice(cands, func(i, j int) bool { return cands[i].dist > cands[j].dist })
-		mine := next(key)
 		for _, c := range cands {
 			if need <= 0 || c.dist <= mine {
 				break

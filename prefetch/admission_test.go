@@ -16,7 +16,7 @@ func TestAdmission(t *testing.T) {
 	a.now = func() time.Time { return now }
 	reserve := func(key, g string, size int64, want bool) []string {
 		t.Helper()
-		evict, ok := a.reserve(key, g, size, nil)
+		evict, ok := a.reserve(key, g, size, nil, 0)
 		if ok != want || !ok && len(evict) != 0 {
 			t.Fatalf("reserve(%s, %s, %d) = %q, %v; want %v", key, g, size, evict, ok, want)
 		}
@@ -52,7 +52,7 @@ func TestAdmissionConcurrent(t *testing.T) {
 	for g := range 8 {
 		wg.Go(func() {
 			for i := range 100 {
-				a.reserve(fmt.Sprintf("k%d-%d", g, i), "G", 7, nil)
+				a.reserve(fmt.Sprintf("k%d-%d", g, i), "G", 7, nil, 0)
 			}
 		})
 	}

@@ -26,10 +26,6 @@ func (it *Iterator) assemble(ctx context.Context, b storage.Backend, prefix stri
 		mem: it.samplesMem, window: opts.window(), batchLimit: opts.batches(),
 	}
 	for p := range queue {
-		// The lookahead's present is the shard consumed, not the last one
-		// asked for: a cached shard asked for ahead, whose lookup has not
-		// run yet, must not look already read (and so evictable).
-		it.advance(p.index)
 		err := a.shard(p, b, prefix)
 		p.release()
 		if err != nil {

@@ -108,8 +108,9 @@ const (
 // the cache keeps the bytes (else they are the caller's alone). dataset
 // (the source's prefix in b) groups the shards admission ages together.
 // onMiss is called, before any storage read, when the shard is not cached,
-// so the caller can account the wait to storage.
-func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh Shard, onMiss func()) (data []byte, held bool, how fetch, err error) {
+// so the caller can account the wait to storage. at is the read of an
+// iteration's plan this is (readAt{}: none).
+func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh Shard, at readAt, onMiss func()) (data []byte, held bool, how fetch, err error) {
 	c.life.RLock()
 	defer c.life.RUnlock()
 	if c.closed {
@@ -119,8 +120,10 @@ func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh S
 	group := groupOf(b, dataset)
 	if data, ok := c.rc.Get(key); ok {
 		c.adm.used(group)
+		c.ahead.lookedUp(at)
 		return data, true, fromCache, nil
 	}
+	c.ahead.lookedUp(at)
 	onMiss()
 	c.mu.Lock()
 	f, how := c.fills[key], fromFill
@@ -131,7 +134,7 @@ func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh S
 		c.running.Add(1)
 		go func() {
 			defer c.running.Done()
-			c.fill(fctx, f, key, group, b, sh)
+			c.fill(fctx, f, key, group, b, sh, at)
 		}()
 	}
 	f.waiters++
@@ -147,13 +150,13 @@ func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh S
 }
 
 // fill reads a shard and caches it if admission lets it.
-func (c *Cache) fill(ctx context.Context, f *fill, key, group string, b storage.Backend, sh Shard) {
+func (c *Cache) fill(ctx context.Context, f *fill, key, group string, b storage.Backend, sh Shard, at readAt) {
 	defer f.cancel()
 	if data, ok := c.rc.Get(key); ok { // filled since the caller looked
 		f.data, f.held = data, true
 	} else if f.data, f.err = readShard(ctx, b, sh); f.err == nil {
 		c.reads.Add(1)
-		f.held = c.store(key, group, f.data)
+		f.held = c.store(key, group, f.data, at)
 	}
 	c.mu.Lock()
 	if c.fills[key] == f {
@@ -190,16 +193,21 @@ func shardKey(b storage.Backend, sh Shard) string {
 }
 
 // plan registers the shards an iteration will read from b, in order (see
-// lookahead); the returned funcs say it reads the i-th now, and that it
-// ended.
-func (c *Cache) plan(b storage.Backend, shards []Shard) (advance func(i int), done func()) {
+// lookahead); read(i) names its i-th read to Get, and done says it ended.
+func (c *Cache) plan(b storage.Backend, shards []Shard) (read func(i int) readAt, done func()) {
 	keys := make([]string, len(shards))
+	known := map[string]string{} // one key string per shard, however many epochs ahead
 	for i, sh := range shards {
-		keys[i] = shardKey(b, sh)
+		k, ok := known[sh.Name]
+		if !ok {
+			k = shardKey(b, sh)
+			known[sh.Name] = k
+		}
+		keys[i] = k
 	}
 	p := c.ahead.register(keys)
 	var once sync.Once
-	return func(i int) { c.ahead.advance(p, i) }, func() { once.Do(func() { c.ahead.remove(p) }) }
+	return func(i int) readAt { return readAt{p, i} }, func() { once.Do(func() { c.ahead.remove(p) }) }
 }
 
 // pin keeps the cached shards of the dataset under prefix in b from being
@@ -216,10 +224,11 @@ func (c *Cache) pin(b storage.Backend, prefix string) func() {
 // Stores run one at a time, so that one's Set never reaches ristretto
 // before another's Dels have made the room admission counted on
 // (ristretto would then evict on its own).
-func (c *Cache) store(key, group string, data []byte) bool {
+func (c *Cache) store(key, group string, data []byte, at readAt) bool {
 	c.storeMu.Lock()
 	defer c.storeMu.Unlock()
-	evict, ok := c.adm.reserve(key, group, int64(len(data)), c.ahead.distances())
+	next, mine := c.ahead.distances(at, key)
+	evict, ok := c.adm.reserve(key, group, int64(len(data)), next, mine)
 	if !ok {
 		return false
 	}
