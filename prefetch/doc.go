@@ -56,11 +56,15 @@
 // sample larger than the window or a batch part, or a batch larger than
 // R/4, fails with ErrTooLarge (a sample is skipped and counted with
 // skip_corrupt). A shard read nobody waits for any more is cancelled.
-// Sessions need ring slots from the datasets' share of the arena, so at
-// most S = dataset-arena-bytes / (ring-slots × slot-bytes) are open, and
-// the service holds at most (Service.MemoryCeiling)
+// A dataset's listing (and the cache's plan of the epochs ahead) costs a
+// session about 512 bytes and twice the name per shard, within
+// --dataset-list-bytes (Options.ListBytes, L; a larger dataset fails to
+// open, naming the flag). Sessions take ring slots from the datasets'
+// share of the arena before they list or read, so at most
+// S = dataset-arena-bytes / (ring-slots × slot-bytes) are open, and the
+// service holds at most (Service.MemoryCeiling)
 //
-//	cache-bytes + S × (read-ahead-bytes + 256 KiB) + dataset-arena-bytes / slot-bytes × 4 MiB
+//	cache-bytes + S × (R + 256 KiB + L) + dataset-arena-bytes / slot-bytes × 4 MiB
 //
 // where 256 KiB is a streamed shard's read buffer and 4 MiB bounds the
 // keys and names of a delivery, one per ring slot however the rings grow;

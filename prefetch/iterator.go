@@ -24,10 +24,17 @@ type Options struct {
 	// BatchesAhead is how many batches are assembled before the consumer
 	// asks (default 2).
 	BatchesAhead int
+	// ListBytes bounds what the dataset's listing costs the iteration
+	// (default 128 MiB: about 200,000 shards of 60-byte names); see
+	// ListShards.
+	ListBytes int64
 }
 
 // DefaultReadAheadBytes is Options.ReadAheadBytes' default.
 const DefaultReadAheadBytes = 256 << 20
+
+// DefaultListBytes is Options.ListBytes' default.
+const DefaultListBytes = 128 << 20
 
 // minReadAhead keeps the halves of the read-ahead budget useful.
 const minReadAhead = 1 << 20
@@ -42,6 +49,9 @@ func (o *Options) setDefaults() {
 	}
 	if o.BatchesAhead <= 0 {
 		o.BatchesAhead = 2
+	}
+	if o.ListBytes <= 0 {
+		o.ListBytes = DefaultListBytes
 	}
 }
 
@@ -175,7 +185,7 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 		return nil, err
 	}
 	opts.setDefaults()
-	all, err := ListShards(ctx, b, prefix, spec.Format)
+	all, err := ListShards(ctx, b, prefix, spec.Format, opts.ListBytes)
 	if err != nil {
 		return nil, err
 	}

@@ -54,7 +54,7 @@ func TestLookaheadNearOptimal(t *testing.T) {
 		size := shardSize(t, b)
 		fit := int(float64(shards) / ratio)
 		c := newCache(t, int64(fit)*size)
-		all, err := ListShards(context.Background(), b, "train/", WebDataset)
+		all, err := ListShards(context.Background(), b, "train/", WebDataset, DefaultListBytes)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -134,7 +134,7 @@ func TestLookaheadOneNodeOfTwo(t *testing.T) {
 			if !ahead {
 				c.ahead = nil
 			}
-			all, err := ListShards(context.Background(), b, "train/", WebDataset)
+			all, err := ListShards(context.Background(), b, "train/", WebDataset, DefaultListBytes)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -368,3 +368,29 @@ func FuzzWalkTar(f *testing.F) {
 		}
 	})
 }
+
+// A listing that would cost more than its budget stops with ErrTooLarge
+// (naming the flag) as soon as it passes it; one that fits is whole.
+func TestListShardsBudget(t *testing.T) {
+	b := dataset(t, 10, 1, 10)
+	all, err := ListShards(context.Background(), b, "train/", WebDataset, DefaultListBytes)
+	if err != nil || len(all) != 10 {
+		t.Fatalf("listing: %d shards, %v", len(all), err)
+	}
+	var cost int64
+	for _, sh := range all {
+		cost += listCost(sh.Name)
+	}
+	for _, tc := range []struct {
+		budget int64
+		ok     bool
+	}{{cost, true}, {cost - 1, false}, {0, false}} {
+		got, err := ListShards(context.Background(), b, "train/", WebDataset, tc.budget)
+		switch {
+		case tc.ok && (err != nil || len(got) != 10):
+			t.Errorf("budget %d (exactly the cost): %d shards, %v", tc.budget, len(got), err)
+		case !tc.ok && (!errors.Is(err, ErrTooLarge) || !strings.Contains(err.Error(), "--dataset-list-bytes") || got != nil):
+			t.Errorf("budget %d (under the cost %d): %d shards, %v; want ErrTooLarge naming the flag", tc.budget, cost, len(got), err)
+		}
+	}
+}

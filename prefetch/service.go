@@ -165,12 +165,14 @@ func (cfg *ServiceConfig) maxSessions() int64 {
 }
 
 // MemoryCeiling bounds the memory the dataset service holds, whatever the
-// datasets and clients do: the cache, per session its read-ahead budget
-// and the buffer of a streamed shard, and the keys and names of the
-// deliveries the rings hold (a turn per slot, and every slot is charged to
-// the datasets' share of the arena, however the rings grow). (The rings are in the arena, counted in
-// --staging-bytes; the Go runtime may hold up to GOGC% more as garbage
-// unless GOMEMLIMIT says otherwise.)
+// datasets and clients do: the cache, per session its read-ahead budget,
+// the buffer of a streamed shard and its dataset's listing, and the keys
+// and names of the deliveries the rings hold (a turn per slot, and every
+// slot is charged to the datasets' share of the arena, however the rings
+// grow). A session takes its ring before it lists or reads, so no more
+// than the share fits are opening at once. (The rings are in the arena,
+// counted in --staging-bytes; the Go runtime may hold up to GOGC% more as
+// garbage unless GOMEMLIMIT says otherwise.)
 func (s *Service) MemoryCeiling() int64 { return s.cfg.MemoryCeiling(s.arena.Size()) }
 
 // MemoryCeiling is Service.MemoryCeiling for a service that cfg would
@@ -178,7 +180,7 @@ func (s *Service) MemoryCeiling() int64 { return s.cfg.MemoryCeiling(s.arena.Siz
 // --print-memory`).
 func (cfg ServiceConfig) MemoryCeiling(arenaSize int64) int64 {
 	cfg.setDefaults(arenaSize)
-	perSession := cfg.Options.ReadAheadBytes + streamBuffer
+	perSession := cfg.Options.ReadAheadBytes + streamBuffer + cfg.Options.ListBytes
 	return cfg.CacheBytes + cfg.maxSessions()*perSession + cfg.ArenaBytes/cfg.SlotBytes*maxBatchMeta
 }
 
@@ -221,14 +223,20 @@ func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, s
 	if err != nil {
 		return "", Stats{}, err
 	}
-	it, err := Open(ctx, br.b, "", s.cache, spec, s.cfg.Options)
+	if err := spec.Validate(); err != nil {
+		s.backends.release(br)
+		return "", Stats{}, err
+	}
+	// The ring first: the arena's share bounds the sessions open at once,
+	// and so the listings and reads ahead that opening starts.
+	ring, err := newRing(ctx, s.arena, s.budget, s.cfg.Slots, s.cfg.MaxSlots, s.cfg.SlotBytes, s.cfg.AllocWait)
 	if err != nil {
 		s.backends.release(br)
 		return "", Stats{}, err
 	}
-	ring, err := newRing(ctx, s.arena, s.budget, s.cfg.Slots, s.cfg.MaxSlots, s.cfg.SlotBytes, s.cfg.AllocWait)
+	it, err := Open(ctx, br.b, "", s.cache, spec, s.cfg.Options)
 	if err != nil {
-		it.Close()
+		ring.Close()
 		s.backends.release(br)
 		return "", Stats{}, err
 	}

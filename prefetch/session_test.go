@@ -52,7 +52,7 @@ type gatedBackend struct {
 func gatedDataset(t *testing.T) gatedBackend {
 	t.Helper()
 	b := posixDataset(t, 3, 4, 1000)
-	all, err := ListShards(context.Background(), b, "", WebDataset)
+	all, err := ListShards(context.Background(), b, "", WebDataset, DefaultListBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -137,7 +137,7 @@ type orderedGate struct {
 }
 
 func newOrderedGate(t *testing.T, b storage.Backend) orderedGate {
-	all, err := ListShards(context.Background(), b, "", WebDataset)
+	all, err := ListShards(context.Background(), b, "", WebDataset, DefaultListBytes)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -172,6 +172,39 @@ func TestPrefetchBadInput(t *testing.T) {
 	}
 }
 
+// A dataset whose listing would cost a session more than
+// --dataset-list-bytes fails to open, naming the flag, and holds nothing
+// after: a failed open gives its ring back, so however many fail, every
+// session the arena's share fits can still open.
+func TestPrefetchListingIsBounded(t *testing.T) {
+	big, small := t.TempDir(), t.TempDir()
+	writeShards(t, big, 20, 1)          // names of ~13 bytes: ~540 bytes of listing each
+	want := writeShards(t, small, 3, 2) // ~1.6 KiB
+	d := startDatasetDaemon(t, nil, "--dataset-list-bytes", "4KiB", "--dataset-allow", big+","+small,
+		"--dataset-arena-bytes", "128MiB") // two rings of 4 x 16 MiB
+	c := d.client()
+	for range 5 {
+		_, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: big, BatchSize: 1, WorldSize: 1})
+		if status.Code(unwrapStatus(err)) != codes.ResourceExhausted || !strings.Contains(fmt.Sprint(err), "--dataset-list-bytes") {
+			t.Fatalf("20 shards within 4 KiB of listing: %v, want RESOURCE_EXHAUSTED naming --dataset-list-bytes", err)
+		}
+	}
+	var open []*ckptd.Dataset
+	for range 2 {
+		ds, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: small, BatchSize: 1, WorldSize: 1})
+		if err != nil {
+			t.Fatalf("after failed opens, a session the arena fits: %v", err)
+		}
+		open = append(open, ds)
+	}
+	for _, ds := range open {
+		ds.Close(ctxT(t))
+	}
+	if ks, _ := epoch(t, c, ckptd.DatasetRequest{Source: small, BatchSize: 2, WorldSize: 1}, want); len(ks) != 6 {
+		t.Fatalf("small dataset: %d samples, want 6", len(ks))
+	}
+}
+
 // A dataset on a storage server that does not answer fails UNAVAILABLE
 // (it may come back; the request was fine), and while the daemon retries
 // it, datasets on other sources are served without waiting for it.

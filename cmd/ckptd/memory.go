@@ -45,7 +45,7 @@ func (o *serveOptions) prefetchConfig() prefetch.ServiceConfig {
 	return prefetch.ServiceConfig{
 		CacheBytes: int64(o.CacheBytes), NoLookahead: !o.CacheLookahead, Slots: o.RingSlots, MaxSlots: o.RingSlotsMax, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
 		ArenaBytes: int64(o.DatasetArena), Allow: o.DatasetAllow,
-		Options: prefetch.Options{ReadAheadBytes: int64(o.ReadAhead)},
+		Options: prefetch.Options{ReadAheadBytes: int64(o.ReadAhead), ListBytes: int64(o.ListBytes)},
 	}
 }
 

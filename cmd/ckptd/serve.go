@@ -61,6 +61,7 @@ type serveOptions struct {
 	DatasetArena    byteSize
 	DatasetAllow    []string
 	ReadAhead       byteSize
+	ListBytes       byteSize
 	PrintMemory     bool
 	HotBytes        byteSize
 	HotSteps        int
@@ -112,6 +113,7 @@ func newServeCmd() *cobra.Command {
 	fs.Var(&o.SlotBytes, "slot-bytes", "size of a ring slot in the arena (a larger batch gets a region of its own)")
 	fs.StringSliceVar(&o.DatasetAllow, "dataset-allow", nil, "folders and s3://bucket/prefix sources trainers may read datasets from (repeat or comma-separate; none: datasets are off); the checkpoint store is not implied")
 	fs.Var(&o.ReadAhead, "read-ahead-bytes", "memory each dataset session may hold: shards read ahead, its shuffle window (bounded by half of it), batches being assembled (default 256MiB)")
+	fs.Var(&o.ListBytes, "dataset-list-bytes", "memory a dataset session's listing may take, about 512 bytes and twice the name per shard: a larger dataset fails to open (default 128MiB)")
 	fs.Var(&o.DatasetArena, "dataset-arena-bytes", "the datasets' share of the arena, for ring slots and oversized batches (default: half of --staging-bytes; the rest stays for saves)")
 	return cmd
 }
