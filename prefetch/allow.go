@@ -256,19 +256,47 @@ func (b *localBackend) Delete(context.Context, string) error                { re
 
 // Get implements storage.Backend.
 func (b *localBackend) Get(ctx context.Context, name string, offset, length int64) (io.ReadCloser, error) {
-	if err := storage.ValidName(name); err != nil {
+	f, fi, err := b.open(ctx, name)
+	if err != nil {
 		return nil, err
 	}
-	if err := ctx.Err(); err != nil {
+	n := max(fi.Size()-offset, 0)
+	if length >= 0 && length < n {
+		n = length
+	}
+	return &sectionFile{io.NewSectionReader(f, offset, n), f}, nil
+}
+
+// mapShard maps a shard of size bytes read-only (see mapping); a file of
+// another size than listed is ErrCorruptShard.
+func (b *localBackend) mapShard(ctx context.Context, name string, size int64) (*mapping, error) {
+	f, fi, err := b.open(ctx, name)
+	if err != nil {
 		return nil, err
+	}
+	defer f.Close()
+	if fi.Size() != size {
+		return nil, fmt.Errorf("%w: %s is %d bytes, listed as %d (changed since the listing)", ErrCorruptShard, printable(name), fi.Size(), size)
+	}
+	return mapFile(f, size)
+}
+
+// open opens a shard for reading beneath the source's root: a regular
+// file whose real path the allow list admits.
+func (b *localBackend) open(ctx context.Context, name string) (*os.File, os.FileInfo, error) {
+	if err := storage.ValidName(name); err != nil {
+		return nil, nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, nil, err
 	}
 	// O_NONBLOCK: a FIFO swapped in after the listing must not block the open.
 	f, err := os.OpenFile(filepath.Join(b.Root(), filepath.FromSlash(name)), os.O_RDONLY|syscall.O_NONBLOCK|syscall.O_NOCTTY, 0)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, fmt.Errorf("shard %q: %w", name, storage.ErrNotFound)
+		return nil, nil, fmt.Errorf("shard %q: %w", name, storage.ErrNotFound)
 	}
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	fi, err := f.Stat()
 	if err == nil && !fi.Mode().IsRegular() {
@@ -279,13 +307,9 @@ func (b *localBackend) Get(ctx context.Context, name string, offset, length int6
 	}
 	if err != nil {
 		f.Close()
-		return nil, err
+		return nil, nil, err
 	}
-	n := max(fi.Size()-offset, 0)
-	if length >= 0 && length < n {
-		n = length
-	}
-	return &sectionFile{io.NewSectionReader(f, offset, n), f}, nil
+	return f, fi, nil
 }
 
 // checkOpened checks the real path of an open file.

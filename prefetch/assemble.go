@@ -67,10 +67,11 @@ type assembler struct {
 	batchLimit int64 // bound on batchCost
 	inWindow   int64 // bytes of the window and of cur
 
-	cur  *Sample // the sample being read: a run of members sharing a key
-	bad  string  // why cur cannot be delivered ("" when it can)
-	ord  int     // samples begun in the current shard
-	seen int64   // samples out of the shuffler, skipped ones included
+	cur  *Sample  // the sample being read: a run of members sharing a key
+	keep *mapping // the mapped shard the samples being read alias, if any
+	bad  string   // why cur cannot be delivered ("" when it can)
+	ord  int      // samples begun in the current shard
+	seen int64    // samples out of the shuffler, skipped ones included
 	pos  int64
 
 	batch     []Sample
@@ -102,7 +103,9 @@ func (a *assembler) shard(p *pendingShard, b storage.Backend, prefix string) err
 		err = a.stream(b, p.shard, prefix)
 	} else {
 		a.it.state.Store(stateWork)
-		err = a.whole(p, prefix)
+		if err = a.whole(p, prefix); errors.Is(err, ErrShardChanged) {
+			a.it.cache.forget(b, p.shard) // so that the next read maps it again
+		}
 	}
 	a.it.state.Store(stateWork)
 	if err == nil {
@@ -125,7 +128,19 @@ func (a *assembler) shard(p *pendingShard, b storage.Backend, prefix string) err
 // holds; of a shard it does not, they are copied out, so that no sample
 // keeps a whole shard alive.
 func (a *assembler) whole(p *pendingShard, prefix string) error {
-	data := p.data
+	if p.data.m == nil {
+		return a.walk(p, prefix)
+	}
+	if p.held {
+		a.keep = p.data.m // samples alias the mapped shard: they keep the mapping
+		defer func() { a.keep = nil }()
+	}
+	return readMapped(func() error { return a.walk(p, prefix) })
+}
+
+// walk cuts the samples out of a shard read whole.
+func (a *assembler) walk(p *pendingShard, prefix string) error {
+	data := p.data.b
 	if a.spec.Format == Raw {
 		key, ext := rawKey(p.shard.Name, prefix)
 		return a.member(p.shard, p.shard.Name, key, ext, int64(len(data)), func() ([]byte, error) {
@@ -183,7 +198,7 @@ func (a *assembler) member(sh Shard, name, key, ext string, size int64, get func
 	}
 	cost := size + int64(len(ext)) + fieldOverhead
 	if a.cur == nil {
-		a.cur = &Sample{Key: strings.Clone(key), shard: sh.Name, ord: a.ord}
+		a.cur = &Sample{Key: strings.Clone(key), shard: sh.Name, ord: a.ord, keep: a.keep}
 		a.cur.skip = a.spec.Delivered != nil && a.spec.Delivered.Has(sh.Name, a.ord)
 		a.ord++
 		cost += int64(len(key)) + sampleOverhead

@@ -2,6 +2,7 @@ package prefetch
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"sync"
@@ -18,7 +19,7 @@ import (
 // dataset iteration of the daemon. See the package comment for the policy;
 // admission implements it.
 type Cache struct {
-	rc      *ristretto.Cache[string, []byte]
+	rc      *ristretto.Cache[string, shardBytes]
 	adm     *admission
 	ahead   *lookahead
 	storeMu sync.Mutex
@@ -40,7 +41,7 @@ type Cache struct {
 // (so that iterations that stop leave no reads behind).
 type fill struct {
 	done    chan struct{}
-	data    []byte
+	data    shardBytes
 	held    bool // stored in the cache
 	err     error
 	waiters int
@@ -57,9 +58,9 @@ func NewCache(budget int64) (*Cache, error) {
 		return nil, fmt.Errorf("%w: negative cache budget %d", ErrInvalid, budget)
 	}
 	c := &Cache{adm: newAdmission(budget, DefaultStaleAfter), ahead: newLookahead(), fills: map[string]*fill{}}
-	gone := func(it *ristretto.Item[[]byte]) { c.adm.release(it.Key, it.Conflict) }
+	gone := func(it *ristretto.Item[shardBytes]) { c.adm.release(it.Key, it.Conflict) }
 	counters := max(budget/(1<<20)*10, 10_000) // ~10 per expected 1 MiB+ shard
-	rc, err := ristretto.NewCache(&ristretto.Config[string, []byte]{
+	rc, err := ristretto.NewCache(&ristretto.Config[string, shardBytes]{
 		NumCounters: counters, MaxCost: max(budget, 1), BufferItems: 64,
 		IgnoreInternalCost: true, // the budget is shard bytes, as admission counts them
 		KeyToHash:          z.KeyToHash[string],
@@ -110,11 +111,11 @@ const (
 // onMiss is called, before any storage read, when the shard is not cached,
 // so the caller can account the wait to storage. at is the read of an
 // iteration's plan this is (readAt{}: none).
-func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh Shard, at readAt, onMiss func()) (data []byte, held bool, how fetch, err error) {
+func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh Shard, at readAt, onMiss func()) (data shardBytes, held bool, how fetch, err error) {
 	c.life.RLock()
 	defer c.life.RUnlock()
 	if c.closed {
-		return nil, false, fromStorage, ErrClosed
+		return shardBytes{}, false, fromStorage, ErrClosed
 	}
 	key := shardKey(b, sh)
 	group := groupOf(b, dataset)
@@ -145,7 +146,7 @@ func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh S
 		return f.data, f.held, how, f.err
 	case <-ctx.Done():
 		c.leave(key, f)
-		return nil, false, how, ctx.Err()
+		return shardBytes{}, false, how, ctx.Err()
 	}
 }
 
@@ -224,18 +225,18 @@ func (c *Cache) pin(b storage.Backend, prefix string) func() {
 // Stores run one at a time, so that one's Set never reaches ristretto
 // before another's Dels have made the room admission counted on
 // (ristretto would then evict on its own).
-func (c *Cache) store(key, group string, data []byte, at readAt) bool {
+func (c *Cache) store(key, group string, data shardBytes, at readAt) bool {
 	c.storeMu.Lock()
 	defer c.storeMu.Unlock()
 	next, mine := c.ahead.distances(at, key)
-	evict, ok := c.adm.reserve(key, group, int64(len(data)), next, mine)
+	evict, ok := c.adm.reserve(key, group, int64(len(data.b)), next, mine)
 	if !ok {
 		return false
 	}
 	for _, k := range evict {
 		c.rc.Del(k)
 	}
-	if !c.rc.Set(key, data, int64(len(data))) {
+	if !c.rc.Set(key, data, int64(len(data.b))) {
 		h, conflict := z.KeyToHash(key)
 		c.adm.release(h, conflict) // dropped by a full buffer
 		return false
@@ -244,17 +245,50 @@ func (c *Cache) store(key, group string, data []byte, at readAt) bool {
 	return true
 }
 
-// readShard reads a whole shard, checking that it has the listed size.
-func readShard(ctx context.Context, b storage.Backend, sh Shard) ([]byte, error) {
+// shardBytes is a shard read whole: its bytes, and the mapping they lie
+// in when it was mapped (see mapping), which whatever keeps the bytes
+// keeps too.
+type shardBytes struct {
+	b []byte
+	m *mapping
+}
+
+// forget drops a shard from the cache and from admission's books (its
+// file changed under a mapping), under storeMu like the evictions store
+// makes.
+func (c *Cache) forget(b storage.Backend, sh Shard) {
+	key := shardKey(b, sh)
+	c.storeMu.Lock()
+	defer c.storeMu.Unlock()
+	h, conflict := z.KeyToHash(key)
+	c.adm.release(h, conflict)
+	c.rc.Del(key)
+	c.rc.Wait()
+}
+
+// readShard reads a whole shard, checking that it has the listed size: a
+// local source's larger shards are mapped instead (see mapAbove), or read
+// when mapping fails.
+func readShard(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, error) {
+	if lb, ok := b.(*localBackend); ok && sh.Size > mapAbove {
+		m, err := lb.mapShard(ctx, sh.Name, sh.Size)
+		if err == nil {
+			return shardBytes{b: m.data, m: m}, nil
+		}
+		if errors.Is(err, ErrCorruptShard) || errors.Is(err, storage.ErrNotFound) || ctx.Err() != nil {
+			return shardBytes{}, fmt.Errorf("read shard %s: %w", printable(sh.Name), err)
+		}
+		// Out of mappings (vm.max_map_count) or address space: read it.
+	}
 	rc, err := b.Get(ctx, sh.Name, 0, -1)
 	if err != nil {
-		return nil, fmt.Errorf("read shard %s: %w", printable(sh.Name), err)
+		return shardBytes{}, fmt.Errorf("read shard %s: %w", printable(sh.Name), err)
 	}
 	defer rc.Close()
 	data := make([]byte, sh.Size)
 	prefault(data)
 	if _, err := io.ReadFull(rc, data); err != nil {
-		return nil, fmt.Errorf("read shard %s: %w (expected %d bytes)", printable(sh.Name), err, sh.Size)
+		return shardBytes{}, fmt.Errorf("read shard %s: %w (expected %d bytes)", printable(sh.Name), err, sh.Size)
 	}
-	return data, nil
+	return shardBytes{b: data}, nil
 }

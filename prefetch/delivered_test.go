@@ -8,25 +8,33 @@ import (
 	"testing"
 )
 
+// eachBatch calls f with up to batches batches of it (all: -1).
+func eachBatch(t *testing.T, it *Iterator, batches int, f func(*Batch)) {
+	t.Helper()
+	for n := 0; batches < 0 || n < batches; n++ {
+		batch, err := it.Next(context.Background())
+		if errors.Is(err, io.EOF) {
+			return
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		f(batch)
+	}
+}
+
 // consume reads up to batches batches of one rank's epoch and returns the
 // sample keys and the rank's delivered set at that point.
 func consume(t *testing.T, it *Iterator, batches int) ([]string, *Delivered) {
 	t.Helper()
 	var keys []string
 	var pos int64
-	for n := 0; batches < 0 || n < batches; n++ {
-		batch, err := it.Next(context.Background())
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
+	eachBatch(t, it, batches, func(batch *Batch) {
 		for _, s := range batch.Samples {
 			keys = append(keys, s.Key)
 		}
 		pos = batch.Position
-	}
+	})
 	d, err := it.Delivered(pos)
 	if err != nil {
 		t.Fatal(err)

@@ -56,6 +56,12 @@
 // sample larger than the window or a batch part, or a batch larger than
 // R/4, fails with ErrTooLarge (a sample is skipped and counted with
 // skip_corrupt). A shard read nobody waits for any more is cancelled.
+// A local source's shards above 1 MiB are mapped, not read (mapped.go):
+// their bytes are the page cache's, so neither the copy out of it nor new
+// memory for the cache is paid; the cache counts them in its budget as
+// before, the samples cut from one keep it mapped, and a file truncated
+// under a mapping fails the shard (ErrShardChanged) where it is read.
+//
 // A dataset's listing (and the cache's plan of the epochs ahead) costs a
 // session about 512 bytes and twice the name per shard, within
 // --dataset-list-bytes (Options.ListBytes, L; a larger dataset fails to

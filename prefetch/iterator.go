@@ -136,6 +136,7 @@ type Iterator struct {
 	closed  sync.Once
 	unpin   func()
 	read    func(i int) readAt // names the i-th shard read to the cache's lookahead
+	cache   *Cache
 	unplan  func()
 	last    *Batch // the batch Next returned last, released by the next call
 	// The halves of the read-ahead budget: shards read ahead, samples.
@@ -169,7 +170,7 @@ type result struct {
 type pendingShard struct {
 	shard   Shard
 	stream  bool
-	data    []byte
+	data    shardBytes
 	held    bool // data is the cache's: samples may alias it
 	how     fetch
 	err     error
@@ -196,7 +197,7 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 		spec: spec, batches: make(chan result, opts.BatchesAhead),
 		cancel: cancel, done: make(chan struct{}),
 		unpin:  cache.pin(b, prefix), // samples may alias the dataset's cached shards
-		unplan: unplan, read: read,
+		unplan: unplan, read: read, cache: cache,
 		shardsMem: newMeter(opts.readAhead()), samplesMem: newMeter(opts.samples()),
 		pace: newPacer(opts.readAhead()),
 	}

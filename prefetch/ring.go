@@ -166,7 +166,11 @@ func (r *Ring) fill(ctx context.Context, b *Batch) (*Delivery, error) {
 		}
 		d.Region = reg
 	}
-	r.copy(b, d)
+	// Samples may alias a mapped shard whose file can shrink under it.
+	if err := readMapped(func() error { r.copy(b, d); return nil }); err != nil {
+		r.giveBack(d)
+		return nil, err
+	}
 	return d, nil
 }
 
@@ -195,13 +199,18 @@ func (r *Ring) copy(b *Batch, d *Delivery) {
 
 // Release gives a delivery's region and turn back.
 func (r *Ring) Release(d *Delivery) {
+	r.giveBack(d)
+	<-r.turns
+}
+
+// giveBack returns a delivery's region: its slot, or its own region.
+func (r *Ring) giveBack(d *Delivery) {
 	if d.slot {
 		r.free <- d.Region
 	} else {
 		_ = r.a.Free(d.Region)
 		r.budget.release(d.Region.Length)
 	}
-	<-r.turns
 }
 
 // Close frees every slot and gives them back to the budget; deliveries

@@ -27,7 +27,8 @@ type Sample struct {
 	// the shard's samples, in file order.
 	shard string
 	ord   int
-	skip  bool // delivered before a resume: passed over, not counted
+	skip  bool     // delivered before a resume: passed over, not counted
+	keep  *mapping // the mapped shard its fields alias, kept mapped while they do
 }
 
 // Size is the bytes of the sample's fields.

@@ -205,6 +205,65 @@ func TestPrefetchListingIsBounded(t *testing.T) {
 	}
 }
 
+// Shards of a local source above 1 MiB are mapped, not read. One
+// truncated while the daemon holds its mapping fails the epoch with
+// DATA_LOSS where its bytes are read -- the kernel's SIGBUS becomes an
+// error, not a crash -- and the daemon serves on.
+func TestPrefetchTruncatedMappedShard(t *testing.T) {
+	big, other := t.TempDir(), t.TempDir()
+	for s := range 3 { // 15 samples of 100 KiB: 1.5 MiB shards, mapped
+		var buf bytes.Buffer
+		tw := tar.NewWriter(&buf)
+		for i := range 15 {
+			data := bytes.Repeat([]byte{byte('a' + s)}, 100<<10)
+			_ = tw.WriteHeader(&tar.Header{Name: fmt.Sprintf("s%d/%02d.bin", s, i), Mode: 0o644, Size: int64(len(data))})
+			_, _ = tw.Write(data)
+		}
+		_ = tw.Close()
+		if err := os.WriteFile(filepath.Join(big, fmt.Sprintf("train-%d.tar", s)), buf.Bytes(), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := writeShards(t, other, 2, 3)
+	d := startDatasetDaemon(t, nil, "--dataset-allow", big+","+other)
+	c := d.client()
+	req := ckptd.DatasetRequest{Source: big, BatchSize: 4, WorldSize: 1}
+	ds, err := c.Dataset(ctxT(t), &req) // epoch 0: every shard mapped and cached
+	if err != nil {
+		t.Fatal(err)
+	}
+	for b := []ckptd.Sample{{}}; b != nil && err == nil; {
+		b, err = ds.Next(ctxT(t))
+	}
+	ds.Close(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Epoch = 1
+	ds, err = c.Dataset(ctxT(t), &req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ds.Close(ctxT(t))
+	if _, err := ds.Next(ctxT(t)); err != nil { // the daemon is at most ~28 samples in: shard 3 of 3 is not read yet
+		t.Fatal(err)
+	}
+	for s := range 3 {
+		if err := os.Truncate(filepath.Join(big, fmt.Sprintf("train-%d.tar", s)), 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for b := []ckptd.Sample{{}}; b != nil && err == nil; {
+		b, err = ds.Next(ctxT(t))
+	}
+	if status.Code(unwrapStatus(err)) != codes.DataLoss || !strings.Contains(fmt.Sprint(err), "changed while it was read") {
+		t.Fatalf("epoch over truncated mapped shards: %v, want DATA_LOSS saying the shard changed", err)
+	}
+	if ks, _ := epoch(t, c, ckptd.DatasetRequest{Source: other, BatchSize: 2, WorldSize: 1}, want); len(ks) != 6 {
+		t.Fatalf("after the fault, another dataset: %d samples, want 6", len(ks))
+	}
+}
+
 // A dataset on a storage server that does not answer fails UNAVAILABLE
 // (it may come back; the request was fine), and while the daemon retries
 // it, datasets on other sources are served without waiting for it.
