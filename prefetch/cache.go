@@ -194,8 +194,9 @@ func shardKey(b storage.Backend, sh Shard) string {
 }
 
 // plan registers the shards an iteration will read from b, in order (see
-// lookahead); read(i) names its i-th read to Get, and done says it ended.
-func (c *Cache) plan(b storage.Backend, shards []Shard) (read func(i int) readAt, done func()) {
+// lookahead); Get is told readAt{p, i} for its i-th read, and done says
+// it ended.
+func (c *Cache) plan(b storage.Backend, shards []Shard) (p *plan, done func()) {
 	keys := make([]string, len(shards))
 	known := map[string]string{} // one key string per shard, however many epochs ahead
 	for i, sh := range shards {
@@ -206,10 +207,14 @@ func (c *Cache) plan(b storage.Backend, shards []Shard) (read func(i int) readAt
 		}
 		keys[i] = k
 	}
-	p := c.ahead.register(keys)
+	p = c.ahead.register(keys)
 	var once sync.Once
-	return func(i int) readAt { return readAt{p, i} }, func() { once.Do(func() { c.ahead.remove(p) }) }
+	return p, func() { once.Do(func() { c.ahead.remove(p) }) }
 }
+
+// passed says an iteration's read will never ask the cache (a streamed
+// shard), so that the lookahead's present moves past it.
+func (c *Cache) passed(at readAt) { c.ahead.lookedUp(at) }
 
 // pin keeps the cached shards of the dataset under prefix in b from being
 // evicted (as stale) until the returned function is called: an iteration's

@@ -135,7 +135,7 @@ type Iterator struct {
 	done    chan struct{}
 	closed  sync.Once
 	unpin   func()
-	read    func(i int) readAt // names the i-th shard read to the cache's lookahead
+	plan    *plan // the cache's lookahead over this iteration's reads
 	cache   *Cache
 	unplan  func()
 	last    *Batch // the batch Next returned last, released by the next call
@@ -191,13 +191,13 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 		return nil, err
 	}
 	mine := shardsForRank(all, spec.Seed, spec.Epoch, spec.Rank, spec.WorldSize, spec.Delivered)
-	read, unplan := cache.plan(b, future(all, mine, spec))
+	plan, unplan := cache.plan(b, future(all, mine, spec))
 	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	it := &Iterator{
 		spec: spec, batches: make(chan result, opts.BatchesAhead),
 		cancel: cancel, done: make(chan struct{}),
 		unpin:  cache.pin(b, prefix), // samples may alias the dataset's cached shards
-		unplan: unplan, read: read, cache: cache,
+		unplan: unplan, plan: plan, cache: cache,
 		shardsMem: newMeter(opts.readAhead()), samplesMem: newMeter(opts.samples()),
 		pace: newPacer(opts.readAhead()),
 	}
@@ -316,7 +316,7 @@ func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix stri
 		p := &pendingShard{shard: sh, done: make(chan struct{}), release: func() {}}
 		if sh.Size > opts.streamAbove() {
 			p.stream, p.how = true, fromStorage
-			cache.ahead.lookedUp(it.read(i)) // streamed: the cache never serves it
+			cache.passed(readAt{it.plan, i}) // streamed: the cache never serves it
 			close(p.done)
 		} else {
 			w := max(sh.Size, 1)
@@ -333,7 +333,7 @@ func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix stri
 			go func() {
 				defer close(p.done)
 				start := time.Now()
-				p.data, p.held, p.how, p.err = cache.Get(ctx, b, prefix, sh, it.read(i), func() { p.miss.Store(true) })
+				p.data, p.held, p.how, p.err = cache.Get(ctx, b, prefix, sh, readAt{it.plan, i}, func() { p.miss.Store(true) })
 				if p.how != fromCache && p.err == nil {
 					it.pace.fetched(time.Since(start))
 				}
