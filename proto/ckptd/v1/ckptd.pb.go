@@ -958,7 +958,13 @@ type WaitSaveResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	State SaveState              `protobuf:"varint,1,opt,name=state,proto3,enum=ckptd.v1.SaveState" json:"state,omitempty"`
 	// Why the save failed, when state is FAILED.
-	Error         string `protobuf:"bytes,2,opt,name=error,proto3" json:"error,omitempty"`
+	Error string `protobuf:"bytes,2,opt,name=error,proto3" json:"error,omitempty"`
+	// The failure's google.rpc.ErrorInfo reason and metadata, when state is
+	// FAILED and the failure has one (the reasons a failed call carries):
+	// STEP_COMMITTED with the committing "attempt", for a save refused
+	// because another run of the job committed its step meanwhile.
+	Reason        string            `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	Metadata      map[string]string `protobuf:"bytes,4,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1005,6 +1011,20 @@ func (x *WaitSaveResponse) GetError() string {
 		return x.Error
 	}
 	return ""
+}
+
+func (x *WaitSaveResponse) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *WaitSaveResponse) GetMetadata() map[string]string {
+	if x != nil {
+		return x.Metadata
+	}
+	return nil
 }
 
 type ListStepsRequest struct {
@@ -2383,8 +2403,11 @@ type DaemonStatus struct {
 	Leases       []*LeaseState   `protobuf:"bytes,9,rep,name=leases,proto3" json:"leases,omitempty"`
 	Datasets     []*DatasetState `protobuf:"bytes,10,rep,name=datasets,proto3" json:"datasets,omitempty"`
 	// Errors counted by operation (drain, commit, restore, alloc, journal).
-	Errors        map[string]uint64 `protobuf:"bytes,11,rep,name=errors,proto3" json:"errors,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
-	Hot           *HotTier          `protobuf:"bytes,12,opt,name=hot,proto3" json:"hot,omitempty"`
+	Errors map[string]uint64 `protobuf:"bytes,11,rep,name=errors,proto3" json:"errors,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	Hot    *HotTier          `protobuf:"bytes,12,opt,name=hot,proto3" json:"hot,omitempty"`
+	// Errors counted by backend: "store" (the checkpoint store, posix or
+	// s3), "dataset" (dataset sources), "peers" (replica transfers).
+	BackendErrors map[string]uint64 `protobuf:"bytes,13,rep,name=backend_errors,json=backendErrors,proto3" json:"backend_errors,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2499,6 +2522,13 @@ func (x *DaemonStatus) GetErrors() map[string]uint64 {
 func (x *DaemonStatus) GetHot() *HotTier {
 	if x != nil {
 		return x.Hot
+	}
+	return nil
+}
+
+func (x *DaemonStatus) GetBackendErrors() map[string]uint64 {
+	if x != nil {
+		return x.BackendErrors
 	}
 	return nil
 }
@@ -3536,10 +3566,15 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x12\n" +
 	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x16\n" +
 	"\x06nowait\x18\x04 \x01(\bR\x06nowait\x12\x18\n" +
-	"\aattempt\x18\x05 \x01(\tR\aattempt\"S\n" +
+	"\aattempt\x18\x05 \x01(\tR\aattempt\"\xee\x01\n" +
 	"\x10WaitSaveResponse\x12)\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x13.ckptd.v1.SaveStateR\x05state\x12\x14\n" +
-	"\x05error\x18\x02 \x01(\tR\x05error\":\n" +
+	"\x05error\x18\x02 \x01(\tR\x05error\x12\x16\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\x12D\n" +
+	"\bmetadata\x18\x04 \x03(\v2(.ckptd.v1.WaitSaveResponse.MetadataEntryR\bmetadata\x1a;\n" +
+	"\rMetadataEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\":\n" +
 	"\x10ListStepsRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x14\n" +
 	"\x05tiers\x18\x02 \x01(\bR\x05tiers\"\x96\x02\n" +
@@ -3638,7 +3673,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x17DatasetPositionResponse\x12\x1c\n" +
 	"\tdelivered\x18\x01 \x01(\fR\tdelivered\x12\x18\n" +
 	"\asamples\x18\x02 \x01(\x03R\asamples\"\x12\n" +
-	"\x10GetStatusRequest\"\xac\x04\n" +
+	"\x10GetStatusRequest\"\xc0\x05\n" +
 	"\fDaemonStatus\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12%\n" +
 	"\x0euptime_seconds\x18\x02 \x01(\x01R\ruptimeSeconds\x12\x1f\n" +
@@ -3653,8 +3688,12 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\bdatasets\x18\n" +
 	" \x03(\v2\x16.ckptd.v1.DatasetStateR\bdatasets\x12:\n" +
 	"\x06errors\x18\v \x03(\v2\".ckptd.v1.DaemonStatus.ErrorsEntryR\x06errors\x12#\n" +
-	"\x03hot\x18\f \x01(\v2\x11.ckptd.v1.HotTierR\x03hot\x1a9\n" +
+	"\x03hot\x18\f \x01(\v2\x11.ckptd.v1.HotTierR\x03hot\x12P\n" +
+	"\x0ebackend_errors\x18\r \x03(\v2).ckptd.v1.DaemonStatus.BackendErrorsEntryR\rbackendErrors\x1a9\n" +
 	"\vErrorsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\x1a@\n" +
+	"\x12BackendErrorsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"O\n" +
 	"\aHotTier\x12\x14\n" +
@@ -3788,7 +3827,7 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 }
 
 var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 52)
+var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 54)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(SaveState)(0),                  // 0: ckptd.v1.SaveState
 	(*GetArenaRequest)(nil),         // 1: ckptd.v1.GetArenaRequest
@@ -3842,7 +3881,9 @@ var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(*ReplicaPiece)(nil),            // 49: ckptd.v1.ReplicaPiece
 	(*PutReplicaResponse)(nil),      // 50: ckptd.v1.PutReplicaResponse
 	(*GetReplicaRequest)(nil),       // 51: ckptd.v1.GetReplicaRequest
-	nil,                             // 52: ckptd.v1.DaemonStatus.ErrorsEntry
+	nil,                             // 52: ckptd.v1.WaitSaveResponse.MetadataEntry
+	nil,                             // 53: ckptd.v1.DaemonStatus.ErrorsEntry
+	nil,                             // 54: ckptd.v1.DaemonStatus.BackendErrorsEntry
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	4,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
@@ -3853,69 +3894,71 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	3,  // 5: ckptd.v1.SaveStreamHeader.tensors:type_name -> ckptd.v1.Tensor
 	12, // 6: ckptd.v1.SaveStreamRequest.header:type_name -> ckptd.v1.SaveStreamHeader
 	0,  // 7: ckptd.v1.WaitSaveResponse.state:type_name -> ckptd.v1.SaveState
-	17, // 8: ckptd.v1.ListStepsResponse.steps:type_name -> ckptd.v1.StepInfo
-	3,  // 9: ckptd.v1.RestoreHeader.tensors:type_name -> ckptd.v1.Tensor
-	6,  // 10: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
-	20, // 11: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
-	20, // 12: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
-	28, // 13: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
-	6,  // 14: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
-	29, // 15: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
-	30, // 16: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
-	39, // 17: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
-	40, // 18: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
-	41, // 19: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
-	42, // 20: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
-	52, // 21: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
-	38, // 22: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
-	4,  // 23: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
-	4,  // 24: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
-	30, // 25: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
-	46, // 26: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
-	48, // 27: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
-	1,  // 28: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
-	5,  // 29: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
-	8,  // 30: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
-	10, // 31: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
-	13, // 32: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
-	14, // 33: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
-	16, // 34: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
-	19, // 35: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
-	19, // 36: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
-	23, // 37: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
-	25, // 38: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
-	27, // 39: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
-	32, // 40: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
-	34, // 41: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
-	36, // 42: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
-	49, // 43: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
-	51, // 44: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
-	45, // 45: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
-	43, // 46: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
-	2,  // 47: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	7,  // 48: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	9,  // 49: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	11, // 50: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	9,  // 51: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	15, // 52: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	18, // 53: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	21, // 54: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	22, // 55: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	24, // 56: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	26, // 57: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	31, // 58: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	33, // 59: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	35, // 60: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
-	37, // 61: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
-	50, // 62: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
-	49, // 63: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
-	47, // 64: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
-	44, // 65: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
-	47, // [47:66] is the sub-list for method output_type
-	28, // [28:47] is the sub-list for method input_type
-	28, // [28:28] is the sub-list for extension type_name
-	28, // [28:28] is the sub-list for extension extendee
-	0,  // [0:28] is the sub-list for field type_name
+	52, // 8: ckptd.v1.WaitSaveResponse.metadata:type_name -> ckptd.v1.WaitSaveResponse.MetadataEntry
+	17, // 9: ckptd.v1.ListStepsResponse.steps:type_name -> ckptd.v1.StepInfo
+	3,  // 10: ckptd.v1.RestoreHeader.tensors:type_name -> ckptd.v1.Tensor
+	6,  // 11: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
+	20, // 12: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
+	20, // 13: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
+	28, // 14: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
+	6,  // 15: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
+	29, // 16: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
+	30, // 17: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
+	39, // 18: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
+	40, // 19: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
+	41, // 20: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
+	42, // 21: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
+	53, // 22: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	38, // 23: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
+	54, // 24: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
+	4,  // 25: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
+	4,  // 26: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
+	30, // 27: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
+	46, // 28: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
+	48, // 29: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
+	1,  // 30: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
+	5,  // 31: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
+	8,  // 32: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
+	10, // 33: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
+	13, // 34: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
+	14, // 35: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
+	16, // 36: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
+	19, // 37: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
+	19, // 38: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
+	23, // 39: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
+	25, // 40: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
+	27, // 41: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
+	32, // 42: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
+	34, // 43: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
+	36, // 44: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
+	49, // 45: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
+	51, // 46: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
+	45, // 47: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
+	43, // 48: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
+	2,  // 49: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	7,  // 50: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	9,  // 51: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	11, // 52: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	9,  // 53: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	15, // 54: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	18, // 55: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	21, // 56: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	22, // 57: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	24, // 58: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	26, // 59: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	31, // 60: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	33, // 61: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	35, // 62: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
+	37, // 63: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	50, // 64: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
+	49, // 65: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
+	47, // 66: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
+	44, // 67: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
+	49, // [49:68] is the sub-list for method output_type
+	30, // [30:49] is the sub-list for method input_type
+	30, // [30:30] is the sub-list for extension type_name
+	30, // [30:30] is the sub-list for extension extendee
+	0,  // [0:30] is the sub-list for field type_name
 }
 
 func init() { file_ckptd_v1_ckptd_proto_init() }
@@ -3937,7 +3980,7 @@ func file_ckptd_v1_ckptd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   52,
+			NumMessages:   54,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

@@ -157,12 +157,23 @@ class WaitSaveRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., nowait: _Optional[bool] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class WaitSaveResponse(_message.Message):
-    __slots__ = ("state", "error")
+    __slots__ = ("state", "error", "reason", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     state: SaveState
     error: str
-    def __init__(self, state: _Optional[_Union[SaveState, str]] = ..., error: _Optional[str] = ...) -> None: ...
+    reason: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, state: _Optional[_Union[SaveState, str]] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ListStepsRequest(_message.Message):
     __slots__ = ("job", "tiers")
@@ -383,8 +394,15 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DaemonStatus(_message.Message):
-    __slots__ = ("version", "uptime_seconds", "default_job", "storage", "storage_ready", "storage_error", "arena", "saves", "leases", "datasets", "errors", "hot")
+    __slots__ = ("version", "uptime_seconds", "default_job", "storage", "storage_ready", "storage_error", "arena", "saves", "leases", "datasets", "errors", "hot", "backend_errors")
     class ErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class BackendErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +421,7 @@ class DaemonStatus(_message.Message):
     DATASETS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     HOT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_ERRORS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_seconds: float
     default_job: str
@@ -415,7 +434,8 @@ class DaemonStatus(_message.Message):
     datasets: _containers.RepeatedCompositeFieldContainer[DatasetState]
     errors: _containers.ScalarMap[str, int]
     hot: HotTier
-    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., default_job: _Optional[str] = ..., storage: _Optional[str] = ..., storage_ready: _Optional[bool] = ..., storage_error: _Optional[str] = ..., arena: _Optional[_Union[ArenaUsage, _Mapping]] = ..., saves: _Optional[_Iterable[_Union[SaveActivity, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseState, _Mapping]]] = ..., datasets: _Optional[_Iterable[_Union[DatasetState, _Mapping]]] = ..., errors: _Optional[_Mapping[str, int]] = ..., hot: _Optional[_Union[HotTier, _Mapping]] = ...) -> None: ...
+    backend_errors: _containers.ScalarMap[str, int]
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., default_job: _Optional[str] = ..., storage: _Optional[str] = ..., storage_ready: _Optional[bool] = ..., storage_error: _Optional[str] = ..., arena: _Optional[_Union[ArenaUsage, _Mapping]] = ..., saves: _Optional[_Iterable[_Union[SaveActivity, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseState, _Mapping]]] = ..., datasets: _Optional[_Iterable[_Union[DatasetState, _Mapping]]] = ..., errors: _Optional[_Mapping[str, int]] = ..., hot: _Optional[_Union[HotTier, _Mapping]] = ..., backend_errors: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class HotTier(_message.Message):
     __slots__ = ("bytes", "budget", "shards")
