@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/spf13/cobra"
@@ -51,7 +52,7 @@ func newRootCmd() *cobra.Command {
 		// A mistyped subcommand is bad usage (exit 2), like a bad flag.
 		Args: func(cmd *cobra.Command, args []string) error {
 			if len(args) > 0 {
-				return usageError{fmt.Errorf("unknown command %q; the commands are serve, restore, list, verify, prune and health (see ckptd --help)", args[0])}
+				return usageError{unknownCommand(cmd, args[0])}
 			}
 			return nil
 		},
@@ -69,4 +70,26 @@ func newRootCmd() *cobra.Command {
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	root.AddCommand(newServeCmd(), newRestoreCmd(), newListCmd(), newVerifyCmd(), newPruneCmd(), newHealthCmd(), newStatusCmd(), newExportCmd())
 	return root
+}
+
+// unknownCommand names the commands there are, from the command tree, so
+// that the message stays true as commands are added.
+func unknownCommand(root *cobra.Command, name string) error {
+	var names []string
+	for _, c := range root.Commands() {
+		if c.IsAvailableCommand() {
+			names = append(names, c.Name())
+		}
+	}
+	msg := fmt.Sprintf("unknown command %q", name)
+	if root.SuggestionsMinimumDistance <= 0 {
+		root.SuggestionsMinimumDistance = 2 // cobra's default, set only on its own unknown-command path
+	}
+	if s := root.SuggestionsFor(name); len(s) > 0 {
+		msg += fmt.Sprintf(" (did you mean %s?)", strings.Join(s, " or "))
+	}
+	if n := len(names); n > 1 {
+		msg += fmt.Sprintf("; the commands are %s and %s", strings.Join(names[:n-1], ", "), names[n-1])
+	}
+	return fmt.Errorf("%s (see ckptd --help)", msg)
 }
