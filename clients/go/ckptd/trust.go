@@ -37,7 +37,9 @@ func trustedUIDs() []int {
 // the sticky bit, so they cannot replace what is ours).
 func checkSocketPath(path string, trusted []int) error {
 	var st unix.Stat_t
-	if err := unix.Lstat(path, &st); err != nil {
+	if err := unix.Lstat(path, &st); errors.Is(err, unix.EACCES) {
+		return folderError(path, fmt.Errorf("ckptd socket %s: %w", path, err))
+	} else if err != nil {
 		return fmt.Errorf("ckptd socket %s: %w", path, err)
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFSOCK {
@@ -137,10 +139,55 @@ func (d *dialer) refusal() error {
 // daemon runs, but lets in only its user, root and one group.
 func accessError(socket string, err error) error {
 	var st unix.Stat_t
-	if unix.Stat(socket, &st) != nil {
+	if e := unix.Stat(socket, &st); errors.Is(e, unix.EACCES) {
+		return folderError(socket, err)
+	} else if e != nil {
 		return err
 	}
 	return fmt.Errorf("%w: the socket %s belongs to uid %d, group %d, mode %o; you are uid %d: "+
 		"run as that user, or have the daemon started with --socket-group naming a group of yours (%d, or a supplementary one)",
 		err, socket, st.Uid, st.Gid, st.Mode&0o777, os.Getuid(), os.Getgid())
+}
+
+// folderError explains a socket we cannot even look at: a folder above it
+// that we may not enter. The daemon makes its socket's folder 0700 (0750
+// and of the group with --socket-group), so this is what a user outside
+// that group meets first.
+func folderError(socket string, err error) error {
+	dir, st, ok := closedFolder(socket)
+	if !ok {
+		return err
+	}
+	return fmt.Errorf("%w: the socket's folder %s belongs to uid %d, group %d, mode %o, and you (uid %d) may not enter it: "+
+		"run as that user, or have the daemon started with --socket-group naming a group of yours (%d, or a supplementary one), "+
+		"which opens the folder and the socket to that group",
+		err, dir, st.Uid, st.Gid, st.Mode&0o7777, os.Getuid(), os.Getgid())
+}
+
+// closedFolder finds the first folder on the way to path that we may not
+// enter: the one whose entries we cannot look up.
+func closedFolder(path string) (string, unix.Stat_t, bool) {
+	var st unix.Stat_t
+	dir := filepath.Dir(path)
+	var below []string // the folders from dir up to the root
+	for d := dir; ; d = filepath.Dir(d) {
+		below = append(below, d)
+		if d == filepath.Dir(d) {
+			break
+		}
+	}
+	slices.Reverse(below)
+	for i, d := range below {
+		next := path
+		if i+1 < len(below) {
+			next = below[i+1]
+		}
+		if err := unix.Lstat(next, &st); errors.Is(err, unix.EACCES) {
+			if unix.Stat(d, &st) != nil {
+				return "", st, false
+			}
+			return d, st, true
+		}
+	}
+	return "", st, false
 }
