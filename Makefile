@@ -48,10 +48,14 @@ test-python:
 	.venv/bin/python -m pytest -q clients/python/tests
 
 # The deployment examples (deploy/): Kubernetes manifests against the API
-# types, flags against ckptd serve, the dashboard against the metrics. A
-# module of its own, so the Kubernetes types stay out of ckptd's.
+# types and, with kubectl-validate (pinned in scripts/tools.sh), against the
+# API's schemas for Kubernetes 1.30; flags against ckptd serve, the dashboard
+# against the metrics. A module of its own, so the Kubernetes types stay out
+# of ckptd's.
 test-deploy:
-	cd deploy/validate && $(GO) mod tidy -diff && $(GO) vet ./... && $(GO) test -count=1 ./...
+	scripts/tools.sh go
+	cd deploy/validate && $(GO) mod tidy -diff && $(GO) vet ./... && \
+	  KUBECTL_VALIDATE=$(CURDIR)/.tools/bin/kubectl-validate $(GO) test -count=1 ./...
 
 fuzz:
 	FUZZTIME=$(FUZZTIME) scripts/fuzz.sh

@@ -2,13 +2,17 @@
 # Installs the pinned developer tools into .tools/ (Go binaries) and .venv/
 # (Python: protoc via grpcio-tools; the Python client, editable, with its
 # pinned test dependencies). Idempotent and quick when everything is already
-# there. Sourced by the Makefile's targets.
+# there. Sourced by the Makefile's targets. `scripts/tools.sh go` installs the
+# Go tools only (what make test-deploy needs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PROTOC_GEN_GO_VERSION=v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION=v1.6.2
 STATICCHECK_VERSION=v0.8.2
+# Validates deploy/kubernetes against the API's OpenAPI schemas, which it
+# embeds up to Kubernetes 1.30: it needs no cluster and no network.
+KUBECTL_VALIDATE_VERSION=v0.0.4
 GRPCIO_TOOLS_VERSION=1.85.1
 
 TOOLS="$PWD/.tools"
@@ -26,6 +30,8 @@ install_go() { # name module@version
 install_go protoc-gen-go "google.golang.org/protobuf/cmd/protoc-gen-go@$PROTOC_GEN_GO_VERSION"
 install_go protoc-gen-go-grpc "google.golang.org/grpc/cmd/protoc-gen-go-grpc@$PROTOC_GEN_GO_GRPC_VERSION"
 install_go staticcheck "honnef.co/go/tools/cmd/staticcheck@$STATICCHECK_VERSION"
+install_go kubectl-validate "sigs.k8s.io/kubectl-validate@$KUBECTL_VALIDATE_VERSION"
+[[ "${1:-}" == go ]] && exit 0
 
 if [[ ! -x "$VENV/bin/python" ]]; then
 	echo "creating $VENV" >&2

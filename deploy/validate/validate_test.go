@@ -12,7 +12,6 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
-	"sigs.k8s.io/yaml"
 )
 
 // repo is the repository root, from this package's folder.
@@ -85,18 +84,23 @@ func checkFlags(t *testing.T, where string, args []string) {
 	}
 }
 
+// Every Pod under deploy/kubernetes runs ckptd as a native sidecar beside
+// its trainer, sharing memory-backed /dev/shm and socket folders, with
+// probes and a memory limit that covers what its flags need.
 func TestKubernetesPod(t *testing.T) {
-	data, err := os.ReadFile("../kubernetes/ckptd-pod.yaml")
-	if err != nil {
-		t.Fatal(err)
+	var pods int
+	for _, m := range kubernetesManifests(t) {
+		if pod, ok := m.obj.(*corev1.Pod); ok {
+			pods++
+			t.Run(m.String(), func(t *testing.T) { checkPod(t, pod) })
+		}
 	}
-	var pod corev1.Pod
-	if err := yaml.UnmarshalStrict(data, &pod); err != nil {
-		t.Fatalf("not a valid Pod: %v", err)
+	if pods == 0 {
+		t.Fatal("no Pod under deploy/kubernetes")
 	}
-	if pod.Kind != "Pod" || pod.APIVersion != "v1" {
-		t.Fatalf("kind %q apiVersion %q", pod.Kind, pod.APIVersion)
-	}
+}
+
+func checkPod(t *testing.T, pod *corev1.Pod) {
 	if len(pod.Spec.InitContainers) != 1 || len(pod.Spec.Containers) != 1 {
 		t.Fatal("want one sidecar (init container) and one trainer")
 	}
@@ -104,7 +108,7 @@ func TestKubernetesPod(t *testing.T) {
 	if side.RestartPolicy == nil || *side.RestartPolicy != corev1.ContainerRestartPolicyAlways {
 		t.Error("the sidecar is not a native sidecar (restartPolicy: Always)")
 	}
-	if side.Args[0] != "serve" {
+	if len(side.Args) == 0 || side.Args[0] != "serve" {
 		t.Fatalf("sidecar args %v", side.Args)
 	}
 	checkFlags(t, "the pod", side.Args[1:])
