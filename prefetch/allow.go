@@ -10,7 +10,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/posix"
@@ -29,11 +28,11 @@ var ErrNotAllowed = errors.New("dataset source not allowed")
 //
 // A local source is allowed when its real path (symbolic links resolved)
 // lies beneath the real path of an allowed folder, component by component
-// (/data allows /data/x, not /database); every shard is checked again
-// where it was really opened, so a link inside an allowed folder that
-// points outside is refused too. An S3 source is allowed when its bucket
-// is an allowed one and its key prefix lies beneath the allowed prefix,
-// component by component.
+// (/data allows /data/x, not /database). A shard is opened beneath its
+// source's folder without following links, and its real path is checked
+// again on the descriptor opened (localBackend.open). An S3 source is
+// allowed when its bucket is an allowed one and its key prefix lies
+// beneath the allowed prefix, component by component.
 type allowList struct {
 	local   []string // cleaned absolute paths, resolved at each check
 	s3      []s3Prefix
@@ -232,9 +231,10 @@ func beneath(p, prefix string) bool {
 }
 
 // localBackend reads a local source: listings as package posix makes
-// them, and shards only where their real path is allowed, checked on the
-// file descriptor actually opened, so a symbolic link inside the folder
-// that points outside is refused, even one swapped in after the listing.
+// them (regular files only, links skipped), and shards resolved beneath
+// the descriptor of the source's folder through no symbolic link, so a
+// link swapped in after the listing -- at the shard or at a folder above
+// it -- is refused, not followed (see open).
 type localBackend struct {
 	*posix.Backend
 	allow *allowList
@@ -281,27 +281,34 @@ func (b *localBackend) mapShard(ctx context.Context, name string, size int64) (*
 	return mapFile(f, size)
 }
 
-// open opens a shard for reading beneath the source's root: a regular
-// file whose real path the allow list admits.
+// open opens a shard for reading: a regular file beneath the source's
+// root, reached through no symbolic link (see posix.OpenBeneath), whose
+// real path lies in the source's folder and is allowed. A link or a file
+// of another type swapped in since the listing is refused before anything
+// is read, without blocking on a FIFO, and nothing outside the folder is
+// opened: the open itself resolves beneath the root's descriptor.
+// checkOpened then checks where the file really is, in case the folder
+// itself was moved.
 func (b *localBackend) open(ctx context.Context, name string) (*os.File, os.FileInfo, error) {
-	if err := storage.ValidName(name); err != nil {
-		return nil, nil, err
-	}
 	if err := ctx.Err(); err != nil {
 		return nil, nil, err
 	}
-	// O_NONBLOCK: a FIFO swapped in after the listing must not block the open.
-	f, err := os.OpenFile(filepath.Join(b.Root(), filepath.FromSlash(name)), os.O_RDONLY|syscall.O_NONBLOCK|syscall.O_NOCTTY, 0)
-	if errors.Is(err, fs.ErrNotExist) {
+	f, err := b.OpenBeneath(name)
+	var le *posix.LinkError
+	switch {
+	case errors.As(err, &le):
+		// Not wrapped: storage.ErrSymlink would make it STORE_UNSAFE, and
+		// this is a path the daemon may not read (PERMISSION_DENIED).
+		return nil, nil, fmt.Errorf("%w: dataset shard %q: %s in the dataset's folder %s is a symbolic link (put there since the listing?), "+
+			"and links in a dataset's folder are never followed", ErrNotAllowed, name, printable(le.Link), b.Root())
+	case errors.Is(err, posix.ErrNotRegular):
+		return nil, nil, fmt.Errorf("%w: dataset shard %q: %v; only regular files are read", ErrNotAllowed, name, err)
+	case errors.Is(err, fs.ErrNotExist):
 		return nil, nil, fmt.Errorf("shard %q: %w", name, storage.ErrNotFound)
-	}
-	if err != nil {
+	case err != nil:
 		return nil, nil, err
 	}
 	fi, err := f.Stat()
-	if err == nil && !fi.Mode().IsRegular() {
-		err = fmt.Errorf("shard %q is not a regular file: %w", name, storage.ErrNotFound)
-	}
 	if err == nil {
 		err = b.checkOpened(f, name)
 	}
@@ -312,7 +319,9 @@ func (b *localBackend) open(ctx context.Context, name string) (*os.File, os.File
 	return f, fi, nil
 }
 
-// checkOpened checks the real path of an open file.
+// checkOpened checks the real path of an open file: beneath the source's
+// folder (its real path when the session opened it), allowed, and not in
+// the arena.
 func (b *localBackend) checkOpened(f *os.File, name string) error {
 	rc, err := f.SyscallConn()
 	if err != nil {
@@ -326,7 +335,13 @@ func (b *localBackend) checkOpened(f *os.File, name string) error {
 	if rerr != nil {
 		return fmt.Errorf("%w: shard %q: cannot tell where it really is: %v", ErrNotAllowed, name, rerr)
 	}
-	return b.allow.check("dataset shard", filepath.Join(b.Root(), name), strings.TrimSuffix(real, " (deleted)"))
+	real = strings.TrimSuffix(real, " (deleted)")
+	shown := filepath.Join(b.Root(), name)
+	if !beneath(real, b.Root()) {
+		return fmt.Errorf("%w: dataset shard %q is really %s, outside the dataset's folder %s",
+			ErrNotAllowed, shown, printable(real), b.Root())
+	}
+	return b.allow.check("dataset shard", shown, real)
 }
 
 type sectionFile struct {

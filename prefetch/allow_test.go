@@ -110,8 +110,10 @@ func TestNoSourcesAllowed(t *testing.T) {
 	}
 }
 
-// A shard that is a link out of the allowed folder is refused where it is
-// opened, so the epoch fails naming it.
+// A shard that is a link out of the allowed folder is never read: the
+// listing skips links (so this passes without an open ever meeting one),
+// and a link swapped in after the listing is refused where it is opened,
+// naming it (TestShardSwappedAfterListingIsRefused).
 func TestShardLinkedOutsideIsRefused(t *testing.T) {
 	s, root := allowSetup(t)
 	data := filepath.Join(root, "data")
