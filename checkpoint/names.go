@@ -5,6 +5,8 @@ import (
 	"log/slog"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/ckptd/ckptd/checkpoint/attempt"
 )
 
 // Limits on identifiers. Steps have 12 digits and ranks 5 in object names.
@@ -19,7 +21,7 @@ const (
 	// upgrade still commit together.
 	LegacyAttempt = "legacy"
 	// MaxAttemptLen bounds an attempt id, which is a folder name.
-	MaxAttemptLen = 64
+	MaxAttemptLen = attempt.MaxLen
 )
 
 // reservedTensorNames are names a safetensors file cannot hold as tensors
@@ -59,13 +61,8 @@ func ValidateAttempt(a string) error {
 		return fmt.Errorf("%w: the save names no attempt (the run of the job it belongs to); "+
 			"set CKPTD_ATTEMPT or upgrade the client, which sets one", ErrInvalid)
 	}
-	if len(a) > MaxAttemptLen || a[0] == '.' {
-		return fmt.Errorf("%w: attempt %q: want 1-%d bytes of [a-z0-9._-], not starting with a dot", ErrInvalid, a, MaxAttemptLen)
-	}
-	for _, c := range []byte(a) {
-		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
-			return fmt.Errorf("%w: attempt %q: want 1-%d bytes of [a-z0-9._-], not starting with a dot", ErrInvalid, a, MaxAttemptLen)
-		}
+	if err := attempt.Check(a); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	return nil
 }

@@ -168,6 +168,11 @@ func TestHostileRequests(t *testing.T) {
 
 	_, err = api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(2), Tensors: []*pb.Tensor{f32Tensor("__metadata__", 0, 1)}})
 	wantCode(t, "__metadata__ tensor", err, codes.InvalidArgument, "INVALID")
+	for _, a := range []string{"", "Upper", "../x", ".", "..", "a/b", strings.Repeat("a", 65)} {
+		_, err = api.BeginSave(ctx, &pb.BeginSaveRequest{Target: &pb.SaveTarget{Step: 2, WorldSize: 1, Attempt: a},
+			Tensors: []*pb.Tensor{f32Tensor("a", 0, 1)}})
+		wantCode(t, fmt.Sprintf("attempt %q", a), err, codes.InvalidArgument, "INVALID")
+	}
 
 	lease, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(3), Tensors: []*pb.Tensor{f32Tensor("a", 0, 1)}})
 	if err != nil {

@@ -72,6 +72,13 @@ func toStatus(err error) error {
 	if _, ok := status.FromError(err); ok && !isCore(err) {
 		return err // already a status (the stream's own errors)
 	}
+	code, reason, meta := classify(err)
+	return withInfo(code, err.Error(), reason, meta)
+}
+
+// classify returns the gRPC code, ErrorInfo reason and metadata of a core
+// error (INTERNAL when it is none of the core's).
+func classify(err error) (codes.Code, string, map[string]string) {
 	code, reason, meta := codes.Internal, "INTERNAL", map[string]string{}
 	var committed *checkpoint.CommittedError
 	var inProgress *checkpoint.InProgressError
@@ -100,7 +107,7 @@ func toStatus(err error) error {
 			}
 		}
 	}
-	return withInfo(code, err.Error(), reason, meta)
+	return code, reason, meta
 }
 
 // isCore reports whether err wraps an error of the core, which toStatus

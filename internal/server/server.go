@@ -120,6 +120,12 @@ func (s *Checkpoint) WaitSave(ctx context.Context, req *pb.WaitSaveRequest) (*pb
 	resp := &pb.WaitSaveResponse{State: toState(res.State)}
 	if res.Err != nil {
 		resp.Error = res.Err.Error()
+		// A failed save says why the way a failed call does, so that a
+		// save refused late (another run committed its step after this
+		// one was accepted) reads like one refused at BeginSave.
+		if _, reason, meta := classify(res.Err); reason != "INTERNAL" && res.State == checkpoint.StateFailed {
+			resp.Reason, resp.Metadata = reason, meta
+		}
 	}
 	return resp, nil
 }

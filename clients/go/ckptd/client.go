@@ -23,6 +23,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/ckptd/ckptd/checkpoint/attempt"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
@@ -80,6 +81,9 @@ func Dial(socket string, opts ...Option) (*Client, error) {
 	}
 	if c.attempt == "" {
 		c.attempt = randomAttempt()
+	}
+	if err := attempt.Check(c.attempt); err != nil {
+		return nil, fmt.Errorf("%w: the client's attempt (WithAttempt, else $CKPTD_ATTEMPT): %w", ErrInvalid, err)
 	}
 	conn, err := grpc.NewClient("passthrough:///ckptd",
 		grpc.WithContextDialer(c.dialer.dial),

@@ -11,8 +11,11 @@ import (
 // Reason returns why the daemon refused a call: the reason of the
 // google.rpc.ErrorInfo its error carries ("STEP_COMMITTED",
 // "SAVE_IN_PROGRESS", "ARENA_FULL", ...; the list is in the proto), or ""
-// when err carries none. Decide on it, not on the message text.
+// when err carries none (a failed save's Wait carries one too). Decide on it, not on the message text.
 func Reason(err error) string {
+	if f, ok := errors.AsType[*SaveFailure](err); ok {
+		return f.Reason
+	}
 	info := errorInfo(err)
 	if info == nil {
 		return ""
@@ -23,6 +26,9 @@ func Reason(err error) string {
 // ReasonMetadata returns the fields of the daemon's ErrorInfo (job, step,
 // rank, attempt, ...), or nil.
 func ReasonMetadata(err error) map[string]string {
+	if f, ok := errors.AsType[*SaveFailure](err); ok {
+		return f.Metadata
+	}
 	return errorInfo(err).GetMetadata()
 }
 

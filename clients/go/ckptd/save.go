@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/ckptd/ckptd/checkpoint/attempt"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
@@ -37,12 +38,17 @@ type SaveHandle struct {
 	attempt string
 }
 
-func (c *Client) target(r *SaveRequest) *pb.SaveTarget {
+// target is the request's save target; its attempt is checked here, so a
+// bad one fails before anything is sent.
+func (c *Client) target(r *SaveRequest) (*pb.SaveTarget, error) {
 	a := r.Attempt
 	if a == "" {
 		a = c.attempt
 	}
-	return &pb.SaveTarget{Job: r.Job, Step: r.Step, Rank: int32(r.Rank), WorldSize: int32(r.WorldSize), Attempt: a}
+	if err := attempt.Check(a); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	return &pb.SaveTarget{Job: r.Job, Step: r.Step, Rank: int32(r.Rank), WorldSize: int32(r.WorldSize), Attempt: a}, nil
 }
 
 // table lays the tensors out back to back, which lets the daemon compress
@@ -65,7 +71,11 @@ func (c *Client) Save(ctx context.Context, req *SaveRequest) (*SaveHandle, error
 
 func (c *Client) save(ctx context.Context, req *SaveRequest) (*SaveHandle, error) {
 	table := req.table()
-	resp, err := c.api.BeginSave(ctx, &pb.BeginSaveRequest{Target: c.target(req), Tensors: table})
+	target, err := c.target(req)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target, Tensors: table})
 	if err != nil {
 		return nil, c.wrap(err)
 	}
@@ -92,11 +102,15 @@ func (c *Client) handle(t *pb.SaveTarget) *SaveHandle {
 
 // SaveStream sends the shard over gRPC instead of shared memory.
 func (c *Client) SaveStream(ctx context.Context, req *SaveRequest) (*SaveHandle, error) {
+	target, err := c.target(req)
+	if err != nil {
+		return nil, err
+	}
 	stream, err := c.api.SaveStream(ctx)
 	if err != nil {
 		return nil, c.wrap(err)
 	}
-	hdr := &pb.SaveStreamHeader{Target: c.target(req), Tensors: req.table(), Metadata: req.Metadata}
+	hdr := &pb.SaveStreamHeader{Target: target, Tensors: req.table(), Metadata: req.Metadata}
 	if err := stream.Send(&pb.SaveStreamRequest{Msg: &pb.SaveStreamRequest_Header{Header: hdr}}); err != nil {
 		return nil, c.closeStream(stream, err)
 	}
@@ -127,8 +141,31 @@ func (c *Client) closeStream(stream interface {
 	return c.wrap(err)
 }
 
-// ErrSaveFailed is returned by Wait when the daemon gave up on a save.
+// ErrSaveFailed is matched by the error Wait returns when the daemon gave
+// up on a save (a *SaveFailure).
 var ErrSaveFailed = errors.New("save failed")
+
+// SaveFailure is a save the daemon gave up on. It matches ErrSaveFailed
+// and, when the daemon said why, the sentinel of that reason: a save
+// refused because another run of the job committed its step after this
+// one was accepted matches ErrStepCommitted, with the committing attempt
+// in Metadata["attempt"], as a save refused at once does.
+type SaveFailure struct {
+	Step     int64
+	Rank     int
+	State    pb.SaveState
+	Message  string
+	Reason   string            // the ErrorInfo reason, "" from daemons that send none
+	Metadata map[string]string // the ErrorInfo fields (job, step, attempt, ...)
+}
+
+func (e *SaveFailure) Error() string {
+	return fmt.Sprintf("%s: step %d rank %d: %s: %s", ErrSaveFailed, e.Step, e.Rank, e.State, e.Message)
+}
+
+func (e *SaveFailure) Is(target error) bool {
+	return target == ErrSaveFailed || (e.Reason != "" && byReason[e.Reason] == target)
+}
 
 // Wait blocks until the save reached where it ends, the save failed, or
 // ctx ends. A save ends committed, or, for a step the daemon keeps in
@@ -142,7 +179,8 @@ func (h *SaveHandle) Wait(ctx context.Context) error {
 	switch resp.GetState() {
 	case pb.SaveState_SAVE_STATE_COMMITTED, pb.SaveState_SAVE_STATE_REPLICATED, pb.SaveState_SAVE_STATE_HOT:
 	default:
-		return fmt.Errorf("%w: step %d rank %d: %s: %s", ErrSaveFailed, h.step, h.rank, resp.GetState(), resp.GetError())
+		return &SaveFailure{Step: h.step, Rank: h.rank, State: resp.GetState(), Message: resp.GetError(),
+			Reason: resp.GetReason(), Metadata: resp.GetMetadata()}
 	}
 	return nil
 }
