@@ -276,7 +276,7 @@ func TestPruneSeesLateCommit(t *testing.T) {
 		t.Fatalf("Inventory = %+v, %v", inv, err)
 	}
 	save(t, b, r1) // step 2 commits after the inventory
-	p := &pruner{s: store, refs: map[string]bool{}, rep: &PruneReport{}, newest: 3}
+	p := &pruner{s: store, refs: map[string]bool{}, rep: &PruneReport{}}
 	if err := p.removeGarbage(context.Background(), &inv[1], time.Now().Add(time.Hour)); err != nil {
 		t.Fatal(err)
 	}

@@ -41,15 +41,17 @@ type PruneReport struct {
 
 // Prune keeps the newest KeepLast committed steps and removes the rest.
 // It also removes the attempts that no commit record names: those of
-// committed steps (a crashed run's ranks), and those of uncommitted steps
-// older than the newest committed one and untouched for GCGrace. Steps
+// committed steps (a crashed run's ranks) at once, and those of
+// uncommitted steps once nothing was written to them for GCGrace. Steps
 // whose commit record is damaged are left alone and reported: they need a
 // person.
 //
-// An uncommitted step may still commit while Prune runs (a save kept
-// journaled through a long outage drains late), so a step newer than the
-// newest commit is never garbage, and a step's commit record is read again
-// just before its attempts are deleted.
+// An uncommitted step may still commit while Prune runs (its last ranks
+// drain, or a save kept journaled through an outage drains late), so its
+// commit record is read again just before its attempts are deleted.
+// GCGrace is the bound on how long a step may take to commit: a save held
+// back longer than that (an outage longer than the grace) can find its
+// step's other ranks pruned, and then its step never commits.
 //
 // Deletion is reference-aware: a data object that a kept manifest points
 // to (an incremental checkpoint) is kept. A removed step's COMMIT.json goes
@@ -89,10 +91,7 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 	if err != nil {
 		return nil, err
 	}
-	p := &pruner{s: s, refs: refs, dryRun: opts.DryRun, rep: rep, newest: -1}
-	if len(committed) > 0 {
-		p.newest = committed[len(committed)-1].Step
-	}
+	p := &pruner{s: s, refs: refs, dryRun: opts.DryRun, rep: rep}
 	for _, si := range committed[:cut] {
 		rep.Removed = append(rep.Removed, si.Step)
 		if err := p.removeStep(ctx, si); err != nil {
@@ -129,7 +128,6 @@ type pruner struct {
 	refs   map[string]bool
 	dryRun bool
 	rep    *PruneReport
-	newest int64 // the newest committed step, -1 if none
 }
 
 // removeStep deletes a committed step: its commit record first, then every
@@ -148,17 +146,17 @@ func (p *pruner) removeStep(ctx context.Context, si *StepInventory) error {
 }
 
 // removeGarbage deletes the attempts of a step that its commit record does
-// not name: at once for a committed step; for an uncommitted one older
-// than the newest commit, after the grace (idle since before cutoff), and
-// only if it is still uncommitted now. A damaged step is left.
+// not name: at once for a committed step; for an uncommitted one, after
+// the grace (idle since before cutoff), and only if it is still
+// uncommitted now. A damaged step is left.
 func (p *pruner) removeGarbage(ctx context.Context, si *StepInventory, cutoff time.Time) error {
 	if si.Damaged != nil || slices.Contains(p.rep.Removed, si.Step) {
 		return nil
 	}
 	winner, committed := si.Committed()
 	if !committed {
-		if si.Step > p.newest {
-			return nil // it may be the step a run is writing, or draining late
+		if !slices.ContainsFunc(si.Attempts, func(a AttemptInfo) bool { return !a.Newest.After(cutoff) }) {
+			return nil // every attempt may still be in flight: no need to look again
 		}
 		rec, err := p.s.readCommit(ctx, si.Step)
 		switch {

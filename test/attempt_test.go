@@ -4,10 +4,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/minio/minio-go/v7"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -29,14 +34,27 @@ func attemptShard(attempt string, step int64, rank, world int) *ckptd.SaveReques
 type store struct {
 	url string
 	env []string
+	// remove deletes an object of the store (a name under the URL).
+	remove func(t *testing.T, name string)
 }
 
 func stores(t *testing.T) map[string]func(t *testing.T) store {
 	return map[string]func(t *testing.T) store{
-		"posix": func(t *testing.T) store { return store{url: t.TempDir()} },
+		"posix": func(t *testing.T) store {
+			dir := t.TempDir()
+			return store{url: dir, remove: func(t *testing.T, name string) {
+				if err := os.Remove(filepath.Join(dir, name)); err != nil {
+					t.Fatal(err)
+				}
+			}}
+		},
 		"s3": func(t *testing.T) store {
-			srv, _, url := s3Store(t)
-			return store{url: url, env: srv.Env()}
+			srv, bucket, url := s3Store(t)
+			return store{url: url, env: srv.Env(), remove: func(t *testing.T, name string) {
+				if err := srv.Client().RemoveObject(t.Context(), bucket, "ckpt/"+name, minio.RemoveObjectOptions{}); err != nil {
+					t.Fatal(err)
+				}
+			}}
 		},
 	}
 }
@@ -121,6 +139,11 @@ func TestAttempts(t *testing.T) {
 				err := waitAttempt(t, old.client(), "old", 100, 0)
 				if err == nil || !strings.Contains(err.Error(), `attempt "new"`) {
 					t.Fatalf("the old run's replayed save: %v\n%s", err, old.logs())
+				}
+				// Refused late, it says why as a save refused at once does.
+				if !errors.Is(err, ckptd.ErrStepCommitted) || ckptd.Reason(err) != "STEP_COMMITTED" || ckptd.ReasonMetadata(err)["attempt"] != "new" {
+					t.Fatalf("the old run's replayed save: %v (reason %q %v), want STEP_COMMITTED naming attempt new",
+						err, ckptd.Reason(err), ckptd.ReasonMetadata(err))
 				}
 				checkCommitted(t, old.client(), 100, "new", 1)
 				out, _, err := ckptdCLIEnv(t, s.env, "list", "--all", "--json", "--storage", s.url, "--job", "e2e")
@@ -209,45 +232,92 @@ func TestAttemptsRace(t *testing.T) {
 	}
 }
 
-// A crash between a run's manifests and its commit, then the next run:
-// it commits cleanly, list --all shows the leftovers, and prune removes
-// them while the committed step stays restorable.
+// A crash between a run's manifests and its commit, then the next run: it
+// commits cleanly, list --all shows the leftovers and a half-written step,
+// and prune removes the leftovers (the half-written step once past the
+// grace) while the committed step stays restorable. Two crashes: after one
+// rank of two was written (a real kill -9), and after every rank's
+// manifest but before the commit record (the commit record of a finished
+// save is deleted: the store then holds what that crash leaves when the
+// node's journal is lost with it).
 func TestAttemptLeftoversPruned(t *testing.T) {
-	s := store{url: t.TempDir()}
-	d := s.daemon(t)
-	c := d.client()
-	waitDurable(t, save(t, c, attemptShard("crashed", 7, 0, 2)))
-	d.kill9()
-	d.start()
-	c = d.client()
-	saveAndWait(t, c, attemptShard("rerun", 7, 0, 2), attemptShard("rerun", 7, 1, 2))
-	checkCommitted(t, c, 7, "rerun", 2)
+	for name, mk := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			s := mk(t)
+			d := s.daemon(t)
+			c := d.client()
+			waitDurable(t, save(t, c, attemptShard("crashed", 7, 0, 2)))
+			d.kill9()
+			d.start()
+			c = d.client()
+			saveAndWait(t, c, attemptShard("all-manifests", 8, 0, 2), attemptShard("all-manifests", 8, 1, 2))
+			s.remove(t, "e2e/steps/000000000008/COMMIT.json")
+			for _, step := range []int64{7, 8} {
+				saveAndWait(t, c, attemptShard("rerun", step, 0, 2), attemptShard("rerun", step, 1, 2))
+				checkCommitted(t, c, step, "rerun", 2)
+			}
+			waitDurable(t, save(t, c, attemptShard("half", 9, 0, 2)))
 
-	out, _, err := ckptdCLI(t, "list", "--all", "--json", "--storage", s.url, "--job", "e2e")
+			want := map[string]listRow{
+				"7/crashed": {State: "garbage", Ranks: 1}, "7/rerun": {State: "committed", Ranks: 2},
+				"8/all-manifests": {State: "garbage", Ranks: 2}, "8/rerun": {State: "committed", Ranks: 2},
+				"9/half": {State: "uncommitted", Ranks: 1},
+			}
+			checkListAll(t, s, want)
+			out, _, err := ckptdCLIEnv(t, s.env, "prune", "--storage", s.url, "--job", "e2e", "--keep-last", "2")
+			if err != nil || !strings.Contains(out, "7/crashed") || !strings.Contains(out, "8/all-manifests") || strings.Contains(out, "9/half") {
+				t.Fatalf("prune: %s %v", out, err)
+			}
+			delete(want, "7/crashed")
+			delete(want, "8/all-manifests")
+			checkListAll(t, s, want)
+			// Past the grace, the half-written step goes too.
+			time.Sleep(20 * time.Millisecond)
+			if out, _, err := ckptdCLIEnv(t, s.env, "prune", "--storage", s.url, "--job", "e2e", "--keep-last", "2", "--gc-grace", "10ms"); err != nil || !strings.Contains(out, "9/half") {
+				t.Fatalf("prune --gc-grace 10ms: %s %v", out, err)
+			}
+			delete(want, "9/half")
+			checkListAll(t, s, want)
+			if out, _, err := ckptdCLIEnv(t, s.env, "verify", "--storage", s.url, "--job", "e2e", "--latest"); err != nil {
+				t.Fatalf("verify after prune: %s %v", out, err)
+			}
+			for _, step := range []int64{7, 8} {
+				checkCommitted(t, c, step, "rerun", 2)
+			}
+		})
+	}
+}
+
+type listRow struct {
+	Step      int64
+	Attempt   string
+	State     string
+	Ranks     int `json:"ranks"`
+	WorldSize int `json:"world_size"`
+}
+
+// checkListAll checks what `ckptd list --all --json` shows: want is keyed
+// by step/attempt, world size 2 for all.
+func checkListAll(t *testing.T, s store, want map[string]listRow) {
+	t.Helper()
+	out, _, err := ckptdCLIEnv(t, s.env, "list", "--all", "--json", "--storage", s.url, "--job", "e2e")
 	if err != nil {
 		t.Fatal(err)
 	}
-	var rows []struct {
-		Attempt, State string
-		Ranks          int `json:"ranks"`
-		WorldSize      int `json:"world_size"`
-	}
-	if err := json.Unmarshal([]byte(out), &rows); err != nil || len(rows) != 2 {
+	var rows []listRow
+	if err := json.Unmarshal([]byte(out), &rows); err != nil {
 		t.Fatalf("list --all: %s %v", out, err)
 	}
+	got := map[string]listRow{}
 	for _, r := range rows {
-		want := map[string]string{"crashed": "garbage", "rerun": "committed"}[r.Attempt]
-		if r.State != want || r.WorldSize != 2 {
-			t.Errorf("list --all row %+v, want state %s", r, want)
+		got[fmt.Sprintf("%d/%s", r.Step, r.Attempt)] = listRow{State: r.State, Ranks: r.Ranks}
+		if r.WorldSize != 2 {
+			t.Errorf("list --all row %+v: world size %d, want 2", r, r.WorldSize)
 		}
 	}
-	if out, _, err := ckptdCLI(t, "prune", "--storage", s.url, "--job", "e2e", "--keep-last", "1"); err != nil || !strings.Contains(out, "7/crashed") {
-		t.Fatalf("prune: %s %v", out, err)
+	if !maps.Equal(got, want) {
+		t.Errorf("list --all:\n got %v\nwant %v\n%s", got, want, out)
 	}
-	if out, _, err := ckptdCLI(t, "verify", "--storage", s.url, "--job", "e2e", "--latest"); err != nil {
-		t.Fatalf("verify after prune: %s %v", out, err)
-	}
-	checkCommitted(t, c, 7, "rerun", 2)
 }
 
 // A save of a step another attempt committed is refused at once, naming

@@ -26,9 +26,9 @@ func newPruneCmd() *cobra.Command {
 		Short: "Delete all but the newest N committed steps, and attempts no commit record names",
 		Long: `Delete all but the newest N committed steps. Also delete the attempts (runs
 of the job) that no commit record names: those of committed steps at once
-(a crashed run's ranks), and those of uncommitted steps older than the newest
-committed one once nothing was written to them for --gc-grace (they may still
-be in flight before that; a newer step may still commit, and is kept).
+(a crashed run's ranks), and those of uncommitted steps once nothing was
+written to them for --gc-grace (they may still be in flight before that; set
+it above the longest outage a save may be held back through).
 Objects a kept step points to are never deleted, and neither is a step whose
 commit record is damaged (it is named, for a person to look at).`,
 		Args: cobra.NoArgs,
