@@ -1,13 +1,18 @@
 package ckptd
 
 import (
+	"bytes"
 	"context"
+	"crypto/sha256"
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
@@ -63,5 +68,122 @@ func TestLeaseOfAnotherArenaRefused(t *testing.T) {
 	_, err = retryMoved(func() (int, error) { calls++; return 0, errArenaMoved })
 	if calls != arenaRetries || !errors.Is(err, errArenaMoved) {
 		t.Fatalf("retryMoved: %d calls, %v", calls, err)
+	}
+}
+
+// An arena the client cannot be sure the daemon made is never mapped, so
+// no save is copied into it: a link (to a file of the victim's), a file
+// of another user, one others may write, one in a folder others may
+// write. The daemon (in this process) is trusted, so only the arena's
+// checks stand between the client and the file.
+func TestUntrustedArenaRefused(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		setup func(t *testing.T, dir, arena, victim string)
+		msg   string
+	}{
+		{"symlink", func(t *testing.T, _, arena, victim string) { must(t, os.Symlink(victim, arena)) }, "symbolic link"},
+		{"another-uid", func(t *testing.T, _, arena, _ string) {
+			if os.Geteuid() != 0 {
+				t.Skip("needs root to give the arena to another user")
+			}
+			writeArena(t, arena, 0o600)
+			must(t, os.Chown(arena, 65534, 65534))
+		}, "uid 65534"},
+		{"world-writable", func(t *testing.T, _, arena, _ string) { writeArena(t, arena, 0o666) }, "mode 666"},
+		{"folder-writable-by-others", func(t *testing.T, dir, arena, _ string) {
+			writeArena(t, arena, 0o600)
+			must(t, os.Chmod(dir, 0o777))
+		}, "mode 777"},
+		{"folder-writable-by-others-sticky", func(t *testing.T, dir, arena, _ string) {
+			writeArena(t, arena, 0o600)
+			must(t, os.Chmod(dir, os.ModeSticky|0o777))
+		}, "mode 1777"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := filepath.Join(t.TempDir(), "shm")
+			must(t, os.Mkdir(dir, 0o700))
+			arena, victim := filepath.Join(dir, "arena"), filepath.Join(t.TempDir(), "victim")
+			writeArena(t, victim, 0o600)
+			tc.setup(t, dir, arena, victim)
+			before := snapshotFiles(t, arena, victim)
+
+			c := arenaClient(t, arena)
+			mem, err := c.region(context.Background(), &pb.Lease{Id: "l1", Offset: 0, Length: 4096, ArenaId: "a"})
+			if mem != nil || !refusedArena(err) || !strings.Contains(err.Error(), tc.msg) {
+				t.Fatalf("an arena that is a %s: %d bytes, %v", tc.name, len(mem), err)
+			}
+			if after := snapshotFiles(t, arena, victim); after != before {
+				t.Fatalf("the refused arena changed:\n%s\nnow:\n%s", before, after)
+			}
+		})
+	}
+	t.Run("trusted", func(t *testing.T) { // the same set-up, made right, maps
+		dir := filepath.Join(t.TempDir(), "shm")
+		must(t, os.Mkdir(dir, 0o750))
+		arena := filepath.Join(dir, "arena")
+		writeArena(t, arena, 0o640)
+		mem, err := arenaClient(t, arena).region(context.Background(), &pb.Lease{Id: "l1", Offset: 0, Length: 4096, ArenaId: "a"})
+		if err != nil || len(mem) != 4096 {
+			t.Fatalf("a trusted arena: %d bytes, %v", len(mem), err)
+		}
+	})
+}
+
+// refusedArena: the client refused the arena as not the daemon's.
+// mapArena opens it with O_NOFOLLOW, and a link fails that open with
+// ELOOP, which it returns as it is rather than as ErrUntrustedDaemon;
+// either way nothing was mapped.
+func refusedArena(err error) bool {
+	return errors.Is(err, ErrUntrustedDaemon) || errors.Is(err, unix.ELOOP)
+}
+
+// arenaClient is a client of an in-process daemon whose arena is path.
+func arenaClient(t *testing.T, path string) *Client {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "ckptd.sock")
+	lis, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	pb.RegisterCheckpointServer(srv, &arenaOnly{path: path, id: "a"})
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	c, err := Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// writeArena writes an arena file of arenaOnly's size, filled with a
+// pattern a copy into it would change.
+func writeArena(t *testing.T, p string, mode os.FileMode) {
+	t.Helper()
+	must(t, os.WriteFile(p, bytes.Repeat([]byte{0xa5}, 1<<16), mode))
+	must(t, os.Chmod(p, mode)) // whatever the umask
+}
+
+// snapshotFiles describes files by mode, owner and contents.
+func snapshotFiles(t *testing.T, paths ...string) string {
+	t.Helper()
+	var out strings.Builder
+	for _, p := range paths {
+		var st unix.Stat_t
+		if err := unix.Lstat(p, &st); err != nil {
+			t.Fatal(err)
+		}
+		data, _ := os.ReadFile(p)
+		fmt.Fprintf(&out, "%s mode %o uid %d sha256 %x\n", p, st.Mode, st.Uid, sha256.Sum256(data))
+	}
+	return out.String()
+}
+
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
 	}
 }
