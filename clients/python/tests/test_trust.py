@@ -7,8 +7,12 @@ trainer is pointed at.
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -18,6 +22,8 @@ import ckptd
 from ckptd import _trust
 
 NOBODY = 65534
+NOBODY_NAME = pwd.getpwuid(NOBODY).pw_name
+NOBODY_GROUP = grp.getgrgid(NOBODY).gr_name
 
 
 @pytest.fixture(autouse=True)
@@ -109,6 +115,73 @@ def test_absent_or_dead_socket_is_no_daemon_not_untrusted(tmp_path):
         pytest.raises(ckptd.DaemonUnavailableError),
     ):
         c.steps()
+
+
+# What a trainer of another user sees: the class of the error, then its message.
+_LIST_STEPS = """
+import sys, ckptd
+try:
+    with ckptd.Client(sys.argv[1], reconnect_timeout=0) as c:
+        c.steps()
+except ckptd.CkptdError as e:
+    print(type(e).__name__, e, sep="\\n")
+else:
+    print("ok")
+"""
+
+
+def steps_as_nobody(sock: str) -> tuple[str, str]:
+    """List steps on sock as uid 65534 (group 65534 only): the error's class and message.
+
+    Through setpriv rather than Popen(user=): setpriv keeps root's
+    capabilities until the exec, so an interpreter installed under a
+    folder only root may enter (/root here) still starts.
+    """
+    drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    out = subprocess.run(
+        [*drop, sys.executable, "-c", _LIST_STEPS, sock],
+        env={**os.environ, "HOME": "/"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    kind, _, message = out.stdout.strip().partition("\n")
+    return kind, message
+
+
+@pytest.mark.parametrize(("extra", "mode"), [((), 0o600), (("--socket-group", "0"), 0o660)])
+def test_socket_another_user_may_not_use_names_its_owner_and_the_fix(make_daemon, extra, mode):
+    d = make_daemon(*extra)
+    os.chmod(d.dir, 0o755)  # the folder lets everyone in; the socket does not
+    kind, message = steps_as_nobody(d.socket)
+    assert kind == "PermissionDeniedError", message
+    assert f"cannot connect to the ckptd socket {d.socket}: permission denied" in message
+    assert (
+        f"the socket {d.socket} belongs to uid 0 (root), group 0 (root), mode {mode:04o}" in message
+    )
+    assert f"you are uid {NOBODY} ({NOBODY_NAME}), groups {NOBODY} ({NOBODY_GROUP})" in message
+    assert "have the daemon started with --socket-group naming a group of yours" in message
+
+
+def test_socket_group_named_by_the_message_lets_that_user_in(make_daemon):
+    d = make_daemon("--socket-group", str(NOBODY))
+    os.chmod(d.dir, 0o755)
+    assert steps_as_nobody(d.socket) == ("ok", "")
+
+
+# The modes the daemon gives its own /tmp/ckptd-<uid>: alone, and with --socket-group.
+@pytest.mark.parametrize("mode", [0o700, 0o750])
+def test_socket_folder_another_user_may_not_enter_is_named(make_daemon, mode):
+    d = make_daemon()
+    os.chmod(d.dir, mode)
+    kind, message = steps_as_nobody(d.socket)
+    assert kind == "PermissionDeniedError", message
+    assert f"cannot reach the ckptd socket {d.socket}: permission denied" in message
+    assert (
+        f"the socket's folder {d.dir} belongs to uid 0 (root), group 0 (root), mode {mode:04o}, "
+        "and you may not enter it"
+    ) in message
+    assert f"you are uid {NOBODY} ({NOBODY_NAME})" in message
+    assert "--socket-group naming a group of yours" in message
+    assert f"chmod g+x {d.dir}" in message
 
 
 def test_daemon_uid_must_be_a_number(monkeypatch):

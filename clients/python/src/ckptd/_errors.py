@@ -72,7 +72,13 @@ class UntrustedDaemonError(CkptdError):
 
 
 class PermissionDeniedError(CkptdError):
-    """The daemon refused this client (its uid is not allowed to connect)."""
+    """This client may not use the daemon.
+
+    Either the daemon refused it (its uid is neither the daemon's, root's
+    nor a member of the daemon's ``--socket-group``), or the socket, or a
+    folder on the way to it, does not let this user in. The message names
+    the socket or folder, its owner, group and mode, and the fix.
+    """
 
 
 class StorageUnavailableError(CkptdError, ConnectionError):

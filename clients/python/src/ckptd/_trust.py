@@ -15,18 +15,29 @@ O_NOFOLLOW), owned by the daemon's uid and not world-writable, in a folder
 owned by that uid that is not world-writable. Trusted uids are the
 client's own, root's, and $CKPTD_DAEMON_UID. A few syscalls, once per
 socket (again only when the socket file is replaced) and once per mapping.
+
+A socket (or a folder on the way to it) that this user may not use is a
+PermissionDeniedError naming its owner, group and mode and the fix
+(``--socket-group``), not a bare EACCES.
 """
 
 from __future__ import annotations
 
 import errno
+import grp
 import os
+import pwd
 import socket
 import stat
 import struct
 from dataclasses import dataclass
 
-from ._errors import DaemonUnavailableError, InvalidArgumentError, UntrustedDaemonError
+from ._errors import (
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    UntrustedDaemonError,
+)
 
 ENV_UID = "CKPTD_DAEMON_UID"
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -75,6 +86,8 @@ def check_socket(path: str, trusted: frozenset[int], what: str) -> Peer:
     Raises:
         UntrustedDaemonError: a check failed; nothing was sent.
         DaemonUnavailableError: nothing is there, or nothing listens.
+        PermissionDeniedError: this user may not enter the socket's folder
+            (or one above it) or connect to the socket.
     """
     folder = os.path.dirname(path) or "."
     try:
@@ -82,6 +95,8 @@ def check_socket(path: str, trusted: frozenset[int], what: str) -> Peer:
         st = os.lstat(path)
     except FileNotFoundError as e:
         raise _absent(what, path, f"{e.filename} does not exist") from None
+    except PermissionError:
+        raise _denied(what, path) from None
     if d.st_uid not in trusted:
         raise UntrustedDaemonError(
             f"{what}: refusing the daemon socket {path}: its folder {folder} is owned by uid "
@@ -130,6 +145,8 @@ def _peer(path: str, what: str) -> tuple[int, int]:
         )
     except (ConnectionRefusedError, FileNotFoundError, TimeoutError) as e:
         raise _absent(what, path, str(e)) from None
+    except PermissionError:
+        raise _denied(what, path) from None
     finally:
         s.close()
     return pid, uid
@@ -140,6 +157,75 @@ def _absent(what: str, path: str, why: str) -> DaemonUnavailableError:
         f"{what}: no ckptd daemon answers on {path} ({why}); "
         f"start one with `ckptd serve --socket {path}` or set CKPTD_SOCKET"
     )
+
+
+def _denied(what: str, path: str) -> PermissionDeniedError:
+    """Why this user may not reach the socket at path, and the fix.
+
+    The daemon runs but lets in only its user, root and its --socket-group:
+    name the owner, group and mode of what stopped us -- the first folder
+    on the way that this user may not enter, else the socket itself -- and
+    who this user is, as the Go client's accessError does.
+    """
+    folder = os.path.dirname(path) or "."
+    blocked = _unenterable(folder)
+    fix = (
+        f"you are uid {_user(os.geteuid())}, groups {_groups()}: run as that user, or have "
+        "the daemon started with --socket-group naming a group of yours"
+    )
+    try:
+        st = os.stat(path if blocked is None else blocked)
+    except OSError:
+        return PermissionDeniedError(
+            f"{what}: cannot connect to the ckptd socket {path}: permission denied; {fix}"
+        )
+    owner = (
+        f"belongs to uid {_user(st.st_uid)}, group {_group(st.st_gid)}, "
+        f"mode {stat.S_IMODE(st.st_mode):04o}"
+    )
+    if blocked is None:
+        return PermissionDeniedError(
+            f"{what}: cannot connect to the ckptd socket {path}: permission denied: "
+            f"the socket {path} {owner}; {fix}"
+        )
+    which = "the socket's folder" if blocked == os.path.abspath(folder) else "the folder"
+    return PermissionDeniedError(
+        f"{what}: cannot reach the ckptd socket {path}: permission denied: {which} "
+        f"{blocked} {owner}, and you may not enter it; {fix}. The daemon opens its default "
+        "folder (/tmp/ckptd-<uid>) to that group itself; any other folder on the way its "
+        f"operator must open to the group too (chgrp GROUP {blocked} && chmod g+x {blocked})"
+    )
+
+
+def _unenterable(folder: str) -> str | None:
+    """The topmost folder from / down to folder that this user may not enter, or None."""
+    parts = os.path.abspath(folder).split(os.sep)
+    effective = os.access in os.supports_effective_ids
+    for i in range(1, len(parts) + 1):
+        here = os.sep.join(parts[:i]) or os.sep
+        if not os.access(here, os.X_OK, effective_ids=effective):
+            return here
+    return None
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return str(uid)  # a uid need not have a name (a container's)
+
+
+def _group(gid: int) -> str:
+    try:
+        return f"{gid} ({grp.getgrgid(gid).gr_name})"
+    except KeyError:
+        return str(gid)
+
+
+def _groups() -> str:
+    """This process's groups, the primary first: those --socket-group can name."""
+    gids = dict.fromkeys([os.getegid(), *os.getgroups()])
+    return ", ".join(_group(g) for g in gids)
 
 
 def open_arena(path: str, owner: int) -> int:
