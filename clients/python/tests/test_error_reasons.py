@@ -148,3 +148,22 @@ def test_corrupt_shard_is_named_by_the_metadata():
         rpc_error(grpc.StatusCode.DATA_LOSS, "chunk 3 hash", "CORRUPT", {"chunk": "3"}), SOCK, "op"
     )
     assert type(_dataset._corrupt_shard(err)) is ckptd.DataLossError
+
+
+def test_corrupt_shard_is_never_read_from_the_message():
+    from ckptd import _dataset
+
+    # Without ErrorInfo the words "corrupt shard: NAME:" decide nothing.
+    err = _errors.from_rpc_error(
+        rpc_error(grpc.StatusCode.DATA_LOSS, "corrupt shard: train-0003.tar: bad header"),
+        SOCK,
+        "op",
+    )
+    assert type(_dataset._corrupt_shard(err)) is ckptd.DataLossError
+    # A shard in the metadata of another reason is not a corrupt shard either.
+    err = _errors.from_rpc_error(
+        rpc_error(grpc.StatusCode.NOT_FOUND, "gone", "STEP_NOT_FOUND", {"shard": "a.tar"}),
+        SOCK,
+        "op",
+    )
+    assert type(_dataset._corrupt_shard(err)) is ckptd.NotFoundError

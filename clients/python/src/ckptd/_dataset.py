@@ -23,7 +23,6 @@ import contextlib
 import operator
 import os
 import queue
-import re
 import threading
 import time
 import weakref
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import grpc
 
 from . import _limits, _ranks
-from ._errors import CkptdError, CorruptShardError, DataLossError, InvalidArgumentError
+from ._errors import CkptdError, CorruptShardError, InvalidArgumentError
 from .v1 import ckptd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -45,7 +44,6 @@ Sample = dict[str, Any]
 """A sample: ``"__key__"`` (str) and one bytes-like value per extension."""
 
 _CLOSE_TIMEOUT = 5.0  # seconds for a CloseDataset sent on cleanup
-_CORRUPT = re.compile(r"corrupt shard: (.+?): ")
 
 
 @dataclass(frozen=True)
@@ -694,21 +692,14 @@ def _outside(what: str, key: str, field: str) -> CkptdError:
 
 
 def _corrupt_shard(e: CkptdError) -> CkptdError:
-    """Turn the daemon's DATA_LOSS for an unparsable shard into CorruptShardError.
+    """Turn the daemon's CORRUPT for an unparsable shard into CorruptShardError.
 
-    The shard comes from the ErrorInfo's ``shard`` metadata; a daemon that
-    sends no ErrorInfo names it only in its message, which is parsed then.
+    The daemon names the shard in its ErrorInfo's ``shard`` metadata. An
+    error without one (a corrupt checkpoint chunk, or a daemon that sends no
+    ErrorInfo) stays what it is: the message's words never decide.
     """
-    if type(e) is not DataLossError:
-        return e
-    if e.reason is not None:
-        shard = e.metadata.get("shard")
-        if shard is None:
-            return e
-    elif "corrupt shard" in e.details:
-        m = _CORRUPT.search(e.details)
-        shard = m.group(1) if m else None
-    else:
+    shard = e.metadata.get("shard")
+    if e.reason != "CORRUPT" or shard is None:
         return e
     hint = " (skip_corrupt=True skips such shards and counts them)"
     return CorruptShardError(

@@ -118,9 +118,11 @@ class CorruptShardError(DataLossError):
     """A dataset shard could not be parsed (a truncated or corrupt tar).
 
     Attributes:
-        shard: the shard's object name as the daemon reported it, or None
-            when the message did not name one. Pass skip_corrupt=True to
-            dataset() to skip such shards (and count them) instead.
+        shard: the shard's object name, from the ``shard`` metadata of the
+            daemon's ErrorInfo (reason ``CORRUPT``); a daemon that sends no
+            ErrorInfo raises a plain DataLossError instead. Pass
+            skip_corrupt=True to dataset() to skip such shards (and count
+            them) instead.
     """
 
     def __init__(self, message: str, *, shard: str | None, **kw: Any) -> None:
