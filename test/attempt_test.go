@@ -1,6 +1,7 @@
 package test
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -34,8 +35,10 @@ func attemptShard(attempt string, step int64, rank, world int) *ckptd.SaveReques
 type store struct {
 	url string
 	env []string
-	// remove deletes an object of the store (a name under the URL).
+	// remove deletes an object of the store (a name under the URL), put
+	// writes one.
 	remove func(t *testing.T, name string)
+	put    func(t *testing.T, name string, data []byte)
 }
 
 func stores(t *testing.T) map[string]func(t *testing.T) store {
@@ -46,12 +49,24 @@ func stores(t *testing.T) map[string]func(t *testing.T) store {
 				if err := os.Remove(filepath.Join(dir, name)); err != nil {
 					t.Fatal(err)
 				}
+			}, put: func(t *testing.T, name string, data []byte) {
+				p := filepath.Join(dir, name)
+				if err := os.MkdirAll(filepath.Dir(p), 0o750); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.WriteFile(p, data, 0o640); err != nil {
+					t.Fatal(err)
+				}
 			}}
 		},
 		"s3": func(t *testing.T) store {
 			srv, bucket, url := s3Store(t)
 			return store{url: url, env: srv.Env(), remove: func(t *testing.T, name string) {
 				if err := srv.Client().RemoveObject(t.Context(), bucket, "ckpt/"+name, minio.RemoveObjectOptions{}); err != nil {
+					t.Fatal(err)
+				}
+			}, put: func(t *testing.T, name string, data []byte) {
+				if _, err := srv.Client().PutObject(t.Context(), bucket, "ckpt/"+name, bytes.NewReader(data), int64(len(data)), minio.PutObjectOptions{}); err != nil {
 					t.Fatal(err)
 				}
 			}}
