@@ -14,6 +14,9 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
@@ -121,16 +124,96 @@ func runAct(act string) {
 		if ds, err = c.Dataset(ctx, &ckptd.DatasetRequest{Source: os.Getenv("CKPTD_TEST_SOURCE"), BatchSize: 1, WorldSize: 1}); err == nil {
 			_ = ds.Close(ctx)
 		}
+	case "next-other", "position-other", "close-other", "release-in-own", "commit-other", "abort-other":
+		err = othersObjectAct(ctx, act)
 	default:
 		err = holdAct(ctx, c, act)
 	}
 	report(act, err)
 }
 
+// othersObjectAct is the helper's side of TestOthersObjectsAreNotFound:
+// it names, on a connection of its own, the session, delivery or save
+// lease ($CKPTD_TEST_SESSION, _DELIVERY, _LEASE) another connection holds.
+func othersObjectAct(ctx context.Context, act string) error {
+	conn, err := rawConn(os.Getenv("CKPTD_TEST_SOCKET"))
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	pf, api := pb.NewPrefetchClient(conn), pb.NewCheckpointClient(conn)
+	session, delivery, lease := os.Getenv("CKPTD_TEST_SESSION"), os.Getenv("CKPTD_TEST_DELIVERY"), os.Getenv("CKPTD_TEST_LEASE")
+	switch act {
+	case "next-other": // read its next batch, releasing its delivery
+		_, err = pf.NextBatch(ctx, &pb.NextBatchRequest{Session: session, Release: []string{delivery}})
+	case "position-other":
+		_, err = pf.DatasetPosition(ctx, &pb.DatasetPositionRequest{Session: session, Position: 1})
+	case "close-other":
+		_, err = pf.CloseDataset(ctx, &pb.CloseDatasetRequest{Session: session})
+	case "release-in-own": // its delivery, through a session of our own
+		var own *pb.OpenDatasetResponse
+		if own, err = pf.OpenDataset(ctx, &pb.OpenDatasetRequest{Source: os.Getenv("CKPTD_TEST_SOURCE"), BatchSize: 1, WorldSize: 1}); err == nil {
+			_, err = pf.NextBatch(ctx, &pb.NextBatchRequest{Session: own.GetSession(), Release: []string{delivery}})
+		}
+	case "commit-other":
+		_, err = api.CommitSave(ctx, &pb.CommitSaveRequest{LeaseId: lease})
+	case "abort-other":
+		_, err = api.AbortSave(ctx, &pb.AbortSaveRequest{LeaseId: lease})
+	}
+	return err
+}
+
+// rawConn is a plain gRPC connection to the daemon's socket: the calls the
+// Go client does not expose.
+func rawConn(socket string) (*grpc.ClientConn, error) {
+	return grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+}
+
+// goodStep is a step a trust test saves before its attacks; check
+// restores it after each, through a new connection, byte for byte.
+type goodStep struct {
+	d    *daemon
+	want *ckptd.SaveRequest
+}
+
+func saveGood(t *testing.T, d *daemon, step int64) *goodStep {
+	t.Helper()
+	g := &goodStep{d: d, want: shard(step, 0, 1)}
+	h, err := d.client().Save(ctxT(t), g.want)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Wait(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	return g
+}
+
+// check asserts that the daemon survived attack and the good step
+// restores as saved.
+func (g *goodStep) check(t *testing.T, attack string) {
+	t.Helper()
+	select {
+	case <-g.d.exited:
+		t.Fatalf("%s: the daemon died:\n%s", attack, g.d.logs())
+	default:
+	}
+	got, err := g.d.client().Load(ctxT(t), &ckptd.LoadRequest{Step: g.want.Step})
+	if err != nil {
+		t.Fatalf("%s: the good step no longer restores: %v", attack, err)
+	}
+	checkShard(t, got, g.want)
+}
+
 // startOpenDaemon starts a daemon whose socket folder others can enter.
 func startOpenDaemon(t *testing.T, extra ...string) *daemon {
 	t.Helper()
-	dir := openDir(t)
+	return startDaemonIn(t, openDir(t), extra...)
+}
+
+// startDaemonIn starts a daemon whose socket is dir/ckptd.sock.
+func startDaemonIn(t *testing.T, dir string, extra ...string) *daemon {
+	t.Helper()
 	d := &daemon{t: t, socket: filepath.Join(dir, "ckptd.sock"), storage: filepath.Join(t.TempDir(), "store"),
 		arena: filepath.Join("/dev/shm", fmt.Sprintf("ckptd-test-%d-%d", os.Getpid(), arenaSeq.Add(1)))}
 	d.args = append([]string{"serve", "--socket", d.socket, "--storage", d.storage, "--arena-dir", d.arena,
@@ -142,32 +225,45 @@ func startOpenDaemon(t *testing.T, extra ...string) *daemon {
 
 // Only the daemon's user, root and its --socket-group reach it; a member
 // can save, but cannot read the journal or touch another connection's
-// regions.
+// regions. A step saved before restores intact after each attempt.
 func TestPeerCredentials(t *testing.T) {
 	allowed := openDir(t)
 	writeShards(t, allowed, 1, 2)
 	d := startOpenDaemon(t, "--socket-group", strconv.Itoa(shareGID), "--dataset-allow", allowed, "--slot-bytes", "1MiB")
+	good := saveGood(t, d, 50)
 	env := []string{"CKPTD_TEST_SOCKET=" + d.socket, "CKPTD_DAEMON_UID=0"}
 
+	// A non-member is stopped by the socket's mode (0660, of the group),
+	// and the Go client says what would let it in.
+	if got := actAsOther(t, nil, append(env, "CKPTD_TEST_ACT=save")...); !strings.Contains(got, "--socket-group") ||
+		!strings.Contains(got, "permission denied") {
+		t.Fatalf("non-member at the socket's mode: %s", got)
+	}
+	good.check(t, "non-member at the socket's mode")
+
 	// A non-member who gets through the file mode (a socket made 0666 by
-	// mistake) is refused by the daemon, which names the uid.
+	// mistake) is refused by the daemon, which names the uid, to the
+	// client and in its log.
 	if err := os.Chmod(d.socket, 0o666); err != nil {
 		t.Fatal(err)
 	}
 	if got := actAsOther(t, nil, append(env, "CKPTD_TEST_ACT=getarena")...); !strings.Contains(got, "PERMISSION_DENIED") || !strings.Contains(got, "uid 65534") {
 		t.Fatalf("non-member: %s", got)
 	}
-	if !strings.Contains(d.logs(), "refusing a client") {
-		t.Errorf("no log line for the refused client:\n%s", d.logs())
+	if line := logLine(d.logs(), "refusing a client"); !strings.Contains(line, "uid="+strconv.Itoa(otherUID)+" ") {
+		t.Errorf("the log line for the refused client does not name uid %d: %q\n%s", otherUID, line, d.logs())
 	}
+	good.check(t, "non-member past the socket's mode")
 
 	member := []uint32{shareGID}
 	if got := actAsOther(t, member, append(env, "CKPTD_TEST_ACT=save")...); got != "save: ok" {
 		t.Fatalf("member's save: %s", got)
 	}
+	good.check(t, "member's save")
 	if got := actAsOther(t, member, append(env, "CKPTD_TEST_ACT=readjournal", "CKPTD_TEST_JOURNAL="+filepath.Join(d.arena, "journal"))...); !strings.Contains(got, "permission denied") {
 		t.Fatalf("member read the journal: %s", got)
 	}
+	good.check(t, "member reading the journal")
 
 	// The daemon reads datasets for a member only where --dataset-allow
 	// says: not its own store, not its journal.
@@ -178,6 +274,7 @@ func TestPeerCredentials(t *testing.T) {
 		if got := actAsOther(t, member, append(env, "CKPTD_TEST_ACT=dataset", "CKPTD_TEST_SOURCE="+src)...); !strings.Contains(got, "PERMISSION_DENIED") {
 			t.Fatalf("member's dataset %s: %s", src, got)
 		}
+		good.check(t, "member's dataset "+src)
 	}
 
 	// A restore region of ours is not the member's to release.
@@ -196,17 +293,97 @@ func TestPeerCredentials(t *testing.T) {
 	if _, err := c.API().ReleaseRegion(ctxT(t), &pb.ReleaseRegionRequest{LeaseId: lease}); err != nil {
 		t.Fatalf("our own release: %v", err)
 	}
+	good.check(t, "member releasing our region")
+}
+
+// logLine is the first line of logs that holds s, or "".
+func logLine(logs, s string) string {
+	for line := range strings.Lines(logs) {
+		if strings.Contains(line, s) {
+			return line
+		}
+	}
+	return ""
+}
+
+// A member, on a connection of its own, finds nothing under the ids of
+// another connection's dataset session, delivery or save lease: reading,
+// positioning, closing, releasing, committing and aborting them are all
+// NOT_FOUND, as for ids never issued, and the owner goes on using them.
+func TestOthersObjectsAreNotFound(t *testing.T) {
+	allowed := openDir(t)
+	writeShards(t, allowed, 2, 4)
+	d := startOpenDaemon(t, "--socket-group", strconv.Itoa(shareGID), "--dataset-allow", allowed, "--slot-bytes", "1MiB")
+	good := saveGood(t, d, 50)
+	conn, err := rawConn(d.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	pf, api, ctx := pb.NewPrefetchClient(conn), pb.NewCheckpointClient(conn), ctxT(t)
+	open, err := pf.OpenDataset(ctx, &pb.OpenDatasetRequest{Source: allowed, BatchSize: 1, WorldSize: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	batch, err := pf.NextBatch(ctx, &pb.NextBatchRequest{Session: open.GetSession()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	save, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(9), Tensors: []*pb.Tensor{{Name: "w", Dtype: "U8", Shape: []int64{16}, Length: 16}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := []string{"CKPTD_TEST_SOCKET=" + d.socket, "CKPTD_DAEMON_UID=0", "CKPTD_TEST_SOURCE=" + allowed,
+		"CKPTD_TEST_SESSION=" + open.GetSession(), "CKPTD_TEST_DELIVERY=" + batch.GetLease().GetId(), "CKPTD_TEST_LEASE=" + save.GetLease().GetId()}
+	for _, a := range []struct{ act, reason string }{
+		{"next-other", "UNKNOWN_SESSION"},
+		{"position-other", "UNKNOWN_SESSION"},
+		{"close-other", "UNKNOWN_SESSION"},
+		{"release-in-own", "UNKNOWN_SESSION"},
+		{"commit-other", "UNKNOWN_LEASE"},
+		{"abort-other", "UNKNOWN_LEASE"},
+	} {
+		got := actAsOther(t, []uint32{shareGID}, append(env, "CKPTD_TEST_ACT="+a.act)...)
+		if !strings.HasPrefix(got, a.act+": "+a.reason+" ") || !strings.Contains(got, "code = NotFound") {
+			t.Fatalf("member's %s: %s; want NOT_FOUND %s", a.act, got, a.reason)
+		}
+		good.check(t, "member's "+a.act)
+	}
+
+	// All still ours: the delivery to release, the session to read on and
+	// close, the lease to abort.
+	if _, err := pf.DatasetPosition(ctx, &pb.DatasetPositionRequest{Session: open.GetSession(), Position: batch.GetPosition()}); err != nil {
+		t.Fatalf("our session's position: %v", err)
+	}
+	next, err := pf.NextBatch(ctx, &pb.NextBatchRequest{Session: open.GetSession(), Release: []string{batch.GetLease().GetId()}})
+	if err != nil || len(next.GetSamples()) != 1 || next.GetPosition() != 2 {
+		t.Fatalf("our session's next batch, releasing our delivery: %v, %v", next, err)
+	}
+	if _, err := pf.CloseDataset(ctx, &pb.CloseDatasetRequest{Session: open.GetSession()}); err != nil {
+		t.Fatalf("closing our session: %v", err)
+	}
+	if _, err := api.AbortSave(ctx, &pb.AbortSaveRequest{LeaseId: save.GetLease().GetId()}); err != nil {
+		t.Fatalf("aborting our save: %v", err)
+	}
+	good.check(t, "after the member's attempts")
 }
 
 // A daemon run by another user on the socket a trainer uses (squatting)
-// gets nothing: the client refuses it before the first request.
+// while ours is down gets nothing: the client refuses it before the first
+// request, and once ours is back the step saved before restores intact.
 func TestSquattedSocketRefused(t *testing.T) {
 	if os.Geteuid() != 0 {
 		actAsOther(t, nil) // skips, or fails under CI
 	}
 	dir := openDir(t)
-	if err := os.Chmod(dir, 0o1777); err != nil { // like /tmp
+	if err := os.Chmod(dir, os.ModeSticky|0o777); err != nil { // like /tmp
 		t.Fatal(err)
+	}
+	d := startDaemonIn(t, dir)
+	good := saveGood(t, d, 1)
+	d.stop()
+	if _, err := os.Lstat(d.socket); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("our daemon left its socket behind: %v", err)
 	}
 	store := filepath.Join(dir, "rogue-store")
 	if err := os.Mkdir(store, 0o700); err != nil {
@@ -215,7 +392,7 @@ func TestSquattedSocketRefused(t *testing.T) {
 	if err := os.Chown(store, otherUID, otherUID); err != nil {
 		t.Fatal(err)
 	}
-	socket := filepath.Join(dir, "ckptd.sock")
+	socket := d.socket
 	rogue := exec.Command(otherBinaryCkptd(t), "serve", "--socket", socket, "--storage", store,
 		"--arena-dir", fmt.Sprintf("/dev/shm/ckptd-rogue-%d", os.Getpid()), "--staging-bytes", "16MiB")
 	rogue.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: otherUID, Gid: otherUID}}
@@ -249,13 +426,22 @@ func TestSquattedSocketRefused(t *testing.T) {
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_, err = c.Save(ctx, shard(1, 0, 1))
+	_, err = c.Save(ctx, shard(2, 0, 1))
 	if !errors.Is(err, ckptd.ErrUntrustedDaemon) || !strings.Contains(err.Error(), "uid 65534") {
 		t.Fatalf("save to a squatted socket: %v", err)
 	}
 	if entries, _ := os.ReadDir(store); len(entries) != 0 {
 		t.Fatalf("the rogue daemon stored %d entries", len(entries))
 	}
+
+	// The rogue goes, the operator removes its socket, ours comes back.
+	_ = rogue.Process.Kill()
+	_ = rogue.Wait()
+	if err := os.Remove(socket); err != nil {
+		t.Fatal(err)
+	}
+	d.start()
+	good.check(t, "a squatted socket")
 }
 
 // otherBinaryCkptd is the ckptd binary, where another user can run it.
@@ -273,9 +459,11 @@ func otherBinaryCkptd(t *testing.T) string {
 }
 
 // A step folder planted as a symlink out of the store: the daemon writes
-// nothing outside, keeps the save staged, and says why.
+// nothing outside, keeps the save staged, says why, and the step saved
+// before restores intact.
 func TestPlantedSymlinkInStore(t *testing.T) {
 	d := startDaemon(t, "")
+	good := saveGood(t, d, 1)
 	outside := t.TempDir()
 	steps := filepath.Join(d.storage, "e2e", "steps")
 	if err := os.MkdirAll(steps, 0o750); err != nil {
@@ -293,4 +481,5 @@ func TestPlantedSymlinkInStore(t *testing.T) {
 	if entries, _ := os.ReadDir(outside); len(entries) != 0 {
 		t.Fatalf("the daemon wrote %d entries outside the store", len(entries))
 	}
+	good.check(t, "a planted symlink")
 }
