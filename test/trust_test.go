@@ -234,9 +234,9 @@ func TestPeerCredentials(t *testing.T) {
 	env := []string{"CKPTD_TEST_SOCKET=" + d.socket, "CKPTD_DAEMON_UID=0"}
 
 	// A non-member is stopped by the socket's mode (0660, of the group),
-	// and the Go client says what would let it in.
-	if got := actAsOther(t, nil, append(env, "CKPTD_TEST_ACT=save")...); !strings.Contains(got, "--socket-group") ||
-		!strings.Contains(got, "permission denied") {
+	// and the Go client says what would let it in (in words that may
+	// change, naming --socket-group).
+	if got := actAsOther(t, nil, append(env, "CKPTD_TEST_ACT=save")...); !strings.Contains(got, "--socket-group") {
 		t.Fatalf("non-member at the socket's mode: %s", got)
 	}
 	good.check(t, "non-member at the socket's mode")
