@@ -80,9 +80,13 @@ def test_runs_never_mix(make_daemon, job):
         assert got0.attempt == got1.attempt == "new-run"
         assert list(got0["w"]) == [1.0] * 4 and list(got1["w"]) == [2.0] * 4
         assert [s.attempt for s in new.steps(job)] == ["new-run"]
-        # The old run hears that another run committed the step.
-        with pytest.raises(ckptd.SaveFailedError, match="new-run"):
+        # The old run hears that another run committed the step, as a save
+        # refused at once would (below): the class, the reason, the winner.
+        with pytest.raises(ckptd.AlreadyExistsError, match="new-run") as late:
             h_old.wait(30)
+        assert late.value.reason == "STEP_COMMITTED"
+        assert late.value.metadata["attempt"] == "new-run"
+        assert h_old.status is ckptd.SaveStatus.FAILED
         # A save of the committed step by yet another run is refused, naming it.
         with pytest.raises(ckptd.AlreadyExistsError) as e:
             old.save(100, {"w": np.zeros(4)}, rank=0, world_size=2, job=job)

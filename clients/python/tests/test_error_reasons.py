@@ -1,7 +1,9 @@
 """The daemon's ErrorInfo reasons decide the exception class; the code is the fallback.
 
 No daemon here: the failed calls are built by hand, carrying a
-google.rpc.Status with an ErrorInfo the way the daemon sends it.
+google.rpc.Status with an ErrorInfo the way the daemon sends it, and so
+are WaitSave's answers for a save the daemon gave up on (reason and
+metadata in the answer itself).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from google.rpc import code_pb2
 from rpcerrors import FakeRpcError, rpc_error
 
 import ckptd
-from ckptd import _errors
+from ckptd import _errors, _handle
+from ckptd.v1 import ckptd_pb2 as pb
 
 SOCK = "/run/ckptd.sock"
 
@@ -167,3 +170,76 @@ def test_corrupt_shard_is_never_read_from_the_message():
         "op",
     )
     assert type(_dataset._corrupt_shard(err)) is ckptd.NotFoundError
+
+
+# ---- a save the daemon gave up on after accepting it (WaitSave's answer) --------
+
+
+WHAT = "save of job 'j' step 7 rank 0"
+WORDS = "step 7 of job j is already committed by another attempt (new-run)"
+
+
+def test_save_refused_late_raises_what_a_save_refused_at_once_raises():
+    late = _handle.failure(
+        WHAT,
+        pb.WaitSaveResponse(
+            state=pb.SAVE_STATE_FAILED,
+            error=WORDS,
+            reason="STEP_COMMITTED",
+            metadata={"job": "j", "step": "7", "attempt": "new-run"},
+        ),
+    )
+    at_once = _errors.from_rpc_error(
+        rpc_error(
+            grpc.StatusCode.ALREADY_EXISTS,
+            WORDS,
+            "STEP_COMMITTED",
+            {"job": "j", "step": "7", "attempt": "new-run"},
+        ),
+        SOCK,
+        WHAT,
+    )
+    assert type(late) is type(at_once) is ckptd.AlreadyExistsError
+    assert str(late) == str(at_once) == f"{WHAT}: {WORDS}"
+    assert late.reason == "STEP_COMMITTED" and late.details == WORDS
+    assert late.metadata == at_once.metadata
+    assert late.metadata["attempt"] == "new-run"  # who committed the step
+
+
+def test_save_failed_without_a_reason_is_save_failed_error():
+    # An older daemon: no reason, as before.
+    err = _handle.failure(WHAT, pb.WaitSaveResponse(state=pb.SAVE_STATE_FAILED, error="why"))
+    assert type(err) is ckptd.SaveFailedError
+    assert str(err) == f"{WHAT} failed (failed): why"
+    assert err.reason is None and err.metadata == {}
+
+
+@pytest.mark.parametrize(
+    ("reason", "cls"),
+    [
+        ("STORAGE_FULL", ckptd.ResourceExhaustedError),
+        ("CORRUPT", ckptd.DataLossError),
+        ("STORAGE_UNAVAILABLE", ckptd.StorageUnavailableError),
+        # Those that would say "not known yet, wait again": the answer is final.
+        ("SHUTTING_DOWN", ckptd.SaveFailedError),
+        ("DEADLINE", ckptd.SaveFailedError),
+        # No class more telling than SaveFailedError.
+        ("INTERNAL", ckptd.SaveFailedError),
+        ("SOMETHING_NEW", ckptd.SaveFailedError),
+    ],
+)
+def test_save_failed_with_a_reason_raises_its_class(reason, cls):
+    r = pb.WaitSaveResponse(
+        state=pb.SAVE_STATE_FAILED, error="why", reason=reason, metadata={"x": "1"}
+    )
+    err = _handle.failure(WHAT, r)
+    assert type(err) is cls
+    assert str(err) == f"{WHAT}: why"
+    assert err.reason == reason and err.metadata == {"x": "1"}
+
+
+@pytest.mark.parametrize(
+    "state", [pb.SAVE_STATE_COMMITTED, pb.SAVE_STATE_HOT, pb.SAVE_STATE_REPLICATED]
+)
+def test_save_that_ended_well_is_no_error(state):
+    assert _handle.failure(WHAT, pb.WaitSaveResponse(state=state)) is None

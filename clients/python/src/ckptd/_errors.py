@@ -150,7 +150,12 @@ else:
 
 
 class SaveFailedError(CkptdError):
-    """The daemon gave up on a save it had accepted."""
+    """The daemon gave up on a save it had accepted.
+
+    Raised when the daemon gave no reason (an older daemon) or one this
+    client has no more specific class for; a reason that has one raises
+    that class instead (see SaveHandle.wait).
+    """
 
 
 class ClientClosedError(CkptdError):
@@ -229,6 +234,34 @@ def _details(err: Any) -> str:
         return err.details() or ""
     except (AttributeError, TypeError):
         return str(err)
+
+
+def from_reason(
+    what: str,
+    reason: str,
+    details: str,
+    metadata: Mapping[str, str],
+    *,
+    default: type[CkptdError],
+) -> CkptdError:
+    """The exception for a failure the daemon reported in an answer, not as a failed call.
+
+    The class and message are those of a failed call with the same reason
+    (``"{what}: {details}"``), so a save another run's commit refused late
+    raises what one refused at once does. A reason without a class of its
+    own, or one whose class means that the outcome is not known yet (no
+    daemon answered, a deadline passed), gives default: the answer *is*
+    the outcome, and a caller that waits again on those would loop forever.
+    """
+    cls = _BY_REASON.get(reason, default)
+    if cls is CkptdError or issubclass(cls, (DaemonUnavailableError, TimeoutError)):
+        cls = default
+    return cls(
+        f"{what}: {details}" if details else f"{what}: {reason}",
+        details=details,
+        reason=reason,
+        metadata=metadata,
+    )
 
 
 def from_rpc_error(err: grpc.RpcError, socket: str, what: str) -> CkptdError:

@@ -28,6 +28,7 @@ from ._errors import (
     DaemonUnavailableError,
     SaveFailedError,
     TimeoutError,
+    from_reason,
 )
 from ._transport import BACKOFF, Outage
 from .v1 import ckptd_pb2 as pb
@@ -46,7 +47,7 @@ class SaveStatus(str, enum.Enum):
     DRAINING = "draining"  # being compressed and written
     DURABLE = "durable"  # this rank is durable; other ranks of the step are missing
     COMMITTED = "committed"  # durable, and the step's commit record exists
-    FAILED = "failed"  # the daemon gave up; wait() raises SaveFailedError
+    FAILED = "failed"  # the daemon gave up; wait() raises why (see SaveHandle.wait)
     # The tiers of a step the daemon keeps in memory only (ckptd serve
     # --persist-every): where such a save ends, as a committed one ends
     # committed. HOT: in this node's memory (replicating failed, or no
@@ -74,8 +75,8 @@ class SaveHandle(_Future[None]):
 
     A ``concurrent.futures.Future`` whose result is None once the save is
     durable and its step committed, and whose exception says why not
-    (SaveFailedError when the daemon gave up on it, NotFoundError when it
-    knows of no such save). It settles by itself when the daemon answers:
+    (the daemon gave up on it: see wait; NotFoundError when it knows of no
+    such save). It settles by itself when the daemon answers:
     ``add_done_callback``, ``concurrent.futures.wait`` and ``as_completed``
     need no polling. A save cannot be taken back once staged, so
     ``cancel()`` returns False and ``cancelled()`` is always False.
@@ -204,7 +205,16 @@ class SaveHandle(_Future[None]):
         time it goes away.
 
         Raises:
-            SaveFailedError: the daemon gave up on the save (it says why).
+            AlreadyExistsError: the daemon gave up on the save because
+                another run of the job committed its step after the save
+                was accepted (reason ``STEP_COMMITTED``; the winner is
+                ``metadata["attempt"]``), as BeginSave refuses it once
+                the step is committed.
+            CkptdError: the daemon gave up on the save for another reason:
+                the class that reason maps to (e.g. ResourceExhaustedError
+                for STORAGE_FULL), with ``reason`` and ``metadata`` set;
+                SaveFailedError for a reason without a class of its own,
+                or from a daemon that gives none.
             NotFoundError: the daemon knows of no such save, and storage
                 has none.
             TimeoutError: timeout seconds passed first; the save goes on and
@@ -289,7 +299,7 @@ class SaveHandle(_Future[None]):
                 return True
             if answer.state in _ENDS:
                 self._ended_at = _LIVE[answer.state]
-            self._settle(self._failure(answer))
+            self._settle(failure(self._what(), answer))
             return True
 
     def _polled(self) -> bool:
@@ -396,13 +406,23 @@ class SaveHandle(_Future[None]):
     def _timeout(self) -> TimeoutError:
         return TimeoutError(f"{self._what()} not committed within the timeout; it goes on")
 
-    def _failure(self, r: pb.WaitSaveResponse) -> SaveFailedError | None:
-        """None when the answer says the save ended well, else the error saying how it ended."""
-        if r.state in _ENDS:
-            return None
-        state = pb.SaveState.Name(r.state).removeprefix("SAVE_STATE_").lower()
-        return SaveFailedError(f"{self._what()} failed ({state}): {r.error}", details=r.error)
-
     def _what(self) -> str:
         job = f"job {self.job!r} " if self.job else ""
         return f"save of {job}step {self.step} rank {self.rank}"
+
+
+def failure(what: str, r: pb.WaitSaveResponse) -> CkptdError | None:
+    """None when WaitSave's answer says the save ended well, else the error saying how it ended.
+
+    A failure with the daemon's reason raises what a call refused for that
+    reason raises (STEP_COMMITTED: AlreadyExistsError, the committing
+    attempt in its metadata), so that one except clause handles a save
+    refused at once and one refused late. Older daemons send no reason:
+    SaveFailedError then.
+    """
+    if r.state in _ENDS:
+        return None
+    if r.reason:
+        return from_reason(what, r.reason, r.error, r.metadata, default=SaveFailedError)
+    state = pb.SaveState.Name(r.state).removeprefix("SAVE_STATE_").lower()
+    return SaveFailedError(f"{what} failed ({state}): {r.error}", details=r.error)
