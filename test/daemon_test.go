@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
@@ -58,10 +60,14 @@ type daemon struct {
 	args    []string
 	env     []string // added to the test's environment (S3 endpoint, credentials)
 	bin     string   // the binary to run; "" for ckptdBin
-	cmd     *exec.Cmd
-	mu      sync.Mutex
-	log     bytes.Buffer
-	exited  chan struct{}
+	// dataLimit, when set, is the daemon's RLIMIT_DATA: the most private
+	// writable memory (heap, stacks) it may map; past it allocations
+	// fail and the Go runtime exits, which a test sees as a dead daemon.
+	dataLimit uint64
+	cmd       *exec.Cmd
+	mu        sync.Mutex
+	log       bytes.Buffer
+	exited    chan struct{}
 }
 
 // startDaemon runs ckptd serve with its own socket and arena; storage is
@@ -102,6 +108,12 @@ func (d *daemon) start(extra ...string) {
 	d.cmd.Stdout, d.cmd.Stderr = pw, pw
 	if err := d.cmd.Start(); err != nil {
 		d.t.Fatal(err)
+	}
+	if d.dataLimit > 0 { // set at once: the daemon has not opened its socket yet
+		lim := &unix.Rlimit{Cur: d.dataLimit, Max: d.dataLimit}
+		if err := unix.Prlimit(d.cmd.Process.Pid, unix.RLIMIT_DATA, lim, nil); err != nil {
+			d.t.Fatal(err)
+		}
 	}
 	pw.Close()
 	d.exited = make(chan struct{})
