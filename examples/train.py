@@ -156,7 +156,13 @@ def finish(client: ckptd.Client, job: str | None, h: ckptd.SaveHandle) -> None:
     """Wait for a checkpoint to commit; another run committing the step first is fine."""
     try:
         h.wait()
-    except ckptd.SaveFailedError:
+    except ckptd.AlreadyExistsError as e:  # refused after it was accepted
+        owner = committed_elsewhere(client, job, h.step, e)
+        if owner is None:
+            raise
+        print(f"step {h.step} was committed by {owner} first; keeping that", flush=True)
+        return
+    except ckptd.SaveFailedError:  # a daemon that gives no reason
         owner = committed_by_another(client, job, h.step)
         if owner is None:
             raise

@@ -34,6 +34,8 @@ REASONS = [
     ("STORAGE_UNAVAILABLE", grpc.StatusCode.UNAVAILABLE, ckptd.StorageUnavailableError),
     ("SHUTTING_DOWN", grpc.StatusCode.UNAVAILABLE, ckptd.DaemonUnavailableError),
     ("PERMISSION_DENIED", grpc.StatusCode.PERMISSION_DENIED, ckptd.PermissionDeniedError),
+    ("STORAGE_MISCONFIGURED", grpc.StatusCode.FAILED_PRECONDITION, ckptd.StorageMisconfiguredError),
+    ("STORE_UNSAFE", grpc.StatusCode.FAILED_PRECONDITION, ckptd.StoreUnsafeError),
     ("DEADLINE", grpc.StatusCode.DEADLINE_EXCEEDED, ckptd.TimeoutError),
     ("CANCELLED", grpc.StatusCode.CANCELLED, ckptd.CkptdError),
     ("INTERNAL", grpc.StatusCode.INTERNAL, ckptd.CkptdError),

@@ -90,6 +90,18 @@ class StorageUnavailableError(CkptdError, ConnectionError):
     """
 
 
+class StorageMisconfiguredError(CkptdError):
+    """The daemon's storage refuses its credentials, or its bucket is missing.
+
+    The daemon's configuration (credentials, bucket, endpoint) needs fixing,
+    not the request: retrying will not help.
+    """
+
+
+class StoreUnsafeError(CkptdError):
+    """The daemon refused to use its store: a symbolic link below the store's root."""
+
+
 class InvalidArgumentError(CkptdError, ValueError):
     """The request was malformed; nothing was changed."""
 
@@ -178,6 +190,8 @@ _BY_REASON: dict[str, type[CkptdError]] = {
     "STORAGE_UNAVAILABLE": StorageUnavailableError,
     "SHUTTING_DOWN": DaemonUnavailableError,
     "PERMISSION_DENIED": PermissionDeniedError,
+    "STORAGE_MISCONFIGURED": StorageMisconfiguredError,
+    "STORE_UNSAFE": StoreUnsafeError,
     "DEADLINE": TimeoutError,
     "CANCELLED": CkptdError,
     "INTERNAL": CkptdError,
