@@ -1,6 +1,7 @@
 package ckptd
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -37,6 +38,9 @@ func mapArena(path string, size int64, daemonUID int) (*mapping, error) {
 			ErrUntrustedDaemon, filepath.Dir(path), dst.Uid, dst.Mode&0o7777, daemonUID)
 	}
 	f, err := os.OpenFile(path, os.O_RDWR|unix.O_NOFOLLOW, 0)
+	if errors.Is(err, unix.ELOOP) {
+		return nil, fmt.Errorf("%w: the arena %s is a symbolic link, not the daemon's file", ErrUntrustedDaemon, path)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("ckptd arena: map: %w", err)
 	}

@@ -131,11 +131,8 @@ func TestUntrustedArenaRefused(t *testing.T) {
 }
 
 // refusedArena: the client refused the arena as not the daemon's.
-// mapArena opens it with O_NOFOLLOW, and a link fails that open with
-// ELOOP, which it returns as it is rather than as ErrUntrustedDaemon;
-// either way nothing was mapped.
 func refusedArena(err error) bool {
-	return errors.Is(err, ErrUntrustedDaemon) || errors.Is(err, unix.ELOOP)
+	return errors.Is(err, ErrUntrustedDaemon)
 }
 
 // arenaClient is a client of an in-process daemon whose arena is path.
