@@ -1,0 +1,134 @@
+// Package counted wraps a storage.Backend to report each of its
+// operations that failed, in the manner of restic's backend decorators:
+// ckptd serve counts the failures of its checkpoint store and of its
+// dataset sources this way (ckptd status, ckptd_backend_errors_total).
+//
+// An operation failed when the store did not do what was asked. Answers
+// are not failures: ErrNotFound (Stat, Get), ErrExists (PutIfAbsent); nor
+// is a name refused before the store is touched (ErrInvalidName), a caller
+// that gave up (context.Canceled), or an error that a List callback
+// returned to stop the listing. A Get whose body breaks off while being
+// read counts once, as a failed get.
+package counted
+
+import (
+	"context"
+	"errors"
+	"io"
+	"sync"
+
+	"github.com/ckptd/ckptd/storage"
+)
+
+// The operations, as failed reports them.
+const (
+	OpPut         = "put"
+	OpPutIfAbsent = "put-if-absent"
+	OpGet         = "get"
+	OpStat        = "stat"
+	OpList        = "list"
+	OpListDirs    = "list-dirs"
+	OpDelete      = "delete"
+)
+
+// Backend passes every call through to the backend it wraps and calls
+// failed with the operation's name when it failed.
+type Backend struct {
+	b      storage.Backend
+	failed func(op string)
+}
+
+// New wraps b; failed is called (from any goroutine) once per failed
+// operation.
+func New(b storage.Backend, failed func(op string)) *Backend {
+	return &Backend{b: b, failed: failed}
+}
+
+// Unwrap returns the wrapped backend, for code that looks for a concrete
+// one beneath its decorators.
+func (c *Backend) Unwrap() storage.Backend { return c.b }
+
+// Failure reports whether err says the store failed, rather than answered
+// or was not asked (see the package comment).
+func Failure(err error) bool {
+	return err != nil && !errors.Is(err, storage.ErrNotFound) && !errors.Is(err, storage.ErrExists) &&
+		!errors.Is(err, storage.ErrInvalidName) && !errors.Is(err, context.Canceled)
+}
+
+func (c *Backend) count(op string, err error) error {
+	if Failure(err) {
+		c.failed(op)
+	}
+	return err
+}
+
+func (c *Backend) Location() string { return c.b.Location() }
+
+func (c *Backend) Put(ctx context.Context, name string, r io.Reader, size int64) error {
+	return c.count(OpPut, c.b.Put(ctx, name, r, size))
+}
+
+func (c *Backend) PutIfAbsent(ctx context.Context, name string, data []byte) error {
+	return c.count(OpPutIfAbsent, c.b.PutIfAbsent(ctx, name, data))
+}
+
+func (c *Backend) Get(ctx context.Context, name string, offset, length int64) (io.ReadCloser, error) {
+	rc, err := c.b.Get(ctx, name, offset, length)
+	if err != nil {
+		return nil, c.count(OpGet, err)
+	}
+	return &body{ReadCloser: rc, c: c}, nil
+}
+
+func (c *Backend) Stat(ctx context.Context, name string) (storage.ObjectInfo, error) {
+	oi, err := c.b.Stat(ctx, name)
+	return oi, c.count(OpStat, err)
+}
+
+func (c *Backend) List(ctx context.Context, prefix string, fn func(storage.ObjectInfo) error) error {
+	stopped := false
+	err := c.b.List(ctx, prefix, func(oi storage.ObjectInfo) error {
+		err := fn(oi)
+		stopped = err != nil
+		return err
+	})
+	if stopped {
+		return err // the caller's own error, not the store's
+	}
+	return c.count(OpList, err)
+}
+
+func (c *Backend) ListDirs(ctx context.Context, dir string, fn func(seg string) error) error {
+	stopped := false
+	err := c.b.ListDirs(ctx, dir, func(seg string) error {
+		err := fn(seg)
+		stopped = err != nil
+		return err
+	})
+	if stopped {
+		return err
+	}
+	return c.count(OpListDirs, err)
+}
+
+func (c *Backend) Delete(ctx context.Context, name string) error {
+	return c.count(OpDelete, c.b.Delete(ctx, name))
+}
+
+func (c *Backend) Close() error { return c.b.Close() }
+
+// body counts a Get whose body fails while it is read: a connection
+// reset, a disk error. Reading to the end (io.EOF) is no failure.
+type body struct {
+	io.ReadCloser
+	c    *Backend
+	once sync.Once
+}
+
+func (b *body) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if err != nil && !errors.Is(err, io.EOF) && Failure(err) {
+		b.once.Do(func() { b.c.failed(OpGet) })
+	}
+	return n, err
+}
