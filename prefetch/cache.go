@@ -271,11 +271,26 @@ func (c *Cache) forget(b storage.Backend, sh Shard) {
 	c.rc.Wait()
 }
 
+// localOf finds a local source's backend beneath the decorators around
+// it (ServiceConfig.WrapSource), which pass on Unwrap.
+func localOf(b storage.Backend) (*localBackend, bool) {
+	for {
+		if lb, ok := b.(*localBackend); ok {
+			return lb, true
+		}
+		u, ok := b.(interface{ Unwrap() storage.Backend })
+		if !ok {
+			return nil, false
+		}
+		b = u.Unwrap()
+	}
+}
+
 // readShard reads a whole shard, checking that it has the listed size: a
 // local source's larger shards are mapped instead (see mapAbove), or read
 // when mapping fails.
 func readShard(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, error) {
-	if lb, ok := b.(*localBackend); ok && sh.Size > mapAbove {
+	if lb, ok := localOf(b); ok && sh.Size > mapAbove {
 		m, err := lb.mapShard(ctx, sh.Name, sh.Size)
 		if err == nil {
 			return shardBytes{b: m.data, m: m}, nil

@@ -59,8 +59,12 @@ type ServiceConfig struct {
 	BackendIdle time.Duration
 	Options     Options
 	Open        OpenFunc
-	Logger      *slog.Logger
-	Metrics     *Metrics
+	// WrapSource, if set, wraps each source's backend (a local folder's
+	// or Open's) when a session first opens it: ckptd serve counts the
+	// source's failed reads so.
+	WrapSource func(storage.Backend) storage.Backend
+	Logger     *slog.Logger
+	Metrics    *Metrics
 }
 
 // Service runs dataset sessions for the daemon: one per rank's epoch, each
@@ -211,14 +215,11 @@ func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, s
 		return "", Stats{}, err
 	}
 	br, err := s.backends.acquire(ctx, src.key, func(ctx context.Context) (storage.Backend, error) {
-		if src.real != "" {
-			return openLocal(src.real, s.allow)
+		b, err := s.openSource(ctx, src, source)
+		if err == nil && s.cfg.WrapSource != nil {
+			b = s.cfg.WrapSource(b)
 		}
-		b, err := s.cfg.Open(ctx, src.url)
-		if err != nil {
-			return nil, openError(ctx, source, err)
-		}
-		return b, nil
+		return b, err
 	})
 	if err != nil {
 		return "", Stats{}, err
@@ -248,6 +249,18 @@ func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, s
 		return "", Stats{}, err
 	}
 	return ss.id, it.Stats(), nil
+}
+
+// openSource opens the backend of a resolved source.
+func (s *Service) openSource(ctx context.Context, src resolved, source string) (storage.Backend, error) {
+	if src.real != "" {
+		return openLocal(src.real, s.allow)
+	}
+	b, err := s.cfg.Open(ctx, src.url)
+	if err != nil {
+		return nil, openError(ctx, source, err)
+	}
+	return b, nil
 }
 
 // insert registers a new session of owner and makes sure the owner's
