@@ -208,6 +208,11 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	o.Workers = reserveIOProc(o.Workers)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	berrs := newBackendErrors(reg, backendStore, backendDataset)
+	b = berrs.countStore(b, backendStore)
+	if replicas != nil {
+		replicas = berrs.countPeers(replicas)
+	}
 	mgr, err := checkpoint.NewManager(server.CheckpointArena(a), b, checkpoint.ManagerConfig{
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes), ReuseFence: o.ReuseFence,
 		Drains: o.Drains, Restores: o.Restores, HotBytes: int64(o.HotBytes), HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, PersistInterval: o.PersistInterval, Peers: replicas, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
@@ -242,8 +247,10 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	}
 	pcfg := o.prefetchConfig()
 	pcfg.Logger, pcfg.Metrics = log, prefetch.NewMetrics(reg)
+	pcfg.WrapSource = func(b storage.Backend) storage.Backend { return berrs.countStore(b, backendDataset) }
 	pcfg.Open = func(ctx context.Context, url string) (storage.Backend, error) {
-		return openStorage(ctx, url, &o.storageOptions, false)
+		b, err := openStorage(ctx, url, &o.storageOptions, false)
+		return b, berrs.countOpen(backendDataset, err)
 	}
 	pf, err := prefetch.NewService(server.PrefetchArena(a), pcfg)
 	if err == nil {
@@ -268,7 +275,7 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(srv, hs)
 	ready := newReadiness(b, o.Job, hs, log)
-	server.RegisterDaemon(srv, mgr, pf, server.StatusConfig{Version: Version(), Started: time.Now(), Storage: ready.check})
+	server.RegisterDaemon(srv, mgr, pf, server.StatusConfig{Version: Version(), Started: time.Now(), Storage: ready.check, BackendErrors: berrs.Counts})
 	readyCtx, stopReady := context.WithCancel(context.Background())
 	defer stopReady()
 	go ready.run(readyCtx)

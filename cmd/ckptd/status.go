@@ -27,7 +27,7 @@ func newStatusCmd() *cobra.Command {
 	o := &statusOptions{}
 	cmd := &cobra.Command{
 		Use:   "status",
-		Short: "Show what the daemon on the socket is doing: arena use, saves and their states, leases and their owners, dataset sessions, errors",
+		Short: "Show what the daemon on the socket is doing: arena use, saves and their states, leases and their owners, dataset sessions, errors by operation and by backend",
 		Args:  cobra.NoArgs,
 		RunE:  func(cmd *cobra.Command, _ []string) error { return runStatus(cmd.Context(), o, cmd.OutOrStdout()) },
 	}
@@ -115,6 +115,28 @@ func printSummary(w io.Writer, socket string, st *pb.DaemonStatus) {
 		errs = strings.Join(parts, ", ")
 	}
 	fmt.Fprintf(w, "errors\t%s\n", errs)
+	fmt.Fprintf(w, "backend errors\t%s\n", formatBackendErrors(st.GetBackendErrors()))
+}
+
+// formatBackendErrors lists failure counts by backend: the checkpoint store,
+// dataset sources and peers first, in that order, then any other.
+func formatBackendErrors(counts map[string]uint64) string {
+	if len(counts) == 0 {
+		return "none counted (a daemon older than this command)"
+	}
+	first := []string{"store", "dataset", "peers"}
+	var parts []string
+	for _, n := range first {
+		if v, ok := counts[n]; ok {
+			parts = append(parts, fmt.Sprintf("%s %d", n, v))
+		}
+	}
+	for _, n := range slices.Sorted(maps.Keys(counts)) {
+		if !slices.Contains(first, n) {
+			parts = append(parts, fmt.Sprintf("%s %d", n, counts[n]))
+		}
+	}
+	return strings.Join(parts, ", ")
 }
 
 func printSaves(w io.Writer, saves []*pb.SaveActivity) {

@@ -21,6 +21,9 @@ type StatusConfig struct {
 	// Storage reports whether the checkpoint store answered the last
 	// readiness probe, and why not.
 	Storage func(ctx context.Context) error
+	// BackendErrors returns the failed operations so far by backend:
+	// "store", "dataset", "peers".
+	BackendErrors func() map[string]uint64
 }
 
 // Daemon adapts the cores' snapshots to the Daemon service (`ckptd status`).
@@ -53,6 +56,9 @@ func (d *Daemon) GetStatus(ctx context.Context, _ *pb.GetStatusRequest) (*pb.Dae
 		if err := d.cfg.Storage(ctx); err != nil {
 			st.StorageReady, st.StorageError = false, err.Error()
 		}
+	}
+	if d.cfg.BackendErrors != nil { // after the probe, which may have failed just now
+		st.BackendErrors = d.cfg.BackendErrors()
 	}
 	for _, s := range cs.Saves {
 		st.Saves = append(st.Saves, &pb.SaveActivity{Target: toTarget(s.Target), State: s.State.String(),
