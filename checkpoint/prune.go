@@ -34,7 +34,7 @@ type PruneReport struct {
 	Kept    []int64
 	Removed []int64      // committed steps removed
 	Garbage []AttemptRef // attempts removed that no commit record names
-	Damaged []int64      // steps with a damaged commit record: left alone
+	Damaged []int64      // steps with a damaged commit record or manifest: left alone
 	Objects int          // objects deleted
 	Bytes   int64        // their size
 }
@@ -87,7 +87,7 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 	for _, si := range kept {
 		rep.Kept = append(rep.Kept, si.Step)
 	}
-	refs, err := s.references(ctx, kept)
+	refs, err := s.references(ctx, kept, rep)
 	if err != nil {
 		return nil, err
 	}
@@ -106,12 +106,22 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 	return rep, nil
 }
 
-// references returns the objects the kept steps' manifests point to.
-func (s *Store) references(ctx context.Context, kept []*StepInventory) (map[string]bool, error) {
+// references returns the objects the kept steps' manifests point to. A
+// kept step with a damaged manifest is reported in rep.Damaged and kept;
+// what that manifest pointed to cannot be known, but it restores nothing
+// either way.
+func (s *Store) references(ctx context.Context, kept []*StepInventory, rep *PruneReport) (map[string]bool, error) {
 	refs := map[string]bool{}
 	for _, si := range kept {
 		for rank := range si.Commit.WorldSize {
 			m, err := s.Manifest(ctx, si.Commit, rank)
+			if errors.Is(err, ErrCorrupt) {
+				s.log().Warn("prune keeps a step with a damaged manifest; `ckptd verify` names the damage", "job", s.Job, "step", si.Step, "rank", rank, "err", err)
+				if !slices.Contains(rep.Damaged, si.Step) {
+					rep.Damaged = append(rep.Damaged, si.Step)
+				}
+				continue
+			}
 			if err != nil {
 				return nil, fmt.Errorf("prune needs every kept manifest: %w", err)
 			}

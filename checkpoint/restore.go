@@ -178,6 +178,10 @@ func (mgr *Manager) persistedSource(ctx context.Context, store *Store, rec *Comm
 		}
 	}
 	m, err := store.Manifest(ctx, rec, rank)
+	if latest && errors.Is(err, ErrCorrupt) {
+		return restoreSource{}, fmt.Errorf("%w; latest does not fall back to an earlier step for one rank, whose other ranks would restore this one: "+
+			"load an earlier step by number (ckptd list), or restore with ckptd restore --latest, which skips a damaged step for all ranks", err)
+	}
 	if err != nil {
 		return restoreSource{}, err
 	}

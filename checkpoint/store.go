@@ -46,7 +46,7 @@ func (s *Store) skipDamaged(step int64, err error) bool {
 	if !errors.Is(err, ErrCorrupt) {
 		return false
 	}
-	s.log().Warn("skipping a step whose commit record is damaged; `ckptd verify` and `ckptd prune` name it too",
+	s.log().Warn("skipping a step whose commit record or a manifest is damaged; `ckptd verify` and `ckptd prune` name it too",
 		"job", s.Job, "step", step, "err", err)
 	return true
 }
@@ -119,12 +119,22 @@ func (s *Store) Latest(ctx context.Context) (int64, error) {
 }
 
 func (s *Store) latest(ctx context.Context) (*CommitRecord, error) {
+	return s.latestWhere(ctx, nil)
+}
+
+// latestWhere is the newest committed step whose commit record reads, and
+// for which check (if any) finds no damage (ErrCorrupt): a step it finds
+// damaged is skipped as one with a damaged commit record is.
+func (s *Store) latestWhere(ctx context.Context, check func(*CommitRecord) error) (*CommitRecord, error) {
 	steps, err := s.allSteps(ctx)
 	if err != nil {
 		return nil, err
 	}
 	for _, step := range slices.Backward(steps) {
 		rec, err := s.readCommit(ctx, step)
+		if err == nil && check != nil {
+			err = check(rec)
+		}
 		switch {
 		case err == nil:
 			return rec, nil
@@ -150,6 +160,26 @@ func (s *Store) Resolve(ctx context.Context, step int64, latest bool) (*CommitRe
 		return nil, s.notFound(ctx, step)
 	}
 	return rec, err
+}
+
+// ResolveWhole is Resolve for a reader of every rank (ckptd restore and
+// export): with latest, the newest committed step whose commit record and
+// every rank's manifest read and check, a step with a damaged manifest
+// being skipped with a warning naming it. A trainer loading its own rank
+// does not fall back so (see Manager.BeginRestore): its ranks could then
+// restore different steps.
+func (s *Store) ResolveWhole(ctx context.Context, step int64, latest bool) (*CommitRecord, error) {
+	if !latest {
+		return s.Resolve(ctx, step, false)
+	}
+	return s.latestWhere(ctx, func(rec *CommitRecord) error {
+		for rank := range rec.WorldSize {
+			if _, err := s.Manifest(ctx, rec, rank); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
 }
 
 func (s *Store) notFound(ctx context.Context, step int64) error {

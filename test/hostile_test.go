@@ -381,3 +381,41 @@ func TestDamagedCommitRecord(t *testing.T) {
 	}
 	h.check(t, "damaged commit record")
 }
+
+// A damaged manifest of the newest step: ckptd restore --latest and prune
+// skip that step naming it; a trainer's load of latest for the damaged
+// rank fails with DATA_LOSS saying why it does not fall back (its other
+// ranks would restore the newer step), while a load of the good rank and
+// of the step before still work.
+func TestDamagedManifest(t *testing.T) {
+	h := startHostile(t)
+	c := h.client()
+	for _, step := range []int64{2, 3} {
+		saveAndWait(t, c, shard(step, 0, 2), shard(step, 1, 2))
+	}
+	manifest := filepath.Join(h.storage, "e2e/steps/000000000003", testAttempt, "rank-00001.manifest.json")
+	if err := os.Truncate(manifest, 100); err != nil {
+		t.Fatal(err)
+	}
+	_, err := c.Load(ctxT(t), &ckptd.LoadRequest{Latest: true, Rank: 1})
+	wantCode(t, "load latest of the damaged rank", err, codes.DataLoss, "CORRUPT")
+	if err == nil || !strings.Contains(err.Error(), "does not fall back") {
+		t.Fatalf("load latest of the damaged rank: %v", err)
+	}
+	if got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Latest: true, Rank: 0}); err != nil || got.Step != 3 {
+		t.Fatalf("load latest of the good rank: %v", err)
+	}
+	out := t.TempDir()
+	_, stderr, err := ckptdCLI(t, "restore", "--storage", h.storage, "--job", "e2e", "--latest", "--out", out)
+	if err != nil || !strings.Contains(stderr, "step=3") {
+		t.Fatalf("restore --latest past a damaged manifest: %v\n%s", err, stderr)
+	}
+	if meta, err := os.ReadFile(filepath.Join(out, "metadata.json")); err != nil || !strings.Contains(string(meta), `"step": 2`) {
+		t.Fatalf("restore --latest restored %s, %v; want step 2", meta, err)
+	}
+	stdout, stderr, err := ckptdCLI(t, "prune", "--storage", h.storage, "--job", "e2e", "--keep-last", "3")
+	if err != nil || !strings.Contains(stdout, "left alone: steps [3]") {
+		t.Fatalf("prune with a damaged kept manifest: %v\n%s%s", err, stdout, stderr)
+	}
+	h.check(t, "damaged manifest")
+}

@@ -92,13 +92,14 @@ func (o *storageOptions) open(ctx context.Context, create bool) (storage.Backend
 }
 
 // openStep opens the job's Store and resolves a committed step (the
-// newest when latest) in it; close closes the store.
+// newest whose every rank reads, when latest) in it; close closes the
+// store.
 func (o *storageOptions) openStep(ctx context.Context, step int64, latest bool) (*checkpoint.Store, *checkpoint.CommitRecord, func(), error) {
 	store, closeStore, err := o.openStore(ctx)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	rec, err := store.Resolve(ctx, step, latest)
+	rec, err := store.ResolveWhole(ctx, step, latest)
 	if err != nil {
 		closeStore()
 		return nil, nil, nil, err

@@ -70,7 +70,7 @@ func runPrune(ctx context.Context, o *pruneOptions, out io.Writer) error {
 	fmt.Fprintf(out, "kept steps %v\n%s steps %v and uncommitted attempts [%s]: %d objects, %s\n",
 		rep.Kept, verb, rep.Removed, strings.Join(garbage, " "), rep.Objects, human(rep.Bytes))
 	if len(rep.Damaged) > 0 {
-		fmt.Fprintf(out, "left alone: steps %v, whose commit record is damaged (see the warnings above)\n", rep.Damaged)
+		fmt.Fprintf(out, "left alone: steps %v, whose commit record or a manifest is damaged (see the warnings above)\n", rep.Damaged)
 	}
 	return nil
 }
