@@ -43,6 +43,7 @@ func TestToStatus(t *testing.T) {
 		{wrap(prefetch.ErrNotAllowed), codes.PermissionDenied, "PERMISSION_DENIED", nil},
 		{wrap(storage.ErrSymlink), codes.FailedPrecondition, "STORE_UNSAFE", nil},
 		{wrap(s3.ErrAccessDenied), codes.FailedPrecondition, "STORAGE_MISCONFIGURED", nil},
+		{wrap(s3.ErrNoSuchBucket), codes.FailedPrecondition, "STORAGE_MISCONFIGURED", nil},
 		{wrap(context.DeadlineExceeded), codes.DeadlineExceeded, "DEADLINE", nil},
 		{errors.New("a bug"), codes.Internal, "INTERNAL", nil},
 	} {

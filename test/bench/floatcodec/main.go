@@ -125,7 +125,7 @@ func benchSet(tw *tabwriter.Writer, dir string, s dataSet, runs, chunk int) erro
 	return nil
 }
 
-// verdict compares the float codec's row with the targets.
+// verdict compares the float codec's row with its targets (the targets table above).
 func verdict(s dataSet, c codec.Codec, r result) string {
 	want, ok := targets[s.Name]
 	if !ok || c != codec.ForDType(s.DType) {
