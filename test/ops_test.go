@@ -1,12 +1,19 @@
 package test
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -15,6 +22,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/encoding/protojson"
 
+	"github.com/ckptd/ckptd/clients/go/ckptd"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
@@ -194,4 +202,196 @@ func statusJSON(t *testing.T, socket string) *pb.DaemonStatus {
 		t.Fatalf("not a DaemonStatus: %v\n%s", err, out)
 	}
 	return &st
+}
+
+// ckptd status counts failed operations by backend: none while the store
+// answers (the readiness probe's "not found" is an answer), the checkpoint
+// store's and a dataset source's once MinIO is gone; as JSON and in the
+// table.
+func TestStatusBackendErrors(t *testing.T) {
+	srv, bucket, store := s3Store(t)
+	source := "s3://" + bucket + "/ds"
+	addr := closedAddr(t)
+	d := startDaemonEnv(t, store, srv.Env(), "--s3-retry-deadline", "1s", "--dataset-allow", source, "--metrics-addr", addr)
+	c := d.client()
+	saveAndWait(t, c, shard(1, 0, 1))
+	if got := statusJSON(t, d.socket).GetBackendErrors(); !maps.Equal(got, map[string]uint64{"store": 0, "dataset": 0}) {
+		t.Fatalf("backend errors %v while storage answers, want store 0, dataset 0", got)
+	}
+	srv.Kill()
+	if _, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: source, BatchSize: 1, WorldSize: 1}); err == nil {
+		t.Fatal("a dataset on a dead store opened")
+	}
+	var errs map[string]uint64
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(500 * time.Millisecond) {
+		st := statusJSON(t, d.socket) // asks storage again once the last probe is 5s old
+		if errs = st.GetBackendErrors(); !st.GetStorageReady() && errs["store"] > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("backend errors %v, storage ready %v a minute into the outage\n%s", errs, st.GetStorageReady(), d.logs())
+		}
+	}
+	if errs["dataset"] == 0 {
+		t.Fatalf("backend errors %v: the dataset source's failed listing is not counted", errs)
+	}
+	out, stderr, err := ckptdCLI(t, "status", "--socket", d.socket)
+	if err != nil {
+		t.Fatalf("ckptd status: %v\n%s", err, stderr)
+	}
+	line := regexp.MustCompile(`(?m)^backend errors +store (\d+), dataset (\d+)$`).FindStringSubmatch(out)
+	if line == nil || line[1] == "0" || line[2] == "0" {
+		t.Fatalf("ckptd status: no backend errors line counting store and dataset failures:\n%s", out)
+	}
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	metrics, _ := io.ReadAll(resp.Body)
+	for _, want := range []string{`ckptd_backend_errors_total{backend="store",op="stat"}`, `ckptd_backend_errors_total{backend="dataset",op="open"}`} {
+		if !bytes.Contains(metrics, []byte(want)) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+}
+
+// ckptd status --watch redraws until interrupted, and each frame shows
+// the daemon as it is then.
+func TestStatusWatch(t *testing.T) {
+	d := startDaemon(t, "")
+	cmd := exec.Command(ckptdBin, "status", "--socket", d.socket, "--watch", "200ms")
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	frames := watchFrames(stdout)
+	next := func(want string) string {
+		t.Helper()
+		timeout := time.After(30 * time.Second)
+		for {
+			select {
+			case f, ok := <-frames:
+				if !ok {
+					t.Fatalf("ckptd status --watch ended before a frame with %q\n%s", want, stderr.String())
+				}
+				if strings.Contains(f, want) {
+					return f
+				}
+			case <-timeout:
+				t.Fatalf("no frame with %q within 30s", want)
+			}
+		}
+	}
+	next("LEASES (0)")
+	c := d.client()
+	if _, err := c.API().BeginSave(ctxT(t), &pb.BeginSaveRequest{
+		Target: &pb.SaveTarget{Step: 1, WorldSize: 1, Attempt: c.Attempt()}, Tensors: []*pb.Tensor{f32Tensor("w", 0, 1024)}}); err != nil {
+		t.Fatal(err)
+	}
+	next("LEASES (1)")
+	if err := cmd.Process.Signal(os.Interrupt); err != nil {
+		t.Fatal(err)
+	}
+	for range frames { // to the end of its output
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("ckptd status --watch after an interrupt: %v (the way to end it)\n%s", err, stderr.String())
+	}
+}
+
+// watchFrames splits --watch's output into the frames between its
+// clear-screen sequences.
+func watchFrames(r io.Reader) <-chan string {
+	const clear = "\033[H\033[2J"
+	sc := bufio.NewScanner(r)
+	sc.Split(func(data []byte, atEOF bool) (int, []byte, error) {
+		if i := bytes.Index(data, []byte(clear)); i >= 0 {
+			return i + len(clear), data[:i], nil
+		}
+		if atEOF && len(data) > 0 {
+			return len(data), data, nil
+		}
+		return 0, nil, nil
+	})
+	frames := make(chan string)
+	go func() {
+		defer close(frames)
+		for sc.Scan() {
+			if f := sc.Text(); f != "" {
+				frames <- f
+			}
+		}
+	}()
+	return frames
+}
+
+// ckptd list --jobs lists the jobs a daemon saved to a store, on a folder
+// and on S3, as lines and as JSON; a folder without steps is no job.
+func TestListJobs(t *testing.T) {
+	t.Run("posix", func(t *testing.T) {
+		store := filepath.Join(t.TempDir(), "store")
+		if err := os.MkdirAll(filepath.Join(store, "notes"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(store, "notes", "README"), []byte("not a job"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		checkListJobs(t, store, nil)
+	})
+	t.Run("s3", func(t *testing.T) {
+		srv, _, store := s3Store(t)
+		checkListJobs(t, store, srv.Env())
+	})
+}
+
+func checkListJobs(t *testing.T, store string, env []string) {
+	d := startDaemonEnv(t, store, env)
+	c := d.client()
+	jobs := []string{"train-b", "train-a"}
+	for _, job := range jobs {
+		r := shard(1, 0, 1)
+		r.Job = job
+		saveAndWait(t, c, r)
+	}
+	slices.Sort(jobs)
+	out, stderr, err := ckptdCLIEnv(t, env, "list", "--jobs", "--storage", store)
+	if err != nil || out != strings.Join(jobs, "\n")+"\n" {
+		t.Fatalf("ckptd list --jobs: %v %q, want %q\n%s", err, out, jobs, stderr)
+	}
+	out, stderr, err = ckptdCLIEnv(t, env, "list", "--jobs", "--json", "--storage", store)
+	var got []string
+	if err != nil || json.Unmarshal([]byte(out), &got) != nil || !slices.Equal(got, jobs) {
+		t.Fatalf("ckptd list --jobs --json: %v %q, want %q\n%s", err, out, jobs, stderr)
+	}
+}
+
+// A mistyped command names every command there is.
+func TestUnknownCommandListsCommands(t *testing.T) {
+	_, stderr, err := ckptdCLI(t, "stauts")
+	if code := exitCode(err); code != 2 {
+		t.Fatalf("ckptd stauts: exit %d (%v), want 2\n%s", code, err, stderr)
+	}
+	for _, want := range []string{"did you mean status?", "export", "health", "list", "prune", "restore", "serve", "status", "verify"} {
+		if !strings.Contains(stderr, want) {
+			t.Errorf("the message lacks %q: %s", want, stderr)
+		}
+	}
+}
+
+func exitCode(err error) int {
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return ee.ExitCode()
+	}
+	if err != nil {
+		return -1
+	}
+	return 0
 }
