@@ -395,3 +395,24 @@ func exitCode(err error) int {
 	}
 	return 0
 }
+
+// A replica that cannot reach its peer counts as a peers error in ckptd
+// status (0 before: the key is there whenever peers are configured).
+func TestStatusPeerErrors(t *testing.T) {
+	self, dead := closedAddr(t), closedAddr(t)
+	d := startDaemon(t, "", "--hot-bytes", "64MiB", "--peers", self+","+dead, "--peer-listen", self, "--peer-insecure")
+	if got := statusJSON(t, d.socket).GetBackendErrors(); !maps.Equal(got, map[string]uint64{"store": 0, "dataset": 0, "peers": 0}) {
+		t.Fatalf("backend errors %v before any transfer, want store, dataset and peers 0", got)
+	}
+	saveAndWait(t, d.client(), shard(1, 0, 1)) // its replica goes to the dead peer
+	var errs map[string]uint64
+	for deadline := time.Now().Add(time.Minute); errs["peers"] == 0; time.Sleep(200 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("backend errors %v a minute after a replica to a dead peer\n%s", errs, d.logs())
+		}
+		errs = statusJSON(t, d.socket).GetBackendErrors()
+	}
+	if errs["store"] != 0 || !strings.Contains(d.logs(), "replicating to peers failed") {
+		t.Fatalf("backend errors %v: want peers only, from the failed replica\n%s", errs, d.logs())
+	}
+}
