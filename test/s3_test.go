@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -15,6 +16,8 @@ import (
 	"time"
 
 	"github.com/minio/minio-go/v7"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 	"github.com/ckptd/ckptd/internal/miniotest"
@@ -287,4 +290,47 @@ func TestS3SaveWhileStoreDown(t *testing.T) {
 	}
 	checkShard(t, got, req)
 	srv.CheckNoUploads(t, bucket)
+}
+
+// A restore while the store is down is UNAVAILABLE with reason
+// STORAGE_UNAVAILABLE (the Go client's ErrStorageUnavailable), not
+// DATA_LOSS or NOT_FOUND, within the daemon's retry deadline; once the
+// store is back the same load restores byte-exact. MinIO is killed before
+// the load, and frozen in the middle of one (the chunk reads fail then).
+func TestS3RestoreDuringOutage(t *testing.T) {
+	srv, _, store := s3Store(t)
+	d := startDaemonEnv(t, store, srv.Env(), "--s3-retry-deadline", "3s", "--s3-stall-timeout", "2s")
+	c := d.client()
+	req := bigShard(1, 64)
+	saveAndWait(t, c, req)
+	srv.Kill()
+	start := time.Now()
+	_, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 1})
+	if !errors.Is(err, ckptd.ErrStorageUnavailable) || status.Code(unwrapStatus(err)) != codes.Unavailable {
+		t.Fatalf("load with the store down: %v (reason %q), want UNAVAILABLE / STORAGE_UNAVAILABLE", err, ckptd.Reason(err))
+	}
+	t.Logf("refused after %v: %v", time.Since(start), err)
+	if err := srv.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkShard(t, got, req)
+
+	// Frozen once the restore has begun reading chunks.
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 1})
+		done <- err
+	}()
+	time.Sleep(50 * time.Millisecond)
+	srv.Freeze()
+	err = <-done
+	srv.Thaw()
+	if err != nil && (!errors.Is(err, ckptd.ErrStorageUnavailable) || errors.Is(err, ckptd.ErrCorrupt)) {
+		t.Fatalf("load with the store frozen midway: %v (reason %q), want UNAVAILABLE / STORAGE_UNAVAILABLE", err, ckptd.Reason(err))
+	}
+	t.Logf("load with the store frozen midway: %v", err)
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/posix"
+	"github.com/ckptd/ckptd/storage/s3"
 )
 
 // storageOptions are the flags every command that touches storage takes.
@@ -24,6 +25,7 @@ type storageOptions struct {
 	S3Endpoint string
 	S3Region   string
 	S3Retry    time.Duration
+	S3Stall    time.Duration
 	FileMode   fileMode
 	// interactive: a person waits (list, restore, verify, prune): a dead
 	// store fails within a short deadline, in one line, not one warning
@@ -36,6 +38,7 @@ type storageOptions struct {
 const (
 	daemonS3Retry      = 2 * time.Minute
 	interactiveS3Retry = 15 * time.Second
+	interactiveS3Stall = 10 * time.Second
 )
 
 // register adds the storage flags for the daemon.
@@ -46,15 +49,16 @@ func (o *storageOptions) registerInteractive(fs *pflag.FlagSet) { o.registerFor(
 
 func (o *storageOptions) registerFor(fs *pflag.FlagSet, interactive bool) {
 	o.interactive = interactive
-	retry := daemonS3Retry
+	retry, stall := daemonS3Retry, s3.DefaultStallTimeout
 	if interactive {
-		retry = interactiveS3Retry
+		retry, stall = interactiveS3Retry, interactiveS3Stall
 	}
 	fs.StringVar(&o.URL, "storage", defaultStorage(), "storage URL: file:///path, a plain path, or s3://bucket/prefix")
 	fs.StringVar(&o.Job, "job", "default", "job name (a folder under the storage root)")
 	fs.StringVar(&o.S3Endpoint, "s3-endpoint", "", "S3 endpoint URL, e.g. http://127.0.0.1:9000 (env AWS_ENDPOINT_URL too)")
 	fs.StringVar(&o.S3Region, "s3-region", "", "S3 region")
 	fs.DurationVar(&o.S3Retry, "s3-retry-deadline", retry, "how long one S3 request is retried through throttling, 5xx and resets before it fails")
+	fs.DurationVar(&o.S3Stall, "s3-stall-timeout", stall, "an S3 request that moves no bytes for this long (a frozen endpoint) is cancelled and retried")
 	o.FileMode = fileMode(posix.DefaultFileMode)
 	fs.Var(&o.FileMode, "file-mode", "mode of the files written to a directory store, whatever the umask: 0600, 0640 or 0644 (folders get x where r is set)")
 }

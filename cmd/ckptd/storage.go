@@ -22,7 +22,7 @@ func openStorage(ctx context.Context, url string, o *storageOptions, create bool
 		log = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
 	}
 	return storageurl.Open(ctx, url, storageurl.OpenOptions{
-		S3Endpoint: o.S3Endpoint, S3Region: o.S3Region, S3RetryDeadline: o.S3Retry, MustExist: !create,
+		S3Endpoint: o.S3Endpoint, S3Region: o.S3Region, S3RetryDeadline: o.S3Retry, S3StallTimeout: o.S3Stall, MustExist: !create,
 		FileMode: fs.FileMode(o.FileMode), Logger: log,
 	})
 }

@@ -40,6 +40,10 @@ type OpenOptions struct {
 	// transient errors (5xx, throttling, resets); 0 means the backend's
 	// default of 2 minutes.
 	S3RetryDeadline time.Duration
+	// S3StallTimeout cancels and retries an S3 request that moves no
+	// bytes for this long (a frozen endpoint); 0 means the backend's
+	// default of a minute.
+	S3StallTimeout time.Duration
 	// DisableDirectIO makes POSIX stores write through the page cache only.
 	DisableDirectIO bool
 	// FileMode is the mode of the objects a POSIX store writes, whatever
@@ -151,7 +155,7 @@ func openS3(ctx context.Context, rawURL string, opts OpenOptions) (storage.Backe
 	b, err := s3.New(ctx, s3.Config{
 		Bucket: u.Host, Prefix: strings.Trim(u.Path, "/"),
 		Endpoint: opts.S3Endpoint, Region: opts.S3Region,
-		Retry: s3.RetryPolicy{Deadline: opts.S3RetryDeadline}, Logger: opts.Logger,
+		Retry: s3.RetryPolicy{Deadline: opts.S3RetryDeadline}, StallTimeout: opts.S3StallTimeout, Logger: opts.Logger,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("storage %q: %w", rawURL, err)
