@@ -71,17 +71,20 @@ func TestHealth(t *testing.T) {
 	waitFor("ready again", func() bool { code, _ := get("/readyz"); _, err := health(); return code == 200 && err == nil })
 }
 
-// --log-format json writes one JSON object per line, with one line per
-// save carrying the stable keys.
+// --log-format json writes one JSON object per line, the first naming the
+// version, with one line per save carrying the stable keys.
 func TestJSONLogs(t *testing.T) {
 	d := startDaemon(t, "", "--log-format", "json")
 	saveAndWait(t, d.client(), shard(1, 0, 1))
 	d.stop()
 	var saves int
-	for line := range strings.Lines(d.logs()) {
+	for i, line := range slices.Collect(strings.Lines(d.logs())) {
 		var rec map[string]any
 		if err := json.Unmarshal([]byte(line), &rec); err != nil {
 			t.Fatalf("not a JSON line: %q: %v", line, err)
+		}
+		if v, _ := rec["version"].(string); i == 0 && (rec["msg"] != "ckptd starting" || v == "") {
+			t.Errorf("the first line does not name the version: %s", line)
 		}
 		if rec["msg"] == "save durable" {
 			saves++

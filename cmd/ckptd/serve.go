@@ -72,7 +72,8 @@ type serveOptions struct {
 
 func newServeCmd() *cobra.Command {
 	o := &serveOptions{StagingBytes: 1 << 30, ChunkSize: checkpoint.DefaultChunkSize, CacheBytes: 1 << 30,
-		SlotBytes: prefetch.DefaultSlotBytes, TableBytes: checkpoint.DefaultTableBudget}
+		SlotBytes: prefetch.DefaultSlotBytes, TableBytes: checkpoint.DefaultTableBudget,
+		ReadAhead: prefetch.DefaultReadAheadBytes, ListBytes: prefetch.DefaultListBytes}
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Run the sidecar: accept saves over a unix socket, drain them to storage, and serve datasets",
@@ -112,8 +113,8 @@ func newServeCmd() *cobra.Command {
 	fs.IntVar(&o.RingSlotsMax, "ring-slots-max", 0, "slots a session's ring may grow to when its trainer catches up with a full ring, in room of --dataset-arena-bytes that leaves a whole ring free (default 2 x --ring-slots; --ring-slots: never grow)")
 	fs.Var(&o.SlotBytes, "slot-bytes", "size of a ring slot in the arena (a larger batch gets a region of its own)")
 	fs.StringSliceVar(&o.DatasetAllow, "dataset-allow", nil, "folders and s3://bucket/prefix sources trainers may read datasets from (repeat or comma-separate; none: datasets are off); the checkpoint store is not implied")
-	fs.Var(&o.ReadAhead, "read-ahead-bytes", "memory each dataset session may hold: shards read ahead, its shuffle window (bounded by half of it), batches being assembled (default 256MiB)")
-	fs.Var(&o.ListBytes, "dataset-list-bytes", "memory a dataset session's listing may take, about 512 bytes and twice the name per shard: a larger dataset fails to open (default 128MiB)")
+	fs.Var(&o.ReadAhead, "read-ahead-bytes", "memory each dataset session may hold: shards read ahead, its shuffle window (bounded by half of it), batches being assembled")
+	fs.Var(&o.ListBytes, "dataset-list-bytes", "memory a dataset session's listing may take, about 512 bytes and twice the name per shard: a larger dataset fails to open")
 	fs.Var(&o.DatasetArena, "dataset-arena-bytes", "the datasets' share of the arena, for ring slots and oversized batches (default: half of --staging-bytes; the rest stays for saves)")
 	return cmd
 }
@@ -155,6 +156,9 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	if o.PrintMemory {
 		return printMemory(o, out)
 	}
+	// First, so that every report of a problem comes with the version
+	// that had it.
+	log.Info("ckptd starting", "version", Version(), "pid", os.Getpid())
 	if nice, err := lowerPriority(o.Nice); err != nil {
 		log.Warn("could not lower the daemon's CPU priority (--nice)", "err", err)
 	} else {
