@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package ckptd is the Go client of the ckptd sidecar. It connects to
 // `ckptd serve` over its unix socket, maps the staging arena once, and
 // saves and loads checkpoint shards through it; SaveStream and LoadStream
