@@ -104,14 +104,14 @@ const (
 	fromFill          // another caller was reading it; we waited
 )
 
-// Get returns a shard's bytes, from the cache or else from b, read once
+// get returns a shard's bytes, from the cache or else from b, read once
 // for all the callers that want it at the same time. held says whether
 // the cache keeps the bytes (else they are the caller's alone). dataset
 // (the source's prefix in b) groups the shards admission ages together.
 // onMiss is called, before any storage read, when the shard is not cached,
 // so the caller can account the wait to storage. at is the read of an
 // iteration's plan this is (readAt{}: none).
-func (c *Cache) Get(ctx context.Context, b storage.Backend, dataset string, sh Shard, at readAt, onMiss func()) (data shardBytes, held bool, how fetch, err error) {
+func (c *Cache) get(ctx context.Context, b storage.Backend, dataset string, sh Shard, at readAt, onMiss func()) (data shardBytes, held bool, how fetch, err error) {
 	c.life.RLock()
 	defer c.life.RUnlock()
 	if c.closed {
@@ -295,7 +295,7 @@ func readShard(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, er
 		if err == nil {
 			return shardBytes{b: m.data, m: m}, nil
 		}
-		if errors.Is(err, ErrCorruptShard) || errors.Is(err, storage.ErrNotFound) || ctx.Err() != nil {
+		if errors.Is(err, ErrCorruptShard) || errors.Is(err, storage.ErrNotFound) || errors.Is(err, ErrNotAllowed) || ctx.Err() != nil {
 			return shardBytes{}, fmt.Errorf("read shard %s: %w", printable(sh.Name), err)
 		}
 		// Out of mappings (vm.max_map_count) or address space: read it.

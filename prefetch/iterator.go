@@ -333,7 +333,7 @@ func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix stri
 			go func() {
 				defer close(p.done)
 				start := time.Now()
-				p.data, p.held, p.how, p.err = cache.Get(ctx, b, prefix, sh, readAt{it.plan, i}, func() { p.miss.Store(true) })
+				p.data, p.held, p.how, p.err = cache.get(ctx, b, prefix, sh, readAt{it.plan, i}, func() { p.miss.Store(true) })
 				if p.how != fromCache && p.err == nil {
 					it.pace.fetched(time.Since(start))
 				}

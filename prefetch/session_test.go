@@ -115,7 +115,7 @@ func TestCachedStartDoesNotWaitForTheRing(t *testing.T) {
 	gate := gatedDataset(t)
 	defer close(gate.open)
 	s := newService(t, gate, ServiceConfig{Slots: 4, SlotBytes: 1 << 20, CacheBytes: 64 << 20})
-	if _, held, _, err := s.cache.Get(ctx, gate.Backend, "", gate.first, readAt{}, func() {}); err != nil || !held {
+	if _, held, _, err := s.cache.get(ctx, gate.Backend, "", gate.first, readAt{}, func() {}); err != nil || !held {
 		t.Fatalf("caching the first shard: held %v, %v", held, err)
 	}
 	opened := time.Now()
