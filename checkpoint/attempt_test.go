@@ -36,7 +36,7 @@ func save(t *testing.T, b storage.Backend, sh *Shard) *CommitRecord {
 		t.Fatal(err)
 	}
 	tg := sh.Target
-	rec, _, err := (&Store{B: b, Job: tg.Job}).TryCommit(context.Background(), tg.Step, tg.Attempt, tg.WorldSize)
+	rec, _, err := (&Store{backend: b, job: tg.Job}).TryCommit(context.Background(), tg.Step, tg.Attempt, tg.WorldSize)
 	if err != nil {
 		t.Fatal(err)
 	}

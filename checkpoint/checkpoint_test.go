@@ -74,7 +74,7 @@ func writeStep(t *testing.T, b storage.Backend, w *Writer, step int64, world int
 		if _, err := w.WriteShard(context.Background(), sh); err != nil {
 			t.Fatal(err)
 		}
-		rec, won, err := (&Store{B: b, Job: "job"}).TryCommit(context.Background(), step, testAttempt, world)
+		rec, won, err := (&Store{backend: b, job: "job"}).TryCommit(context.Background(), step, testAttempt, world)
 		if ok := rec != nil; err != nil || ok != (rank == world-1) || won != ok {
 			t.Fatalf("TryCommit after rank %d = %v, %v", rank, rec, err)
 		}

@@ -24,7 +24,7 @@ import (
 // rec.Attempt), and whether this call wrote it. A nil record and nil
 // error mean the attempt's manifests are not all there yet.
 func (s *Store) TryCommit(ctx context.Context, step int64, attempt string, worldSize int) (rec *CommitRecord, won bool, err error) {
-	t := Target{Job: s.Job, Step: step, WorldSize: worldSize, Attempt: attempt}
+	t := Target{Job: s.job, Step: step, WorldSize: worldSize, Attempt: attempt}
 	if err := t.Validate(); err != nil {
 		return nil, false, err
 	}
@@ -43,7 +43,7 @@ func (s *Store) TryCommit(ctx context.Context, step int64, attempt string, world
 	if err != nil {
 		return nil, false, err
 	}
-	err = s.B.PutIfAbsent(ctx, commitName(s.Job, step), data)
+	err = s.backend.PutIfAbsent(ctx, commitName(s.job, step), data)
 	if errors.Is(err, storage.ErrExists) { // another sidecar (or attempt) won
 		rec, err = s.readCommit(ctx, step)
 		return rec, false, err
@@ -59,7 +59,7 @@ func (s *Store) TryCommit(ctx context.Context, step int64, attempt string, world
 // later if this fails).
 func (s *Store) removeRank(ctx context.Context, t Target) {
 	for _, name := range []string{manifestName(t), inJob(t.Job, dataObject(t.Step, t.Attempt, t.Rank))} {
-		if err := s.B.Delete(ctx, name); err != nil {
+		if err := s.backend.Delete(ctx, name); err != nil {
 			s.log().Warn("could not remove the objects of a save its step will never use; prune removes them", "object", name, "err", err)
 		}
 	}
@@ -68,7 +68,7 @@ func (s *Store) removeRank(ctx context.Context, t Target) {
 // listManifests lists the manifests of one attempt of a step.
 func (s *Store) listManifests(ctx context.Context, step int64, attempt string) ([]string, error) {
 	var names []string
-	err := s.B.List(ctx, inJob(s.Job, attemptDir(step, attempt)), func(oi storage.ObjectInfo) error {
+	err := s.backend.List(ctx, inJob(s.job, attemptDir(step, attempt)), func(oi storage.ObjectInfo) error {
 		if strings.HasSuffix(oi.Name, manifestSuffix) {
 			names = append(names, oi.Name)
 		}
@@ -131,7 +131,7 @@ func (s *Store) readManifestHash(ctx context.Context, name string) (*Manifest, s
 }
 
 func (s *Store) readObject(ctx context.Context, name string, limit int64) ([]byte, error) {
-	rc, err := s.B.Get(ctx, name, 0, -1)
+	rc, err := s.backend.Get(ctx, name, 0, -1)
 	if err != nil {
 		return nil, err
 	}

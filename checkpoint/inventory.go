@@ -76,8 +76,8 @@ func (s *Store) stepInventory(ctx context.Context, step int64) (StepInventory, e
 	}
 	byAttempt := map[string]*AttemptInfo{}
 	var order []string
-	dir := stepDir(s.Job, step)
-	err = s.B.List(ctx, dir, func(oi storage.ObjectInfo) error {
+	dir := stepDir(s.job, step)
+	err = s.backend.List(ctx, dir, func(oi storage.ObjectInfo) error {
 		rel := strings.TrimPrefix(oi.Name, dir)
 		if rel == commitFile {
 			return nil

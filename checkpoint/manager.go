@@ -175,7 +175,7 @@ func (mgr *Manager) Backend() storage.Backend { return mgr.b }
 // store is the Store of a job whose name a request's validation has
 // checked already.
 func (mgr *Manager) store(job string) *Store {
-	return &Store{B: mgr.b, Job: job, Log: mgr.log}
+	return &Store{backend: mgr.b, job: job, logger: mgr.log}
 }
 
 // jobStore is the Store of the job a request names (the default job when

@@ -262,7 +262,7 @@ func TestLegacyJournalEntryDrains(t *testing.T) {
 	if _, err := mgr.Wait(ctx, "job", 7, 0, LegacyAttempt); err != nil {
 		t.Fatalf("the legacy save did not become durable: %v", err)
 	}
-	s := &Store{B: b, Job: "job"}
+	s := &Store{backend: b, job: "job"}
 	rec, err := s.Resolve(ctx, 7, false)
 	if err != nil {
 		t.Fatal(err)

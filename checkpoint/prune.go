@@ -77,7 +77,7 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 		switch si := &inv[i]; {
 		case si.Damaged != nil:
 			rep.Damaged = append(rep.Damaged, si.Step)
-			s.log().Warn("prune leaves a step with a damaged commit record alone", "job", s.Job, "step", si.Step, "err", si.Damaged)
+			s.log().Warn("prune leaves a step with a damaged commit record alone", "job", s.job, "step", si.Step, "err", si.Damaged)
 		case si.Commit != nil:
 			committed = append(committed, si)
 		}
@@ -116,7 +116,7 @@ func (s *Store) references(ctx context.Context, kept []*StepInventory, rep *Prun
 		for rank := range si.Commit.WorldSize {
 			m, err := s.Manifest(ctx, si.Commit, rank)
 			if errors.Is(err, ErrCorrupt) {
-				s.log().Warn("prune keeps a step with a damaged manifest; `ckptd verify` names the damage", "job", s.Job, "step", si.Step, "rank", rank, "err", err)
+				s.log().Warn("prune keeps a step with a damaged manifest; `ckptd verify` names the damage", "job", s.job, "step", si.Step, "rank", rank, "err", err)
 				if !slices.Contains(rep.Damaged, si.Step) {
 					rep.Damaged = append(rep.Damaged, si.Step)
 				}
@@ -126,7 +126,7 @@ func (s *Store) references(ctx context.Context, kept []*StepInventory, rep *Prun
 				return nil, fmt.Errorf("prune needs every kept manifest: %w", err)
 			}
 			for _, c := range m.Chunks {
-				refs[inJob(s.Job, c.Object)] = true
+				refs[inJob(s.job, c.Object)] = true
 			}
 		}
 	}
@@ -143,7 +143,7 @@ type pruner struct {
 // removeStep deletes a committed step: its commit record first, then every
 // object no kept manifest references.
 func (p *pruner) removeStep(ctx context.Context, si *StepInventory) error {
-	commit := commitName(p.s.Job, si.Step)
+	commit := commitName(p.s.job, si.Step)
 	if err := p.delete(ctx, storage.ObjectInfo{Name: commit}); err != nil {
 		return fmt.Errorf("prune step %d: %w", si.Step, err)
 	}
@@ -205,7 +205,7 @@ func (p *pruner) deleteAll(ctx context.Context, objs []storage.ObjectInfo) error
 
 func (p *pruner) delete(ctx context.Context, oi storage.ObjectInfo) error {
 	if !p.dryRun {
-		if err := p.s.B.Delete(ctx, oi.Name); err != nil { // a concurrent prune's delete is fine: Delete is idempotent
+		if err := p.s.backend.Delete(ctx, oi.Name); err != nil { // a concurrent prune's delete is fine: Delete is idempotent
 			return err
 		}
 	}

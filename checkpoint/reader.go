@@ -142,7 +142,7 @@ func readRanges(cs []Chunk, max int64) []readRange {
 // order as they stream in.
 func (s *Store) readSpan(ctx context.Context, m *Manifest, sp readRange, sink Sink, buf *[]byte, progress func(int64)) error {
 	first, last := m.Chunks[sp.first], m.Chunks[sp.last-1]
-	rc, err := s.B.Get(ctx, inJob(s.Job, first.Object), first.Offset, last.Offset+last.Stored-first.Offset)
+	rc, err := s.backend.Get(ctx, inJob(s.job, first.Object), first.Offset, last.Offset+last.Stored-first.Offset)
 	if err != nil {
 		return s.chunkErr(m, sp.first, err)
 	}

@@ -123,20 +123,20 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64,
 		committed := int64(-1)
 		if rec != nil {
 			committed = rec.Step
-		} else if s, ok := mgr.hot.latest(store.Job, rank); ok && latest { // storage is down: what is known committed
+		} else if s, ok := mgr.hot.latest(store.job, rank); ok && latest { // storage is down: what is known committed
 			committed = s
 		}
-		src, found, merr := mgr.fromMemory(ctx, store.Job, step, latest, committed, rank)
+		src, found, merr := mgr.fromMemory(ctx, store.job, step, latest, committed, rank)
 		if found || merr != nil {
 			return src, merr
 		}
 		if skipped = src.skipped; skipped > 0 && !latest {
 			return restoreSource{}, fmt.Errorf("%w: step %d of job %q was kept in memory only (--persist-every, --persist-interval) and some of its ranks are held by no sidecar now; "+
-				"restore a persisted step (ckptd list)", ErrStepNotFound, step, store.Job)
+				"restore a persisted step (ckptd list)", ErrStepNotFound, step, store.job)
 		}
 		if skipped > 0 {
 			mgr.log.Warn("a newer step was kept in memory only and some of its ranks are held nowhere now; restoring the last persisted step",
-				"job", store.Job, "skipped_step", skipped, "rank", rank)
+				"job", store.job, "skipped_step", skipped, "rank", rank)
 		}
 	}
 	src, err := mgr.persistedSource(ctx, store, rec, err, step, latest, rank)
@@ -150,31 +150,31 @@ func (mgr *Manager) persistedSource(ctx context.Context, store *Store, rec *Comm
 	if errors.Is(err, storage.ErrUnavailable) {
 		found := !latest
 		if latest {
-			step, found = mgr.hot.latest(store.Job, rank)
+			step, found = mgr.hot.latest(store.job, rank)
 		}
-		if src, ok := mgr.committedCopy(ctx, store.Job, step, rank, found); ok {
-			mgr.log.Warn("storage does not answer; restoring from the "+src.tier+" tier", "job", store.Job, "step", step, "rank", rank, "err", err)
+		if src, ok := mgr.committedCopy(ctx, store.job, step, rank, found); ok {
+			mgr.log.Warn("storage does not answer; restoring from the "+src.tier+" tier", "job", store.job, "step", step, "rank", rank, "err", err)
 			return src, nil
 		}
 	}
 	if err != nil {
 		return restoreSource{}, err
 	}
-	mgr.hot.committed(store.Job, rec.Step, rec.Attempt) // the commit may have been another node's
+	mgr.hot.committed(store.job, rec.Step, rec.Attempt) // the commit may have been another node's
 	if rank >= 0 && rank < rec.WorldSize {
-		if e, release := mgr.hot.get(store.Job, rec.Step, rank, rec.Attempt); e != nil {
+		if e, release := mgr.hot.get(store.job, rec.Step, rank, rec.Attempt); e != nil {
 			if e.pinnedBy(rec, rank) {
 				return restoreSource{m: e.m, hot: e, release: release, tier: "hot"}, nil
 			}
 			release()
-			mgr.log.Warn("the hot copy is not the manifest the step committed; reading storage", "job", store.Job, "step", rec.Step, "rank", rank)
+			mgr.log.Warn("the hot copy is not the manifest the step committed; reading storage", "job", store.job, "step", rec.Step, "rank", rank)
 		}
-		if src, ok := mgr.fromPeers(ctx, store.Job, rec.Step, rank, rec.Attempt, nil); ok {
+		if src, ok := mgr.fromPeers(ctx, store.job, rec.Step, rank, rec.Attempt, nil); ok {
 			if src.hot.pinnedBy(rec, rank) {
 				return src, nil
 			}
 			src.release()
-			mgr.log.Warn("a peer's replica is not the manifest the step committed; reading storage", "job", store.Job, "step", rec.Step, "rank", rank)
+			mgr.log.Warn("a peer's replica is not the manifest the step committed; reading storage", "job", store.job, "step", rec.Step, "rank", rank)
 		}
 	}
 	m, err := store.Manifest(ctx, rec, rank)

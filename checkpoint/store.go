@@ -17,11 +17,11 @@ import (
 // steps through it (TryCommit); `ckptd list`, `verify`, `restore` and
 // `prune` use it directly, with no daemon running.
 type Store struct {
-	B   storage.Backend
-	Job string
-	// Log receives warnings about damaged steps that listing skips
+	backend storage.Backend
+	job     string
+	// logger receives warnings about damaged steps that listing skips
 	// (default slog.Default()).
-	Log *slog.Logger
+	logger *slog.Logger
 }
 
 // NewStore checks the job name and returns a Store for it.
@@ -29,12 +29,12 @@ func NewStore(b storage.Backend, job string) (*Store, error) {
 	if err := ValidateName("job", job); err != nil {
 		return nil, err
 	}
-	return &Store{B: b, Job: job}, nil
+	return &Store{backend: b, job: job}, nil
 }
 
 func (s *Store) log() *slog.Logger {
-	if s.Log != nil {
-		return s.Log
+	if s.logger != nil {
+		return s.logger
 	}
 	return slog.Default()
 }
@@ -47,7 +47,7 @@ func (s *Store) skipDamaged(step int64, err error) bool {
 		return false
 	}
 	s.log().Warn("skipping a step whose commit record or a manifest is damaged; `ckptd verify` and `ckptd prune` name it too",
-		"job", s.Job, "step", step, "err", err)
+		"job", s.job, "step", step, "err", err)
 	return true
 }
 
@@ -93,14 +93,14 @@ func (s *Store) commitRecords(ctx context.Context, steps []int64) ([]*CommitReco
 // directories under the job's steps/ (the objects in them are not read).
 func (s *Store) allSteps(ctx context.Context) ([]int64, error) {
 	var steps []int64
-	err := s.B.ListDirs(ctx, stepsPrefix(s.Job), func(seg string) error {
+	err := s.backend.ListDirs(ctx, stepsPrefix(s.job), func(seg string) error {
 		if step, err := strconv.ParseInt(seg, 10, 64); err == nil && step >= 0 && stepSegment(step) == seg {
 			steps = append(steps, step)
 		}
 		return nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("list steps of job %q in %s: %w", s.Job, s.B.Location(), err)
+		return nil, fmt.Errorf("list steps of job %q in %s: %w", s.job, s.backend.Location(), err)
 	}
 	slices.Sort(steps)
 	return steps, nil
@@ -140,10 +140,10 @@ func (s *Store) latestWhere(ctx context.Context, check func(*CommitRecord) error
 			return rec, nil
 		case errors.Is(err, storage.ErrNotFound), s.skipDamaged(step, err):
 		default:
-			return nil, fmt.Errorf("latest step of job %q in %s: %w", s.Job, s.B.Location(), err)
+			return nil, fmt.Errorf("latest step of job %q in %s: %w", s.job, s.backend.Location(), err)
 		}
 	}
-	return nil, fmt.Errorf("%w: job %q has no committed steps in %s", ErrStepNotFound, s.Job, s.B.Location())
+	return nil, fmt.Errorf("%w: job %q has no committed steps in %s", ErrStepNotFound, s.job, s.backend.Location())
 }
 
 // Resolve returns the commit record of step, or of the newest committed
@@ -186,14 +186,14 @@ func (s *Store) notFound(ctx context.Context, step int64) error {
 	latest, err := s.Latest(ctx)
 	if err != nil {
 		return fmt.Errorf("%w: step %d of job %q is not committed, and the job has no committed steps in %s",
-			ErrStepNotFound, step, s.Job, s.B.Location())
+			ErrStepNotFound, step, s.job, s.backend.Location())
 	}
-	return fmt.Errorf("%w: step %d of job %q is not committed (latest committed step: %d)", ErrStepNotFound, step, s.Job, latest)
+	return fmt.Errorf("%w: step %d of job %q is not committed (latest committed step: %d)", ErrStepNotFound, step, s.job, latest)
 }
 
 // Committed reports whether step has a commit record.
 func (s *Store) Committed(ctx context.Context, step int64) (bool, error) {
-	_, err := s.B.Stat(ctx, commitName(s.Job, step))
+	_, err := s.backend.Stat(ctx, commitName(s.job, step))
 	if errors.Is(err, storage.ErrNotFound) {
 		return false, nil
 	}
@@ -201,7 +201,7 @@ func (s *Store) Committed(ctx context.Context, step int64) (bool, error) {
 }
 
 func (s *Store) readCommit(ctx context.Context, step int64) (*CommitRecord, error) {
-	name := commitName(s.Job, step)
+	name := commitName(s.job, step)
 	data, err := s.readObject(ctx, name, maxCommitBytes)
 	if err != nil {
 		return nil, err
@@ -210,7 +210,7 @@ func (s *Store) readCommit(ctx context.Context, step int64) (*CommitRecord, erro
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", name, err)
 	}
-	if rec.Step != step || rec.Job != s.Job {
+	if rec.Step != step || rec.Job != s.job {
 		return nil, fmt.Errorf("%w: %s describes job %q step %d", ErrCorrupt, name, rec.Job, rec.Step)
 	}
 	return rec, nil
@@ -223,7 +223,7 @@ func (s *Store) Manifest(ctx context.Context, rec *CommitRecord, rank int) (*Man
 		return nil, fmt.Errorf("%w: rank %d out of range: step %d has world size %d", ErrInvalid, rank, rec.Step, rec.WorldSize)
 	}
 	obj, want := rec.manifestObject(rank)
-	m, got, err := s.readManifestHash(ctx, inJob(s.Job, obj))
+	m, got, err := s.readManifestHash(ctx, inJob(s.job, obj))
 	if errors.Is(err, storage.ErrNotFound) {
 		return nil, fmt.Errorf("%w: step %d rank %d: the manifest its commit record names is missing: %w", ErrCorrupt, rec.Step, rank, err)
 	}
@@ -234,7 +234,7 @@ func (s *Store) Manifest(ctx context.Context, rec *CommitRecord, rank int) (*Man
 		return nil, fmt.Errorf("%w: manifest of step %d rank %d (%s) has hash %s, but the commit record says %s: it was replaced after the commit",
 			ErrCorrupt, rec.Step, rank, obj, got, want)
 	}
-	if m.Target() != (Target{Job: s.Job, Step: rec.Step, Rank: rank, WorldSize: rec.WorldSize, Attempt: rec.Attempt}) {
+	if m.Target() != (Target{Job: s.job, Step: rec.Step, Rank: rank, WorldSize: rec.WorldSize, Attempt: rec.Attempt}) {
 		return nil, fmt.Errorf("%w: manifest of step %d rank %d describes %s", ErrCorrupt, rec.Step, rank, m.Target())
 	}
 	return m, nil

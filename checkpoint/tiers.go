@@ -239,7 +239,7 @@ func (mgr *Manager) Tiers(ctx context.Context, job string) ([]StepTiers, error) 
 	if err != nil {
 		return nil, err
 	}
-	inv := mgr.inventories(ctx, store.Job)
+	inv := mgr.inventories(ctx, store.job)
 	type key struct {
 		step    int64
 		attempt string

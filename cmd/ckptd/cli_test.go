@@ -123,7 +123,11 @@ func writeStep(t *testing.T, root string) []byte {
 	if _, err := w.WriteShard(context.Background(), sh); err != nil {
 		t.Fatal(err)
 	}
-	if rec, _, err := (&checkpoint.Store{B: b, Job: "j"}).TryCommit(context.Background(), 1, "a", 1); rec == nil || err != nil {
+	store, err := checkpoint.NewStore(b, "j")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec, _, err := store.TryCommit(context.Background(), 1, "a", 1); rec == nil || err != nil {
 		t.Fatalf("commit: %v %v", rec, err)
 	}
 	return data
