@@ -348,8 +348,8 @@ func (t *leaseTable) journaled() int {
 // charge books n bytes of the budget for l.
 func (t *leaseTable) charge(l *lease, n int64) error {
 	if t.tables+n > t.budget {
-		return fmt.Errorf("%w: the tensor tables and metadata of open saves would hold %d bytes, more than --tensor-table-bytes (%d); "+
-			"wait for saves to drain, save fewer tensors at once, or raise the budget", ErrOverBudget, t.tables+n, t.budget)
+		return fmt.Errorf("%w: the tensor tables and metadata of open saves, and the open restores, would hold %d bytes, more than --tensor-table-bytes (%d); "+
+			"wait for saves to drain, release restores, save fewer tensors at once, or raise the budget", ErrOverBudget, t.tables+n, t.budget)
 	}
 	t.tables += n
 	l.cost += n

@@ -88,7 +88,15 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 		begun: time.Now(), expires: time.Now().Add(mgr.cfg.LeaseTimeout),
 	}
 	mgr.mu.Lock()
-	err = mgr.addLease(l, o)
+	// Each restore lease books a fixed cost of the table budget: one
+	// of a tensor-less (zero-byte) step takes no arena space, so nothing
+	// else would bound how many a client holds.
+	err = mgr.leases.charge(l, restoreLeaseCost)
+	if err == nil {
+		err = mgr.addLease(l, o)
+	} else {
+		mgr.freeRegion(region)
+	}
 	mgr.mu.Unlock()
 	if err != nil {
 		return LeaseInfo{}, nil, err
@@ -97,6 +105,10 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 		Tier: src.tier, SkippedStep: src.skipped}
 	return l.info(), h, nil
 }
+
+// restoreLeaseCost is what a restore lease books of the table budget: the
+// lease and its place in the lease table, rounded up.
+const restoreLeaseCost = 1 << 10
 
 // restoreSource is where a restore's bytes come from: the hot tier, or
 // storage through the manifest.

@@ -419,3 +419,36 @@ func TestDamagedManifest(t *testing.T) {
 	}
 	h.check(t, "damaged manifest")
 }
+
+// Restore leases of a tensor-less step take no arena space; each books a
+// fixed cost of --tensor-table-bytes instead, so a client calling
+// BeginRestore in a loop is refused with OVER_BUDGET, and its connection's
+// end gives the budget back.
+func TestRestoreLeasesAreBounded(t *testing.T) {
+	d := startDaemon(t, "", "--tensor-table-bytes", "64KiB")
+	c := d.client()
+	empty := &ckptd.SaveRequest{Step: 1, WorldSize: 1, Tensors: []ckptd.Tensor{{Name: "e", DType: "F32", Shape: []int64{0}}}}
+	saveAndWait(t, c, empty)
+	hog, err := ckptd.Dial(d.socket, ckptd.WithAttempt(testAttempt))
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := 0
+	for ; held < 1000; held++ {
+		if _, err = hog.API().BeginRestore(ctxT(t), &pb.BeginRestoreRequest{Step: 1}); err != nil {
+			break
+		}
+	}
+	wantCode(t, "restore leases of an empty step", err, codes.ResourceExhausted, "OVER_BUDGET")
+	if held == 0 || held > 64 {
+		t.Fatalf("%d restore leases held before the refusal; want some, at most 64 KiB / 1 KiB", held)
+	}
+	hog.Close()
+	for start := time.Now(); ; time.Sleep(20 * time.Millisecond) {
+		if _, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 1}); err == nil {
+			break
+		} else if time.Since(start) > 5*time.Second {
+			t.Fatalf("the closed connection's restore leases still hold the budget: %v", err)
+		}
+	}
+}

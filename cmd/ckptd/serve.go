@@ -91,7 +91,7 @@ func newServeCmd() *cobra.Command {
 	fs.DurationVar(&o.StagingWait, "staging-wait", checkpoint.DefaultStagingWait, "how long a save waits for arena space before failing")
 	fs.DurationVar(&o.ReuseFence, "crash-fence", checkpoint.DefaultReuseFence, "after a crash, how long new saves, restores and dataset rings wait before using arena space the dead daemon's clients may still be copying into; also how long a gone client's save region is kept when its process cannot be seen")
 	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", checkpoint.DefaultLeaseTimeout, "end saves never committed and restores never released after this (a client that disconnects frees them at once)")
-	fs.Var(&o.TableBytes, "tensor-table-bytes", "memory for the tensor tables and metadata of open saves; a save that would exceed it fails with RESOURCE_EXHAUSTED")
+	fs.Var(&o.TableBytes, "tensor-table-bytes", "memory for the tensor tables and metadata of open saves, and 1 KiB per open restore; a save or restore that would exceed it fails with RESOURCE_EXHAUSTED")
 	fs.StringVar(&o.Codec, "codec", string(codec.Auto), "chunk codec: auto (per chunk by dtype: float-aware for floats, zstd otherwise, cheaper when storage outruns compression), zstd, lz4, none, or float-bf16|f16|f32|f64")
 	fs.Var(&o.ChunkSize, "chunk-size", "raw bytes per chunk")
 	fs.IntVar(&o.Workers, "workers", 0, "chunks compressed at once (default: number of CPUs)")
