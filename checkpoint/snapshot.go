@@ -42,6 +42,7 @@ type SaveSnapshot struct {
 	Target Target
 	State  State
 	Since  time.Time // when it entered State
+	Begun  time.Time // when the save was accepted (or replayed from the journal)
 	Err    string    // why it failed, or the last transient error
 }
 
@@ -72,7 +73,7 @@ func (mgr *Manager) Snapshot() Snapshot {
 	s.HotBytes, s.HotBudget, s.HotShards = mgr.hot.stats()
 	for k, st := range mgr.saves {
 		t := Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: st.worldSize, Attempt: k.attempt}
-		ss := SaveSnapshot{Target: t, State: st.state, Since: st.updated}
+		ss := SaveSnapshot{Target: t, State: st.state, Since: st.updated, Begun: st.begun}
 		if st.err != nil {
 			ss.Err = st.err.Error()
 		}

@@ -62,6 +62,7 @@ type saveStatus struct {
 	err       error // why it failed, or the last transient drain error
 	worldSize int
 	updated   time.Time
+	begun     time.Time // when this daemon first knew the save
 	changed   chan struct{}
 }
 
@@ -69,7 +70,7 @@ type saveStatus struct {
 func (mgr *Manager) setState(k saveKey, s State, err error) {
 	st := mgr.saves[k]
 	if st == nil {
-		st = &saveStatus{changed: make(chan struct{})}
+		st = &saveStatus{changed: make(chan struct{}), begun: time.Now()}
 		mgr.saves[k] = st
 	}
 	st.state, st.err, st.updated = s, err, time.Now()

@@ -140,6 +140,9 @@ func TestStatus(t *testing.T) {
 	states := map[int64]string{}
 	for _, s := range st.GetSaves() {
 		states[s.GetTarget().GetStep()] = s.GetState()
+		if s.GetAgeSeconds() < s.GetSecondsInState() || s.GetAgeSeconds() <= 0 {
+			t.Errorf("save %v: age %v, in its state %v: want an age covering the time in state", s.GetTarget(), s.GetAgeSeconds(), s.GetSecondsInState())
+		}
 	}
 	if (states[7] != "staged" && states[7] != "draining") || states[8] != "staging" {
 		t.Fatalf("save states %v: want step 7 staged or draining, step 8 staging", states)
@@ -160,7 +163,7 @@ func TestStatus(t *testing.T) {
 	if err != nil {
 		t.Fatalf("ckptd status: %v\n%s", err, stderr)
 	}
-	for _, want := range []string{"storage", "ready", "SAVES (2)", "LEASES (2)", "DATASETS (0)", me, "staging"} {
+	for _, want := range []string{"storage", "ready", "SAVES (2)", "AGE", "LEASES (2)", "DATASETS (0)", me, "staging"} {
 		if !strings.Contains(out, want) {
 			t.Fatalf("ckptd status lacks %q:\n%s", want, out)
 		}

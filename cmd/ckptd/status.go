@@ -144,11 +144,11 @@ func printSaves(w io.Writer, saves []*pb.SaveActivity) {
 	if len(saves) == 0 {
 		return
 	}
-	fmt.Fprintln(w, "JOB\tSTEP\tRANK\tATTEMPT\tSTATE\tFOR\tERROR")
+	fmt.Fprintln(w, "JOB\tSTEP\tRANK\tATTEMPT\tSTATE\tFOR\tAGE\tERROR")
 	for _, s := range saves {
 		t := s.GetTarget()
-		fmt.Fprintf(w, "%s\t%d\t%d/%d\t%s\t%s\t%s\t%s\n", t.GetJob(), t.GetStep(), t.GetRank(), t.GetWorldSize(),
-			t.GetAttempt(), s.GetState(), seconds(s.GetSecondsInState()), oneLine(s.GetError()))
+		fmt.Fprintf(w, "%s\t%d\t%d/%d\t%s\t%s\t%s\t%s\t%s\n", t.GetJob(), t.GetStep(), t.GetRank(), t.GetWorldSize(),
+			t.GetAttempt(), s.GetState(), seconds(s.GetSecondsInState()), seconds(s.GetAgeSeconds()), oneLine(s.GetError()))
 	}
 }
 

@@ -62,7 +62,7 @@ func (d *Daemon) GetStatus(ctx context.Context, _ *pb.GetStatusRequest) (*pb.Dae
 	}
 	for _, s := range cs.Saves {
 		st.Saves = append(st.Saves, &pb.SaveActivity{Target: toTarget(s.Target), State: s.State.String(),
-			SecondsInState: now.Sub(s.Since).Seconds(), Error: s.Err})
+			SecondsInState: now.Sub(s.Since).Seconds(), AgeSeconds: now.Sub(s.Begun).Seconds(), Error: s.Err})
 	}
 	for _, l := range cs.Leases {
 		ls := &pb.LeaseState{IdPrefix: l.ID, Kind: l.Kind, Peer: l.Peer, Bytes: uint64(l.Bytes),

@@ -2693,7 +2693,8 @@ type SaveActivity struct {
 	Target         *SaveTarget            `protobuf:"bytes,1,opt,name=target,proto3" json:"target,omitempty"`
 	State          string                 `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"` // staging, staged, draining, durable, committed, failed
 	SecondsInState float64                `protobuf:"fixed64,3,opt,name=seconds_in_state,json=secondsInState,proto3" json:"seconds_in_state,omitempty"`
-	Error          string                 `protobuf:"bytes,4,opt,name=error,proto3" json:"error,omitempty"` // why it failed, or the last transient error
+	Error          string                 `protobuf:"bytes,4,opt,name=error,proto3" json:"error,omitempty"`                               // why it failed, or the last transient error
+	AgeSeconds     float64                `protobuf:"fixed64,5,opt,name=age_seconds,json=ageSeconds,proto3" json:"age_seconds,omitempty"` // since the save was accepted (or replayed from the journal)
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache
 }
@@ -2754,6 +2755,13 @@ func (x *SaveActivity) GetError() string {
 		return x.Error
 	}
 	return ""
+}
+
+func (x *SaveActivity) GetAgeSeconds() float64 {
+	if x != nil {
+		return x.AgeSeconds
+	}
+	return 0
 }
 
 type LeaseState struct {
@@ -3708,12 +3716,14 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\brestores\x18\x04 \x01(\x04R\brestores\x12\x1a\n" +
 	"\bdatasets\x18\x05 \x01(\x04R\bdatasets\x12\x12\n" +
 	"\x04held\x18\x06 \x01(\x04R\x04held\x12%\n" +
-	"\x0edatasets_share\x18\a \x01(\x04R\rdatasetsShare\"\x92\x01\n" +
+	"\x0edatasets_share\x18\a \x01(\x04R\rdatasetsShare\"\xb3\x01\n" +
 	"\fSaveActivity\x12,\n" +
 	"\x06target\x18\x01 \x01(\v2\x14.ckptd.v1.SaveTargetR\x06target\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12(\n" +
 	"\x10seconds_in_state\x18\x03 \x01(\x01R\x0esecondsInState\x12\x14\n" +
-	"\x05error\x18\x04 \x01(\tR\x05error\"\x82\x02\n" +
+	"\x05error\x18\x04 \x01(\tR\x05error\x12\x1f\n" +
+	"\vage_seconds\x18\x05 \x01(\x01R\n" +
+	"ageSeconds\"\x82\x02\n" +
 	"\n" +
 	"LeaseState\x12\x1b\n" +
 	"\tid_prefix\x18\x01 \x01(\tR\bidPrefix\x12\x12\n" +

@@ -466,16 +466,18 @@ class ArenaUsage(_message.Message):
     def __init__(self, size: _Optional[int] = ..., used: _Optional[int] = ..., staging: _Optional[int] = ..., restores: _Optional[int] = ..., datasets: _Optional[int] = ..., held: _Optional[int] = ..., datasets_share: _Optional[int] = ...) -> None: ...
 
 class SaveActivity(_message.Message):
-    __slots__ = ("target", "state", "seconds_in_state", "error")
+    __slots__ = ("target", "state", "seconds_in_state", "error", "age_seconds")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_IN_STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     target: SaveTarget
     state: str
     seconds_in_state: float
     error: str
-    def __init__(self, target: _Optional[_Union[SaveTarget, _Mapping]] = ..., state: _Optional[str] = ..., seconds_in_state: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    age_seconds: float
+    def __init__(self, target: _Optional[_Union[SaveTarget, _Mapping]] = ..., state: _Optional[str] = ..., seconds_in_state: _Optional[float] = ..., error: _Optional[str] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class LeaseState(_message.Message):
     __slots__ = ("id_prefix", "kind", "peer", "bytes", "age_seconds", "expires_in_seconds", "target", "journaled")
