@@ -77,6 +77,9 @@ func TestPersistEvery(t *testing.T) {
 	tg := Target{Job: "job", Step: 6, WorldSize: 1, Attempt: "a"}
 	saveBytesTo(t, mgr, a, tg, saved[6])
 	settled(t, mgr, tg)
+	// The drain copies a shard into the hot tier after its commit (so as
+	// not to delay the commit): wait for the copy before storage goes.
+	eventually(t, "step 6 in the hot tier", func() bool { s, ok := mgr.hot.latest("job", 0); return ok && s == 6 })
 	b.Outage(faulty.OpAll)
 	if got, step, err := restoreBytes(mgr, a, 0, true); err != nil || step != 6 || !bytes.Equal(got, saved[6]) {
 		t.Fatalf("latest with storage down, the newest step committed: step %d, %v", step, err)
