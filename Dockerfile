@@ -4,12 +4,17 @@
 # default: give the container room for --staging-bytes, and share /dev/shm
 # and the socket folder with the trainer containers, e.g.
 #
-#   docker run --ipc=shareable --shm-size=16g -v /run/ckptd:/run/ckptd \
-#     -v /lustre/ckpt:/ckpt ckptd serve --socket /run/ckptd/ckptd.sock \
-#     --storage /ckpt --staging-bytes 12GiB
+#   docker run --ipc=shareable --shm-size=16g -v ckptd-run:/run/ckptd \
+#     -v /lustre/ckpt:/ckpt ckptd serve --storage /ckpt --staging-bytes 12GiB
 #
-# and start trainers with --ipc=container:<ckptd> (or a shared /dev/shm
-# volume), CKPTD_SOCKET=/run/ckptd/ckptd.sock and CKPTD_DAEMON_UID=65532:
+# The socket is $CKPTD_SOCKET, /run/ckptd/ckptd.sock, for serve and for the
+# health check alike (set the variable, not --socket, to move it). A named
+# volume (ckptd-run above) starts as the image's /run/ckptd, owned by the
+# daemon's user; a host folder mounted there must be owned by uid 65532 and
+# writable by nobody else (clients refuse a socket others could replace).
+#
+# Start trainers with --ipc=container:<ckptd> (or a shared /dev/shm
+# volume), the same volume, CKPTD_SOCKET=/run/ckptd/ckptd.sock and CKPTD_DAEMON_UID=65532:
 # the daemon runs as the image's nonroot user (uid 65532), and clients trust
 # only a daemon of their own uid, root, or CKPTD_DAEMON_UID. A trainer that
 # runs as another uid must also be let in: add `--socket-group <gid>` (a gid
@@ -26,12 +31,16 @@ COPY . .
 # docker build --build-arg VERSION=$(git describe --tags --always) .
 ARG VERSION=devel
 RUN CGO_ENABLED=0 go build -trimpath -ldflags="-s -w -X main.version=${VERSION}" -o /out/ckptd ./cmd/ckptd
+# The socket's folder: distroless has no shell to make it in the final stage.
+RUN mkdir -p /out/run/ckptd
 
 FROM gcr.io/distroless/static-debian12:nonroot
 COPY --from=build /out/ckptd /usr/local/bin/ckptd
+COPY --from=build --chown=65532:65532 /out/run/ckptd /run/ckptd
 USER nonroot:nonroot
+ENV CKPTD_SOCKET=/run/ckptd/ckptd.sock
 # Healthy while the daemon serves on its socket and its storage answers.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=60s \
-  CMD ["/usr/local/bin/ckptd", "health", "--socket", "/run/ckptd/ckptd.sock"]
+  CMD ["/usr/local/bin/ckptd", "health"]
 ENTRYPOINT ["/usr/local/bin/ckptd"]
-CMD ["serve", "--socket", "/run/ckptd/ckptd.sock", "--storage", "/ckpt"]
+CMD ["serve", "--storage", "/ckpt"]

@@ -173,6 +173,31 @@ func TestSystemdAndSlurmFlags(t *testing.T) {
 	checkFlags(t, "the sbatch script", strings.Fields(strings.ReplaceAll(line[1], "\\\n", " ")))
 }
 
+// The image's default command passes only flags serve has, its health
+// check runs `ckptd health`, and both find the socket through
+// CKPTD_SOCKET (so that moving it moves both).
+func TestDockerfile(t *testing.T) {
+	df, err := os.ReadFile(repo + "/Dockerfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := strings.ReplaceAll(string(df), "\\\n", " ")
+	final := text[strings.LastIndex(text, "\nFROM "):] // the image's own stage
+	cmd := regexp.MustCompile(`(?m)^CMD (\[.*\])$`).FindStringSubmatch(final)
+	health := regexp.MustCompile(`(?m)^HEALTHCHECK .* CMD (\[.*\])$`).FindStringSubmatch(final)
+	if cmd == nil || health == nil || !strings.Contains(final, "\nENV CKPTD_SOCKET=") {
+		t.Fatalf("the final stage lacks a CMD, a HEALTHCHECK or ENV CKPTD_SOCKET:\n%s", final)
+	}
+	var args, probe []string
+	if err := json.Unmarshal([]byte(cmd[1]), &args); err != nil || len(args) == 0 || args[0] != "serve" {
+		t.Fatalf("CMD %s: %v", cmd[1], err)
+	}
+	checkFlags(t, "the Dockerfile's CMD", args[1:])
+	if err := json.Unmarshal([]byte(health[1]), &probe); err != nil || len(probe) < 2 || probe[1] != "health" {
+		t.Fatalf("HEALTHCHECK %s: %v", health[1], err)
+	}
+}
+
 func TestScriptsParse(t *testing.T) {
 	if out, err := exec.Command("bash", "-n", "../slurm/ckptd-sbatch.sh").CombinedOutput(); err != nil {
 		t.Fatalf("bash -n: %v\n%s", err, out)
