@@ -152,6 +152,7 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 		queue: drainQueue{wake: make(chan struct{}, 1)}, restores: make(chan struct{}, cfg.Restores),
 		hot: newHotTier(cfg.HotBytes, cfg.HotSteps), policy: newPersistPolicy(), fetching: make(chan struct{}, 1), replicas: make(chan replica, replicaQueue),
 	}
+	mgr.m.followArena(a)
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
 	if err := mgr.recover(); err != nil {
 		return nil, err
@@ -229,7 +230,6 @@ func (mgr *Manager) freeRegion(r Region) {
 	if err := mgr.arena.Free(r); err != nil {
 		mgr.log.Error("arena free failed", "err", err)
 	}
-	mgr.m.ArenaUsed.Set(float64(mgr.arena.Used()))
 }
 
 func (mgr *Manager) alloc(ctx context.Context, n int64) (Region, error) {
@@ -246,6 +246,5 @@ func (mgr *Manager) alloc(ctx context.Context, n int64) (Region, error) {
 		mgr.m.failed("alloc")
 		return r, err
 	}
-	mgr.m.ArenaUsed.Set(float64(mgr.arena.Used()))
 	return r, nil
 }

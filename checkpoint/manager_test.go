@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/ckptd/ckptd/checkpoint/dtype"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/storage"
@@ -399,5 +401,26 @@ func TestRestoresBounded(t *testing.T) {
 	}
 	if _, _, err := mgr.BeginRestore(context.Background(), Owner{}, RestoreRequest{Job: "job", Step: 1}); err != nil {
 		t.Fatalf("a restore after the first ended: %v", err)
+	}
+}
+
+// ckptd_arena_used_bytes reads the arena when collected, so space a
+// dataset ring takes (from the arena, not through the Manager) shows at
+// once.
+func TestArenaGaugeFollowsTheArena(t *testing.T) {
+	b, _ := newBackend(t)
+	mgr, a := newManagerOn(t, b, ManagerConfig{})
+	r, err := a.Alloc(context.Background(), 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := testutil.ToFloat64(mgr.m.ArenaUsed); got != float64(a.Used()) || got < 1<<20 {
+		t.Fatalf("gauge %v with %d bytes of the arena used", got, a.Used())
+	}
+	if err := a.Free(r); err != nil {
+		t.Fatal(err)
+	}
+	if got := testutil.ToFloat64(mgr.m.ArenaUsed); got != 0 {
+		t.Fatalf("gauge %v with the arena empty", got)
 	}
 }

@@ -3,6 +3,7 @@ package checkpoint
 import (
 	"maps"
 	"sync"
+	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -59,8 +60,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "ckptd_restored_bytes_total", Help: "Tensor bytes restored into the arena."}),
 		QueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "ckptd_drain_queue_depth", Help: "Staged saves not yet durable."}),
-		ArenaUsed: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "ckptd_arena_used_bytes", Help: "Bytes of the staging arena held by leases."}),
+		ArenaUsed: &arenaGauge{Gauge: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "ckptd_arena_used_bytes", Help: "Bytes of the staging arena in use: save and restore regions, dataset rings."})},
 		SaveStall: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "ckptd_save_stall_seconds", Help: "Time from BeginSave to CommitSave accepted, as the trainer sees it.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
@@ -90,6 +91,29 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			m.TableBytes, m.LeasesReleased, m.Quarantined, m.Tiers, m.RestoreTiers)
 	}
 	return m
+}
+
+// arenaGauge reads the arena's use when it is collected: dataset rings
+// take and give back arena space without the Manager knowing, so a value
+// set on the Manager's own events would lag them.
+type arenaGauge struct {
+	prometheus.Gauge
+	used atomic.Pointer[func() int64]
+}
+
+func (g *arenaGauge) Collect(ch chan<- prometheus.Metric) {
+	if used := g.used.Load(); used != nil {
+		g.Set(float64((*used)()))
+	}
+	g.Gauge.Collect(ch)
+}
+
+// followArena makes ckptd_arena_used_bytes read a's use when collected.
+func (m *Metrics) followArena(a Arena) {
+	if g, ok := m.ArenaUsed.(*arenaGauge); ok {
+		used := a.Used
+		g.used.Store(&used)
+	}
 }
 
 // failed counts an error of operation op.

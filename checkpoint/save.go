@@ -234,7 +234,6 @@ func (mgr *Manager) recover() error {
 		mgr.enqueue(l)
 		mgr.log.Info("recovered staged save", "target", l.target, "bytes", l.layout.DataSize)
 	}
-	mgr.m.ArenaUsed.Set(float64(mgr.arena.Used()))
 	return nil
 }
 
