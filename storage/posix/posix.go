@@ -177,6 +177,9 @@ func (b *Backend) Get(ctx context.Context, name string, offset, length int64) (i
 		return nil, wrapErr("get", name, err)
 	}
 	f, size, err := b.openObject(name)
+	if errors.Is(err, ErrNotRegular) {
+		err = unix.ENOENT // a folder or a FIFO where an object should be: no object
+	}
 	if err != nil {
 		return nil, notFoundOr("get", name, err)
 	}
@@ -191,17 +194,20 @@ func (b *Backend) Get(ctx context.Context, name string, offset, length int64) (i
 	return &sectionFile{SectionReader: io.NewSectionReader(f, offset, n), f: f}, nil
 }
 
-// openObject opens the object for reading and returns its size; a folder
-// or other non-regular file is reported as fs.ErrNotExist, a link as a
-// *linkError. O_NONBLOCK keeps a FIFO planted in the store from blocking
-// the open; it is cleared again for the regular file.
+// openObject opens the object for reading and returns its size: its
+// folder resolved beneath the root through no link (openDir), then the
+// object with O_NOFOLLOW. A link is a *linkError; a folder or other
+// non-regular file ErrNotRegular, closed before anything is read from it.
+// O_NONBLOCK keeps a FIFO planted in the store from blocking the open, and
+// O_NOCTTY a tty from becoming the daemon's terminal; the regular file
+// gets blocking reads back.
 func (b *Backend) openObject(name string) (*os.File, int64, error) {
 	dir, base := splitName(name)
 	dfd, err := b.openDir(dir, pathFlags)
 	if err != nil {
 		return nil, 0, err
 	}
-	fd, err := unix.Openat(dfd, base, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	fd, err := unix.Openat(dfd, base, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_NOCTTY|unix.O_CLOEXEC, 0)
 	closeFD(dfd)
 	if err != nil {
 		return nil, 0, objectErr("open", b.abs(name), name, err)
@@ -209,7 +215,7 @@ func (b *Backend) openObject(name string) (*os.File, int64, error) {
 	var st unix.Stat_t
 	err = unix.Fstat(fd, &st)
 	if err == nil && fileType(&st) != unix.S_IFREG {
-		err = unix.ENOENT
+		err = fmt.Errorf("%w (%s)", ErrNotRegular, kind(&st))
 	}
 	if err == nil {
 		err = unix.SetNonblock(fd, false)
