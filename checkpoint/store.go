@@ -164,21 +164,25 @@ func (s *Store) Resolve(ctx context.Context, step int64, latest bool) (*CommitRe
 
 // ResolveWhole is Resolve for a reader of every rank (ckptd restore and
 // export): with latest, the newest committed step whose commit record and
-// every rank's manifest read and check, a step with a damaged manifest
-// being skipped with a warning naming it. A trainer loading its own rank
-// does not fall back so (see Manager.BeginRestore): its ranks could then
-// restore different steps.
+// every rank's manifest read and check (metaConcurrency at a time), a
+// step with a damaged manifest being skipped with a warning naming it. A
+// trainer loading its own rank does not fall back so (see
+// Manager.BeginRestore): its ranks could then restore different steps.
+// The manifests are not kept: a caller restoring one rank needs one.
 func (s *Store) ResolveWhole(ctx context.Context, step int64, latest bool) (*CommitRecord, error) {
 	if !latest {
 		return s.Resolve(ctx, step, false)
 	}
 	return s.latestWhere(ctx, func(rec *CommitRecord) error {
+		g, gctx := errgroup.WithContext(ctx)
+		g.SetLimit(metaConcurrency)
 		for rank := range rec.WorldSize {
-			if _, err := s.Manifest(ctx, rec, rank); err != nil {
+			g.Go(func() error {
+				_, err := s.Manifest(gctx, rec, rank)
 				return err
-			}
+			})
 		}
-		return nil
+		return g.Wait()
 	})
 }
 
