@@ -166,29 +166,20 @@ func folderError(socket string, err error) error {
 		err, dir, st.Uid, st.Gid, st.Mode&0o7777, os.Getuid(), os.Getgid())
 }
 
-// closedFolder finds the first folder on the way to path that we may not
-// enter: the one whose entries we cannot look up.
+// closedFolder finds the first folder from the root down to path's that
+// we may not enter (search, as the effective user).
 func closedFolder(path string) (string, unix.Stat_t, bool) {
-	var st unix.Stat_t
-	dir := filepath.Dir(path)
-	var below []string // the folders from dir up to the root
-	for d := dir; ; d = filepath.Dir(d) {
-		below = append(below, d)
+	var dirs []string // path's folder and those above it, innermost first
+	for d := filepath.Dir(path); ; d = filepath.Dir(d) {
+		dirs = append(dirs, d)
 		if d == filepath.Dir(d) {
 			break
 		}
 	}
-	slices.Reverse(below)
-	for i, d := range below {
-		next := path
-		if i+1 < len(below) {
-			next = below[i+1]
-		}
-		if err := unix.Lstat(next, &st); errors.Is(err, unix.EACCES) {
-			if unix.Stat(d, &st) != nil {
-				return "", st, false
-			}
-			return d, st, true
+	var st unix.Stat_t
+	for _, d := range slices.Backward(dirs) {
+		if errors.Is(unix.Faccessat(unix.AT_FDCWD, d, unix.X_OK, unix.AT_EACCESS), unix.EACCES) {
+			return d, st, unix.Stat(d, &st) == nil
 		}
 	}
 	return "", st, false
