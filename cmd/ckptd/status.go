@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"io"
@@ -106,25 +107,17 @@ func printSummary(w io.Writer, socket string, st *pb.DaemonStatus) {
 	} else {
 		fmt.Fprintf(w, "hot tier\toff (--hot-bytes)\n")
 	}
-	errs := "none"
-	if len(st.GetErrors()) > 0 {
-		var parts []string
-		for _, op := range slices.Sorted(maps.Keys(st.GetErrors())) {
-			parts = append(parts, fmt.Sprintf("%s %d", op, st.GetErrors()[op]))
-		}
-		errs = strings.Join(parts, ", ")
+	fmt.Fprintf(w, "errors\t%s\n", cmp.Or(formatCounts(st.GetErrors()), "none"))
+	backend := "none counted (a daemon older than this command)"
+	if len(st.GetBackendErrors()) > 0 {
+		backend = formatCounts(st.GetBackendErrors(), "store", "dataset", "peers")
 	}
-	fmt.Fprintf(w, "errors\t%s\n", errs)
-	fmt.Fprintf(w, "backend errors\t%s\n", formatBackendErrors(st.GetBackendErrors()))
+	fmt.Fprintf(w, "backend errors\t%s\n", backend)
 }
 
-// formatBackendErrors lists failure counts by backend: the checkpoint store,
-// dataset sources and peers first, in that order, then any other.
-func formatBackendErrors(counts map[string]uint64) string {
-	if len(counts) == 0 {
-		return "none counted (a daemon older than this command)"
-	}
-	first := []string{"store", "dataset", "peers"}
+// formatCounts lists counts as "name n, ...": the names in first, in that
+// order, then the others sorted; "" when there are none.
+func formatCounts(counts map[string]uint64, first ...string) string {
 	var parts []string
 	for _, n := range first {
 		if v, ok := counts[n]; ok {
