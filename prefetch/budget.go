@@ -30,7 +30,7 @@ func (b *arenaBudget) acquire(ctx context.Context, n int64, wait time.Duration, 
 	if n > b.size {
 		return fmt.Errorf("%w: %s needs %d bytes of the arena, more than the %d of --dataset-arena-bytes", ErrOverBudget, what, n, b.size)
 	}
-	wctx, cancel := context.WithTimeout(ctx, wait)
+	wctx, cancel, wait := roomWait(ctx, wait)
 	defer cancel()
 	if err := b.sem.Acquire(wctx, n); err != nil {
 		if ctx.Err() != nil {
@@ -52,6 +52,19 @@ func (b *arenaBudget) tryAcquire(n, keep int64) bool {
 	b.sem.Release(keep)
 	b.used.Add(n)
 	return true
+}
+
+// roomWait bounds a wait for room by wait and, with a margin, by the
+// caller's deadline: a refusal naming the budget and the fix tells the
+// caller more than its own deadline passing, and a wait that ends just as
+// the caller gives up races the caller's cancelling the call (the client
+// then sees a reset stream, not an answer). It returns the wait it set.
+func roomWait(ctx context.Context, wait time.Duration) (context.Context, context.CancelFunc, time.Duration) {
+	if dl, ok := ctx.Deadline(); ok {
+		wait = min(wait, time.Until(dl)*9/10)
+	}
+	wctx, cancel := context.WithTimeout(ctx, wait)
+	return wctx, cancel, wait.Round(time.Millisecond)
 }
 
 func (b *arenaBudget) release(n int64) {

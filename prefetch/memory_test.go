@@ -273,3 +273,19 @@ func TestStoppedIterationsLeaveNoReads(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// A wait for the datasets' share ends before the caller's deadline with a
+// refusal naming the budget, not with the deadline itself (which races
+// the caller's cancelling the call).
+func TestBudgetWaitEndsBeforeTheCallersDeadline(t *testing.T) {
+	b := newArenaBudget(1 << 20)
+	if err := b.acquire(context.Background(), 1<<20, time.Second, "the first ring"); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	err := b.acquire(ctx, 1<<20, time.Minute, "a second ring")
+	if !errors.Is(err, ErrOverBudget) || ctx.Err() != nil {
+		t.Fatalf("acquire past a full share: %v (caller's context: %v), want ErrOverBudget before the deadline", err, ctx.Err())
+	}
+}

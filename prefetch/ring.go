@@ -74,7 +74,7 @@ func newRing(ctx context.Context, a Arena, budget *arenaBudget, n, most int, slo
 	for range most - n {
 		r.turns <- struct{}{}
 	}
-	actx, cancel := context.WithTimeout(ctx, wait)
+	actx, cancel, _ := roomWait(ctx, wait)
 	defer cancel()
 	for range n {
 		reg, err := a.Alloc(actx, slotSize)
