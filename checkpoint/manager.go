@@ -236,7 +236,15 @@ func (mgr *Manager) alloc(ctx context.Context, n int64) (Region, error) {
 	if n == 0 {
 		return Region{}, nil
 	}
-	ctx, cancel := context.WithTimeout(ctx, mgr.cfg.StagingWait)
+	// The wait ends before the caller's deadline, with room to answer:
+	// ARENA_FULL naming the budget says more than the caller's own
+	// deadline, and an answer sent as the caller gives up races its
+	// cancelling the call.
+	wait := mgr.cfg.StagingWait
+	if dl, ok := ctx.Deadline(); ok {
+		wait = min(wait, time.Until(dl)*9/10)
+	}
+	ctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
 	r, err := mgr.arena.Alloc(ctx, n)
 	if errors.Is(err, ErrArenaTooLarge) {
