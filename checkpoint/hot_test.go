@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/ckptd/ckptd/storage"
@@ -19,6 +20,15 @@ func hotSave(t *testing.T, mgr *Manager, a arenaBytes, step int64) []byte {
 	saveBytesTo(t, mgr, a, tg, data)
 	if res := settled(t, mgr, tg); res.State != StateCommitted {
 		t.Fatalf("step %d: %s (%v)", step, res.State, res.Err)
+	}
+	if mgr.hot.enabled() { // the drain keeps its hot copy once the commit is settled, a moment later
+		eventually(t, fmt.Sprintf("step %d in the hot tier", step), func() bool {
+			_, release := mgr.hot.get("job", step, 0, "a")
+			if release != nil {
+				release()
+			}
+			return release != nil
+		})
 	}
 	return data
 }
@@ -84,7 +94,7 @@ func TestHotTierVerifies(t *testing.T) {
 	mgr, a := newManagerOn(t, b, ManagerConfig{HotBytes: 150_000})
 	hotSave(t, mgr, a, 1)
 	mgr.hot.mu.Lock()
-	mgr.hot.entries[hotKey{"job", 1, 0}].data[10] ^= 1
+	mgr.hot.entries[hotKey{"job", 1, 0}].data[10] ^= 1 // there: hotSave waited for it
 	mgr.hot.mu.Unlock()
 	if _, _, err := restoreBytes(mgr, a, 1, false); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("a damaged hot copy: %v", err)

@@ -15,6 +15,8 @@ import (
 
 	"github.com/ckptd/ckptd/checkpoint/dtype"
 	"github.com/ckptd/ckptd/internal/arena"
+	"github.com/ckptd/ckptd/internal/testreap"
+	"github.com/ckptd/ckptd/internal/testtime"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/faulty"
 	"github.com/ckptd/ckptd/storage/memstore"
@@ -52,6 +54,9 @@ func newManager(t *testing.T, cfg ManagerConfig) *Manager {
 	return mgr
 }
 
+// A test arena left by a test binary that died is removed by the reaper.
+func TestMain(m *testing.M) { os.Exit(testreap.Run(m)) }
+
 // arenaSeq makes each test arena's folder unique.
 var arenaSeq atomic.Int64
 
@@ -59,7 +64,7 @@ var arenaSeq atomic.Int64
 // returns too, for tests that write a save's bytes.
 func newManagerOn(t *testing.T, b storage.Backend, cfg ManagerConfig) (*Manager, *arena.Arena) {
 	t.Helper()
-	dir := fmt.Sprintf("/dev/shm/ckptd-mgr-test-%d-%s-%d", os.Getpid(), t.Name(), arenaSeq.Add(1))
+	dir := fmt.Sprintf("%smgr-%s-%d", testreap.Prefix, strings.ReplaceAll(t.Name(), "/", "_"), arenaSeq.Add(1))
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	a, err := arena.Open(arena.Options{Dir: dir, Size: 8 << 20})
 	if err != nil {
@@ -118,12 +123,7 @@ func target(step int64) Target { return Target{Step: step, WorldSize: 1, Attempt
 
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if cond() {
-			return
-		}
-	}
-	t.Fatalf("%s: not within 5s", what)
+	testtime.Until(t, 30*time.Second, what, cond)
 }
 
 // A client that goes away between BeginSave and CommitSave frees its
@@ -259,7 +259,7 @@ func TestLegacyJournalEntryDrains(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer mgr.Close(context.Background())
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testtime.Scale(30*time.Second))
 	defer cancel()
 	if _, err := mgr.Wait(ctx, "job", 7, 0, LegacyAttempt); err != nil {
 		t.Fatalf("the legacy save did not become durable: %v", err)

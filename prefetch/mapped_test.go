@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ckptd/ckptd/internal/testtime"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -117,7 +118,7 @@ func TestMappedShardOutlivesEviction(t *testing.T) {
 		t.Fatalf("the kept sample's shard is not mapped any more")
 	}
 	kept = Sample{}
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(testtime.Scale(30 * time.Second))
 	for mapped(t, dir) > 0 || liveMappings.Load() > 0 {
 		if time.Now().After(deadline) {
 			t.Fatalf("%d mappings left after everything was dropped", mapped(t, dir))

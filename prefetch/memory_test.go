@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ckptd/ckptd/internal/testtime"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/posix"
 )
@@ -259,7 +260,7 @@ func TestStoppedIterationsLeaveNoReads(t *testing.T) {
 		}
 		it.Close()
 	}
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(testtime.Scale(30 * time.Second))
 	for {
 		c.mu.Lock()
 		n := len(c.fills)
@@ -282,7 +283,7 @@ func TestBudgetWaitEndsBeforeTheCallersDeadline(t *testing.T) {
 	if err := b.acquire(context.Background(), 1<<20, time.Second, "the first ring"); err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), testtime.Scale(2*time.Second))
 	defer cancel()
 	err := b.acquire(ctx, 1<<20, time.Minute, "a second ring")
 	if !errors.Is(err, ErrOverBudget) || ctx.Err() != nil {

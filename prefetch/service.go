@@ -84,6 +84,8 @@ type Service struct {
 	watched  map[string]bool // owners whose Done a goroutine watches
 	stop     chan struct{}
 	wg       sync.WaitGroup
+
+	primeTimer func(time.Duration, func()) *time.Timer // each session's (see session.primeTimer)
 }
 
 // The ServiceConfig defaults; the daemon's flags default to them too.
@@ -151,7 +153,7 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	s := &Service{
 		cfg: cfg, allow: allow, arena: a, budget: newArenaBudget(cfg.ArenaBytes), cache: c, stop: make(chan struct{}),
 		backends: newBackendPool(cfg.MaxBackends, cfg.BackendIdle),
-		sessions: map[string]*session{}, watched: map[string]bool{},
+		sessions: map[string]*session{}, watched: map[string]bool{}, primeTimer: time.AfterFunc,
 	}
 	s.wg.Go(s.reapLoop)
 	cfg.Logger.Info("dataset service", "allow", cfg.Allow, "cache_bytes", cfg.CacheBytes,
@@ -241,7 +243,7 @@ func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, s
 		s.backends.release(br)
 		return "", Stats{}, err
 	}
-	ss := newSession(newID(), owner.ID, it, ring, s.cfg.Metrics)
+	ss := newSession(newID(), owner.ID, it, ring, s.cfg.Metrics, s.primeTimer)
 	ss.onClose = func() { s.backends.release(br) }
 	ss.peer, ss.source, ss.spec = owner.Peer, source, spec
 	if err := s.insert(owner, ss); err != nil {

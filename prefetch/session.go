@@ -41,9 +41,13 @@ type session struct {
 	ring   *Ring
 	filled chan *Delivery
 	primed chan struct{} // closed once the ring is full, the filler ends, or primeWait passed
-	prime  sync.Once
-	opened time.Time
-	state  atomic.Int32 // fillerIterating, or a Cause the filler waits on
+	// primeTimer starts the primeWait timer: time.AfterFunc, but for a
+	// test that tells a start that waits for the ring from one that does
+	// not, whatever the machine's speed.
+	primeTimer func(time.Duration, func()) *time.Timer
+	prime      sync.Once
+	opened     time.Time
+	state      atomic.Int32 // fillerIterating, or a Cause the filler waits on
 	// ringFull says the filler waited for a turn since the consumer last
 	// found no batch ready; grow asks the filler to add a slot.
 	ringFull, grow atomic.Bool
@@ -73,10 +77,12 @@ type heldDelivery struct {
 
 const fillerIterating = -1
 
-func newSession(id, owner string, it *Iterator, ring *Ring, m *Metrics) *session {
+// newSession starts a session's filler; primeTimer starts its primeWait
+// timer (time.AfterFunc).
+func newSession(id, owner string, it *Iterator, ring *Ring, m *Metrics, primeTimer func(time.Duration, func()) *time.Timer) *session {
 	ctx, cancel := context.WithCancel(context.Background())
 	ss := &session{
-		id: id, owner: owner, it: it, ring: ring, filled: make(chan *Delivery, ring.Max()),
+		id: id, owner: owner, it: it, ring: ring, filled: make(chan *Delivery, ring.Max()), primeTimer: primeTimer,
 		cancel: cancel, done: make(chan struct{}), held: map[string]heldDelivery{}, m: m,
 		redone: make(chan struct{}, 1), primed: make(chan struct{}), opened: time.Now(),
 	}
@@ -137,7 +143,7 @@ func (ss *session) fill(ctx context.Context) error {
 			if ss.it.Stats().CacheMisses == 0 {
 				ss.markPrimed() // from the cache: no shard will be late, and a wait would only delay the start
 			}
-			t := time.AfterFunc(primeWait(time.Since(ss.opened)), ss.markPrimed)
+			t := ss.primeTimer(primeWait(time.Since(ss.opened)), ss.markPrimed)
 			defer t.Stop()
 		}
 		if len(ss.filled) >= ss.ring.Slots() {

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/ckptd/ckptd/internal/arena"
+	"github.com/ckptd/ckptd/internal/testtime"
 )
 
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -429,14 +430,10 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- runServe(ctx, serveOpts(t.TempDir(), socket), io.Discard) }()
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		if live, _, _ := probeSocket(socket); live {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("serve did not come up after the failed starts")
-		}
-	}
+	testtime.Until(t, time.Minute, "serve comes up after the failed starts", func() bool {
+		live, _, _ := probeSocket(socket)
+		return live
+	})
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)

@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/ckptd/ckptd/internal/testtime"
 )
 
 const (
@@ -124,7 +126,7 @@ func TestAllocRejects(t *testing.T) {
 // waitQueued waits until n requests are queued, so tests can order events.
 func waitQueued(t *testing.T, a *allocator, n int) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(testtime.Scale(30 * time.Second))
 	for {
 		a.mu.Lock()
 		got := len(a.waiters)
@@ -158,7 +160,7 @@ func recv(t *testing.T, ch <-chan result) result {
 	select {
 	case res := <-ch:
 		return res
-	case <-time.After(5 * time.Second):
+	case <-time.After(testtime.Scale(30 * time.Second)):
 		t.Fatal("alloc did not return")
 		return result{}
 	}

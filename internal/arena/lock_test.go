@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ckptd/ckptd/internal/testtime"
 )
 
 func TestParseStat(t *testing.T) {
@@ -55,11 +57,7 @@ func TestInspectProcess(t *testing.T) {
 
 func waitFor(t *testing.T, cond func() bool, what string) {
 	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-	}
+	testtime.Until(t, 30*time.Second, what, cond)
 }
 
 const (
@@ -167,7 +165,7 @@ func TestOpenFailsFastForRunningHolder(t *testing.T) {
 		!strings.Contains(err.Error(), "running") {
 		t.Fatalf("Open = %v, want ErrInUse naming running pid %d", err, holder.Process.Pid)
 	}
-	if took := time.Since(start); took > 2*time.Second {
+	if took := time.Since(start); took > testtime.Scale(5*time.Second) {
 		t.Errorf("Open took %v to fail", took)
 	}
 }
@@ -184,7 +182,7 @@ func TestOpenLockWaitIsBounded(t *testing.T) {
 	if !errors.Is(err, ErrInUse) || !strings.Contains(err.Error(), fmt.Sprintf("still locked by pid %d", pid)) {
 		t.Fatalf("Open = %v, want ErrInUse: still locked by pid %d", err, pid)
 	}
-	if took := time.Since(start); took < 300*time.Millisecond || took > 5*time.Second {
+	if took := time.Since(start); took < 300*time.Millisecond || took > testtime.Scale(10*time.Second) {
 		t.Errorf("Open gave up after %v, want about 300ms", took)
 	}
 }

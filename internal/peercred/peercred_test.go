@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ckptd/ckptd/internal/testtime"
 )
 
 func TestPolicy(t *testing.T) {
@@ -86,7 +88,7 @@ func TestListenerCredentialsAndClose(t *testing.T) {
 		if got != info {
 			t.Fatal("onClose got another connection's info")
 		}
-	case <-time.After(5 * time.Second):
+	case <-time.After(testtime.Scale(30 * time.Second)):
 		t.Fatal("onClose not called")
 	}
 	select {

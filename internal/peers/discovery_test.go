@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ckptd/ckptd/internal/testtime"
 	"google.golang.org/grpc/credentials/insecure"
 )
 
@@ -50,14 +51,10 @@ func TestPeerFile(t *testing.T) {
 	done := make(chan struct{})
 	go func() { c.Watch(ctx, d, slog.Default()); close(done) }()
 	write("127.0.0.1:7465\n10.0.0.3:7465\n")
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if l, _ := c.Members(); slices.Equal(l, []string{"10.0.0.3:7465", "127.0.0.1:7465"}) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("Watch did not pick the new list up")
-		}
-	}
+	testtime.Until(t, 30*time.Second, "Watch picks the new list up", func() bool {
+		l, _ := c.Members()
+		return slices.Equal(l, []string{"10.0.0.3:7465", "127.0.0.1:7465"})
+	})
 	write("not an address\n") // a bad file keeps the last list
 	time.Sleep(50 * time.Millisecond)
 	if l, _ := c.Members(); len(l) != 2 {

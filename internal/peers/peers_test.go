@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/ckptd/ckptd/internal/peers/peertest"
+	"github.com/ckptd/ckptd/internal/testtime"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
@@ -75,7 +76,7 @@ func TestMutualTLS(t *testing.T) {
 			return err
 		}
 		defer cc.Close()
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), testtime.Scale(30*time.Second))
 		defer cancel()
 		// A replica larger than the server takes: refused after the handshake.
 		stream, err := pb.NewPeerClient(cc).PutReplica(ctx)

@@ -23,6 +23,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/ckptd/ckptd/internal/miniotest"
+	"github.com/ckptd/ckptd/internal/testtime"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/s3"
 )
@@ -537,7 +538,7 @@ func TestPermanentErrors(t *testing.T) {
 			if strings.Contains(msg, wrongSecret) || strings.Contains(msg, srv.SecretKey) {
 				t.Errorf("error %q reveals a secret", msg)
 			}
-			if el := time.Since(start); el > 15*time.Second { // the retry deadline is minutes
+			if el := time.Since(start); el > testtime.Scale(15*time.Second) { // the retry deadline is minutes
 				t.Errorf("permanent error took %v", el)
 			}
 		})

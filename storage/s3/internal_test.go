@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ckptd/ckptd/internal/testtime"
 	"github.com/minio/minio-go/v7"
 )
 
@@ -131,7 +132,7 @@ func TestBackoffDeadline(t *testing.T) {
 			t.Fatal("backoff never gave up")
 		}
 	}
-	if el := time.Since(bo.start); el > deadline+5*time.Second || n < 2 {
+	if el := time.Since(bo.start); el > deadline+testtime.Scale(5*time.Second) || n < 2 {
 		t.Errorf("gave up after %d waits and %v, want several waits, then a stop soon after the %v deadline", n, el, deadline)
 	}
 	ctx, cancel := context.WithCancel(context.Background())

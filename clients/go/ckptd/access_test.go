@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ckptd/ckptd/internal/testtime"
 )
 
 // otherUID plays a trainer running as another user than the daemon.
@@ -27,7 +29,7 @@ func TestAccessHelper(t *testing.T) {
 		t.Skip("run by TestPermissionDenied as another user")
 	}
 	d := &dialer{socket: socket}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testtime.Scale(30*time.Second))
 	defer cancel()
 	c, err := d.dial(ctx, "")
 	if err == nil {
