@@ -147,8 +147,9 @@ func (s *Server) start() error {
 	w := &lockedWriter{s: s}
 	cmd.Stdout, cmd.Stderr = w, w
 	// Its own process group, so a Ctrl-C meant for the tests does not
-	// race our cleanup, and signals reach only MinIO.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// race our cleanup, and signals reach only MinIO; SIGKILL when the
+	// test binary dies (a timeout's panic), so no server outlives the run.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start minio: %w", err)
 	}
