@@ -1,16 +1,14 @@
-package test
+package ops
 
 import (
 	"bufio"
 	"bytes"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"maps"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -20,18 +18,19 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
+	"github.com/ckptd/ckptd/internal/testtime"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
+	"github.com/ckptd/ckptd/test/daemontest"
 )
 
 // `ckptd health`, /healthz and /readyz: ready while storage answers, not
 // ready while it does not, ready again once it is back.
 func TestHealth(t *testing.T) {
-	srv, _, store := s3Store(t)
-	addr := closedAddr(t)
-	d := startDaemonEnv(t, store, srv.Env(), "--metrics-addr", addr, "--s3-retry-deadline", "1s")
+	srv, _, store := daemontest.S3Store(t)
+	addr := daemontest.ClosedAddr(t)
+	d := daemontest.StartEnv(t, store, srv.Env(), "--metrics-addr", addr, "--s3-retry-deadline", "1s")
 	get := func(path string) (int, string) {
 		resp, err := http.Get("http://" + addr + path)
 		if err != nil {
@@ -42,15 +41,13 @@ func TestHealth(t *testing.T) {
 		return resp.StatusCode, string(body)
 	}
 	health := func() (string, error) {
-		out, stderr, err := ckptdCLI(t, "health", "--socket", d.socket)
+		out, stderr, err := daemontest.CLI(t, "health", "--socket", d.Socket)
 		return out + stderr, err
 	}
 	waitFor := func(what string, cond func() bool) {
 		t.Helper()
-		for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(200 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: not within 30s\n%s", what, d.logs())
-			}
+		if !testtime.Within(time.Minute, cond) {
+			t.Fatalf("%s: not within %v\n%s", what, testtime.Scale(time.Minute), d.Logs())
 		}
 	}
 	if out, err := health(); err != nil || !strings.Contains(out, "serving") {
@@ -74,11 +71,11 @@ func TestHealth(t *testing.T) {
 // --log-format json writes one JSON object per line, the first naming the
 // version, with one line per save carrying the stable keys.
 func TestJSONLogs(t *testing.T) {
-	d := startDaemon(t, "", "--log-format", "json")
-	saveAndWait(t, d.client(), shard(1, 0, 1))
-	d.stop()
+	d := daemontest.Start(t, "", "--log-format", "json")
+	daemontest.SaveAndWait(t, d.Client(), daemontest.Shard(1, 0, 1))
+	d.Stop()
 	var saves int
-	for i, line := range slices.Collect(strings.Lines(d.logs())) {
+	for i, line := range slices.Collect(strings.Lines(d.Logs())) {
 		var rec map[string]any
 		if err := json.Unmarshal([]byte(line), &rec); err != nil {
 			t.Fatalf("not a JSON line: %q: %v", line, err)
@@ -96,18 +93,18 @@ func TestJSONLogs(t *testing.T) {
 		}
 	}
 	if saves != 1 {
-		t.Fatalf("%d save lines for one save:\n%s", saves, d.logs())
+		t.Fatalf("%d save lines for one save:\n%s", saves, d.Logs())
 	}
 }
 
 // A CLI command against a store that does not answer fails within its
 // short default deadline, in one line, not one warning per retry.
 func TestCLIDeadStoreFailsFast(t *testing.T) {
-	srv, _, store := s3Store(t)
-	env := withoutEndpoint(srv.Env())
-	env = append(env, "AWS_ENDPOINT_URL=http://"+closedAddr(t))
+	srv, _, store := daemontest.S3Store(t)
+	env := daemontest.WithoutEndpoint(srv.Env())
+	env = append(env, "AWS_ENDPOINT_URL=http://"+daemontest.ClosedAddr(t))
 	start := time.Now()
-	_, stderr, err := ckptdCLIEnv(t, env, "list", "--storage", store, "--job", "e2e")
+	_, stderr, err := daemontest.CLIEnv(t, env, "list", "--storage", store, "--job", "e2e")
 	took := time.Since(start)
 	if err == nil || took > 45*time.Second {
 		t.Fatalf("list against a dead store: %v after %s", err, took)
@@ -121,18 +118,18 @@ func TestCLIDeadStoreFailsFast(t *testing.T) {
 // its drain, an open save lease with its owner, the arena's use by kind;
 // as a table and as JSON.
 func TestStatus(t *testing.T) {
-	d := startDaemon(t, "", "--debug-drain-delay", "1h", "--shutdown-grace", "100ms")
-	c := d.client()
-	if _, err := c.Save(ctxT(t), shard(7, 0, 2)); err != nil {
+	d := daemontest.Start(t, "", "--debug-drain-delay", "1h", "--shutdown-grace", "100ms")
+	c := d.Client()
+	if _, err := c.Save(daemontest.Ctx(t), daemontest.Shard(7, 0, 2)); err != nil {
 		t.Fatal(err)
 	}
 	att := c.Attempt()
-	open, err := c.API().BeginSave(ctxT(t), &pb.BeginSaveRequest{
-		Target: &pb.SaveTarget{Step: 8, WorldSize: 1, Attempt: att}, Tensors: []*pb.Tensor{f32Tensor("w", 0, 1024)}})
+	open, err := c.API().BeginSave(daemontest.Ctx(t), &pb.BeginSaveRequest{
+		Target: &pb.SaveTarget{Step: 8, WorldSize: 1, Attempt: att}, Tensors: []*pb.Tensor{daemontest.F32Tensor("w", 0, 1024)}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	st := statusJSON(t, d.socket)
+	st := daemontest.StatusJSON(t, d.Socket)
 	a := st.GetArena()
 	if !st.GetStorageReady() || a.GetSize() != 256<<20 || a.GetStaging() == 0 || a.GetUsed() < a.GetStaging() {
 		t.Fatalf("status: ready %v, arena %v", st.GetStorageReady(), a)
@@ -159,7 +156,7 @@ func TestStatus(t *testing.T) {
 	if !journaled || !leased {
 		t.Fatalf("leases %v: want step 7 journaled and step 8 open", st.GetLeases())
 	}
-	out, stderr, err := ckptdCLI(t, "status", "--socket", d.socket)
+	out, stderr, err := daemontest.CLI(t, "status", "--socket", d.Socket)
 	if err != nil {
 		t.Fatalf("ckptd status: %v\n%s", err, stderr)
 	}
@@ -178,13 +175,13 @@ func TestServeNice(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := min(20-own+7, 19)
-	d := startDaemon(t, t.TempDir(), "--nice", "7")
-	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", d.cmd.Process.Pid))
+	d := daemontest.Start(t, t.TempDir(), "--nice", "7")
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", d.Cmd.Process.Pid))
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, e := range tasks {
-		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", d.cmd.Process.Pid, e.Name()))
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", d.Cmd.Process.Pid, e.Name()))
 		if err != nil {
 			continue // a thread gone meanwhile
 		}
@@ -196,52 +193,37 @@ func TestServeNice(t *testing.T) {
 	}
 }
 
-// statusJSON is `ckptd status --json` of the daemon on socket.
-func statusJSON(t *testing.T, socket string) *pb.DaemonStatus {
-	t.Helper()
-	out, stderr, err := ckptdCLI(t, "status", "--socket", socket, "--json")
-	if err != nil {
-		t.Fatalf("ckptd status --json: %v\n%s", err, stderr)
-	}
-	var st pb.DaemonStatus
-	if err := protojson.Unmarshal([]byte(out), &st); err != nil {
-		t.Fatalf("not a DaemonStatus: %v\n%s", err, out)
-	}
-	return &st
-}
-
 // ckptd status counts failed operations by backend: none while the store
 // answers (the readiness probe's "not found" is an answer), the checkpoint
 // store's and a dataset source's once MinIO is gone; as JSON and in the
 // table.
 func TestStatusBackendErrors(t *testing.T) {
-	srv, bucket, store := s3Store(t)
+	srv, bucket, store := daemontest.S3Store(t)
 	source := "s3://" + bucket + "/ds"
-	addr := closedAddr(t)
-	d := startDaemonEnv(t, store, srv.Env(), "--s3-retry-deadline", "1s", "--dataset-allow", source, "--metrics-addr", addr)
-	c := d.client()
-	saveAndWait(t, c, shard(1, 0, 1))
-	if got := statusJSON(t, d.socket).GetBackendErrors(); !maps.Equal(got, map[string]uint64{"store": 0, "dataset": 0}) {
+	addr := daemontest.ClosedAddr(t)
+	d := daemontest.StartEnv(t, store, srv.Env(), "--s3-retry-deadline", "1s", "--dataset-allow", source, "--metrics-addr", addr)
+	c := d.Client()
+	daemontest.SaveAndWait(t, c, daemontest.Shard(1, 0, 1))
+	if got := daemontest.StatusJSON(t, d.Socket).GetBackendErrors(); !maps.Equal(got, map[string]uint64{"store": 0, "dataset": 0}) {
 		t.Fatalf("backend errors %v while storage answers, want store 0, dataset 0", got)
 	}
 	srv.Kill()
-	if _, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: source, BatchSize: 1, WorldSize: 1}); err == nil {
+	if _, err := c.Dataset(daemontest.Ctx(t), &ckptd.DatasetRequest{Source: source, BatchSize: 1, WorldSize: 1}); err == nil {
 		t.Fatal("a dataset on a dead store opened")
 	}
 	var errs map[string]uint64
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(500 * time.Millisecond) {
-		st := statusJSON(t, d.socket) // asks storage again once the last probe is 5s old
-		if errs = st.GetBackendErrors(); !st.GetStorageReady() && errs["store"] > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("backend errors %v, storage ready %v a minute into the outage\n%s", errs, st.GetStorageReady(), d.logs())
-		}
+	var ready bool
+	if !testtime.Within(time.Minute, func() bool {
+		st := daemontest.StatusJSON(t, d.Socket) // asks storage again once the last probe is 5s old
+		errs, ready = st.GetBackendErrors(), st.GetStorageReady()
+		return !ready && errs["store"] > 0
+	}) {
+		t.Fatalf("backend errors %v, storage ready %v %v into the outage\n%s", errs, ready, testtime.Scale(time.Minute), d.Logs())
 	}
 	if errs["dataset"] == 0 {
 		t.Fatalf("backend errors %v: the dataset source's failed listing is not counted", errs)
 	}
-	out, stderr, err := ckptdCLI(t, "status", "--socket", d.socket)
+	out, stderr, err := daemontest.CLI(t, "status", "--socket", d.Socket)
 	if err != nil {
 		t.Fatalf("ckptd status: %v\n%s", err, stderr)
 	}
@@ -265,8 +247,8 @@ func TestStatusBackendErrors(t *testing.T) {
 // ckptd status --watch redraws until interrupted, and each frame shows
 // the daemon as it is then.
 func TestStatusWatch(t *testing.T) {
-	d := startDaemon(t, "")
-	cmd := exec.Command(ckptdBin, "status", "--socket", d.socket, "--watch", "200ms")
+	d := daemontest.Start(t, "")
+	cmd := daemontest.Command(daemontest.Bin(t), "status", "--socket", d.Socket, "--watch", "200ms")
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -296,9 +278,9 @@ func TestStatusWatch(t *testing.T) {
 		}
 	}
 	next("LEASES (0)")
-	c := d.client()
-	if _, err := c.API().BeginSave(ctxT(t), &pb.BeginSaveRequest{
-		Target: &pb.SaveTarget{Step: 1, WorldSize: 1, Attempt: c.Attempt()}, Tensors: []*pb.Tensor{f32Tensor("w", 0, 1024)}}); err != nil {
+	c := d.Client()
+	if _, err := c.API().BeginSave(daemontest.Ctx(t), &pb.BeginSaveRequest{
+		Target: &pb.SaveTarget{Step: 1, WorldSize: 1, Attempt: c.Attempt()}, Tensors: []*pb.Tensor{daemontest.F32Tensor("w", 0, 1024)}}); err != nil {
 		t.Fatal(err)
 	}
 	next("LEASES (1)")
@@ -352,26 +334,26 @@ func TestListJobs(t *testing.T) {
 		checkListJobs(t, store, nil)
 	})
 	t.Run("s3", func(t *testing.T) {
-		srv, _, store := s3Store(t)
+		srv, _, store := daemontest.S3Store(t)
 		checkListJobs(t, store, srv.Env())
 	})
 }
 
 func checkListJobs(t *testing.T, store string, env []string) {
-	d := startDaemonEnv(t, store, env)
-	c := d.client()
+	d := daemontest.StartEnv(t, store, env)
+	c := d.Client()
 	jobs := []string{"train-b", "train-a"}
 	for _, job := range jobs {
-		r := shard(1, 0, 1)
+		r := daemontest.Shard(1, 0, 1)
 		r.Job = job
-		saveAndWait(t, c, r)
+		daemontest.SaveAndWait(t, c, r)
 	}
 	slices.Sort(jobs)
-	out, stderr, err := ckptdCLIEnv(t, env, "list", "--jobs", "--storage", store)
+	out, stderr, err := daemontest.CLIEnv(t, env, "list", "--jobs", "--storage", store)
 	if err != nil || out != strings.Join(jobs, "\n")+"\n" {
 		t.Fatalf("ckptd list --jobs: %v %q, want %q\n%s", err, out, jobs, stderr)
 	}
-	out, stderr, err = ckptdCLIEnv(t, env, "list", "--jobs", "--json", "--storage", store)
+	out, stderr, err = daemontest.CLIEnv(t, env, "list", "--jobs", "--json", "--storage", store)
 	var got []string
 	if err != nil || json.Unmarshal([]byte(out), &got) != nil || !slices.Equal(got, jobs) {
 		t.Fatalf("ckptd list --jobs --json: %v %q, want %q\n%s", err, out, jobs, stderr)
@@ -380,8 +362,8 @@ func checkListJobs(t *testing.T, store string, env []string) {
 
 // A mistyped command names every command there is.
 func TestUnknownCommandListsCommands(t *testing.T) {
-	_, stderr, err := ckptdCLI(t, "stauts")
-	if code := exitCode(err); code != 2 {
+	_, stderr, err := daemontest.CLI(t, "stauts")
+	if code := daemontest.ExitCode(err); code != 2 {
 		t.Fatalf("ckptd stauts: exit %d (%v), want 2\n%s", code, err, stderr)
 	}
 	for _, want := range []string{"did you mean status?", "export", "health", "list", "prune", "restore", "serve", "status", "verify"} {
@@ -391,34 +373,23 @@ func TestUnknownCommandListsCommands(t *testing.T) {
 	}
 }
 
-func exitCode(err error) int {
-	var ee *exec.ExitError
-	if errors.As(err, &ee) {
-		return ee.ExitCode()
-	}
-	if err != nil {
-		return -1
-	}
-	return 0
-}
-
 // A replica that cannot reach its peer counts as a peers error in ckptd
 // status (0 before: the key is there whenever peers are configured).
 func TestStatusPeerErrors(t *testing.T) {
-	self, dead := closedAddr(t), closedAddr(t)
-	d := startDaemon(t, "", "--hot-bytes", "64MiB", "--peers", self+","+dead, "--peer-listen", self, "--peer-insecure")
-	if got := statusJSON(t, d.socket).GetBackendErrors(); !maps.Equal(got, map[string]uint64{"store": 0, "dataset": 0, "peers": 0}) {
+	self, dead := daemontest.ClosedAddr(t), daemontest.ClosedAddr(t)
+	d := daemontest.Start(t, "", "--hot-bytes", "64MiB", "--peers", self+","+dead, "--peer-listen", self, "--peer-insecure")
+	if got := daemontest.StatusJSON(t, d.Socket).GetBackendErrors(); !maps.Equal(got, map[string]uint64{"store": 0, "dataset": 0, "peers": 0}) {
 		t.Fatalf("backend errors %v before any transfer, want store, dataset and peers 0", got)
 	}
-	saveAndWait(t, d.client(), shard(1, 0, 1)) // its replica goes to the dead peer
+	daemontest.SaveAndWait(t, d.Client(), daemontest.Shard(1, 0, 1)) // its replica goes to the dead peer
 	var errs map[string]uint64
-	for deadline := time.Now().Add(time.Minute); errs["peers"] == 0; time.Sleep(200 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("backend errors %v a minute after a replica to a dead peer\n%s", errs, d.logs())
-		}
-		errs = statusJSON(t, d.socket).GetBackendErrors()
+	if !testtime.Within(time.Minute, func() bool {
+		errs = daemontest.StatusJSON(t, d.Socket).GetBackendErrors()
+		return errs["peers"] > 0
+	}) {
+		t.Fatalf("backend errors %v %v after a replica to a dead peer\n%s", errs, testtime.Scale(time.Minute), d.Logs())
 	}
-	if errs["store"] != 0 || !strings.Contains(d.logs(), "replicating to peers failed") {
-		t.Fatalf("backend errors %v: want peers only, from the failed replica\n%s", errs, d.logs())
+	if errs["store"] != 0 || !strings.Contains(d.Logs(), "replicating to peers failed") {
+		t.Fatalf("backend errors %v: want peers only, from the failed replica\n%s", errs, d.Logs())
 	}
 }

@@ -1,4 +1,4 @@
-package test
+package s3
 
 import (
 	"context"
@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
-	"net"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -21,37 +20,30 @@ import (
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 	"github.com/ckptd/ckptd/internal/miniotest"
+	"github.com/ckptd/ckptd/internal/testtime"
+	"github.com/ckptd/ckptd/test/daemontest"
 )
-
-// s3Store starts MinIO with a fresh bucket and returns the server and a
-// storage URL in it.
-func s3Store(t *testing.T) (*miniotest.Server, string, string) {
-	t.Helper()
-	srv := miniotest.Start(t)
-	bucket := srv.NewBucket(t)
-	return srv, bucket, "s3://" + bucket + "/ckpt"
-}
 
 // Save through `ckptd serve --storage s3://...`, then restore, list,
 // verify and prune with the CLI, as with a directory.
 func TestS3SaveRestore(t *testing.T) {
-	srv, bucket, store := s3Store(t)
-	d := startDaemonEnv(t, store, srv.Env(), "--chunk-size", "1MiB")
-	c := d.client()
+	srv, bucket, store := daemontest.S3Store(t)
+	d := daemontest.StartEnv(t, store, srv.Env(), "--chunk-size", "1MiB")
+	c := d.Client()
 	const world = 2
-	saveAll(t, c, []int64{100, 200}, world, false)
-	saveAll(t, c, []int64{300}, world, true)
+	daemontest.SaveAll(t, c, []int64{100, 200}, world, false)
+	daemontest.SaveAll(t, c, []int64{300}, world, true)
 
-	steps, err := c.Steps(ctxT(t), "")
+	steps, err := c.Steps(daemontest.Ctx(t), "")
 	if err != nil || len(steps) != 3 || steps[2].Step != 300 {
 		t.Fatalf("Steps = %+v, %v", steps, err)
 	}
 	for rank := range world {
-		got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 100, Rank: rank})
+		got, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 100, Rank: rank})
 		if err != nil {
 			t.Fatal(err)
 		}
-		checkShard(t, got, shard(100, rank, world))
+		daemontest.CheckShard(t, got, daemontest.Shard(100, rank, world))
 	}
 	// The layout is the contract's, under the URL's prefix.
 	if _, err := srv.Client().StatObject(t.Context(), bucket, "ckpt/e2e/steps/000000000200/COMMIT.json", minio.StatObjectOptions{}); err != nil {
@@ -59,26 +51,26 @@ func TestS3SaveRestore(t *testing.T) {
 	}
 
 	// The endpoint from the flag rather than the environment.
-	env := withoutEndpoint(srv.Env())
+	env := daemontest.WithoutEndpoint(srv.Env())
 	out := t.TempDir()
-	if _, stderr, err := ckptdCLIEnv(t, env, "restore", "--storage", store, "--s3-endpoint", srv.Endpoint(), "--job", "e2e", "--step", "200", "--out", out); err != nil {
+	if _, stderr, err := daemontest.CLIEnv(t, env, "restore", "--storage", store, "--s3-endpoint", srv.Endpoint(), "--job", "e2e", "--step", "200", "--out", out); err != nil {
 		t.Fatalf("restore: %v\n%s", err, stderr)
 	}
 	for rank := range world {
-		checkSafetensors(t, filepath.Join(out, fmt.Sprintf("rank-%05d.safetensors", rank)), shard(200, rank, world))
+		daemontest.CheckSafetensors(t, filepath.Join(out, fmt.Sprintf("rank-%05d.safetensors", rank)), daemontest.Shard(200, rank, world))
 	}
-	stdout, stderr, err := ckptdCLIEnv(t, srv.Env(), "list", "--storage", store, "--job", "e2e", "--json")
+	stdout, stderr, err := daemontest.CLIEnv(t, srv.Env(), "list", "--storage", store, "--job", "e2e", "--json")
 	var listed []struct{ Step int64 }
 	if err != nil || json.Unmarshal([]byte(stdout), &listed) != nil || len(listed) != 3 {
 		t.Fatalf("list --json: %v\n%s%s", err, stdout, stderr)
 	}
-	if stdout, stderr, err = ckptdCLIEnv(t, srv.Env(), "verify", "--storage", store, "--job", "e2e", "--latest"); err != nil || !strings.Contains(stdout, "step 300 OK") {
+	if stdout, stderr, err = daemontest.CLIEnv(t, srv.Env(), "verify", "--storage", store, "--job", "e2e", "--latest"); err != nil || !strings.Contains(stdout, "step 300 OK") {
 		t.Fatalf("verify: %v %s%s", err, stdout, stderr)
 	}
-	if stdout, stderr, err = ckptdCLIEnv(t, srv.Env(), "prune", "--storage", store, "--job", "e2e", "--keep-last", "1"); err != nil {
+	if stdout, stderr, err = daemontest.CLIEnv(t, srv.Env(), "prune", "--storage", store, "--job", "e2e", "--keep-last", "1"); err != nil {
 		t.Fatalf("prune: %v %s%s", err, stdout, stderr)
 	}
-	if steps, _ := c.Steps(ctxT(t), ""); len(steps) != 1 || steps[0].Step != 300 {
+	if steps, _ := c.Steps(daemontest.Ctx(t), ""); len(steps) != 1 || steps[0].Step != 300 {
 		t.Fatalf("after prune: %+v", steps)
 	}
 	var keys []string
@@ -93,21 +85,11 @@ func TestS3SaveRestore(t *testing.T) {
 	srv.CheckNoUploads(t, bucket)
 }
 
-func withoutEndpoint(env []string) []string {
-	var out []string
-	for _, kv := range env {
-		if !strings.HasPrefix(kv, "AWS_ENDPOINT_URL=") {
-			out = append(out, kv)
-		}
-	}
-	return out
-}
-
 // Two sidecars sharing one bucket, each saving half the ranks of a step,
 // commit it exactly once: the commit record is a conditional PUT.
 func TestS3TwoDaemonsCommitOnce(t *testing.T) {
-	srv, bucket, store := s3Store(t)
-	commitOnceAcross(t, startDaemonEnv(t, store, srv.Env()), startDaemonEnv(t, store, srv.Env()))
+	srv, bucket, store := daemontest.S3Store(t)
+	daemontest.CommitOnceAcross(t, daemontest.StartEnv(t, store, srv.Env()), daemontest.StartEnv(t, store, srv.Env()))
 	srv.CheckNoUploads(t, bucket)
 }
 
@@ -130,9 +112,9 @@ func bigShard(step int64, mib int) *ckptd.SaveRequest {
 // each step still commits with the right bytes and no multipart upload is
 // left behind.
 func TestS3DrainSurvivesOutage(t *testing.T) {
-	srv, bucket, store := s3Store(t)
-	d := startDaemonEnv(t, store, srv.Env())
-	c := d.client()
+	srv, bucket, store := daemontest.S3Store(t)
+	d := daemontest.StartEnv(t, store, srv.Env())
+	c := d.Client()
 	outages := []struct {
 		name string
 		hit  func()
@@ -153,7 +135,7 @@ func TestS3DrainSurvivesOutage(t *testing.T) {
 	for i, o := range outages {
 		step := int64(i + 1)
 		req := bigShard(step, 96)
-		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+		ctx, cancel := context.WithTimeout(context.Background(), testtime.Scale(3*time.Minute))
 		defer cancel()
 		h, err := c.Save(ctx, req)
 		if err != nil {
@@ -164,14 +146,14 @@ func TestS3DrainSurvivesOutage(t *testing.T) {
 		}
 		o.hit()
 		if err := h.Wait(ctx); err != nil {
-			t.Fatalf("%s: step %d did not commit: %v\n%s", o.name, step, err, d.logs())
+			t.Fatalf("%s: step %d did not commit: %v\n%s", o.name, step, err, d.Logs())
 		}
 		got, err := c.Load(ctx, &ckptd.LoadRequest{Step: step})
 		if err != nil {
 			t.Fatal(err)
 		}
-		checkShard(t, got, req)
-		if stdout, stderr, err := ckptdCLIEnv(t, srv.Env(), "verify", "--storage", store, "--job", "e2e", "--step", fmt.Sprint(step)); err != nil {
+		daemontest.CheckShard(t, got, req)
+		if stdout, stderr, err := daemontest.CLIEnv(t, srv.Env(), "verify", "--storage", store, "--job", "e2e", "--step", fmt.Sprint(step)); err != nil {
 			t.Fatalf("verify after %s: %v %s%s", o.name, err, stdout, stderr)
 		}
 		srv.CheckNoUploads(t, bucket)
@@ -180,7 +162,7 @@ func TestS3DrainSurvivesOutage(t *testing.T) {
 
 // waitForUpload polls until a multipart upload is in progress in bucket.
 func waitForUpload(t *testing.T, srv *miniotest.Server, bucket string) bool {
-	deadline := time.Now().Add(time.Minute)
+	deadline := time.Now().Add(testtime.Scale(time.Minute))
 	for time.Now().Before(deadline) {
 		ups, err := srv.IncompleteUploads(t.Context(), bucket, "")
 		if err != nil {
@@ -197,10 +179,10 @@ func waitForUpload(t *testing.T, srv *miniotest.Server, bucket string) bool {
 // Wrong credentials and a missing bucket fail at once with messages that
 // name the bucket and the endpoint, and never print the secret.
 func TestS3Errors(t *testing.T) {
-	srv, bucket, store := s3Store(t)
+	srv, bucket, store := daemontest.S3Store(t)
 	const wrongSecret = "wrong-secret-0123456789"
 	wrongCreds := append(srv.Env(), "AWS_SECRET_ACCESS_KEY="+wrongSecret)
-	dead := "http://" + closedAddr(t)
+	dead := "http://" + daemontest.ClosedAddr(t)
 	tests := []struct {
 		name string
 		env  []string
@@ -216,7 +198,7 @@ func TestS3Errors(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			start := time.Now()
-			_, stderr, err := ckptdCLIEnv(t, tt.env, tt.args...)
+			_, stderr, err := daemontest.CLIEnv(t, tt.env, tt.args...)
 			if err == nil {
 				t.Fatalf("%v succeeded", tt.args)
 			}
@@ -228,18 +210,18 @@ func TestS3Errors(t *testing.T) {
 			if strings.Contains(stderr, wrongSecret) || strings.Contains(stderr, srv.SecretKey) {
 				t.Errorf("stderr reveals a secret: %s", stderr)
 			}
-			if el := time.Since(start); el > 20*time.Second {
+			if el := time.Since(start); el > testtime.Scale(20*time.Second) {
 				t.Errorf("took %v to fail", el)
 			}
 		})
 	}
 
 	// serve refuses to start on a store it cannot use.
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testtime.Scale(time.Minute))
 	defer cancel()
 	dir := t.TempDir()
-	cmd := exec.CommandContext(ctx, ckptdBin, "serve", "--socket", filepath.Join(dir, "s.sock"),
-		"--arena-dir", filepath.Join("/dev/shm", "ckptd-test-"+filepath.Base(dir)), "--staging-bytes", "64MiB",
+	cmd := exec.CommandContext(ctx, daemontest.Bin(t), "serve", "--socket", filepath.Join(dir, "s.sock"),
+		"--arena-dir", daemontest.ArenaDir(), "--staging-bytes", "64MiB",
 		"--storage", "s3://missing-bucket")
 	cmd.Env = append(cmd.Environ(), srv.Env()...)
 	out, err := cmd.CombinedOutput()
@@ -248,47 +230,35 @@ func TestS3Errors(t *testing.T) {
 	}
 }
 
-// closedAddr returns a 127.0.0.1 address nothing listens on (to refuse
-// connections, or for a server to take).
-func closedAddr(t *testing.T) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
-	return addr
-}
-
 // A save made while the store is down is accepted at once (the trainer
 // must not stall on storage) and commits once the store is back.
 func TestS3SaveWhileStoreDown(t *testing.T) {
-	srv, bucket, store := s3Store(t)
-	d := startDaemonEnv(t, store, srv.Env())
-	c := d.client()
+	srv, bucket, store := daemontest.S3Store(t)
+	d := daemontest.StartEnv(t, store, srv.Env())
+	c := d.Client()
 	srv.Kill()
-	req := shard(5, 0, 1)
+	req := daemontest.Shard(5, 0, 1)
 	start := time.Now()
-	h, err := c.Save(ctxT(t), req)
+	h, err := c.Save(daemontest.Ctx(t), req)
 	if err != nil {
 		t.Fatalf("save with the store down: %v", err)
 	}
 	// The precheck gives up after 1s; the retry deadline is 2 minutes.
-	if el := time.Since(start); el > 20*time.Second {
+	if el := time.Since(start); el > testtime.Scale(20*time.Second) {
 		t.Errorf("save with the store down took %v", el)
 	}
 	time.Sleep(time.Second) // let the drain fail and retry at least once
 	if err := srv.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	if err := h.Wait(ctxT(t)); err != nil {
-		t.Fatalf("step did not commit after the store came back: %v\n%s", err, d.logs())
+	if err := h.Wait(daemontest.Ctx(t)); err != nil {
+		t.Fatalf("step did not commit after the store came back: %v\n%s", err, d.Logs())
 	}
-	got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 5})
+	got, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 5})
 	if err != nil {
 		t.Fatal(err)
 	}
-	checkShard(t, got, req)
+	daemontest.CheckShard(t, got, req)
 	srv.CheckNoUploads(t, bucket)
 }
 
@@ -298,31 +268,31 @@ func TestS3SaveWhileStoreDown(t *testing.T) {
 // store is back the same load restores byte-exact. MinIO is killed before
 // the load, and frozen in the middle of one (the chunk reads fail then).
 func TestS3RestoreDuringOutage(t *testing.T) {
-	srv, _, store := s3Store(t)
-	d := startDaemonEnv(t, store, srv.Env(), "--s3-retry-deadline", "3s", "--s3-stall-timeout", "2s")
-	c := d.client()
+	srv, _, store := daemontest.S3Store(t)
+	d := daemontest.StartEnv(t, store, srv.Env(), "--s3-retry-deadline", "3s", "--s3-stall-timeout", "2s")
+	c := d.Client()
 	req := bigShard(1, 64)
-	saveAndWait(t, c, req)
+	daemontest.SaveAndWait(t, c, req)
 	srv.Kill()
 	start := time.Now()
-	_, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 1})
-	if !errors.Is(err, ckptd.ErrStorageUnavailable) || status.Code(unwrapStatus(err)) != codes.Unavailable {
+	_, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 1})
+	if !errors.Is(err, ckptd.ErrStorageUnavailable) || status.Code(daemontest.UnwrapStatus(err)) != codes.Unavailable {
 		t.Fatalf("load with the store down: %v (reason %q), want UNAVAILABLE / STORAGE_UNAVAILABLE", err, ckptd.Reason(err))
 	}
 	t.Logf("refused after %v: %v", time.Since(start), err)
 	if err := srv.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 1})
+	got, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	checkShard(t, got, req)
+	daemontest.CheckShard(t, got, req)
 
 	// Frozen once the restore has begun reading chunks.
 	done := make(chan error, 1)
 	go func() {
-		_, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 1})
+		_, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 1})
 		done <- err
 	}()
 	time.Sleep(50 * time.Millisecond)

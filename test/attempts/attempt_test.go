@@ -1,4 +1,4 @@
-package test
+package attempts
 
 import (
 	"bytes"
@@ -18,12 +18,13 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
+	"github.com/ckptd/ckptd/test/daemontest"
 )
 
-// attemptShard is shard(step, rank, world) with bytes that name the
+// attemptShard is daemontest.Shard(step, rank, world) with bytes that name the
 // attempt, so a step mixing two runs shows in its data.
 func attemptShard(attempt string, step int64, rank, world int) *ckptd.SaveRequest {
-	req := shard(step, rank, world)
+	req := daemontest.Shard(step, rank, world)
 	req.Attempt = attempt
 	w := append([]byte(nil), req.Tensors[0].Data...)
 	copy(w, attempt)
@@ -60,7 +61,7 @@ func stores(t *testing.T) map[string]func(t *testing.T) store {
 			}}
 		},
 		"s3": func(t *testing.T) store {
-			srv, bucket, url := s3Store(t)
+			srv, bucket, url := daemontest.S3Store(t)
 			return store{url: url, env: srv.Env(), remove: func(t *testing.T, name string) {
 				if err := srv.Client().RemoveObject(t.Context(), bucket, "ckpt/"+name, minio.RemoveObjectOptions{}); err != nil {
 					t.Fatal(err)
@@ -74,8 +75,8 @@ func stores(t *testing.T) map[string]func(t *testing.T) store {
 	}
 }
 
-func (s store) daemon(t *testing.T, extra ...string) *daemon {
-	return startDaemonEnv(t, s.url, s.env, extra...)
+func (s store) daemon(t *testing.T, extra ...string) *daemontest.Daemon {
+	return daemontest.StartEnv(t, s.url, s.env, extra...)
 }
 
 // checkCommitted checks that step is committed by attempt at world size
@@ -83,31 +84,22 @@ func (s store) daemon(t *testing.T, extra ...string) *daemon {
 func checkCommitted(t *testing.T, c *ckptd.Client, step int64, attempt string, world int) {
 	t.Helper()
 	for rank := range world {
-		got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: step, Rank: rank})
+		got, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: step, Rank: rank})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if got.Attempt != attempt {
 			t.Fatalf("step %d rank %d restored from attempt %q, want %q", step, rank, got.Attempt, attempt)
 		}
-		checkShard(t, got, attemptShard(attempt, step, rank, world))
+		daemontest.CheckShard(t, got, attemptShard(attempt, step, rank, world))
 	}
-}
-
-func save(t *testing.T, c *ckptd.Client, req *ckptd.SaveRequest) *ckptd.SaveHandle {
-	t.Helper()
-	h, err := c.Save(ctxT(t), req)
-	if err != nil {
-		t.Fatalf("save %s step %d rank %d: %v", req.Attempt, req.Step, req.Rank, err)
-	}
-	return h
 }
 
 // waitDurable waits until a save is at least durable (its step may stay
 // uncommitted).
 func waitDurable(t *testing.T, h *ckptd.SaveHandle) {
 	t.Helper()
-	for ctx := ctxT(t); ctx.Err() == nil; {
+	for ctx := daemontest.Ctx(t); ctx.Err() == nil; {
 		st, err := h.Status(ctx)
 		if err == nil && st >= 3 { // DURABLE, COMMITTED or FAILED
 			return
@@ -123,12 +115,12 @@ func TestAttempts(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Run("crashed run's rank is not mixed in", func(t *testing.T) {
 				d := mk(t).daemon(t)
-				c := d.client()
-				waitDurable(t, save(t, c, attemptShard("a", 100, 0, 2)))
-				hb1 := save(t, c, attemptShard("b", 100, 1, 2))
-				hb0 := save(t, c, attemptShard("b", 100, 0, 2)) // not refused: the rank of "a" is another run's
+				c := d.Client()
+				waitDurable(t, daemontest.Save(t, c, attemptShard("a", 100, 0, 2)))
+				hb1 := daemontest.Save(t, c, attemptShard("b", 100, 1, 2))
+				hb0 := daemontest.Save(t, c, attemptShard("b", 100, 0, 2)) // not refused: the rank of "a" is another run's
 				for _, h := range []*ckptd.SaveHandle{hb0, hb1} {
-					if err := h.Wait(ctxT(t)); err != nil {
+					if err := h.Wait(daemontest.Ctx(t)); err != nil {
 						t.Fatal(err)
 					}
 				}
@@ -136,32 +128,32 @@ func TestAttempts(t *testing.T) {
 			})
 			t.Run("rerun at another world size commits", func(t *testing.T) {
 				d := mk(t).daemon(t)
-				c := d.client()
-				waitDurable(t, save(t, c, attemptShard("big", 100, 2, 4)))
-				waitDurable(t, save(t, c, attemptShard("big", 100, 3, 4)))
-				saveAndWait(t, c, attemptShard("small", 100, 0, 2), attemptShard("small", 100, 1, 2))
+				c := d.Client()
+				waitDurable(t, daemontest.Save(t, c, attemptShard("big", 100, 2, 4)))
+				waitDurable(t, daemontest.Save(t, c, attemptShard("big", 100, 3, 4)))
+				daemontest.SaveAndWait(t, c, attemptShard("small", 100, 0, 2), attemptShard("small", 100, 1, 2))
 				checkCommitted(t, c, 100, "small", 2)
 			})
 			t.Run("late drain of an old run cannot touch the new one", func(t *testing.T) {
 				s := mk(t)
 				old := s.daemon(t, "--debug-drain-delay", "1h")
-				save(t, old.client(), attemptShard("old", 100, 0, 1))
-				old.kill9() // accepted and journaled, not written
+				daemontest.Save(t, old.Client(), attemptShard("old", 100, 0, 1))
+				old.Kill9() // accepted and journaled, not written
 				d := s.daemon(t)
-				saveAndWait(t, d.client(), attemptShard("new", 100, 0, 1))
-				d.stop()
-				old.start("--debug-drain-delay", "0s") // replays the old run's save
-				err := waitAttempt(t, old.client(), "old", 100, 0)
+				daemontest.SaveAndWait(t, d.Client(), attemptShard("new", 100, 0, 1))
+				d.Stop()
+				old.Start("--debug-drain-delay", "0s") // replays the old run's save
+				err := waitAttempt(t, old.Client(), "old", 100, 0)
 				if err == nil || !strings.Contains(err.Error(), `attempt "new"`) {
-					t.Fatalf("the old run's replayed save: %v\n%s", err, old.logs())
+					t.Fatalf("the old run's replayed save: %v\n%s", err, old.Logs())
 				}
 				// Refused late, it says why as a save refused at once does.
 				if !errors.Is(err, ckptd.ErrStepCommitted) || ckptd.Reason(err) != "STEP_COMMITTED" || ckptd.ReasonMetadata(err)["attempt"] != "new" {
 					t.Fatalf("the old run's replayed save: %v (reason %q %v), want STEP_COMMITTED naming attempt new",
 						err, ckptd.Reason(err), ckptd.ReasonMetadata(err))
 				}
-				checkCommitted(t, old.client(), 100, "new", 1)
-				out, _, err := ckptdCLIEnv(t, s.env, "list", "--all", "--json", "--storage", s.url, "--job", "e2e")
+				checkCommitted(t, old.Client(), 100, "new", 1)
+				out, _, err := daemontest.CLIEnv(t, s.env, "list", "--all", "--json", "--storage", s.url, "--job", "e2e")
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -173,19 +165,6 @@ func TestAttempts(t *testing.T) {
 	}
 }
 
-func saveAndWait(t *testing.T, c *ckptd.Client, reqs ...*ckptd.SaveRequest) {
-	t.Helper()
-	var hs []*ckptd.SaveHandle
-	for _, r := range reqs {
-		hs = append(hs, save(t, c, r))
-	}
-	for _, h := range hs {
-		if err := h.Wait(ctxT(t)); err != nil {
-			t.Fatal(err)
-		}
-	}
-}
-
 // waitAttempt waits for attempt's save of step and rank.
 func waitAttempt(t *testing.T, c *ckptd.Client, attempt string, step int64, rank int) error {
 	t.Helper()
@@ -194,7 +173,7 @@ func waitAttempt(t *testing.T, c *ckptd.Client, attempt string, step int64, rank
 		t.Fatal(err)
 	}
 	defer ac.Close()
-	return ac.Handle("", step, rank).Wait(ctxT(t))
+	return ac.Handle("", step, rank).Wait(daemontest.Ctx(t))
 }
 
 // Two daemons sharing a store, each saving every rank of its own attempt
@@ -209,13 +188,13 @@ func TestAttemptsRace(t *testing.T) {
 			errs := map[string]error{}
 			var mu sync.Mutex
 			var wg sync.WaitGroup
-			for attempt, d := range map[string]*daemon{"x": a, "y": b} {
+			for attempt, d := range map[string]*daemontest.Daemon{"x": a, "y": b} {
 				wg.Go(func() {
-					c := d.client()
+					c := d.Client()
 					var hs []*ckptd.SaveHandle
 					var err error
 					for rank := range world {
-						h, serr := c.Save(ctxT(t), attemptShard(attempt, 5, rank, world))
+						h, serr := c.Save(daemontest.Ctx(t), attemptShard(attempt, 5, rank, world))
 						if serr != nil { // refused at once: the other attempt had committed
 							err = serr
 							break
@@ -223,7 +202,7 @@ func TestAttemptsRace(t *testing.T) {
 						hs = append(hs, h)
 					}
 					for _, h := range hs {
-						err = errors.Join(err, h.Wait(ctxT(t)))
+						err = errors.Join(err, h.Wait(daemontest.Ctx(t)))
 					}
 					mu.Lock()
 					errs[attempt] = err
@@ -238,8 +217,8 @@ func TestAttemptsRace(t *testing.T) {
 			if errs[winner] != nil || errs[loser] == nil || !strings.Contains(errs[loser].Error(), fmt.Sprintf("attempt %q", winner)) {
 				t.Fatalf("outcomes: %v", errs)
 			}
-			checkCommitted(t, a.client(), 5, winner, world)
-			commits := strings.Count(a.logs(), "step committed") + strings.Count(b.logs(), "step committed")
+			checkCommitted(t, a.Client(), 5, winner, world)
+			commits := strings.Count(a.Logs(), "step committed") + strings.Count(b.Logs(), "step committed")
 			if commits != 1 {
 				t.Fatalf("%d commit records written", commits)
 			}
@@ -260,18 +239,18 @@ func TestAttemptLeftoversPruned(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			s := mk(t)
 			d := s.daemon(t)
-			c := d.client()
-			waitDurable(t, save(t, c, attemptShard("crashed", 7, 0, 2)))
-			d.kill9()
-			d.start()
-			c = d.client()
-			saveAndWait(t, c, attemptShard("all-manifests", 8, 0, 2), attemptShard("all-manifests", 8, 1, 2))
+			c := d.Client()
+			waitDurable(t, daemontest.Save(t, c, attemptShard("crashed", 7, 0, 2)))
+			d.Kill9()
+			d.Start()
+			c = d.Client()
+			daemontest.SaveAndWait(t, c, attemptShard("all-manifests", 8, 0, 2), attemptShard("all-manifests", 8, 1, 2))
 			s.remove(t, "e2e/steps/000000000008/COMMIT.json")
 			for _, step := range []int64{7, 8} {
-				saveAndWait(t, c, attemptShard("rerun", step, 0, 2), attemptShard("rerun", step, 1, 2))
+				daemontest.SaveAndWait(t, c, attemptShard("rerun", step, 0, 2), attemptShard("rerun", step, 1, 2))
 				checkCommitted(t, c, step, "rerun", 2)
 			}
-			waitDurable(t, save(t, c, attemptShard("half", 9, 0, 2)))
+			waitDurable(t, daemontest.Save(t, c, attemptShard("half", 9, 0, 2)))
 
 			want := map[string]listRow{
 				"7/crashed": {State: "garbage", Ranks: 1}, "7/rerun": {State: "committed", Ranks: 2},
@@ -279,7 +258,7 @@ func TestAttemptLeftoversPruned(t *testing.T) {
 				"9/half": {State: "uncommitted", Ranks: 1},
 			}
 			checkListAll(t, s, want)
-			out, _, err := ckptdCLIEnv(t, s.env, "prune", "--storage", s.url, "--job", "e2e", "--keep-last", "2")
+			out, _, err := daemontest.CLIEnv(t, s.env, "prune", "--storage", s.url, "--job", "e2e", "--keep-last", "2")
 			if err != nil || !strings.Contains(out, "7/crashed") || !strings.Contains(out, "8/all-manifests") || strings.Contains(out, "9/half") {
 				t.Fatalf("prune: %s %v", out, err)
 			}
@@ -288,12 +267,12 @@ func TestAttemptLeftoversPruned(t *testing.T) {
 			checkListAll(t, s, want)
 			// Past the grace, the half-written step goes too.
 			time.Sleep(20 * time.Millisecond)
-			if out, _, err := ckptdCLIEnv(t, s.env, "prune", "--storage", s.url, "--job", "e2e", "--keep-last", "2", "--gc-grace", "10ms"); err != nil || !strings.Contains(out, "9/half") {
+			if out, _, err := daemontest.CLIEnv(t, s.env, "prune", "--storage", s.url, "--job", "e2e", "--keep-last", "2", "--gc-grace", "10ms"); err != nil || !strings.Contains(out, "9/half") {
 				t.Fatalf("prune --gc-grace 10ms: %s %v", out, err)
 			}
 			delete(want, "9/half")
 			checkListAll(t, s, want)
-			if out, _, err := ckptdCLIEnv(t, s.env, "verify", "--storage", s.url, "--job", "e2e", "--latest"); err != nil {
+			if out, _, err := daemontest.CLIEnv(t, s.env, "verify", "--storage", s.url, "--job", "e2e", "--latest"); err != nil {
 				t.Fatalf("verify after prune: %s %v", out, err)
 			}
 			for _, step := range []int64{7, 8} {
@@ -315,7 +294,7 @@ type listRow struct {
 // by step/attempt, world size 2 for all.
 func checkListAll(t *testing.T, s store, want map[string]listRow) {
 	t.Helper()
-	out, _, err := ckptdCLIEnv(t, s.env, "list", "--all", "--json", "--storage", s.url, "--job", "e2e")
+	out, _, err := daemontest.CLIEnv(t, s.env, "list", "--all", "--json", "--storage", s.url, "--job", "e2e")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -338,28 +317,28 @@ func checkListAll(t *testing.T, s store, want map[string]listRow) {
 // A save of a step another attempt committed is refused at once, naming
 // that attempt, with a structured reason.
 func TestSaveOfStepCommittedByAnotherAttempt(t *testing.T) {
-	d := startDaemon(t, "")
-	c := d.client()
-	saveAndWait(t, c, attemptShard("first", 3, 0, 1))
-	_, err := c.Save(ctxT(t), attemptShard("second", 3, 0, 1))
-	if status.Code(unwrapStatus(err)) != codes.AlreadyExists || !strings.Contains(err.Error(), `attempt "first"`) || ckptd.Reason(err) != "STEP_COMMITTED" {
+	d := daemontest.Start(t, "")
+	c := d.Client()
+	daemontest.SaveAndWait(t, c, attemptShard("first", 3, 0, 1))
+	_, err := c.Save(daemontest.Ctx(t), attemptShard("second", 3, 0, 1))
+	if status.Code(daemontest.UnwrapStatus(err)) != codes.AlreadyExists || !strings.Contains(err.Error(), `attempt "first"`) || ckptd.Reason(err) != "STEP_COMMITTED" {
 		t.Fatalf("save of a committed step: %v (reason %q)", err, ckptd.Reason(err))
 	}
 }
 
 // The Go client's errors match its sentinels by the daemon's reason.
 func TestGoClientSentinels(t *testing.T) {
-	d := startDaemon(t, "")
-	c := d.client()
-	saveAndWait(t, c, attemptShard("first", 3, 0, 1))
-	_, err := c.Save(ctxT(t), attemptShard("second", 3, 0, 1))
+	d := daemontest.Start(t, "")
+	c := d.Client()
+	daemontest.SaveAndWait(t, c, attemptShard("first", 3, 0, 1))
+	_, err := c.Save(daemontest.Ctx(t), attemptShard("second", 3, 0, 1))
 	if !errors.Is(err, ckptd.ErrStepCommitted) || errors.Is(err, ckptd.ErrSaveInProgress) {
 		t.Fatalf("save of a committed step: %v", err)
 	}
-	if _, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 99}); !errors.Is(err, ckptd.ErrNotFound) {
+	if _, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 99}); !errors.Is(err, ckptd.ErrNotFound) {
 		t.Fatalf("load of an unknown step: %v", err)
 	}
-	if _, err := c.Save(ctxT(t), &ckptd.SaveRequest{Step: -1, WorldSize: 1}); !errors.Is(err, ckptd.ErrInvalid) {
+	if _, err := c.Save(daemontest.Ctx(t), &ckptd.SaveRequest{Step: -1, WorldSize: 1}); !errors.Is(err, ckptd.ErrInvalid) {
 		t.Fatalf("save of step -1: %v", err)
 	}
 }

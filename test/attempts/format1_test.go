@@ -1,4 +1,4 @@
-package test
+package attempts
 
 import (
 	"encoding/binary"
@@ -13,6 +13,7 @@ import (
 	"testing"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
+	"github.com/ckptd/ckptd/test/daemontest"
 )
 
 // format1Shard is what testdata/format1 holds: step 5 of job e2e, two
@@ -55,26 +56,26 @@ func TestFormat1Store(t *testing.T) {
 				t.Fatal(err)
 			}
 			d := s.daemon(t)
-			c := d.client()
+			c := d.Client()
 			for rank := range 2 {
-				got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 5, Rank: rank})
+				got, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 5, Rank: rank})
 				if err != nil {
 					t.Fatal(err)
 				}
 				if got.Attempt != "" {
 					t.Errorf("a format-1 step restored with attempt %q", got.Attempt)
 				}
-				checkShard(t, got, format1Shard(rank))
+				daemontest.CheckShard(t, got, format1Shard(rank))
 			}
 			out := t.TempDir()
-			if o, e, err := ckptdCLIEnv(t, s.env, "restore", "--storage", s.url, "--job", "e2e", "--step", "5", "--out", out); err != nil {
+			if o, e, err := daemontest.CLIEnv(t, s.env, "restore", "--storage", s.url, "--job", "e2e", "--step", "5", "--out", out); err != nil {
 				t.Fatalf("restore: %v %s%s", err, o, e)
 			}
 			if files, _ := filepath.Glob(filepath.Join(out, "*.safetensors")); len(files) != 2 {
 				t.Fatalf("restore wrote %v", files)
 			}
-			saveAndWait(t, c, attemptShard("now", 6, 0, 1))
-			o, _, err := ckptdCLIEnv(t, s.env, "list", "--json", "--storage", s.url, "--job", "e2e")
+			daemontest.SaveAndWait(t, c, attemptShard("now", 6, 0, 1))
+			o, _, err := daemontest.CLIEnv(t, s.env, "list", "--json", "--storage", s.url, "--job", "e2e")
 			var steps []struct {
 				Step    int64
 				Attempt string
@@ -83,17 +84,17 @@ func TestFormat1Store(t *testing.T) {
 				t.Fatalf("list: %v %s", err, o)
 			}
 			for _, step := range []string{"5", "6"} {
-				if o, e, err := ckptdCLIEnv(t, s.env, "verify", "--storage", s.url, "--job", "e2e", "--step", step); err != nil {
+				if o, e, err := daemontest.CLIEnv(t, s.env, "verify", "--storage", s.url, "--job", "e2e", "--step", step); err != nil {
 					t.Fatalf("verify step %s: %v %s%s", step, err, o, e)
 				}
 			}
-			if o, _, err := ckptdCLIEnv(t, s.env, "prune", "--storage", s.url, "--job", "e2e", "--keep-last", "2"); err != nil || strings.Contains(o, "removed 5") {
+			if o, _, err := daemontest.CLIEnv(t, s.env, "prune", "--storage", s.url, "--job", "e2e", "--keep-last", "2"); err != nil || strings.Contains(o, "removed 5") {
 				t.Fatalf("prune of a healthy mixed store: %v %s", err, o)
 			}
-			if o, e, err := ckptdCLIEnv(t, s.env, "prune", "--storage", s.url, "--job", "e2e", "--keep-last", "1"); err != nil {
+			if o, e, err := daemontest.CLIEnv(t, s.env, "prune", "--storage", s.url, "--job", "e2e", "--keep-last", "1"); err != nil {
 				t.Fatalf("prune --keep-last 1: %v %s%s", err, o, e)
 			}
-			o, _, err = ckptdCLIEnv(t, s.env, "list", "--all", "--json", "--storage", s.url, "--job", "e2e")
+			o, _, err = daemontest.CLIEnv(t, s.env, "list", "--all", "--json", "--storage", s.url, "--job", "e2e")
 			if err != nil || strings.Contains(o, `"step": 5`) {
 				t.Fatalf("the format-1 step outlived prune --keep-last 1: %v %s", err, o)
 			}

@@ -1,4 +1,4 @@
-package test
+package lifecycle
 
 import (
 	"bufio"
@@ -11,12 +11,13 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
+	"github.com/ckptd/ckptd/internal/testtime"
+	"github.com/ckptd/ckptd/test/daemontest"
 )
 
 // shmEntries lists the /dev/shm entries that a daemon on socket could
@@ -49,22 +50,11 @@ func dirEntries(t *testing.T, dir string) []string {
 	return out
 }
 
-var edgeSeq atomic.Int64
-
-// startEdgeDaemon is startDaemon with an arena name of its own: the names
-// startDaemon derives from t.TempDir (ckptd-test-001, ...) are the same in
-// every test process, so suites run at once on one machine share arenas.
-func startEdgeDaemon(t *testing.T, extra ...string) *daemon {
+// startEdgeDaemon is daemontest.Start without its short crash fence.
+func startEdgeDaemon(t *testing.T, extra ...string) *daemontest.Daemon {
 	t.Helper()
-	dir := t.TempDir()
-	d := &daemon{
-		t: t, socket: filepath.Join(dir, "ckptd.sock"), storage: filepath.Join(dir, "store"),
-		arena: fmt.Sprintf("/dev/shm/ckptd-test-edge-%d-%d", os.Getpid(), edgeSeq.Add(1)),
-	}
-	d.args = append([]string{"serve", "--socket", d.socket, "--storage", d.storage, "--arena-dir", d.arena,
-		"--staging-bytes", "256MiB", "--job", "e2e", "--log-level", "debug"}, extra...)
-	t.Cleanup(func() { d.stop(); os.RemoveAll(d.arena) })
-	d.start()
+	d := daemontest.New(t, "", "", append([]string{"--staging-bytes", "256MiB", "--job", "e2e", "--log-level", "debug"}, extra...)...)
+	d.Start()
 	return d
 }
 
@@ -73,7 +63,7 @@ func startEdgeDaemon(t *testing.T, extra ...string) *daemon {
 func runServeCLI(t *testing.T, args ...string) (int, string, time.Duration) {
 	t.Helper()
 	start := time.Now()
-	_, stderr, err := ckptdCLI(t, append([]string{"serve", "--staging-bytes", "64MiB", "--log-level", "debug"}, args...)...)
+	_, stderr, err := daemontest.CLI(t, append([]string{"serve", "--staging-bytes", "64MiB", "--log-level", "debug"}, args...)...)
 	took := time.Since(start)
 	if err == nil {
 		t.Fatalf("serve %q succeeded", args)
@@ -90,7 +80,7 @@ func runServeCLI(t *testing.T, args ...string) (int, string, time.Duration) {
 // runs.
 func TestEdgeFailedStartLeavesNothing(t *testing.T) {
 	d := startEdgeDaemon(t)
-	token := fmt.Sprintf("ckptd-test-edge-%d-other", os.Getpid())
+	token := filepath.Base(daemontest.ArenaDir()) // reaped if this run dies
 	file := filepath.Join(t.TempDir(), "file")
 	os.WriteFile(file, nil, 0o600)
 	cfg := filepath.Join(t.TempDir(), "ckptd.yaml")
@@ -104,11 +94,11 @@ func TestEdgeFailedStartLeavesNothing(t *testing.T) {
 		want   []string
 	}{
 		// The reported bug: the arena was allocated before the socket was checked.
-		{"busy socket, other arena", d.socket, []string{"--arena-dir", "/dev/shm/" + token},
-			1, []string{"already serving on " + d.socket, fmt.Sprintf("pid %d", d.cmd.Process.Pid)}},
-		{"busy socket, default arena", d.socket, nil, 1, []string{"already serving"}},
-		{"arena in use", "", []string{"--arena-dir", d.arena},
-			1, []string{"arena in use", fmt.Sprintf("locked by pid %d", d.cmd.Process.Pid), "running"}},
+		{"busy socket, other arena", d.Socket, []string{"--arena-dir", "/dev/shm/" + token},
+			1, []string{"already serving on " + d.Socket, fmt.Sprintf("pid %d", d.Cmd.Process.Pid)}},
+		{"busy socket, default arena", d.Socket, nil, 1, []string{"already serving"}},
+		{"arena in use", "", []string{"--arena-dir", d.Arena},
+			1, []string{"arena in use", fmt.Sprintf("locked by pid %d", d.Cmd.Process.Pid), "running"}},
 		{"arena too large", "", []string{"--staging-bytes", "1TiB"}, 1, []string{"allocate"}},
 		{"storage unusable", "", []string{"--storage", filepath.Join(file, "store")}, 1, []string{"storage"}},
 		{"bad flag", "", []string{"--chunk-size", "3"}, 2, []string{"--chunk-size"}},
@@ -142,8 +132,8 @@ func TestEdgeFailedStartLeavesNothing(t *testing.T) {
 			}
 		})
 	}
-	c := d.client()
-	if _, err := c.Save(ctxT(t), shard(1, 0, 1)); err != nil {
+	c := d.Client()
+	if _, err := c.Save(daemontest.Ctx(t), daemontest.Shard(1, 0, 1)); err != nil {
 		t.Fatalf("the running daemon was disturbed: %v", err)
 	}
 }
@@ -205,13 +195,13 @@ func startHolder(t *testing.T, lock, socket, hold string) *exec.Cmd {
 	os.WriteFile(filepath.Join(dir, "main.go"), []byte(holderSrc), 0o600)
 	os.WriteFile(filepath.Join(dir, "go.mod"), []byte("module holder\n\ngo 1.26\n"), 0o600)
 	holderBin := filepath.Join(dir, "holder")
-	build := exec.Command("go", "build", "-o", holderBin, ".")
+	build := daemontest.Command("go", "build", "-o", holderBin, ".")
 	build.Dir = dir
 	build.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("build the holder: %v\n%s", err, out)
 	}
-	cmd := exec.Command(holderBin, lock, socket, hold)
+	cmd := daemontest.Command(holderBin, lock, socket, hold)
 	out, _ := cmd.StdoutPipe()
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -231,34 +221,34 @@ func startHolder(t *testing.T, lock, socket, hold string) *exec.Cmd {
 // journal and commits the save.
 func TestEdgeRestartWhileExiting(t *testing.T) {
 	d := startEdgeDaemon(t, "--debug-drain-delay", "1h")
-	c := d.client()
-	want := shard(5, 0, 1)
-	if _, err := c.Save(ctxT(t), want); err != nil {
+	c := d.Client()
+	want := daemontest.Shard(5, 0, 1)
+	if _, err := c.Save(daemontest.Ctx(t), want); err != nil {
 		t.Fatal(err)
 	}
-	d.kill9()
+	d.Kill9()
 
-	holder := startHolder(t, filepath.Join(d.arena, "lock"), d.socket, "3")
+	holder := startHolder(t, filepath.Join(d.Arena, "lock"), d.Socket, "3")
 	start := time.Now()
-	d.start("--debug-drain-delay", "0s") // returns once it answers
+	d.Start("--debug-drain-delay", "0s") // returns once it answers
 	if took := time.Since(start); took < 2*time.Second {
 		t.Errorf("came up after %v, while the old daemon held the lock for 3s", took)
 	}
 	for _, w := range []string{"waiting for the previous daemon", fmt.Sprintf("pid=%d", holder.Process.Pid),
 		"socket released", "recovered staged save"} {
-		if !strings.Contains(d.logs(), w) {
-			t.Errorf("log lacks %q:\n%s", w, d.logs())
+		if !strings.Contains(d.Logs(), w) {
+			t.Errorf("log lacks %q:\n%s", w, d.Logs())
 		}
 	}
-	c2 := d.client()
-	if err := waitStep(t, c2, 5, 0); err != nil {
+	c2 := d.Client()
+	if err := daemontest.WaitStep(t, c2, 5, 0); err != nil {
 		t.Fatal(err)
 	}
-	got, err := c2.Load(ctxT(t), &ckptd.LoadRequest{Step: 5, Rank: 0})
+	got, err := c2.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 5, Rank: 0})
 	if err != nil {
 		t.Fatal(err)
 	}
-	checkShard(t, got, want)
+	daemontest.CheckShard(t, got, want)
 }
 
 // The default socket is private: in $XDG_RUNTIME_DIR (when set), mode
@@ -267,7 +257,7 @@ func TestEdgeRestartWhileExiting(t *testing.T) {
 func TestEdgeDefaultSocket(t *testing.T) {
 	xdg := t.TempDir()
 	socket := filepath.Join(xdg, "ckptd.sock")
-	cmd := exec.Command(ckptdBin, "serve", "--storage", filepath.Join(t.TempDir(), "store"), "--staging-bytes", "64MiB")
+	cmd := daemontest.Command(daemontest.Bin(t), "serve", "--storage", filepath.Join(t.TempDir(), "store"), "--staging-bytes", "64MiB")
 	cmd.Env = append(os.Environ(), "XDG_RUNTIME_DIR="+xdg, "CKPTD_SOCKET=")
 	var logs strings.Builder
 	cmd.Stderr = &logs
@@ -276,15 +266,11 @@ func TestEdgeDefaultSocket(t *testing.T) {
 	}
 	defer cmd.Process.Kill()
 	var fi os.FileInfo
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+	testtime.Until(t, time.Minute, "a socket at "+socket, func() bool {
 		var err error
-		if fi, err = os.Lstat(socket); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no socket at %s", socket)
-		}
-	}
+		fi, err = os.Lstat(socket)
+		return err == nil
+	})
 	if fi.Mode() != os.ModeSocket|0o600 {
 		t.Errorf("socket mode %v, want 0600", fi.Mode())
 	}

@@ -1,4 +1,4 @@
-package test
+package lifecycle
 
 import (
 	"bytes"
@@ -12,6 +12,7 @@ import (
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 	"github.com/ckptd/ckptd/internal/safetensors"
+	"github.com/ckptd/ckptd/test/daemontest"
 )
 
 // f32s are n float32 values start, start+1, ...
@@ -81,10 +82,10 @@ func readSafetensors(t *testing.T, path string) (map[string][]byte, map[string]s
 // their state_dict names, in Hugging Face's file layout; --with-optimizer
 // adds the optimizer; a plain ckptd.torch step exports rank 0's model.
 func TestExport(t *testing.T) {
-	d := startDaemon(t, "")
-	c := d.client()
+	d := daemontest.Start(t, "")
+	c := d.Client()
 	for rank := range 2 {
-		if _, err := c.Save(ctxT(t), shardedRank(3, rank)); err != nil {
+		if _, err := c.Save(daemontest.Ctx(t), shardedRank(3, rank)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -94,11 +95,11 @@ func TestExport(t *testing.T) {
 		{Name: "ckptd.torch", DType: "U8", Shape: []int64{2}, Data: []byte("{}")},
 		{Name: "hf.config.json", DType: "U8", Shape: []int64{21}, Data: []byte(`{"model_type":"bert"}`)},
 	}}
-	if _, err := c.Save(ctxT(t), plain); err != nil {
+	if _, err := c.Save(daemontest.Ctx(t), plain); err != nil {
 		t.Fatal(err)
 	}
 	for _, step := range []int64{3, 4} {
-		if err := waitStep(t, c, step, 0); err != nil {
+		if err := daemontest.WaitStep(t, c, step, 0); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -106,7 +107,7 @@ func TestExport(t *testing.T) {
 	wantV := f32s(0, 8)
 
 	out := filepath.Join(t.TempDir(), "one")
-	if stdout, stderr, err := ckptdCLI(t, "export", "--storage", d.storage, "--job", "e2e", "--step", "3", "--out", out); err != nil {
+	if stdout, stderr, err := daemontest.CLI(t, "export", "--storage", d.Storage, "--job", "e2e", "--step", "3", "--out", out); err != nil {
 		t.Fatalf("ckptd export: %v\n%s%s", err, stdout, stderr)
 	}
 	got, meta := readSafetensors(t, filepath.Join(out, "model.safetensors"))
@@ -118,14 +119,14 @@ func TestExport(t *testing.T) {
 	}
 
 	many := filepath.Join(t.TempDir(), "many")
-	if _, stderr, err := ckptdCLI(t, "export", "--storage", d.storage, "--job", "e2e", "--step", "99", "--out", many); err == nil ||
+	if _, stderr, err := daemontest.CLI(t, "export", "--storage", d.Storage, "--job", "e2e", "--step", "99", "--out", many); err == nil ||
 		!strings.Contains(stderr, "99") {
 		t.Fatalf("export of a step never committed: %v %s", err, stderr)
 	}
 	if ents, _ := os.ReadDir(many); len(ents) != 0 {
 		t.Fatalf("a failed export left %v", ents)
 	}
-	if _, stderr, err := ckptdCLI(t, "export", "--storage", d.storage, "--job", "e2e", "--step", "3", "--out", many,
+	if _, stderr, err := daemontest.CLI(t, "export", "--storage", d.Storage, "--job", "e2e", "--step", "3", "--out", many,
 		"--max-shard-size", "100", "--with-optimizer"); err != nil {
 		t.Fatalf("ckptd export --max-shard-size: %v\n%s", err, stderr)
 	}
@@ -153,7 +154,7 @@ func TestExport(t *testing.T) {
 	}
 
 	flat := filepath.Join(t.TempDir(), "plain")
-	if _, stderr, err := ckptdCLI(t, "export", "--storage", d.storage, "--job", "e2e", "--step", "4", "--out", flat); err != nil {
+	if _, stderr, err := daemontest.CLI(t, "export", "--storage", d.Storage, "--job", "e2e", "--step", "4", "--out", flat); err != nil {
 		t.Fatalf("ckptd export of a plain step: %v\n%s", err, stderr)
 	}
 	got, _ = readSafetensors(t, filepath.Join(flat, "model.safetensors"))

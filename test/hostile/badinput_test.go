@@ -1,4 +1,4 @@
-package test
+package hostile
 
 import (
 	"context"
@@ -18,22 +18,20 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
+	"github.com/ckptd/ckptd/internal/testtime"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
+	"github.com/ckptd/ckptd/test/daemontest"
 )
-
-func f32Tensor(name string, off, n uint64) *pb.Tensor {
-	return &pb.Tensor{Name: name, Dtype: "F32", Shape: []int64{int64(n)}, Offset: off, Length: 4 * n}
-}
 
 // Every malformed request gets a clear error with the right code, and
 // leaves storage untouched.
 func TestBadRequestsChangeNothing(t *testing.T) {
-	d := startDaemon(t, "", "--staging-bytes", "16MiB", "--staging-wait", "300ms")
-	c := d.client()
+	d := daemontest.Start(t, "", "--staging-bytes", "16MiB", "--staging-wait", "300ms")
+	c := d.Client()
 	api := c.API()
-	ctx := ctxT(t)
+	ctx := daemontest.Ctx(t)
 	target := func(job string, step int64, rank, world int32) *pb.SaveTarget {
-		return &pb.SaveTarget{Job: job, Step: step, Rank: rank, WorldSize: world, Attempt: testAttempt}
+		return &pb.SaveTarget{Job: job, Step: step, Rank: rank, WorldSize: world, Attempt: daemontest.Attempt}
 	}
 	for _, tc := range []struct {
 		name    string
@@ -41,18 +39,18 @@ func TestBadRequestsChangeNothing(t *testing.T) {
 		code    codes.Code
 		message string
 	}{
-		{"job with ..", &pb.BeginSaveRequest{Target: target("../etc", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 1)}}, codes.InvalidArgument, `"/" or ".."`},
+		{"job with ..", &pb.BeginSaveRequest{Target: target("../etc", 1, 0, 1), Tensors: []*pb.Tensor{daemontest.F32Tensor("a", 0, 1)}}, codes.InvalidArgument, `"/" or ".."`},
 		{"job with /", &pb.BeginSaveRequest{Target: target("a/b", 1, 0, 1)}, codes.InvalidArgument, `"/" or ".."`},
 		{"job with NUL", &pb.BeginSaveRequest{Target: target("a\x00", 1, 0, 1)}, codes.InvalidArgument, "control byte"},
 		{"long job", &pb.BeginSaveRequest{Target: target(strings.Repeat("j", 256), 1, 0, 1)}, codes.InvalidArgument, "more than 255"},
-		{"tensor with ..", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("../x", 0, 1)}}, codes.InvalidArgument, "tensor name"},
+		{"tensor with ..", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{daemontest.F32Tensor("../x", 0, 1)}}, codes.InvalidArgument, "tensor name"},
 		{"rank out of range", &pb.BeginSaveRequest{Target: target("", 1, 2, 2)}, codes.InvalidArgument, "rank 2 out of range"},
 		{"negative step", &pb.BeginSaveRequest{Target: target("", -5, 0, 1)}, codes.InvalidArgument, "step -5"},
-		{"overlap", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 4), f32Tensor("b", 8, 4)}}, codes.InvalidArgument, "overlaps"},
+		{"overlap", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{daemontest.F32Tensor("a", 0, 4), daemontest.F32Tensor("b", 8, 4)}}, codes.InvalidArgument, "overlaps"},
 		{"dtype x shape", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{{Name: "a", Dtype: "BF16", Shape: []int64{3}, Length: 12}}}, codes.InvalidArgument, "needs 6 bytes"},
 		{"unknown dtype", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{{Name: "a", Dtype: "float32", Shape: []int64{1}, Length: 4}}}, codes.InvalidArgument, "unknown dtype"},
-		{"huge offset", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 1<<63, 1)}}, codes.InvalidArgument, "negative offset"},
-		{"larger than the arena", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 8<<20)}}, codes.ResourceExhausted, "16777216"},
+		{"huge offset", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{daemontest.F32Tensor("a", 1<<63, 1)}}, codes.InvalidArgument, "negative offset"},
+		{"larger than the arena", &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{daemontest.F32Tensor("a", 0, 8<<20)}}, codes.ResourceExhausted, "16777216"},
 	} {
 		_, err := api.BeginSave(ctx, tc.req)
 		if status.Code(err) != tc.code || !strings.Contains(err.Error(), tc.message) {
@@ -61,16 +59,16 @@ func TestBadRequestsChangeNothing(t *testing.T) {
 	}
 
 	// A full arena: hold 12 of 16 MiB, ask for 8 more.
-	held, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 3<<20)}})
+	held, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{daemontest.F32Tensor("a", 0, 3<<20)}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target("", 2, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 2<<20)}})
+	_, err = api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target("", 2, 0, 1), Tensors: []*pb.Tensor{daemontest.F32Tensor("a", 0, 2<<20)}})
 	if status.Code(err) != codes.ResourceExhausted || !strings.Contains(err.Error(), "16777216") {
 		t.Errorf("full arena: %v; want RESOURCE_EXHAUSTED naming the 16 MiB budget", err)
 	}
 	// The same rank twice while the first is staging.
-	_, err = api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 1)}})
+	_, err = api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target("", 1, 0, 1), Tensors: []*pb.Tensor{daemontest.F32Tensor("a", 0, 1)}})
 	if status.Code(err) != codes.AlreadyExists {
 		t.Errorf("second save of one rank: %v", err)
 	}
@@ -85,7 +83,7 @@ func TestBadRequestsChangeNothing(t *testing.T) {
 	// A stream shorter than its table says.
 	stream, _ := api.SaveStream(ctx)
 	_ = stream.Send(&pb.SaveStreamRequest{Msg: &pb.SaveStreamRequest_Header{Header: &pb.SaveStreamHeader{
-		Target: target("", 3, 0, 1), Tensors: []*pb.Tensor{f32Tensor("a", 0, 100)}}}})
+		Target: target("", 3, 0, 1), Tensors: []*pb.Tensor{daemontest.F32Tensor("a", 0, 100)}}}})
 	_ = stream.Send(&pb.SaveStreamRequest{Msg: &pb.SaveStreamRequest_Data{Data: make([]byte, 10)}})
 	if _, err := stream.CloseAndRecv(); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "ended before") {
 		t.Errorf("short stream: %v", err)
@@ -96,7 +94,7 @@ func TestBadRequestsChangeNothing(t *testing.T) {
 	if status.Code(err) != codes.NotFound || !strings.Contains(err.Error(), "step 9000") {
 		t.Errorf("unknown step: %v", err)
 	}
-	if _, err := c.Save(ctx, shard(5, 0, 1)); err != nil {
+	if _, err := c.Save(ctx, daemontest.Shard(5, 0, 1)); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.Handle("", 5, 0).Wait(ctx); err != nil {
@@ -109,15 +107,15 @@ func TestBadRequestsChangeNothing(t *testing.T) {
 	if _, err := api.BeginRestore(ctx, &pb.BeginRestoreRequest{Step: 5, Rank: 1}); status.Code(err) != codes.InvalidArgument {
 		t.Errorf("rank beyond world size: %v", err)
 	}
-	if _, err := c.Save(ctx, shard(5, 0, 1)); status.Code(unwrapStatus(err)) != codes.AlreadyExists {
+	if _, err := c.Save(ctx, daemontest.Shard(5, 0, 1)); status.Code(daemontest.UnwrapStatus(err)) != codes.AlreadyExists {
 		t.Errorf("saving a committed step again: %v", err)
 	}
 
 	// Storage holds step 5 and nothing else.
 	var names []string
-	_ = filepath.Walk(d.storage, func(p string, fi os.FileInfo, err error) error {
+	_ = filepath.Walk(d.Storage, func(p string, fi os.FileInfo, err error) error {
 		if err == nil && !fi.IsDir() {
-			rel, _ := filepath.Rel(d.storage, p)
+			rel, _ := filepath.Rel(d.Storage, p)
 			names = append(names, rel)
 		}
 		return nil
@@ -126,20 +124,6 @@ func TestBadRequestsChangeNothing(t *testing.T) {
 	if strings.Join(names, " ") != want {
 		t.Errorf("storage holds %v, want only step 5", names)
 	}
-}
-
-func unwrapStatus(err error) error {
-	for e := err; e != nil; {
-		if _, ok := status.FromError(e); ok {
-			return e
-		}
-		u, ok := e.(interface{ Unwrap() error })
-		if !ok {
-			break
-		}
-		e = u.Unwrap()
-	}
-	return err
 }
 
 func TestNoDaemonError(t *testing.T) {
@@ -157,14 +141,14 @@ func TestNoDaemonError(t *testing.T) {
 }
 
 func TestMetricsEndpoint(t *testing.T) {
-	addr := closedAddr(t) // free for the daemon to listen on
-	d := startDaemon(t, "", "--metrics-addr", addr)
-	c := d.client()
-	h, err := c.Save(ctxT(t), shard(1, 0, 1))
+	addr := daemontest.ClosedAddr(t) // free for the daemon to listen on
+	d := daemontest.Start(t, "", "--metrics-addr", addr)
+	c := d.Client()
+	h, err := c.Save(daemontest.Ctx(t), daemontest.Shard(1, 0, 1))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := h.Wait(ctxT(t)); err != nil {
+	if err := h.Wait(daemontest.Ctx(t)); err != nil {
 		t.Fatal(err)
 	}
 	want := []string{"ckptd_staged_bytes_total 6.299864e+06", "ckptd_drained_bytes_total 6.299864e+06", "ckptd_save_stall_seconds_count 1",
@@ -172,17 +156,15 @@ func TestMetricsEndpoint(t *testing.T) {
 	// The save is reported committed before the drain gives its arena
 	// region back: the gauges reach 0 a moment later.
 	var body []byte
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+	testtime.Within(30*time.Second, func() bool {
 		resp, err := http.Get("http://" + addr + "/metrics")
 		if err != nil {
 			t.Fatal(err)
 		}
 		body, _ = io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if !slices.ContainsFunc(want, func(m string) bool { return !strings.Contains(string(body), m) }) || time.Now().After(deadline) {
-			break
-		}
-	}
+		return !slices.ContainsFunc(want, func(m string) bool { return !strings.Contains(string(body), m) })
+	})
 	for _, m := range want {
 		if !strings.Contains(string(body), m) {
 			t.Errorf("metrics lack %q", m)
@@ -213,11 +195,11 @@ func TestSocketGroup(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := startDaemon(t, "", "--socket-group", g.Name)
+	d := daemontest.Start(t, "", "--socket-group", g.Name)
 	for path, want := range map[string]os.FileMode{
-		d.socket:                        os.ModeSocket | 0o660,
-		d.arena:                         os.ModeDir | 0o750,
-		filepath.Join(d.arena, "arena"): 0o660,
+		d.Socket:                        os.ModeSocket | 0o660,
+		d.Arena:                         os.ModeDir | 0o750,
+		filepath.Join(d.Arena, "arena"): 0o660,
 	} {
 		fi, err := os.Stat(path)
 		if err != nil {
@@ -227,15 +209,15 @@ func TestSocketGroup(t *testing.T) {
 			t.Errorf("%s: mode %v gid %d, want %v gid %d", path, fi.Mode(), fi.Sys().(*syscall.Stat_t).Gid, want, os.Getgid())
 		}
 	}
-	if _, err := d.client().Save(ctxT(t), shard(1, 0, 1)); err != nil {
+	if _, err := d.Client().Save(daemontest.Ctx(t), daemontest.Shard(1, 0, 1)); err != nil {
 		t.Fatal(err)
 	}
-	if err := waitStep(t, d.client(), 1, 0); err != nil {
+	if err := daemontest.WaitStep(t, d.Client(), 1, 0); err != nil {
 		t.Fatal(err)
 	}
 
 	dir := t.TempDir()
-	_, stderr, err := ckptdCLI(t, "serve", "--socket", filepath.Join(dir, "s.sock"), "--storage", filepath.Join(dir, "store"),
+	_, stderr, err := daemontest.CLI(t, "serve", "--socket", filepath.Join(dir, "s.sock"), "--storage", filepath.Join(dir, "store"),
 		"--arena-dir", filepath.Join(dir, "arena"), "--socket-group", "no-such-group-ckptd")
 	if err == nil || !strings.Contains(stderr, `--socket-group "no-such-group-ckptd": no such group`) {
 		t.Fatalf("unknown group: %v, %s", err, stderr)

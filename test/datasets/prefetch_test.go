@@ -1,4 +1,4 @@
-package test
+package datasets
 
 import (
 	"archive/tar"
@@ -7,12 +7,10 @@ import (
 	"encoding/binary"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -20,58 +18,20 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
+	"github.com/ckptd/ckptd/test/daemontest"
 )
-
-var arenas atomic.Int64
-
-// startDatasetDaemon is startDaemonEnv with an arena folder named after
-// this process: the harness names it after the test's temporary folder
-// ("002"), which another test process on the machine may be using.
-func startDatasetDaemon(t *testing.T, env []string, extra ...string) *daemon {
-	t.Helper()
-	arena := filepath.Join("/dev/shm", fmt.Sprintf("ckptd-pftest-%d-%d", os.Getpid(), arenas.Add(1)))
-	t.Cleanup(func() { os.RemoveAll(arena) }) // after the daemon stops
-	d := startDaemonEnv(t, "", env, append([]string{"--arena-dir", arena}, extra...)...)
-	d.arena = arena
-	return d
-}
-
-// writeShards writes n WebDataset shards of per samples ("cls" and "txt")
-// into dir and returns every sample's txt content by key.
-func writeShards(t *testing.T, dir string, n, per int) map[string]string {
-	t.Helper()
-	want := map[string]string{}
-	for s := range n {
-		var buf bytes.Buffer
-		tw := tar.NewWriter(&buf)
-		for i := range per {
-			key := fmt.Sprintf("s%02d/%04d", s, i)
-			txt := strings.Repeat(key+" ", 50+i)
-			want[key] = txt
-			for _, f := range [][2]string{{"cls", fmt.Sprint(i % 7)}, {"txt", txt}} {
-				_ = tw.WriteHeader(&tar.Header{Name: key + "." + f[0], Mode: 0o644, Size: int64(len(f[1]))})
-				_, _ = tw.Write([]byte(f[1]))
-			}
-		}
-		_ = tw.Close()
-		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("train-%03d.tar", s)), buf.Bytes(), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return want
-}
 
 // epoch reads one rank's epoch through the daemon and checks every sample.
 func epoch(t *testing.T, c *ckptd.Client, req ckptd.DatasetRequest, want map[string]string) ([]string, ckptd.PrefetchStats) {
 	t.Helper()
-	ds, err := c.Dataset(ctxT(t), &req)
+	ds, err := c.Dataset(daemontest.Ctx(t), &req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ds.Close(ctxT(t))
+	defer ds.Close(daemontest.Ctx(t))
 	var keys []string
 	for {
-		batch, err := ds.Next(ctxT(t))
+		batch, err := ds.Next(daemontest.Ctx(t))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -92,9 +52,9 @@ func epoch(t *testing.T, c *ckptd.Client, req ckptd.DatasetRequest, want map[str
 
 func TestPrefetchThroughDaemon(t *testing.T) {
 	data := t.TempDir()
-	want := writeShards(t, data, 6, 25)
-	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--slot-bytes", "64KiB", "--ring-slots", "3")
-	c := d.client()
+	want := daemontest.WriteShards(t, data, 6, 25)
+	d := daemontest.StartEnv(t, "", nil, "--dataset-allow", data, "--slot-bytes", "64KiB", "--ring-slots", "3")
+	c := d.Client()
 	const world = 2
 	var all []string
 	var first []string
@@ -131,12 +91,12 @@ func TestPrefetchThroughDaemon(t *testing.T) {
 
 func TestPrefetchBadInput(t *testing.T) {
 	data := t.TempDir()
-	writeShards(t, data, 2, 3)
+	daemontest.WriteShards(t, data, 2, 3)
 	if err := os.WriteFile(filepath.Join(data, "train-999.tar"), []byte("truncated garbage"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	d := startDatasetDaemon(t, nil, "--dataset-allow", filepath.Dir(data)) // the test's temporary folders
-	c := d.client()
+	d := daemontest.StartEnv(t, "", nil, "--dataset-allow", filepath.Dir(data)) // the test's temporary folders
+	c := d.Client()
 	for _, tc := range []struct {
 		req  ckptd.DatasetRequest
 		code codes.Code
@@ -147,26 +107,26 @@ func TestPrefetchBadInput(t *testing.T) {
 		{ckptd.DatasetRequest{Source: t.TempDir(), BatchSize: 1, WorldSize: 1}, codes.InvalidArgument, "no .tar shards"},
 		{ckptd.DatasetRequest{Source: "ftp://x/y", BatchSize: 1, WorldSize: 1}, codes.InvalidArgument, "unsupported scheme"},
 	} {
-		_, err := c.Dataset(ctxT(t), &tc.req)
-		if status.Code(unwrapStatus(err)) != tc.code || !strings.Contains(fmt.Sprint(err), tc.msg) {
+		_, err := c.Dataset(daemontest.Ctx(t), &tc.req)
+		if status.Code(daemontest.UnwrapStatus(err)) != tc.code || !strings.Contains(fmt.Sprint(err), tc.msg) {
 			t.Errorf("%+v: %v, want %s %q", tc.req, err, tc.code, tc.msg)
 		}
 	}
 	// The corrupt shard fails the epoch with its name, or is skipped.
-	ds, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1, ShuffleWindow: 1})
+	ds, err := c.Dataset(daemontest.Ctx(t), &ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1, ShuffleWindow: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
 	for err == nil {
 		var b []ckptd.Sample
-		if b, err = ds.Next(ctxT(t)); b == nil && err == nil {
+		if b, err = ds.Next(daemontest.Ctx(t)); b == nil && err == nil {
 			t.Fatal("epoch ended without reporting the corrupt shard")
 		}
 	}
-	if status.Code(unwrapStatus(err)) != codes.DataLoss || !strings.Contains(err.Error(), "train-999.tar") {
+	if status.Code(daemontest.UnwrapStatus(err)) != codes.DataLoss || !strings.Contains(err.Error(), "train-999.tar") {
 		t.Fatalf("corrupt shard: %v", err)
 	}
-	ks, st := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1, SkipCorrupt: true}, writeShards(t, data, 2, 3))
+	ks, st := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1, SkipCorrupt: true}, daemontest.WriteShards(t, data, 2, 3))
 	if len(ks) != 6 || st.CorruptSkipped != 1 {
 		t.Fatalf("skip corrupt: %d samples, %+v", len(ks), st)
 	}
@@ -178,27 +138,27 @@ func TestPrefetchBadInput(t *testing.T) {
 // session the arena's share fits can still open.
 func TestPrefetchListingIsBounded(t *testing.T) {
 	big, small := t.TempDir(), t.TempDir()
-	writeShards(t, big, 20, 1)          // names of ~13 bytes: ~540 bytes of listing each
-	want := writeShards(t, small, 3, 2) // ~1.6 KiB
-	d := startDatasetDaemon(t, nil, "--dataset-list-bytes", "4KiB", "--dataset-allow", big+","+small,
+	daemontest.WriteShards(t, big, 20, 1)          // names of ~13 bytes: ~540 bytes of listing each
+	want := daemontest.WriteShards(t, small, 3, 2) // ~1.6 KiB
+	d := daemontest.StartEnv(t, "", nil, "--dataset-list-bytes", "4KiB", "--dataset-allow", big+","+small,
 		"--dataset-arena-bytes", "128MiB") // two rings of 4 x 16 MiB
-	c := d.client()
+	c := d.Client()
 	for range 5 {
-		_, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: big, BatchSize: 1, WorldSize: 1})
-		if status.Code(unwrapStatus(err)) != codes.ResourceExhausted || !strings.Contains(fmt.Sprint(err), "--dataset-list-bytes") {
+		_, err := c.Dataset(daemontest.Ctx(t), &ckptd.DatasetRequest{Source: big, BatchSize: 1, WorldSize: 1})
+		if status.Code(daemontest.UnwrapStatus(err)) != codes.ResourceExhausted || !strings.Contains(fmt.Sprint(err), "--dataset-list-bytes") {
 			t.Fatalf("20 shards within 4 KiB of listing: %v, want RESOURCE_EXHAUSTED naming --dataset-list-bytes", err)
 		}
 	}
 	var open []*ckptd.Dataset
 	for range 2 {
-		ds, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: small, BatchSize: 1, WorldSize: 1})
+		ds, err := c.Dataset(daemontest.Ctx(t), &ckptd.DatasetRequest{Source: small, BatchSize: 1, WorldSize: 1})
 		if err != nil {
 			t.Fatalf("after failed opens, a session the arena fits: %v", err)
 		}
 		open = append(open, ds)
 	}
 	for _, ds := range open {
-		ds.Close(ctxT(t))
+		ds.Close(daemontest.Ctx(t))
 	}
 	if ks, _ := epoch(t, c, ckptd.DatasetRequest{Source: small, BatchSize: 2, WorldSize: 1}, want); len(ks) != 6 {
 		t.Fatalf("small dataset: %d samples, want 6", len(ks))
@@ -224,28 +184,28 @@ func TestPrefetchTruncatedMappedShard(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	want := writeShards(t, other, 2, 3)
-	d := startDatasetDaemon(t, nil, "--dataset-allow", big+","+other)
-	c := d.client()
+	want := daemontest.WriteShards(t, other, 2, 3)
+	d := daemontest.StartEnv(t, "", nil, "--dataset-allow", big+","+other)
+	c := d.Client()
 	req := ckptd.DatasetRequest{Source: big, BatchSize: 4, WorldSize: 1}
-	ds, err := c.Dataset(ctxT(t), &req) // epoch 0: every shard mapped and cached
+	ds, err := c.Dataset(daemontest.Ctx(t), &req) // epoch 0: every shard mapped and cached
 	if err != nil {
 		t.Fatal(err)
 	}
 	for b := []ckptd.Sample{{}}; b != nil && err == nil; {
-		b, err = ds.Next(ctxT(t))
+		b, err = ds.Next(daemontest.Ctx(t))
 	}
-	ds.Close(ctxT(t))
+	ds.Close(daemontest.Ctx(t))
 	if err != nil {
 		t.Fatal(err)
 	}
 	req.Epoch = 1
-	ds, err = c.Dataset(ctxT(t), &req)
+	ds, err = c.Dataset(daemontest.Ctx(t), &req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ds.Close(ctxT(t))
-	if _, err := ds.Next(ctxT(t)); err != nil { // the daemon is at most ~28 samples in: shard 3 of 3 is not read yet
+	defer ds.Close(daemontest.Ctx(t))
+	if _, err := ds.Next(daemontest.Ctx(t)); err != nil { // the daemon is at most ~28 samples in: shard 3 of 3 is not read yet
 		t.Fatal(err)
 	}
 	for s := range 3 {
@@ -254,9 +214,9 @@ func TestPrefetchTruncatedMappedShard(t *testing.T) {
 		}
 	}
 	for b := []ckptd.Sample{{}}; b != nil && err == nil; {
-		b, err = ds.Next(ctxT(t))
+		b, err = ds.Next(daemontest.Ctx(t))
 	}
-	if status.Code(unwrapStatus(err)) != codes.DataLoss || !strings.Contains(fmt.Sprint(err), "changed while it was read") {
+	if status.Code(daemontest.UnwrapStatus(err)) != codes.DataLoss || !strings.Contains(fmt.Sprint(err), "changed while it was read") {
 		t.Fatalf("epoch over truncated mapped shards: %v, want DATA_LOSS saying the shard changed", err)
 	}
 	if ks, _ := epoch(t, c, ckptd.DatasetRequest{Source: other, BatchSize: 2, WorldSize: 1}, want); len(ks) != 6 {
@@ -269,14 +229,14 @@ func TestPrefetchTruncatedMappedShard(t *testing.T) {
 // it, datasets on other sources are served without waiting for it.
 func TestPrefetchDeadSource(t *testing.T) {
 	data := t.TempDir()
-	want := writeShards(t, data, 2, 3)
-	dead := "http://" + closedAddr(t)
-	d := startDatasetDaemon(t, []string{"AWS_ACCESS_KEY_ID=k", "AWS_SECRET_ACCESS_KEY=s"},
+	want := daemontest.WriteShards(t, data, 2, 3)
+	dead := "http://" + daemontest.ClosedAddr(t)
+	d := daemontest.StartEnv(t, "", []string{"AWS_ACCESS_KEY_ID=k", "AWS_SECRET_ACCESS_KEY=s"},
 		"--s3-endpoint", dead, "--s3-region", "us-east-1", "--s3-retry-deadline", "10s", "--dataset-allow", data+",s3://bucket")
-	c := d.client()
+	c := d.Client()
 	deadErr := make(chan error, 1)
 	go func() {
-		_, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: "s3://bucket/shards", BatchSize: 1, WorldSize: 1})
+		_, err := c.Dataset(daemontest.Ctx(t), &ckptd.DatasetRequest{Source: "s3://bucket/shards", BatchSize: 1, WorldSize: 1})
 		deadErr <- err
 	}()
 	time.Sleep(500 * time.Millisecond) // let the dead source's open start retrying
@@ -290,7 +250,7 @@ func TestPrefetchDeadSource(t *testing.T) {
 		t.Fatalf("live source: %d samples, want 6", len(ks))
 	}
 	err := <-deadErr
-	if status.Code(unwrapStatus(err)) != codes.Unavailable || !strings.Contains(fmt.Sprint(err), "storage unavailable") ||
+	if status.Code(daemontest.UnwrapStatus(err)) != codes.Unavailable || !strings.Contains(fmt.Sprint(err), "storage unavailable") ||
 		!strings.Contains(fmt.Sprint(err), dead) {
 		t.Fatalf("dead source: %v, want UNAVAILABLE naming the endpoint", err)
 	}
@@ -300,30 +260,30 @@ func TestPrefetchDeadSource(t *testing.T) {
 // arena): however many sessions open, a checkpoint save still finds room.
 func TestPrefetchRingsLeaveRoomForSaves(t *testing.T) {
 	data := t.TempDir()
-	want := writeShards(t, data, 2, 10)
-	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--staging-bytes", "32MiB", "--staging-wait", "1s", "--ring-slots", "2", "--slot-bytes", "4MiB")
-	c := d.client()
+	want := daemontest.WriteShards(t, data, 2, 10)
+	d := daemontest.StartEnv(t, "", nil, "--dataset-allow", data, "--staging-bytes", "32MiB", "--staging-wait", "1s", "--ring-slots", "2", "--slot-bytes", "4MiB")
+	c := d.Client()
 	var open []*ckptd.Dataset
 	for range 2 {
-		ds, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 4, WorldSize: 1})
+		ds, err := c.Dataset(daemontest.Ctx(t), &ckptd.DatasetRequest{Source: data, BatchSize: 4, WorldSize: 1})
 		if err != nil {
 			t.Fatal(err)
 		}
 		open = append(open, ds)
 	}
-	_, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 4, WorldSize: 1})
-	if status.Code(unwrapStatus(err)) != codes.ResourceExhausted || !strings.Contains(fmt.Sprint(err), "--dataset-arena-bytes") {
+	_, err := c.Dataset(daemontest.Ctx(t), &ckptd.DatasetRequest{Source: data, BatchSize: 4, WorldSize: 1})
+	if status.Code(daemontest.UnwrapStatus(err)) != codes.ResourceExhausted || !strings.Contains(fmt.Sprint(err), "--dataset-arena-bytes") {
 		t.Fatalf("a third 8 MiB ring in a 16 MiB share: %v, want RESOURCE_EXHAUSTED naming --dataset-arena-bytes", err)
 	}
-	h, err := c.Save(ctxT(t), shard(1, 0, 1)) // 6 MiB
+	h, err := c.Save(daemontest.Ctx(t), daemontest.Shard(1, 0, 1)) // 6 MiB
 	if err != nil {
 		t.Fatalf("a save with the datasets' share in use: %v", err)
 	}
-	if err := h.Wait(ctxT(t)); err != nil {
+	if err := h.Wait(daemontest.Ctx(t)); err != nil {
 		t.Fatal(err)
 	}
 	for _, ds := range open {
-		_ = ds.Close(ctxT(t))
+		_ = ds.Close(daemontest.Ctx(t))
 	}
 	if ks, _ := epoch(t, c, ckptd.DatasetRequest{Source: data, BatchSize: 4, WorldSize: 1}, want); len(ks) != 20 {
 		t.Fatalf("after closing: %d samples", len(ks))
@@ -341,8 +301,8 @@ func TestPrefetchSourcesAreDenyByDefault(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	want := writeShards(t, data, 1, 3)
-	secret := writeShards(t, outside, 1, 3)
+	want := daemontest.WriteShards(t, data, 1, 3)
+	secret := daemontest.WriteShards(t, outside, 1, 3)
 	if err := os.Symlink(outside, filepath.Join(data, "link")); err != nil {
 		t.Fatal(err)
 	}
@@ -350,15 +310,15 @@ func TestPrefetchSourcesAreDenyByDefault(t *testing.T) {
 		return &ckptd.DatasetRequest{Source: source, BatchSize: 10, WorldSize: 1}
 	}
 	// No --dataset-allow: no datasets at all, and the error says how to allow some.
-	d := startDatasetDaemon(t, nil)
-	_, err := d.client().Dataset(ctxT(t), req(data))
-	if status.Code(unwrapStatus(err)) != codes.PermissionDenied || !strings.Contains(fmt.Sprint(err), "--dataset-allow") {
+	d := daemontest.StartEnv(t, "", nil)
+	_, err := d.Client().Dataset(daemontest.Ctx(t), req(data))
+	if status.Code(daemontest.UnwrapStatus(err)) != codes.PermissionDenied || !strings.Contains(fmt.Sprint(err), "--dataset-allow") {
 		t.Fatalf("no --dataset-allow: %v, want PERMISSION_DENIED naming the flag", err)
 	}
-	d.stop()
+	d.Stop()
 
-	d = startDatasetDaemon(t, nil, "--dataset-allow", data+",s3://bucket/team-a", "--dataset-allow", "/dev/shm")
-	c := d.client()
+	d = daemontest.StartEnv(t, "", nil, "--dataset-allow", data+",s3://bucket/team-a", "--dataset-allow", "/dev/shm")
+	c := d.Client()
 	if ks, _ := epoch(t, c, *req(data), want); len(ks) != 3 {
 		t.Fatalf("the allowed folder: %d samples", len(ks))
 	}
@@ -367,16 +327,16 @@ func TestPrefetchSourcesAreDenyByDefault(t *testing.T) {
 		data + "/../outside",
 		data + "/link",
 		"file://" + data + "/link",
-		d.arena,                 // beneath an allowed folder, yet never a source
-		d.arena + "/journal",    // the journal of staged saves
+		d.Arena,                 // beneath an allowed folder, yet never a source
+		d.Arena + "/journal",    // the journal of staged saves
 		"/dev/shm",              // it holds the arena
 		root + "/data-and-more", // /data does not allow /data-and-more
 		"s3://bucket/team-b",
 		"s3://other/team-a",
 		"s3://bucket/team-a-and-more",
 	} {
-		_, err := c.Dataset(ctxT(t), req(source))
-		if status.Code(unwrapStatus(err)) != codes.PermissionDenied || !strings.Contains(fmt.Sprint(err), "not allowed") {
+		_, err := c.Dataset(daemontest.Ctx(t), req(source))
+		if status.Code(daemontest.UnwrapStatus(err)) != codes.PermissionDenied || !strings.Contains(fmt.Sprint(err), "not allowed") {
 			t.Errorf("%s: %v, want PERMISSION_DENIED", source, err)
 		}
 		for key := range secret {
@@ -391,19 +351,19 @@ func TestPrefetchSourcesAreDenyByDefault(t *testing.T) {
 // slots, a few leaked deliveries would stall the epoch for good.
 func TestPrefetchTimedOutCallsLeakNoSlot(t *testing.T) {
 	data := t.TempDir()
-	want := writeShards(t, data, 4, 25)
-	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--ring-slots", "2", "--slot-bytes", "64KiB")
-	c := d.client()
-	ds, err := c.Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1})
+	want := daemontest.WriteShards(t, data, 4, 25)
+	d := daemontest.StartEnv(t, "", nil, "--dataset-allow", data, "--ring-slots", "2", "--slot-bytes", "64KiB")
+	c := d.Client()
+	ds, err := c.Dataset(daemontest.Ctx(t), &ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ds.Close(ctxT(t))
+	defer ds.Close(daemontest.Ctx(t))
 	seen := map[string]bool{}
 	timeouts := 0
 	for i := 0; ; i++ {
 		for j := range 4 { // deadlines from 0 to 1.5 ms: some expire as the batch is answered
-			ctx, cancel := context.WithTimeout(ctxT(t), time.Duration(j)*500*time.Microsecond)
+			ctx, cancel := context.WithTimeout(daemontest.Ctx(t), time.Duration(j)*500*time.Microsecond)
 			batch, err := ds.Next(ctx)
 			cancel()
 			if err != nil {
@@ -420,7 +380,7 @@ func TestPrefetchTimedOutCallsLeakNoSlot(t *testing.T) {
 				seen[s.Key] = true
 			}
 		}
-		batch, err := ds.Next(ctxT(t))
+		batch, err := ds.Next(daemontest.Ctx(t))
 		if err != nil {
 			t.Fatalf("after %d timed-out calls: %v", timeouts, err)
 		}
@@ -453,7 +413,7 @@ func TestPrefetchMemoryIsBounded(t *testing.T) {
 	data := t.TempDir()
 	const big, per = 100, 3 << 20 // the large shard: 100 samples of 3 MiB
 	writeSparseShard(t, filepath.Join(data, "big.tar"), big, per)
-	want := writeShards(t, data, 24, 8) // and small shards, read whole and cached
+	want := daemontest.WriteShards(t, data, 24, 8) // and small shards, read whole and cached
 	for i := range big {
 		want[fmt.Sprintf("big/%04d", i)] = ""
 	}
@@ -465,17 +425,12 @@ func TestPrefetchMemoryIsBounded(t *testing.T) {
 		memMargin = 64 << 20 // the Go runtime, gRPC, the checkpoint side, and the garbage collector's headroom
 	)
 	// The race detector multiplies memory: measure a plain build.
-	plain := filepath.Join(t.TempDir(), "ckptd")
-	if out, err := exec.Command("go", "build", "-o", plain, "../cmd/ckptd").CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
-	raced := ckptdBin
-	ckptdBin = plain
-	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--staging-bytes", "64MiB", "--cache-bytes", "16MiB",
-		"--read-ahead-bytes", "32MiB", "--ring-slots", "2", "--slot-bytes", "8MiB", "--dataset-arena-bytes", "32MiB")
-	ckptdBin = raced
-	idle := peakRSS(t, d.cmd.Process.Pid)
-	c := d.client()
+	d := daemontest.New(t, "", "", append(append([]string{}, daemontest.DefaultArgs...), "--dataset-allow", data, "--staging-bytes", "64MiB",
+		"--cache-bytes", "16MiB", "--read-ahead-bytes", "32MiB", "--ring-slots", "2", "--slot-bytes", "8MiB", "--dataset-arena-bytes", "32MiB")...)
+	d.Bin = daemontest.PlainBin(t)
+	d.Start()
+	idle := peakRSS(t, d.Cmd.Process.Pid)
+	c := d.Client()
 	var mu sync.Mutex
 	seen := map[string]bool{}
 	var wg sync.WaitGroup
@@ -503,7 +458,7 @@ func TestPrefetchMemoryIsBounded(t *testing.T) {
 	if len(seen) != len(want) {
 		t.Fatalf("%d samples delivered, want %d", len(seen), len(want))
 	}
-	hwm := peakRSS(t, d.cmd.Process.Pid)
+	hwm := peakRSS(t, d.Cmd.Process.Pid)
 	bound := int64(staging + cache + sessions*(readAhead+2*4<<20+256<<10) + memMargin)
 	t.Logf("peak RSS %d MiB (%d MiB once started); bound %d MiB (arena 64 + cache 16 + 2 sessions × 40.25 + margin 64)", hwm>>20, idle>>20, bound>>20)
 	if hwm > bound {
@@ -601,17 +556,17 @@ func peakRSS(t *testing.T, pid int) int64 {
 // it may grow to) and its read-ahead (held, and the pacer's target).
 func TestStatusShowsDatasetRings(t *testing.T) {
 	data := t.TempDir()
-	writeShards(t, data, 4, 10)
-	d := startDatasetDaemon(t, nil, "--dataset-allow", data, "--slot-bytes", "64KiB", "--ring-slots", "2", "--ring-slots-max", "5")
-	ds, err := d.client().Dataset(ctxT(t), &ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1})
+	daemontest.WriteShards(t, data, 4, 10)
+	d := daemontest.StartEnv(t, "", nil, "--dataset-allow", data, "--slot-bytes", "64KiB", "--ring-slots", "2", "--ring-slots-max", "5")
+	ds, err := d.Client().Dataset(daemontest.Ctx(t), &ckptd.DatasetRequest{Source: data, BatchSize: 2, WorldSize: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ds.Close(context.Background())
-	if _, err := ds.Next(ctxT(t)); err != nil {
+	if _, err := ds.Next(daemontest.Ctx(t)); err != nil {
 		t.Fatal(err)
 	}
-	st := statusJSON(t, d.socket)
+	st := daemontest.StatusJSON(t, d.Socket)
 	if len(st.GetDatasets()) != 1 {
 		t.Fatalf("%d dataset sessions in the status; want 1", len(st.GetDatasets()))
 	}
@@ -619,7 +574,7 @@ func TestStatusShowsDatasetRings(t *testing.T) {
 	if s.GetRingSlots() != 2 || s.GetRingSlotsMax() != 5 || s.GetReadAheadTarget() <= 0 {
 		t.Fatalf("dataset session %v: want a ring of 2 of 5 slots and a read-ahead target", s)
 	}
-	out, stderr, err := ckptdCLI(t, "status", "--socket", d.socket)
+	out, stderr, err := daemontest.CLI(t, "status", "--socket", d.Socket)
 	if err != nil {
 		t.Fatalf("ckptd status: %v\n%s", err, stderr)
 	}

@@ -1,4 +1,4 @@
-package test
+package hostile
 
 import (
 	"bufio"
@@ -12,7 +12,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -21,7 +20,9 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
+	"github.com/ckptd/ckptd/internal/testtime"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
+	"github.com/ckptd/ckptd/test/daemontest"
 )
 
 // The hostile-client suite: every request a buggy or malicious client can
@@ -48,21 +49,8 @@ const (
 	hostileDataLimit = 512 << 20
 )
 
-var plainBin = sync.OnceValues(func() (string, error) {
-	dir, err := os.MkdirTemp("", "ckptd-plain-bin")
-	if err != nil {
-		return "", err
-	}
-	bin := filepath.Join(dir, "ckptd")
-	out, err := exec.Command("go", "build", "-o", bin, "../cmd/ckptd").CombinedOutput()
-	if err != nil {
-		return "", fmt.Errorf("go build: %v\n%s", err, out)
-	}
-	return bin, nil
-})
-
 type hostile struct {
-	*daemon
+	*daemontest.Daemon
 	metrics string
 	good    *ckptd.SaveRequest
 	data    string // a dataset folder the daemon allows
@@ -70,29 +58,20 @@ type hostile struct {
 
 func startHostile(t *testing.T) *hostile {
 	t.Helper()
-	bin, err := plainBin()
+	addr := daemontest.ClosedAddr(t)
+	data := t.TempDir()
+	daemontest.WriteShards(t, data, 8, 32)
+	d := daemontest.New(t, "", "", "--staging-bytes", strconv.Itoa(hostileStaging), "--tensor-table-bytes", strconv.Itoa(hostileTables),
+		"--staging-wait", "200ms", "--job", "e2e", "--metrics-addr", addr, "--dataset-allow", data, "--slot-bytes", "1MiB")
+	d.Bin, d.DataLimit = daemontest.PlainBin(t), hostileDataLimit
+	h := &hostile{Daemon: d, metrics: "http://" + addr + "/metrics", good: daemontest.Shard(1, 0, 1), data: data}
+	d.Start()
+	c := d.Client()
+	hd, err := c.Save(daemontest.Ctx(t), h.good)
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := closedAddr(t)
-	dir := t.TempDir()
-	d := &daemon{t: t, socket: filepath.Join(dir, "ckptd.sock"), storage: filepath.Join(dir, "store"),
-		arena: filepath.Join("/dev/shm", fmt.Sprintf("ckptd-test-%d-%d", os.Getpid(), arenaSeq.Add(1)))}
-	d.args = []string{"serve", "--socket", d.socket, "--storage", d.storage, "--arena-dir", d.arena,
-		"--staging-bytes", strconv.Itoa(hostileStaging), "--tensor-table-bytes", strconv.Itoa(hostileTables),
-		"--staging-wait", "200ms", "--job", "e2e", "--metrics-addr", addr}
-	h := &hostile{daemon: d, metrics: "http://" + addr + "/metrics", good: shard(1, 0, 1), data: t.TempDir()}
-	writeShards(t, h.data, 8, 32)
-	d.args = append(d.args, "--dataset-allow", h.data, "--slot-bytes", "1MiB")
-	t.Cleanup(func() { d.stop(); os.RemoveAll(d.arena) })
-	d.bin, d.dataLimit = bin, hostileDataLimit
-	d.start()
-	c := d.client()
-	hd, err := c.Save(ctxT(t), h.good)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := hd.Wait(ctxT(t)); err != nil {
+	if err := hd.Wait(daemontest.Ctx(t)); err != nil {
 		t.Fatal(err)
 	}
 	return h
@@ -102,21 +81,21 @@ func startHostile(t *testing.T) *hostile {
 func (h *hostile) check(t *testing.T, attack string) {
 	t.Helper()
 	select {
-	case <-h.exited:
-		t.Fatalf("%s: the daemon died:\n%s", attack, h.logs())
+	case <-h.Exited():
+		t.Fatalf("%s: the daemon died:\n%s", attack, h.Logs())
 	default:
 	}
-	anon, peak := rssAnon(t, h.cmd.Process.Pid)
+	anon, peak := rssAnon(t, h.Cmd.Process.Pid)
 	t.Logf("%s: daemon alive, %d MiB anonymous memory, peak %d MiB", attack, anon>>20, peak>>20)
 	if peak > hostileTables+hostileMargin {
 		t.Errorf("%s: the daemon's anonymous memory peaked at %d MiB, more than its %d MiB table budget plus a %d MiB margin",
 			attack, peak>>20, hostileTables>>20, hostileMargin>>20)
 	}
-	got, err := h.client().Load(ctxT(t), &ckptd.LoadRequest{Step: 1})
+	got, err := h.Client().Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 1})
 	if err != nil {
 		t.Fatalf("%s: the good step no longer restores: %v", attack, err)
 	}
-	checkShard(t, got, h.good)
+	daemontest.CheckShard(t, got, h.good)
 }
 
 // rssAnon is a process's resident anonymous memory (its heap and stacks;
@@ -168,13 +147,13 @@ func wantCode(t *testing.T, attack string, err error, code codes.Code, reason st
 }
 
 func target(step int64) *pb.SaveTarget {
-	return &pb.SaveTarget{Step: step, WorldSize: 1, Attempt: testAttempt}
+	return &pb.SaveTarget{Step: step, WorldSize: 1, Attempt: daemontest.Attempt}
 }
 
 func TestHostileRequests(t *testing.T) {
 	h := startHostile(t)
-	api := h.client().API()
-	ctx := ctxT(t)
+	api := h.Client().API()
+	ctx := daemontest.Ctx(t)
 
 	// 2^62 bytes at offset 2^62: the region's end wraps past int64.
 	_, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(2), Tensors: []*pb.Tensor{
@@ -183,15 +162,15 @@ func TestHostileRequests(t *testing.T) {
 	wantCode(t, "2^62 overflow", err, codes.InvalidArgument, "INVALID")
 	h.check(t, "2^62 overflow")
 
-	_, err = api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(2), Tensors: []*pb.Tensor{f32Tensor("__metadata__", 0, 1)}})
+	_, err = api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(2), Tensors: []*pb.Tensor{daemontest.F32Tensor("__metadata__", 0, 1)}})
 	wantCode(t, "__metadata__ tensor", err, codes.InvalidArgument, "INVALID")
 	for _, a := range []string{"", "Upper", "../x", ".", "..", "a/b", strings.Repeat("a", 65)} {
 		_, err = api.BeginSave(ctx, &pb.BeginSaveRequest{Target: &pb.SaveTarget{Step: 2, WorldSize: 1, Attempt: a},
-			Tensors: []*pb.Tensor{f32Tensor("a", 0, 1)}})
+			Tensors: []*pb.Tensor{daemontest.F32Tensor("a", 0, 1)}})
 		wantCode(t, fmt.Sprintf("attempt %q", a), err, codes.InvalidArgument, "INVALID")
 	}
 
-	lease, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(3), Tensors: []*pb.Tensor{f32Tensor("a", 0, 1)}})
+	lease, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(3), Tensors: []*pb.Tensor{daemontest.F32Tensor("a", 0, 1)}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -235,12 +214,12 @@ func TestDeadClientFrees(t *testing.T) {
 	h := startHostile(t)
 	for _, act := range []string{"hold-save", "hold-restores", "hold-dataset"} {
 		t.Run(act, func(t *testing.T) {
-			proc, err := holdAndWait(t, h.socket, act, "CKPTD_TEST_DATA="+h.data)
+			proc, err := holdAndWait(t, h.Socket, act, "CKPTD_TEST_DATA="+h.data)
 			if err != nil {
 				t.Fatal(err)
 			}
 			held := func() float64 {
-				a := statusJSON(t, h.socket).GetArena()
+				a := daemontest.StatusJSON(t, h.Socket).GetArena()
 				return float64(a.GetStaging()+a.GetRestores()+a.GetDatasets()) + h.metric(t, "ckptd_prefetch_sessions")
 			}
 			if used := held(); used < 1<<20 {
@@ -248,23 +227,19 @@ func TestDeadClientFrees(t *testing.T) {
 			}
 			_ = proc.Process.Signal(syscall.SIGKILL)
 			_ = proc.Wait()
-			start := time.Now()
-			for held() > 0 {
-				if time.Since(start) > 5*time.Second {
-					t.Fatalf("the dead client's regions or sessions are still held after 5s:\n%s", h.logs())
-				}
-				time.Sleep(20 * time.Millisecond)
+			if !testtime.Within(10*time.Second, func() bool { return held() == 0 }) {
+				t.Fatalf("the dead client's regions or sessions are still held after %v:\n%s", testtime.Scale(10*time.Second), h.Logs())
 			}
 			// The restarted trainer saves the same rank of the same step.
-			big := shard(2, 0, 1)
+			big := daemontest.Shard(2, 0, 1)
 			big.Tensors[0].Data = make([]byte, 48<<20)
 			big.Tensors[0].Shape = []int64{12 << 20}
 			if act == "hold-save" {
-				hd, err := h.client().Save(ctxT(t), big)
+				hd, err := h.Client().Save(daemontest.Ctx(t), big)
 				if err != nil {
 					t.Fatalf("re-save after the trainer died: %v", err)
 				}
-				if err := hd.Wait(ctxT(t)); err != nil {
+				if err := hd.Wait(daemontest.Ctx(t)); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -277,7 +252,7 @@ func TestDeadClientFrees(t *testing.T) {
 // to be killed; it returns once the space is held.
 func holdAndWait(t *testing.T, socket, act string, env ...string) (*exec.Cmd, error) {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd := daemontest.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(append(os.Environ(), "CKPTD_TEST_ACT="+act, "CKPTD_TEST_SOCKET="+socket), env...)
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -328,54 +303,54 @@ func holdAct(ctx context.Context, c *ckptd.Client, act string) error {
 // into a crash loop.
 func TestPoisonedJournalQuarantined(t *testing.T) {
 	h := startHostile(t)
-	h.stop()
+	h.Stop()
 	entry := `{"lease":"poison","offset":0,"length":0,"target":{"Job":"e2e","Step":5,"Rank":0,"WorldSize":1,"Attempt":"run1"},` +
 		`"tensors":[{"name":"a","dtype":"U8","shape":[4611686018427387904],"offset":4611686018427387904,"length":4611686018427387904},` +
 		`{"name":"b","dtype":"U8","shape":[4611686018427387904],"offset":6917529027641081856,"length":4611686018427387904}],"metadata":null,"staged_at":"2026-01-01T00:00:00Z"}`
-	if err := os.MkdirAll(filepath.Join(h.arena, "journal"), 0o700); err != nil { // a clean stop removed the arena
+	if err := os.MkdirAll(filepath.Join(h.Arena, "journal"), 0o700); err != nil { // a clean stop removed the arena
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(h.arena, "journal", "poison"), []byte(entry), 0o600); err != nil {
+	if err := os.WriteFile(filepath.Join(h.Arena, "journal", "poison"), []byte(entry), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	h.start()
+	h.Start()
 	h.check(t, "poisoned journal")
-	if h.metric(t, "ckptd_journal_quarantined_total") != 1 || !strings.Contains(h.logs(), "journal entry unusable; set aside") {
-		t.Fatalf("the poisoned entry was not set aside:\n%s", h.logs())
+	if h.metric(t, "ckptd_journal_quarantined_total") != 1 || !strings.Contains(h.Logs(), "journal entry unusable; set aside") {
+		t.Fatalf("the poisoned entry was not set aside:\n%s", h.Logs())
 	}
-	h.kill9()
-	h.start() // and again: it must not come back
+	h.Kill9()
+	h.Start() // and again: it must not come back
 	h.check(t, "restart after the quarantine")
-	if n := strings.Count(h.logs(), "journal entry unusable"); n != 1 {
-		t.Fatalf("the poisoned entry came back (%d times):\n%s", n, h.logs())
+	if n := strings.Count(h.Logs(), "journal entry unusable"); n != 1 {
+		t.Fatalf("the poisoned entry came back (%d times):\n%s", n, h.Logs())
 	}
 }
 
 // A damaged commit record of a newer step does not hide the older ones.
 func TestDamagedCommitRecord(t *testing.T) {
 	h := startHostile(t)
-	c := h.client()
-	hd, err := c.Save(ctxT(t), shard(2, 0, 1))
+	c := h.Client()
+	hd, err := c.Save(daemontest.Ctx(t), daemontest.Shard(2, 0, 1))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := hd.Wait(ctxT(t)); err != nil {
+	if err := hd.Wait(daemontest.Ctx(t)); err != nil {
 		t.Fatal(err)
 	}
-	commit := filepath.Join(h.storage, "e2e/steps/000000000002/COMMIT.json")
+	commit := filepath.Join(h.Storage, "e2e/steps/000000000002/COMMIT.json")
 	data, _ := os.ReadFile(commit)
 	if err := os.WriteFile(commit, data[:len(data)/2], 0o600); err != nil {
 		t.Fatal(err)
 	}
-	steps, err := c.Steps(ctxT(t), "")
+	steps, err := c.Steps(daemontest.Ctx(t), "")
 	if err != nil || len(steps) != 1 || steps[0].Step != 1 {
 		t.Fatalf("Steps with a damaged newer record = %+v, %v", steps, err)
 	}
-	got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Latest: true})
+	got, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Latest: true})
 	if err != nil || got.Step != 1 {
 		t.Fatalf("load latest: %v", err)
 	}
-	out, stderr, err := ckptdCLI(t, "list", "--storage", h.storage, "--job", "e2e")
+	out, stderr, err := daemontest.CLI(t, "list", "--storage", h.Storage, "--job", "e2e")
 	if err != nil || !strings.Contains(stderr, "step=2") || !bytes.Contains([]byte(out), []byte("\n1 ")) {
 		t.Fatalf("list: %v\n%s\n%s", err, out, stderr)
 	}
@@ -389,31 +364,31 @@ func TestDamagedCommitRecord(t *testing.T) {
 // of the step before still work.
 func TestDamagedManifest(t *testing.T) {
 	h := startHostile(t)
-	c := h.client()
+	c := h.Client()
 	for _, step := range []int64{2, 3} {
-		saveAndWait(t, c, shard(step, 0, 2), shard(step, 1, 2))
+		daemontest.SaveAndWait(t, c, daemontest.Shard(step, 0, 2), daemontest.Shard(step, 1, 2))
 	}
-	manifest := filepath.Join(h.storage, "e2e/steps/000000000003", testAttempt, "rank-00001.manifest.json")
+	manifest := filepath.Join(h.Storage, "e2e/steps/000000000003", daemontest.Attempt, "rank-00001.manifest.json")
 	if err := os.Truncate(manifest, 100); err != nil {
 		t.Fatal(err)
 	}
-	_, err := c.Load(ctxT(t), &ckptd.LoadRequest{Latest: true, Rank: 1})
+	_, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Latest: true, Rank: 1})
 	wantCode(t, "load latest of the damaged rank", err, codes.DataLoss, "CORRUPT")
 	if err == nil || !strings.Contains(err.Error(), "does not fall back") {
 		t.Fatalf("load latest of the damaged rank: %v", err)
 	}
-	if got, err := c.Load(ctxT(t), &ckptd.LoadRequest{Latest: true, Rank: 0}); err != nil || got.Step != 3 {
+	if got, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Latest: true, Rank: 0}); err != nil || got.Step != 3 {
 		t.Fatalf("load latest of the good rank: %v", err)
 	}
 	out := t.TempDir()
-	_, stderr, err := ckptdCLI(t, "restore", "--storage", h.storage, "--job", "e2e", "--latest", "--out", out)
+	_, stderr, err := daemontest.CLI(t, "restore", "--storage", h.Storage, "--job", "e2e", "--latest", "--out", out)
 	if err != nil || !strings.Contains(stderr, "step=3") {
 		t.Fatalf("restore --latest past a damaged manifest: %v\n%s", err, stderr)
 	}
 	if meta, err := os.ReadFile(filepath.Join(out, "metadata.json")); err != nil || !strings.Contains(string(meta), `"step": 2`) {
 		t.Fatalf("restore --latest restored %s, %v; want step 2", meta, err)
 	}
-	stdout, stderr, err := ckptdCLI(t, "prune", "--storage", h.storage, "--job", "e2e", "--keep-last", "3")
+	stdout, stderr, err := daemontest.CLI(t, "prune", "--storage", h.Storage, "--job", "e2e", "--keep-last", "3")
 	if err != nil || !strings.Contains(stdout, "left alone: steps [3]") {
 		t.Fatalf("prune with a damaged kept manifest: %v\n%s%s", err, stdout, stderr)
 	}
@@ -425,17 +400,17 @@ func TestDamagedManifest(t *testing.T) {
 // BeginRestore in a loop is refused with OVER_BUDGET, and its connection's
 // end gives the budget back.
 func TestRestoreLeasesAreBounded(t *testing.T) {
-	d := startDaemon(t, "", "--tensor-table-bytes", "64KiB")
-	c := d.client()
+	d := daemontest.Start(t, "", "--tensor-table-bytes", "64KiB")
+	c := d.Client()
 	empty := &ckptd.SaveRequest{Step: 1, WorldSize: 1, Tensors: []ckptd.Tensor{{Name: "e", DType: "F32", Shape: []int64{0}}}}
-	saveAndWait(t, c, empty)
-	hog, err := ckptd.Dial(d.socket, ckptd.WithAttempt(testAttempt))
+	daemontest.SaveAndWait(t, c, empty)
+	hog, err := ckptd.Dial(d.Socket, ckptd.WithAttempt(daemontest.Attempt))
 	if err != nil {
 		t.Fatal(err)
 	}
 	held := 0
 	for ; held < 1000; held++ {
-		if _, err = hog.API().BeginRestore(ctxT(t), &pb.BeginRestoreRequest{Step: 1}); err != nil {
+		if _, err = hog.API().BeginRestore(daemontest.Ctx(t), &pb.BeginRestoreRequest{Step: 1}); err != nil {
 			break
 		}
 	}
@@ -444,11 +419,8 @@ func TestRestoreLeasesAreBounded(t *testing.T) {
 		t.Fatalf("%d restore leases held before the refusal; want some, at most 64 KiB / 1 KiB", held)
 	}
 	hog.Close()
-	for start := time.Now(); ; time.Sleep(20 * time.Millisecond) {
-		if _, err := c.Load(ctxT(t), &ckptd.LoadRequest{Step: 1}); err == nil {
-			break
-		} else if time.Since(start) > 5*time.Second {
-			t.Fatalf("the closed connection's restore leases still hold the budget: %v", err)
-		}
-	}
+	testtime.Until(t, 10*time.Second, "the closed connection's restore leases give the budget back", func() bool {
+		_, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 1})
+		return err == nil
+	})
 }

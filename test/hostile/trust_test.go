@@ -1,4 +1,4 @@
-package test
+package hostile
 
 import (
 	"context"
@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -18,7 +17,9 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
+	"github.com/ckptd/ckptd/internal/testtime"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
+	"github.com/ckptd/ckptd/test/daemontest"
 )
 
 // The trust tests play a second local user: the test binary runs itself
@@ -42,9 +43,9 @@ func actAsOther(t *testing.T, groups []uint32, env ...string) string {
 		}
 		t.Skip("needs root to play another user")
 	}
-	cmd := exec.Command(otherBinary(t), "-test.run=^$")
+	cmd := daemontest.Command(otherBinary(t), "-test.run=^$")
 	cmd.Env = append(os.Environ(), env...)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: otherUID, Gid: otherUID, Groups: groups}}
+	cmd.SysProcAttr.Credential = &syscall.Credential{Uid: otherUID, Gid: otherUID, Groups: groups}
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		t.Fatalf("helper as uid %d: %v\n%s", otherUID, err, out)
@@ -114,7 +115,7 @@ func runAct(act string) {
 	case "getarena":
 		_, err = c.API().GetArena(ctx, &pb.GetArenaRequest{})
 	case "save":
-		_, err = c.Save(ctx, shard(1, 0, 1))
+		_, err = c.Save(ctx, daemontest.Shard(1, 0, 1))
 	case "release":
 		_, err = c.API().ReleaseRegion(ctx, &pb.ReleaseRegionRequest{LeaseId: os.Getenv("CKPTD_TEST_LEASE")})
 	case "readjournal":
@@ -172,18 +173,18 @@ func rawConn(socket string) (*grpc.ClientConn, error) {
 // goodStep is a step a trust test saves before its attacks; check
 // restores it after each, through a new connection, byte for byte.
 type goodStep struct {
-	d    *daemon
+	d    *daemontest.Daemon
 	want *ckptd.SaveRequest
 }
 
-func saveGood(t *testing.T, d *daemon, step int64) *goodStep {
+func saveGood(t *testing.T, d *daemontest.Daemon, step int64) *goodStep {
 	t.Helper()
-	g := &goodStep{d: d, want: shard(step, 0, 1)}
-	h, err := d.client().Save(ctxT(t), g.want)
+	g := &goodStep{d: d, want: daemontest.Shard(step, 0, 1)}
+	h, err := d.Client().Save(daemontest.Ctx(t), g.want)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := h.Wait(ctxT(t)); err != nil {
+	if err := h.Wait(daemontest.Ctx(t)); err != nil {
 		t.Fatal(err)
 	}
 	return g
@@ -194,32 +195,28 @@ func saveGood(t *testing.T, d *daemon, step int64) *goodStep {
 func (g *goodStep) check(t *testing.T, attack string) {
 	t.Helper()
 	select {
-	case <-g.d.exited:
-		t.Fatalf("%s: the daemon died:\n%s", attack, g.d.logs())
+	case <-g.d.Exited():
+		t.Fatalf("%s: the daemon died:\n%s", attack, g.d.Logs())
 	default:
 	}
-	got, err := g.d.client().Load(ctxT(t), &ckptd.LoadRequest{Step: g.want.Step})
+	got, err := g.d.Client().Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: g.want.Step})
 	if err != nil {
 		t.Fatalf("%s: the good step no longer restores: %v", attack, err)
 	}
-	checkShard(t, got, g.want)
+	daemontest.CheckShard(t, got, g.want)
 }
 
 // startOpenDaemon starts a daemon whose socket folder others can enter.
-func startOpenDaemon(t *testing.T, extra ...string) *daemon {
+func startOpenDaemon(t *testing.T, extra ...string) *daemontest.Daemon {
 	t.Helper()
 	return startDaemonIn(t, openDir(t), extra...)
 }
 
 // startDaemonIn starts a daemon whose socket is dir/ckptd.sock.
-func startDaemonIn(t *testing.T, dir string, extra ...string) *daemon {
+func startDaemonIn(t *testing.T, dir string, extra ...string) *daemontest.Daemon {
 	t.Helper()
-	d := &daemon{t: t, socket: filepath.Join(dir, "ckptd.sock"), storage: filepath.Join(t.TempDir(), "store"),
-		arena: filepath.Join("/dev/shm", fmt.Sprintf("ckptd-test-%d-%d", os.Getpid(), arenaSeq.Add(1)))}
-	d.args = append([]string{"serve", "--socket", d.socket, "--storage", d.storage, "--arena-dir", d.arena,
-		"--staging-bytes", "64MiB", "--job", "e2e"}, extra...)
-	t.Cleanup(func() { d.stop(); os.RemoveAll(d.arena) })
-	d.start()
+	d := daemontest.New(t, filepath.Join(dir, "ckptd.sock"), "", append([]string{"--staging-bytes", "64MiB", "--job", "e2e"}, extra...)...)
+	d.Start()
 	return d
 }
 
@@ -228,10 +225,10 @@ func startDaemonIn(t *testing.T, dir string, extra ...string) *daemon {
 // regions. A step saved before restores intact after each attempt.
 func TestPeerCredentials(t *testing.T) {
 	allowed := openDir(t)
-	writeShards(t, allowed, 1, 2)
+	daemontest.WriteShards(t, allowed, 1, 2)
 	d := startOpenDaemon(t, "--socket-group", strconv.Itoa(shareGID), "--dataset-allow", allowed, "--slot-bytes", "1MiB")
 	good := saveGood(t, d, 50)
-	env := []string{"CKPTD_TEST_SOCKET=" + d.socket, "CKPTD_DAEMON_UID=0"}
+	env := []string{"CKPTD_TEST_SOCKET=" + d.Socket, "CKPTD_DAEMON_UID=0"}
 
 	// A non-member is stopped by the socket's mode (0660, of the group),
 	// and the Go client says what would let it in (in words that may
@@ -244,14 +241,14 @@ func TestPeerCredentials(t *testing.T) {
 	// A non-member who gets through the file mode (a socket made 0666 by
 	// mistake) is refused by the daemon, which names the uid, to the
 	// client and in its log.
-	if err := os.Chmod(d.socket, 0o666); err != nil {
+	if err := os.Chmod(d.Socket, 0o666); err != nil {
 		t.Fatal(err)
 	}
 	if got := actAsOther(t, nil, append(env, "CKPTD_TEST_ACT=getarena")...); !strings.Contains(got, "PERMISSION_DENIED") || !strings.Contains(got, "uid 65534") {
 		t.Fatalf("non-member: %s", got)
 	}
-	if line := logLine(d.logs(), "refusing a client"); !strings.Contains(line, "uid="+strconv.Itoa(otherUID)+" ") {
-		t.Errorf("the log line for the refused client does not name uid %d: %q\n%s", otherUID, line, d.logs())
+	if line := logLine(d.Logs(), "refusing a client"); !strings.Contains(line, "uid="+strconv.Itoa(otherUID)+" ") {
+		t.Errorf("the log line for the refused client does not name uid %d: %q\n%s", otherUID, line, d.Logs())
 	}
 	good.check(t, "non-member past the socket's mode")
 
@@ -260,7 +257,7 @@ func TestPeerCredentials(t *testing.T) {
 		t.Fatalf("member's save: %s", got)
 	}
 	good.check(t, "member's save")
-	if got := actAsOther(t, member, append(env, "CKPTD_TEST_ACT=readjournal", "CKPTD_TEST_JOURNAL="+filepath.Join(d.arena, "journal"))...); !strings.Contains(got, "permission denied") {
+	if got := actAsOther(t, member, append(env, "CKPTD_TEST_ACT=readjournal", "CKPTD_TEST_JOURNAL="+filepath.Join(d.Arena, "journal"))...); !strings.Contains(got, "permission denied") {
 		t.Fatalf("member read the journal: %s", got)
 	}
 	good.check(t, "member reading the journal")
@@ -270,7 +267,7 @@ func TestPeerCredentials(t *testing.T) {
 	if got := actAsOther(t, member, append(env, "CKPTD_TEST_ACT=dataset", "CKPTD_TEST_SOURCE="+allowed)...); got != "dataset: ok" {
 		t.Fatalf("member's dataset in the allowed folder: %s", got)
 	}
-	for _, src := range []string{d.storage, filepath.Join(d.arena, "journal"), allowed + "/../" + filepath.Base(d.storage)} {
+	for _, src := range []string{d.Storage, filepath.Join(d.Arena, "journal"), allowed + "/../" + filepath.Base(d.Storage)} {
 		if got := actAsOther(t, member, append(env, "CKPTD_TEST_ACT=dataset", "CKPTD_TEST_SOURCE="+src)...); !strings.Contains(got, "PERMISSION_DENIED") {
 			t.Fatalf("member's dataset %s: %s", src, got)
 		}
@@ -278,11 +275,11 @@ func TestPeerCredentials(t *testing.T) {
 	}
 
 	// A restore region of ours is not the member's to release.
-	c := d.client()
-	if err := waitStep(t, c, 1, 0); err != nil {
+	c := d.Client()
+	if err := daemontest.WaitStep(t, c, 1, 0); err != nil {
 		t.Fatal(err)
 	}
-	resp, err := c.API().BeginRestore(ctxT(t), &pb.BeginRestoreRequest{Step: 1})
+	resp, err := c.API().BeginRestore(daemontest.Ctx(t), &pb.BeginRestoreRequest{Step: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -290,7 +287,7 @@ func TestPeerCredentials(t *testing.T) {
 	if got := actAsOther(t, member, append(env, "CKPTD_TEST_ACT=release", "CKPTD_TEST_LEASE="+lease)...); !strings.Contains(got, "UNKNOWN_LEASE") {
 		t.Fatalf("member released our region: %s", got)
 	}
-	if _, err := c.API().ReleaseRegion(ctxT(t), &pb.ReleaseRegionRequest{LeaseId: lease}); err != nil {
+	if _, err := c.API().ReleaseRegion(daemontest.Ctx(t), &pb.ReleaseRegionRequest{LeaseId: lease}); err != nil {
 		t.Fatalf("our own release: %v", err)
 	}
 	good.check(t, "member releasing our region")
@@ -312,15 +309,15 @@ func logLine(logs, s string) string {
 // NOT_FOUND, as for ids never issued, and the owner goes on using them.
 func TestOthersObjectsAreNotFound(t *testing.T) {
 	allowed := openDir(t)
-	writeShards(t, allowed, 2, 4)
+	daemontest.WriteShards(t, allowed, 2, 4)
 	d := startOpenDaemon(t, "--socket-group", strconv.Itoa(shareGID), "--dataset-allow", allowed, "--slot-bytes", "1MiB")
 	good := saveGood(t, d, 50)
-	conn, err := rawConn(d.socket)
+	conn, err := rawConn(d.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	pf, api, ctx := pb.NewPrefetchClient(conn), pb.NewCheckpointClient(conn), ctxT(t)
+	pf, api, ctx := pb.NewPrefetchClient(conn), pb.NewCheckpointClient(conn), daemontest.Ctx(t)
 	open, err := pf.OpenDataset(ctx, &pb.OpenDatasetRequest{Source: allowed, BatchSize: 1, WorldSize: 1})
 	if err != nil {
 		t.Fatal(err)
@@ -333,7 +330,7 @@ func TestOthersObjectsAreNotFound(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	env := []string{"CKPTD_TEST_SOCKET=" + d.socket, "CKPTD_DAEMON_UID=0", "CKPTD_TEST_SOURCE=" + allowed,
+	env := []string{"CKPTD_TEST_SOCKET=" + d.Socket, "CKPTD_DAEMON_UID=0", "CKPTD_TEST_SOURCE=" + allowed,
 		"CKPTD_TEST_SESSION=" + open.GetSession(), "CKPTD_TEST_DELIVERY=" + batch.GetLease().GetId(), "CKPTD_TEST_LEASE=" + save.GetLease().GetId()}
 	for _, a := range []struct{ act, reason string }{
 		{"next-other", "UNKNOWN_SESSION"},
@@ -381,8 +378,8 @@ func TestSquattedSocketRefused(t *testing.T) {
 	}
 	d := startDaemonIn(t, dir)
 	good := saveGood(t, d, 1)
-	d.stop()
-	if _, err := os.Lstat(d.socket); !errors.Is(err, os.ErrNotExist) {
+	d.Stop()
+	if _, err := os.Lstat(d.Socket); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("our daemon left its socket behind: %v", err)
 	}
 	store := filepath.Join(dir, "rogue-store")
@@ -392,10 +389,10 @@ func TestSquattedSocketRefused(t *testing.T) {
 	if err := os.Chown(store, otherUID, otherUID); err != nil {
 		t.Fatal(err)
 	}
-	socket := d.socket
-	rogue := exec.Command(otherBinaryCkptd(t), "serve", "--socket", socket, "--storage", store,
-		"--arena-dir", fmt.Sprintf("/dev/shm/ckptd-rogue-%d", os.Getpid()), "--staging-bytes", "16MiB")
-	rogue.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: otherUID, Gid: otherUID}}
+	socket, arena := d.Socket, daemontest.ArenaDir()
+	rogue := daemontest.Command(otherBinaryCkptd(t), "serve", "--socket", socket, "--storage", store,
+		"--arena-dir", arena, "--staging-bytes", "16MiB")
+	rogue.SysProcAttr.Credential = &syscall.Credential{Uid: otherUID, Gid: otherUID}
 	logf, err := os.Create(filepath.Join(t.TempDir(), "rogue.log"))
 	if err != nil {
 		t.Fatal(err)
@@ -409,15 +406,10 @@ func TestSquattedSocketRefused(t *testing.T) {
 		_ = rogue.Process.Kill()
 		_ = rogue.Wait()
 		logf.Close()
-		os.RemoveAll(fmt.Sprintf("/dev/shm/ckptd-rogue-%d", os.Getpid()))
+		os.RemoveAll(arena)
 	})
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		if _, err := os.Stat(socket); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("rogue daemon did not start:\n%s", logs())
-		}
+	if !testtime.Within(time.Minute, func() bool { _, err := os.Stat(socket); return err == nil }) {
+		t.Fatalf("rogue daemon did not start:\n%s", logs())
 	}
 	c, err := ckptd.Dial(socket)
 	if err != nil {
@@ -426,7 +418,7 @@ func TestSquattedSocketRefused(t *testing.T) {
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_, err = c.Save(ctx, shard(2, 0, 1))
+	_, err = c.Save(ctx, daemontest.Shard(2, 0, 1))
 	if !errors.Is(err, ckptd.ErrUntrustedDaemon) || !strings.Contains(err.Error(), "uid 65534") {
 		t.Fatalf("save to a squatted socket: %v", err)
 	}
@@ -440,7 +432,7 @@ func TestSquattedSocketRefused(t *testing.T) {
 	if err := os.Remove(socket); err != nil {
 		t.Fatal(err)
 	}
-	d.start()
+	d.Start()
 	good.check(t, "a squatted socket")
 }
 
@@ -448,7 +440,7 @@ func TestSquattedSocketRefused(t *testing.T) {
 func otherBinaryCkptd(t *testing.T) string {
 	t.Helper()
 	dst := filepath.Join(openDir(t), "ckptd")
-	data, err := os.ReadFile(ckptdBin)
+	data, err := os.ReadFile(daemontest.Bin(t))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -462,10 +454,10 @@ func otherBinaryCkptd(t *testing.T) string {
 // nothing outside, keeps the save staged, says why, and the step saved
 // before restores intact.
 func TestPlantedSymlinkInStore(t *testing.T) {
-	d := startDaemon(t, "")
+	d := daemontest.Start(t, "")
 	good := saveGood(t, d, 1)
 	outside := t.TempDir()
-	steps := filepath.Join(d.storage, "e2e", "steps")
+	steps := filepath.Join(d.Storage, "e2e", "steps")
 	if err := os.MkdirAll(steps, 0o750); err != nil {
 		t.Fatal(err)
 	}
@@ -474,7 +466,7 @@ func TestPlantedSymlinkInStore(t *testing.T) {
 	}
 	// Refused at once (the commit check meets the link), or, had the
 	// link appeared later, kept staged with the reason in its status.
-	_, err := d.client().Save(ctxT(t), shard(4, 0, 1))
+	_, err := d.Client().Save(daemontest.Ctx(t), daemontest.Shard(4, 0, 1))
 	if err == nil || ckptd.Reason(err) != "STORE_UNSAFE" || !strings.Contains(err.Error(), "symbolic link") {
 		t.Fatalf("save into a planted link: %v", err)
 	}

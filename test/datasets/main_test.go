@@ -1,0 +1,9 @@
+package datasets
+
+import (
+	"testing"
+
+	"github.com/ckptd/ckptd/test/daemontest"
+)
+
+func TestMain(m *testing.M) { daemontest.Main(m) }

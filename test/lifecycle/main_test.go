@@ -1,0 +1,9 @@
+package lifecycle
+
+import (
+	"testing"
+
+	"github.com/ckptd/ckptd/test/daemontest"
+)
+
+func TestMain(m *testing.M) { daemontest.Main(m) }
