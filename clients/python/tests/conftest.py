@@ -1,8 +1,8 @@
 """Fixtures: a real `ckptd serve`, built from this repository once per session.
 
 Each daemon gets its own socket, storage folder and arena under /dev/shm
-(removed afterwards). Under CI a skipped test fails: CI must run them all,
-torch tests included.
+(removed afterwards; by the reaper, reaper.py, if pytest dies first). Under
+CI a skipped test fails: CI must run them all, torch tests included.
 """
 
 from __future__ import annotations
@@ -14,17 +14,47 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from slow import scaled
 
 import ckptd
 
 REPO = Path(__file__).resolve().parents[3]
 _counter = itertools.count()
+
+# Every arena folder of this session's daemons begins so; the reaper kills
+# the daemons and removes the folders once pytest is gone.
+ARENA_PREFIX = f"/dev/shm/ckptd-pytest-{os.getpid()}-"
+_reaper: list[subprocess.Popen[bytes]] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _sweep_dead_arenas()
+    _reaper[:] = [subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("reaper.py")), ARENA_PREFIX],
+        stdin=subprocess.PIPE, start_new_session=True,
+    )]  # fmt: skip
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for r in _reaper:
+        if r.stdin is not None:
+            r.stdin.close()
+        r.wait()
+
+
+def _sweep_dead_arenas() -> None:
+    """Remove the arenas of earlier sessions that are gone, reaper and all."""
+    for entry in Path("/dev/shm").glob("ckptd-pytest-*-*"):
+        pid = entry.name.split("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -49,7 +79,9 @@ def _one_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def ckptd_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The ckptd binary, built from the repository (not a stale bin/ckptd)."""
+    """The ckptd binary: $CKPTD_TEST_BIN (make builds it), else built from the repository."""
+    if given := os.environ.get("CKPTD_TEST_BIN"):
+        return Path(given)
     out = tmp_path_factory.mktemp("bin") / "ckptd"
     build = subprocess.run(
         ["go", "build", "-o", str(out), "./cmd/ckptd"], cwd=REPO, capture_output=True, text=True
@@ -79,7 +111,7 @@ class Daemon:
         self.dir = Path(tempfile.mkdtemp(prefix="ckptd-py-"))
         self.socket = str(self.dir / "ckptd.sock")
         self.storage = self.dir / "store"
-        self.arena_dir = Path("/dev/shm") / f"ckptd-pytest-{os.getpid()}-{next(_counter)}"
+        self.arena_dir = Path(f"{ARENA_PREFIX}{next(_counter)}")
         self.user = user
         if user is not None:
             os.chmod(self.dir, 0o1777)
@@ -104,21 +136,22 @@ class Daemon:
             self.proc = subprocess.Popen(
                 [*self.args, *extra], stdout=log, stderr=subprocess.STDOUT, **as_user
             )
-        deadline = time.monotonic() + 30
+        limit = scaled(60)
+        deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"ckptd serve exited early ({self.proc.returncode}):\n{self.logs()}")
             if self._ready():
                 return
             time.sleep(0.05)
-        pytest.fail(f"ckptd serve not ready after 30s:\n{self.logs()}")
+        pytest.fail(f"ckptd serve not ready after {limit:.0f}s:\n{self.logs()}")
 
     def _ready(self) -> bool:
         if self.user is not None:  # a client would (rightly) refuse it: just connect
             with socket.socket(socket.AF_UNIX) as s:
                 return s.connect_ex(self.socket) == 0
         try:
-            with ckptd.Client(self.socket, timeout=2, reconnect_timeout=0) as c:
+            with ckptd.Client(self.socket, timeout=scaled(2), reconnect_timeout=0) as c:
                 c.steps()
         except ckptd.DaemonUnavailableError:
             return False
@@ -132,12 +165,13 @@ class Daemon:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)
+        limit = scaled(120)
         try:
-            self.proc.wait(60)
+            self.proc.wait(limit)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            pytest.fail(f"ckptd serve ignored SIGTERM for 60s:\n{self.logs()}")
+            pytest.fail(f"ckptd serve ignored SIGTERM for {limit:.0f}s:\n{self.logs()}")
 
     def kill9(self) -> None:
         assert self.proc is not None

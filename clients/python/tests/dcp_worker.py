@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from slow import scaled
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -113,7 +114,7 @@ def save(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> No
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    fut.result(timeout=120)
+    fut.result(timeout=scaled(300))
     steps = {s.step: s for s in client.steps(job)}
     assert steps[10].world_size == world and steps[11].world_size == world, steps
 

@@ -8,8 +8,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from slow import scaled
 
-def run_ranks(argv: Callable[[int], list[str]], world: int, what: str, timeout: int = 300) -> None:
+
+def run_ranks(
+    argv: Callable[[int], list[str]], world: int, what: str, timeout: float = 600
+) -> None:
     """Run `python argv(rank)` for each of world ranks at once and wait.
 
     Each must exit 0; a failure shows the rank's output. $CKPTD_ATTEMPT is
@@ -30,7 +34,7 @@ def run_ranks(argv: Callable[[int], list[str]], world: int, what: str, timeout: 
     outputs = []
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
+            outputs.append(p.communicate(timeout=scaled(timeout))[0])
     finally:
         for p in procs:
             p.kill()

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from launch import launch as run_workers
+from slow import scaled
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -112,7 +113,7 @@ def test_metadata_too_large_for_a_request_is_a_tensor(client, job, monkeypatch, 
     else:
         fut = dcp.async_save(sd, storage_writer=writer)
         sd["model"]["w"].add_(100)  # the staged copy is in the daemon
-        fut.result(timeout=60)
+        fut.result(timeout=scaled(120))
         sd["model"]["w"].sub_(100)
     shard = client.load(3, rank=0, job=job, nested=False)
     assert ckptd.dcp.METADATA in shard and shard.metadata == b""

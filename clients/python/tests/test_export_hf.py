@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 import torch
+from slow import scaled
 
 import ckptd.torch as ct
 
@@ -39,7 +40,7 @@ def test_export_loads_with_from_pretrained(client, daemon, ckptd_bin, job, tmp_p
     run = subprocess.run(
         [str(ckptd_bin), "export", "--storage", str(daemon.storage), "--job", job, "--step", "3",
          "--out", str(out), "--max-shard-size", "40MB"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from slow import scaled
 
 REPO = Path(__file__).resolve().parents[3]
 GENERATED = ("ckptd_pb2.py", "ckptd_pb2.pyi", "ckptd_pb2_grpc.py")
@@ -19,7 +20,7 @@ def test_generated_stubs_are_current(tmp_path):
         [str(REPO / "scripts" / "gen-proto.sh"), str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(600),
     )
     assert gen.returncode == 0, gen.stderr
     for name in GENERATED:

@@ -8,6 +8,7 @@ import subprocess
 import numpy as np
 import torch
 from safetensors.torch import load_file as load_torch
+from slow import scaled
 
 import ckptd.torch as ct
 
@@ -25,7 +26,7 @@ def test_restore_writes_safetensors_with_the_flattened_names(
     out = subprocess.run(
         [str(ckptd_bin), "restore", "--storage", str(daemon.storage), "--job", job, "--step", "1",
          "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     tensors = load_torch(tmp_path / "rank-00000.safetensors")
@@ -42,7 +43,7 @@ def test_torch_helper_shards_restore_too(client, daemon, ckptd_bin, job, tmp_pat
     out = subprocess.run(
         [str(ckptd_bin), "restore", "--storage", str(daemon.storage), "--job", job, "--latest",
          "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=scaled(300),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     tensors = load_torch(tmp_path / "rank-00000.safetensors")

@@ -1,0 +1,50 @@
+"""The test session's reaper: what a killed pytest leaves, it removes.
+
+Started once per session (conftest), in a session of its own, with the
+prefix of every arena folder the session's daemons use. It waits for its
+standard input to close, which happens when pytest ends however it ends
+(a kill -9 too), then kills every process whose command line names the
+prefix (the session's daemons) and removes the folders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import sys
+import time
+
+
+def daemons(prefix: bytes) -> list[int]:
+    """The pids, other than ours, whose command line holds prefix."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if prefix in f.read():
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def main() -> None:
+    prefix = sys.argv[1]
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.stdin.buffer.read()  # until pytest is gone
+    for pid in daemons(prefix.encode()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    for path in glob.glob(glob.escape(prefix) + "*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
