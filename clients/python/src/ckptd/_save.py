@@ -11,7 +11,8 @@ trainer sees. A client that cannot map the arena streams the same bytes
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ import grpc
 import numpy as np
 
 from . import _limits, _names, _tensors
+from ._arena import Arena
 from ._errors import (
     AlreadyExistsError,
     CkptdError,
@@ -76,9 +78,17 @@ def save(
     save made again; see Client.save.
     """
     shard = _shard(target, state, meta)
-    what = shard.what
-    outage = Outage(conn, what)
-    doubt = _Doubt()
+    return _retrying(conn, shard, Outage(conn, shard.what), _Doubt())
+
+
+def _retrying(conn: Connection, shard: _Shard, outage: Outage, doubt: _Doubt) -> SaveHandle:
+    """Make shard's save, again from the start whenever the daemon went away meanwhile.
+
+    outage bounds the whole by reconnect_timeout from its first failure (a
+    caller may have had one already); doubt says whether a commit of this
+    save may have reached the daemon unanswered.
+    """
+    target = shard.target
     while True:
         try:
             arena = conn.mapping(refresh=outage.active)
@@ -103,6 +113,171 @@ def save(
             return SaveHandle(conn, t.job, t.step, t.rank, attempt=target.attempt)
 
 
+class Held:
+    """A shard copied into a leased region now and committed later (ckptd.dcp's rank 0).
+
+    Its metadata is known only at the commit. Staging rides out a daemon
+    that is away (or not up yet) as save() does, for reconnect_timeout. A
+    lease lost before the commit (the daemon restarted, or the connection
+    that held it ended) is made again through save()'s own loop, from what
+    the caller's ``again`` gives (commit): the state's leaves when they
+    cannot have changed since staging, else staged_leaves(), the region's
+    bytes copied out, which are trusted only where nothing can have
+    written over them (see staged_leaves). A client that streams (no arena
+    mapping) keeps a private copy instead and saves it at the commit.
+    """
+
+    def __init__(self, conn: Connection, target: pb.SaveTarget, state: Mapping[str, Any]) -> None:
+        self._conn = conn
+        self.shard = _shard(target, state, b"")
+        self._lease: pb.Lease | None = None
+        self._arena: Arena | None = None  # the mapping the region is in
+        self._region: np.ndarray | None = None
+        self._private: list[_tensors.Leaf] | None = None
+        self._lost = False  # the lease failed at its commit
+        outage = Outage(conn, self.shard.what)
+        while True:
+            try:
+                arena = conn.mapping(refresh=outage.active)
+                if arena is None:
+                    self._private = [_copy_leaf(x) for x in self.shard.leaves]
+                else:
+                    self._lease, self._arena, self._region = _stage(conn, self.shard)
+                return
+            except DaemonUnavailableError as e:
+                outage.pause(e)
+            except AlreadyExistsError as e:
+                # Nothing was committed: only our own lease from before an
+                # outage, not released yet, is waited out.
+                if _saved_before(conn, e, target, False, outage.active) != "retry":
+                    raise
+                outage.pause(e)
+
+    @property
+    def what(self) -> str:
+        """Names the save in messages."""
+        return self.shard.what
+
+    def commit(
+        self,
+        meta: bytes,
+        again: Callable[[], list[_tensors.Leaf]],
+        extra: Sequence[_tensors.Leaf] = (),
+    ) -> SaveHandle:
+        """Commit the held region with meta and return the save's handle.
+
+        When the lease is lost, or extra tensors are to be added to the
+        shard (then the region cannot be committed as it is), the save is
+        made again through save()'s loop, from again() and extra, within
+        the same reconnect_timeout. again is called only then, once a
+        daemon answers again.
+        """
+        conn, target = self._conn, self.shard.target
+        outage = Outage(conn, self.what)
+        doubt = _Doubt()
+        lease = self._lease
+        if lease is not None and not extra:
+            try:
+                resp = _commit(conn, lease, meta, self.what, doubt)
+            except DaemonUnavailableError as e:
+                self._lost = True
+                outage.pause(e)
+            except LeaseLost as e:
+                self._lost = True
+                outage.pause(e.error)
+            except BaseException:
+                self.abort()
+                raise
+            else:
+                self._lease = None
+                t = resp.target
+                return SaveHandle(conn, t.job, t.step, t.rank, attempt=target.attempt)
+        while True:
+            try:
+                conn.mapping(refresh=outage.active)  # the daemon's arena now, for again()
+                if doubt.sent and _accepted(conn, target):
+                    self._lease = None  # the lost answer's commit was journaled
+                    t = target
+                    return SaveHandle(conn, t.job, t.step, t.rank, attempt=t.attempt)
+                leaves = self._private if self._private is not None else again()
+                break
+            except DaemonUnavailableError as e:
+                outage.pause(e)
+        self.abort()
+        shard = _shard_of(target, [*leaves, *extra], meta)
+        return _retrying(conn, shard, outage, doubt)
+
+    def staged_leaves(self) -> list[_tensors.Leaf]:
+        """The staged bytes, copied out of the region, for a save made again.
+
+        For a caller whose tensors may have changed since staging. A region
+        whose lease was lost is trusted only where nothing can have written
+        over it since: the daemon that leased it still serves and sees this
+        process (a lost lease's region is then kept until this process
+        exits), or that daemon is gone and the arena file with it (a clean
+        shutdown deletes it; a successor makes another, so only old clients
+        still map the old one). A successor that reused the arena (after a
+        crash) hands its space out again after --crash-fence.
+
+        Raises:
+            CkptdError: the region cannot be trusted; the save is not made.
+        """
+        if self._private is not None:
+            return self._private
+        region, arena, lease = self._region, self._arena, self._lease
+        assert region is not None
+        assert arena is not None
+        assert lease is not None
+        if self._lost and not self._region_kept(lease, arena):
+            raise CkptdError(
+                f"{self.what}: the staged copy was lost: the daemon restarted on the same "
+                "arena (after a crash, or a shutdown that left saves in it) between the "
+                "staging and the commit, and may have given that space to another save "
+                "since, while this process's tensors have changed; the step cannot "
+                "commit without this shard. Save a later step (dcp.save makes a lost "
+                "copy again from the state itself)"
+            )
+        return [_copy_leaf(x, region) for x in self.shard.leaves]
+
+    def _region_kept(self, lease: pb.Lease, arena: Arena) -> bool:
+        conn = self._conn
+        if lease.arena_id and lease.arena_id == conn.arena_id:
+            return _sees_us(conn.ensure_trusted(self.what).pid)
+        return not arena.is_current()
+
+    def abort(self) -> None:
+        """Give the region back (quietly, if the lease is gone already)."""
+        if self._lease is not None:
+            _abort(self._conn, self._lease.id)
+            self._lease = None
+
+
+def _sees_us(daemon_pid: int) -> bool:
+    """Whether the daemon (its pid as we see it) is in this process's pid namespace.
+
+    Then it can tell when this process exits, which is when it reuses the
+    regions of this process's lost leases.
+    """
+    if daemon_pid <= 0:
+        return False
+    try:
+        ours, theirs = os.stat("/proc/self/ns/pid"), os.stat(f"/proc/{daemon_pid}/ns/pid")
+    except OSError:
+        return False
+    return (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino)
+
+
+def _copy_leaf(leaf: _tensors.Leaf, region: np.ndarray | None = None) -> _tensors.Leaf:
+    """A leaf holding a private copy of leaf's bytes: from its region when given, else its value."""
+    buf = np.empty(leaf.nbytes, np.uint8)
+    if region is None:
+        _tensors.copy_in(leaf, buf, lambda: False)
+    else:
+        np.copyto(buf, region[leaf.offset : leaf.offset + leaf.nbytes])
+    value = buf.view(leaf.dtype.raw).reshape(leaf.shape)
+    return _tensors.Leaf(leaf.name, leaf.dtype, leaf.shape, value, "numpy")
+
+
 @dataclass(frozen=True)
 class _Shard:
     """What one save sends: its target, tensor table and leaves, and metadata."""
@@ -117,7 +292,11 @@ class _Shard:
 
 def _shard(target: pb.SaveTarget, state: Mapping[str, Any], meta: bytes) -> _Shard:
     """Lay state's leaves out as target's shard."""
-    leaves = [_tensors.make_leaf(n, v) for n, v in _flatten(state)]
+    return _shard_of(target, [_tensors.make_leaf(n, v) for n, v in _flatten(state)], meta)
+
+
+def _shard_of(target: pb.SaveTarget, leaves: list[_tensors.Leaf], meta: bytes) -> _Shard:
+    """Lay leaves out as target's shard."""
     size = _tensors.layout(leaves)
     table = [
         pb.Tensor(name=x.name, dtype=x.dtype.name, shape=x.shape, offset=x.offset, length=x.nbytes)
@@ -159,22 +338,36 @@ def _saved_before(  # noqa: PLR0911 - one answer per case of the contract
         return "accepted" if in_doubt and "attempt" in meta else "raise"
     if err.reason is None and in_doubt:
         # A daemon without reasons: ask it about this very save.
-        probe = pb.WaitSaveRequest(
-            job=target.job, step=target.step, rank=target.rank, attempt=target.attempt,
-            nowait=True,
-        )  # fmt: skip
         try:
-            state = conn.call("WaitSave", probe, "look up the save").state
+            return "accepted" if _accepted(conn, target) else "raise"
         except DaemonUnavailableError:
             return "retry"  # gone again: start over, within the same bound
-        except CkptdError:
-            return "raise"  # it knows of no such save
-        return "accepted" if state in _ACCEPTED else "raise"
     return "raise"
 
 
-def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, np.ndarray]:
-    """Lease a region for shard and copy its leaves in; the region goes back if that fails."""
+def _accepted(conn: Connection, target: pb.SaveTarget) -> bool:
+    """Whether the daemon has accepted target's save (of its attempt).
+
+    Raises:
+        DaemonUnavailableError: no daemon answered.
+    """
+    probe = pb.WaitSaveRequest(
+        job=target.job, step=target.step, rank=target.rank, attempt=target.attempt, nowait=True
+    )
+    try:
+        state = conn.call("WaitSave", probe, "look up the save").state
+    except DaemonUnavailableError:
+        raise
+    except CkptdError:
+        return False  # it knows of no such save
+    return bool(state in _ACCEPTED)
+
+
+def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, Arena, np.ndarray]:
+    """Lease a region for shard and copy its leaves in; the region goes back if that fails.
+
+    Returns the lease, the mapping its region is in, and the region.
+    """
     what, size = shard.what, shard.size
     begin = pb.BeginSaveRequest(target=shard.target, tensors=shard.table)
     lease = conn.call("BeginSave", begin, what).lease
@@ -187,30 +380,36 @@ def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, np.ndarray]:
     except BaseException:
         _abort(conn, lease.id)
         raise
-    return lease, region
+    return lease, arena, region
 
 
 def _save_shm(conn: Connection, shard: _Shard, doubt: _Doubt) -> pb.CommitSaveResponse:
-    what = shard.what
-    lease, _ = _stage(conn, shard)
+    lease, _, _ = _stage(conn, shard)
     try:
-        try:
-            resp: pb.CommitSaveResponse = conn.call(
-                "CommitSave", pb.CommitSaveRequest(lease_id=lease.id, metadata=shard.meta), what
-            )
-        except DaemonUnavailableError as e:
-            # Without a reason nobody said no: it may have been journaled.
-            doubt.sent = doubt.sent or e.reason is None
-            raise
-        except NotFoundError as e:
-            if e.reason not in (None, "UNKNOWN_LEASE"):
-                raise
-            raise LeaseLost(e) from None  # it died with a daemon (or its connection)
+        return _commit(conn, lease, shard.meta, shard.what, doubt)
     except BaseException:
         # Give the region back at once rather than after --lease-timeout.
         # (A failed commit leaves nothing to abort; this then fails quietly.)
         _abort(conn, lease.id)
         raise
+
+
+def _commit(
+    conn: Connection, lease: pb.Lease, meta: bytes, what: str, doubt: _Doubt
+) -> pb.CommitSaveResponse:
+    """CommitSave; a lease the daemon no longer knows raises LeaseLost."""
+    try:
+        resp: pb.CommitSaveResponse = conn.call(
+            "CommitSave", pb.CommitSaveRequest(lease_id=lease.id, metadata=meta), what
+        )
+    except DaemonUnavailableError as e:
+        # Without a reason nobody said no: it may have been journaled.
+        doubt.sent = doubt.sent or e.reason is None
+        raise
+    except NotFoundError as e:
+        if e.reason not in (None, "UNKNOWN_LEASE"):
+            raise
+        raise LeaseLost(e) from None  # it died with a daemon (or its connection)
     return resp
 
 

@@ -214,6 +214,11 @@ class Connection:
                 return None
             return self.arena
 
+    @property
+    def arena_id(self) -> str:
+        """ArenaInfo.id of the arena mapped now ("" before the first mapping)."""
+        return self._arena_id
+
     def lease_mapping(self, arena_id: str) -> Arena:
         """The mapping a lease of arena arena_id indexes, remapped if the daemon's changed.
 

@@ -56,6 +56,16 @@ ranks save theirs at once:
   with it and waits for the step: **the future async_save returns
   completes only once the step is committed.**
 
+A daemon that is away (not up yet, restarting) is waited for on every
+rank, rank 0 too, as Client.save waits: for the client's reconnect_timeout
+(_save.Held). A rank 0 lease lost between its copy and its commit (the
+daemon restarted, or the connection holding it ended) is made again:
+dcp.save from the state itself (its caller still waits), async_save from
+the region's bytes when nothing can have written over them (the daemon
+that leased it still serves and sees this process, or its arena file went
+with it), else the save fails with CkptdError saying so: a daemon that
+crashed with saves journaled reuses its arena and may hand the region on.
+
 The trainer's stall in async_save is therefore the local plan and the copy
 into shared memory (the first save of a run without an attempt also
 broadcasts one, as ckptd.torch does). Staging plans with DCP's default
@@ -102,13 +112,12 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from . import _limits, _names, _save, _sharding, _tensors
+from . import _limits, _save, _sharding, _tensors
 from ._client import Client
 from ._errors import CkptdError, InvalidArgumentError
 from ._handle import SaveHandle
 from ._load import LoadedState
 from .torch import _run_attempt
-from .v1 import ckptd_pb2 as pb
 
 __all__ = ["METADATA", "Reader", "Writer"]
 
@@ -150,84 +159,42 @@ class _Held:
     """Rank 0's shard: copied into a leased region now, committed in finish() with the metadata.
 
     The copy is the trainer's stall; the commit, carrying DCP's pickled
-    Metadata as the save's metadata, waits for the global plan. Metadata
-    larger than one request (MAX_METADATA) goes in a ``dcp.metadata``
-    tensor instead: the region is copied out and the shard saved again, in
-    the background. A client that streams (no arena mapping) keeps a
-    private copy and saves it at the commit.
+    Metadata as the save's metadata, waits for the global plan. Both ride
+    out a daemon that is away or restarts, as Client.save does, within the
+    client's reconnect_timeout (_save.Held): a lease lost before the commit
+    is made again from the state's tensors when they cannot have changed
+    (live: dcp.save, whose caller waits), else from the region's bytes when
+    nothing can have overwritten them. Metadata larger than one request
+    (MAX_METADATA) goes in a ``dcp.metadata`` tensor instead: the shard is
+    saved again with it, in the background.
     """
 
     def __init__(
-        self, writer: Writer, tree: dict[str, Any], info: _RankPlan, attempt: str | None
-    ) -> None:
+        self, writer: Writer, tree: dict[str, Any], info: _RankPlan, attempt: str | None, *,
+        live: bool,
+    ) -> None:  # fmt: skip
         client = writer._client
-        self._writer, self._info, self._attempt = writer, info, attempt
-        self._conn = client._conn
         own = attempt is None
         resolved = client._attempt if attempt is None else attempt
-        self._target = _save.target(writer._job, writer._step, info.rank, info.world_size, resolved)
+        target = _save.target(writer._job, writer._step, info.rank, info.world_size, resolved)
         if own and client._attempt_random and info.world_size > 1:
             client._warn_random_attempt(info.world_size)
-        shard = _save._shard(self._target, tree, b"")
-        self._what = shard.what
-        self._leaves = shard.leaves
-        self._lease: pb.Lease | None = None
-        self._private: dict[str, Any] | None = None
-        if self._conn.mapping() is None:
-            self._private = {x.name: _copied(x) for x in shard.leaves}
-            return
-        self._lease, self._region = _save._stage(self._conn, shard)
+        self._held = _save.Held(client._conn, target, tree)
+        self._live = live
 
     def commit(self, metadata: Metadata) -> SaveHandle:
         """Save the shard with the metadata; return its handle."""
+        held = self._held
+        again = (lambda: held.shard.leaves) if self._live else held.staged_leaves
         blob = pickle.dumps(metadata)
-        if self._lease is not None and len(blob) <= _limits.MAX_METADATA:
-            lease, self._lease = self._lease, None
-            req = pb.CommitSaveRequest(lease_id=lease.id, metadata=blob)
-            try:
-                resp = self._conn.call("CommitSave", req, self._what)
-            except BaseException as e:
-                _save._abort(self._conn, lease.id)
-                raise CkptdError(
-                    f"{self._what}: the commit of rank 0's staged shard failed, and the "
-                    f"staged copy is gone (the trainer's tensors have changed since): {e}"
-                ) from e
-            t = resp.target
-            return SaveHandle(self._conn, t.job, t.step, t.rank, attempt=self._target.attempt)
-        if self._lease is not None:  # too large for the request: a tensor of the shard
-            self._private = {x.name: _copied(x, self._region) for x in self._leaves}
-            self.abort()
-        assert self._private is not None
-        tree = _names.unflatten(list(self._private.items()))
         if len(blob) <= _limits.MAX_METADATA:
-            md = blob
-        else:
-            tree[METADATA], md = np.frombuffer(blob, dtype=np.uint8), b""
-        return self._writer._client.save(
-            self._writer._step,
-            tree,
-            rank=self._info.rank,
-            world_size=self._info.world_size,
-            metadata=md,
-            job=self._writer._job,
-            attempt=self._target.attempt,
-        )
+            return held.commit(blob, again)
+        extra = _tensors.make_leaf(METADATA, np.frombuffer(blob, dtype=np.uint8))
+        return held.commit(b"", again, [extra])
 
     def abort(self) -> None:
         """Give the region back (the save failed)."""
-        if self._lease is not None:
-            _save._abort(self._conn, self._lease.id)
-            self._lease = None
-
-
-def _copied(leaf: _tensors.Leaf, region: np.ndarray | None = None) -> Any:
-    """A private copy of a leaf: from its region when given, else from its value."""
-    if region is None:
-        buf = np.empty(leaf.nbytes, np.uint8)
-        _tensors.copy_in(leaf, buf, lambda: False)
-    else:
-        buf = region[leaf.offset : leaf.offset + leaf.nbytes]
-    return _tensors.default_out(leaf.dtype, leaf.shape, buf)
+        self._held.abort()
 
 
 class Writer(StorageWriter, AsyncStager):
@@ -333,7 +300,7 @@ class Writer(StorageWriter, AsyncStager):
         attempt = self._resolve_attempt(info.world_size)
         tree, results = _shard(plan.items, _layout(plan), planner, info.rank)
         if self._is_coordinator:
-            self._pending = _Held(self, tree, info, attempt)
+            self._pending = _Held(self, tree, info, attempt, live=True)
         else:
             self._save(tree, info, attempt)
         return _done(results)
@@ -393,7 +360,7 @@ class Writer(StorageWriter, AsyncStager):
             )
             save: SaveHandle | _Held
             if distw.is_coordinator:
-                save = _Held(self, tree, info, attempt)
+                save = _Held(self, tree, info, attempt, live=False)
             else:
                 save = self._save(tree, info, attempt)
             self._staged = _Staged(save, results)
