@@ -3,6 +3,7 @@ package prefetch
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -23,11 +24,15 @@ func (it *Iterator) assemble(ctx context.Context, b storage.Backend, prefix stri
 	defer close(it.batches)
 	a := &assembler{
 		it: it, ctx: ctx, spec: &it.spec, shuf: newShuffler(&it.spec), opts: opts,
-		mem: it.samplesMem, window: opts.window(), batchLimit: opts.batches(),
+		mem: it.samplesMem, window: opts.window(), batchLimit: opts.batches(), b: b, prefix: prefix,
 	}
 	for p := range queue {
 		err := a.shard(p, b, prefix)
 		p.release()
+		if errors.Is(err, errEnough) {
+			a.last()
+			return
+		}
 		if err != nil {
 			a.send(result{err: err})
 			return
@@ -36,8 +41,20 @@ func (it *Iterator) assemble(ctx context.Context, b storage.Backend, prefix stri
 	if ctx.Err() != nil {
 		return
 	}
-	if err := a.finish(); err != nil {
+	if err := a.finish(); err != nil && !errors.Is(err, errEnough) {
 		a.send(result{err: err})
+	} else if err != nil {
+		a.last()
+	}
+}
+
+// last sends the batch being assembled, short, when the rank's even share
+// ends the epoch early.
+func (a *assembler) last() {
+	if len(a.batch) > 0 {
+		if err := a.sendBatch(); err != nil && a.ctx.Err() == nil {
+			a.send(result{err: err})
+		}
 	}
 }
 
@@ -77,6 +94,10 @@ type assembler struct {
 	batch     []Sample
 	batchCost int64
 	batchMeta int64
+
+	b       storage.Backend
+	prefix  string
+	padding bool // reading shards again to pad the epoch (EvenPad)
 }
 
 // shard waits for one fetched shard (or opens one to stream) and feeds
@@ -115,7 +136,7 @@ func (a *assembler) shard(p *pendingShard, b storage.Backend, prefix string) err
 	a.dropSample()
 	var re readError
 	switch {
-	case errors.As(err, &re), a.ctx.Err() != nil, errors.Is(err, ErrTooLarge), errors.Is(err, ErrCorruptShard):
+	case errors.As(err, &re), a.ctx.Err() != nil, errors.Is(err, ErrTooLarge), errors.Is(err, ErrCorruptShard), errors.Is(err, errEnough):
 		return err
 	case a.spec.SkipCorrupt:
 		a.it.count(func(st *Stats) { st.CorruptSkipped++ })
@@ -199,7 +220,8 @@ func (a *assembler) member(sh Shard, name, key, ext string, size int64, get func
 	cost := size + int64(len(ext)) + fieldOverhead
 	if a.cur == nil {
 		a.cur = &Sample{Key: strings.Clone(key), shard: sh.Name, ord: a.ord, keep: a.keep}
-		a.cur.skip = a.spec.Delivered != nil && a.spec.Delivered.Has(sh.Name, a.ord)
+		a.cur.skip = !a.padding && a.spec.Delivered != nil && a.spec.Delivered.Has(sh.Name, a.ord)
+		a.cur.pad = a.padding
 		a.ord++
 		cost += int64(len(key)) + sampleOverhead
 	}
@@ -274,6 +296,9 @@ func (a *assembler) endSample() error {
 		a.it.count(func(st *Stats) { st.CorruptSkipped++ })
 		return nil
 	}
+	if a.padding {
+		return a.emit(*s) // repeats come in file order, after the rank's own samples
+	}
 	if out, ok := a.shuf.push(*s); ok {
 		return a.emit(out)
 	}
@@ -289,14 +314,28 @@ func (a *assembler) dropSample() {
 	a.cur, a.bad = nil, ""
 }
 
-// emit skips the samples before spec.Start and batches the rest.
+// emit skips the samples before spec.Start and batches the rest; in an
+// even epoch it stops at the rank's share (errEnough).
 func (a *assembler) emit(s Sample) error {
+	if a.it.even != nil {
+		ok, err := a.it.even.allows(a.ctx, a.seen+1)
+		if !ok || err != nil {
+			a.inWindow -= s.cost
+			a.mem.Release(s.cost)
+			return cmp.Or(err, errEnough)
+		}
+	}
 	a.seen++
 	a.inWindow -= s.cost
 	if a.seen <= a.spec.Start {
 		a.mem.Release(s.cost)
-		a.it.skipped(s.shard, s.ord) // delivered before the resume
+		if !s.pad {
+			a.it.skipped(s.shard, s.ord) // delivered before the resume
+		}
 		return nil
+	}
+	if s.pad {
+		a.it.count(func(st *Stats) { st.Padded++ })
 	}
 	a.batch = append(a.batch, s)
 	a.batchCost += s.cost
@@ -340,10 +379,58 @@ func (a *assembler) finish() error {
 			return err
 		}
 	}
+	if err := a.pad(); err != nil {
+		return err
+	}
 	if len(a.batch) > 0 {
 		return a.sendBatch()
 	}
 	return nil
+}
+
+// pad delivers, in an even epoch whose share this rank's samples fall
+// short of, the samples of the epoch's shard order again from its first
+// shard, in file order, until the share is reached (errEnough).
+func (a *assembler) pad() error {
+	if a.it.even == nil {
+		return nil
+	}
+	a.it.state.Store(stateStorage) // the other ranks' shards are being counted
+	target, err := a.it.even.final(a.ctx)
+	a.it.state.Store(stateWork)
+	if err != nil || a.seen >= target {
+		return err
+	}
+	a.padding = true
+	for {
+		before := a.seen
+		for _, sh := range a.it.left {
+			if err := a.padShard(sh); err != nil {
+				return err
+			}
+		}
+		if a.seen == before { // the counts promised samples no shard delivers
+			return fmt.Errorf("%w: pad the epoch to %d samples: the dataset's shards deliver none after %d", ErrCorruptShard, target, a.seen)
+		}
+	}
+}
+
+// padShard reads one shard to pad the epoch with, as fetchAll would.
+func (a *assembler) padShard(sh Shard) error {
+	p := &pendingShard{shard: sh, done: make(chan struct{}), release: func() {}}
+	close(p.done)
+	if sh.Size > a.opts.streamAbove() {
+		p.stream, p.how = true, fromStorage
+	} else {
+		w := max(sh.Size, 1)
+		if err := a.it.shardsMem.Acquire(a.ctx, w); err != nil {
+			return err
+		}
+		p.release = func() { a.it.shardsMem.Release(w) }
+		p.data, p.held, p.how, p.err = a.it.cache.get(a.ctx, a.b, a.prefix, sh, readAt{}, func() { p.miss.Store(true) })
+	}
+	defer p.release()
+	return a.shard(p, a.b, a.prefix)
 }
 
 func (a *assembler) send(r result) bool {

@@ -71,6 +71,29 @@ func (d *Delivered) Has(shard string, ord int) bool {
 	return e != nil && ord/8 < len(e.bits) && e.bits[ord/8]&(1<<(ord%8)) != 0
 }
 
+// countBelow is how many of the first n samples of shard d holds (0 for
+// a nil d).
+func (d *Delivered) countBelow(shard string, n int) int {
+	if d == nil {
+		return 0
+	}
+	e := d.shards[shard]
+	if e == nil {
+		return 0
+	}
+	c := 0
+	for i, b := range e.bits {
+		if i*8 >= n {
+			break
+		}
+		if rest := n - i*8; rest < 8 {
+			b &= byte(1<<rest) - 1
+		}
+		c += bits.OnesCount8(b)
+	}
+	return c
+}
+
 // Done reports whether every sample of shard was delivered (its total
 // known and all of them marked).
 func (d *Delivered) Done(shard string) bool {

@@ -55,7 +55,7 @@ func TestElasticResume(t *testing.T) {
 			last := phase == len(sizes)-1
 			next := NewDelivered()
 			for rank := range world {
-				spec := Spec{BatchSize: 4, WorldSize: world, Rank: rank, Epoch: 2, Seed: 7, ShuffleWindow: 16}
+				spec := Spec{BatchSize: 4, WorldSize: world, Rank: rank, Epoch: 2, Seed: 7, ShuffleWindow: 16, Even: EvenOff}
 				if union != nil {
 					spec.Delivered = union
 				}

@@ -16,6 +16,21 @@
 // drops its first start samples, so a data position of two integers fits
 // in checkpoint metadata.
 //
+// Shards are dealt whole, so ranks get as many samples as their shards
+// hold. Spec.Even evens that out (a job whose ranks step together, DDP,
+// hangs at the epoch's end otherwise): with EvenPad (the default) every
+// rank delivers as many samples as the rank with the most, the others
+// repeating after their own the first samples of the epoch's shard order,
+// in file order (Stats.Padded; never part of a Delivered position); with
+// EvenDrop as many as the rank with the fewest, the others stopping early.
+// That needs every rank's count, so every shard's: the samples of each
+// shard dealt are counted in the background (countSamples reads a tar's
+// member headers and skips their data; a raw object is one sample), once
+// per daemon for all its sessions (Cache.counts, within CountBytes). A
+// padded rank waits for the counts only at its end; a dropping one
+// delivers freely as far as every rank's counted shards reach. A world
+// size of 1 counts nothing.
+//
 // The shuffle window is bounded by bytes too (see Memory): while it holds
 // less than half the read-ahead budget, as a window of small samples
 // does, the order is the plain count-bounded window's; beyond, samples
@@ -70,9 +85,10 @@
 // S = dataset-arena-bytes / (ring-slots × slot-bytes) are open, and the
 // service holds at most (Service.MemoryCeiling)
 //
-//	cache-bytes + S × (R + 256 KiB + L) + dataset-arena-bytes / slot-bytes × 4 MiB
+//	cache-bytes + 32 MiB + S × (R + 256 KiB + L) + dataset-arena-bytes / slot-bytes × 4 MiB
 //
-// where 256 KiB is a streamed shard's read buffer and 4 MiB bounds the
+// where 32 MiB bounds the shards' sample counts (CountBytes), 256 KiB is
+// a streamed shard's read buffer and 4 MiB bounds the
 // keys and names of a delivery, one per ring slot however the rings grow;
 // the rings themselves are arena memory.
 //

@@ -99,7 +99,10 @@ type Stats struct {
 	// skipped for a name that cannot be delivered or a size beyond the
 	// read-ahead budget.
 	CorruptSkipped int64
-	Shards         int // shards this rank reads this epoch
+	// Padded counts the samples delivered again to pad the rank's epoch to
+	// the others' count (EvenPad).
+	Padded int64
+	Shards int // shards this rank reads this epoch
 }
 
 // Cause is why a consumer waited for a batch.
@@ -142,6 +145,10 @@ type Iterator struct {
 	// The halves of the read-ahead budget: shards read ahead, samples.
 	shardsMem, samplesMem *meter
 	pace                  *pacer // how much of shardsMem to use
+	// even, for an even epoch of several ranks: how many samples each
+	// delivers; left is the epoch's shard order, which padding reads from.
+	even *evenTarget
+	left []Shard
 
 	mu    sync.Mutex
 	stats Stats
@@ -190,7 +197,12 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 	if err != nil {
 		return nil, err
 	}
-	mine := shardsForRank(all, spec.Seed, spec.Epoch, spec.Rank, spec.WorldSize, spec.Delivered)
+	left := epochOrder(all, spec.Seed, spec.Epoch, spec.Delivered)
+	if spec.Even == EvenDrop && spec.WorldSize > len(left) && spec.Delivered == nil {
+		return nil, fmt.Errorf("%w: even drop: %d shards for %d ranks: a rank without a shard delivers nothing, so every rank would; "+
+			"give the dataset at least as many shards as ranks (DataLoader workers multiply them), or pad", ErrInvalid, len(left), spec.WorldSize)
+	}
+	mine := deal(left, spec.Rank, spec.WorldSize)
 	plan, unplan := cache.plan(b, future(all, mine, spec))
 	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	it := &Iterator{
@@ -202,6 +214,10 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 		pace: newPacer(opts.readAhead()),
 	}
 	it.stats.Shards = len(mine)
+	if spec.Even != EvenOff && spec.WorldSize > 1 {
+		it.even = newEvenTarget(ctx, spec.Even, b, prefix, spec.Format, cache, left, spec.WorldSize, spec.Delivered)
+		it.left = left
+	}
 	it.delivered, it.totals, it.folded = NewDelivered(), map[string]int{}, spec.Start
 	if spec.Delivered != nil {
 		it.delivered = spec.Delivered.Clone()
@@ -358,6 +374,9 @@ func (it *Iterator) logBatch(b *Batch) {
 	ids := batchIDs{position: b.Position, shards: make([]string, len(b.Samples)), ords: make([]int, len(b.Samples))}
 	for i, s := range b.Samples {
 		ids.shards[i], ids.ords[i] = s.shard, s.ord
+		if s.pad {
+			ids.ords[i] = -1 // a repeat: delivered by the rank whose shard it is
+		}
 	}
 	it.mu.Lock()
 	defer it.mu.Unlock()
@@ -371,11 +390,32 @@ func (it *Iterator) logBatch(b *Batch) {
 func (it *Iterator) fold(n int) {
 	for _, b := range it.log[:n] {
 		for i, shard := range b.shards {
-			it.delivered.add(shard, b.ords[i])
+			if b.ords[i] >= 0 {
+				it.delivered.add(shard, b.ords[i])
+			}
 		}
 		it.folded = b.position
 	}
 	it.log = slices.Delete(it.log, 0, n)
+}
+
+// batchDelivered is the samples of b (padding left out) as an encoded
+// position, with the sample counts of their shards known by now.
+func (it *Iterator) batchDelivered(b *Batch) []byte {
+	d := NewDelivered()
+	for _, s := range b.Samples {
+		if !s.pad {
+			d.add(s.shard, s.ord)
+		}
+	}
+	it.mu.Lock()
+	for shard := range d.shards {
+		if total, ok := it.totals[shard]; ok {
+			d.setTotal(shard, total)
+		}
+	}
+	it.mu.Unlock()
+	return d.Encode()
 }
 
 // skipped records a sample delivered before the iteration resumed from

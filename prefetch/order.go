@@ -27,6 +27,12 @@ type Spec struct {
 	// the samples delivered are passed over. Start then counts samples of
 	// that resumed order.
 	Delivered *Delivered
+	// Even says how the epoch's samples are shared out among the ranks
+	// ("": EvenPad).
+	Even Even
+	// BatchDelivered makes the session send each batch's samples as a
+	// position (Delivery.Delivered).
+	BatchDelivered bool
 }
 
 // Validate checks the spec and fills defaults.
@@ -47,7 +53,11 @@ func (s *Spec) Validate() error {
 		s.ShuffleWindow = 1000
 	}
 	f, err := ParseFormat(string(s.Format))
+	if err != nil {
+		return err
+	}
 	s.Format = f
+	s.Even, err = ParseEven(string(s.Even))
 	return err
 }
 
@@ -55,25 +65,12 @@ func (s *Spec) Validate() error {
 // all shards seeded by (seed, epoch), of which rank takes every
 // world_size-th. Ranks beyond the shard count get none.
 func ShardsForRank(shards []Shard, seed uint64, epoch int64, rank, worldSize int) []Shard {
-	return shardsForRank(shards, seed, epoch, rank, worldSize, nil)
+	return deal(epochOrder(shards, seed, epoch, nil), rank, worldSize)
 }
 
-// shardsForRank is ShardsForRank over the shards that delivered (if not
-// nil) does not hold whole: a resumed epoch deals what is left.
-func shardsForRank(shards []Shard, seed uint64, epoch int64, rank, worldSize int, delivered *Delivered) []Shard {
-	rng := rand.New(rand.NewPCG(seed, uint64(epoch)))
-	perm := rng.Perm(len(shards))
-	var left []Shard
-	for _, i := range perm {
-		if delivered == nil || !delivered.Done(shards[i].Name) {
-			left = append(left, shards[i])
-		}
-	}
-	var mine []Shard
-	for i := rank; i < len(left); i += worldSize {
-		mine = append(mine, left[i])
-	}
-	return mine
+// shardPerm is the epoch's permutation of n shards.
+func shardPerm(n int, seed uint64, epoch int64) []int {
+	return rand.New(rand.NewPCG(seed, uint64(epoch))).Perm(n)
 }
 
 // shuffler shuffles a stream of samples within a window: once the window

@@ -25,7 +25,10 @@ type Delivery struct {
 	Region   Region
 	Samples  []SampleRef
 	Position int64
-	slot     bool // a ring slot (else a one-off region for an oversized batch)
+	// Delivered is the batch's samples as an encoded position
+	// (Spec.BatchDelivered; else nil).
+	Delivered []byte
+	slot      bool // a ring slot (else a one-off region for an oversized batch)
 }
 
 // Ring is a set of equal slots in the shared-memory arena that batches

@@ -28,6 +28,7 @@ type Sample struct {
 	shard string
 	ord   int
 	skip  bool     // delivered before a resume: passed over, not counted
+	pad   bool     // a repeat padding the rank's epoch (EvenPad)
 	keep  *mapping // the mapped shard its fields alias, kept mapped while they do
 }
 

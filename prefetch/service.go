@@ -187,7 +187,7 @@ func (s *Service) MemoryCeiling() int64 { return s.cfg.MemoryCeiling(s.arena.Siz
 func (cfg ServiceConfig) MemoryCeiling(arenaSize int64) int64 {
 	cfg.setDefaults(arenaSize)
 	perSession := cfg.Options.ReadAheadBytes + streamBuffer + cfg.Options.ListBytes
-	return cfg.CacheBytes + cfg.maxSessions()*perSession + cfg.ArenaBytes/cfg.SlotBytes*maxBatchMeta
+	return cfg.CacheBytes + CountBytes + cfg.maxSessions()*perSession + cfg.ArenaBytes/cfg.SlotBytes*maxBatchMeta
 }
 
 // Cache returns the shard cache (for metrics).

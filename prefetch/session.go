@@ -127,6 +127,9 @@ func (ss *session) fill(ctx context.Context) error {
 			ss.ringFull.Store(true)
 			ss.state.Store(int32(CauseRing))
 		})
+		if err == nil && ss.it.spec.BatchDelivered {
+			d.Delivered = ss.it.batchDelivered(b)
+		}
 		b.Release() // copied (or failed): its memory goes back to the read-ahead budget
 		if err != nil {
 			return err

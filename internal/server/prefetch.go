@@ -46,7 +46,7 @@ func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) 
 		Format: prefetch.Format(req.GetFormat()), BatchSize: int(req.GetBatchSize()),
 		Rank: int(req.GetRank()), WorldSize: int(req.GetWorldSize()), Seed: req.GetSeed(),
 		Epoch: req.GetEpoch(), Start: req.GetStart(), ShuffleWindow: int(req.GetShuffleWindow()),
-		SkipCorrupt: req.GetSkipCorrupt(),
+		SkipCorrupt: req.GetSkipCorrupt(), Even: prefetch.Even(req.GetEven()), BatchDelivered: req.GetBatchDelivered(),
 	}
 	if req.GetSource() == "" {
 		return nil, status.Error(codes.InvalidArgument, "dataset source is empty")
@@ -92,6 +92,7 @@ func (p *Prefetch) NextBatch(ctx context.Context, req *pb.NextBatchRequest) (*pb
 	resp := &pb.NextBatchResponse{
 		Lease:    &pb.Lease{Id: lease, Offset: uint64(d.Region.Offset), Length: uint64(d.Region.Length), ArenaId: p.arena.ID()},
 		Position: d.Position, Stats: toPrefetchStats(st), Samples: make([]*pb.Sample, len(d.Samples)),
+		Delivered: d.Delivered,
 	}
 	for i, s := range d.Samples {
 		ps := &pb.Sample{Key: s.Key, Fields: make([]*pb.SampleField, len(s.Fields))}
@@ -147,5 +148,6 @@ func toPrefetchStats(st prefetch.Stats) *pb.PrefetchStats {
 		WaitStorageNs: st.WaitStorage.Nanoseconds(), WaitCacheNs: st.WaitCache.Nanoseconds(),
 		WaitRingNs: st.WaitRing.Nanoseconds(), WaitWorkNs: st.WaitWork.Nanoseconds(),
 		CacheHits: st.CacheHits, CacheMisses: st.CacheMisses, CorruptSkipped: st.CorruptSkipped,
+		Padded: st.Padded,
 	}
 }

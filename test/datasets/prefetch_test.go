@@ -516,7 +516,7 @@ func checkSample(s ckptd.Sample, want map[string]string, size int) error {
 func readAll(c *ckptd.Client, source string, rank, world int, check func(ckptd.Sample) error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	ds, err := c.Dataset(ctx, &ckptd.DatasetRequest{Source: source, BatchSize: 2, Rank: rank, WorldSize: world, ShuffleWindow: 100000})
+	ds, err := c.Dataset(ctx, &ckptd.DatasetRequest{Source: source, BatchSize: 2, Rank: rank, WorldSize: world, ShuffleWindow: 100000, Even: "off"})
 	if err != nil {
 		return err
 	}

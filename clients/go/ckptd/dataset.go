@@ -21,6 +21,9 @@ type DatasetRequest struct {
 	Start         int64 // samples this rank already consumed this epoch
 	ShuffleWindow int
 	SkipCorrupt   bool
+	// Even shares the epoch's samples out evenly among the ranks: "pad"
+	// (also ""), "drop" or "off" (see OpenDatasetRequest.even).
+	Even string
 }
 
 // Sample is one delivered sample. Field data aliases the daemon's shared
@@ -35,6 +38,7 @@ type Sample struct {
 type PrefetchStats struct {
 	WaitStorage, WaitCache, WaitRing, WaitWork time.Duration
 	CacheHits, CacheMisses, CorruptSkipped     int64
+	Padded                                     int64 // samples repeated to pad the epoch (Even "pad")
 }
 
 // Dataset iterates a session's batches.
@@ -51,7 +55,7 @@ func (c *Client) Dataset(ctx context.Context, req *DatasetRequest) (*Dataset, er
 	resp, err := c.pf.OpenDataset(ctx, &pb.OpenDatasetRequest{
 		Source: req.Source, Format: req.Format, BatchSize: int32(req.BatchSize), Rank: int32(req.Rank),
 		WorldSize: int32(req.WorldSize), Seed: req.Seed, Epoch: req.Epoch, Start: req.Start,
-		ShuffleWindow: int32(req.ShuffleWindow), SkipCorrupt: req.SkipCorrupt,
+		ShuffleWindow: int32(req.ShuffleWindow), SkipCorrupt: req.SkipCorrupt, Even: req.Even,
 	})
 	if err != nil {
 		return nil, c.wrap(err)
@@ -108,5 +112,6 @@ func fromPBStats(s *pb.PrefetchStats) PrefetchStats {
 		WaitStorage: time.Duration(s.GetWaitStorageNs()), WaitCache: time.Duration(s.GetWaitCacheNs()),
 		WaitRing: time.Duration(s.GetWaitRingNs()), WaitWork: time.Duration(s.GetWaitWorkNs()),
 		CacheHits: s.GetCacheHits(), CacheMisses: s.GetCacheMisses(), CorruptSkipped: s.GetCorruptSkipped(),
+		Padded: s.GetPadded(),
 	}
 }

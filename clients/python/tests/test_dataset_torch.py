@@ -63,7 +63,9 @@ def test_ranks_times_workers_split_the_epoch_exactly_once(dataset_daemon, data):
     per_rank = []
     for rank in range(2):
         ds = CkptdIterableDataset(
-            ckptd.DatasetSpec(folder, batch_size=BATCH, rank=rank, world_size=2, seed=4),
+            ckptd.DatasetSpec(
+                folder, batch_size=BATCH, rank=rank, world_size=2, seed=4, even="off"
+            ),
             socket=dataset_daemon.socket,
         )
         per_rank.append(keys_of(loader(ds, 2)))

@@ -1664,9 +1664,26 @@ type OpenDatasetRequest struct {
 	// positions (DatasetPosition) of every rank of the run that read it, or
 	// of some ranks whose positions hold the others' (they are unioned).
 	// start then counts samples of the resumed order.
-	Delivered     [][]byte `protobuf:"bytes,11,rep,name=delivered,proto3" json:"delivered,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Delivered [][]byte `protobuf:"bytes,11,rep,name=delivered,proto3" json:"delivered,omitempty"`
+	// How the epoch's samples are shared out among the ranks: "pad" (the
+	// default, also for ""): every rank gets as many samples as the rank
+	// with the most, those with fewer repeating samples from the start of
+	// the epoch's shard order at the end of their own (PrefetchStats.padded
+	// counts them; they are never part of a position); "drop": as many as
+	// the rank with the fewest, the others leaving out the last samples of
+	// their order; "off": each rank its shards' samples, counts as they
+	// fall. A job whose ranks step together (DDP) needs equal counts, or
+	// hangs at the epoch's end. pad and drop count every shard's samples
+	// (once per daemon: a tar's headers are read, not its data); a world
+	// size of 1 needs no counts.
+	Even string `protobuf:"bytes,12,opt,name=even,proto3" json:"even,omitempty"`
+	// Send with each batch the samples it holds as a position
+	// (NextBatchResponse.delivered), for a consumer that keeps its own
+	// position from the batches it consumed, in another process than the
+	// one reading them (DataLoader workers).
+	BatchDelivered bool `protobuf:"varint,13,opt,name=batch_delivered,json=batchDelivered,proto3" json:"batch_delivered,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *OpenDatasetRequest) Reset() {
@@ -1774,6 +1791,20 @@ func (x *OpenDatasetRequest) GetDelivered() [][]byte {
 		return x.Delivered
 	}
 	return nil
+}
+
+func (x *OpenDatasetRequest) GetEven() string {
+	if x != nil {
+		return x.Even
+	}
+	return ""
+}
+
+func (x *OpenDatasetRequest) GetBatchDelivered() bool {
+	if x != nil {
+		return x.BatchDelivered
+	}
+	return false
 }
 
 type OpenDatasetResponse struct {
@@ -2005,8 +2036,11 @@ type PrefetchStats struct {
 	CacheHits      int64                  `protobuf:"varint,5,opt,name=cache_hits,json=cacheHits,proto3" json:"cache_hits,omitempty"`
 	CacheMisses    int64                  `protobuf:"varint,6,opt,name=cache_misses,json=cacheMisses,proto3" json:"cache_misses,omitempty"`
 	CorruptSkipped int64                  `protobuf:"varint,7,opt,name=corrupt_skipped,json=corruptSkipped,proto3" json:"corrupt_skipped,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Samples delivered so far to pad this rank's epoch to the others' count
+	// (OpenDatasetRequest.even = "pad"): repeats, always the last of the epoch.
+	Padded        int64 `protobuf:"varint,8,opt,name=padded,proto3" json:"padded,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *PrefetchStats) Reset() {
@@ -2088,6 +2122,13 @@ func (x *PrefetchStats) GetCorruptSkipped() int64 {
 	return 0
 }
 
+func (x *PrefetchStats) GetPadded() int64 {
+	if x != nil {
+		return x.Padded
+	}
+	return 0
+}
+
 type NextBatchResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The slot holding the batch; release it with the next NextBatch.
@@ -2095,9 +2136,15 @@ type NextBatchResponse struct {
 	Samples []*Sample `protobuf:"bytes,2,rep,name=samples,proto3" json:"samples,omitempty"`
 	// Samples this rank has consumed this epoch with this batch: the start
 	// to resume from.
-	Position      int64          `protobuf:"varint,3,opt,name=position,proto3" json:"position,omitempty"`
-	End           bool           `protobuf:"varint,4,opt,name=end,proto3" json:"end,omitempty"`
-	Stats         *PrefetchStats `protobuf:"bytes,5,opt,name=stats,proto3" json:"stats,omitempty"`
+	Position int64          `protobuf:"varint,3,opt,name=position,proto3" json:"position,omitempty"`
+	End      bool           `protobuf:"varint,4,opt,name=end,proto3" json:"end,omitempty"`
+	Stats    *PrefetchStats `protobuf:"bytes,5,opt,name=stats,proto3" json:"stats,omitempty"`
+	// With OpenDatasetRequest.batch_delivered: the samples of this batch
+	// (padding left out), encoded as DatasetPositionResponse.delivered is,
+	// with the sample counts of their shards the daemon knows by then. The
+	// union of a session's batches' (and of the position it resumed from)
+	// is what DatasetPosition answers.
+	Delivered     []byte `protobuf:"bytes,6,opt,name=delivered,proto3" json:"delivered,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2163,6 +2210,13 @@ func (x *NextBatchResponse) GetEnd() bool {
 func (x *NextBatchResponse) GetStats() *PrefetchStats {
 	if x != nil {
 		return x.Stats
+	}
+	return nil
+}
+
+func (x *NextBatchResponse) GetDelivered() []byte {
+	if x != nil {
+		return x.Delivered
 	}
 	return nil
 }
@@ -3626,7 +3680,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x03msg\"1\n" +
 	"\x14ReleaseRegionRequest\x12\x19\n" +
 	"\blease_id\x18\x01 \x01(\tR\aleaseId\"\x17\n" +
-	"\x15ReleaseRegionResponse\"\xbe\x02\n" +
+	"\x15ReleaseRegionResponse\"\xfb\x02\n" +
 	"\x12OpenDatasetRequest\x12\x16\n" +
 	"\x06source\x18\x01 \x01(\tR\x06source\x12\x16\n" +
 	"\x06format\x18\x02 \x01(\tR\x06format\x12\x1d\n" +
@@ -3641,7 +3695,9 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x0eshuffle_window\x18\t \x01(\x05R\rshuffleWindow\x12!\n" +
 	"\fskip_corrupt\x18\n" +
 	" \x01(\bR\vskipCorrupt\x12\x1c\n" +
-	"\tdelivered\x18\v \x03(\fR\tdelivered\"G\n" +
+	"\tdelivered\x18\v \x03(\fR\tdelivered\x12\x12\n" +
+	"\x04even\x18\f \x01(\tR\x04even\x12'\n" +
+	"\x0fbatch_delivered\x18\r \x01(\bR\x0ebatchDelivered\"G\n" +
 	"\x13OpenDatasetResponse\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x16\n" +
 	"\x06shards\x18\x02 \x01(\x03R\x06shards\"F\n" +
@@ -3654,7 +3710,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x06length\x18\x03 \x01(\x04R\x06length\"I\n" +
 	"\x06Sample\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12-\n" +
-	"\x06fields\x18\x02 \x03(\v2\x15.ckptd.v1.SampleFieldR\x06fields\"\x8a\x02\n" +
+	"\x06fields\x18\x02 \x03(\v2\x15.ckptd.v1.SampleFieldR\x06fields\"\xa2\x02\n" +
 	"\rPrefetchStats\x12&\n" +
 	"\x0fwait_storage_ns\x18\x01 \x01(\x03R\rwaitStorageNs\x12\"\n" +
 	"\rwait_cache_ns\x18\x02 \x01(\x03R\vwaitCacheNs\x12 \n" +
@@ -3665,13 +3721,15 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\n" +
 	"cache_hits\x18\x05 \x01(\x03R\tcacheHits\x12!\n" +
 	"\fcache_misses\x18\x06 \x01(\x03R\vcacheMisses\x12'\n" +
-	"\x0fcorrupt_skipped\x18\a \x01(\x03R\x0ecorruptSkipped\"\xc3\x01\n" +
+	"\x0fcorrupt_skipped\x18\a \x01(\x03R\x0ecorruptSkipped\x12\x16\n" +
+	"\x06padded\x18\b \x01(\x03R\x06padded\"\xe1\x01\n" +
 	"\x11NextBatchResponse\x12%\n" +
 	"\x05lease\x18\x01 \x01(\v2\x0f.ckptd.v1.LeaseR\x05lease\x12*\n" +
 	"\asamples\x18\x02 \x03(\v2\x10.ckptd.v1.SampleR\asamples\x12\x1a\n" +
 	"\bposition\x18\x03 \x01(\x03R\bposition\x12\x10\n" +
 	"\x03end\x18\x04 \x01(\bR\x03end\x12-\n" +
-	"\x05stats\x18\x05 \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats\"/\n" +
+	"\x05stats\x18\x05 \x01(\v2\x17.ckptd.v1.PrefetchStatsR\x05stats\x12\x1c\n" +
+	"\tdelivered\x18\x06 \x01(\fR\tdelivered\"/\n" +
 	"\x13CloseDatasetRequest\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\"\x16\n" +
 	"\x14CloseDatasetResponse\"N\n" +

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
-from . import _limits, _ranks
+from . import _limits, _position, _ranks
 from ._errors import CkptdError, CorruptShardError, InvalidArgumentError
 from .v1 import ckptd_pb2 as pb
 
@@ -52,12 +52,13 @@ class DatasetSpec:
 
     Given to ``Client.dataset(spec)`` and ``ckptd.torch.CkptdIterableDataset(spec)``.
     The sample order is a pure function of (source, format, seed, epoch,
-    rank, world_size, shuffle_window): shards are shuffled per epoch and
-    dealt round-robin to the ranks, so each sample comes exactly once per
-    epoch across all ranks, and samples are shuffled within a window.
-    ``start`` counts the samples of that order already consumed, so
-    ``Dataset.state()`` (a dict of these fields) is what to checkpoint, and
-    ``client.dataset(DatasetSpec(**state))`` resumes exactly.
+    rank, world_size, shuffle_window, even): shards are shuffled per epoch
+    and dealt round-robin to the ranks, so each sample comes exactly once
+    per epoch across all ranks, and samples are shuffled within a window;
+    ``even`` then gives every rank the same number of samples. ``start``
+    counts the samples of that order already consumed, so
+    ``Dataset.state()`` (a dict of these fields, JSON-safe) is what to
+    checkpoint, and ``client.dataset(DatasetSpec(**state))`` resumes exactly.
 
     Args:
         source: a folder or path-like (relative paths are made absolute
@@ -79,14 +80,27 @@ class DatasetSpec:
         delivered: instead of start, the epoch's samples delivered so far,
             as ``Dataset.state(elastic=True)`` of every rank that read it
             gives them (``ckptd.torch.gather_dataset_state`` gathers them):
-            opaque bytes, one per old rank. The epoch then resumes at any
-            world size: what is left is dealt among the new ranks, each
-            sample delivered once (start then counts samples of that
-            resumed order).
+            opaque positions, as base64 str (what state() gives) or bytes,
+            unioned. The epoch then resumes at any world size: what is left
+            is dealt among the new ranks, each sample delivered once (start
+            then counts samples of that resumed order). Kept as bytes.
         shuffle_window: samples shuffled together (None: the daemon's
             default, 1000; 1: shard order, no shuffling).
         skip_corrupt: skip shards that cannot be parsed, counting them in
             stats().corrupt_skipped, instead of raising.
+        even: how the epoch's samples are shared out among the ranks, which
+            get whole shards and so different counts. "pad" (default):
+            every rank gets as many as the rank with the most, the others
+            repeating, after their own, samples from the start of the
+            epoch's shard order (``stats().padded`` counts them; they are
+            never part of a position, so elastic resume stays exact).
+            "drop": as many as the rank with the fewest, the others leaving
+            out the last samples of their order (it needs at least as many
+            shards as ranks). "off": each rank its shards' samples. A job
+            whose ranks step together (DDP) needs equal counts: with "off"
+            and uneven counts it hangs at the epoch's end. With world_size
+            1 it changes nothing; otherwise the daemon counts every shard's
+            samples once (reading the tars' headers, not their data).
 
     Raises:
         TypeError: a field of the wrong type.
@@ -109,15 +123,17 @@ class DatasetSpec:
     shuffle_window: int | None = None
     skip_corrupt: bool = False
     delivered: tuple[bytes, ...] = ()
+    even: str = "pad"
 
     def __post_init__(self) -> None:
-        given: Any = self.delivered  # callers pass lists, or by mistake one bytes
-        delivered = tuple(given)
-        if isinstance(given, (bytes, str)) or not all(isinstance(b, bytes) for b in delivered):
-            raise TypeError("delivered must be a sequence of bytes (one per old rank)")
+        given: Any = self.delivered  # callers pass lists (JSON's), or by mistake one blob
+        if isinstance(given, (bytes, bytearray, str)):
+            raise TypeError("delivered must be a sequence of positions (bytes or base64 str)")
+        delivered = tuple(_position.blob(b) for b in given)
         object.__setattr__(self, "delivered", delivered)
-        if not isinstance(self.format, str):
-            raise TypeError(f"format must be a str, not {type(self.format).__name__}")
+        for name in ("format", "even"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str, not {type(getattr(self, name)).__name__}")
         if not isinstance(self.skip_corrupt, bool):
             raise TypeError(f"skip_corrupt must be a bool, not {type(self.skip_corrupt).__name__}")
         ints: dict[str, int | None] = {}
@@ -138,8 +154,8 @@ class DatasetSpec:
         object.__setattr__(self, "source", resolve_source(self.source))
 
     def as_dict(self) -> dict[str, Any]:
-        """The spec's fields as a dict of plain values (delivered is bytes)."""
-        return asdict(self)
+        """The spec's fields as a dict of JSON-safe values (delivered as base64 str)."""
+        return {**asdict(self), "delivered": [_position.text(b) for b in self.delivered]}
 
     def request(self) -> pb.OpenDatasetRequest:
         """The OpenDataset request for this spec."""
@@ -155,6 +171,7 @@ class DatasetSpec:
             shuffle_window=self.shuffle_window or 0,
             skip_corrupt=self.skip_corrupt,
             delivered=list(self.delivered),
+            even=self.even,
         )
 
 
@@ -180,6 +197,7 @@ class DatasetStats:
     cache_hits: int = 0
     cache_misses: int = 0
     corrupt_skipped: int = 0
+    padded: int = 0  # samples repeated to pad this rank's epoch (even="pad")
     batches: int = 0
     samples: int = 0
     client_wait: float = 0.0
@@ -242,6 +260,7 @@ class _Item:
     position: int
     stats: pb.PrefetchStats
     views: list[memoryview]  # copy=False: the batch's field views, released when retired
+    delivered: bytes = b""  # the batch's samples as a position (batch_delivered)
 
 
 # What the prefetch thread hands over: a batch, the final stats, or its error.
@@ -318,7 +337,7 @@ class _Session:
             with self._cond:
                 self._held += 1
             batch = _viewed(resp.samples, views[0], views, self.what)
-        return _Item(batch, lease.id, resp.position, resp.stats, views)
+        return _Item(batch, lease.id, resp.position, resp.stats, views, resp.delivered)
 
     def retire(self, item: _Item) -> None:
         """The consumer is done with item: invalidate its views, free its slot."""
@@ -459,6 +478,7 @@ class Dataset:
         registry: weakref.WeakSet[Dataset],
         copy: bool,
         prefetch: int,
+        batch_delivered: bool = False,
     ) -> None:
         self._registry = registry  # the client's open datasets, closed with it
         self._spec = spec
@@ -468,7 +488,9 @@ class Dataset:
                 f"{what}: datasets are delivered through the daemon's shared-memory "
                 f"arena, which this client cannot map (transport={conn.transport!r})"
             )
-        resp = conn.call("OpenDataset", spec.request(), f"open {what}", conn.prefetch)
+        req = spec.request()
+        req.batch_delivered = batch_delivered
+        resp = conn.call("OpenDataset", req, f"open {what}", conn.prefetch)
         self.session: str = resp.session
         self.shards: int = resp.shards  # shards this rank reads this epoch
         self._session = _Session(conn, resp.session, copy, what)
@@ -477,6 +499,7 @@ class Dataset:
         self._current: _Item | None = None
         self._previous: _Item | None = None
         self._position = spec.start
+        self._delivered = b""  # the last batch's samples (batch_delivered)
         self._stats = pb.PrefetchStats()
         self._counts = [0, 0]  # batches, samples
         self._client_wait = 0.0
@@ -535,6 +558,7 @@ class Dataset:
         self._current = out
         self._stats = out.stats
         self._position = out.position
+        self._delivered = out.delivered
         self._counts[0] += 1
         self._counts[1] += len(out.batch)
         return out.batch
@@ -563,14 +587,16 @@ class Dataset:
     def state(self, *, elastic: bool = False) -> dict[str, Any]:
         """What to store in a checkpoint: ``client.dataset(DatasetSpec(**state))`` resumes here.
 
-        A dict of plain values (JSON-serializable): source, format,
-        batch_size, rank, world_size, seed, epoch, shuffle_window,
-        skip_corrupt and start, the samples consumed so far this epoch
-        (batches fetched ahead by the prefetch thread do not count).
+        A dict of plain values (JSON-serializable: ``json.dumps`` takes it
+        as it is): source, format, batch_size, rank, world_size, seed,
+        epoch, shuffle_window, skip_corrupt, even, delivered and start, the
+        samples consumed so far this epoch (batches fetched ahead by the
+        prefetch thread do not count).
 
         With elastic=True, the position survives a change of world size:
-        start is 0 and delivered holds (as opaque bytes, asked of the daemon)
-        the samples this rank delivered, with those it resumed from. The
+        start is 0 and delivered holds (one opaque position asked of the
+        daemon, as base64 text) the samples this rank delivered, padding
+        left out, with those it resumed from. The
         union of every rank's (``ckptd.torch.gather_dataset_state``) resumes
         the epoch at any world size. Take it while the epoch runs: a
         dataset closed (its epoch over, or close()) has no session to ask.
@@ -605,6 +631,7 @@ class Dataset:
             cache_hits=s.cache_hits,
             cache_misses=s.cache_misses,
             corrupt_skipped=s.corrupt_skipped,
+            padded=s.padded,
             batches=self._counts[0],
             samples=self._counts[1],
             client_wait=self._client_wait,

@@ -5,17 +5,19 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from . import _position
 from ._dataset import Dataset
 
 
 def gather_dataset_state(dataset: Dataset, group: Any = None) -> dict[str, Any]:
-    """Every rank's elastic position of an epoch, as one resumable state.
+    """Every rank's elastic position of an epoch, as one resumable state (JSON-safe).
 
     A collective over torch.distributed (``group``: the default group when
-    None): each rank passes its Dataset of the same epoch; all get the same
+    None): each rank passes its dataset of the same epoch; all get the same
     dict, to store in the checkpoint. ``client.dataset(DatasetSpec(**state))``
     resumes the epoch at any world size: rank and world_size are left out
-    (None: this process's), and delivered holds every old rank's position.
+    (None: this process's), and delivered holds every old rank's position,
+    unioned into one.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
@@ -27,5 +29,11 @@ def gather_dataset_state(dataset: Dataset, group: Any = None) -> dict[str, Any]:
     mine = dataset.state(elastic=True)
     states: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(states, mine, group=group)
-    delivered = tuple(b for s in states for b in s["delivered"])
-    return {**mine, "rank": None, "world_size": None, "start": 0, "delivered": delivered}
+    delivered = _position.union(_position.blob(b) for s in states for b in s["delivered"])
+    return {
+        **mine,
+        "rank": None,
+        "world_size": None,
+        "start": 0,
+        "delivered": [_position.text(delivered)],
+    }

@@ -5,8 +5,10 @@ The daemon already batches, so the DataLoader must not: use it with
 dataset: worker ``w`` of ``W`` on rank ``r`` of ``R`` reads as rank
 ``r * W + w`` of ``R * W``. The daemon's order deals shards round-robin to
 those readers, so every sample comes exactly once per epoch over all ranks
-and workers -- provided the dataset has at least ``R * W`` shards (a reader
-without a shard delivers nothing; it never duplicates).
+and workers; with the spec's ``even`` (default "pad") every reader, and so
+every rank, gets the same number of samples and batches, as a DDP job
+needs (off when the trainer's world size is 1: the workers of one rank
+need no equal counts).
 
 gRPC channels do not survive fork(), so the dataset holds only its settings
 and every ``__iter__`` -- which the DataLoader runs inside the worker --
@@ -156,6 +158,7 @@ class CkptdIterableDataset(torch.utils.data.IterableDataset):  # type: ignore[ty
                     world_size=self.world_size * workers,
                     epoch=self.epoch,
                     start=start,
+                    even=self.spec.even if self.world_size > 1 else "off",
                 ),
                 copy=self.copy,
                 prefetch=self.prefetch,

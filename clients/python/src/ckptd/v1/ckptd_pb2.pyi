@@ -272,7 +272,7 @@ class ReleaseRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenDatasetRequest(_message.Message):
-    __slots__ = ("source", "format", "batch_size", "rank", "world_size", "seed", "epoch", "start", "shuffle_window", "skip_corrupt", "delivered")
+    __slots__ = ("source", "format", "batch_size", "rank", "world_size", "seed", "epoch", "start", "shuffle_window", "skip_corrupt", "delivered", "even", "batch_delivered")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,8 @@ class OpenDatasetRequest(_message.Message):
     SHUFFLE_WINDOW_FIELD_NUMBER: _ClassVar[int]
     SKIP_CORRUPT_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    EVEN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_DELIVERED_FIELD_NUMBER: _ClassVar[int]
     source: str
     format: str
     batch_size: int
@@ -295,7 +297,9 @@ class OpenDatasetRequest(_message.Message):
     shuffle_window: int
     skip_corrupt: bool
     delivered: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, source: _Optional[str] = ..., format: _Optional[str] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., shuffle_window: _Optional[int] = ..., skip_corrupt: _Optional[bool] = ..., delivered: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    even: str
+    batch_delivered: bool
+    def __init__(self, source: _Optional[str] = ..., format: _Optional[str] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., shuffle_window: _Optional[int] = ..., skip_corrupt: _Optional[bool] = ..., delivered: _Optional[_Iterable[bytes]] = ..., even: _Optional[str] = ..., batch_delivered: _Optional[bool] = ...) -> None: ...
 
 class OpenDatasetResponse(_message.Message):
     __slots__ = ("session", "shards")
@@ -332,7 +336,7 @@ class Sample(_message.Message):
     def __init__(self, key: _Optional[str] = ..., fields: _Optional[_Iterable[_Union[SampleField, _Mapping]]] = ...) -> None: ...
 
 class PrefetchStats(_message.Message):
-    __slots__ = ("wait_storage_ns", "wait_cache_ns", "wait_ring_ns", "wait_work_ns", "cache_hits", "cache_misses", "corrupt_skipped")
+    __slots__ = ("wait_storage_ns", "wait_cache_ns", "wait_ring_ns", "wait_work_ns", "cache_hits", "cache_misses", "corrupt_skipped", "padded")
     WAIT_STORAGE_NS_FIELD_NUMBER: _ClassVar[int]
     WAIT_CACHE_NS_FIELD_NUMBER: _ClassVar[int]
     WAIT_RING_NS_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +344,7 @@ class PrefetchStats(_message.Message):
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    PADDED_FIELD_NUMBER: _ClassVar[int]
     wait_storage_ns: int
     wait_cache_ns: int
     wait_ring_ns: int
@@ -347,21 +352,24 @@ class PrefetchStats(_message.Message):
     cache_hits: int
     cache_misses: int
     corrupt_skipped: int
-    def __init__(self, wait_storage_ns: _Optional[int] = ..., wait_cache_ns: _Optional[int] = ..., wait_ring_ns: _Optional[int] = ..., wait_work_ns: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., corrupt_skipped: _Optional[int] = ...) -> None: ...
+    padded: int
+    def __init__(self, wait_storage_ns: _Optional[int] = ..., wait_cache_ns: _Optional[int] = ..., wait_ring_ns: _Optional[int] = ..., wait_work_ns: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ..., corrupt_skipped: _Optional[int] = ..., padded: _Optional[int] = ...) -> None: ...
 
 class NextBatchResponse(_message.Message):
-    __slots__ = ("lease", "samples", "position", "end", "stats")
+    __slots__ = ("lease", "samples", "position", "end", "stats", "delivered")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
     position: int
     end: bool
     stats: PrefetchStats
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., position: _Optional[int] = ..., end: _Optional[bool] = ..., stats: _Optional[_Union[PrefetchStats, _Mapping]] = ...) -> None: ...
+    delivered: bytes
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., position: _Optional[int] = ..., end: _Optional[bool] = ..., stats: _Optional[_Union[PrefetchStats, _Mapping]] = ..., delivered: _Optional[bytes] = ...) -> None: ...
 
 class CloseDatasetRequest(_message.Message):
     __slots__ = ("session",)
