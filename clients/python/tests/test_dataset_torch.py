@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -10,6 +11,7 @@ from torch.utils.data import DataLoader, default_collate
 from wds import write_shards
 
 import ckptd
+import ckptd.torch
 from ckptd.torch import Batch, BatchDict, CkptdIterableDataset
 
 SHARDS, PER, BATCH = 7, 20, 8
@@ -198,3 +200,126 @@ def test_spawned_workers_with_a_client_open_in_the_parent(dataset_daemon, data):
             got = keys_of(loader(ds, 2, multiprocessing_context=ctx))
             assert sorted(got) == sorted(want), ctx
         assert parent.steps() == []
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_set_epoch_reaches_persistent_workers(dataset_daemon, data, ctx):
+    """persistent_workers=True keeps the workers (and their copy of the dataset)
+    from one epoch to the next: each epoch still reads its own order."""
+    folder, want = data
+    spec = ckptd.DatasetSpec(folder, batch_size=BATCH, seed=2)
+    ds = CkptdIterableDataset(spec, socket=dataset_daemon.socket)
+    kept = loader(ds, 2, persistent_workers=True, multiprocessing_context=ctx)
+    orders = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        batches = list(kept)
+        assert {b.epoch for b in batches} == {epoch}
+        orders.append(keys_of(batches))
+    fresh = CkptdIterableDataset(spec, socket=dataset_daemon.socket)
+    for epoch in range(2):
+        fresh.set_epoch(epoch)
+        assert orders[epoch] == keys_of(loader(fresh, 2, multiprocessing_context=ctx)), epoch
+    assert orders[0] != orders[1]
+    assert sorted(orders[0]) == sorted(orders[1]) == sorted(want)
+
+
+def test_load_state_dict_after_persistent_workers_started_is_refused(dataset_daemon, data):
+    folder, _ = data
+    ds = CkptdIterableDataset(
+        ckptd.DatasetSpec(folder, batch_size=BATCH), socket=dataset_daemon.socket
+    )
+    kept = loader(ds, 2, persistent_workers=True)
+    first = list(kept)
+    ds.observe(first[0])
+    ds.load_state_dict(ds.state_dict())  # the workers hold the dataset of before
+    with pytest.raises(ValueError, match="after this DataLoader's workers started"):
+        list(kept)
+    assert keys_of(loader(ds, 2))  # a new DataLoader resumes
+
+
+def run_epoch_part(folder, rank: int, world: int, workers: int, batches: int, state=None):
+    """One rank's DataLoader over epoch 1: keys of the first batches, and its state.
+
+    The keys are in the order each worker read them, worker after worker.
+    """
+    ds = CkptdIterableDataset(
+        ckptd.DatasetSpec(
+            folder, batch_size=BATCH, rank=rank, world_size=world, seed=6, epoch=1, even="off"
+        ),
+        socket=SOCKET[0],
+    )
+    if state is not None:
+        ds.load_state_dict(json.loads(json.dumps(state)))  # as a checkpoint holds it
+    got: dict[int, list[str]] = {}
+    for i, b in enumerate(loader(ds, workers)):
+        if i == batches:
+            break
+        ds.observe(b)
+        got.setdefault(b.worker, []).extend(s["__key__"] for s in b)
+    return [k for _, ks in sorted(got.items()) for k in ks], ds.state_dict()
+
+
+SOCKET: list[str] = [""]
+
+
+def test_elastic_resume_through_the_dataloader(dataset_daemon, data):
+    """4 ranks of 2 workers read part of an epoch; their gathered state resumes
+    it at 3 ranks of 1 worker, and again at 2 ranks of 3: every sample once."""
+    folder, want = data
+    SOCKET[0] = dataset_daemon.socket
+    seen: list[str] = []
+    states = []
+    for rank in range(4):
+        got, state = run_epoch_part(folder, rank, 4, 2, batches=rank)
+        seen += got
+        states.append(json.loads(json.dumps(state)))
+    state = CkptdIterableDataset.gathered(states)
+    assert state["rank"] is None
+    with pytest.raises(ValueError, match="gather_dataset_state"):
+        run_epoch_part(folder, 0, 3, 1, batches=1, state=states[0])  # one rank's of 4
+    middle = []
+    for rank in range(3):
+        got, s = run_epoch_part(folder, rank, 3, 1, batches=1, state=state)
+        seen += got
+        middle.append(s)
+    state = CkptdIterableDataset.gathered(middle)
+    for rank in range(2):
+        got, _ = run_epoch_part(folder, rank, 2, 3, batches=-1, state=state)
+        seen += got
+    assert len(seen) == len(set(seen)) == len(want), len(seen)
+
+
+def test_same_topology_replays_the_order(dataset_daemon, data):
+    """At the same world size and num_workers a resume is the rest of the
+    very order the saved run was reading, not a new deal."""
+    folder, _ = data
+    SOCKET[0] = dataset_daemon.socket
+    whole, _ = run_epoch_part(folder, 1, 2, 1, batches=-1)
+    first, state = run_epoch_part(folder, 1, 2, 1, batches=3)
+    rest, _ = run_epoch_part(folder, 1, 2, 1, batches=-1, state=state)
+    assert first + rest == whole
+
+
+def test_gather_dataset_state_of_a_dataloader(dataset_daemon, data, tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    folder, want = data
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        ds = CkptdIterableDataset(
+            ckptd.DatasetSpec(folder, batch_size=BATCH, seed=1), socket=dataset_daemon.socket
+        )
+        got = []
+        for i, b in enumerate(loader(ds, 2)):
+            if i == 3:
+                break
+            got += [s["__key__"] for s in ds.observe(b)]
+        state = json.loads(json.dumps(ckptd.torch.gather_dataset_state(ds)))
+    finally:
+        dist.destroy_process_group()
+    fresh = CkptdIterableDataset(
+        ckptd.DatasetSpec(folder, batch_size=BATCH, seed=1), socket=dataset_daemon.socket
+    )
+    fresh.load_state_dict(state)
+    rest = keys_of(loader(fresh, 3))  # another num_workers
+    assert sorted(got + rest) == sorted(want)
