@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/schollz/progressbar/v3"
@@ -184,7 +185,7 @@ func (w *restoreWriter) writeRank(ctx context.Context, m *checkpoint.Manifest) (
 	if err := f.Sync(); err != nil {
 		return rankMeta{}, err
 	}
-	return rankMeta{Rank: m.Rank, File: name, Tensors: len(m.Tensors), Bytes: m.DataSize, Metadata: m.Metadata}, f.Close()
+	return rankMeta{Rank: m.Rank, File: name, Tensors: len(userTensors(m.Tensors)), Bytes: m.DataSize, Metadata: m.Metadata}, f.Close()
 }
 
 func (w *restoreWriter) writeMetadata(meta stepMeta) error {
@@ -241,9 +242,27 @@ type offsetWriter struct {
 func (w *offsetWriter) WriteAt(p []byte, off int64) (int, error) { return w.f.WriteAt(p, w.base+off) }
 
 func toSafetensors(ts []checkpoint.Tensor) []safetensors.Tensor {
+	ts = userTensors(ts)
 	out := make([]safetensors.Tensor, len(ts))
 	for i, t := range ts {
 		out[i] = safetensors.Tensor{Name: t.Name, DType: t.DType, Shape: t.Shape, Begin: t.Offset, End: t.Offset + t.Length}
+	}
+	return out
+}
+
+// kindsRecord begins the names of the empty tensors in which the Python
+// client records which values of a save were torch tensors (so that its
+// load gives them back as such): not the trainer's state, and holding no
+// bytes, they are left out of the files restore writes.
+const kindsRecord = "ckptd.as:"
+
+// userTensors is ts without the Python client's empty kind records.
+func userTensors(ts []checkpoint.Tensor) []checkpoint.Tensor {
+	out := make([]checkpoint.Tensor, 0, len(ts))
+	for _, t := range ts {
+		if t.Length != 0 || !strings.HasPrefix(t.Name, kindsRecord) {
+			out = append(out, t)
+		}
 	}
 	return out
 }

@@ -70,7 +70,8 @@ def test_dataset_spec_defaults_and_checks(monkeypatch, tmp_path):
         "start": 0,
         "shuffle_window": None,
         "skip_corrupt": False,
-        "delivered": (),
+        "delivered": [],  # positions as base64 text: the dict is JSON-safe
+        "even": "pad",
     }
     assert ckptd.DatasetSpec(tmp_path).source == str(tmp_path)  # a path-like
     assert ckptd.DatasetSpec("s3://bucket/train/").source == "s3://bucket/train/"

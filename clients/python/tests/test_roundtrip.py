@@ -131,16 +131,44 @@ def test_every_torch_dtype_non_contiguous_0d_and_empty(client, job):
             assert got[name][case].device.type == "cpu"
 
 
-def test_default_load_gives_numpy_and_torch_for_bf16(client, job):
+def test_numpy_load_gives_numpy_and_torch_for_bf16(client, job):
     bf = random_tensor(torch.bfloat16, (3, 2))
     f8 = random_tensor(torch.float8_e5m2, (5,))
     client.save(4, {"w": torch.arange(4, dtype=torch.float32), "bf": bf, "f8": f8}, job=job).wait(
         30
     )
-    got = client.load(4, job=job)
+    got = client.load(4, job=job, as_torch=False)
     assert isinstance(got["w"], np.ndarray) and got["w"].dtype == np.float32
     assert isinstance(got["bf"], torch.Tensor) and same_bits(bf, got["bf"])
     assert isinstance(got["f8"], torch.Tensor) and same_bits(f8, got["f8"])
+
+
+def test_a_load_gives_back_what_was_saved(client, job):
+    """torch in, torch out; numpy in, numpy out; a mix as it was (the default)."""
+    model = torch.nn.Linear(3, 2)
+    client.save(6, model.state_dict(), job=job).wait(30)
+    got = client.load(6, job=job)
+    assert set(got) == set(model.state_dict())  # the record of the kinds is not in it
+    assert all(isinstance(v, torch.Tensor) for v in got.values())
+    torch.nn.Linear(3, 2).load_state_dict(got)  # what failed with numpy arrays
+
+    mixed = {"model": model.state_dict(), "step": np.asarray(6), "ema": {"w": torch.ones(2)}}
+    client.save(7, mixed, job=job).wait(30)
+    got = client.load(7, job=job)
+    assert isinstance(got["step"], np.ndarray) and int(got["step"]) == 6
+    assert isinstance(got["model"]["weight"], torch.Tensor)
+    assert isinstance(got["ema"]["w"], torch.Tensor)
+    flat = client.load(7, job=job, nested=False)
+    assert set(flat) == {"model:weight", "model:bias", "step", "ema:w"}
+    assert isinstance(client.load(7, job=job, as_torch=True)["step"], torch.Tensor)
+    assert isinstance(client.load(7, job=job, as_torch=False)["ema"]["w"], np.ndarray)
+    # Of some tensors only, the record is not read: numpy unless asked.
+    assert isinstance(client.load(7, job=job, tensors=["ema:w"])["ema"]["w"], np.ndarray)
+
+    client.save(8, {"a": np.arange(3)}, job=job).wait(30)  # numpy alone: as before, no record
+    assert isinstance(client.load(8, job=job)["a"], np.ndarray)
+    with pytest.raises(ckptd.InvalidArgumentError, match="reserved"):
+        client.save(9, {"ckptd.as": torch.ones(1), "w": torch.ones(1)}, job=job)
 
 
 def test_bf16_without_torch_comes_back_as_raw_bits(client, job, monkeypatch):

@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from . import _attempt, _limits, _load, _ranks, _save
+from . import _attempt, _kinds, _limits, _load, _ranks, _save
 from ._dataset import Dataset, DatasetSpec
 from ._handle import SaveHandle, SaveStatus
 from ._load import LoadedState, StepInfo
@@ -228,6 +228,10 @@ class Client:
         (a loader position, ...), given back by load(); job defaults to
         the daemon's.
 
+        Which values were torch tensors (and which numpy arrays) is
+        recorded with the shard, in empty tensors under ``ckptd.as`` (a
+        reserved top-level key), so that load() gives each back as it came.
+
         The save carries attempt (default: the client's). A step commits
         from the saves of one attempt, so every rank of world_size must save
         it under the same one; a client that made its attempt up itself
@@ -257,7 +261,7 @@ class Client:
         target = _save.target(job, step, rank, world_size, attempt)
         if own and self._attempt_random and target.world_size > 1:
             self._warn_random_attempt(target.world_size)
-        return _save.save(self._conn, target, state, meta)
+        return _save.save(self._conn, target, _kinds.mark(state), meta)
 
     def _warn_random_attempt(self, world_size: int) -> None:
         if self._warned_attempt:
@@ -303,7 +307,7 @@ class Client:
         *,
         rank: int | None = None,
         job: str | None = None,
-        as_torch: bool = False,
+        as_torch: bool | None = None,
         device: Any = None,
         nested: bool = True,
         tensors: Sequence[str] | None = None,
@@ -319,8 +323,11 @@ class Client:
             step: the step to load, or "latest" for the newest committed one.
             rank: which rank's shard (default: this process's, as in save()).
             job: the job (None: the daemon's default).
-            as_torch: return torch tensors (CPU unless device says otherwise)
-                instead of numpy arrays.
+            as_torch: None (default): each value as it was saved -- a torch
+                tensor where the save had one (on the CPU), a numpy array
+                where it had one, and numpy arrays for steps saved by an
+                older client or without torch. True: torch tensors (CPU
+                unless device says otherwise). False: numpy arrays.
             device: a torch device ("cuda:0", ...) to load straight onto;
                 implies as_torch. From CUDA-registered memory this is DMA.
             nested: rebuild the nesting of the saved dict (default); False
@@ -329,10 +336,12 @@ class Client:
                 daemon reads only their chunks. An unknown name raises
                 InvalidArgumentError.
 
-        Without as_torch, numpy arrays come back, except bfloat16 and float8
-        tensors, which numpy cannot represent: they come back as torch
-        tensors when torch is installed, else as their raw bits (uint16 or
-        uint8 arrays).
+        Where a numpy array comes back (as_torch=False, or None for a value
+        saved from numpy), bfloat16 and float8 tensors, which numpy cannot
+        represent, come back as torch tensors when torch is installed, else
+        as their raw bits (uint16 or uint8 arrays). With tensors=, the
+        record of what was torch is not read: as_torch=None gives numpy
+        arrays there (ask as_torch=True for torch).
 
         Returns:
             The state dict, with .step, .world_size and .metadata attributes.

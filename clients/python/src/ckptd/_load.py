@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from . import _limits, _names, _tensors
+from . import _kinds, _limits, _names, _tensors
 from ._errors import (
     CkptdError,
     ClientClosedError,
@@ -93,7 +93,7 @@ def load(
     conn: Connection,
     req: pb.BeginRestoreRequest,
     what: str,
-    as_torch: bool,
+    as_torch: bool | None,
     device: Any,
     nested: bool,
 ) -> LoadedState:
@@ -102,7 +102,7 @@ def load(
     A daemon that goes away is waited for (conn's reconnect_timeout), and
     a load whose region may have been handed on meanwhile is made again.
     """
-    out = _Outputs(as_torch or device is not None, device)
+    out = _Outputs(True if device is not None else as_torch, device)
     outage = Outage(conn, what)
     while True:
         try:
@@ -218,9 +218,15 @@ def steps(conn: Connection, job: str | None) -> list[StepInfo]:
 
 
 class _Outputs:
-    """Builds the restored tensors in the form load was asked for."""
+    """Builds the restored tensors in the form load was asked for.
 
-    def __init__(self, as_torch: bool, device: Any) -> None:
+    as_torch True: torch tensors; False: numpy arrays (torch for the dtypes
+    numpy lacks); None: each as it was saved (the shard's ckptd.as record,
+    see _kinds; numpy without one).
+    """
+
+    def __init__(self, as_torch: bool | None, device: Any) -> None:
+        self.as_torch = as_torch
         self.torch = _tensors.torch_module() if as_torch else None
         if as_torch and self.torch is None:
             raise ImportError("load(as_torch=True) or load(device=...) needs torch installed")
@@ -228,9 +234,26 @@ class _Outputs:
         self.needs_pin = self.device is not None and self.device.type == "cuda"
         self.pinned = False
 
+    def _kinds(self, header: pb.RestoreHeader) -> tuple[bool, set[str]]:
+        """(torch by default, the stored names of the other kind) for header's tensors."""
+        if self.as_torch is not None:
+            return self.as_torch, set()
+        default, others = _kinds.split([t.name for t in header.tensors])
+        if default is None:
+            return False, set()
+        if self.torch is None and (default or others):
+            self.torch = _tensors.torch_module()  # saved from torch: give torch back
+            if self.torch is None:  # not installed here: numpy, as without a record
+                return False, set()
+            self.device = self.torch.device("cpu")
+        return default, others
+
     def build(self, header: pb.RestoreHeader, data: np.ndarray) -> list[tuple[str, Any]]:
         items = []
+        default, others = self._kinds(header)
         for t in header.tensors:
+            if _kinds.is_record(t.name):
+                continue  # ckptd's own record of the kinds, not the caller's state
             dt = _tensors.BY_NAME.get(t.dtype)
             if dt is None:
                 raise CkptdError(f"tensor {t.name!r} has dtype {t.dtype}, unknown to this client")
@@ -238,7 +261,7 @@ class _Outputs:
                 raise CkptdError(f"tensor {t.name!r} lies outside the restored region")
             src = data[t.offset : t.offset + t.length]
             shape = tuple(t.shape)
-            if self.torch is None:
+            if self.torch is None or default == (t.name in others):
                 items.append((t.name, _tensors.default_out(dt, shape, src)))
             else:
                 items.append(
