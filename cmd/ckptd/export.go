@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"strconv"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -23,6 +25,13 @@ type exportOptions struct {
 	Format        string
 	MaxShardSize  byteSize
 	WithOptimizer bool
+	// ModelConfig is a config.json, or a folder holding one, to write into the
+	// export (for from_pretrained); RequireModelConfig fails the export when
+	// neither it nor the step has one; Plain exports a step saved with
+	// Client.save(model.state_dict()): rank 0's tensors without a group.
+	ModelConfig        string
+	RequireModelConfig bool
+	Plain              bool
 }
 
 func newExportCmd() *cobra.Command {
@@ -39,7 +48,16 @@ model.safetensors, or model-00001-of-0000N.safetensors files of at most
 tooling expects; the step, job and attempt are in each file's metadata.
 Optimizer state is left out unless --with-optimizer (its tensors are then
 named optimizer.<name>). Every chunk is verified; files appear only once
-all are written.`,
+all are written.
+
+For transformers' from_pretrained the folder needs config.json as well:
+export writes the one ckptd.torch.save_state_dict records when given the
+model itself (a module with a config), or the one --model-config names (a
+config.json, or a folder holding one, such as the folder the model was
+loaded from). Without either it writes the weights and says what is
+missing; --require-model-config makes that an error (exit 1, nothing written).
+A step saved with Client.save(model.state_dict()) names its tensors by the
+state dict's keys, with no "model:" group: --plain exports those.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			switch {
@@ -52,7 +70,7 @@ all are written.`,
 			case o.MaxShardSize <= 0:
 				return usageError{fmt.Errorf("--max-shard-size must be positive, got %d", o.MaxShardSize)}
 			}
-			return runExport(cmd.Context(), o, cmd.OutOrStdout())
+			return runExport(cmd.Context(), o, cmd.OutOrStdout(), cmd.ErrOrStderr())
 		},
 	}
 	fs := cmd.Flags()
@@ -63,10 +81,17 @@ all are written.`,
 	fs.StringVar(&o.Format, "format", "safetensors", "output format (safetensors)")
 	fs.Var(&o.MaxShardSize, "max-shard-size", "largest file to write (default 5GB); a larger tensor gets a file of its own")
 	fs.BoolVar(&o.WithOptimizer, "with-optimizer", false, "also export the optimizer's tensors, named optimizer.<name>")
+	fs.StringVar(&o.ModelConfig, "model-config", "", "config.json to write into the export, or a folder holding one (default: the one the step records)")
+	fs.BoolVar(&o.RequireModelConfig, "require-model-config", false, "fail, writing nothing, when no config.json is available (from_pretrained needs one)")
+	fs.BoolVar(&o.Plain, "plain", false, "export rank 0's tensors as named, for a step saved with Client.save(model.state_dict())")
 	return cmd
 }
 
-func runExport(ctx context.Context, o *exportOptions, stdout io.Writer) error {
+func runExport(ctx context.Context, o *exportOptions, stdout, stderr io.Writer) error {
+	given, err := readConfigFlag(o.ModelConfig)
+	if err != nil {
+		return err
+	}
 	store, rec, closeStore, err := o.openStep(ctx, o.Step, o.Latest)
 	if err != nil {
 		return err
@@ -78,12 +103,25 @@ func runExport(ctx context.Context, o *exportOptions, stdout io.Writer) error {
 			return err
 		}
 	}
-	tensors, err := planExport(ctx, store, ms, exportGroups(o.WithOptimizer))
+	tensors, err := planExport(ctx, store, ms, exportGroups(o.WithOptimizer, o.Plain))
 	if err != nil {
 		return err
 	}
 	if len(tensors) == 0 {
-		return fmt.Errorf("step %d: %w to export (names model:<name>, or pieces described in %s)", rec.Step, errNoTensors, shardingTensor)
+		return noTensors(rec.Step, ms[0], o.Plain)
+	}
+	config, err := readJSONTensor(ctx, store, ms[0], hfConfig)
+	if err != nil {
+		return err
+	}
+	switch {
+	case given != nil:
+		config = given
+	case config == nil && o.RequireModelConfig:
+		return fmt.Errorf("step %d: %w: %s", rec.Step, errNoConfig, missingConfig)
+	case config == nil:
+		fmt.Fprintf(stderr, "ckptd export: note: step %d records no model config, so the folder gets no config.json and "+
+			"from_pretrained cannot load it: %s (--require-model-config makes this an error)\n", rec.Step, missingConfig)
 	}
 	if err := os.MkdirAll(o.Out, 0o755); err != nil {
 		return err
@@ -106,8 +144,10 @@ func runExport(ctx context.Context, o *exportOptions, stdout io.Writer) error {
 			return err
 		}
 	}
-	if err := w.writeHFConfig(ctx, ms[0]); err != nil {
-		return err
+	if config != nil {
+		if err := w.writeFile("config.json", config); err != nil {
+			return err
+		}
 	}
 	if err := w.publish(); err != nil {
 		return err
@@ -216,17 +256,57 @@ func (w *restoreWriter) writeIndex(files [][]*fullTensor, total int64) error {
 }
 
 // hfConfig is the tensor in which ckptd.torch saves a Hugging Face
-// model's config.json (rank 0).
+// model's config.json (rank 0), which export writes as config.json so
+// that from_pretrained loads the folder.
 const hfConfig = "hf.config.json"
 
-// writeHFConfig writes config.json from rank 0's hf.config.json tensor,
-// when it has one, so that from_pretrained loads the folder.
-func (w *restoreWriter) writeHFConfig(ctx context.Context, m *checkpoint.Manifest) error {
-	b, err := readJSONTensor(ctx, w.store, m, hfConfig)
-	if b == nil || err != nil {
-		return err
+// errNoConfig: --require-model-config, and no config.json to write.
+var errNoConfig = errors.New("no model config to write config.json from")
+
+// missingConfig says how to supply a config.json.
+const missingConfig = "save the step with ckptd.torch.save_state_dict(client, step, model) given the transformers model " +
+	"itself (not its state_dict: it records model.config), or give --model-config with the model's config.json " +
+	"(or the folder holding it, such as the one the model was loaded from)"
+
+// readConfigFlag reads --model-config: a config.json, or a folder holding one.
+// It must be a JSON object (as transformers writes). nil when not given.
+func readConfigFlag(path string) ([]byte, error) {
+	if path == "" {
+		return nil, nil
 	}
-	return w.writeFile("config.json", b)
+	if fi, err := os.Stat(path); err == nil && fi.IsDir() {
+		path = filepath.Join(path, "config.json")
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, usageError{fmt.Errorf("--model-config: %w (give a config.json, or a folder holding one)", err)}
+	}
+	var obj map[string]any
+	if err := json.Unmarshal(b, &obj); err != nil {
+		return nil, usageError{fmt.Errorf("--model-config %s is not a JSON object, as a model's config.json is: %v", path, err)}
+	}
+	return b, nil
+}
+
+// noTensors is the error of a step with nothing to export, saying what
+// would make it exportable.
+func noTensors(step int64, m *checkpoint.Manifest, plain bool) error {
+	var plainNames []string
+	for _, t := range m.Tensors {
+		if !strings.Contains(t.Name, ":") && !reservedName(t.Name) {
+			plainNames = append(plainNames, t.Name)
+		}
+	}
+	if len(plainNames) > 0 && !plain {
+		return fmt.Errorf("step %d: %w: export takes the tensors named model:<name> (as ckptd.torch.save_state_dict names them) "+
+			"or described in %s, and this step's %d tensors are named by their state dict keys (%q, ...), as "+
+			"Client.save(step, model.state_dict()) stores them: add --plain to export those under their names "+
+			"(and --model-config for from_pretrained's config.json), or save with ckptd.torch.save_state_dict",
+			step, errNoTensors, shardingTensor, len(plainNames), plainNames[0])
+	}
+	return fmt.Errorf("step %d: %w to export: none named model:<name> (ckptd.torch.save_state_dict), none described in %s (ckptd.dcp)"+
+		", none without a group (--plain, Client.save(model.state_dict())); `ckptd restore` writes every tensor as saved",
+		step, errNoTensors, shardingTensor)
 }
 
 // writeFile writes a small file among the export's.

@@ -62,13 +62,24 @@ func (f *fullTensor) bytes() int64 {
 }
 
 // exportGroups says which groups go into the export, and the prefix their
-// tensors' names get there.
-func exportGroups(withOptimizer bool) map[string]string {
+// tensors' names get there. plain adds the group "": the tensors of a
+// step saved with Client.save(model.state_dict()), named by their keys.
+func exportGroups(withOptimizer, plain bool) map[string]string {
 	g := map[string]string{"model": ""}
 	if withOptimizer {
 		g["optimizer"] = "optimizer."
 	}
+	if plain {
+		g[""] = ""
+	}
 	return g
+}
+
+// reservedName says whether a tensor name is one of ckptd's own (the
+// skeleton, the sharding description, a record of the Python client, the
+// model's config), never a tensor of the model.
+func reservedName(name string) bool {
+	return strings.HasPrefix(name, "ckptd.") || name == hfConfig
 }
 
 // planExport returns the full tensors of the step whose rank manifests ms
@@ -89,6 +100,8 @@ func planExport(ctx context.Context, s *checkpoint.Store, ms []*checkpoint.Manif
 	switch {
 	case described == 0:
 		return replicated(ms[0], groups)
+	case hasGroup(groups, ""):
+		return nil, usageError{fmt.Errorf("step %d is sharded (%s): --plain is for steps saved whole with Client.save; export it without --plain", ms[0].Step, shardingTensor)}
 	case described < len(ms):
 		return nil, fmt.Errorf("%w: step %d: %d of %d ranks describe their pieces (%s); a step is sharded on every rank or on none",
 			checkpoint.ErrCorrupt, ms[0].Step, described, len(ms), shardingTensor)
@@ -147,8 +160,11 @@ func replicated(m *checkpoint.Manifest, groups map[string]string) ([]*fullTensor
 	p := planner{byName: map[string]*fullTensor{}}
 	for _, t := range m.Tensors {
 		group, fqn, ok := strings.Cut(t.Name, ":")
-		if !ok {
-			continue
+		if !ok { // a plain save's name, exported with --plain
+			if reservedName(t.Name) {
+				continue
+			}
+			group, fqn = "", t.Name
 		}
 		fqn = strings.ReplaceAll(fqn, ":", ".")
 		if err := p.addPiece(m, t, shardingPiece{Group: group, FQN: fqn, GlobalShape: t.Shape, Offsets: make([]int64, len(t.Shape))}, groups); err != nil {
@@ -156,6 +172,11 @@ func replicated(m *checkpoint.Manifest, groups map[string]string) ([]*fullTensor
 		}
 	}
 	return p.finish()
+}
+
+func hasGroup(groups map[string]string, g string) bool {
+	_, ok := groups[g]
+	return ok
 }
 
 type planner struct {

@@ -3,6 +3,8 @@ package main
 import (
 	"encoding/json"
 	"errors"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/ckptd/ckptd/checkpoint"
@@ -39,7 +41,7 @@ func TestPlanChecksPieces(t *testing.T) {
 		p := planner{byName: map[string]*fullTensor{}}
 		var err error
 		for _, a := range tc.adds {
-			if err = p.addPiece(m, a.t, a.sp, exportGroups(false)); err != nil {
+			if err = p.addPiece(m, a.t, a.sp, exportGroups(false, false)); err != nil {
 				break
 			}
 		}
@@ -71,7 +73,7 @@ func FuzzShardingDoc(f *testing.F) {
 			m.Tensors = append(m.Tensors, checkpoint.Tensor{Name: name, DType: dtype.F32, Shape: ts})
 		}
 		p := planner{byName: map[string]*fullTensor{}}
-		if p.addRank(m, &d, exportGroups(true)) != nil {
+		if p.addRank(m, &d, exportGroups(true, false)) != nil {
 			return
 		}
 		fts, err := p.finish()
@@ -91,4 +93,33 @@ func FuzzShardingDoc(f *testing.F) {
 			}
 		}
 	})
+}
+
+// A step saved with Client.save(model.state_dict()) has no model: group:
+// --plain exports its tensors under their names, never ckptd's own, and
+// without it the refusal says to add it.
+func TestPlainSaves(t *testing.T) {
+	m := &checkpoint.Manifest{Step: 3}
+	for _, name := range []string{"embeddings.weight", "encoder.0.bias", "ckptd.as:torch", "ckptd.torch", "hf.config.json", "optimizer:state:0:exp_avg"} {
+		m.Tensors = append(m.Tensors, checkpoint.Tensor{Name: name, DType: dtype.F32, Shape: []int64{2}, Length: 8})
+	}
+	ts, err := replicated(m, exportGroups(false, false))
+	if err != nil || len(ts) != 0 {
+		t.Fatalf("without --plain: %d tensors, %v", len(ts), err)
+	}
+	err = noTensors(3, m, false)
+	if !errors.Is(err, errNoTensors) || !strings.Contains(err.Error(), "add --plain") || !strings.Contains(err.Error(), `"embeddings.weight"`) {
+		t.Fatalf("refusal: %v", err)
+	}
+	ts, err = replicated(m, exportGroups(false, true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, ft := range ts {
+		names = append(names, ft.name)
+	}
+	if !slices.Equal(names, []string{"embeddings.weight", "encoder.0.bias"}) {
+		t.Fatalf("--plain exports %v", names)
+	}
 }
