@@ -64,8 +64,9 @@
 // codec is what it was written with (package checkpoint/codec documents
 // each: none, zstd, lz4, float-bf16, float-f16, float-f32, float-f64), never
 // "auto". A tensor's dtype is one of package checkpoint/dtype's names (the
-// safetensors spellings). Readers reject any other format name or a version
-// they do not know.
+// safetensors spellings, and ckptd's own for the dtypes safetensors has no
+// name for: C128, C32, BCOMPLEX32, FLOAT4_E2M1FN_X2, BITS8, UINT4, ...).
+// Readers reject any other format name or a version they do not know.
 //
 // # Commit
 //

@@ -8,9 +8,10 @@ import (
 )
 
 // ForDType returns the codec with the best ratio for chunks of d: the
-// float-aware codec of its width for floating point, zstd for the rest
-// (integers, bools, fp8, bytes), where LZ matches and literal entropy are
-// what there is to find.
+// float-aware codec of its width for IEEE floating point (F16, BF16, F32,
+// F64), zstd for the rest (integers, bools, fp8 and fp4, complex, torch's
+// bit containers, a dtype it does not know: bytes), where LZ matches and
+// literal entropy are what there is to find.
 func ForDType(d dtype.DType) Codec {
 	switch d {
 	case dtype.BF16:

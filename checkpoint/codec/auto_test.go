@@ -1,6 +1,8 @@
 package codec
 
 import (
+	"bytes"
+	"math/rand/v2"
 	"testing"
 	"time"
 
@@ -185,5 +187,43 @@ func TestSelectorConcurrent(t *testing.T) {
 	}
 	for range 4 {
 		<-done
+	}
+}
+
+// TestAutoTreatsOtherDTypesAsBytes: only the four IEEE float dtypes get a
+// float codec (the one of their width); every other dtype ckptd stores,
+// and a name it does not know, is compressed as bytes (zstd, lz4 or none),
+// whatever auto learns, and comes back bit for bit.
+func TestAutoTreatsOtherDTypesAsBytes(t *testing.T) {
+	floats := map[dtype.DType]Codec{dtype.BF16: FloatBF16, dtype.F16: FloatF16, dtype.F32: FloatF32, dtype.F64: FloatF64}
+	bytewise := map[Codec]bool{Zstd: true, LZ4: true, None: true}
+	rng := rand.New(rand.NewPCG(1, 2))
+	raw := make([]byte, 1<<16+3) // not a multiple of any element size
+	for i := range raw {
+		raw[i] = byte(rng.IntN(4)) // compresses
+	}
+	for _, d := range append(dtype.All(), "X_NEW", "") {
+		want, isFloat := floats[d]
+		if got := ForDType(d); isFloat && got != want || !isFloat && got != Zstd {
+			t.Errorf("ForDType(%q) = %s", d, got)
+		}
+		for _, storage := range []float64{300e6, 2e9, 10e9} {
+			s := NewSelector(SelectorOptions{Workers: 2, StorageRate: storage})
+			for _, c := range feed(s, d, 3*exploreEvery) {
+				if !isFloat && !bytewise[c] || isFloat && c != want && c != None {
+					t.Fatalf("auto chose %s for a %q chunk (storage %g B/s)", c, d, storage)
+				}
+			}
+		}
+		for _, c := range candidates(d) {
+			enc, err := Encode(c, nil, raw)
+			if err != nil {
+				t.Fatal(err)
+			}
+			dec, err := Decode(c, nil, enc, len(raw))
+			if err != nil || !bytes.Equal(dec, raw) {
+				t.Fatalf("%s on a %q chunk: %v, or the bytes differ", c, d, err)
+			}
+		}
 	}
 }

@@ -188,7 +188,7 @@ func (w *restoreWriter) writeFull(ctx context.Context, name string, ts []*fullTe
 		table[i] = safetensors.Tensor{Name: t.name, DType: t.dtype, Shape: t.shape, Begin: off, End: off + t.bytes()}
 		off += t.bytes()
 	}
-	header, err := safetensors.EncodeHeader(table, meta)
+	header, err := safetensors.EncodeHeader(safetensors.ForFile(table, meta)) // the format's dtypes
 	if err != nil {
 		return 0, err
 	}

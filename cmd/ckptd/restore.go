@@ -163,7 +163,7 @@ func (w *restoreWriter) create(name string) (*os.File, error) {
 // data space, which is exactly a safetensors data section.
 func (w *restoreWriter) writeRank(ctx context.Context, m *checkpoint.Manifest) (rankMeta, error) {
 	name := fmt.Sprintf("rank-%05d.safetensors", m.Rank)
-	header, err := safetensors.EncodeHeader(toSafetensors(m.Tensors), nil)
+	header, err := safetensors.EncodeHeader(safetensors.ForFile(toSafetensors(m.Tensors), nil))
 	if err != nil {
 		return rankMeta{}, fmt.Errorf("step %d rank %d: %w", m.Step, m.Rank, err)
 	}

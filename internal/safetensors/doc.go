@@ -15,7 +15,9 @@
 //
 // The tensors must tile the data section exactly: sorted by offset, the
 // first begins at 0, each begins where the previous one ends, the last ends
-// at the end of the file, and each spans dtype size × product(shape) bytes.
+// at the end of the file, and each spans its dtype's width × product(shape)
+// bits, a whole number of bytes (F4 and F6_* are narrower than a byte). The
+// dtypes are the format's (dtypes.go); ForFile writes ckptd's as them.
 // The JSON may be followed by spaces; writers pad it so that the data
 // section starts at a multiple of 8, which EncodeHeader does too.
 //
