@@ -13,6 +13,11 @@ as a run that was never interrupted:
 
 The last line printed is a SHA-256 of the final weights, to compare runs.
 
+On SIGTERM or SIGUSR1 (a preemption: Slurm's ``--signal=USR1@90``, a pod
+being deleted) it checkpoints the step it is in, waits until the step is
+committed and exits 0; ``--resume latest`` goes on from there, to the same
+final weights.
+
 A resumed run is a new attempt (see the client README): it redoes the steps
 after the checkpoint it resumed from, and a step that the killed run had
 already checkpointed -- committed by the daemon after the kill -- is skipped
@@ -187,18 +192,31 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     model, opt, data, w_true = build(args.seed)
     pending: list[ckptd.SaveHandle] = []
-    with ckptd.Client(args.socket) as client:
+    # SIGTERM (Kubernetes, systemd, torchrun passing one on) or SIGUSR1 (Slurm's
+    # --signal=USR1@90) only sets a flag; the loop checkpoints at the end of
+    # the step it is in, waits for the commit and stops.
+    with ckptd.Client(args.socket) as client, ckptd.on_preemption() as preempt:
         start = resume(client, args, model, opt, data) if args.resume else 0
         for step in range(start + 1, args.steps + 1):
             loss = train_step(model, opt, data, w_true)
             print(f"step {step} loss {loss:.6f}", flush=True)
-            if step % args.ckpt_every == 0 and (
+            stop = preempt.requested()  # between steps: the state is whole
+            if (step % args.ckpt_every == 0 or stop) and (
                 h := checkpoint(client, args, step, model, opt, data)
             ):
                 pending.append(h)
             for h in [h for h in pending if h.done()]:
                 finish(client, args.job, h)  # raises if the daemon gave up on it
                 pending.remove(h)
+            if stop:
+                for h in pending:
+                    finish(client, args.job, h)
+                name = preempt.signal.name if preempt.signal else "a signal"
+                print(
+                    f"preempted by {name} after step {step}; resume with --resume latest",
+                    flush=True,
+                )
+                return 0
             time.sleep(args.step_sleep)
         for h in pending:
             finish(client, args.job, h)

@@ -5,9 +5,21 @@
 # Every rank of this run gets the same CKPTD_ATTEMPT: the job id and
 # Slurm's restart count (a requeued job is a new attempt; the restart count
 # is the same on every node, unlike torchelastic's).
+#
+# Preemption: 90 s before the time limit (and when the job is preempted
+# with a GraceTime), Slurm sends SIGUSR1 to this script alone (B:, not to
+# the sidecars, which must stay up to drain). The trap below passes SIGTERM
+# to the training step: srun forwards it to torchrun, which forwards it to
+# every worker (and kills them 30 s later). In the trainer,
+# ckptd.on_preemption() turns it into a flag its loop checks between steps:
+# every rank saves the step it is in, waits for the commit and exits (see
+# clients/python/README.md, "Save on preemption"). The script then requeues
+# the job; its next run resumes with --resume latest. Signal earlier
+# (--signal=B:USR1@300) if a step and its save take longer than 30 s.
 #SBATCH --job-name=train
 #SBATCH --ntasks-per-node=1
 #SBATCH --requeue
+#SBATCH --signal=B:USR1@90
 set -euo pipefail
 
 export CKPTD_ATTEMPT="slurm-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}"
@@ -43,8 +55,23 @@ srun --ntasks-per-node=1 bash -c 'for i in $(seq 60); do ckptd health --socket "
 
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 srun --ntasks-per-node=1 torchrun --nnodes "$SLURM_NNODES" --nproc-per-node 8 \
-	--rdzv-backend c10d --rdzv-endpoint "$head:29500" train.py --resume latest
+	--rdzv-backend c10d --rdzv-endpoint "$head:29500" train.py --resume latest &
+trainer=$!
+preempted=0
+trap 'preempted=1; kill -TERM "$trainer" 2>/dev/null || true' USR1
+status=0
+wait "$trainer" || status=$?
+while kill -0 "$trainer" 2>/dev/null; do # the trap cut the wait short: wait for the save
+	status=0
+	wait "$trainer" || status=$?
+done
+if ((preempted)); then
+	echo "preempted: the trainers saved their last step; requeueing" >&2
+	scontrol requeue "$SLURM_JOB_ID"
+	status=0
+fi
 
 # SIGTERM the sidecars: they drain what is staged (--shutdown-grace) and exit.
 kill -TERM "$sidecars"
 wait "$sidecars" || true
+exit "$status"

@@ -23,7 +23,8 @@ Read a dataset through the daemon's prefetching cache, batch by batch::
 
 ``ckptd.torch`` saves and restores a model, its optimizer and extra values
 (RNG states, data-loader position) bit-exactly, and adapts datasets to a
-torch DataLoader (``ckptd.torch.CkptdIterableDataset``).
+torch DataLoader (``ckptd.torch.CkptdIterableDataset``). ``on_preemption()``
+turns SIGTERM / SIGUSR1 into a flag the loop checks to save and stop.
 """
 
 from importlib import metadata as _metadata
@@ -51,6 +52,7 @@ from ._errors import (
 )
 from ._handle import SaveHandle, SaveStatus
 from ._load import LoadedState, StepInfo
+from ._preempt import Preemption, on_preemption
 from ._transport import default_socket
 
 __all__ = [
@@ -68,6 +70,7 @@ __all__ = [
     "LoadedState",
     "NotFoundError",
     "PermissionDeniedError",
+    "Preemption",
     "ResourceExhaustedError",
     "SaveFailedError",
     "SaveHandle",
@@ -81,6 +84,7 @@ __all__ = [
     "__version__",
     "default_socket",
     "gather_dataset_state",
+    "on_preemption",
 ]
 
 
