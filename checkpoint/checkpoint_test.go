@@ -325,15 +325,15 @@ func TestHoldsSameWithGaps(t *testing.T) {
 	if len(m.Chunks) < 3 {
 		t.Fatalf("%d chunks; the test wants several", len(m.Chunks))
 	}
-	if !holdsSame(m, sh) {
+	if !m.Holds(sh) {
 		t.Fatal("the stored copy of these very bytes is not recognised")
 	}
 	data[6] ^= 0xff // a gap byte: not tensor data
-	if !holdsSame(m, sh) {
+	if !m.Holds(sh) {
 		t.Fatal("a byte between tensors changed the verdict")
 	}
 	data[20000] ^= 0xff // inside x
-	if holdsSame(m, sh) {
+	if m.Holds(sh) {
 		t.Fatal("other bytes were taken for the stored copy")
 	}
 }

@@ -28,7 +28,7 @@ func (s *Store) TryCommit(ctx context.Context, step int64, attempt string, world
 	if err := t.Validate(); err != nil {
 		return nil, false, err
 	}
-	if rec, err := s.readCommit(ctx, step); !errors.Is(err, storage.ErrNotFound) {
+	if rec, err := s.ReadCommit(ctx, step); !errors.Is(err, storage.ErrNotFound) {
 		return rec, false, err
 	}
 	names, err := s.listManifests(ctx, step, attempt)
@@ -45,7 +45,7 @@ func (s *Store) TryCommit(ctx context.Context, step int64, attempt string, world
 	}
 	err = s.backend.PutIfAbsent(ctx, commitName(s.job, step), data)
 	if errors.Is(err, storage.ErrExists) { // another sidecar (or attempt) won
-		rec, err = s.readCommit(ctx, step)
+		rec, err = s.ReadCommit(ctx, step)
 		return rec, false, err
 	}
 	if err != nil {
@@ -54,10 +54,10 @@ func (s *Store) TryCommit(ctx context.Context, step int64, attempt string, world
 	return rec, true, nil
 }
 
-// removeRank deletes what a drain of t wrote, best effort: the step was
+// RemoveRank deletes what a drain of t wrote, best effort: the step was
 // committed by another attempt, so it is garbage (prune would remove it
 // later if this fails).
-func (s *Store) removeRank(ctx context.Context, t Target) {
+func (s *Store) RemoveRank(ctx context.Context, t Target) {
 	for _, name := range []string{manifestName(t), inJob(t.Job, dataObject(t.Step, t.Attempt, t.Rank))} {
 		if err := s.backend.Delete(ctx, name); err != nil {
 			s.log().Warn("could not remove the objects of a save its step will never use; prune removes them", "object", name, "err", err)
@@ -111,6 +111,11 @@ func (s *Store) summarize(ctx context.Context, t Target, names []string) (*Commi
 
 // readManifest reads and parses the manifest object name (relative to
 // the store's root, like every name below).
+// RankManifest reads the manifest t's save stored, committed or not.
+func (s *Store) RankManifest(ctx context.Context, t Target) (*Manifest, error) {
+	return s.readManifest(ctx, manifestName(t))
+}
+
 func (s *Store) readManifest(ctx context.Context, name string) (*Manifest, error) {
 	m, _, err := s.readManifestHash(ctx, name)
 	return m, err

@@ -1,14 +1,11 @@
 package checkpoint
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"time"
 
-	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -170,22 +167,25 @@ func (b *backoff) next() time.Duration {
 //   - not committed, nothing (or a damaged manifest) stored: write.
 func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) {
 	t := sh.Target
-	s := mgr.store(t.Job)
-	rec, err := s.readCommit(mgr.ctx, t.Step)
+	s, err := mgr.jobStore(t.Job)
+	if err != nil {
+		return nil, false, err
+	}
+	rec, err := s.ReadCommit(mgr.ctx, t.Step)
 	if errors.Is(err, ErrCorrupt) { // a step is committed, but the record is unreadable: nothing can join it
 		return nil, false, fmt.Errorf("step %d cannot take this save: %w (see ckptd verify)", t.Step, err)
 	}
 	if err != nil && !errors.Is(err, storage.ErrNotFound) {
 		return nil, false, fmt.Errorf("check step %d: %w", t.Step, err) // retried
 	}
-	stored, err := s.readManifest(mgr.ctx, manifestName(t))
+	stored, err := s.RankManifest(mgr.ctx, t)
 	switch {
 	case err != nil && !errors.Is(err, storage.ErrNotFound) && !errors.Is(err, ErrCorrupt) && !errors.Is(err, ErrInvalid):
 		return nil, false, fmt.Errorf("read the stored copy of %s: %w", t, err) // retried
 	case rec != nil && rec.Attempt != t.Attempt:
-		s.removeRank(mgr.ctx, t) // an earlier drain of this save may have written some of it
+		s.RemoveRank(mgr.ctx, t) // an earlier drain of this save may have written some of it
 		return nil, false, &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Detail: "this save was not written"}
-	case err == nil && holdsSame(stored, sh):
+	case err == nil && stored.Holds(sh):
 		mgr.log.Warn("rank already stored with these bytes; not rewritten", "target", t)
 		return stored, true, nil
 	case rec != nil:
@@ -197,27 +197,6 @@ func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) 
 	}
 	m, err = mgr.w.WriteShard(mgr.ctx, sh)
 	return m, false, err
-}
-
-// holdsSame reports whether m describes exactly sh: same target, tensors
-// and metadata, and every chunk's hash that of sh's bytes.
-func holdsSame(m *Manifest, sh *Shard) bool {
-	if m.Target() != sh.Target || m.DataSize != sh.Layout.DataSize || !bytes.Equal(m.Metadata, sh.Metadata) ||
-		!slices.EqualFunc(m.Tensors, sh.Layout.Packed, Tensor.equal) {
-		return false
-	}
-	var buf []byte
-	for _, c := range m.Chunks {
-		spans, ok := sh.Layout.regionSpans(c.RawOffset, c.Raw)
-		if !ok {
-			return false
-		}
-		raw := gather(sh.Data, chunkPlan{spans: spans}, &buf)
-		if codec.FormatHash(codec.Hash(raw)) != c.Hash {
-			return false
-		}
-	}
-	return true
 }
 
 // endDrain forgets a drained save: its journal entry, lease and region go,
@@ -303,7 +282,10 @@ func (mgr *Manager) commitSettled(t Target) bool {
 // commit record is damaged. It reports whether the step is committed, by
 // any attempt; an error means the check itself failed and must be retried.
 func (mgr *Manager) tryCommit(ctx context.Context, t Target) (bool, error) {
-	s := mgr.store(t.Job)
+	s, err := mgr.jobStore(t.Job)
+	if err != nil {
+		return false, err
+	}
 	rec, won, err := s.TryCommit(ctx, t.Step, t.Attempt, t.WorldSize)
 	switch {
 	case errors.Is(err, ErrCorrupt):
@@ -325,7 +307,7 @@ func (mgr *Manager) tryCommit(ctx context.Context, t Target) (bool, error) {
 			mgr.log.Info("step committed", "job", t.Job, "step", t.Step, "attempt", t.Attempt, "world_size", t.WorldSize)
 		}
 	default:
-		s.removeRank(mgr.ctx, t)
+		s.RemoveRank(mgr.ctx, t)
 		err := &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Detail: "this attempt's ranks were removed"}
 		mgr.log.Warn("another attempt committed the step; this save's objects removed", "target", t, "committed_attempt", rec.Attempt)
 		mgr.markDone(keyOf(t), StateFailed, err)

@@ -5,7 +5,8 @@ import (
 	"fmt"
 )
 
-// Errors callers match with errors.Is; the server maps each to a gRPC code.
+// Errors of the format and its operations, which callers match with
+// errors.Is; the server maps each to a gRPC code.
 var (
 	// ErrInvalid: a request or name is malformed. Nothing was changed.
 	ErrInvalid = errors.New("invalid request")
@@ -16,18 +17,6 @@ var (
 	ErrExists = errors.New("already exists")
 	// ErrCorrupt: stored data or a manifest failed verification.
 	ErrCorrupt = errors.New("corrupt checkpoint data")
-	// ErrUnknownLease: no lease of that id (expired, released, never
-	// granted, or another connection's).
-	ErrUnknownLease = errors.New("unknown lease")
-	// ErrOverBudget: the memory set aside for open saves' tensor tables
-	// (ManagerConfig.TableBudget) is used up.
-	ErrOverBudget = errors.New("over budget")
-	// ErrArenaFull: no region of the staging arena came free within
-	// ManagerConfig.StagingWait (or the crash fence outlasted it).
-	ErrArenaFull = errors.New("arena full")
-	// ErrArenaTooLarge: the region asked for is larger than the whole
-	// staging arena.
-	ErrArenaTooLarge = errors.New("arena: request larger than the arena")
 )
 
 // CommittedError says a step is committed already, and by which attempt.
@@ -59,17 +48,3 @@ func (e *CommittedError) Error() string {
 
 // Is makes a CommittedError match ErrExists.
 func (e *CommittedError) Is(target error) bool { return target == ErrExists }
-
-// InProgressError says this daemon is already saving the same rank of
-// the same step for the same attempt.
-type InProgressError struct {
-	Target Target
-	State  State
-}
-
-func (e *InProgressError) Error() string {
-	return fmt.Sprintf("already exists: %s is already being saved (%s)", e.Target, e.State)
-}
-
-// Is makes an InProgressError match ErrExists.
-func (e *InProgressError) Is(target error) bool { return target == ErrExists }

@@ -2,15 +2,9 @@ package checkpoint
 
 import (
 	"cmp"
-	"fmt"
-	"runtime"
 	"slices"
 	"sync"
 	"time"
-
-	"golang.org/x/sync/errgroup"
-
-	"github.com/ckptd/ckptd/checkpoint/codec"
 )
 
 // hotTier keeps the local ranks' shards of a job's newest steps in the
@@ -66,17 +60,9 @@ func (h *hotTier) add(m *Manifest, layout *Layout, region []byte, memory bool) (
 		return nil, func() {}, false
 	}
 	data = h.buffer(m.Job, m.Step, m.DataSize)
-	pack(layout, region, data)
+	layout.Pack(region, data)
 	release, kept = h.insert(m, data, hotFlags{memory: memory})
 	return data, release, kept
-}
-
-// pack copies a staged shard's tensors from its region into data space.
-func pack(layout *Layout, region, data []byte) {
-	for i, p := range layout.Packed {
-		r := layout.Region[i]
-		copy(data[p.Offset:p.Offset+p.Length], region[r.Offset:r.Offset+r.Length])
-	}
 }
 
 // buffer returns n bytes for a shard of step of job: a spare that fits,
@@ -131,7 +117,7 @@ func (h *hotTier) insert(m *Manifest, data []byte, f hotFlags) (release func(), 
 	if h.used+m.DataSize > h.budget {
 		return func() {}, false
 	}
-	e := &hotEntry{m: m, hash: manifestHash(m), data: data, committed: f.committed, memory: f.memory, origin: f.origin, pins: 1}
+	e := &hotEntry{m: m, hash: m.Hash(), data: data, committed: f.committed, memory: f.memory, origin: f.origin, pins: 1}
 	h.entries[k] = e
 	h.used += m.DataSize
 	return h.unpin(e), true
@@ -270,26 +256,6 @@ func (h *hotTier) unpin(e *hotEntry) func() {
 	}
 }
 
-// copyParts copies the selected tensors out of e's data into dst,
-// checking every chunk they touch against its hash.
-func (e *hotEntry) copyParts(sel selection, dst []byte) error {
-	m := e.m
-	for _, r := range sel.ranges() {
-		for i, c := range m.Chunks {
-			if c.RawOffset >= r.off+r.n || c.RawOffset+c.Raw <= r.off {
-				continue
-			}
-			if err := verifyChunk(m, i, e.data, nil, "hot copy"); err != nil {
-				return err
-			}
-		}
-	}
-	for _, p := range sel.parts {
-		copy(dst[p.dst:p.dst+p.n], e.data[p.src:p.src+p.n])
-	}
-	return nil
-}
-
 // latest returns the newest committed step of job the tier holds rank's
 // shard of.
 func (h *hotTier) latest(job string, rank int) (int64, bool) {
@@ -370,58 +336,9 @@ func (h *hotTier) stats() (used, budget int64, shards int) {
 	return h.used, h.budget, len(h.entries)
 }
 
-// manifestHash is the hash a commit record pins for m's manifest object
-// (the writer stores m.Encode()), or "" if m does not encode.
-func manifestHash(m *Manifest) string {
-	b, err := m.Encode()
-	if err != nil {
-		return ""
-	}
-	return codec.FormatHash(codec.Hash(b))
-}
-
 // pinnedBy reports whether the commit record names this very manifest for
 // rank (records before attempts pin none): a hot copy, a peer's above all,
 // is served only when it is exactly what the step committed.
 func (e *hotEntry) pinnedBy(rec *CommitRecord, rank int) bool {
-	_, want := rec.manifestObject(rank)
-	return want == "" || want == e.hash
-}
-
-// copyVerified copies e's data into dst chunk by chunk, on every CPU,
-// checking each chunk against its manifest hash as it copies it (one pass
-// over memory): a shard served from memory is checked like one read from
-// storage. dst holds garbage when it fails.
-func (e *hotEntry) copyVerified(dst []byte) error {
-	m := e.m
-	var g errgroup.Group
-	g.SetLimit(runtime.GOMAXPROCS(0))
-	if len(dst) < len(e.data) {
-		return fmt.Errorf("%w: hot copy of step %d rank %d: a region of %d bytes for %d", ErrCorrupt, m.Step, m.Rank, len(dst), len(e.data))
-	}
-	for i := range m.Chunks {
-		g.Go(func() error { return verifyChunk(m, i, e.data, dst, "hot copy") })
-	}
-	return g.Wait()
-}
-
-// verifyChunk checks chunk i of m in data, m's data space held in memory
-// (whose copy it is, where says, for the error); with dst it copies the
-// chunk there as it hashes it (one pass over memory).
-func verifyChunk(m *Manifest, i int, data, dst []byte, where string) error {
-	c := m.Chunks[i]
-	if c.RawOffset < 0 || c.Raw < 0 || c.RawOffset > int64(len(data))-c.Raw {
-		return fmt.Errorf("%w: %s of step %d rank %d: chunk %d outside its data", ErrCorrupt, where, m.Step, m.Rank, i)
-	}
-	raw := data[c.RawOffset : c.RawOffset+c.Raw]
-	var h uint64
-	if dst != nil {
-		h = codec.CopyHash(dst[c.RawOffset:c.RawOffset+c.Raw], raw)
-	} else {
-		h = codec.Hash(raw)
-	}
-	if got := codec.FormatHash(h); got != c.Hash {
-		return fmt.Errorf("%w: %s of step %d rank %d: chunk %d hash %s, want %s", ErrCorrupt, where, m.Step, m.Rank, i, got, c.Hash)
-	}
-	return nil
+	return rec.Pins(rank, e.hash)
 }

@@ -65,7 +65,7 @@ func (s *Store) Inventory(ctx context.Context) ([]StepInventory, error) {
 
 func (s *Store) stepInventory(ctx context.Context, step int64) (StepInventory, error) {
 	inv := StepInventory{Step: step}
-	rec, err := s.readCommit(ctx, step)
+	rec, err := s.ReadCommit(ctx, step)
 	switch {
 	case err == nil:
 		inv.Commit = rec

@@ -173,20 +173,14 @@ func (mgr *Manager) DefaultJob() string { return mgr.cfg.DefaultJob }
 // Backend returns the storage the manager drains to.
 func (mgr *Manager) Backend() storage.Backend { return mgr.b }
 
-// store is the Store of a job whose name a request's validation has
-// checked already.
-func (mgr *Manager) store(job string) *Store {
-	return &Store{backend: mgr.b, job: job, logger: mgr.log}
-}
-
 // jobStore is the Store of the job a request names (the default job when
 // it names none), once its name is checked.
 func (mgr *Manager) jobStore(job string) (*Store, error) {
-	job = mgr.job(job)
-	if err := ValidateName("job", job); err != nil {
+	s, err := NewStore(mgr.b, mgr.job(job))
+	if err != nil {
 		return nil, err
 	}
-	return mgr.store(job), nil
+	return s.WithLogger(mgr.log), nil
 }
 
 func (mgr *Manager) job(j string) string {

@@ -100,7 +100,11 @@ func (mgr *Manager) replicateLoop() {
 // not committed); false when r went back in the queue, or was dropped
 // because another attempt committed the step.
 func (mgr *Manager) committedYet(r *replica) bool {
-	rec, err := mgr.store(r.m.Job).readCommit(mgr.ctx, r.m.Step)
+	var rec *CommitRecord
+	store, err := mgr.jobStore(r.m.Job)
+	if err == nil {
+		rec, err = store.ReadCommit(mgr.ctx, r.m.Step)
+	}
 	switch {
 	case err == nil && rec.Attempt == r.m.Attempt:
 		r.committed = true

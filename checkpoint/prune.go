@@ -168,7 +168,7 @@ func (p *pruner) removeGarbage(ctx context.Context, si *StepInventory, cutoff ti
 		if !slices.ContainsFunc(si.Attempts, func(a AttemptInfo) bool { return !a.Newest.After(cutoff) }) {
 			return nil // every attempt may still be in flight: no need to look again
 		}
-		rec, err := p.s.readCommit(ctx, si.Step)
+		rec, err := p.s.ReadCommit(ctx, si.Step)
 		switch {
 		case err == nil: // committed since the inventory: its attempt is not garbage
 			winner, committed = rec.Attempt, true

@@ -60,7 +60,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	}
 	defer src.release()
 	m := src.m
-	sel, err := selectTensors(m, req.Tensors)
+	sel, err := SelectTensors(m, req.Tensors)
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
@@ -70,21 +70,21 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	if closing {
 		return LeaseInfo{}, nil, ErrClosing
 	}
-	region, err := mgr.alloc(ctx, sel.size)
+	region, err := mgr.alloc(ctx, sel.Size)
 	if err != nil {
 		return LeaseInfo{}, nil, fmt.Errorf("restore step %d rank %d: %w", m.Step, rank, err)
 	}
-	if err := src.fill(ctx, store, sel, mgr.arena.Bytes()[region.Offset:region.Offset+sel.size], mgr.cfg.Read); err != nil {
+	if err := src.fill(ctx, store, sel, mgr.arena.Bytes()[region.Offset:region.Offset+sel.Size], mgr.cfg.Read); err != nil {
 		mgr.m.failed("restore")
 		mgr.mu.Lock()
 		mgr.freeRegion(region)
 		mgr.mu.Unlock()
 		return LeaseInfo{}, nil, err
 	}
-	mgr.m.Restored.Add(float64(sel.size))
+	mgr.m.Restored.Add(float64(sel.Size))
 	mgr.m.RestoreTiers.WithLabelValues(src.tier).Inc()
 	l := &lease{
-		id: newLeaseID(), kind: restoreLease, region: region, size: sel.size,
+		id: newLeaseID(), kind: restoreLease, region: region, size: sel.Size,
 		begun: time.Now(), expires: time.Now().Add(mgr.cfg.LeaseTimeout),
 	}
 	mgr.mu.Lock()
@@ -101,7 +101,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
-	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: sel.table, Metadata: m.Metadata, Size: sel.size,
+	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: sel.Table, Metadata: m.Metadata, Size: sel.Size,
 		Tier: src.tier, SkippedStep: src.skipped}
 	return l.info(), h, nil
 }
@@ -135,20 +135,20 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64,
 		committed := int64(-1)
 		if rec != nil {
 			committed = rec.Step
-		} else if s, ok := mgr.hot.latest(store.job, rank); ok && latest { // storage is down: what is known committed
+		} else if s, ok := mgr.hot.latest(store.Job(), rank); ok && latest { // storage is down: what is known committed
 			committed = s
 		}
-		src, found, merr := mgr.fromMemory(ctx, store.job, step, latest, committed, rank)
+		src, found, merr := mgr.fromMemory(ctx, store.Job(), step, latest, committed, rank)
 		if found || merr != nil {
 			return src, merr
 		}
 		if skipped = src.skipped; skipped > 0 && !latest {
 			return restoreSource{}, fmt.Errorf("%w: step %d of job %q was kept in memory only (--persist-every, --persist-interval) and some of its ranks are held by no sidecar now; "+
-				"restore a persisted step (ckptd list)", ErrStepNotFound, step, store.job)
+				"restore a persisted step (ckptd list)", ErrStepNotFound, step, store.Job())
 		}
 		if skipped > 0 {
 			mgr.log.Warn("a newer step was kept in memory only and some of its ranks are held nowhere now; restoring the last persisted step",
-				"job", store.job, "skipped_step", skipped, "rank", rank)
+				"job", store.Job(), "skipped_step", skipped, "rank", rank)
 		}
 	}
 	src, err := mgr.persistedSource(ctx, store, rec, err, step, latest, rank)
@@ -162,31 +162,31 @@ func (mgr *Manager) persistedSource(ctx context.Context, store *Store, rec *Comm
 	if errors.Is(err, storage.ErrUnavailable) {
 		found := !latest
 		if latest {
-			step, found = mgr.hot.latest(store.job, rank)
+			step, found = mgr.hot.latest(store.Job(), rank)
 		}
-		if src, ok := mgr.committedCopy(ctx, store.job, step, rank, found); ok {
-			mgr.log.Warn("storage does not answer; restoring from the "+src.tier+" tier", "job", store.job, "step", step, "rank", rank, "err", err)
+		if src, ok := mgr.committedCopy(ctx, store.Job(), step, rank, found); ok {
+			mgr.log.Warn("storage does not answer; restoring from the "+src.tier+" tier", "job", store.Job(), "step", step, "rank", rank, "err", err)
 			return src, nil
 		}
 	}
 	if err != nil {
 		return restoreSource{}, err
 	}
-	mgr.hot.committed(store.job, rec.Step, rec.Attempt) // the commit may have been another node's
+	mgr.hot.committed(store.Job(), rec.Step, rec.Attempt) // the commit may have been another node's
 	if rank >= 0 && rank < rec.WorldSize {
-		if e, release := mgr.hot.get(store.job, rec.Step, rank, rec.Attempt); e != nil {
+		if e, release := mgr.hot.get(store.Job(), rec.Step, rank, rec.Attempt); e != nil {
 			if e.pinnedBy(rec, rank) {
 				return restoreSource{m: e.m, hot: e, release: release, tier: "hot"}, nil
 			}
 			release()
-			mgr.log.Warn("the hot copy is not the manifest the step committed; reading storage", "job", store.job, "step", rec.Step, "rank", rank)
+			mgr.log.Warn("the hot copy is not the manifest the step committed; reading storage", "job", store.Job(), "step", rec.Step, "rank", rank)
 		}
-		if src, ok := mgr.fromPeers(ctx, store.job, rec.Step, rank, rec.Attempt, nil); ok {
+		if src, ok := mgr.fromPeers(ctx, store.Job(), rec.Step, rank, rec.Attempt, nil); ok {
 			if src.hot.pinnedBy(rec, rank) {
 				return src, nil
 			}
 			src.release()
-			mgr.log.Warn("a peer's replica is not the manifest the step committed; reading storage", "job", store.job, "step", rec.Step, "rank", rank)
+			mgr.log.Warn("a peer's replica is not the manifest the step committed; reading storage", "job", store.Job(), "step", rec.Step, "rank", rank)
 		}
 	}
 	m, err := store.Manifest(ctx, rec, rank)
@@ -247,35 +247,27 @@ func (mgr *Manager) fromPeers(ctx context.Context, job string, step int64, rank 
 	fetch := func(ctx context.Context, dst []byte, progress func(int64)) error {
 		return mgr.cfg.Peers.FetchData(ctx, peer, m, dst, progress)
 	}
-	return restoreSource{m: m, hot: &hotEntry{m: m, hash: manifestHash(m)}, fetch: fetch, release: done, tier: "peer"}, true
+	return restoreSource{m: m, hot: &hotEntry{m: m, hash: m.Hash()}, fetch: fetch, release: done, tier: "peer"}, true
 }
 
 // fill writes the selected bytes into dst, verified against their chunk
 // hashes.
-func (src restoreSource) fill(ctx context.Context, store *Store, sel selection, dst []byte, opts ReadOptions) error {
+func (src restoreSource) fill(ctx context.Context, store *Store, sel Selection, dst []byte, opts ReadOptions) error {
 	switch {
-	case src.fetch != nil && sel.whole:
+	case src.fetch != nil && sel.Whole:
 		return src.fetchVerified(ctx, dst)
 	case src.fetch != nil:
 		data := make([]byte, src.m.DataSize)
 		if err := src.fetch(ctx, data, func(int64) {}); err != nil {
 			return err
 		}
-		return (&hotEntry{m: src.m, data: data}).copyParts(sel, dst)
-	case src.hot == nil && sel.whole:
-		return store.ReadShard(ctx, src.m, BufferSink(dst), opts)
+		return CopySelected(src.m, data, sel, dst, "replica from a peer")
 	case src.hot == nil:
-		sink := &scatterSink{parts: sel.parts, dst: dst}
-		for _, r := range sel.ranges() {
-			if err := store.ReadRange(ctx, src.m, r.off, r.n, sink, opts); err != nil {
-				return err
-			}
-		}
-		return nil
-	case sel.whole:
-		return src.hot.copyVerified(dst)
+		return store.ReadSelected(ctx, src.m, sel, dst, opts)
+	case sel.Whole:
+		return CopyVerified(src.m, src.hot.data, dst, "hot copy")
 	default:
-		return src.hot.copyParts(sel, dst)
+		return CopySelected(src.m, src.hot.data, sel, dst, "hot copy")
 	}
 }
 
@@ -289,34 +281,10 @@ func (src restoreSource) fetchVerified(ctx context.Context, dst []byte) error {
 	}
 	arrived := make(chan int64, 64)
 	checked := make(chan error, 1)
-	go func() { checked <- verifyArriving(m, dst, arrived) }()
+	go func() { checked <- VerifyArriving(m, dst, arrived, "replica from a peer") }()
 	err := src.fetch(ctx, dst[:m.DataSize], func(n int64) { arrived <- n })
 	close(arrived)
 	return errors.Join(err, <-checked)
-}
-
-// verifyArriving checks m's chunks in dst in order, each once arrived
-// says the bytes up to its end are there; it drains arrived to its end
-// whatever it finds.
-func verifyArriving(m *Manifest, dst []byte, arrived <-chan int64) error {
-	defer func() {
-		for range arrived {
-		}
-	}()
-	var have int64
-	for i, c := range m.Chunks {
-		for end := c.RawOffset + c.Raw; have < end && end <= int64(len(dst)); {
-			n, ok := <-arrived
-			if !ok {
-				return nil // the transfer ended early: its error says why
-			}
-			have = n
-		}
-		if err := verifyChunk(m, i, dst, nil, "replica from a peer"); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // Release returns a restore region, or an uncommitted save region, to the

@@ -95,7 +95,11 @@ const precheckTimeout = time.Second
 func (mgr *Manager) committedHint(ctx context.Context, t Target) error {
 	cctx, cancel := context.WithTimeout(ctx, precheckTimeout)
 	defer cancel()
-	rec, err := mgr.store(t.Job).readCommit(cctx, t.Step)
+	store, err := mgr.jobStore(t.Job)
+	if err != nil {
+		return err
+	}
+	rec, err := store.ReadCommit(cctx, t.Step)
 	switch {
 	case err == nil:
 		return &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Mine: rec.Attempt == t.Attempt}

@@ -2,49 +2,50 @@ package checkpoint
 
 import (
 	"cmp"
+	"context"
 	"fmt"
 	"slices"
 	"sort"
 )
 
-// selection is what a restore hands out: the whole shard, or some of its
+// Selection is what a restore hands out: the whole shard, or some of its
 // tensors packed back to back.
-type selection struct {
-	whole bool
-	table []Tensor // the restored tensors, offsets in the restored bytes
-	parts []part   // where each comes from, sorted by source offset
-	size  int64
+type Selection struct {
+	Whole bool
+	Table []Tensor // the restored tensors, offsets in the restored bytes
+	Size  int64
+	parts []part // where each comes from, sorted by source offset
 }
 
 // part is one tensor's bytes: at src in the shard's data space, n bytes,
 // to dst in the restored bytes.
 type part struct{ src, n, dst int64 }
 
-// selectTensors selects names of m (all of it when names is empty).
-func selectTensors(m *Manifest, names []string) (selection, error) {
+// SelectTensors selects names of m (all of it when names is empty).
+func SelectTensors(m *Manifest, names []string) (Selection, error) {
 	if len(names) == 0 {
-		return selection{whole: true, table: m.Tensors, size: m.DataSize}, nil
+		return Selection{Whole: true, Table: m.Tensors, Size: m.DataSize}, nil
 	}
 	if len(names) > MaxTensors {
-		return selection{}, fmt.Errorf("%w: %d tensors asked for, more than %d", ErrInvalid, len(names), MaxTensors)
+		return Selection{}, fmt.Errorf("%w: %d tensors asked for, more than %d", ErrInvalid, len(names), MaxTensors)
 	}
 	byName := make(map[string]int, len(m.Tensors))
 	for i, t := range m.Tensors {
 		byName[t.Name] = i
 	}
-	var sel selection
+	var sel Selection
 	seen := make(map[string]bool, len(names))
 	for _, name := range names {
 		i, ok := byName[name]
 		if !ok || seen[name] {
-			return selection{}, fmt.Errorf("%w: step %d rank %d has no tensor %q (or it is asked for twice)", ErrInvalid, m.Step, m.Rank, name)
+			return Selection{}, fmt.Errorf("%w: step %d rank %d has no tensor %q (or it is asked for twice)", ErrInvalid, m.Step, m.Rank, name)
 		}
 		seen[name] = true
 		t := m.Tensors[i]
-		sel.parts = append(sel.parts, part{src: t.Offset, n: t.Length, dst: sel.size})
-		t.Offset = sel.size
-		sel.table = append(sel.table, t)
-		sel.size += t.Length
+		sel.parts = append(sel.parts, part{src: t.Offset, n: t.Length, dst: sel.Size})
+		t.Offset = sel.Size
+		sel.Table = append(sel.Table, t)
+		sel.Size += t.Length
 	}
 	slices.SortFunc(sel.parts, func(a, b part) int { return cmp.Compare(a.src, b.src) })
 	return sel, nil
@@ -60,7 +61,7 @@ const mergeGap = 4 << 20
 
 // ranges returns the data-space ranges to fetch: the parts, merged where
 // they lie close.
-func (s selection) ranges() []dataRange {
+func (s Selection) ranges() []dataRange {
 	var out []dataRange
 	for _, p := range s.parts {
 		if p.n == 0 {
@@ -73,6 +74,21 @@ func (s selection) ranges() []dataRange {
 		out = append(out, dataRange{p.src, p.n})
 	}
 	return out
+}
+
+// ReadSelected reads sel of the shard m describes from storage into dst
+// (sel.Size bytes), verifying every chunk it reads.
+func (s *Store) ReadSelected(ctx context.Context, m *Manifest, sel Selection, dst []byte, opts ReadOptions) error {
+	if sel.Whole {
+		return s.ReadShard(ctx, m, BufferSink(dst), opts)
+	}
+	sink := &scatterSink{parts: sel.parts, dst: dst}
+	for _, r := range sel.ranges() {
+		if err := s.ReadRange(ctx, m, r.off, r.n, sink, opts); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // scatterSink writes what falls in its parts' sources to their

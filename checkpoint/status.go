@@ -192,7 +192,11 @@ func (mgr *Manager) Status(ctx context.Context, job string, step int64, rank int
 // it names another, durable when the attempt's manifest of the rank is
 // there.
 func (mgr *Manager) stateFromStorage(ctx context.Context, k saveKey) (WaitResult, error) {
-	rec, err := mgr.store(k.job).readCommit(ctx, k.step)
+	store, err := mgr.jobStore(k.job)
+	if err != nil {
+		return WaitResult{}, err
+	}
+	rec, err := store.ReadCommit(ctx, k.step)
 	switch {
 	case err == nil && (k.attempt == "" || rec.Attempt == k.attempt):
 		return WaitResult{State: StateCommitted}, nil
@@ -206,7 +210,7 @@ func (mgr *Manager) stateFromStorage(ctx context.Context, k saveKey) (WaitResult
 	if k.attempt == "" {
 		return WaitResult{}, notFound
 	}
-	m, err := mgr.store(k.job).readManifest(ctx, manifestName(Target{Job: k.job, Step: k.step, Rank: k.rank, Attempt: k.attempt}))
+	m, err := store.RankManifest(ctx, Target{Job: k.job, Step: k.step, Rank: k.rank, Attempt: k.attempt})
 	if err != nil {
 		if !errors.Is(err, storage.ErrNotFound) { // corrupt, or storage down: not "unknown"
 			return WaitResult{}, err

@@ -32,6 +32,16 @@ func NewStore(b storage.Backend, job string) (*Store, error) {
 	return &Store{backend: b, job: job}, nil
 }
 
+// WithLogger is s logging the damaged steps it skips to l.
+func (s *Store) WithLogger(l *slog.Logger) *Store {
+	c := *s
+	c.logger = l
+	return &c
+}
+
+// Job is the job s reads and commits.
+func (s *Store) Job() string { return s.job }
+
 func (s *Store) log() *slog.Logger {
 	if s.logger != nil {
 		return s.logger
@@ -75,7 +85,7 @@ func (s *Store) commitRecords(ctx context.Context, steps []int64) ([]*CommitReco
 	g.SetLimit(metaConcurrency)
 	for i, step := range steps {
 		g.Go(func() error {
-			rec, err := s.readCommit(gctx, step)
+			rec, err := s.ReadCommit(gctx, step)
 			if errors.Is(err, storage.ErrNotFound) || s.skipDamaged(step, err) {
 				return nil // in flight, left by a crash, or damaged
 			}
@@ -131,7 +141,7 @@ func (s *Store) latestWhere(ctx context.Context, check func(*CommitRecord) error
 		return nil, err
 	}
 	for _, step := range slices.Backward(steps) {
-		rec, err := s.readCommit(ctx, step)
+		rec, err := s.ReadCommit(ctx, step)
 		if err == nil && check != nil {
 			err = check(rec)
 		}
@@ -155,7 +165,7 @@ func (s *Store) Resolve(ctx context.Context, step int64, latest bool) (*CommitRe
 	if err := validateStep(step); err != nil {
 		return nil, err
 	}
-	rec, err := s.readCommit(ctx, step)
+	rec, err := s.ReadCommit(ctx, step)
 	if errors.Is(err, storage.ErrNotFound) {
 		return nil, s.notFound(ctx, step)
 	}
@@ -204,7 +214,9 @@ func (s *Store) Committed(ctx context.Context, step int64) (bool, error) {
 	return err == nil, err
 }
 
-func (s *Store) readCommit(ctx context.Context, step int64) (*CommitRecord, error) {
+// ReadCommit reads step's commit record: storage.ErrNotFound when the
+// step is not committed, ErrCorrupt when its record is damaged.
+func (s *Store) ReadCommit(ctx context.Context, step int64) (*CommitRecord, error) {
 	name := commitName(s.job, step)
 	data, err := s.readObject(ctx, name, maxCommitBytes)
 	if err != nil {

@@ -4,13 +4,8 @@ import (
 	"cmp"
 	"context"
 	"fmt"
-	"runtime"
 	"slices"
 	"time"
-
-	"golang.org/x/sync/errgroup"
-
-	"github.com/ckptd/ckptd/checkpoint/codec"
 )
 
 // The persistent tier policy (ManagerConfig.PersistEvery, PersistInterval;
@@ -38,8 +33,8 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 	}
 	start := time.Now()
 	data := mgr.hot.buffer(t.Job, t.Step, l.layout.DataSize)
-	pack(l.layout, mgr.arena.Bytes()[l.region.Offset:l.region.Offset+l.size], data)
-	m := memoryManifest(t, l.layout, l.metadata, data, mgr.w.opts.ChunkSize)
+	l.layout.Pack(mgr.arena.Bytes()[l.region.Offset:l.region.Offset+l.size], data)
+	m := MemoryManifest(t, l.layout, l.metadata, data, mgr.w.Options().ChunkSize)
 	release, ok := mgr.hot.insert(m, data, hotFlags{memory: true, origin: true})
 	if !ok {
 		mgr.log.Warn("no room in the hot tier (restores hold it); persisting a step the policy (--persist-every, --persist-interval) would keep in memory", "target", t)
@@ -59,33 +54,6 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 	}
 	mgr.queueReplica(replica{m: m, data: data, memory: true, release: release})
 	return true
-}
-
-// memoryManifest describes a shard kept in memory: its chunks as the
-// writer would cut them, stored raw at their data-space offsets in the
-// data object a persisted save would have, each with its hash, so that it
-// is served and sent to peers verified like any other.
-func memoryManifest(t Target, layout *Layout, metadata, data []byte, chunkSize int64) *Manifest {
-	plan := planChunks(layout, chunkSize)
-	m := &Manifest{
-		Format: ManifestFormat, Version: ManifestVersion,
-		Job: t.Job, Step: t.Step, Rank: t.Rank, WorldSize: t.WorldSize, Attempt: t.Attempt,
-		Created: time.Now().UTC(), DataSize: layout.DataSize, StoredSize: layout.DataSize,
-		Tensors: layout.Packed, Metadata: metadata, Chunks: make([]Chunk, len(plan)),
-	}
-	obj := dataObject(t.Step, t.Attempt, t.Rank)
-	var g errgroup.Group
-	g.SetLimit(runtime.GOMAXPROCS(0))
-	for i, p := range plan {
-		g.Go(func() error {
-			raw := data[p.rawOffset : p.rawOffset+p.raw]
-			m.Chunks[i] = Chunk{Object: obj, Offset: p.rawOffset, Stored: p.raw, RawOffset: p.rawOffset, Raw: p.raw,
-				Codec: codec.None, Hash: codec.FormatHash(codec.Hash(raw))}
-			return nil
-		})
-	}
-	_ = g.Wait()
-	return m
 }
 
 // Inventory lists the shards of job this sidecar holds in memory, for a
@@ -239,7 +207,7 @@ func (mgr *Manager) Tiers(ctx context.Context, job string) ([]StepTiers, error) 
 	if err != nil {
 		return nil, err
 	}
-	inv := mgr.inventories(ctx, store.job)
+	inv := mgr.inventories(ctx, store.Job())
 	type key struct {
 		step    int64
 		attempt string

@@ -1,0 +1,172 @@
+package checkpoint
+
+import (
+	"bytes"
+	"fmt"
+	"runtime"
+	"slices"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+
+	"github.com/ckptd/ckptd/checkpoint/codec"
+)
+
+// Shards held in memory. The daemon's memory tiers keep a shard as its
+// data space (the bytes a restore hands out: the tensors packed back to
+// back, raw) with a manifest whose chunk hashes verify it whenever it is
+// served, exactly as a shard read back from storage is verified.
+
+// Pack copies a staged shard's tensors from region, laid out as the save
+// leased them, into data, its data space.
+func (l *Layout) Pack(region, data []byte) {
+	for i, p := range l.Packed {
+		r := l.Region[i]
+		copy(data[p.Offset:p.Offset+p.Length], region[r.Offset:r.Offset+r.Length])
+	}
+}
+
+// MemoryManifest describes a shard kept in memory: its chunks as the
+// writer would cut them, stored raw at their data-space offsets in the
+// data object a persisted save would have, each with its hash, so that it
+// is served and sent to peers verified like any other.
+func MemoryManifest(t Target, layout *Layout, metadata, data []byte, chunkSize int64) *Manifest {
+	plan := planChunks(layout, chunkSize)
+	m := &Manifest{
+		Format: ManifestFormat, Version: ManifestVersion,
+		Job: t.Job, Step: t.Step, Rank: t.Rank, WorldSize: t.WorldSize, Attempt: t.Attempt,
+		Created: time.Now().UTC(), DataSize: layout.DataSize, StoredSize: layout.DataSize,
+		Tensors: layout.Packed, Metadata: metadata, Chunks: make([]Chunk, len(plan)),
+	}
+	obj := dataObject(t.Step, t.Attempt, t.Rank)
+	var g errgroup.Group
+	g.SetLimit(runtime.GOMAXPROCS(0))
+	for i, p := range plan {
+		g.Go(func() error {
+			raw := data[p.rawOffset : p.rawOffset+p.raw]
+			m.Chunks[i] = Chunk{Object: obj, Offset: p.rawOffset, Stored: p.raw, RawOffset: p.rawOffset, Raw: p.raw,
+				Codec: codec.None, Hash: codec.FormatHash(codec.Hash(raw))}
+			return nil
+		})
+	}
+	_ = g.Wait()
+	return m
+}
+
+// Hash is the hash of m as stored: what a commit record pins.
+func (m *Manifest) Hash() string {
+	b, err := m.Encode()
+	if err != nil {
+		return ""
+	}
+	return codec.FormatHash(codec.Hash(b))
+}
+
+// Pins reports whether the record names, for rank, the manifest whose
+// Hash is hash (records before attempts pin none): a copy held in memory,
+// a peer's above all, is served only when it is exactly what the step
+// committed.
+func (c *CommitRecord) Pins(rank int, hash string) bool {
+	_, want := c.manifestObject(rank)
+	return want == "" || want == hash
+}
+
+// Holds reports whether m describes exactly sh: same target, tensors and
+// metadata, and every chunk's hash that of sh's bytes.
+func (m *Manifest) Holds(sh *Shard) bool {
+	if m.Target() != sh.Target || m.DataSize != sh.Layout.DataSize || !bytes.Equal(m.Metadata, sh.Metadata) ||
+		!slices.EqualFunc(m.Tensors, sh.Layout.Packed, Tensor.equal) {
+		return false
+	}
+	var buf []byte
+	for _, c := range m.Chunks {
+		spans, ok := sh.Layout.regionSpans(c.RawOffset, c.Raw)
+		if !ok {
+			return false
+		}
+		raw := gather(sh.Data, chunkPlan{spans: spans}, &buf)
+		if codec.FormatHash(codec.Hash(raw)) != c.Hash {
+			return false
+		}
+	}
+	return true
+}
+
+// VerifyChunk checks chunk i of m in data, m's data space held in memory
+// (whose copy it is, where says, for the error); with dst it copies the
+// chunk there as it hashes it (one pass over memory).
+func VerifyChunk(m *Manifest, i int, data, dst []byte, where string) error {
+	c := m.Chunks[i]
+	if c.RawOffset < 0 || c.Raw < 0 || c.RawOffset > int64(len(data))-c.Raw {
+		return fmt.Errorf("%w: %s of step %d rank %d: chunk %d outside its data", ErrCorrupt, where, m.Step, m.Rank, i)
+	}
+	raw := data[c.RawOffset : c.RawOffset+c.Raw]
+	var h uint64
+	if dst != nil {
+		h = codec.CopyHash(dst[c.RawOffset:c.RawOffset+c.Raw], raw)
+	} else {
+		h = codec.Hash(raw)
+	}
+	if got := codec.FormatHash(h); got != c.Hash {
+		return fmt.Errorf("%w: %s of step %d rank %d: chunk %d hash %s, want %s", ErrCorrupt, where, m.Step, m.Rank, i, got, c.Hash)
+	}
+	return nil
+}
+
+// CopyVerified copies data, m's data space, into dst chunk by chunk, on
+// every CPU, checking each chunk against its hash as it copies it (one
+// pass over memory). dst holds garbage when it fails.
+func CopyVerified(m *Manifest, data, dst []byte, where string) error {
+	if len(dst) < len(data) {
+		return fmt.Errorf("%w: %s of step %d rank %d: a region of %d bytes for %d", ErrCorrupt, where, m.Step, m.Rank, len(dst), len(data))
+	}
+	var g errgroup.Group
+	g.SetLimit(runtime.GOMAXPROCS(0))
+	for i := range m.Chunks {
+		g.Go(func() error { return VerifyChunk(m, i, data, dst, where) })
+	}
+	return g.Wait()
+}
+
+// CopySelected copies sel's tensors out of data, m's data space, into
+// dst, checking every chunk they touch against its hash.
+func CopySelected(m *Manifest, data []byte, sel Selection, dst []byte, where string) error {
+	for _, r := range sel.ranges() {
+		for i, c := range m.Chunks {
+			if c.RawOffset >= r.off+r.n || c.RawOffset+c.Raw <= r.off {
+				continue
+			}
+			if err := VerifyChunk(m, i, data, nil, where); err != nil {
+				return err
+			}
+		}
+	}
+	for _, p := range sel.parts {
+		copy(dst[p.dst:p.dst+p.n], data[p.src:p.src+p.n])
+	}
+	return nil
+}
+
+// VerifyArriving checks m's chunks in dst in order, each once arrived
+// says the bytes up to its end are there (a transfer's progress); it
+// drains arrived to its end whatever it finds.
+func VerifyArriving(m *Manifest, dst []byte, arrived <-chan int64, where string) error {
+	defer func() {
+		for range arrived {
+		}
+	}()
+	var have int64
+	for i, c := range m.Chunks {
+		for end := c.RawOffset + c.Raw; have < end && end <= int64(len(dst)); {
+			n, ok := <-arrived
+			if !ok {
+				return nil // the transfer ended early: its error says why
+			}
+			have = n
+		}
+		if err := VerifyChunk(m, i, dst, nil, where); err != nil {
+			return err
+		}
+	}
+	return nil
+}
