@@ -24,6 +24,7 @@ import (
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/codec"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/peercred"
 	"github.com/ckptd/ckptd/internal/peers"
@@ -72,7 +73,7 @@ type serveOptions struct {
 
 func newServeCmd() *cobra.Command {
 	o := &serveOptions{StagingBytes: 1 << 30, ChunkSize: checkpoint.DefaultChunkSize, CacheBytes: 1 << 30,
-		SlotBytes: prefetch.DefaultSlotBytes, TableBytes: checkpoint.DefaultTableBudget,
+		SlotBytes: prefetch.DefaultSlotBytes, TableBytes: staging.DefaultTableBudget,
 		ReadAhead: prefetch.DefaultReadAheadBytes, ListBytes: prefetch.DefaultListBytes}
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -88,19 +89,19 @@ func newServeCmd() *cobra.Command {
 	fs.StringVar(&o.ArenaDir, "arena-dir", "", "shared-memory folder of the staging arena (default /dev/shm/ckptd-<uid>-<hash of socket path>, or a fresh name recorded next to the socket if another user holds that one)")
 	fs.DurationVar(&o.RestartWait, "restart-wait", 30*time.Second, "how long to wait for a previous daemon that is exiting (killed a moment ago: unmapping a large arena takes seconds) to release the socket and the arena; a running one fails the start at once")
 	fs.Var(&o.StagingBytes, "staging-bytes", "size of the shared-memory staging arena (e.g. 8GiB)")
-	fs.DurationVar(&o.StagingWait, "staging-wait", checkpoint.DefaultStagingWait, "how long a save waits for arena space before failing")
-	fs.DurationVar(&o.ReuseFence, "crash-fence", checkpoint.DefaultReuseFence, "after a crash, how long new saves, restores and dataset rings wait before using arena space the dead daemon's clients may still be copying into; also how long a gone client's save region is kept when its process cannot be seen")
-	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", checkpoint.DefaultLeaseTimeout, "end saves never committed and restores never released after this (a client that disconnects frees them at once)")
+	fs.DurationVar(&o.StagingWait, "staging-wait", staging.DefaultStagingWait, "how long a save waits for arena space before failing")
+	fs.DurationVar(&o.ReuseFence, "crash-fence", staging.DefaultReuseFence, "after a crash, how long new saves, restores and dataset rings wait before using arena space the dead daemon's clients may still be copying into; also how long a gone client's save region is kept when its process cannot be seen")
+	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", staging.DefaultLeaseTimeout, "end saves never committed and restores never released after this (a client that disconnects frees them at once)")
 	fs.Var(&o.TableBytes, "tensor-table-bytes", "memory for the tensor tables and metadata of open saves, and 1 KiB per open restore; a save or restore that would exceed it fails with RESOURCE_EXHAUSTED")
 	fs.StringVar(&o.Codec, "codec", string(codec.Auto), "chunk codec: auto (per chunk by dtype: float-aware for floats, zstd otherwise, cheaper when storage outruns compression), zstd, lz4, none, or float-bf16|f16|f32|f64")
 	fs.Var(&o.ChunkSize, "chunk-size", "raw bytes per chunk")
 	fs.IntVar(&o.Workers, "workers", 0, "chunks compressed at once (default: number of CPUs)")
-	fs.IntVar(&o.Drains, "drains", checkpoint.DefaultDrains, "shards drained at once")
+	fs.IntVar(&o.Drains, "drains", staging.DefaultDrains, "shards drained at once")
 	fs.Var(&o.HotBytes, "hot-bytes", "memory for the hot tier: the local ranks' shards of each job's newest --hot-steps steps, kept after they drain so that restoring them reads no storage (0: off)")
-	fs.IntVar(&o.HotSteps, "hot-steps", checkpoint.DefaultHotSteps, "steps per job the hot tier keeps")
+	fs.IntVar(&o.HotSteps, "hot-steps", staging.DefaultHotSteps, "steps per job the hot tier keeps")
 	fs.DurationVar(&o.PersistInterval, "persist-interval", 0, "drain a step to storage whenever this long has passed since the last one drained (e.g. 10m; with --persist-every, a step either picks is drained); the others stay in the hot tier and on the peers only (needs --hot-bytes)")
 	fs.IntVar(&o.PersistEvery, "persist-every", 1, "drain only the steps this number divides to storage; the others stay in the hot tier and on the peers only (needs --hot-bytes; the same on every sidecar of a job)")
-	fs.IntVar(&o.Restores, "restores", checkpoint.DefaultRestores, "restores reading from storage at once (more wait their turn); bounds the memory restores take")
+	fs.IntVar(&o.Restores, "restores", staging.DefaultRestores, "restores reading from storage at once (more wait their turn); bounds the memory restores take")
 	fs.BoolVar(&o.PrintMemory, "print-memory", false, "print the memory these flags need (the arena, the heap's ceiling, their sum; JSON) and exit without starting: size a container's memory limit with it")
 	fs.StringVar(&o.MetricsAddr, "metrics-addr", "", "serve Prometheus /metrics on this address, e.g. 127.0.0.1:9464")
 	fs.DurationVar(&o.Grace, "shutdown-grace", time.Minute, "on SIGTERM, how long to keep draining before leaving saves journaled for the next start")
@@ -168,7 +169,7 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	if err != nil {
 		return usageError{err}
 	}
-	var replicas checkpoint.Peers // nil unless configured: a nil *peers.Client is not
+	var replicas staging.Peers // nil unless configured: a nil *peers.Client is not
 	if peerClient != nil {
 		replicas = peerClient
 		defer peerClient.Close()
@@ -217,9 +218,9 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	if replicas != nil {
 		replicas = berrs.countPeers(replicas)
 	}
-	mgr, err := checkpoint.NewManager(server.CheckpointArena(a), b, checkpoint.ManagerConfig{
+	mgr, err := staging.NewManager(server.CheckpointArena(a), b, staging.ManagerConfig{
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes), ReuseFence: o.ReuseFence,
-		Drains: o.Drains, Restores: o.Restores, HotBytes: int64(o.HotBytes), HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, PersistInterval: o.PersistInterval, Peers: replicas, DrainDelay: o.DrainDelay, Logger: log, Metrics: checkpoint.NewMetrics(reg),
+		Drains: o.Drains, Restores: o.Restores, HotBytes: int64(o.HotBytes), HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, PersistInterval: o.PersistInterval, Peers: replicas, DrainDelay: o.DrainDelay, Logger: log, Metrics: staging.NewMetrics(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
 	})
 	if err == nil {
@@ -396,7 +397,7 @@ func reserveIOProc(workers int) int {
 // shutdown drains what it can within grace, then leaves the rest journaled
 // in the arena, which is kept for the next start only in that case. It
 // reports whether it removed the arena.
-func shutdown(mgr *checkpoint.Manager, a *arena.Arena, grace time.Duration, err error) (bool, error) {
+func shutdown(mgr *staging.Manager, a *arena.Arena, grace time.Duration, err error) (bool, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
 	if left := mgr.Close(ctx); left > 0 {

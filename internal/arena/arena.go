@@ -371,7 +371,7 @@ func (a *Arena) Bytes() []byte {
 // Reused reports whether the arena file is a crashed daemon's, kept for
 // the saves its journal holds. That daemon's clients may still be copying
 // into regions it had leased and never journaled, which this process sees
-// as free: see checkpoint.ManagerConfig.ReuseFence.
+// as free: see staging.ManagerConfig.ReuseFence.
 func (a *Arena) Reused() bool { return a.reused }
 
 // Locked reports whether the arena is mlocked.

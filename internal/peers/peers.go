@@ -1,7 +1,7 @@
 // Package peers carries shard replicas between the sidecars of one job:
 // the Peer gRPC service on TCP with mutual TLS (Server), and the client
 // that sends each drained shard to the peers that keep its rank's
-// replicas and asks them for shards (Client, a checkpoint.Peers).
+// replicas and asks them for shards (Client, a staging.Peers).
 //
 // Which peers keep rank r's replicas is a function of r and the peer
 // list alone, so a sidecar on any node knows where to look: with the list
@@ -31,6 +31,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
@@ -118,7 +119,7 @@ func Holders(list []string, self string, rank, replicas int) []string {
 	return c[:min(len(c), replicas)]
 }
 
-// Client is checkpoint.Peers over gRPC.
+// Client is staging.Peers over gRPC.
 type Client struct {
 	replicas int
 	creds    Creds
@@ -361,11 +362,11 @@ const inventoryTimeout = 3 * time.Second
 const maxHeld = 1 << 20
 
 // Inventory asks every other peer at once what it holds of job.
-func (c *Client) Inventory(ctx context.Context, job string) (map[string][]checkpoint.HeldShard, error) {
+func (c *Client) Inventory(ctx context.Context, job string) (map[string][]staging.HeldShard, error) {
 	ctx, cancel := context.WithTimeout(ctx, inventoryTimeout)
 	defer cancel()
 	var mu sync.Mutex
-	out := map[string][]checkpoint.HeldShard{}
+	out := map[string][]staging.HeldShard{}
 	err := c.eachPeer(func(addr string) error {
 		held, err := c.inventory(ctx, addr, job)
 		if err == nil {
@@ -414,7 +415,7 @@ func (c *Client) eachPeer(fn func(addr string) error) error {
 	return errors.Join(errs...)
 }
 
-func (c *Client) inventory(ctx context.Context, addr, job string) ([]checkpoint.HeldShard, error) {
+func (c *Client) inventory(ctx context.Context, addr, job string) ([]staging.HeldShard, error) {
 	p, err := c.peer(addr)
 	if err != nil {
 		return nil, err
@@ -426,9 +427,9 @@ func (c *Client) inventory(ctx context.Context, addr, job string) ([]checkpoint.
 	if len(resp.GetShards()) > maxHeld {
 		return nil, fmt.Errorf("an inventory of %d shards, more than %d", len(resp.GetShards()), maxHeld)
 	}
-	held := make([]checkpoint.HeldShard, 0, len(resp.GetShards()))
+	held := make([]staging.HeldShard, 0, len(resp.GetShards()))
 	for _, h := range resp.GetShards() {
-		held = append(held, checkpoint.HeldShard{Step: h.GetStep(), Rank: int(h.GetRank()), WorldSize: int(h.GetWorldSize()),
+		held = append(held, staging.HeldShard{Step: h.GetStep(), Rank: int(h.GetRank()), WorldSize: int(h.GetWorldSize()),
 			Attempt: h.GetAttempt(), Committed: h.GetCommitted(), MemoryOnly: h.GetMemoryOnly(), Created: time.Unix(0, h.GetCreatedUnixNano())})
 	}
 	return held, nil
@@ -472,14 +473,14 @@ func receive(recv func() (*pb.ReplicaPiece, error), maxData int64) (*pb.ReplicaH
 // Server is the Peer service over a Manager's hot tier.
 type Server struct {
 	pb.UnimplementedPeerServer
-	mgr      *checkpoint.Manager
+	mgr      *staging.Manager
 	maxBytes int64
 	receive  chan struct{} // one replica received at a time: its bytes are memory until stored
 }
 
 // NewServer serves replicas into and out of mgr's hot tier, taking
 // replicas of at most maxBytes (--hot-bytes), one at a time.
-func NewServer(mgr *checkpoint.Manager, maxBytes int64) *Server {
+func NewServer(mgr *staging.Manager, maxBytes int64) *Server {
 	return &Server{mgr: mgr, maxBytes: maxBytes, receive: make(chan struct{}, 1)}
 }
 

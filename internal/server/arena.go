@@ -4,46 +4,46 @@ import (
 	"context"
 	"errors"
 
-	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/prefetch"
 )
 
 // The core packages take the staging arena through interfaces of their own
-// (checkpoint.Arena, prefetch.Arena), with region types of their own, so
+// (staging.Arena, prefetch.Arena), with region types of their own, so
 // that they import nothing of internal/arena. CheckpointArena and
 // PrefetchArena fit the daemon's arena to them; regions convert as they
 // are, since all three region types are an offset and a length.
 
-// CheckpointArena is a as a checkpoint.Manager uses it.
-func CheckpointArena(a *arena.Arena) checkpoint.Arena { return checkpointArena{a} }
+// CheckpointArena is a as a staging.Manager uses it.
+func CheckpointArena(a *arena.Arena) staging.Arena { return checkpointArena{a} }
 
 type checkpointArena struct{ *arena.Arena }
 
-func (a checkpointArena) Alloc(ctx context.Context, n int64) (checkpoint.Region, error) {
+func (a checkpointArena) Alloc(ctx context.Context, n int64) (staging.Region, error) {
 	r, err := a.Arena.Alloc(ctx, n)
-	return checkpoint.Region(r), checkpointError(err)
+	return staging.Region(r), checkpointError(err)
 }
 
-func (a checkpointArena) Free(r checkpoint.Region) error {
+func (a checkpointArena) Free(r staging.Region) error {
 	return a.Arena.Free(arena.Region(r))
 }
 
-func (a checkpointArena) Reserve(r checkpoint.Region) error {
+func (a checkpointArena) Reserve(r staging.Region) error {
 	return a.Arena.Reserve(arena.Region(r))
 }
 
-func (a checkpointArena) Journal() checkpoint.Journal {
+func (a checkpointArena) Journal() staging.Journal {
 	return checkpointJournal{a.Arena.Journal()}
 }
 
 type checkpointJournal struct{ *arena.Journal }
 
-func (j checkpointJournal) List() ([]checkpoint.JournalEntry, error) {
+func (j checkpointJournal) List() ([]staging.JournalEntry, error) {
 	entries, err := j.Journal.List()
-	out := make([]checkpoint.JournalEntry, len(entries))
+	out := make([]staging.JournalEntry, len(entries))
 	for i, e := range entries {
-		out[i] = checkpoint.JournalEntry(e)
+		out[i] = staging.JournalEntry(e)
 	}
 	return out, err
 }
@@ -54,9 +54,9 @@ func (j checkpointJournal) List() ([]checkpoint.JournalEntry, error) {
 func checkpointError(err error) error {
 	switch {
 	case errors.Is(err, arena.ErrTooLarge):
-		return alsoIs{err, checkpoint.ErrArenaTooLarge}
+		return alsoIs{err, staging.ErrArenaTooLarge}
 	case errors.Is(err, arena.ErrFull):
-		return alsoIs{err, checkpoint.ErrArenaFull}
+		return alsoIs{err, staging.ErrArenaFull}
 	}
 	return err
 }

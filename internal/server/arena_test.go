@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/arena"
 )
 
@@ -51,7 +51,7 @@ func TestArenaAdapters(t *testing.T) {
 
 	_, err = ca.Alloc(ctx, 8<<20)
 	_, direct := a.Alloc(ctx, 8<<20)
-	if !errors.Is(err, checkpoint.ErrArenaTooLarge) || !errors.Is(err, arena.ErrTooLarge) || err.Error() != direct.Error() {
+	if !errors.Is(err, staging.ErrArenaTooLarge) || !errors.Is(err, arena.ErrTooLarge) || err.Error() != direct.Error() {
 		t.Fatalf("too large: %v", err)
 	}
 	full, err := ca.Alloc(ctx, 4<<20)
@@ -61,7 +61,7 @@ func TestArenaAdapters(t *testing.T) {
 	defer ca.Free(full)
 	tctx, cancel := context.WithTimeout(ctx, 10*time.Millisecond)
 	defer cancel()
-	if _, err := ca.Alloc(tctx, 1); !errors.Is(err, checkpoint.ErrArenaFull) || !errors.Is(err, arena.ErrFull) || !errors.Is(err, context.DeadlineExceeded) {
+	if _, err := ca.Alloc(tctx, 1); !errors.Is(err, staging.ErrArenaFull) || !errors.Is(err, arena.ErrFull) || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("full: %v", err)
 	}
 }

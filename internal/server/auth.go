@@ -7,7 +7,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 
-	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/peercred"
 )
 
@@ -42,10 +42,10 @@ func allowed(ctx context.Context) error {
 }
 
 // owner is the checkpoint core's view of the connection a call came on.
-func owner(ctx context.Context) checkpoint.Owner {
+func owner(ctx context.Context) staging.Owner {
 	info, ok := peercred.FromContext(ctx)
 	if !ok {
-		return checkpoint.Owner{}
+		return staging.Owner{}
 	}
-	return checkpoint.Owner{ID: info.ID, Done: info.Done(), Exited: info.Exited, Peer: peerName(info)}
+	return staging.Owner{ID: info.ID, Done: info.Done(), Exited: info.Exited, Peer: peerName(info)}
 }

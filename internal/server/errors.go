@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/prefetch"
 	"github.com/ckptd/ckptd/storage"
@@ -32,7 +33,7 @@ var classes = []struct {
 	{storage.ErrInvalidName, codes.InvalidArgument, "INVALID"},
 	{prefetch.ErrInvalid, codes.InvalidArgument, "INVALID"},
 	{checkpoint.ErrStepNotFound, codes.NotFound, "STEP_NOT_FOUND"},
-	{checkpoint.ErrUnknownLease, codes.NotFound, "UNKNOWN_LEASE"},
+	{staging.ErrUnknownLease, codes.NotFound, "UNKNOWN_LEASE"},
 	{prefetch.ErrUnknownSession, codes.NotFound, "UNKNOWN_SESSION"},
 	// Before storage.ErrNotFound: an object a commit record names that is
 	// missing is damage to a committed step, not an unknown step.
@@ -44,17 +45,17 @@ var classes = []struct {
 	// the daemon's configuration, not the request, needs fixing.
 	{s3.ErrAccessDenied, codes.FailedPrecondition, "STORAGE_MISCONFIGURED"},
 	{s3.ErrNoSuchBucket, codes.FailedPrecondition, "STORAGE_MISCONFIGURED"},
-	{checkpoint.ErrOverBudget, codes.ResourceExhausted, "OVER_BUDGET"},
+	{staging.ErrOverBudget, codes.ResourceExhausted, "OVER_BUDGET"},
 	{prefetch.ErrOverBudget, codes.ResourceExhausted, "OVER_BUDGET"},
 	{prefetch.ErrTooLarge, codes.ResourceExhausted, "TOO_LARGE"},
 	{prefetch.ErrNotAllowed, codes.PermissionDenied, "PERMISSION_DENIED"},
-	{checkpoint.ErrArenaTooLarge, codes.ResourceExhausted, "TOO_LARGE"},
+	{staging.ErrArenaTooLarge, codes.ResourceExhausted, "TOO_LARGE"},
 	{arena.ErrTooLarge, codes.ResourceExhausted, "TOO_LARGE"},
-	{checkpoint.ErrArenaFull, codes.ResourceExhausted, "ARENA_FULL"},
+	{staging.ErrArenaFull, codes.ResourceExhausted, "ARENA_FULL"},
 	{arena.ErrFull, codes.ResourceExhausted, "ARENA_FULL"},
 	{storage.ErrNoSpace, codes.ResourceExhausted, "STORAGE_FULL"},
 	{storage.ErrUnavailable, codes.Unavailable, "STORAGE_UNAVAILABLE"},
-	{checkpoint.ErrClosing, codes.Unavailable, "SHUTTING_DOWN"},
+	{staging.ErrClosing, codes.Unavailable, "SHUTTING_DOWN"},
 	{prefetch.ErrClosed, codes.Unavailable, "SHUTTING_DOWN"},
 	{arena.ErrClosed, codes.Unavailable, "SHUTTING_DOWN"},
 	{context.DeadlineExceeded, codes.DeadlineExceeded, "DEADLINE"},
@@ -81,7 +82,7 @@ func toStatus(err error) error {
 func classify(err error) (codes.Code, string, map[string]string) {
 	code, reason, meta := codes.Internal, "INTERNAL", map[string]string{}
 	var committed *checkpoint.CommittedError
-	var inProgress *checkpoint.InProgressError
+	var inProgress *staging.InProgressError
 	var chunk *checkpoint.ChunkError
 	if errors.As(err, &chunk) {
 		meta["step"], meta["rank"], meta["chunk"] = strconv.FormatInt(chunk.Step, 10), strconv.Itoa(chunk.Rank), strconv.Itoa(chunk.Chunk)

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/prefetch"
 	"github.com/ckptd/ckptd/storage"
@@ -29,15 +30,15 @@ func TestToStatus(t *testing.T) {
 	}{
 		{wrap(checkpoint.ErrInvalid), codes.InvalidArgument, "INVALID", nil},
 		{wrap(&checkpoint.CommittedError{Job: "j", Step: 5, Attempt: "a"}), codes.AlreadyExists, "STEP_COMMITTED", map[string]string{"attempt": "a", "step": "5"}},
-		{wrap(&checkpoint.InProgressError{Target: checkpoint.Target{Job: "j", Step: 5, Rank: 2, Attempt: "a"}, State: checkpoint.StateStaged}), codes.AlreadyExists, "SAVE_IN_PROGRESS", map[string]string{"rank": "2", "state": "staged"}},
+		{wrap(&staging.InProgressError{Target: checkpoint.Target{Job: "j", Step: 5, Rank: 2, Attempt: "a"}, State: staging.StateStaged}), codes.AlreadyExists, "SAVE_IN_PROGRESS", map[string]string{"rank": "2", "state": "staged"}},
 		{wrap(&checkpoint.ChunkError{Step: 5, Rank: 1, Chunk: 3, Err: storage.ErrUnavailable}), codes.Unavailable, "STORAGE_UNAVAILABLE", map[string]string{"chunk": "3"}},
 		{wrap(&checkpoint.ChunkError{Step: 5, Rank: 1, Chunk: 3, Err: storage.ErrNotFound}), codes.DataLoss, "CORRUPT", map[string]string{"chunk": "3"}},
 		{wrap(fmt.Errorf("%w: manifest missing: %w", checkpoint.ErrCorrupt, storage.ErrNotFound)), codes.DataLoss, "CORRUPT", nil},
 		{wrap(fmt.Errorf("lookup: %w", storage.ErrNotFound)), codes.NotFound, "STEP_NOT_FOUND", nil},
-		{wrap(checkpoint.ErrOverBudget), codes.ResourceExhausted, "OVER_BUDGET", nil},
+		{wrap(staging.ErrOverBudget), codes.ResourceExhausted, "OVER_BUDGET", nil},
 		{wrap(arena.ErrFull), codes.ResourceExhausted, "ARENA_FULL", nil},
-		{wrap(checkpoint.ErrArenaFull), codes.ResourceExhausted, "ARENA_FULL", nil},
-		{wrap(checkpoint.ErrArenaTooLarge), codes.ResourceExhausted, "TOO_LARGE", nil},
+		{wrap(staging.ErrArenaFull), codes.ResourceExhausted, "ARENA_FULL", nil},
+		{wrap(staging.ErrArenaTooLarge), codes.ResourceExhausted, "TOO_LARGE", nil},
 		{wrap(arena.ErrClosed), codes.Unavailable, "SHUTTING_DOWN", nil},
 		{wrap(&prefetch.ShardError{Shard: "train-1.tar", Detail: "bad"}), codes.DataLoss, "CORRUPT", map[string]string{"shard": "train-1.tar"}},
 		{wrap(prefetch.ErrNotAllowed), codes.PermissionDenied, "PERMISSION_DENIED", nil},

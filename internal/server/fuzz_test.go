@@ -10,7 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/arena"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 	"github.com/ckptd/ckptd/storage/memstore"
@@ -62,7 +62,7 @@ func FuzzBeginSaveTable(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	mgr, err := checkpoint.NewManager(CheckpointArena(a), memstore.New(), checkpoint.ManagerConfig{
+	mgr, err := staging.NewManager(CheckpointArena(a), memstore.New(), staging.ManagerConfig{
 		DefaultJob: "j", StagingWait: time.Millisecond, TableBudget: 1 << 20})
 	if err != nil {
 		f.Fatal(err)

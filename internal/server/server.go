@@ -1,5 +1,5 @@
 // Package server adapts the checkpoint core to the gRPC API in proto/: it
-// converts messages, calls checkpoint.Manager, and maps errors to gRPC
+// converts messages, calls staging.Manager, and maps errors to gRPC
 // status codes with errors.Is. It holds no logic of its own.
 package server
 
@@ -15,6 +15,7 @@ import (
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/dtype"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/arena"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
@@ -22,13 +23,13 @@ import (
 // Checkpoint implements pb.CheckpointServer.
 type Checkpoint struct {
 	pb.UnimplementedCheckpointServer
-	mgr   *checkpoint.Manager
+	mgr   *staging.Manager
 	arena *arena.Arena
 }
 
 // Register adds the checkpoint service for mgr to s; a is mgr's arena
 // (CheckpointArena(a)), which clients map.
-func Register(s *grpc.Server, mgr *checkpoint.Manager, a *arena.Arena) {
+func Register(s *grpc.Server, mgr *staging.Manager, a *arena.Arena) {
 	pb.RegisterCheckpointServer(s, &Checkpoint{mgr: mgr, arena: a})
 }
 
@@ -103,7 +104,7 @@ func (s *Checkpoint) WaitSave(ctx context.Context, req *pb.WaitSaveRequest) (*pb
 		wait = s.mgr.Status
 	}
 	res, err := wait(ctx, req.GetJob(), req.GetStep(), int(req.GetRank()), req.GetAttempt())
-	if err != nil && res.State == checkpoint.StateUnknown {
+	if err != nil && res.State == staging.StateUnknown {
 		return nil, toStatus(err)
 	}
 	if err != nil {
@@ -123,7 +124,7 @@ func (s *Checkpoint) WaitSave(ctx context.Context, req *pb.WaitSaveRequest) (*pb
 		// A failed save says why the way a failed call does, so that a
 		// save refused late (another run committed its step after this
 		// one was accepted) reads like one refused at BeginSave.
-		if _, reason, meta := classify(res.Err); reason != "INTERNAL" && res.State == checkpoint.StateFailed {
+		if _, reason, meta := classify(res.Err); reason != "INTERNAL" && res.State == staging.StateFailed {
 			resp.Reason, resp.Metadata = reason, meta
 		}
 	}
@@ -206,8 +207,8 @@ func (s *Checkpoint) ReleaseRegion(ctx context.Context, req *pb.ReleaseRegionReq
 
 var _ io.Reader = (*streamReader)(nil)
 
-func fromRestoreRequest(r *pb.BeginRestoreRequest) checkpoint.RestoreRequest {
-	return checkpoint.RestoreRequest{Job: r.GetJob(), Step: r.GetStep(), Latest: r.GetLatest(), Rank: int(r.GetRank()), Tensors: r.GetTensors()}
+func fromRestoreRequest(r *pb.BeginRestoreRequest) staging.RestoreRequest {
+	return staging.RestoreRequest{Job: r.GetJob(), Step: r.GetStep(), Latest: r.GetLatest(), Rank: int(r.GetRank()), Tensors: r.GetTensors()}
 }
 
 func fromTarget(t *pb.SaveTarget) checkpoint.Target {
@@ -246,30 +247,30 @@ func toTensors(ts []checkpoint.Tensor) []*pb.Tensor {
 	return out
 }
 
-func (s *Checkpoint) toLease(l checkpoint.LeaseInfo) *pb.Lease {
+func (s *Checkpoint) toLease(l staging.LeaseInfo) *pb.Lease {
 	return &pb.Lease{Id: l.ID, Offset: uint64(l.Offset), Length: uint64(l.Length), ArenaId: s.arena.ID()}
 }
 
-func toHeader(h *checkpoint.RestoreHeader) *pb.RestoreHeader {
+func toHeader(h *staging.RestoreHeader) *pb.RestoreHeader {
 	return &pb.RestoreHeader{Step: h.Step, WorldSize: int32(h.WorldSize), Attempt: h.Attempt, Tensors: toTensors(h.Tensors), Metadata: h.Metadata, Size: uint64(h.Size),
 		Tier: h.Tier, SkippedStep: h.SkippedStep}
 }
 
-func toState(s checkpoint.State) pb.SaveState {
+func toState(s staging.State) pb.SaveState {
 	switch s {
-	case checkpoint.StateStaging, checkpoint.StateStaged:
+	case staging.StateStaging, staging.StateStaged:
 		return pb.SaveState_SAVE_STATE_STAGED
-	case checkpoint.StateDraining:
+	case staging.StateDraining:
 		return pb.SaveState_SAVE_STATE_DRAINING
-	case checkpoint.StateDurable:
+	case staging.StateDurable:
 		return pb.SaveState_SAVE_STATE_DURABLE
-	case checkpoint.StateHot:
+	case staging.StateHot:
 		return pb.SaveState_SAVE_STATE_HOT
-	case checkpoint.StateReplicated:
+	case staging.StateReplicated:
 		return pb.SaveState_SAVE_STATE_REPLICATED
-	case checkpoint.StateCommitted:
+	case staging.StateCommitted:
 		return pb.SaveState_SAVE_STATE_COMMITTED
-	case checkpoint.StateFailed:
+	case staging.StateFailed:
 		return pb.SaveState_SAVE_STATE_FAILED
 	}
 	return pb.SaveState_SAVE_STATE_UNSPECIFIED

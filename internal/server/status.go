@@ -7,7 +7,7 @@ import (
 
 	"google.golang.org/grpc"
 
-	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/peercred"
 	"github.com/ckptd/ckptd/prefetch"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
@@ -29,13 +29,13 @@ type StatusConfig struct {
 // Daemon adapts the cores' snapshots to the Daemon service (`ckptd status`).
 type Daemon struct {
 	pb.UnimplementedDaemonServer
-	mgr *checkpoint.Manager
+	mgr *staging.Manager
 	pf  *prefetch.Service
 	cfg StatusConfig
 }
 
 // RegisterDaemon registers the Daemon service on s.
-func RegisterDaemon(s *grpc.Server, mgr *checkpoint.Manager, pf *prefetch.Service, cfg StatusConfig) {
+func RegisterDaemon(s *grpc.Server, mgr *staging.Manager, pf *prefetch.Service, cfg StatusConfig) {
 	pb.RegisterDaemonServer(s, &Daemon{mgr: mgr, pf: pf, cfg: cfg})
 }
 

@@ -34,8 +34,8 @@ import (
 
 	"google.golang.org/grpc"
 
-	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/codec"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/storage"
@@ -180,7 +180,7 @@ func weights(n int64) []byte {
 // `ckptd serve`, on a unix socket, with a client that maps the arena.
 type daemon struct {
 	arena  *arena.Arena
-	mgr    *checkpoint.Manager
+	mgr    *staging.Manager
 	srv    *grpc.Server
 	client *ckptd.Client
 	store  storage.Backend

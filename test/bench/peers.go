@@ -13,7 +13,7 @@ import (
 
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/peers"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 	"github.com/ckptd/ckptd/storage/posix"
@@ -105,7 +105,7 @@ func waitHeld(d *daemon, step int64) error {
 		if err != nil {
 			return err
 		}
-		if slices.ContainsFunc(held, func(h checkpoint.HeldShard) bool { return h.Step == step }) {
+		if slices.ContainsFunc(held, func(h staging.HeldShard) bool { return h.Step == step }) {
 			return nil
 		}
 	}

@@ -23,6 +23,7 @@ import (
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/codec"
+	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/miniotest"
@@ -96,12 +97,12 @@ func benchS3(cfg config, data []byte, work string) ([]row, error) {
 // startDaemonOn starts an in-process daemon (the Manager and gRPC server of
 // ckptd serve) on backend b, with its own arena and socket named by name,
 // a hot tier of hotBytes and peers p (nil: none).
-func startDaemonOn(cfg config, b storage.Backend, work, name string, hotBytes int64, p checkpoint.Peers) (*daemon, error) {
+func startDaemonOn(cfg config, b storage.Backend, work, name string, hotBytes int64, p staging.Peers) (*daemon, error) {
 	a, err := arena.Open(arena.Options{Dir: fmt.Sprintf("/dev/shm/ckptd-bench-%s-%d", name, os.Getpid()), Size: cfg.size + 64<<20, Lock: true})
 	if err != nil {
 		return nil, err
 	}
-	mgr, err := checkpoint.NewManager(server.CheckpointArena(a), b, checkpoint.ManagerConfig{
+	mgr, err := staging.NewManager(server.CheckpointArena(a), b, staging.ManagerConfig{
 		DefaultJob: "bench",
 		Writer:     checkpoint.WriterOptions{ChunkSize: cfg.chunkSize, Codec: cfg.codec, Workers: cfg.workers},
 		Read:       checkpoint.ReadOptions{Concurrency: restoreStreams},

@@ -1,8 +1,10 @@
-package checkpoint
+package staging
 
 import (
 	"errors"
 	"fmt"
+
+	"github.com/ckptd/ckptd/checkpoint"
 )
 
 // Errors of the daemon's staging runtime, which callers match with
@@ -25,7 +27,7 @@ var (
 // InProgressError says this daemon is already saving the same rank of
 // the same step for the same attempt.
 type InProgressError struct {
-	Target Target
+	Target checkpoint.Target
 	State  State
 }
 
@@ -34,4 +36,4 @@ func (e *InProgressError) Error() string {
 }
 
 // Is makes an InProgressError match ErrExists.
-func (e *InProgressError) Is(target error) bool { return target == ErrExists }
+func (e *InProgressError) Is(target error) bool { return target == checkpoint.ErrExists }

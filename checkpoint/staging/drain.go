@@ -1,4 +1,4 @@
-package checkpoint
+package staging
 
 import (
 	"context"
@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -91,7 +92,7 @@ func (mgr *Manager) drain(l *lease) {
 		return
 	}
 	start := time.Now()
-	sh := &Shard{
+	sh := &checkpoint.Shard{
 		Target: l.target, Layout: l.layout, Metadata: l.metadata,
 		Data: mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size],
 	}
@@ -113,14 +114,14 @@ var errAbandoned = errors.New("abandoned at shutdown")
 // writeRetrying makes sh durable (writeShard), retrying storage errors
 // with backoff for as long as the daemon runs; it fails when the save
 // can never be written, or with errAbandoned at shutdown.
-func (mgr *Manager) writeRetrying(sh *Shard) (*Manifest, bool, error) {
+func (mgr *Manager) writeRetrying(sh *checkpoint.Shard) (*checkpoint.Manifest, bool, error) {
 	backoff := newBackoff()
 	for {
 		m, reused, err := mgr.writeShard(sh)
 		switch {
 		case err == nil:
 			return m, reused, nil
-		case errors.Is(err, ErrExists) || errors.Is(err, ErrInvalid) || errors.Is(err, ErrCorrupt):
+		case errors.Is(err, checkpoint.ErrExists) || errors.Is(err, checkpoint.ErrInvalid) || errors.Is(err, checkpoint.ErrCorrupt):
 			return nil, false, err
 		case mgr.ctx.Err() != nil:
 			return nil, false, errAbandoned
@@ -165,14 +166,14 @@ func (b *backoff) next() time.Duration {
 //     attempt id. Refused (ErrInvalid): overwriting could mix two runs'
 //     ranks in one step, which attempts exist to prevent.
 //   - not committed, nothing (or a damaged manifest) stored: write.
-func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) {
+func (mgr *Manager) writeShard(sh *checkpoint.Shard) (m *checkpoint.Manifest, reused bool, err error) {
 	t := sh.Target
 	s, err := mgr.jobStore(t.Job)
 	if err != nil {
 		return nil, false, err
 	}
 	rec, err := s.ReadCommit(mgr.ctx, t.Step)
-	if errors.Is(err, ErrCorrupt) { // a step is committed, but the record is unreadable: nothing can join it
+	if errors.Is(err, checkpoint.ErrCorrupt) { // a step is committed, but the record is unreadable: nothing can join it
 		return nil, false, fmt.Errorf("step %d cannot take this save: %w (see ckptd verify)", t.Step, err)
 	}
 	if err != nil && !errors.Is(err, storage.ErrNotFound) {
@@ -180,20 +181,20 @@ func (mgr *Manager) writeShard(sh *Shard) (m *Manifest, reused bool, err error) 
 	}
 	stored, err := s.RankManifest(mgr.ctx, t)
 	switch {
-	case err != nil && !errors.Is(err, storage.ErrNotFound) && !errors.Is(err, ErrCorrupt) && !errors.Is(err, ErrInvalid):
+	case err != nil && !errors.Is(err, storage.ErrNotFound) && !errors.Is(err, checkpoint.ErrCorrupt) && !errors.Is(err, checkpoint.ErrInvalid):
 		return nil, false, fmt.Errorf("read the stored copy of %s: %w", t, err) // retried
 	case rec != nil && rec.Attempt != t.Attempt:
 		s.RemoveRank(mgr.ctx, t) // an earlier drain of this save may have written some of it
-		return nil, false, &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Detail: "this save was not written"}
+		return nil, false, &checkpoint.CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Detail: "this save was not written"}
 	case err == nil && stored.Holds(sh):
 		mgr.log.Warn("rank already stored with these bytes; not rewritten", "target", t)
 		return stored, true, nil
 	case rec != nil:
-		return nil, false, &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Mine: true,
+		return nil, false, &checkpoint.CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Mine: true,
 			Detail: fmt.Sprintf("it was committed without these bytes for rank %d; this save was not written", t.Rank)}
 	case err == nil:
 		return nil, false, fmt.Errorf("%w: %s is stored already with other bytes: the attempt id was reused by another run "+
-			"(each run of a job needs its own CKPTD_ATTEMPT); this save was not written", ErrInvalid, t)
+			"(each run of a job needs its own CKPTD_ATTEMPT); this save was not written", checkpoint.ErrInvalid, t)
 	}
 	m, err = mgr.w.WriteShard(mgr.ctx, sh)
 	return m, false, err
@@ -221,7 +222,7 @@ func (mgr *Manager) endDrain(l *lease, state State, err error) {
 // failed, nobody else would ever commit the step, so the save stays
 // journaled (a restarted daemon finds the same bytes stored and tries the
 // commit again) and the commit is retried with backoff meanwhile.
-func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.Time) {
+func (mgr *Manager) finishDrain(l *lease, m *checkpoint.Manifest, reused bool, start time.Time) {
 	t := l.target
 	mgr.recordDurable(t, m, reused, start)
 	if !mgr.commitSettled(t) {
@@ -245,7 +246,7 @@ func (mgr *Manager) finishDrain(l *lease, m *Manifest, reused bool, start time.T
 
 // recordDurable marks a save durable, counts what its drain wrote and
 // logs it.
-func (mgr *Manager) recordDurable(t Target, m *Manifest, reused bool, start time.Time) {
+func (mgr *Manager) recordDurable(t checkpoint.Target, m *checkpoint.Manifest, reused bool, start time.Time) {
 	mgr.setStateLocked(keyOf(t), StateDurable, nil)
 	if !reused { // the drain metrics count what this drain wrote
 		mgr.m.DrainedBytes.Add(float64(m.DataSize))
@@ -263,7 +264,7 @@ func (mgr *Manager) recordDurable(t Target, m *Manifest, reused bool, start time
 
 // commitSettled tries t's step's commit until the outcome is known (see
 // tryCommit), with backoff; false when the daemon shuts down first.
-func (mgr *Manager) commitSettled(t Target) bool {
+func (mgr *Manager) commitSettled(t checkpoint.Target) bool {
 	for b := newBackoff(); ; {
 		_, err := mgr.tryCommit(mgr.ctx, t)
 		if err == nil {
@@ -281,14 +282,14 @@ func (mgr *Manager) commitSettled(t Target) bool {
 // committed the step (t's objects are then garbage, and removed) or its
 // commit record is damaged. It reports whether the step is committed, by
 // any attempt; an error means the check itself failed and must be retried.
-func (mgr *Manager) tryCommit(ctx context.Context, t Target) (bool, error) {
+func (mgr *Manager) tryCommit(ctx context.Context, t checkpoint.Target) (bool, error) {
 	s, err := mgr.jobStore(t.Job)
 	if err != nil {
 		return false, err
 	}
 	rec, won, err := s.TryCommit(ctx, t.Step, t.Attempt, t.WorldSize)
 	switch {
-	case errors.Is(err, ErrCorrupt):
+	case errors.Is(err, checkpoint.ErrCorrupt):
 		mgr.log.Error("the step's commit record is damaged; this save cannot join it", "target", t, "err", err)
 		mgr.markDone(keyOf(t), StateFailed, err)
 		return true, nil
@@ -308,7 +309,7 @@ func (mgr *Manager) tryCommit(ctx context.Context, t Target) (bool, error) {
 		}
 	default:
 		s.RemoveRank(mgr.ctx, t)
-		err := &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Detail: "this attempt's ranks were removed"}
+		err := &checkpoint.CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Detail: "this attempt's ranks were removed"}
 		mgr.log.Warn("another attempt committed the step; this save's objects removed", "target", t, "committed_attempt", rec.Attempt)
 		mgr.markDone(keyOf(t), StateFailed, err)
 	}

@@ -1,4 +1,4 @@
-package checkpoint
+package staging
 
 import (
 	"cmp"
@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"slices"
 	"time"
+
+	"github.com/ckptd/ckptd/checkpoint"
 )
 
 // The persistent tier policy (ManagerConfig.PersistEvery, PersistInterval;
@@ -34,7 +36,7 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 	start := time.Now()
 	data := mgr.hot.buffer(t.Job, t.Step, l.layout.DataSize)
 	l.layout.Pack(mgr.arena.Bytes()[l.region.Offset:l.region.Offset+l.size], data)
-	m := MemoryManifest(t, l.layout, l.metadata, data, mgr.w.Options().ChunkSize)
+	m := checkpoint.MemoryManifest(t, l.layout, l.metadata, data, mgr.w.Options().ChunkSize)
 	release, ok := mgr.hot.insert(m, data, hotFlags{memory: true, origin: true})
 	if !ok {
 		mgr.log.Warn("no room in the hot tier (restores hold it); persisting a step the policy (--persist-every, --persist-interval) would keep in memory", "target", t)
@@ -59,7 +61,7 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 // Inventory lists the shards of job this sidecar holds in memory, for a
 // peer's restore.
 func (mgr *Manager) Inventory(job string) ([]HeldShard, error) {
-	if err := ValidateName("job", job); err != nil {
+	if err := checkpoint.ValidateName("job", job); err != nil {
 		return nil, err
 	}
 	return mgr.hot.inventory(job), nil
@@ -154,7 +156,7 @@ func (mgr *Manager) fromMemory(ctx context.Context, job string, step int64, late
 			continue
 		}
 		if rank < 0 || rank >= s.worldSize {
-			return restoreSource{}, true, fmt.Errorf("%w: rank %d of step %d, saved at a world size of %d", ErrInvalid, rank, s.step, s.worldSize)
+			return restoreSource{}, true, fmt.Errorf("%w: rank %d of step %d, saved at a world size of %d", checkpoint.ErrInvalid, rank, s.step, s.worldSize)
 		}
 		src, err := mgr.heldShard(ctx, job, s, rank)
 		src.skipped = skipped
@@ -180,7 +182,7 @@ func (mgr *Manager) heldShard(ctx context.Context, job string, s *heldStep, rank
 		return src, nil
 	}
 	return restoreSource{}, fmt.Errorf("%w: step %d of job %q is kept in memory only (--persist-every, --persist-interval) and rank %d's copy went away while restoring",
-		ErrStepNotFound, s.step, job, rank)
+		checkpoint.ErrStepNotFound, s.step, job, rank)
 }
 
 // StepTiers is a step as `ckptd list --tiers` shows it: committed in
@@ -189,9 +191,9 @@ type StepTiers struct {
 	Step       int64
 	WorldSize  int
 	Attempt    string
-	Commit     *CommitRecord // nil for a step kept in memory only
-	Tiers      []string      // "storage", "hot" (this sidecar), "peers"
-	RanksHeld  int           // of a memory-only step: ranks some sidecar holds
+	Commit     *checkpoint.CommitRecord // nil for a step kept in memory only
+	Tiers      []string                 // "storage", "hot" (this sidecar), "peers"
+	RanksHeld  int                      // of a memory-only step: ranks some sidecar holds
 	MemoryOnly bool
 }
 

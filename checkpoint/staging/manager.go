@@ -1,4 +1,4 @@
-package checkpoint
+package staging
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -55,8 +56,8 @@ type ManagerConfig struct {
 	// Peers, when set, gets every drained shard to keep replicas of (see
 	// Peers), and is asked for a shard the hot tier lacks before storage.
 	Peers   Peers
-	Writer  WriterOptions
-	Read    ReadOptions
+	Writer  checkpoint.WriterOptions
+	Read    checkpoint.ReadOptions
 	Metrics *Metrics
 	Logger  *slog.Logger
 	// DrainDelay delays every drain; tests use it to crash the daemon
@@ -112,7 +113,7 @@ type Manager struct {
 	cfg   ManagerConfig
 	arena Arena
 	b     storage.Backend
-	w     *Writer
+	w     *checkpoint.Writer
 	log   *slog.Logger
 	m     *Metrics
 
@@ -139,10 +140,10 @@ type Manager struct {
 // starts the drain workers. Close stops them.
 func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error) {
 	cfg.setDefaults()
-	if err := ValidateName("job", cfg.DefaultJob); err != nil {
+	if err := checkpoint.ValidateName("job", cfg.DefaultJob); err != nil {
 		return nil, fmt.Errorf("default job: %w", err)
 	}
-	w, err := NewWriter(b, cfg.Writer)
+	w, err := checkpoint.NewWriter(b, cfg.Writer)
 	if err != nil {
 		return nil, err
 	}
@@ -175,8 +176,8 @@ func (mgr *Manager) Backend() storage.Backend { return mgr.b }
 
 // jobStore is the Store of the job a request names (the default job when
 // it names none), once its name is checked.
-func (mgr *Manager) jobStore(job string) (*Store, error) {
-	s, err := NewStore(mgr.b, mgr.job(job))
+func (mgr *Manager) jobStore(job string) (*checkpoint.Store, error) {
+	s, err := checkpoint.NewStore(mgr.b, mgr.job(job))
 	if err != nil {
 		return nil, err
 	}

@@ -1,4 +1,4 @@
-package checkpoint
+package staging
 
 import (
 	"bytes"
@@ -9,6 +9,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/faulty"
 	"github.com/ckptd/ckptd/storage/memstore"
@@ -24,7 +25,7 @@ func TestPersistEvery(t *testing.T) {
 	saved := map[int64][]byte{}
 	for step := int64(1); step <= 5; step++ {
 		saved[step] = bytes.Repeat([]byte{byte(step)}, 100_000)
-		tg := Target{Job: "job", Step: step, WorldSize: 1, Attempt: "a"}
+		tg := checkpoint.Target{Job: "job", Step: step, WorldSize: 1, Attempt: "a"}
 		saveBytesTo(t, mgr, a, tg, saved[step])
 		want := StateHot
 		if step == 3 {
@@ -74,7 +75,7 @@ func TestPersistEvery(t *testing.T) {
 	}
 	b.Clear()
 	saved[6] = bytes.Repeat([]byte{6}, 100_000) // persisted, newer than every memory-only step
-	tg := Target{Job: "job", Step: 6, WorldSize: 1, Attempt: "a"}
+	tg := checkpoint.Target{Job: "job", Step: 6, WorldSize: 1, Attempt: "a"}
 	saveBytesTo(t, mgr, a, tg, saved[6])
 	settled(t, mgr, tg)
 	// The drain copies a shard into the hot tier after its commit (so as
@@ -85,7 +86,7 @@ func TestPersistEvery(t *testing.T) {
 		t.Fatalf("latest with storage down, the newest step committed: step %d, %v", step, err)
 	}
 	b.Clear()
-	if _, _, err := restoreBytes(mgr, a, 1, false); !errors.Is(err, ErrStepNotFound) {
+	if _, _, err := restoreBytes(mgr, a, 1, false); !errors.Is(err, checkpoint.ErrStepNotFound) {
 		t.Fatalf("step 1, kept in memory and evicted since: %v", err)
 	}
 	if n := testutil.ToFloat64(mgr.m.Tiers.WithLabelValues("hot")); n != 4 { // steps 1, 2, 4, 5

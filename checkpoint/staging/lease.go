@@ -1,4 +1,4 @@
-package checkpoint
+package staging
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -59,8 +60,8 @@ type lease struct {
 	peer      string // Owner.Peer
 	region    Region // Length 0: nothing allocated
 	size      int64  // bytes of the region the lease covers
-	target    Target
-	layout    *Layout
+	target    checkpoint.Target
+	layout    *checkpoint.Layout
 	metadata  []byte
 	committed bool
 	cost      int64 // charged to TableBudget

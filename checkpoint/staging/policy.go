@@ -1,10 +1,12 @@
-package checkpoint
+package staging
 
 import (
 	"context"
 	"fmt"
 	"sync"
 	"time"
+
+	"github.com/ckptd/ckptd/checkpoint"
 )
 
 // The persistent tier policy decides which steps are drained to storage;
@@ -106,7 +108,7 @@ func (p *persistPolicy) record(k stepKey, persist bool, now time.Time) {
 
 // persists reports whether t's step goes to storage, telling the peers
 // when the interval decided it.
-func (mgr *Manager) persists(t Target) bool {
+func (mgr *Manager) persists(t checkpoint.Target) bool {
 	every, interval := int64(mgr.cfg.PersistEvery), mgr.cfg.PersistInterval
 	if !mgr.hot.enabled() || every <= 1 && interval <= 0 {
 		return true
@@ -140,7 +142,7 @@ func (mgr *Manager) background(fn func()) {
 // this sidecar persists its own ranks of it too, those it kept in memory
 // from the hot tier, and those still to come as they drain.
 func (mgr *Manager) PersistStep(job string, step int64, attempt string) error {
-	t := Target{Job: job, Step: step, WorldSize: 1, Attempt: attempt}
+	t := checkpoint.Target{Job: job, Step: step, WorldSize: 1, Attempt: attempt}
 	if err := t.Validate(); err != nil {
 		return err
 	}
@@ -165,14 +167,14 @@ func (mgr *Manager) persistHeld(job string, step int64, attempt string) {
 // step's commit, as a drain would.
 func (mgr *Manager) persistEntry(e *hotEntry) {
 	t := e.m.Target()
-	layout, err := NewLayout(e.m.Tensors)
+	layout, err := checkpoint.NewLayout(e.m.Tensors)
 	if err != nil {
 		mgr.log.Error("a shard kept in memory cannot be persisted", "target", t, "err", err)
 		return
 	}
 	start := time.Now()
 	mgr.setStateLocked(keyOf(t), StateDraining, nil)
-	m, reused, err := mgr.writeRetrying(&Shard{Target: t, Layout: layout, Data: e.data, Metadata: e.m.Metadata})
+	m, reused, err := mgr.writeRetrying(&checkpoint.Shard{Target: t, Layout: layout, Data: e.data, Metadata: e.m.Metadata})
 	if err != nil {
 		if err != errAbandoned {
 			mgr.log.Error("persisting a shard kept in memory failed", "target", t, "err", err)

@@ -1,10 +1,12 @@
-package checkpoint
+package staging
 
 import (
 	"context"
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/ckptd/ckptd/checkpoint"
 )
 
 // Peers carries shards to and from the sidecars that keep replicas of a
@@ -14,16 +16,16 @@ type Peers interface {
 	// Replicate sends a shard (its manifest and data space) to the peers
 	// that keep its rank's replicas: a drained one (committed when its
 	// step is), or one of a step kept in memory only (memory).
-	Replicate(ctx context.Context, m *Manifest, data []byte, committed, memory bool) error
+	Replicate(ctx context.Context, m *checkpoint.Manifest, data []byte, committed, memory bool) error
 	// FetchManifest asks the peers in from (those peers when from is
 	// empty) for a shard's manifest; attempt "" means whichever committed
 	// attempt they hold. It returns the manifest and the peer that has
 	// the shard, or fails when none holds it.
-	FetchManifest(ctx context.Context, job string, step int64, rank int, attempt string, from []string) (*Manifest, string, error)
+	FetchManifest(ctx context.Context, job string, step int64, rank int, attempt string, from []string) (*checkpoint.Manifest, string, error)
 	// FetchData reads the data space of the shard m describes from peer
 	// into dst (m.DataSize bytes), calling progress with the bytes read so
 	// far as they arrive. It fails if the peer's copy is no longer m's.
-	FetchData(ctx context.Context, peer string, m *Manifest, dst []byte, progress func(int64)) error
+	FetchData(ctx context.Context, peer string, m *checkpoint.Manifest, dst []byte, progress func(int64)) error
 	// Persist tells every peer that this sidecar persisted step of job
 	// by attempt (see policy.go).
 	Persist(ctx context.Context, job string, step int64, attempt string) error
@@ -45,7 +47,7 @@ const replicaQueue = 8
 
 // replica is a drained shard to send to its peers.
 type replica struct {
-	m         *Manifest
+	m         *checkpoint.Manifest
 	data      []byte
 	committed bool
 	memory    bool   // a step kept in memory only: no commit to wait for
@@ -100,7 +102,7 @@ func (mgr *Manager) replicateLoop() {
 // not committed); false when r went back in the queue, or was dropped
 // because another attempt committed the step.
 func (mgr *Manager) committedYet(r *replica) bool {
-	var rec *CommitRecord
+	var rec *checkpoint.CommitRecord
 	store, err := mgr.jobStore(r.m.Job)
 	if err == nil {
 		rec, err = store.ReadCommit(mgr.ctx, r.m.Step)
@@ -155,12 +157,12 @@ func (mgr *Manager) AcceptReplica(manifest, data []byte, committed, memory bool)
 	if !mgr.hot.enabled() {
 		return fmt.Errorf("%w: this sidecar keeps no replicas (--hot-bytes is 0)", ErrArenaFull)
 	}
-	m, err := ParseManifest(manifest)
+	m, err := checkpoint.ParseManifest(manifest)
 	if err != nil {
-		return fmt.Errorf("%w: replica manifest: %w", ErrInvalid, err)
+		return fmt.Errorf("%w: replica manifest: %w", checkpoint.ErrInvalid, err)
 	}
 	if int64(len(data)) != m.DataSize {
-		return fmt.Errorf("%w: replica of %s has %d bytes of data, its manifest says %d", ErrInvalid, m.Target(), len(data), m.DataSize)
+		return fmt.Errorf("%w: replica of %s has %d bytes of data, its manifest says %d", checkpoint.ErrInvalid, m.Target(), len(data), m.DataSize)
 	}
 	release, ok := mgr.hot.insert(m, data, hotFlags{committed: committed, memory: memory})
 	release()
@@ -182,7 +184,7 @@ func (mgr *Manager) ReplicaBuffer(n int64) []byte {
 func (mgr *Manager) Replica(job string, step int64, rank int, attempt string) (manifest, data []byte, committed bool, release func(), err error) {
 	e, release := mgr.hot.getAny(job, step, rank, attempt)
 	if e == nil {
-		return nil, nil, false, nil, fmt.Errorf("%w: no replica of job %q step %d rank %d here", ErrStepNotFound, job, step, rank)
+		return nil, nil, false, nil, fmt.Errorf("%w: no replica of job %q step %d rank %d here", checkpoint.ErrStepNotFound, job, step, rank)
 	}
 	manifest, err = e.m.Encode()
 	if err != nil {

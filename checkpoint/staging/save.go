@@ -1,4 +1,4 @@
-package checkpoint
+package staging
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"io"
 	"time"
 
+	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -18,13 +19,13 @@ const MaxMetadata = 8 << 20
 // BeginSave validates a save request and leases a region for its tensors,
 // waiting up to StagingWait for space. The region is owner's to fill until
 // CommitSave or AbortSave, or until owner goes away.
-func (mgr *Manager) BeginSave(ctx context.Context, o Owner, t Target, tensors []Tensor) (LeaseInfo, error) {
+func (mgr *Manager) BeginSave(ctx context.Context, o Owner, t checkpoint.Target, tensors []checkpoint.Tensor) (LeaseInfo, error) {
 	start := time.Now()
 	t.Job = mgr.job(t.Job)
 	if err := t.Validate(); err != nil {
 		return LeaseInfo{}, err
 	}
-	layout, err := NewLayout(tensors)
+	layout, err := checkpoint.NewLayout(tensors)
 	if err != nil {
 		return LeaseInfo{}, err
 	}
@@ -75,7 +76,7 @@ func (mgr *Manager) reserveSave(ctx context.Context, l *lease) error {
 // tableCost estimates the memory a lease's tensor table holds while the
 // save is open: the region and packed tables (which share names and
 // shapes), and the journal entry in shared memory.
-func tableCost(l *Layout) int64 {
+func tableCost(l *checkpoint.Layout) int64 {
 	n := int64(512)
 	for _, t := range l.Region {
 		n += 256 + 2*int64(len(t.Name)) + 24*int64(len(t.Shape))
@@ -92,7 +93,7 @@ const precheckTimeout = time.Second
 // committedHint refuses a save of a committed step early and clearly.
 // When storage does not answer in time it lets the save through and logs
 // why; the drain checks again before writing.
-func (mgr *Manager) committedHint(ctx context.Context, t Target) error {
+func (mgr *Manager) committedHint(ctx context.Context, t checkpoint.Target) error {
 	cctx, cancel := context.WithTimeout(ctx, precheckTimeout)
 	defer cancel()
 	store, err := mgr.jobStore(t.Job)
@@ -102,10 +103,10 @@ func (mgr *Manager) committedHint(ctx context.Context, t Target) error {
 	rec, err := store.ReadCommit(cctx, t.Step)
 	switch {
 	case err == nil:
-		return &CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Mine: rec.Attempt == t.Attempt}
+		return &checkpoint.CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Mine: rec.Attempt == t.Attempt}
 	case errors.Is(err, storage.ErrNotFound):
 		return nil
-	case ctx.Err() == nil && (errors.Is(err, storage.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ErrCorrupt)):
+	case ctx.Err() == nil && (errors.Is(err, storage.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, checkpoint.ErrCorrupt)):
 		mgr.log.Warn("storage did not say whether the step is committed; the drain will check", "target", t, "err", err)
 		return nil
 	}
@@ -115,19 +116,19 @@ func (mgr *Manager) committedHint(ctx context.Context, t Target) error {
 // CommitSave accepts a filled region: once it returns, the save is
 // journaled in shared memory and will become durable even if the daemon
 // crashes.
-func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (Target, int64, error) {
+func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (checkpoint.Target, int64, error) {
 	if len(metadata) > MaxMetadata {
-		return Target{}, 0, fmt.Errorf("%w: metadata is %d bytes, more than %d", ErrInvalid, len(metadata), MaxMetadata)
+		return checkpoint.Target{}, 0, fmt.Errorf("%w: metadata is %d bytes, more than %d", checkpoint.ErrInvalid, len(metadata), MaxMetadata)
 	}
 	mgr.mu.Lock()
 	l := mgr.leases.lookup(id, o)
 	if l == nil || l.kind != saveLease || l.committed {
 		mgr.mu.Unlock()
-		return Target{}, 0, fmt.Errorf("%w: no open save lease %q (expired, aborted, or never granted to this connection)", ErrUnknownLease, id)
+		return checkpoint.Target{}, 0, fmt.Errorf("%w: no open save lease %q (expired, aborted, or never granted to this connection)", ErrUnknownLease, id)
 	}
 	if err := mgr.leases.charge(l, int64(len(metadata))); err != nil {
 		mgr.mu.Unlock()
-		return Target{}, 0, err
+		return checkpoint.Target{}, 0, err
 	}
 	// Marked committed before the journal write, so that nothing (abort,
 	// release, the reaper, the owner going away) frees the region
@@ -143,7 +144,7 @@ func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (Target, int
 		l.committed = false
 		mgr.leases.refund(l, int64(len(metadata)))
 		mgr.m.failed("journal")
-		return Target{}, 0, err
+		return checkpoint.Target{}, 0, err
 	}
 	mgr.setState(keyOf(l.target), StateStaged, nil)
 	mgr.enqueue(l)
@@ -167,15 +168,15 @@ func (mgr *Manager) AbortSave(o Owner, id string) error {
 // SaveFrom is the path for clients that cannot map the arena: it stages
 // exactly the region's bytes read from r and commits them, so the rest of
 // the pipeline is the same as for a mapped save.
-func (mgr *Manager) SaveFrom(ctx context.Context, o Owner, t Target, tensors []Tensor, metadata []byte, r io.Reader) (Target, int64, error) {
+func (mgr *Manager) SaveFrom(ctx context.Context, o Owner, t checkpoint.Target, tensors []checkpoint.Tensor, metadata []byte, r io.Reader) (checkpoint.Target, int64, error) {
 	info, err := mgr.BeginSave(ctx, o, t, tensors)
 	if err != nil {
-		return Target{}, 0, err
+		return checkpoint.Target{}, 0, err
 	}
 	region := mgr.arena.Bytes()[info.Offset : info.Offset+info.Length]
 	if err := readExactly(r, region); err != nil {
 		_ = mgr.AbortSave(o, info.ID)
-		return Target{}, 0, err
+		return checkpoint.Target{}, 0, err
 	}
 	return mgr.CommitSave(o, info.ID, metadata)
 }
@@ -183,24 +184,24 @@ func (mgr *Manager) SaveFrom(ctx context.Context, o Owner, t Target, tensors []T
 // readExactly fills dst from r and requires r to end there.
 func readExactly(r io.Reader, dst []byte) error {
 	if _, err := io.ReadFull(r, dst); err != nil {
-		return fmt.Errorf("%w: stream ended before the %d bytes the tensor table needs: %v", ErrInvalid, len(dst), err)
+		return fmt.Errorf("%w: stream ended before the %d bytes the tensor table needs: %v", checkpoint.ErrInvalid, len(dst), err)
 	}
 	var one [1]byte
 	if n, _ := r.Read(one[:]); n > 0 {
-		return fmt.Errorf("%w: stream is longer than the %d bytes the tensor table needs", ErrInvalid, len(dst))
+		return fmt.Errorf("%w: stream is longer than the %d bytes the tensor table needs", checkpoint.ErrInvalid, len(dst))
 	}
 	return nil
 }
 
 // journalEntry is what survives a daemon crash for an accepted save.
 type journalEntry struct {
-	Lease    string    `json:"lease"`
-	Offset   int64     `json:"offset"`
-	Length   int64     `json:"length"`
-	Target   Target    `json:"target"`
-	Tensors  []Tensor  `json:"tensors"` // region-relative
-	Metadata []byte    `json:"metadata"`
-	StagedAt time.Time `json:"staged_at"`
+	Lease    string              `json:"lease"`
+	Offset   int64               `json:"offset"`
+	Length   int64               `json:"length"`
+	Target   checkpoint.Target   `json:"target"`
+	Tensors  []checkpoint.Tensor `json:"tensors"` // region-relative
+	Metadata []byte              `json:"metadata"`
+	StagedAt time.Time           `json:"staged_at"`
 }
 
 func (mgr *Manager) journal(l *lease) error {
@@ -247,7 +248,7 @@ func (mgr *Manager) leaseFromJournal(data []byte) (*lease, error) {
 		return nil, err
 	}
 	if e.Target.Attempt == "" {
-		e.Target.Attempt = LegacyAttempt
+		e.Target.Attempt = checkpoint.LegacyAttempt
 	}
 	if err := e.Target.Validate(); err != nil {
 		return nil, err
@@ -255,7 +256,7 @@ func (mgr *Manager) leaseFromJournal(data []byte) (*lease, error) {
 	if len(e.Metadata) > MaxMetadata {
 		return nil, fmt.Errorf("metadata of %d bytes", len(e.Metadata))
 	}
-	layout, err := NewLayout(e.Tensors)
+	layout, err := checkpoint.NewLayout(e.Tensors)
 	if err != nil {
 		return nil, err
 	}

@@ -1,4 +1,4 @@
-package checkpoint
+package staging
 
 import (
 	"context"
@@ -13,6 +13,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/dtype"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/testreap"
@@ -20,6 +21,7 @@ import (
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/faulty"
 	"github.com/ckptd/ckptd/storage/memstore"
+	"github.com/ckptd/ckptd/storage/posix"
 )
 
 // shmArena is the daemon's shared-memory arena as the Manager sees it, as
@@ -54,6 +56,18 @@ func newManager(t *testing.T, cfg ManagerConfig) *Manager {
 	return mgr
 }
 
+// newBackend is a POSIX store in a temporary folder, and that folder.
+func newBackend(t *testing.T) (storage.Backend, string) {
+	t.Helper()
+	dir := t.TempDir()
+	b, err := posix.New(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close() })
+	return b, dir
+}
+
 // A test arena left by a test binary that died is removed by the reaper.
 func TestMain(m *testing.M) { os.Exit(testreap.Run(m)) }
 
@@ -85,14 +99,14 @@ type arenaBytes interface{ Bytes() []byte }
 
 // saveBytes saves data as one U8 tensor of tg through mgr, as a client
 // would: lease, copy into the arena, commit.
-func saveBytes(t *testing.T, mgr *Manager, a *arena.Arena, tg Target, data []byte) {
+func saveBytes(t *testing.T, mgr *Manager, a *arena.Arena, tg checkpoint.Target, data []byte) {
 	t.Helper()
 	saveBytesTo(t, mgr, a, tg, data)
 }
 
-func saveBytesTo(t *testing.T, mgr *Manager, a arenaBytes, tg Target, data []byte) {
+func saveBytesTo(t *testing.T, mgr *Manager, a arenaBytes, tg checkpoint.Target, data []byte) {
 	t.Helper()
-	info, err := mgr.BeginSave(context.Background(), Owner{}, tg, []Tensor{u8("w", 0, int64(len(data)))})
+	info, err := mgr.BeginSave(context.Background(), Owner{}, tg, []checkpoint.Tensor{u8("w", 0, int64(len(data)))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -104,7 +118,7 @@ func saveBytesTo(t *testing.T, mgr *Manager, a arenaBytes, tg Target, data []byt
 
 // settled waits for the save of tg to be committed, failed or kept in memory, asking only
 // for its status: nobody calls Wait, which would try the commit itself.
-func settled(t *testing.T, mgr *Manager, tg Target) WaitResult {
+func settled(t *testing.T, mgr *Manager, tg checkpoint.Target) WaitResult {
 	t.Helper()
 	var res WaitResult
 	eventually(t, "the save settles", func() bool {
@@ -115,11 +129,13 @@ func settled(t *testing.T, mgr *Manager, tg Target) WaitResult {
 	return res
 }
 
-func u8(name string, off, n int64) Tensor {
-	return Tensor{Name: name, DType: dtype.U8, Shape: []int64{n}, Offset: off, Length: n}
+func u8(name string, off, n int64) checkpoint.Tensor {
+	return checkpoint.Tensor{Name: name, DType: dtype.U8, Shape: []int64{n}, Offset: off, Length: n}
 }
 
-func target(step int64) Target { return Target{Step: step, WorldSize: 1, Attempt: "a"} }
+func target(step int64) checkpoint.Target {
+	return checkpoint.Target{Step: step, WorldSize: 1, Attempt: "a"}
+}
 
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
@@ -132,10 +148,10 @@ func TestOwnerGoneReleases(t *testing.T) {
 	mgr := newManager(t, ManagerConfig{})
 	done := make(chan struct{})
 	o := Owner{ID: "conn-1", Done: done}
-	if _, err := mgr.BeginSave(context.Background(), o, target(1), []Tensor{u8("w", 0, 1<<20)}); err != nil {
+	if _, err := mgr.BeginSave(context.Background(), o, target(1), []checkpoint.Tensor{u8("w", 0, 1<<20)}); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := mgr.BeginRestore(context.Background(), o, RestoreRequest{Step: 1}); !errors.Is(err, ErrStepNotFound) {
+	if _, _, err := mgr.BeginRestore(context.Background(), o, RestoreRequest{Step: 1}); !errors.Is(err, checkpoint.ErrStepNotFound) {
 		t.Fatalf("restore of nothing: %v", err)
 	}
 	if mgr.arena.Used() == 0 {
@@ -143,12 +159,12 @@ func TestOwnerGoneReleases(t *testing.T) {
 	}
 	// Another connection cannot touch the lease.
 	other := Owner{ID: "conn-2", Done: make(chan struct{})}
-	if _, err := mgr.BeginSave(context.Background(), other, target(1), []Tensor{u8("w", 0, 1)}); !errors.Is(err, ErrExists) {
+	if _, err := mgr.BeginSave(context.Background(), other, target(1), []checkpoint.Tensor{u8("w", 0, 1)}); !errors.Is(err, checkpoint.ErrExists) {
 		t.Fatalf("second save of the rank while the first stages: %v", err)
 	}
 	close(done)
 	eventually(t, "region freed after the owner left", func() bool { return mgr.arena.Used() == 0 })
-	info, err := mgr.BeginSave(context.Background(), other, target(1), []Tensor{u8("w", 0, 1)})
+	info, err := mgr.BeginSave(context.Background(), other, target(1), []checkpoint.Tensor{u8("w", 0, 1)})
 	if err != nil {
 		t.Fatalf("re-save after the dead client's lease was released: %v", err)
 	}
@@ -162,7 +178,7 @@ func TestOwnerGoneReleases(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A lease granted to an owner already gone is dropped at once.
-	if _, err := mgr.BeginSave(context.Background(), o, target(2), []Tensor{u8("w", 0, 1)}); !errors.Is(err, context.Canceled) {
+	if _, err := mgr.BeginSave(context.Background(), o, target(2), []checkpoint.Tensor{u8("w", 0, 1)}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("save for a gone owner: %v", err)
 	}
 }
@@ -173,7 +189,7 @@ func TestExpiredLeaseFenced(t *testing.T) {
 	mgr := newManager(t, ManagerConfig{LeaseTimeout: 50 * time.Millisecond})
 	done := make(chan struct{})
 	o := Owner{ID: "slow", Done: done}
-	info, err := mgr.BeginSave(context.Background(), o, target(1), []Tensor{u8("w", 0, 1<<20)})
+	info, err := mgr.BeginSave(context.Background(), o, target(1), []checkpoint.Tensor{u8("w", 0, 1<<20)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -196,8 +212,8 @@ func TestExpiredLeaseFenced(t *testing.T) {
 // budget fails, and the budget comes back when saves end.
 func TestTableBudget(t *testing.T) {
 	mgr := newManager(t, ManagerConfig{TableBudget: 64 << 10})
-	table := func(n int) []Tensor {
-		ts := make([]Tensor, n)
+	table := func(n int) []checkpoint.Tensor {
+		ts := make([]checkpoint.Tensor, n)
 		for i := range ts {
 			ts[i] = u8(fmt.Sprintf("t%05d", i), int64(i), 1)
 		}
@@ -230,7 +246,7 @@ func TestLegacyJournalEntryDrains(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	layout, err := NewLayout([]Tensor{u8("w", 0, 5000)})
+	layout, err := checkpoint.NewLayout([]checkpoint.Tensor{u8("w", 0, 5000)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -261,16 +277,19 @@ func TestLegacyJournalEntryDrains(t *testing.T) {
 	defer mgr.Close(context.Background())
 	ctx, cancel := context.WithTimeout(context.Background(), testtime.Scale(30*time.Second))
 	defer cancel()
-	if _, err := mgr.Wait(ctx, "job", 7, 0, LegacyAttempt); err != nil {
+	if _, err := mgr.Wait(ctx, "job", 7, 0, checkpoint.LegacyAttempt); err != nil {
 		t.Fatalf("the legacy save did not become durable: %v", err)
 	}
-	s := &Store{backend: b, job: "job"}
+	s, err := checkpoint.NewStore(b, "job")
+	if err != nil {
+		t.Fatal(err)
+	}
 	rec, err := s.Resolve(ctx, 7, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rec.Attempt != LegacyAttempt {
-		t.Fatalf("committed attempt %q, want %q", rec.Attempt, LegacyAttempt)
+	if rec.Attempt != checkpoint.LegacyAttempt {
+		t.Fatalf("committed attempt %q, want %q", rec.Attempt, checkpoint.LegacyAttempt)
 	}
 	m, err := s.Manifest(ctx, rec, 0)
 	if err != nil {
@@ -279,7 +298,7 @@ func TestLegacyJournalEntryDrains(t *testing.T) {
 	if m.DataSize != 5000 {
 		t.Fatalf("data size %d", m.DataSize)
 	}
-	if _, err := s.Verify(ctx, 7, false, ReadOptions{}); err != nil {
+	if _, err := s.Verify(ctx, 7, false, checkpoint.ReadOptions{}); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -291,7 +310,7 @@ func TestCommitRetriedWithoutWaiters(t *testing.T) {
 	b := faulty.New(memstore.New())
 	fail := b.Inject(faulty.Fault{Kind: faulty.Fail, Ops: faulty.OpPutIfAbsent, Name: "job/steps/*/COMMIT.json", Times: 1})
 	mgr, a := newManagerOn(t, b, ManagerConfig{})
-	tg := Target{Job: "job", Step: 3, WorldSize: 1, Attempt: "a"}
+	tg := checkpoint.Target{Job: "job", Step: 3, WorldSize: 1, Attempt: "a"}
 	saveBytes(t, mgr, a, tg, []byte("weights"))
 	if res := settled(t, mgr, tg); res.State != StateCommitted {
 		t.Fatalf("state %s (%v), want committed", res.State, res.Err)
@@ -313,9 +332,9 @@ func TestDamagedCommitFailsSave(t *testing.T) {
 		t.Fatal(err)
 	}
 	mgr, a := newManagerOn(t, b, ManagerConfig{})
-	tg := Target{Job: "job", Step: 4, WorldSize: 1, Attempt: "a"}
+	tg := checkpoint.Target{Job: "job", Step: 4, WorldSize: 1, Attempt: "a"}
 	saveBytes(t, mgr, a, tg, []byte("weights"))
-	if res := settled(t, mgr, tg); res.State != StateFailed || !errors.Is(res.Err, ErrCorrupt) {
+	if res := settled(t, mgr, tg); res.State != StateFailed || !errors.Is(res.Err, checkpoint.ErrCorrupt) {
 		t.Fatalf("state %s (%v), want failed as corrupt", res.State, res.Err)
 	}
 }
@@ -325,7 +344,7 @@ func TestDamagedCommitFailsSave(t *testing.T) {
 func TestReusedAttemptRefused(t *testing.T) {
 	b := memstore.New()
 	mgr, a := newManagerOn(t, b, ManagerConfig{})
-	r0 := Target{Job: "job", Step: 5, Rank: 0, WorldSize: 2, Attempt: "a"}
+	r0 := checkpoint.Target{Job: "job", Step: 5, Rank: 0, WorldSize: 2, Attempt: "a"}
 	saveBytes(t, mgr, a, r0, []byte("first run"))
 	eventually(t, "rank 0 durable", func() bool {
 		res, err := mgr.Status(context.Background(), "job", 5, 0, "a")
@@ -336,7 +355,7 @@ func TestReusedAttemptRefused(t *testing.T) {
 
 	mgr2, a2 := newManagerOn(t, b, ManagerConfig{})
 	saveBytes(t, mgr2, a2, r0, []byte("other run"))
-	if res := settled(t, mgr2, r0); res.State != StateFailed || !errors.Is(res.Err, ErrInvalid) {
+	if res := settled(t, mgr2, r0); res.State != StateFailed || !errors.Is(res.Err, checkpoint.ErrInvalid) {
 		t.Fatalf("state %s (%v), want failed as invalid", res.State, res.Err)
 	}
 }
@@ -354,7 +373,7 @@ func TestStoppedClientKeepsRegion(t *testing.T) {
 		defer mu.Unlock()
 		return !alive, true
 	}}
-	info, err := mgr.BeginSave(context.Background(), o, target(1), []Tensor{u8("w", 0, 1<<20)})
+	info, err := mgr.BeginSave(context.Background(), o, target(1), []checkpoint.Tensor{u8("w", 0, 1<<20)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -379,7 +398,7 @@ func TestStoppedClientKeepsRegion(t *testing.T) {
 func TestRestoresBounded(t *testing.T) {
 	b := faulty.New(memstore.New())
 	mgr, a := newManagerOn(t, b, ManagerConfig{Restores: 1})
-	tg := Target{Job: "job", Step: 1, WorldSize: 1, Attempt: "a"}
+	tg := checkpoint.Target{Job: "job", Step: 1, WorldSize: 1, Attempt: "a"}
 	saveBytes(t, mgr, a, tg, []byte("weights"))
 	if res := settled(t, mgr, tg); res.State != StateCommitted {
 		t.Fatalf("state %s (%v)", res.State, res.Err)

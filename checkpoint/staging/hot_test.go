@@ -1,4 +1,4 @@
-package checkpoint
+package staging
 
 import (
 	"bytes"
@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/faulty"
 	"github.com/ckptd/ckptd/storage/memstore"
@@ -16,7 +17,7 @@ import (
 func hotSave(t *testing.T, mgr *Manager, a arenaBytes, step int64) []byte {
 	t.Helper()
 	data := bytes.Repeat([]byte{byte(step)}, 100_000)
-	tg := Target{Job: "job", Step: step, WorldSize: 1, Attempt: "a"}
+	tg := checkpoint.Target{Job: "job", Step: step, WorldSize: 1, Attempt: "a"}
 	saveBytesTo(t, mgr, a, tg, data)
 	if res := settled(t, mgr, tg); res.State != StateCommitted {
 		t.Fatalf("step %d: %s (%v)", step, res.State, res.Err)
@@ -96,11 +97,11 @@ func TestHotTierVerifies(t *testing.T) {
 	mgr.hot.mu.Lock()
 	mgr.hot.entries[hotKey{"job", 1, 0}].data[10] ^= 1 // there: hotSave waited for it
 	mgr.hot.mu.Unlock()
-	if _, _, err := restoreBytes(mgr, a, 1, false); !errors.Is(err, ErrCorrupt) {
+	if _, _, err := restoreBytes(mgr, a, 1, false); !errors.Is(err, checkpoint.ErrCorrupt) {
 		t.Fatalf("a damaged hot copy: %v", err)
 	}
 	big := bytes.Repeat([]byte{7}, 200_000)
-	tg := Target{Job: "job", Step: 2, WorldSize: 1, Attempt: "a"}
+	tg := checkpoint.Target{Job: "job", Step: 2, WorldSize: 1, Attempt: "a"}
 	saveBytesTo(t, mgr, a, tg, big)
 	settled(t, mgr, tg)
 	if used, _, _ := mgr.hot.stats(); used > 150_000 {
@@ -113,15 +114,15 @@ func TestHotTierVerifies(t *testing.T) {
 // refused.
 func TestPartialRestore(t *testing.T) {
 	for _, hot := range []int64{0, 8 << 20} {
-		mgr, a := newManagerOn(t, memstore.New(), ManagerConfig{HotBytes: hot, Writer: WriterOptions{ChunkSize: 64 << 10}})
+		mgr, a := newManagerOn(t, memstore.New(), ManagerConfig{HotBytes: hot, Writer: checkpoint.WriterOptions{ChunkSize: 64 << 10}})
 		sizes := map[string]int64{"a": 300_000, "b": 500_000, "c": 70_000}
-		var table []Tensor
+		var table []checkpoint.Tensor
 		var off int64
 		for _, name := range []string{"a", "b", "c"} {
 			table = append(table, u8(name, off, sizes[name]))
 			off += sizes[name]
 		}
-		tg := Target{Job: "job", Step: 1, WorldSize: 1, Attempt: "a"}
+		tg := checkpoint.Target{Job: "job", Step: 1, WorldSize: 1, Attempt: "a"}
 		info, err := mgr.BeginSave(context.Background(), Owner{}, tg, table)
 		if err != nil {
 			t.Fatal(err)
@@ -145,7 +146,7 @@ func TestPartialRestore(t *testing.T) {
 			t.Fatalf("hot %d: partial restore: %+v", hot, h.Tensors)
 		}
 		mgr.Release(Owner{}, ri.ID)
-		if _, _, err := mgr.BeginRestore(context.Background(), Owner{}, RestoreRequest{Job: "job", Step: 1, Tensors: []string{"nope"}}); !errors.Is(err, ErrInvalid) {
+		if _, _, err := mgr.BeginRestore(context.Background(), Owner{}, RestoreRequest{Job: "job", Step: 1, Tensors: []string{"nope"}}); !errors.Is(err, checkpoint.ErrInvalid) {
 			t.Fatalf("an unknown tensor: %v", err)
 		}
 	}
@@ -155,14 +156,14 @@ func TestPartialRestore(t *testing.T) {
 // in steady state), within the budget, and never while pinned.
 func TestHotTierReusesBuffers(t *testing.T) {
 	h := newHotTier(1<<20, 2)
-	layout, err := NewLayout([]Tensor{u8("w", 0, 300_000)})
+	layout, err := checkpoint.NewLayout([]checkpoint.Tensor{u8("w", 0, 300_000)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	region := make([]byte, 300_000)
 	add := func(step int64) []byte {
 		t.Helper()
-		m := &Manifest{Format: ManifestFormat, Version: ManifestVersion, Job: "job", Step: step, WorldSize: 1, Attempt: "a",
+		m := &checkpoint.Manifest{Format: checkpoint.ManifestFormat, Version: checkpoint.ManifestVersion, Job: "job", Step: step, WorldSize: 1, Attempt: "a",
 			DataSize: 300_000, Tensors: layout.Packed}
 		region[0] = byte(step)
 		data, release, kept := h.add(m, layout, region, true)

@@ -1,4 +1,4 @@
-package checkpoint
+package staging
 
 import (
 	"context"
@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -53,7 +54,7 @@ type saveKey struct {
 	attempt string
 }
 
-func keyOf(t Target) saveKey { return saveKey{t.Job, t.Step, t.Rank, t.Attempt} }
+func keyOf(t checkpoint.Target) saveKey { return saveKey{t.Job, t.Step, t.Rank, t.Attempt} }
 
 // saveStatus tracks one rank's save for Wait. changed is closed and
 // replaced on every change, so waiters never miss one.
@@ -79,7 +80,7 @@ func (mgr *Manager) setState(k saveKey, s State, err error) {
 }
 
 // clearStaging forgets a save that never got past staging. Call with mu.
-func (mgr *Manager) clearStaging(t Target) {
+func (mgr *Manager) clearStaging(t checkpoint.Target) {
 	k := keyOf(t)
 	if st := mgr.saves[k]; st != nil && st.state == StateStaging {
 		delete(mgr.saves, k)
@@ -141,7 +142,7 @@ func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int, 
 			// Other ranks commit the step, maybe on other nodes: poll storage,
 			// committing ourselves if the last manifest appeared without one.
 			if ws := mgr.worldSize(k); ws > 0 {
-				if done, _ := mgr.tryCommit(ctx, Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: ws, Attempt: k.attempt}); done {
+				if done, _ := mgr.tryCommit(ctx, checkpoint.Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: ws, Attempt: k.attempt}); done {
 					continue // the outcome is recorded: committed, or failed
 				}
 			}
@@ -201,16 +202,16 @@ func (mgr *Manager) stateFromStorage(ctx context.Context, k saveKey) (WaitResult
 	case err == nil && (k.attempt == "" || rec.Attempt == k.attempt):
 		return WaitResult{State: StateCommitted}, nil
 	case err == nil:
-		return WaitResult{State: StateFailed, Err: &CommittedError{Job: k.job, Step: k.step, Attempt: rec.Attempt}}, nil
+		return WaitResult{State: StateFailed, Err: &checkpoint.CommittedError{Job: k.job, Step: k.step, Attempt: rec.Attempt}}, nil
 	case !errors.Is(err, storage.ErrNotFound):
 		return WaitResult{}, err
 	}
 	notFound := fmt.Errorf("%w: no save of job %q step %d rank %d is known to this daemon or in %s",
-		ErrStepNotFound, k.job, k.step, k.rank, mgr.b.Location())
+		checkpoint.ErrStepNotFound, k.job, k.step, k.rank, mgr.b.Location())
 	if k.attempt == "" {
 		return WaitResult{}, notFound
 	}
-	m, err := store.RankManifest(ctx, Target{Job: k.job, Step: k.step, Rank: k.rank, Attempt: k.attempt})
+	m, err := store.RankManifest(ctx, checkpoint.Target{Job: k.job, Step: k.step, Rank: k.rank, Attempt: k.attempt})
 	if err != nil {
 		if !errors.Is(err, storage.ErrNotFound) { // corrupt, or storage down: not "unknown"
 			return WaitResult{}, err

@@ -1,4 +1,4 @@
-package checkpoint
+package staging
 
 import (
 	"context"
@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -13,8 +14,8 @@ import (
 type RestoreHeader struct {
 	Step      int64
 	WorldSize int
-	Attempt   string   // "" for a step written before attempts existed
-	Tensors   []Tensor // offsets relative to the region
+	Attempt   string              // "" for a step written before attempts existed
+	Tensors   []checkpoint.Tensor // offsets relative to the region
 	Metadata  []byte
 	Size      int64
 	// Tier is where the bytes came from: "hot" (this node's memory),
@@ -60,7 +61,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	}
 	defer src.release()
 	m := src.m
-	sel, err := SelectTensors(m, req.Tensors)
+	sel, err := checkpoint.SelectTensors(m, req.Tensors)
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
@@ -113,7 +114,7 @@ const restoreLeaseCost = 1 << 10
 // restoreSource is where a restore's bytes come from: the hot tier, or
 // storage through the manifest.
 type restoreSource struct {
-	m       *Manifest
+	m       *checkpoint.Manifest
 	hot     *hotEntry // in memory here (or, with fetch, a peer's: only its manifest's hash)
 	fetch   func(ctx context.Context, dst []byte, progress func(int64)) error
 	release func()
@@ -128,10 +129,10 @@ type restoreSource struct {
 // is latest when it is newer than every committed step and whole. When
 // storage does not answer, the hot tier's copy of the step (or, for
 // latest, of its newest committed step) is served alone.
-func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64, latest bool, rank int) (restoreSource, error) {
+func (mgr *Manager) restoreSource(ctx context.Context, store *checkpoint.Store, step int64, latest bool, rank int) (restoreSource, error) {
 	rec, err := store.Resolve(ctx, step, latest)
 	var skipped int64
-	if mgr.memoryTier() && (latest || rec == nil) && (err == nil || errors.Is(err, ErrStepNotFound) || errors.Is(err, storage.ErrUnavailable)) {
+	if mgr.memoryTier() && (latest || rec == nil) && (err == nil || errors.Is(err, checkpoint.ErrStepNotFound) || errors.Is(err, storage.ErrUnavailable)) {
 		committed := int64(-1)
 		if rec != nil {
 			committed = rec.Step
@@ -144,7 +145,7 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64,
 		}
 		if skipped = src.skipped; skipped > 0 && !latest {
 			return restoreSource{}, fmt.Errorf("%w: step %d of job %q was kept in memory only (--persist-every, --persist-interval) and some of its ranks are held by no sidecar now; "+
-				"restore a persisted step (ckptd list)", ErrStepNotFound, step, store.Job())
+				"restore a persisted step (ckptd list)", checkpoint.ErrStepNotFound, step, store.Job())
 		}
 		if skipped > 0 {
 			mgr.log.Warn("a newer step was kept in memory only and some of its ranks are held nowhere now; restoring the last persisted step",
@@ -158,7 +159,7 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *Store, step int64,
 
 // persistedSource finds rank's shard of a step persisted in storage, rec
 // and err being what resolving it said.
-func (mgr *Manager) persistedSource(ctx context.Context, store *Store, rec *CommitRecord, err error, step int64, latest bool, rank int) (restoreSource, error) {
+func (mgr *Manager) persistedSource(ctx context.Context, store *checkpoint.Store, rec *checkpoint.CommitRecord, err error, step int64, latest bool, rank int) (restoreSource, error) {
 	if errors.Is(err, storage.ErrUnavailable) {
 		found := !latest
 		if latest {
@@ -190,7 +191,7 @@ func (mgr *Manager) persistedSource(ctx context.Context, store *Store, rec *Comm
 		}
 	}
 	m, err := store.Manifest(ctx, rec, rank)
-	if latest && errors.Is(err, ErrCorrupt) {
+	if latest && errors.Is(err, checkpoint.ErrCorrupt) {
 		return restoreSource{}, fmt.Errorf("%w; latest does not fall back to an earlier step for one rank, whose other ranks would restore this one: "+
 			"load an earlier step by number (ckptd list), or restore with ckptd restore --latest, which skips a damaged step for all ranks", err)
 	}
@@ -252,7 +253,7 @@ func (mgr *Manager) fromPeers(ctx context.Context, job string, step int64, rank 
 
 // fill writes the selected bytes into dst, verified against their chunk
 // hashes.
-func (src restoreSource) fill(ctx context.Context, store *Store, sel Selection, dst []byte, opts ReadOptions) error {
+func (src restoreSource) fill(ctx context.Context, store *checkpoint.Store, sel checkpoint.Selection, dst []byte, opts checkpoint.ReadOptions) error {
 	switch {
 	case src.fetch != nil && sel.Whole:
 		return src.fetchVerified(ctx, dst)
@@ -261,13 +262,13 @@ func (src restoreSource) fill(ctx context.Context, store *Store, sel Selection, 
 		if err := src.fetch(ctx, data, func(int64) {}); err != nil {
 			return err
 		}
-		return CopySelected(src.m, data, sel, dst, "replica from a peer")
+		return checkpoint.CopySelected(src.m, data, sel, dst, "replica from a peer")
 	case src.hot == nil:
 		return store.ReadSelected(ctx, src.m, sel, dst, opts)
 	case sel.Whole:
-		return CopyVerified(src.m, src.hot.data, dst, "hot copy")
+		return checkpoint.CopyVerified(src.m, src.hot.data, dst, "hot copy")
 	default:
-		return CopySelected(src.m, src.hot.data, sel, dst, "hot copy")
+		return checkpoint.CopySelected(src.m, src.hot.data, sel, dst, "hot copy")
 	}
 }
 
@@ -277,11 +278,11 @@ func (src restoreSource) fill(ctx context.Context, store *Store, sel Selection, 
 func (src restoreSource) fetchVerified(ctx context.Context, dst []byte) error {
 	m := src.m
 	if int64(len(dst)) < m.DataSize {
-		return fmt.Errorf("%w: a region of %d bytes for %d", ErrCorrupt, len(dst), m.DataSize)
+		return fmt.Errorf("%w: a region of %d bytes for %d", checkpoint.ErrCorrupt, len(dst), m.DataSize)
 	}
 	arrived := make(chan int64, 64)
 	checked := make(chan error, 1)
-	go func() { checked <- VerifyArriving(m, dst, arrived, "replica from a peer") }()
+	go func() { checked <- checkpoint.VerifyArriving(m, dst, arrived, "replica from a peer") }()
 	err := src.fetch(ctx, dst[:m.DataSize], func(n int64) { arrived <- n })
 	close(arrived)
 	return errors.Join(err, <-checked)
@@ -313,7 +314,7 @@ func (mgr *Manager) Bytes(o Owner, id string) ([]byte, error) {
 }
 
 // Steps lists the committed steps of job, oldest first.
-func (mgr *Manager) Steps(ctx context.Context, job string) ([]*CommitRecord, error) {
+func (mgr *Manager) Steps(ctx context.Context, job string) ([]*checkpoint.CommitRecord, error) {
 	store, err := mgr.jobStore(job)
 	if err != nil {
 		return nil, err

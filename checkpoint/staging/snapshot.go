@@ -1,10 +1,12 @@
-package checkpoint
+package staging
 
 import (
 	"cmp"
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/ckptd/ckptd/checkpoint"
 )
 
 // Snapshot is what the Manager holds at one moment, for `ckptd status`:
@@ -31,15 +33,15 @@ type LeaseSnapshot struct {
 	Kind      string // "save" or "restore"
 	Peer      string // who holds it (Owner.Peer), "" for the daemon itself
 	Bytes     int64
-	Target    Target // of a save
-	Journaled bool   // a save accepted and not yet durable
+	Target    checkpoint.Target // of a save
+	Journaled bool              // a save accepted and not yet durable
 	Begun     time.Time
 	Expires   time.Time // zero once journaled: it no longer expires
 }
 
 // SaveSnapshot is one rank's save as the Manager knows it.
 type SaveSnapshot struct {
-	Target Target
+	Target checkpoint.Target
 	State  State
 	Since  time.Time // when it entered State
 	Begun  time.Time // when the save was accepted (or replayed from the journal)
@@ -72,7 +74,7 @@ func (mgr *Manager) Snapshot() Snapshot {
 	s.Held = mgr.leases.heldBytes()
 	s.HotBytes, s.HotBudget, s.HotShards = mgr.hot.stats()
 	for k, st := range mgr.saves {
-		t := Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: st.worldSize, Attempt: k.attempt}
+		t := checkpoint.Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: st.worldSize, Attempt: k.attempt}
 		ss := SaveSnapshot{Target: t, State: st.state, Since: st.updated, Begun: st.begun}
 		if st.err != nil {
 			ss.Err = st.err.Error()

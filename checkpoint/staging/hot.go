@@ -1,10 +1,12 @@
-package checkpoint
+package staging
 
 import (
 	"cmp"
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/ckptd/ckptd/checkpoint"
 )
 
 // hotTier keeps the local ranks' shards of a job's newest steps in the
@@ -35,7 +37,7 @@ type hotKey struct {
 }
 
 type hotEntry struct {
-	m         *Manifest
+	m         *checkpoint.Manifest
 	hash      string // of m as stored: what commit records pin
 	data      []byte
 	committed bool // the step is committed by m's attempt
@@ -55,7 +57,7 @@ func (h *hotTier) enabled() bool { return h != nil && h.budget > 0 }
 // it fits. A shard that cannot fit is not kept (kept is false; data is
 // packed all the same when it is within the budget, for the peers). A kept
 // shard comes pinned: call release when done with data.
-func (h *hotTier) add(m *Manifest, layout *Layout, region []byte, memory bool) (data []byte, release func(), kept bool) {
+func (h *hotTier) add(m *checkpoint.Manifest, layout *checkpoint.Layout, region []byte, memory bool) (data []byte, release func(), kept bool) {
 	if !h.enabled() || m.DataSize > h.budget {
 		return nil, func() {}, false
 	}
@@ -100,7 +102,7 @@ type hotFlags struct{ committed, memory, origin bool }
 
 // insert keeps data, m's data space, making room as add says; it reports
 // whether it did, and returns the new entry pinned (release unpins it).
-func (h *hotTier) insert(m *Manifest, data []byte, f hotFlags) (release func(), ok bool) {
+func (h *hotTier) insert(m *checkpoint.Manifest, data []byte, f hotFlags) (release func(), ok bool) {
 	if !h.enabled() || m.DataSize > h.budget {
 		return func() {}, false
 	}
@@ -339,6 +341,6 @@ func (h *hotTier) stats() (used, budget int64, shards int) {
 // pinnedBy reports whether the commit record names this very manifest for
 // rank (records before attempts pin none): a hot copy, a peer's above all,
 // is served only when it is exactly what the step committed.
-func (e *hotEntry) pinnedBy(rec *CommitRecord, rank int) bool {
+func (e *hotEntry) pinnedBy(rec *checkpoint.CommitRecord, rank int) bool {
 	return rec.Pins(rank, e.hash)
 }
