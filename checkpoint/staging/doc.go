@@ -2,9 +2,10 @@
 // leases on the staging arena, journals the saves it accepts so that a
 // crash loses none, drains them to storage through the checkpoint format
 // (package checkpoint), commits their steps, tracks each save's state for
-// Wait and Status, and restores steps into the arena. It also keeps the
-// memory tiers: a hot tier of the newest steps, replicas sent to and kept
-// for peers, and the policy that keeps some steps in memory only.
+// Wait and Status, and restores steps into the arena, from the strongest
+// tier that holds them. The memory tiers (hot tier, replicas, the policy
+// that keeps some steps in memory only) are package tiers, which a Manager
+// owns and tells what drained, committed or stays in memory.
 //
 // It knows nothing of gRPC: internal/server adapts it to the socket's API,
 // internal/peers to the peers' transport.

@@ -88,7 +88,7 @@ func (mgr *Manager) drain(l *lease) {
 	if !mgr.sleep(mgr.cfg.DrainDelay) {
 		return
 	}
-	if !mgr.persists(l.target) && mgr.keepInMemory(l) {
+	if !mgr.tiers.Persists(l.target) && mgr.keepInMemory(l) {
 		return
 	}
 	start := time.Now()
@@ -231,13 +231,13 @@ func (mgr *Manager) finishDrain(l *lease, m *checkpoint.Manifest, reused bool, s
 	// After the commit, so as not to delay it: the copy takes a while for a
 	// large shard. It is marked committed if the commit was this one's.
 	region := mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size]
-	data, release, _ := mgr.hot.add(m, l.layout, region, false)
+	data, release, _ := mgr.tiers.Keep(m, l.layout, region)
 	res, _, _ := mgr.status(&saveKey{t.Job, t.Step, t.Rank, t.Attempt})
 	if res.State == StateCommitted {
-		mgr.hot.committed(t.Job, t.Step, t.Attempt)
+		mgr.tiers.MarkCommitted(t.Job, t.Step, t.Attempt)
 	}
-	if mgr.cfg.Peers != nil && data != nil {
-		mgr.queueReplica(replica{m: m, data: data, committed: res.State == StateCommitted, release: release})
+	if mgr.tiers.HasPeers() && data != nil {
+		mgr.tiers.Replicate(m, data, res.State == StateCommitted, release)
 	} else {
 		release()
 	}
@@ -300,7 +300,7 @@ func (mgr *Manager) tryCommit(ctx context.Context, t checkpoint.Target) (bool, e
 	case rec == nil:
 		return false, nil
 	}
-	mgr.hot.committed(t.Job, t.Step, rec.Attempt)
+	mgr.tiers.MarkCommitted(t.Job, t.Step, rec.Attempt)
 	switch {
 	case rec.Attempt == t.Attempt:
 		mgr.markDone(keyOf(t), StateCommitted, nil)

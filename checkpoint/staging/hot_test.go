@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/tiers"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/faulty"
 	"github.com/ckptd/ckptd/storage/memstore"
@@ -22,13 +23,11 @@ func hotSave(t *testing.T, mgr *Manager, a arenaBytes, step int64) []byte {
 	if res := settled(t, mgr, tg); res.State != StateCommitted {
 		t.Fatalf("step %d: %s (%v)", step, res.State, res.Err)
 	}
-	if mgr.hot.enabled() { // the drain keeps its hot copy once the commit is settled, a moment later
+	if mgr.tiers.HotEnabled() { // the drain keeps its hot copy once the commit is settled, a moment later
 		eventually(t, fmt.Sprintf("step %d in the hot tier", step), func() bool {
-			_, release := mgr.hot.get("job", step, 0, "a")
-			if release != nil {
-				release()
-			}
-			return release != nil
+			src, ok := mgr.tiers.Hot("job", step, 0, "a")
+			src.Release()
+			return ok
 		})
 	}
 	return data
@@ -50,7 +49,7 @@ func restoreBytes(mgr *Manager, a arenaBytes, step int64, latest bool) ([]byte, 
 // daemon without a hot tier read storage.
 func TestHotTier(t *testing.T) {
 	b := faulty.New(memstore.New())
-	mgr, a := newManagerOn(t, b, ManagerConfig{HotBytes: 1 << 20, HotSteps: 2})
+	mgr, a := newManagerOn(t, b, ManagerConfig{Tiers: tiers.Config{HotBytes: 1 << 20, HotSteps: 2}})
 	var saved [4][]byte
 	for step := int64(1); step <= 3; step++ {
 		saved[step] = hotSave(t, mgr, a, step)
@@ -92,11 +91,14 @@ func TestHotTier(t *testing.T) {
 // kept.
 func TestHotTierVerifies(t *testing.T) {
 	b := memstore.New()
-	mgr, a := newManagerOn(t, b, ManagerConfig{HotBytes: 150_000})
+	mgr, a := newManagerOn(t, b, ManagerConfig{Tiers: tiers.Config{HotBytes: 150_000}})
 	hotSave(t, mgr, a, 1)
-	mgr.hot.mu.Lock()
-	mgr.hot.entries[hotKey{"job", 1, 0}].data[10] ^= 1 // there: hotSave waited for it
-	mgr.hot.mu.Unlock()
+	_, data, _, release, err := mgr.tiers.Replica("job", 1, 0, "a") // the hot copy's own bytes: there, hotSave waited for it
+	if err != nil {
+		t.Fatal(err)
+	}
+	data[10] ^= 1
+	release()
 	if _, _, err := restoreBytes(mgr, a, 1, false); !errors.Is(err, checkpoint.ErrCorrupt) {
 		t.Fatalf("a damaged hot copy: %v", err)
 	}
@@ -104,7 +106,7 @@ func TestHotTierVerifies(t *testing.T) {
 	tg := checkpoint.Target{Job: "job", Step: 2, WorldSize: 1, Attempt: "a"}
 	saveBytesTo(t, mgr, a, tg, big)
 	settled(t, mgr, tg)
-	if used, _, _ := mgr.hot.stats(); used > 150_000 {
+	if used, _, _ := mgr.tiers.Stats(); used > 150_000 {
 		t.Fatalf("hot tier holds %d bytes over its 150000 budget", used)
 	}
 }
@@ -114,7 +116,7 @@ func TestHotTierVerifies(t *testing.T) {
 // refused.
 func TestPartialRestore(t *testing.T) {
 	for _, hot := range []int64{0, 8 << 20} {
-		mgr, a := newManagerOn(t, memstore.New(), ManagerConfig{HotBytes: hot, Writer: checkpoint.WriterOptions{ChunkSize: 64 << 10}})
+		mgr, a := newManagerOn(t, memstore.New(), ManagerConfig{Tiers: tiers.Config{HotBytes: hot}, Writer: checkpoint.WriterOptions{ChunkSize: 64 << 10}})
 		sizes := map[string]int64{"a": 300_000, "b": 500_000, "c": 70_000}
 		var table []checkpoint.Tensor
 		var off int64
@@ -149,49 +151,5 @@ func TestPartialRestore(t *testing.T) {
 		if _, _, err := mgr.BeginRestore(context.Background(), Owner{}, RestoreRequest{Job: "job", Step: 1, Tensors: []string{"nope"}}); !errors.Is(err, checkpoint.ErrInvalid) {
 			t.Fatalf("an unknown tensor: %v", err)
 		}
-	}
-}
-
-// Dropped shards' buffers are reused for the next shards (no fresh memory
-// in steady state), within the budget, and never while pinned.
-func TestHotTierReusesBuffers(t *testing.T) {
-	h := newHotTier(1<<20, 2)
-	layout, err := checkpoint.NewLayout([]checkpoint.Tensor{u8("w", 0, 300_000)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	region := make([]byte, 300_000)
-	add := func(step int64) []byte {
-		t.Helper()
-		m := &checkpoint.Manifest{Format: checkpoint.ManifestFormat, Version: checkpoint.ManifestVersion, Job: "job", Step: step, WorldSize: 1, Attempt: "a",
-			DataSize: 300_000, Tensors: layout.Packed}
-		region[0] = byte(step)
-		data, release, kept := h.add(m, layout, region, true)
-		release()
-		if !kept || data[0] != byte(step) {
-			t.Fatalf("step %d not kept", step)
-		}
-		if used, budget, _ := h.stats(); used > budget {
-			t.Fatalf("step %d: %d bytes held of a %d budget", step, used, budget)
-		}
-		return data
-	}
-	d1, _ := add(1), add(2)
-	d3 := add(3) // step 1 goes (2 steps kept): its buffer is spare
-	if &d3[0] != &d1[0] {
-		t.Fatal("step 3 did not reuse step 1's buffer")
-	}
-	e, release := h.getAny("job", 2, 0, "a") // a restore reads step 2
-	if e == nil {
-		t.Fatal("step 2 not held")
-	}
-	d4 := add(4)
-	d5 := add(5)
-	if &d4[0] == &e.data[0] || &d5[0] == &e.data[0] || e.data[0] != 2 {
-		t.Fatal("a pinned shard's buffer was reused")
-	}
-	release()
-	if d6 := add(6); &d6[0] != &e.data[0] && &d6[0] != &d4[0] { // steps 2 and 4 went
-		t.Fatal("step 6 took fresh memory with spares at hand")
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/tiers"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -41,21 +42,10 @@ type ManagerConfig struct {
 	// 4); more wait their turn. Each holds Read.Concurrency chunk buffers
 	// and its manifest in memory, so this bounds the heap restores take.
 	Restores int
-	// HotBytes is the memory for the hot tier (0: none): the local ranks'
-	// shards of each job's newest HotSteps steps (default 2), kept after
-	// they drain, so that a restore of one of them reads no storage.
-	HotBytes int64
-	HotSteps int
-	// PersistEvery, above 1, drains only the steps it divides to storage:
-	// the others are kept in the hot tier and sent to the peers only (see
-	// tiers.go). PersistInterval, above 0, drains a step whenever that
-	// long has passed since the last one drained (see policy.go). They
-	// need HotBytes; without them every step is persisted.
-	PersistEvery    int
-	PersistInterval time.Duration
-	// Peers, when set, gets every drained shard to keep replicas of (see
-	// Peers), and is asked for a shard the hot tier lacks before storage.
-	Peers   Peers
+	// Tiers configures the memory tiers: the hot tier, the peers and the
+	// persistent tier policy. NewManager fills in their backend, logger,
+	// failure count and how they persist a held shard.
+	Tiers   tiers.Config
 	Writer  checkpoint.WriterOptions
 	Read    checkpoint.ReadOptions
 	Metrics *Metrics
@@ -73,7 +63,6 @@ const (
 	DefaultReuseFence   = 10 * time.Second
 	DefaultDrains       = 2
 	DefaultRestores     = 4
-	DefaultHotSteps     = 2
 )
 
 func (c *ManagerConfig) setDefaults() {
@@ -94,9 +83,6 @@ func (c *ManagerConfig) setDefaults() {
 	}
 	if c.Restores <= 0 {
 		c.Restores = DefaultRestores
-	}
-	if c.HotSteps <= 0 {
-		c.HotSteps = DefaultHotSteps
 	}
 	if c.Metrics == nil {
 		c.Metrics = NewMetrics(nil)
@@ -124,10 +110,7 @@ type Manager struct {
 	closing bool
 
 	restores chan struct{} // a slot per restore reading from storage (Restores)
-	hot      *hotTier
-	policy   *persistPolicy
-	fetching chan struct{} // one shard fetched from peers at a time
-	replicas chan replica  // drained shards for replicateLoop
+	tiers    *tiers.Tiers
 
 	ctx      context.Context // cancelled to abandon drains at shutdown
 	cancel   context.CancelFunc
@@ -151,20 +134,20 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 		cfg: cfg, arena: a, b: b, w: w, log: cfg.Logger, m: cfg.Metrics,
 		leases: newLeaseTable(cfg.TableBudget, cfg.Metrics.TableBytes), saves: map[saveKey]*saveStatus{},
 		queue: drainQueue{wake: make(chan struct{}, 1)}, restores: make(chan struct{}, cfg.Restores),
-		hot: newHotTier(cfg.HotBytes, cfg.HotSteps), policy: newPersistPolicy(), fetching: make(chan struct{}, 1), replicas: make(chan replica, replicaQueue),
 	}
+	tc := cfg.Tiers
+	tc.Backend, tc.Logger, tc.Failed, tc.PersistHeld = b, cfg.Logger, mgr.m.failed, mgr.persistHeld
 	mgr.m.followArena(a)
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
+	mgr.tiers = tiers.New(tc)
 	if err := mgr.recover(); err != nil {
+		mgr.tiers.Close()
 		return nil, err
 	}
 	for range cfg.Drains {
 		mgr.wg.Go(mgr.drainLoop)
 	}
 	mgr.wg.Go(mgr.reapLoop)
-	if cfg.Peers != nil {
-		mgr.watchers.Go(mgr.replicateLoop) // stopped by cancel, as the watchers are
-	}
 	return mgr, nil
 }
 
@@ -202,6 +185,7 @@ func (mgr *Manager) Close(ctx context.Context) int {
 	mgr.mu.Lock()
 	mgr.closing = true
 	mgr.mu.Unlock()
+	mgr.tiers.Refuse()
 	mgr.queue.signal()
 	done := make(chan struct{})
 	go func() { mgr.wg.Wait(); close(done) }()
@@ -212,6 +196,7 @@ func (mgr *Manager) Close(ctx context.Context) int {
 		<-done
 	}
 	mgr.cancel()
+	mgr.tiers.Close()
 	mgr.watchers.Wait()
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()

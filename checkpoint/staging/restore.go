@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/tiers"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -59,8 +60,8 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
-	defer src.release()
-	m := src.m
+	defer src.Release()
+	m := src.M
 	sel, err := checkpoint.SelectTensors(m, req.Tensors)
 	if err != nil {
 		return LeaseInfo{}, nil, err
@@ -75,7 +76,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	if err != nil {
 		return LeaseInfo{}, nil, fmt.Errorf("restore step %d rank %d: %w", m.Step, rank, err)
 	}
-	if err := src.fill(ctx, store, sel, mgr.arena.Bytes()[region.Offset:region.Offset+sel.Size], mgr.cfg.Read); err != nil {
+	if err := src.Fill(ctx, store, sel, mgr.arena.Bytes()[region.Offset:region.Offset+sel.Size], mgr.cfg.Read); err != nil {
 		mgr.m.failed("restore")
 		mgr.mu.Lock()
 		mgr.freeRegion(region)
@@ -83,7 +84,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 		return LeaseInfo{}, nil, err
 	}
 	mgr.m.Restored.Add(float64(sel.Size))
-	mgr.m.RestoreTiers.WithLabelValues(src.tier).Inc()
+	mgr.m.RestoreTiers.WithLabelValues(src.Tier).Inc()
 	l := &lease{
 		id: newLeaseID(), kind: restoreLease, region: region, size: sel.Size,
 		begun: time.Now(), expires: time.Now().Add(mgr.cfg.LeaseTimeout),
@@ -103,24 +104,13 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 		return LeaseInfo{}, nil, err
 	}
 	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: sel.Table, Metadata: m.Metadata, Size: sel.Size,
-		Tier: src.tier, SkippedStep: src.skipped}
+		Tier: src.Tier, SkippedStep: src.Skipped}
 	return l.info(), h, nil
 }
 
 // restoreLeaseCost is what a restore lease books of the table budget: the
 // lease and its place in the lease table, rounded up.
 const restoreLeaseCost = 1 << 10
-
-// restoreSource is where a restore's bytes come from: the hot tier, or
-// storage through the manifest.
-type restoreSource struct {
-	m       *checkpoint.Manifest
-	hot     *hotEntry // in memory here (or, with fetch, a peer's: only its manifest's hash)
-	fetch   func(ctx context.Context, dst []byte, progress func(int64)) error
-	release func()
-	tier    string // see RestoreHeader.Tier
-	skipped int64  // see RestoreHeader.SkippedStep
-}
 
 // restoreSource resolves the step and finds rank's shard: in the hot tier
 // when it holds the committed attempt's copy (no storage read but the
@@ -129,22 +119,22 @@ type restoreSource struct {
 // is latest when it is newer than every committed step and whole. When
 // storage does not answer, the hot tier's copy of the step (or, for
 // latest, of its newest committed step) is served alone.
-func (mgr *Manager) restoreSource(ctx context.Context, store *checkpoint.Store, step int64, latest bool, rank int) (restoreSource, error) {
+func (mgr *Manager) restoreSource(ctx context.Context, store *checkpoint.Store, step int64, latest bool, rank int) (tiers.Source, error) {
 	rec, err := store.Resolve(ctx, step, latest)
 	var skipped int64
-	if mgr.memoryTier() && (latest || rec == nil) && (err == nil || errors.Is(err, checkpoint.ErrStepNotFound) || errors.Is(err, storage.ErrUnavailable)) {
+	if mgr.tiers.MemoryTier() && (latest || rec == nil) && (err == nil || errors.Is(err, checkpoint.ErrStepNotFound) || errors.Is(err, storage.ErrUnavailable)) {
 		committed := int64(-1)
 		if rec != nil {
 			committed = rec.Step
-		} else if s, ok := mgr.hot.latest(store.Job(), rank); ok && latest { // storage is down: what is known committed
+		} else if s, ok := mgr.tiers.Latest(store.Job(), rank); ok && latest { // storage is down: what is known committed
 			committed = s
 		}
-		src, found, merr := mgr.fromMemory(ctx, store.Job(), step, latest, committed, rank)
+		src, found, merr := mgr.tiers.FromMemory(ctx, store.Job(), step, latest, committed, rank)
 		if found || merr != nil {
 			return src, merr
 		}
-		if skipped = src.skipped; skipped > 0 && !latest {
-			return restoreSource{}, fmt.Errorf("%w: step %d of job %q was kept in memory only (--persist-every, --persist-interval) and some of its ranks are held by no sidecar now; "+
+		if skipped = src.Skipped; skipped > 0 && !latest {
+			return tiers.Source{}, fmt.Errorf("%w: step %d of job %q was kept in memory only (--persist-every, --persist-interval) and some of its ranks are held by no sidecar now; "+
 				"restore a persisted step (ckptd list)", checkpoint.ErrStepNotFound, step, store.Job())
 		}
 		if skipped > 0 {
@@ -153,139 +143,54 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *checkpoint.Store, 
 		}
 	}
 	src, err := mgr.persistedSource(ctx, store, rec, err, step, latest, rank)
-	src.skipped = skipped
+	src.Skipped = skipped
 	return src, err
 }
 
 // persistedSource finds rank's shard of a step persisted in storage, rec
 // and err being what resolving it said.
-func (mgr *Manager) persistedSource(ctx context.Context, store *checkpoint.Store, rec *checkpoint.CommitRecord, err error, step int64, latest bool, rank int) (restoreSource, error) {
+func (mgr *Manager) persistedSource(ctx context.Context, store *checkpoint.Store, rec *checkpoint.CommitRecord, err error, step int64, latest bool, rank int) (tiers.Source, error) {
 	if errors.Is(err, storage.ErrUnavailable) {
 		found := !latest
 		if latest {
-			step, found = mgr.hot.latest(store.Job(), rank)
+			step, found = mgr.tiers.Latest(store.Job(), rank)
 		}
-		if src, ok := mgr.committedCopy(ctx, store.Job(), step, rank, found); ok {
-			mgr.log.Warn("storage does not answer; restoring from the "+src.tier+" tier", "job", store.Job(), "step", step, "rank", rank, "err", err)
-			return src, nil
+		if found {
+			if src, ok := mgr.tiers.CommittedCopy(ctx, store.Job(), step, rank); ok {
+				mgr.log.Warn("storage does not answer; restoring from the "+src.Tier+" tier", "job", store.Job(), "step", step, "rank", rank, "err", err)
+				return src, nil
+			}
 		}
 	}
 	if err != nil {
-		return restoreSource{}, err
+		return tiers.Source{}, err
 	}
-	mgr.hot.committed(store.Job(), rec.Step, rec.Attempt) // the commit may have been another node's
+	mgr.tiers.MarkCommitted(store.Job(), rec.Step, rec.Attempt) // the commit may have been another node's
 	if rank >= 0 && rank < rec.WorldSize {
-		if e, release := mgr.hot.get(store.Job(), rec.Step, rank, rec.Attempt); e != nil {
-			if e.pinnedBy(rec, rank) {
-				return restoreSource{m: e.m, hot: e, release: release, tier: "hot"}, nil
-			}
-			release()
-			mgr.log.Warn("the hot copy is not the manifest the step committed; reading storage", "job", store.Job(), "step", rec.Step, "rank", rank)
-		}
-		if src, ok := mgr.fromPeers(ctx, store.Job(), rec.Step, rank, rec.Attempt, nil); ok {
-			if src.hot.pinnedBy(rec, rank) {
+		if src, ok := mgr.tiers.Hot(store.Job(), rec.Step, rank, rec.Attempt); ok {
+			if src.PinnedBy(rec, rank) {
 				return src, nil
 			}
-			src.release()
+			src.Release()
+			mgr.log.Warn("the hot copy is not the manifest the step committed; reading storage", "job", store.Job(), "step", rec.Step, "rank", rank)
+		}
+		if src, ok := mgr.tiers.FromPeers(ctx, store.Job(), rec.Step, rank, rec.Attempt, nil); ok {
+			if src.PinnedBy(rec, rank) {
+				return src, nil
+			}
+			src.Release()
 			mgr.log.Warn("a peer's replica is not the manifest the step committed; reading storage", "job", store.Job(), "step", rec.Step, "rank", rank)
 		}
 	}
 	m, err := store.Manifest(ctx, rec, rank)
 	if latest && errors.Is(err, checkpoint.ErrCorrupt) {
-		return restoreSource{}, fmt.Errorf("%w; latest does not fall back to an earlier step for one rank, whose other ranks would restore this one: "+
+		return tiers.Source{}, fmt.Errorf("%w; latest does not fall back to an earlier step for one rank, whose other ranks would restore this one: "+
 			"load an earlier step by number (ckptd list), or restore with ckptd restore --latest, which skips a damaged step for all ranks", err)
 	}
 	if err != nil {
-		return restoreSource{}, err
+		return tiers.Source{}, err
 	}
-	return restoreSource{m: m, release: func() {}, tier: "storage"}, nil
-}
-
-// committedCopy is a copy, here or at a peer, of rank's shard of a step
-// committed by whichever attempt the copy's holder knows of, if found
-// says there is a step to look for.
-func (mgr *Manager) committedCopy(ctx context.Context, job string, step int64, rank int, found bool) (restoreSource, bool) {
-	if !found {
-		return restoreSource{}, false
-	}
-	if e, release := mgr.hot.get(job, step, rank, ""); e != nil {
-		return restoreSource{m: e.m, hot: e, release: release, tier: "hot"}, true
-	}
-	return mgr.fromPeers(ctx, job, step, rank, "", nil)
-}
-
-// fromPeers finds a shard at the peers that keep its rank's replicas (or
-// those in from), if there are any and one has it: a node's trainer
-// restarted on another node reads no storage data. Only the manifest is
-// read here; fill reads the data straight into the restore's region,
-// verifying each chunk as it arrives.
-func (mgr *Manager) fromPeers(ctx context.Context, job string, step int64, rank int, attempt string, from []string) (restoreSource, bool) {
-	if mgr.cfg.Peers == nil {
-		return restoreSource{}, false
-	}
-	select { // one shard from peers at a time (a partial restore buffers it: --hot-bytes at most, see the memory ceiling)
-	case mgr.fetching <- struct{}{}:
-	case <-ctx.Done():
-		return restoreSource{}, false
-	}
-	done := func() { <-mgr.fetching }
-	m, peer, err := mgr.cfg.Peers.FetchManifest(ctx, job, step, rank, attempt, from)
-	switch {
-	case err != nil:
-		done()
-		mgr.log.Debug("no replica from peers", "job", job, "step", step, "rank", rank, "err", err)
-		return restoreSource{}, false
-	case m.Job != job || m.Step != step || m.Rank != rank || attempt != "" && m.Attempt != attempt:
-		done()
-		mgr.log.Warn("a peer answered with another shard; ignored", "want_step", step, "want_rank", rank, "got", m.Target())
-		return restoreSource{}, false
-	case m.DataSize > mgr.cfg.HotBytes:
-		done()
-		mgr.log.Warn("a peer's replica is larger than this sidecar's hot tier; ignored", "target", m.Target(), "bytes", m.DataSize)
-		return restoreSource{}, false
-	}
-	mgr.log.Info("restoring from a peer's replica", "target", m.Target(), "peer", peer)
-	fetch := func(ctx context.Context, dst []byte, progress func(int64)) error {
-		return mgr.cfg.Peers.FetchData(ctx, peer, m, dst, progress)
-	}
-	return restoreSource{m: m, hot: &hotEntry{m: m, hash: m.Hash()}, fetch: fetch, release: done, tier: "peer"}, true
-}
-
-// fill writes the selected bytes into dst, verified against their chunk
-// hashes.
-func (src restoreSource) fill(ctx context.Context, store *checkpoint.Store, sel checkpoint.Selection, dst []byte, opts checkpoint.ReadOptions) error {
-	switch {
-	case src.fetch != nil && sel.Whole:
-		return src.fetchVerified(ctx, dst)
-	case src.fetch != nil:
-		data := make([]byte, src.m.DataSize)
-		if err := src.fetch(ctx, data, func(int64) {}); err != nil {
-			return err
-		}
-		return checkpoint.CopySelected(src.m, data, sel, dst, "replica from a peer")
-	case src.hot == nil:
-		return store.ReadSelected(ctx, src.m, sel, dst, opts)
-	case sel.Whole:
-		return checkpoint.CopyVerified(src.m, src.hot.data, dst, "hot copy")
-	default:
-		return checkpoint.CopySelected(src.m, src.hot.data, sel, dst, "hot copy")
-	}
-}
-
-// fetchVerified reads a peer's replica into dst, checking each chunk
-// against its hash as soon as it has arrived, on a goroutine of its own:
-// the check overlaps the transfer.
-func (src restoreSource) fetchVerified(ctx context.Context, dst []byte) error {
-	m := src.m
-	if int64(len(dst)) < m.DataSize {
-		return fmt.Errorf("%w: a region of %d bytes for %d", checkpoint.ErrCorrupt, len(dst), m.DataSize)
-	}
-	arrived := make(chan int64, 64)
-	checked := make(chan error, 1)
-	go func() { checked <- checkpoint.VerifyArriving(m, dst, arrived, "replica from a peer") }()
-	err := src.fetch(ctx, dst[:m.DataSize], func(n int64) { arrived <- n })
-	close(arrived)
-	return errors.Join(err, <-checked)
+	return tiers.StorageSource(m), nil
 }
 
 // Release returns a restore region, or an uncommitted save region, to the

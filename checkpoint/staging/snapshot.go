@@ -72,7 +72,7 @@ func (mgr *Manager) Snapshot() Snapshot {
 		s.Leases = append(s.Leases, ls)
 	}
 	s.Held = mgr.leases.heldBytes()
-	s.HotBytes, s.HotBudget, s.HotShards = mgr.hot.stats()
+	s.HotBytes, s.HotBudget, s.HotShards = mgr.tiers.Stats()
 	for k, st := range mgr.saves {
 		t := checkpoint.Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: st.worldSize, Attempt: k.attempt}
 		ss := SaveSnapshot{Target: t, State: st.state, Since: st.updated, Begun: st.begun}

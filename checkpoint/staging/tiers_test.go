@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/tiers"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/faulty"
 	"github.com/ckptd/ckptd/storage/memstore"
@@ -21,7 +22,7 @@ import (
 // restores the last persisted step.
 func TestPersistEvery(t *testing.T) {
 	b := faulty.New(memstore.New())
-	mgr, a := newManagerOn(t, b, ManagerConfig{HotBytes: 4 << 20, HotSteps: 3, PersistEvery: 3})
+	mgr, a := newManagerOn(t, b, ManagerConfig{Tiers: tiers.Config{HotBytes: 4 << 20, HotSteps: 3, PersistEvery: 3}})
 	saved := map[int64][]byte{}
 	for step := int64(1); step <= 5; step++ {
 		saved[step] = bytes.Repeat([]byte{byte(step)}, 100_000)
@@ -80,7 +81,7 @@ func TestPersistEvery(t *testing.T) {
 	settled(t, mgr, tg)
 	// The drain copies a shard into the hot tier after its commit (so as
 	// not to delay the commit): wait for the copy before storage goes.
-	eventually(t, "step 6 in the hot tier", func() bool { s, ok := mgr.hot.latest("job", 0); return ok && s == 6 })
+	eventually(t, "step 6 in the hot tier", func() bool { s, ok := mgr.tiers.Latest("job", 0); return ok && s == 6 })
 	b.Outage(faulty.OpAll)
 	if got, step, err := restoreBytes(mgr, a, 0, true); err != nil || step != 6 || !bytes.Equal(got, saved[6]) {
 		t.Fatalf("latest with storage down, the newest step committed: step %d, %v", step, err)
@@ -93,7 +94,7 @@ func TestPersistEvery(t *testing.T) {
 		t.Fatalf("ckptd_saves_total{tier=hot} = %v, want 4", n)
 	}
 
-	lost, la := newManagerOn(t, b, ManagerConfig{HotBytes: 4 << 20, PersistEvery: 3})
+	lost, la := newManagerOn(t, b, ManagerConfig{Tiers: tiers.Config{HotBytes: 4 << 20, PersistEvery: 3}})
 	if got, step, err := restoreBytes(lost, la, 0, true); err != nil || step != 6 || !bytes.Equal(got, saved[6]) {
 		t.Fatalf("latest after the memory was lost: step %d, %v", step, err)
 	}
@@ -104,7 +105,7 @@ func TestPersistEvery(t *testing.T) {
 // persisted) does not hide that it is durable, nor keep it from
 // committing.
 func TestStrongestTierWins(t *testing.T) {
-	mgr, _ := newManagerOn(t, memstore.New(), ManagerConfig{HotBytes: 1 << 20, PersistEvery: 2})
+	mgr, _ := newManagerOn(t, memstore.New(), ManagerConfig{Tiers: tiers.Config{HotBytes: 1 << 20, PersistEvery: 2}})
 	k := saveKey{"job", 3, 0, "a"}
 	mgr.setStateLocked(k, StateDurable, nil)
 	mgr.markDone(k, StateReplicated, nil)

@@ -9,7 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/ckptd/ckptd/checkpoint"
-	"github.com/ckptd/ckptd/checkpoint/staging"
+	"github.com/ckptd/ckptd/checkpoint/tiers"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/counted"
 )
@@ -81,7 +81,7 @@ func (e *backendErrors) countOpen(backend string, err error) error {
 }
 
 // countPeers counts p's failed transfers as the peers'.
-func (e *backendErrors) countPeers(p staging.Peers) staging.Peers {
+func (e *backendErrors) countPeers(p tiers.Peers) tiers.Peers {
 	e.mu.Lock()
 	e.counts[backendPeers] = 0
 	e.mu.Unlock()
@@ -93,7 +93,7 @@ func (e *backendErrors) countPeers(p staging.Peers) staging.Peers {
 // inventory). A peer that does not hold a shard says so to FetchManifest;
 // that is an answer, and it is not counted.
 type countedPeers struct {
-	p      staging.Peers
+	p      tiers.Peers
 	failed func(op string)
 }
 
@@ -120,7 +120,7 @@ func (c countedPeers) Persist(ctx context.Context, job string, step int64, attem
 	return c.count("persist", c.p.Persist(ctx, job, step, attempt))
 }
 
-func (c countedPeers) Inventory(ctx context.Context, job string) (map[string][]staging.HeldShard, error) {
+func (c countedPeers) Inventory(ctx context.Context, job string) (map[string][]tiers.HeldShard, error) {
 	held, err := c.p.Inventory(ctx, job)
 	return held, c.count("inventory", err)
 }

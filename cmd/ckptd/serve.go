@@ -25,6 +25,7 @@ import (
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/checkpoint/staging"
+	"github.com/ckptd/ckptd/checkpoint/tiers"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/peercred"
 	"github.com/ckptd/ckptd/internal/peers"
@@ -98,7 +99,7 @@ func newServeCmd() *cobra.Command {
 	fs.IntVar(&o.Workers, "workers", 0, "chunks compressed at once (default: number of CPUs)")
 	fs.IntVar(&o.Drains, "drains", staging.DefaultDrains, "shards drained at once")
 	fs.Var(&o.HotBytes, "hot-bytes", "memory for the hot tier: the local ranks' shards of each job's newest --hot-steps steps, kept after they drain so that restoring them reads no storage (0: off)")
-	fs.IntVar(&o.HotSteps, "hot-steps", staging.DefaultHotSteps, "steps per job the hot tier keeps")
+	fs.IntVar(&o.HotSteps, "hot-steps", tiers.DefaultHotSteps, "steps per job the hot tier keeps")
 	fs.DurationVar(&o.PersistInterval, "persist-interval", 0, "drain a step to storage whenever this long has passed since the last one drained (e.g. 10m; with --persist-every, a step either picks is drained); the others stay in the hot tier and on the peers only (needs --hot-bytes)")
 	fs.IntVar(&o.PersistEvery, "persist-every", 1, "drain only the steps this number divides to storage; the others stay in the hot tier and on the peers only (needs --hot-bytes; the same on every sidecar of a job)")
 	fs.IntVar(&o.Restores, "restores", staging.DefaultRestores, "restores reading from storage at once (more wait their turn); bounds the memory restores take")
@@ -169,7 +170,7 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	if err != nil {
 		return usageError{err}
 	}
-	var replicas staging.Peers // nil unless configured: a nil *peers.Client is not
+	var replicas tiers.Peers // nil unless configured: a nil *peers.Client is not
 	if peerClient != nil {
 		replicas = peerClient
 		defer peerClient.Close()
@@ -220,7 +221,7 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	}
 	mgr, err := staging.NewManager(server.CheckpointArena(a), b, staging.ManagerConfig{
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: int64(o.TableBytes), ReuseFence: o.ReuseFence,
-		Drains: o.Drains, Restores: o.Restores, HotBytes: int64(o.HotBytes), HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, PersistInterval: o.PersistInterval, Peers: replicas, DrainDelay: o.DrainDelay, Logger: log, Metrics: staging.NewMetrics(reg),
+		Drains: o.Drains, Restores: o.Restores, Tiers: tiers.Config{HotBytes: int64(o.HotBytes), HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, PersistInterval: o.PersistInterval, Peers: replicas}, DrainDelay: o.DrainDelay, Logger: log, Metrics: staging.NewMetrics(reg),
 		Writer: checkpoint.WriterOptions{ChunkSize: int64(o.ChunkSize), Codec: c, Workers: o.Workers},
 	})
 	if err == nil {
@@ -236,7 +237,7 @@ func runServe(ctx context.Context, o *serveOptions, out io.Writer) error {
 	}
 	stopPeers := func() {}
 	if peerClient != nil {
-		addr, stop, perr := peers.Listen(o.peerOptions.Listen, peerCreds, peers.NewServer(mgr, int64(o.HotBytes)))
+		addr, stop, perr := peers.Listen(o.peerOptions.Listen, peerCreds, peers.NewServer(mgr.PeerSide(), int64(o.HotBytes)))
 		if perr != nil {
 			return fail(perr)
 		}

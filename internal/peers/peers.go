@@ -1,7 +1,7 @@
 // Package peers carries shard replicas between the sidecars of one job:
 // the Peer gRPC service on TCP with mutual TLS (Server), and the client
 // that sends each drained shard to the peers that keep its rank's
-// replicas and asks them for shards (Client, a staging.Peers).
+// replicas and asks them for shards (Client, a tiers.Peers).
 //
 // Which peers keep rank r's replicas is a function of r and the peer
 // list alone, so a sidecar on any node knows where to look: with the list
@@ -31,7 +31,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/ckptd/ckptd/checkpoint"
-	"github.com/ckptd/ckptd/checkpoint/staging"
+	"github.com/ckptd/ckptd/checkpoint/tiers"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
@@ -119,7 +119,7 @@ func Holders(list []string, self string, rank, replicas int) []string {
 	return c[:min(len(c), replicas)]
 }
 
-// Client is staging.Peers over gRPC.
+// Client is tiers.Peers over gRPC.
 type Client struct {
 	replicas int
 	creds    Creds
@@ -362,11 +362,11 @@ const inventoryTimeout = 3 * time.Second
 const maxHeld = 1 << 20
 
 // Inventory asks every other peer at once what it holds of job.
-func (c *Client) Inventory(ctx context.Context, job string) (map[string][]staging.HeldShard, error) {
+func (c *Client) Inventory(ctx context.Context, job string) (map[string][]tiers.HeldShard, error) {
 	ctx, cancel := context.WithTimeout(ctx, inventoryTimeout)
 	defer cancel()
 	var mu sync.Mutex
-	out := map[string][]staging.HeldShard{}
+	out := map[string][]tiers.HeldShard{}
 	err := c.eachPeer(func(addr string) error {
 		held, err := c.inventory(ctx, addr, job)
 		if err == nil {
@@ -415,7 +415,7 @@ func (c *Client) eachPeer(fn func(addr string) error) error {
 	return errors.Join(errs...)
 }
 
-func (c *Client) inventory(ctx context.Context, addr, job string) ([]staging.HeldShard, error) {
+func (c *Client) inventory(ctx context.Context, addr, job string) ([]tiers.HeldShard, error) {
 	p, err := c.peer(addr)
 	if err != nil {
 		return nil, err
@@ -427,9 +427,9 @@ func (c *Client) inventory(ctx context.Context, addr, job string) ([]staging.Hel
 	if len(resp.GetShards()) > maxHeld {
 		return nil, fmt.Errorf("an inventory of %d shards, more than %d", len(resp.GetShards()), maxHeld)
 	}
-	held := make([]staging.HeldShard, 0, len(resp.GetShards()))
+	held := make([]tiers.HeldShard, 0, len(resp.GetShards()))
 	for _, h := range resp.GetShards() {
-		held = append(held, staging.HeldShard{Step: h.GetStep(), Rank: int(h.GetRank()), WorldSize: int(h.GetWorldSize()),
+		held = append(held, tiers.HeldShard{Step: h.GetStep(), Rank: int(h.GetRank()), WorldSize: int(h.GetWorldSize()),
 			Attempt: h.GetAttempt(), Committed: h.GetCommitted(), MemoryOnly: h.GetMemoryOnly(), Created: time.Unix(0, h.GetCreatedUnixNano())})
 	}
 	return held, nil
@@ -470,18 +470,33 @@ func receive(recv func() (*pb.ReplicaPiece, error), maxData int64) (*pb.ReplicaH
 	return hdr, buf[:hdr.GetManifestSize()], buf[hdr.GetManifestSize():], nil
 }
 
-// Server is the Peer service over a Manager's hot tier.
+// Local is what the Peer service serves: this sidecar's memory tiers
+// (a *tiers.Tiers).
+type Local interface {
+	// AcceptReplica keeps a peer's shard; ReplicaBuffer is room to
+	// receive one of n bytes into.
+	AcceptReplica(manifest, data []byte, committed, memory bool) error
+	ReplicaBuffer(n int64) []byte
+	// Replica is a shard held for a peer, and the func to call once sent.
+	Replica(job string, step int64, rank int, attempt string) (manifest, data []byte, committed bool, release func(), err error)
+	// Inventory lists the shards of job held here.
+	Inventory(job string) ([]tiers.HeldShard, error)
+	// PersistStep is a peer's word that it persisted a step.
+	PersistStep(job string, step int64, attempt string) error
+}
+
+// Server is the Peer service over a sidecar's memory tiers.
 type Server struct {
 	pb.UnimplementedPeerServer
-	mgr      *staging.Manager
+	local    Local
 	maxBytes int64
 	receive  chan struct{} // one replica received at a time: its bytes are memory until stored
 }
 
-// NewServer serves replicas into and out of mgr's hot tier, taking
+// NewServer serves replicas into and out of local's hot tier, taking
 // replicas of at most maxBytes (--hot-bytes), one at a time.
-func NewServer(mgr *staging.Manager, maxBytes int64) *Server {
-	return &Server{mgr: mgr, maxBytes: maxBytes, receive: make(chan struct{}, 1)}
+func NewServer(local Local, maxBytes int64) *Server {
+	return &Server{local: local, maxBytes: maxBytes, receive: make(chan struct{}, 1)}
 }
 
 func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, pb.PutReplicaResponse]) error {
@@ -495,7 +510,7 @@ func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, p
 	if err != nil {
 		return err
 	}
-	if err := s.mgr.AcceptReplica(manifest, data, hdr.GetCommitted(), hdr.GetMemoryOnly()); err != nil {
+	if err := s.local.AcceptReplica(manifest, data, hdr.GetCommitted(), hdr.GetMemoryOnly()); err != nil {
 		return err
 	}
 	return stream.SendAndClose(&pb.PutReplicaResponse{})
@@ -512,7 +527,7 @@ func tooLarge(hdr *pb.ReplicaHeader, maxData int64) error {
 }
 
 func (s *Server) GetReplica(req *pb.GetReplicaRequest, stream grpc.ServerStreamingServer[pb.ReplicaPiece]) error {
-	manifest, data, committed, release, err := s.mgr.Replica(req.GetJob(), req.GetStep(), int(req.GetRank()), req.GetAttempt())
+	manifest, data, committed, release, err := s.local.Replica(req.GetJob(), req.GetStep(), int(req.GetRank()), req.GetAttempt())
 	if err != nil {
 		return err
 	}
@@ -525,7 +540,7 @@ func (s *Server) GetReplica(req *pb.GetReplicaRequest, stream grpc.ServerStreami
 }
 
 func (s *Server) Inventory(_ context.Context, req *pb.InventoryRequest) (*pb.InventoryResponse, error) {
-	held, err := s.mgr.Inventory(req.GetJob())
+	held, err := s.local.Inventory(req.GetJob())
 	if err != nil {
 		return nil, err
 	}
@@ -538,7 +553,7 @@ func (s *Server) Inventory(_ context.Context, req *pb.InventoryRequest) (*pb.Inv
 }
 
 func (s *Server) Persist(_ context.Context, req *pb.PersistRequest) (*pb.PersistResponse, error) {
-	if err := s.mgr.PersistStep(req.GetJob(), req.GetStep(), req.GetAttempt()); err != nil {
+	if err := s.local.PersistStep(req.GetJob(), req.GetStep(), req.GetAttempt()); err != nil {
 		return nil, err
 	}
 	return &pb.PersistResponse{}, nil

@@ -154,7 +154,7 @@ func (s *Server) serveRaw(c net.Conn) {
 	if err := readFrame(c, req); err != nil {
 		return
 	}
-	manifest, data, committed, release, err := s.mgr.Replica(req.GetJob(), req.GetStep(), int(req.GetRank()), req.GetAttempt())
+	manifest, data, committed, release, err := s.local.Replica(req.GetJob(), req.GetStep(), int(req.GetRank()), req.GetAttempt())
 	if err != nil {
 		_ = writeFrame(c, &pb.ReplicaHeader{Error: err.Error()})
 		return
@@ -197,13 +197,13 @@ func (s *Server) serveRawPut(c net.Conn) {
 	defer func() { <-s.receive }()
 	n := hdr.GetManifestSize() + hdr.GetDataSize()
 	_ = c.SetDeadline(time.Now().Add(rawSendMin + time.Duration(int64(n)/rawSendRate)*time.Second))
-	manifest, data := make([]byte, hdr.GetManifestSize()), s.mgr.ReplicaBuffer(int64(hdr.GetDataSize()))
+	manifest, data := make([]byte, hdr.GetManifestSize()), s.local.ReplicaBuffer(int64(hdr.GetDataSize()))
 	for _, b := range [][]byte{manifest, data} {
 		if _, err := io.ReadFull(c, b); err != nil {
 			return
 		}
 	}
-	answer(s.mgr.AcceptReplica(manifest, data, hdr.GetCommitted(), hdr.GetMemoryOnly()))
+	answer(s.local.AcceptReplica(manifest, data, hdr.GetCommitted(), hdr.GetMemoryOnly()))
 }
 
 // putRaw sends a replica on the raw path; a refusal wraps errRefused.

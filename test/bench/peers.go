@@ -13,7 +13,7 @@ import (
 
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/ckptd/ckptd/checkpoint/staging"
+	"github.com/ckptd/ckptd/checkpoint/tiers"
 	"github.com/ckptd/ckptd/internal/peers"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 	"github.com/ckptd/ckptd/storage/posix"
@@ -46,7 +46,7 @@ func benchPeers(cfg config, data []byte, work string) ([]row, error) {
 		}
 		defer d.close()
 		defer pc.Close()
-		_, stop, err := peers.Listen(addr, peers.Creds{GRPC: insecure.NewCredentials()}, peers.NewServer(d.mgr, hot))
+		_, stop, err := peers.Listen(addr, peers.Creds{GRPC: insecure.NewCredentials()}, peers.NewServer(d.mgr.PeerSide(), hot))
 		if err != nil {
 			return nil, err
 		}
@@ -101,11 +101,11 @@ func benchPeers(cfg config, data []byte, work string) ([]row, error) {
 // waitHeld waits until d's hot tier holds step (of the bench job).
 func waitHeld(d *daemon, step int64) error {
 	for deadline := time.Now().Add(5 * time.Minute); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		held, err := d.mgr.Inventory("bench")
+		held, err := d.mgr.PeerSide().Inventory("bench")
 		if err != nil {
 			return err
 		}
-		if slices.ContainsFunc(held, func(h staging.HeldShard) bool { return h.Step == step }) {
+		if slices.ContainsFunc(held, func(h tiers.HeldShard) bool { return h.Step == step }) {
 			return nil
 		}
 	}

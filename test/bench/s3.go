@@ -24,6 +24,7 @@ import (
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/checkpoint/staging"
+	"github.com/ckptd/ckptd/checkpoint/tiers"
 	"github.com/ckptd/ckptd/clients/go/ckptd"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/miniotest"
@@ -97,7 +98,7 @@ func benchS3(cfg config, data []byte, work string) ([]row, error) {
 // startDaemonOn starts an in-process daemon (the Manager and gRPC server of
 // ckptd serve) on backend b, with its own arena and socket named by name,
 // a hot tier of hotBytes and peers p (nil: none).
-func startDaemonOn(cfg config, b storage.Backend, work, name string, hotBytes int64, p staging.Peers) (*daemon, error) {
+func startDaemonOn(cfg config, b storage.Backend, work, name string, hotBytes int64, p tiers.Peers) (*daemon, error) {
 	a, err := arena.Open(arena.Options{Dir: fmt.Sprintf("/dev/shm/ckptd-bench-%s-%d", name, os.Getpid()), Size: cfg.size + 64<<20, Lock: true})
 	if err != nil {
 		return nil, err
@@ -106,8 +107,7 @@ func startDaemonOn(cfg config, b storage.Backend, work, name string, hotBytes in
 		DefaultJob: "bench",
 		Writer:     checkpoint.WriterOptions{ChunkSize: cfg.chunkSize, Codec: cfg.codec, Workers: cfg.workers},
 		Read:       checkpoint.ReadOptions{Concurrency: restoreStreams},
-		HotBytes:   hotBytes,
-		Peers:      p,
+		Tiers:      tiers.Config{HotBytes: hotBytes, Peers: p},
 	})
 	if err != nil {
 		_ = a.Remove()

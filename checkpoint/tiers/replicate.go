@@ -1,4 +1,4 @@
-package staging
+package tiers
 
 import (
 	"context"
@@ -10,8 +10,8 @@ import (
 )
 
 // Peers carries shards to and from the sidecars that keep replicas of a
-// rank (ManagerConfig.Peers). The daemon's implementation speaks gRPC
-// with mutual TLS; the Manager knows only this.
+// rank (Config.Peers). The daemon's implementation speaks gRPC with
+// mutual TLS; the tiers know only this.
 type Peers interface {
 	// Replicate sends a shard (its manifest and data space) to the peers
 	// that keep its rank's replicas: a drained one (committed when its
@@ -52,7 +52,23 @@ type replica struct {
 	committed bool
 	memory    bool   // a step kept in memory only: no commit to wait for
 	release   func() // unpins the hot-tier entry data belongs to, once sent or dropped
-	queued    time.Time
+	// done, for a step kept in memory only, learns whether the shard
+	// reached its peers (nil) or not (why).
+	done   func(error)
+	queued time.Time
+}
+
+// Replicate queues a drained shard for its peers: data, m's data space,
+// pinned in the hot tier until release; committed when its step is
+// (Replicate waits for the commit otherwise).
+func (t *Tiers) Replicate(m *checkpoint.Manifest, data []byte, committed bool, release func()) {
+	t.queueReplica(replica{m: m, data: data, committed: committed, release: release})
+}
+
+// ReplicateMemoryOnly queues a shard of a step kept in memory only
+// (HoldInMemory) for its peers; done learns whether it reached them.
+func (t *Tiers) ReplicateMemoryOnly(m *checkpoint.Manifest, data []byte, release func(), done func(error)) {
+	t.queueReplica(replica{m: m, data: data, memory: true, release: release, done: done})
 }
 
 // commitWait is how often a replica whose step is not yet committed is
@@ -63,35 +79,35 @@ const commitWait = 500 * time.Millisecond
 
 // queueReplica hands a drained shard to replicateLoop, or drops it when
 // the peers are that far behind.
-func (mgr *Manager) queueReplica(r replica) {
+func (t *Tiers) queueReplica(r replica) {
 	if r.queued.IsZero() {
 		r.queued = time.Now()
 	}
 	select {
-	case mgr.replicas <- r:
+	case t.replicas <- r:
 	default:
 		r.release()
-		mgr.m.failed("replicate")
+		t.cfg.Failed("replicate")
 		if r.memory {
-			mgr.log.Warn("peers are behind; this shard is not replicated: it is held in this node's memory only", "target", r.m.Target())
-			mgr.markDone(keyOf(r.m.Target()), StateHot, errors.New("not replicated: the peers are behind"))
+			t.log.Warn("peers are behind; this shard is not replicated: it is held in this node's memory only", "target", r.m.Target())
+			r.done(errors.New("not replicated: the peers are behind"))
 			return
 		}
-		mgr.log.Warn("peers are behind; this shard is not replicated (it is in storage)", "target", r.m.Target())
+		t.log.Warn("peers are behind; this shard is not replicated (it is in storage)", "target", r.m.Target())
 	}
 }
 
 // replicateLoop sends queued shards to their peers until the Manager
-// closes; NewManager starts it when there are peers.
-func (mgr *Manager) replicateLoop() {
+// close; New starts it when there are peers.
+func (t *Tiers) replicateLoop() {
 	for {
 		select {
-		case r := <-mgr.replicas:
-			if !r.committed && !r.memory && !mgr.committedYet(&r) {
+		case r := <-t.replicas:
+			if !r.committed && !r.memory && !t.committedYet(&r) {
 				continue
 			}
-			mgr.replicate(r)
-		case <-mgr.ctx.Done():
+			t.replicate(r)
+		case <-t.ctx.Done():
 			return
 		}
 	}
@@ -101,11 +117,11 @@ func (mgr *Manager) replicateLoop() {
 // (r is marked so), or once r has waited long enough (it is then sent as
 // not committed); false when r went back in the queue, or was dropped
 // because another attempt committed the step.
-func (mgr *Manager) committedYet(r *replica) bool {
+func (t *Tiers) committedYet(r *replica) bool {
 	var rec *checkpoint.CommitRecord
-	store, err := mgr.jobStore(r.m.Job)
+	store, err := checkpoint.NewStore(t.cfg.Backend, r.m.Job)
 	if err == nil {
-		rec, err = store.ReadCommit(mgr.ctx, r.m.Step)
+		rec, err = store.WithLogger(t.log).ReadCommit(t.ctx, r.m.Step)
 	}
 	switch {
 	case err == nil && rec.Attempt == r.m.Attempt:
@@ -117,45 +133,55 @@ func (mgr *Manager) committedYet(r *replica) bool {
 	case time.Since(r.queued) > replicateTimeout:
 		return true
 	}
-	if !mgr.sleep(commitWait) {
+	if !t.sleep(commitWait) {
 		return false
 	}
-	mgr.queueReplica(*r)
+	t.queueReplica(*r)
 	return false
+}
+
+// sleep waits d unless the tiers are closing.
+func (t *Tiers) sleep(d time.Duration) bool {
+	select {
+	case <-time.After(d):
+		return true
+	case <-t.ctx.Done():
+		return false
+	}
 }
 
 // replicate sends a shard to its peers. A failure is logged and counted,
 // not fatal: a drained shard is durable in storage already, and one of a
 // step kept in memory only stays in this node's memory (its save's state
 // says so).
-func (mgr *Manager) replicate(r replica) {
+func (t *Tiers) replicate(r replica) {
 	defer r.release()
-	ctx, cancel := context.WithTimeout(mgr.ctx, replicateTimeout)
+	ctx, cancel := context.WithTimeout(t.ctx, replicateTimeout)
 	defer cancel()
 	start := time.Now()
-	err := mgr.cfg.Peers.Replicate(ctx, r.m, r.data, r.committed, r.memory)
+	err := t.cfg.Peers.Replicate(ctx, r.m, r.data, r.committed, r.memory)
 	if err != nil {
-		mgr.m.failed("replicate")
-		mgr.log.Warn("replicating to peers failed", "target", r.m.Target(), "memory_only", r.memory, "err", err)
+		t.cfg.Failed("replicate")
+		t.log.Warn("replicating to peers failed", "target", r.m.Target(), "memory_only", r.memory, "err", err)
 	} else {
-		mgr.log.Debug("replicated to peers", "target", r.m.Target(), "bytes", r.m.DataSize, "duration", time.Since(start))
+		t.log.Debug("replicated to peers", "target", r.m.Target(), "bytes", r.m.DataSize, "duration", time.Since(start))
 	}
 	if !r.memory {
 		return
 	}
 	if err != nil {
-		mgr.markDone(keyOf(r.m.Target()), StateHot, fmt.Errorf("not replicated: %w", err))
+		r.done(fmt.Errorf("not replicated: %w", err))
 		return
 	}
-	mgr.markDone(keyOf(r.m.Target()), StateReplicated, nil)
+	r.done(nil)
 }
 
 // AcceptReplica keeps a peer's shard in the hot tier, where restores (and
 // the peer's GetReplica) find it. The manifest is validated and the data
 // must be its data space; chunk hashes are checked when it is served.
-func (mgr *Manager) AcceptReplica(manifest, data []byte, committed, memory bool) error {
-	if !mgr.hot.enabled() {
-		return fmt.Errorf("%w: this sidecar keeps no replicas (--hot-bytes is 0)", ErrArenaFull)
+func (t *Tiers) AcceptReplica(manifest, data []byte, committed, memory bool) error {
+	if !t.hot.enabled() {
+		return fmt.Errorf("%w: this sidecar keeps no replicas (--hot-bytes is 0)", ErrNoRoom)
 	}
 	m, err := checkpoint.ParseManifest(manifest)
 	if err != nil {
@@ -164,10 +190,10 @@ func (mgr *Manager) AcceptReplica(manifest, data []byte, committed, memory bool)
 	if int64(len(data)) != m.DataSize {
 		return fmt.Errorf("%w: replica of %s has %d bytes of data, its manifest says %d", checkpoint.ErrInvalid, m.Target(), len(data), m.DataSize)
 	}
-	release, ok := mgr.hot.insert(m, data, hotFlags{committed: committed, memory: memory})
+	release, ok := t.hot.insert(m, data, hotFlags{committed: committed, memory: memory})
 	release()
 	if !ok {
-		return fmt.Errorf("%w: no room in the hot tier for a replica of %d bytes (--hot-bytes)", ErrArenaFull, m.DataSize)
+		return fmt.Errorf("%w for a replica of %d bytes (--hot-bytes)", ErrNoRoom, m.DataSize)
 	}
 	return nil
 }
@@ -175,14 +201,14 @@ func (mgr *Manager) AcceptReplica(manifest, data []byte, committed, memory bool)
 // ReplicaBuffer returns n bytes to receive a peer's replica into: a spare
 // of the hot tier when one fits (see hotTier), room made for it as an
 // insert would.
-func (mgr *Manager) ReplicaBuffer(n int64) []byte {
-	return mgr.hot.buffer("", -1, n)
+func (t *Tiers) ReplicaBuffer(n int64) []byte {
+	return t.hot.buffer("", -1, n)
 }
 
 // Replica returns a shard the hot tier holds for a peer, and a func to
 // call once it is sent.
-func (mgr *Manager) Replica(job string, step int64, rank int, attempt string) (manifest, data []byte, committed bool, release func(), err error) {
-	e, release := mgr.hot.getAny(job, step, rank, attempt)
+func (t *Tiers) Replica(job string, step int64, rank int, attempt string) (manifest, data []byte, committed bool, release func(), err error) {
+	e, release := t.hot.getAny(job, step, rank, attempt)
 	if e == nil {
 		return nil, nil, false, nil, fmt.Errorf("%w: no replica of job %q step %d rank %d here", checkpoint.ErrStepNotFound, job, step, rank)
 	}

@@ -1,4 +1,4 @@
-package staging
+package tiers
 
 import (
 	"cmp"
@@ -336,11 +336,4 @@ func (h *hotTier) stats() (used, budget int64, shards int) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.used, h.budget, len(h.entries)
-}
-
-// pinnedBy reports whether the commit record names this very manifest for
-// rank (records before attempts pin none): a hot copy, a peer's above all,
-// is served only when it is exactly what the step committed.
-func (e *hotEntry) pinnedBy(rec *checkpoint.CommitRecord, rank int) bool {
-	return rec.Pins(rank, e.hash)
 }
