@@ -21,6 +21,15 @@ func Ctx(t *testing.T) context.Context {
 	return ctx
 }
 
+// TestCtx is a context for every call of a test: ten minutes, scaled
+// (a test of many calls on a busy machine takes minutes), cancelled when
+// the test ends. A call that should answer at once takes Ctx.
+func TestCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), testtime.Scale(10*time.Minute))
+	t.Cleanup(cancel)
+	return ctx
+}
+
 // WaitUntil polls cond for up to a minute (scaled).
 func WaitUntil(t *testing.T, what string, cond func() bool) {
 	t.Helper()

@@ -29,7 +29,7 @@ func TestBadRequestsChangeNothing(t *testing.T) {
 	d := daemontest.Start(t, "", "--staging-bytes", "16MiB", "--staging-wait", "300ms")
 	c := d.Client()
 	api := c.API()
-	ctx := daemontest.Ctx(t)
+	ctx := daemontest.TestCtx(t)
 	target := func(job string, step int64, rank, world int32) *pb.SaveTarget {
 		return &pb.SaveTarget{Job: job, Step: step, Rank: rank, WorldSize: world, Attempt: daemontest.Attempt}
 	}

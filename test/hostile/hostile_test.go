@@ -153,7 +153,7 @@ func target(step int64) *pb.SaveTarget {
 func TestHostileRequests(t *testing.T) {
 	h := startHostile(t)
 	api := h.Client().API()
-	ctx := daemontest.Ctx(t)
+	ctx := daemontest.TestCtx(t)
 
 	// 2^62 bytes at offset 2^62: the region's end wraps past int64.
 	_, err := api.BeginSave(ctx, &pb.BeginSaveRequest{Target: target(2), Tensors: []*pb.Tensor{
