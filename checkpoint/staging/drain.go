@@ -84,7 +84,7 @@ func (mgr *Manager) drainLoop() {
 // back-pressure (RESOURCE_EXHAUSTED on new saves), not data loss.
 func (mgr *Manager) drain(l *lease) {
 	k := keyOf(l.target)
-	mgr.setStateLocked(k, StateDraining, nil)
+	mgr.saves.set(k, StateDraining, nil)
 	if !mgr.sleep(mgr.cfg.DrainDelay) {
 		return
 	}
@@ -128,7 +128,7 @@ func (mgr *Manager) writeRetrying(sh *checkpoint.Shard) (*checkpoint.Manifest, b
 		}
 		mgr.m.failed("drain")
 		mgr.log.Error("drain failed; retrying", "target", sh.Target, "in", backoff.d, "err", err)
-		mgr.setStateLocked(keyOf(sh.Target), StateDraining, err)
+		mgr.saves.set(keyOf(sh.Target), StateDraining, err)
 		if !mgr.sleep(backoff.next()) {
 			return nil, false, errAbandoned
 		}
@@ -209,9 +209,7 @@ func (mgr *Manager) endDrain(l *lease, state State, err error) {
 	mgr.mu.Lock()
 	mgr.leases.remove(l)
 	mgr.freeRegion(l.region)
-	if st := mgr.saves[keyOf(l.target)]; st == nil || !st.final() {
-		mgr.setState(keyOf(l.target), state, err)
-	}
+	mgr.saves.setUnlessFinal(keyOf(l.target), state, err)
 	mgr.mu.Unlock()
 	mgr.m.QueueDepth.Dec()
 }
@@ -232,7 +230,7 @@ func (mgr *Manager) finishDrain(l *lease, m *checkpoint.Manifest, reused bool, s
 	// large shard. It is marked committed if the commit was this one's.
 	region := mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size]
 	data, release, _ := mgr.tiers.Keep(m, l.layout, region)
-	res, _, _ := mgr.status(&saveKey{t.Job, t.Step, t.Rank, t.Attempt})
+	res, _, _ := mgr.saves.status(&saveKey{t.Job, t.Step, t.Rank, t.Attempt})
 	if res.State == StateCommitted {
 		mgr.tiers.MarkCommitted(t.Job, t.Step, t.Attempt)
 	}
@@ -247,7 +245,7 @@ func (mgr *Manager) finishDrain(l *lease, m *checkpoint.Manifest, reused bool, s
 // recordDurable marks a save durable, counts what its drain wrote and
 // logs it.
 func (mgr *Manager) recordDurable(t checkpoint.Target, m *checkpoint.Manifest, reused bool, start time.Time) {
-	mgr.setStateLocked(keyOf(t), StateDurable, nil)
+	mgr.saves.set(keyOf(t), StateDurable, nil)
 	if !reused { // the drain metrics count what this drain wrote
 		mgr.m.DrainedBytes.Add(float64(m.DataSize))
 		mgr.m.StoredBytes.Add(float64(m.StoredSize))
@@ -270,7 +268,7 @@ func (mgr *Manager) commitSettled(t checkpoint.Target) bool {
 		if err == nil {
 			return true
 		}
-		mgr.setStateLocked(keyOf(t), StateDurable, err) // waiters see why; refreshes the status's age
+		mgr.saves.set(keyOf(t), StateDurable, err) // waiters see why; refreshes the status's age
 		if !mgr.sleep(b.next()) {
 			return false
 		}
@@ -314,12 +312,6 @@ func (mgr *Manager) tryCommit(ctx context.Context, t checkpoint.Target) (bool, e
 		mgr.markDone(keyOf(t), StateFailed, err)
 	}
 	return true, nil
-}
-
-func (mgr *Manager) setStateLocked(k saveKey, s State, err error) {
-	mgr.mu.Lock()
-	defer mgr.mu.Unlock()
-	mgr.setState(k, s, err)
 }
 
 // sleep waits d unless the manager is abandoning drains.

@@ -176,14 +176,14 @@ func (mgr *Manager) reap(now time.Time) {
 		mgr.dropLease(l)
 	}
 	mgr.freeOrphans(now)
-	mgr.gcStatuses(now)
+	mgr.saves.gc(now)
 }
 
 // dropLease ends an uncommitted lease and frees its region. Call with mu.
 func (mgr *Manager) dropLease(l *lease) {
 	mgr.leases.remove(l)
 	if l.kind == saveLease {
-		mgr.clearStaging(l.target)
+		mgr.saves.clearStaging(l.target)
 	}
 	mgr.freeRegion(l.region)
 }

@@ -103,11 +103,11 @@ type Manager struct {
 	log   *slog.Logger
 	m     *Metrics
 
-	mu      sync.Mutex // guards leases, saves, queue and closing
+	mu      sync.Mutex // guards leases, queue and closing
 	leases  leaseTable
-	saves   map[saveKey]*saveStatus // by rank: what Wait and Status answer from
 	queue   drainQueue
 	closing bool
+	saves   *saveStates // by rank: what Wait and Status answer from
 
 	restores chan struct{} // a slot per restore reading from storage (Restores)
 	tiers    *tiers.Tiers
@@ -132,7 +132,7 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 	}
 	mgr := &Manager{
 		cfg: cfg, arena: a, b: b, w: w, log: cfg.Logger, m: cfg.Metrics,
-		leases: newLeaseTable(cfg.TableBudget, cfg.Metrics.TableBytes), saves: map[saveKey]*saveStatus{},
+		leases: newLeaseTable(cfg.TableBudget, cfg.Metrics.TableBytes), saves: newSaveStates(),
 		queue: drainQueue{wake: make(chan struct{}, 1)}, restores: make(chan struct{}, cfg.Restores),
 	}
 	tc := cfg.Tiers

@@ -37,7 +37,7 @@ func (mgr *Manager) BeginSave(ctx context.Context, o Owner, t checkpoint.Target,
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
 	if err != nil {
-		mgr.clearStaging(t)
+		mgr.saves.clearStaging(t)
 		mgr.leases.uncharge(l)
 		return LeaseInfo{}, fmt.Errorf("stage %s: %w", t, err)
 	}
@@ -62,14 +62,13 @@ func (mgr *Manager) reserveSave(ctx context.Context, l *lease) error {
 		return ErrClosing
 	}
 	k := keyOf(t)
-	if st := mgr.saves[k]; st != nil && !st.final() {
-		return &InProgressError{Target: t, State: st.state}
+	if state, ok := mgr.saves.unsettled(k); ok {
+		return &InProgressError{Target: t, State: state}
 	}
 	if err := mgr.leases.charge(l, tableCost(l.layout)); err != nil {
 		return err
 	}
-	mgr.setState(k, StateStaging, nil)
-	mgr.saves[k].worldSize = t.WorldSize
+	mgr.saves.setWorld(k, StateStaging, nil, t.WorldSize)
 	return nil
 }
 
@@ -146,7 +145,7 @@ func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (checkpoint.
 		mgr.m.failed("journal")
 		return checkpoint.Target{}, 0, err
 	}
-	mgr.setState(keyOf(l.target), StateStaged, nil)
+	mgr.saves.set(keyOf(l.target), StateStaged, nil)
 	mgr.enqueue(l)
 	mgr.m.StagedBytes.Add(float64(l.layout.DataSize))
 	mgr.m.SaveStall.Observe(time.Since(l.begun).Seconds())
@@ -234,8 +233,7 @@ func (mgr *Manager) recover() error {
 		l.id = e.ID
 		mgr.leases.add(l, "")
 		mgr.leases.book(l) // even past the budget: it is acknowledged
-		mgr.setState(keyOf(l.target), StateStaged, nil)
-		mgr.saves[keyOf(l.target)].worldSize = l.target.WorldSize
+		mgr.saves.setWorld(keyOf(l.target), StateStaged, nil, l.target.WorldSize)
 		mgr.enqueue(l)
 		mgr.log.Info("recovered staged save", "target", l.target, "bytes", l.layout.DataSize)
 	}

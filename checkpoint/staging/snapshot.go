@@ -73,14 +73,14 @@ func (mgr *Manager) Snapshot() Snapshot {
 	}
 	s.Held = mgr.leases.heldBytes()
 	s.HotBytes, s.HotBudget, s.HotShards = mgr.tiers.Stats()
-	for k, st := range mgr.saves {
+	mgr.saves.each(func(k saveKey, st *saveStatus) {
 		t := checkpoint.Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: st.worldSize, Attempt: k.attempt}
 		ss := SaveSnapshot{Target: t, State: st.state, Since: st.updated, Begun: st.begun}
 		if st.err != nil {
 			ss.Err = st.err.Error()
 		}
 		s.Saves = append(s.Saves, ss)
-	}
+	})
 	slices.SortFunc(s.Leases, func(a, b LeaseSnapshot) int { return a.Begun.Compare(b.Begun) })
 	slices.SortFunc(s.Saves, func(a, b SaveSnapshot) int {
 		return cmp.Or(strings.Compare(a.Target.Job, b.Target.Job), cmp.Compare(a.Target.Step, b.Target.Step),

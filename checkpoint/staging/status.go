@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/ckptd/ckptd/checkpoint"
@@ -67,23 +68,68 @@ type saveStatus struct {
 	changed   chan struct{}
 }
 
-// setState records a save's state and wakes its waiters. Call with mu.
-func (mgr *Manager) setState(k saveKey, s State, err error) {
-	st := mgr.saves[k]
+// saveStates is the registry of the saves this daemon knows, by rank,
+// which Wait and Status answer from. Its lock is a leaf: taken under the
+// Manager's, never the other way round.
+type saveStates struct {
+	mu sync.Mutex
+	m  map[saveKey]*saveStatus
+}
+
+func newSaveStates() *saveStates { return &saveStates{m: map[saveKey]*saveStatus{}} }
+
+// set records a save's state and wakes its waiters.
+func (r *saveStates) set(k saveKey, s State, err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.setLocked(k, s, err)
+}
+
+// setWorld is set, recording the save's world size too.
+func (r *saveStates) setWorld(k saveKey, s State, err error, worldSize int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.setLocked(k, s, err).worldSize = worldSize
+}
+
+func (r *saveStates) setLocked(k saveKey, s State, err error) *saveStatus {
+	st := r.m[k]
 	if st == nil {
 		st = &saveStatus{changed: make(chan struct{}), begun: time.Now()}
-		mgr.saves[k] = st
+		r.m[k] = st
 	}
 	st.state, st.err, st.updated = s, err, time.Now()
 	close(st.changed)
 	st.changed = make(chan struct{})
+	return st
 }
 
-// clearStaging forgets a save that never got past staging. Call with mu.
-func (mgr *Manager) clearStaging(t checkpoint.Target) {
+// unsettled returns the state of k's save if it is known and not final.
+func (r *saveStates) unsettled(k saveKey) (State, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if st := r.m[k]; st != nil && !st.final() {
+		return st.state, true
+	}
+	return StateUnknown, false
+}
+
+// setUnlessFinal is set, unless the save is final already.
+func (r *saveStates) setUnlessFinal(k saveKey, s State, err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if st := r.m[k]; st == nil || !st.final() {
+		r.setLocked(k, s, err)
+	}
+}
+
+// clearStaging forgets a save that never got past staging.
+func (r *saveStates) clearStaging(t checkpoint.Target) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	k := keyOf(t)
-	if st := mgr.saves[k]; st != nil && st.state == StateStaging {
-		delete(mgr.saves, k)
+	if st := r.m[k]; st != nil && st.state == StateStaging {
+		delete(r.m, k)
 		close(st.changed)
 	}
 }
@@ -94,12 +140,23 @@ func (mgr *Manager) clearStaging(t checkpoint.Target) {
 // being retried refreshes its status at every try, so it stays.
 const statusTTL = 10 * time.Minute
 
-// gcStatuses drops settled statuses past their TTL. Call with mu.
-func (mgr *Manager) gcStatuses(now time.Time) {
-	for k, st := range mgr.saves {
+// gc drops settled statuses past their TTL.
+func (r *saveStates) gc(now time.Time) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for k, st := range r.m {
 		if (st.final() || st.state == StateDurable) && now.Sub(st.updated) > statusTTL {
-			delete(mgr.saves, k)
+			delete(r.m, k)
 		}
+	}
+}
+
+// each calls fn with every known save, under the registry's lock.
+func (r *saveStates) each(fn func(k saveKey, st *saveStatus)) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for k, st := range r.m {
+		fn(k, st)
 	}
 }
 
@@ -125,7 +182,7 @@ func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int, 
 	k := saveKey{mgr.job(job), step, rank, attempt}
 	poll := 50 * time.Millisecond
 	for {
-		res, changed, known := mgr.status(&k)
+		res, changed, known := mgr.saves.status(&k)
 		if known && res.final {
 			return res, nil
 		}
@@ -141,7 +198,7 @@ func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int, 
 		case StateDurable:
 			// Other ranks commit the step, maybe on other nodes: poll storage,
 			// committing ourselves if the last manifest appeared without one.
-			if ws := mgr.worldSize(k); ws > 0 {
+			if ws := mgr.saves.worldSize(k); ws > 0 {
 				if done, _ := mgr.tryCommit(ctx, checkpoint.Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: ws, Attempt: k.attempt}); done {
 					continue // the outcome is recorded: committed, or failed
 				}
@@ -161,12 +218,12 @@ func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int, 
 // status returns what this daemon knows of the save k names. With no
 // attempt in k, it picks the most recently updated save of that rank and
 // step, and fills in k's attempt.
-func (mgr *Manager) status(k *saveKey) (WaitResult, chan struct{}, bool) {
-	mgr.mu.Lock()
-	defer mgr.mu.Unlock()
-	st := mgr.saves[*k]
+func (r *saveStates) status(k *saveKey) (WaitResult, chan struct{}, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	st := r.m[*k]
 	if st == nil && k.attempt == "" {
-		for sk, s := range mgr.saves {
+		for sk, s := range r.m {
 			if sk.job == k.job && sk.step == k.step && sk.rank == k.rank && (st == nil || s.updated.After(st.updated)) {
 				st, k.attempt = s, sk.attempt
 			}
@@ -182,7 +239,7 @@ func (mgr *Manager) status(k *saveKey) (WaitResult, chan struct{}, bool) {
 // this daemon knows the save, else from storage.
 func (mgr *Manager) Status(ctx context.Context, job string, step int64, rank int, attempt string) (WaitResult, error) {
 	k := saveKey{mgr.job(job), step, rank, attempt}
-	if res, _, known := mgr.status(&k); known {
+	if res, _, known := mgr.saves.status(&k); known {
 		return res, nil
 	}
 	return mgr.stateFromStorage(ctx, k)
@@ -218,17 +275,14 @@ func (mgr *Manager) stateFromStorage(ctx context.Context, k saveKey) (WaitResult
 		}
 		return WaitResult{}, notFound
 	}
-	mgr.mu.Lock()
-	mgr.setState(k, StateDurable, nil)
-	mgr.saves[k].worldSize = m.WorldSize
-	mgr.mu.Unlock()
+	mgr.saves.setWorld(k, StateDurable, nil, m.WorldSize)
 	return WaitResult{State: StateDurable}, nil
 }
 
-func (mgr *Manager) worldSize(k saveKey) int {
-	mgr.mu.Lock()
-	defer mgr.mu.Unlock()
-	if st := mgr.saves[k]; st != nil {
+func (r *saveStates) worldSize(k saveKey) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if st := r.m[k]; st != nil {
 		return st.worldSize
 	}
 	return 0
@@ -238,16 +292,19 @@ func (mgr *Manager) worldSize(k saveKey) int {
 // state is a memory tier and the save is durable meanwhile: a save is
 // reported at the strongest tier it reached.
 func (mgr *Manager) markDone(k saveKey, s State, err error) {
-	mgr.mu.Lock()
-	defer mgr.mu.Unlock()
-	st := mgr.saves[k]
-	if st == nil || st.final() || s.inMemory() && st.state == StateDurable {
-		return
-	}
-	ws := st.worldSize
-	mgr.setState(k, s, err)
-	mgr.saves[k].worldSize = ws
-	if s != StateFailed {
+	if mgr.saves.settle(k, s, err) && s != StateFailed {
 		mgr.m.Tiers.WithLabelValues(s.String()).Inc()
 	}
+}
+
+// settle is markDone's change: it reports whether it made one.
+func (r *saveStates) settle(k saveKey, s State, err error) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	st := r.m[k]
+	if st == nil || st.final() || s.inMemory() && st.state == StateDurable {
+		return false
+	}
+	r.setLocked(k, s, err)
+	return true
 }

@@ -63,7 +63,7 @@ func (mgr *Manager) persistHeld(held *checkpoint.Manifest, data []byte) {
 		return
 	}
 	start := time.Now()
-	mgr.setStateLocked(keyOf(t), StateDraining, nil)
+	mgr.saves.set(keyOf(t), StateDraining, nil)
 	m, reused, err := mgr.writeRetrying(&checkpoint.Shard{Target: t, Layout: layout, Data: data, Metadata: held.Metadata})
 	if err != nil {
 		if err != errAbandoned {

@@ -107,13 +107,13 @@ func TestPersistEvery(t *testing.T) {
 func TestStrongestTierWins(t *testing.T) {
 	mgr, _ := newManagerOn(t, memstore.New(), ManagerConfig{Tiers: tiers.Config{HotBytes: 1 << 20, PersistEvery: 2}})
 	k := saveKey{"job", 3, 0, "a"}
-	mgr.setStateLocked(k, StateDurable, nil)
+	mgr.saves.set(k, StateDurable, nil)
 	mgr.markDone(k, StateReplicated, nil)
-	if res, _, _ := mgr.status(&k); res.State != StateDurable {
+	if res, _, _ := mgr.saves.status(&k); res.State != StateDurable {
 		t.Fatalf("durable, then replicated: %s", res.State)
 	}
 	mgr.markDone(k, StateCommitted, nil)
-	if res, _, _ := mgr.status(&k); res.State != StateCommitted || !res.final {
+	if res, _, _ := mgr.saves.status(&k); res.State != StateCommitted || !res.final {
 		t.Fatalf("then committed: %s", res.State)
 	}
 }
