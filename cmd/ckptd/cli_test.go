@@ -53,8 +53,79 @@ func TestConfigPrecedence(t *testing.T) {
 		t.Fatal(err)
 	}
 	get := func(name string) string { return cmd.Flags().Lookup(name).Value.String() }
-	if get("staging-bytes") != "4294967296" || get("codec") != "none" || get("job") != "fromfile" || get("storage") != "/from/file" {
+	if get("staging-bytes") != "4GiB" || get("codec") != "none" || get("job") != "fromfile" || get("storage") != "/from/file" {
 		t.Fatalf("staging-bytes %s codec %s job %s storage %s", get("staging-bytes"), get("codec"), get("job"), get("storage"))
+	}
+}
+
+// A config file may nest keys under their flag group, as serve --help
+// groups them; a key named like a group with a value that is not a
+// mapping is the flag (storage, peers); one given twice is refused.
+func TestConfigGroups(t *testing.T) {
+	for _, tc := range []struct {
+		yaml, err string
+		want      map[string]string
+	}{
+		{"storage:\n  storage: /s\n  job: j\nstaging:\n  staging-bytes: 2GiB\npeers: [a:1, b:2]\n", "",
+			map[string]string{"storage": "/s", "job": "j", "staging-bytes": "2GiB", "peers": "[a:1,b:2]"}},
+		{"storage: /flat\ntiers:\n  hot-bytes: 64MiB\n", "", map[string]string{"storage": "/flat", "hot-bytes": "64MiB"}},
+		{"job: a\nstorage:\n  job: b\n", `key "job" is given twice`, nil},
+	} {
+		cfg := filepath.Join(t.TempDir(), "ckptd.yaml")
+		if err := os.WriteFile(cfg, []byte(tc.yaml), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		cmd := newServeCmd()
+		cmd.Flags().String("config", "", "")
+		if err := cmd.ParseFlags([]string{"--config", cfg}); err != nil {
+			t.Fatal(err)
+		}
+		err := applyConfig(cmd)
+		if tc.err != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.err) {
+				t.Errorf("%q: %v, want %q", tc.yaml, err, tc.err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatalf("%q: %v", tc.yaml, err)
+		}
+		for name, want := range tc.want {
+			if got := cmd.Flags().Lookup(name).Value.String(); got != want {
+				t.Errorf("%q: --%s = %s, want %s", tc.yaml, name, got, want)
+			}
+		}
+	}
+}
+
+// serve --help lists every flag under a group heading, within 100
+// columns, byte sizes in binary units.
+func TestServeHelpGrouped(t *testing.T) {
+	root := newRootCmd()
+	var out bytes.Buffer
+	root.SetOut(&out)
+	root.SetArgs([]string{"serve", "--help"})
+	if err := root.Execute(); err != nil {
+		t.Fatal(err)
+	}
+	help := out.String()
+	for _, g := range flagGroups {
+		if !strings.Contains(help, "\n"+g.title+":\n") {
+			t.Errorf("no %q heading", g.title)
+		}
+	}
+	if strings.Contains(help, "Other flags:") {
+		t.Errorf("serve flags outside every group:\n%s", help[strings.Index(help, "Other flags:"):])
+	}
+	for line := range strings.Lines(help) {
+		if len(strings.TrimRight(line, "\n")) > helpColumns {
+			t.Errorf("line of %d columns: %q", len(line), line)
+		}
+	}
+	for _, w := range []string{"(default 1GiB)", "(default 256MiB)", "(default 4MiB)"} {
+		if !strings.Contains(help, w) {
+			t.Errorf("help lacks %q", w)
+		}
 	}
 }
 

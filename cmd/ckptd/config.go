@@ -30,6 +30,9 @@ func applyConfig(cmd *cobra.Command) error {
 		if err := yaml.Unmarshal(b, &file); err != nil {
 			return fmt.Errorf("config %s: %w", path, err)
 		}
+		if err := flattenGroups(file); err != nil {
+			return fmt.Errorf("config %s: %w", path, err)
+		}
 		if err := checkConfigKeys(cmd, file); err != nil {
 			return fmt.Errorf("config %s: %w", path, err)
 		}
@@ -43,10 +46,32 @@ func applyConfig(cmd *cobra.Command) error {
 		if v, ok := os.LookupEnv(env); ok {
 			err = setFlag(f, v, env)
 		} else if v, ok := file[f.Name]; ok {
-			err = setFlag(f, fmt.Sprint(v), path)
+			err = setFlag(f, configValue(v), path)
 		}
 	})
 	return err
+}
+
+// flattenGroups lets the file nest keys under the name of their flags'
+// group, as `ckptd serve --help` lists them (storage:, staging:, tiers:,
+// peers:, datasets:, security:, operations:): a group's keys count as
+// top-level ones. A key whose value is not a mapping is a flag, even one
+// named like a group (storage: s3://bucket, peers: [a:7465, b:7465]).
+func flattenGroups(file map[string]any) error {
+	for _, g := range flagGroups {
+		nested, ok := file[g.name].(map[string]any)
+		if !ok {
+			continue
+		}
+		delete(file, g.name)
+		for k, v := range nested {
+			if _, dup := file[k]; dup {
+				return fmt.Errorf("key %q is given twice: at the top and under %q", k, g.name)
+			}
+			file[k] = v
+		}
+	}
+	return nil
 }
 
 // checkConfigKeys fails on a key that names no flag of any ckptd command
@@ -98,6 +123,20 @@ func checkConfigKeys(cmd *cobra.Command, file map[string]any) error {
 		msg += fmt.Sprintf("; the keys of %q are: %s", cmd.CommandPath(), strings.Join(valid, ", "))
 	}
 	return errors.New(msg)
+}
+
+// configValue is a file value as a flag takes it: a YAML list as the
+// comma-separated list a repeated flag takes (peers: [a:7465, b:7465]).
+func configValue(v any) string {
+	list, ok := v.([]any)
+	if !ok {
+		return fmt.Sprint(v)
+	}
+	items := make([]string, len(list))
+	for i, item := range list {
+		items[i] = fmt.Sprint(item)
+	}
+	return strings.Join(items, ",")
 }
 
 func setFlag(f *pflag.Flag, v, from string) error {

@@ -128,8 +128,22 @@ func (o *storageOptions) openStore(ctx context.Context) (*checkpoint.Store, func
 // byteSize is a flag value that accepts 1073741824, 1GiB, 512MiB, 4k, 2G.
 type byteSize int64
 
-func (b *byteSize) String() string { return strconv.FormatInt(int64(*b), 10) }
-func (b *byteSize) Type() string   { return "bytes" }
+// String is the size in the largest binary unit that divides it (1GiB,
+// 512MiB), as help shows defaults and as Set reads them back.
+func (b *byteSize) String() string { return formatBytes(int64(*b)) }
+
+func formatBytes(n int64) string {
+	for _, u := range []struct {
+		suffix string
+		mult   int64
+	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}} {
+		if n != 0 && n%u.mult == 0 {
+			return strconv.FormatInt(n/u.mult, 10) + u.suffix
+		}
+	}
+	return strconv.FormatInt(n, 10)
+}
+func (b *byteSize) Type() string { return "bytes" }
 
 func (b *byteSize) Set(s string) error {
 	n, err := parseBytes(s)

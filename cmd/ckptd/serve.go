@@ -118,6 +118,18 @@ func newServeCmd() *cobra.Command {
 	fs.Var(&o.ReadAhead, "read-ahead-bytes", "memory each dataset session may hold: shards read ahead, its shuffle window (bounded by half of it), batches being assembled")
 	fs.Var(&o.ListBytes, "dataset-list-bytes", "memory a dataset session's listing may take, about 512 bytes and twice the name per shard: a larger dataset fails to open")
 	fs.Var(&o.DatasetArena, "dataset-arena-bytes", "the datasets' share of the arena, for ring slots and oversized batches (default: half of --staging-bytes; the rest stays for saves)")
+	inGroup(fs, "storage", "storage", "job", "s3-endpoint", "s3-region", "s3-retry-deadline", "s3-stall-timeout", "file-mode",
+		"codec", "chunk-size", "workers", "drains")
+	inGroup(fs, "staging", "staging-bytes", "staging-wait", "tensor-table-bytes", "lease-timeout", "crash-fence", "restores",
+		"arena-dir", "restart-wait")
+	inGroup(fs, "tiers", "hot-bytes", "hot-steps", "persist-every", "persist-interval")
+	inGroup(fs, "peers", "peers", "peers-file", "peers-dns", "peer-listen", "peer-advertise", "replicas", "peer-cert", "peer-key",
+		"peer-ca", "peer-insecure")
+	inGroup(fs, "datasets", "dataset-allow", "dataset-arena-bytes", "cache-bytes", "cache-lookahead", "ring-slots", "ring-slots-max",
+		"slot-bytes", "read-ahead-bytes", "dataset-list-bytes")
+	inGroup(fs, "security", "socket", "socket-group")
+	inGroup(fs, "operations", "metrics-addr", "shutdown-grace", "nice", "print-memory")
+	cmd.SetUsageFunc(groupedUsage)
 	return cmd
 }
 
