@@ -16,6 +16,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/ckptd/ckptd/internal/daemon"
 	"github.com/spf13/cobra"
 )
 
@@ -29,10 +30,11 @@ func main() {
 	}
 }
 
-// exitCode is 1 for failures and 2 for usage errors.
+// exitCode is 1 for failures and 2 for usage errors (the daemon's
+// settings it cannot start with too).
 func exitCode(err error) int {
 	var ue usageError
-	if errors.As(err, &ue) {
+	if errors.As(err, &ue) || errors.As(err, new(daemon.UsageError)) {
 		return 2
 	}
 	return 1

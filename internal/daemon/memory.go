@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"encoding/json"
@@ -20,12 +20,12 @@ const memoryHeadroom = 256 << 20
 // buffers, S3 parts in flight (the most a store may take), the dataset
 // service, restores (chunk buffers and a manifest each), and headroom. The
 // arena is shared memory, counted apart.
-func memoryCeiling(o *serveOptions, prefetchCeiling int64) int64 {
+func memoryCeiling(o *Options, prefetchCeiling int64) int64 {
 	drainBuffers := 4 * int64(o.Workers) * 2 * int64(o.ChunkSize)
 	s3Parts := int64(o.Drains) * 8 * (16 << 20)
 	restores := int64(o.Restores) * (restoreReads*2*int64(o.ChunkSize) + restoreManifest)
 	hot := int64(o.HotBytes)
-	if len(o.Peers) > 0 || o.PeersFile != "" || o.PeersDNS != "" { // one replica being received and one being fetched, each up to --hot-bytes
+	if len(o.Peers.Peers) > 0 || o.Peers.PeersFile != "" || o.Peers.PeersDNS != "" { // one replica being received and one being fetched, each up to --hot-bytes
 		hot *= 3
 	}
 	return int64(o.TableBytes) + drainBuffers + s3Parts + restores + hot + prefetchCeiling + memoryHeadroom
@@ -41,7 +41,7 @@ const (
 )
 
 // prefetchConfig is the dataset service's configuration from the flags.
-func (o *serveOptions) prefetchConfig() prefetch.ServiceConfig {
+func (o *Options) prefetchConfig() prefetch.ServiceConfig {
 	return prefetch.ServiceConfig{
 		CacheBytes: int64(o.CacheBytes), NoLookahead: !o.CacheLookahead, Slots: o.RingSlots, MaxSlots: o.RingSlotsMax, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
 		ArenaBytes: int64(o.DatasetArena), Allow: o.DatasetAllow,
@@ -58,10 +58,13 @@ type memoryNeeds struct {
 	DatasetBytes int64 `json:"dataset_ceiling_bytes"`
 }
 
-// printMemory prints the memory the flags need, opening nothing. The
-// arena's pages are charged to the daemon's container, which touches them
-// first, so its limit covers both.
-func printMemory(o *serveOptions, out io.Writer) error {
+// PrintMemory checks the options and prints the memory they need,
+// opening nothing. The arena's pages are charged to the daemon's
+// container, which touches them first, so its limit covers both.
+func PrintMemory(o *Options, out io.Writer) error {
+	if _, _, err := o.check(); err != nil {
+		return UsageError{err}
+	}
 	if o.Workers <= 0 {
 		o.Workers = runtime.GOMAXPROCS(0) // what serve would use here: pass --workers for another machine
 	}

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -125,7 +125,7 @@ func TestXDGSocketFolder(t *testing.T) {
 		t.Fatalf("%+v %v", sp, err)
 	}
 	long := "/" + strings.Repeat("x", maxSocketPath)
-	if _, err := prepareSocket(long, -1, quiet); exitCode(err) != 2 || !strings.Contains(err.Error(), "at most 107") {
+	if _, err := prepareSocket(long, -1, quiet); !errors.As(err, new(UsageError)) || !strings.Contains(err.Error(), "at most 107") {
 		t.Fatalf("a socket path too long: %v", err)
 	}
 }
@@ -248,7 +248,7 @@ func TestDefaultArenaTaken(t *testing.T) {
 	shm := useShm(t)
 	sockDir := t.TempDir()
 	sp := &socketPlace{path: filepath.Join(sockDir, "ckptd.sock"), dir: sockDir, private: true}
-	o := &serveOptions{}
+	o := &Options{}
 	opts := arena.Options{Size: 1 << 20, Logger: quiet}
 
 	a, place, err := openArena(o, sp, opts, quiet)
@@ -310,14 +310,14 @@ func TestDefaultArenaLegacyName(t *testing.T) {
 	shm := useShm(t)
 	sockDir := t.TempDir()
 	sp := &socketPlace{path: filepath.Join(sockDir, "ckptd.sock"), dir: sockDir, private: true}
-	a, place, err := openArena(&serveOptions{}, sp, arena.Options{Size: 1 << 20, Logger: quiet}, quiet)
+	a, place, err := openArena(&Options{}, sp, arena.Options{Size: 1 << 20, Logger: quiet}, quiet)
 	if err != nil {
 		t.Fatal(err)
 	}
 	a.Remove()
 	legacy := filepath.Join(shm, "ckptd-"+strings.TrimPrefix(filepath.Base(place.dir), fmt.Sprintf("ckptd-%d-", os.Getuid())))
 	os.Mkdir(legacy, 0o700)
-	a, place, err = openArena(&serveOptions{}, sp, arena.Options{Size: 1 << 20, Logger: quiet}, quiet)
+	a, place, err = openArena(&Options{}, sp, arena.Options{Size: 1 << 20, Logger: quiet}, quiet)
 	if err != nil || place.dir != legacy {
 		t.Fatalf("opened %+v, %v; want the legacy %s", place, err, legacy)
 	}
@@ -339,10 +339,10 @@ func tree(t *testing.T, dir string) []string {
 }
 
 // serveOpts are options for an in-process serve on storage under dir.
-func serveOpts(dir, socket string) *serveOptions {
-	return &serveOptions{
-		storageOptions: storageOptions{URL: filepath.Join(dir, "store"), Job: "j"},
-		Socket:         socket, StagingBytes: 4 << 20, ChunkSize: 1 << 20, Codec: "auto",
+func serveOpts(dir, socket string) *Options {
+	return &Options{
+		URL: filepath.Join(dir, "store"), Job: "j",
+		Socket: socket, StagingBytes: 4 << 20, ChunkSize: 1 << 20, Codec: "auto",
 		Drains: 1, Workers: 1, Grace: time.Second, RingSlots: 1, SlotBytes: 1 << 20,
 		StagingWait: time.Second, LeaseTimeout: time.Minute,
 	}
@@ -367,8 +367,8 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 				}
 				return nil
 			}
-			if err := runServe(context.Background(), serveOpts(dir, ""), io.Discard); !errors.Is(err, injected) {
-				t.Fatalf("runServe = %v", err)
+			if err := Run(context.Background(), serveOpts(dir, "")); !errors.Is(err, injected) {
+				t.Fatalf("Run = %v", err)
 			}
 			if got := tree(t, shm); !slices.Equal(got, []string{"."}) {
 				t.Errorf("/dev/shm stand-in holds %q", got)
@@ -382,7 +382,7 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 	// Folders made for an explicit --socket go too.
 	root := t.TempDir()
 	startupFault = func(s string) error { return errors.New("injected at " + s) }
-	runServe(context.Background(), serveOpts(t.TempDir(), filepath.Join(root, "a", "b", "ckptd.sock")), io.Discard)
+	Run(context.Background(), serveOpts(t.TempDir(), filepath.Join(root, "a", "b", "ckptd.sock")))
 	if got := tree(t, root); !slices.Equal(got, []string{"."}) {
 		t.Errorf("socket folders left: %q", got)
 	}
@@ -391,7 +391,7 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 	startupFault = nil
 	socket := filepath.Join(t.TempDir(), "ckptd.sock")
 	sp := &socketPlace{path: socket, dir: filepath.Dir(socket), private: true}
-	a, place, err := openArena(&serveOptions{}, sp, arena.Options{Size: 4 << 20, Logger: quiet}, quiet)
+	a, place, err := openArena(&Options{}, sp, arena.Options{Size: 4 << 20, Logger: quiet}, quiet)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -414,7 +414,7 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 			}
 			return nil
 		}
-		runServe(context.Background(), serveOpts(t.TempDir(), socket), io.Discard)
+		Run(context.Background(), serveOpts(t.TempDir(), socket))
 		if got := settled(tree(t, shm)); !slices.Equal(got, before) {
 			t.Fatalf("failed at %s: arena was %q, now %q", step, before, got)
 		}
@@ -429,7 +429,7 @@ func TestFailedServeLeavesNothing(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- runServe(ctx, serveOpts(t.TempDir(), socket), io.Discard) }()
+	go func() { done <- Run(ctx, serveOpts(t.TempDir(), socket)) }()
 	testtime.Until(t, time.Minute, "serve comes up after the failed starts", func() bool {
 		live, _, _ := probeSocket(socket)
 		return live

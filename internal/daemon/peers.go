@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -8,13 +8,11 @@ import (
 	"net"
 	"slices"
 
-	"github.com/spf13/pflag"
-
 	"github.com/ckptd/ckptd/internal/peers"
 )
 
-// peerOptions are serve's flags for replicas on peer sidecars.
-type peerOptions struct {
+// PeerOptions are serve's settings for replicas on peer sidecars.
+type PeerOptions struct {
 	Peers     []string
 	PeersFile string
 	PeersDNS  string
@@ -25,22 +23,9 @@ type peerOptions struct {
 	discovery peers.Discovery // set by setup when the list is discovered
 }
 
-func (p *peerOptions) register(fs *pflag.FlagSet) {
-	fs.StringSliceVar(&p.Peers, "peers", nil, "the job's sidecars, host:port each (the same list on every node, this one included): each drained shard is sent to --replicas of them, chosen from its rank, and a restore asks them before storage; needs --hot-bytes")
-	fs.StringVar(&p.PeersFile, "peers-file", "", "instead of --peers: a file listing the job's sidecars, host:port per line, read again every 10s")
-	fs.StringVar(&p.PeersDNS, "peers-dns", "", "instead of --peers: name:port, a DNS name resolving to every sidecar of the job (a Kubernetes headless service), looked up again every 10s")
-	fs.StringVar(&p.Listen, "peer-listen", "", "TCP address for the peers' service (e.g. :7465)")
-	fs.StringVar(&p.Advertise, "peer-advertise", "", "this sidecar's entry in --peers (default --peer-listen)")
-	fs.IntVar(&p.Replicas, "replicas", 1, "peers that keep a copy of each shard")
-	fs.StringVar(&p.TLS.CertFile, "peer-cert", "", "this sidecar's certificate (PEM) for the peers' mutual TLS")
-	fs.StringVar(&p.TLS.KeyFile, "peer-key", "", "its private key (PEM)")
-	fs.StringVar(&p.TLS.CAFile, "peer-ca", "", "the CA (PEM) that signs every peer's certificate; others are refused")
-	fs.BoolVar(&p.TLS.Insecure, "peer-insecure", false, "send checkpoints to peers in plaintext, without TLS (trusted networks only)")
-}
-
 // setup checks the flags and returns the peers' client and the server's
 // credentials, or nils when no peers are configured.
-func (p *peerOptions) setup(ctx context.Context, hotBytes int64, log *slog.Logger) (*peers.Client, peers.Creds, error) {
+func (p *PeerOptions) setup(ctx context.Context, hotBytes int64, log *slog.Logger) (*peers.Client, peers.Creds, error) {
 	sources := 0
 	for _, set := range []bool{len(p.Peers) > 0, p.PeersFile != "", p.PeersDNS != ""} {
 		if set {
@@ -79,7 +64,7 @@ func (p *peerOptions) setup(ctx context.Context, hotBytes int64, log *slog.Logge
 // --peers list, checked, or what discovery finds (a DNS name that does
 // not resolve yet is looked up again later: pods start before their
 // service lists them).
-func (p *peerOptions) members(ctx context.Context, log *slog.Logger) ([]string, string, error) {
+func (p *PeerOptions) members(ctx context.Context, log *slog.Logger) ([]string, string, error) {
 	self := p.Advertise
 	if self == "" && len(p.Peers) > 0 {
 		self = p.Listen

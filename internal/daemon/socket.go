@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -78,10 +78,10 @@ func prepareSocket(flag string, gid int, log *slog.Logger) (*socketPlace, error)
 	}
 	abs, err := filepath.Abs(path)
 	if err != nil {
-		return nil, usageError{fmt.Errorf("--socket %q: %w", path, err)}
+		return nil, UsageError{fmt.Errorf("--socket %q: %w", path, err)}
 	}
 	if len(abs) > maxSocketPath {
-		return nil, usageError{fmt.Errorf("socket path %s is %d bytes long; a unix socket path holds at most %d: pass a shorter --socket",
+		return nil, UsageError{fmt.Errorf("socket path %s is %d bytes long; a unix socket path holds at most %d: pass a shorter --socket",
 			abs, len(abs), maxSocketPath)}
 	}
 	sp := &socketPlace{path: abs, dir: filepath.Dir(abs)}

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"crypto/rand"
@@ -57,7 +57,7 @@ type arenaPlace struct {
 
 // openArena opens the arena at --arena-dir, or at the default place
 // described above.
-func openArena(o *serveOptions, sp *socketPlace, opts arena.Options, log *slog.Logger) (*arena.Arena, *arenaPlace, error) {
+func openArena(o *Options, sp *socketPlace, opts arena.Options, log *slog.Logger) (*arena.Arena, *arenaPlace, error) {
 	if o.ArenaDir != "" {
 		opts.Dir = o.ArenaDir
 		a, err := arena.Open(opts)
