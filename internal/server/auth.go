@@ -9,6 +9,7 @@ import (
 
 	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/peercred"
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
 // Interceptors refuse every call of a peer the socket's policy does not
@@ -37,7 +38,7 @@ func allowed(ctx context.Context) error {
 	if !ok || info.Allowed() {
 		return nil
 	}
-	return withInfo(codes.PermissionDenied, "permission denied: "+info.Refused, "PERMISSION_DENIED",
+	return withInfo(codes.PermissionDenied, "permission denied: "+info.Refused, pb.ErrorReason_PERMISSION_DENIED,
 		map[string]string{"uid": strconv.Itoa(info.UID)})
 }
 

@@ -14,6 +14,7 @@ import (
 	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/prefetch"
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/s3"
 )
@@ -27,39 +28,39 @@ const ErrorDomain = "ckptd.io"
 var classes = []struct {
 	err    error
 	code   codes.Code
-	reason string
+	reason pb.ErrorReason
 }{
-	{checkpoint.ErrInvalid, codes.InvalidArgument, "INVALID"},
-	{storage.ErrInvalidName, codes.InvalidArgument, "INVALID"},
-	{prefetch.ErrInvalid, codes.InvalidArgument, "INVALID"},
-	{checkpoint.ErrStepNotFound, codes.NotFound, "STEP_NOT_FOUND"},
-	{staging.ErrUnknownLease, codes.NotFound, "UNKNOWN_LEASE"},
-	{prefetch.ErrUnknownSession, codes.NotFound, "UNKNOWN_SESSION"},
+	{checkpoint.ErrInvalid, codes.InvalidArgument, pb.ErrorReason_INVALID},
+	{storage.ErrInvalidName, codes.InvalidArgument, pb.ErrorReason_INVALID},
+	{prefetch.ErrInvalid, codes.InvalidArgument, pb.ErrorReason_INVALID},
+	{checkpoint.ErrStepNotFound, codes.NotFound, pb.ErrorReason_STEP_NOT_FOUND},
+	{staging.ErrUnknownLease, codes.NotFound, pb.ErrorReason_UNKNOWN_LEASE},
+	{prefetch.ErrUnknownSession, codes.NotFound, pb.ErrorReason_UNKNOWN_SESSION},
 	// Before storage.ErrNotFound: an object a commit record names that is
 	// missing is damage to a committed step, not an unknown step.
-	{checkpoint.ErrCorrupt, codes.DataLoss, "CORRUPT"},
-	{prefetch.ErrCorruptShard, codes.DataLoss, "CORRUPT"},
-	{storage.ErrNotFound, codes.NotFound, "STEP_NOT_FOUND"},
-	{storage.ErrSymlink, codes.FailedPrecondition, "STORE_UNSAFE"},
+	{checkpoint.ErrCorrupt, codes.DataLoss, pb.ErrorReason_CORRUPT},
+	{prefetch.ErrCorruptShard, codes.DataLoss, pb.ErrorReason_CORRUPT},
+	{storage.ErrNotFound, codes.NotFound, pb.ErrorReason_STEP_NOT_FOUND},
+	{storage.ErrSymlink, codes.FailedPrecondition, pb.ErrorReason_STORE_UNSAFE},
 	// The store refuses the daemon's credentials, or its bucket is gone:
 	// the daemon's configuration, not the request, needs fixing.
-	{s3.ErrAccessDenied, codes.FailedPrecondition, "STORAGE_MISCONFIGURED"},
-	{s3.ErrNoSuchBucket, codes.FailedPrecondition, "STORAGE_MISCONFIGURED"},
-	{staging.ErrOverBudget, codes.ResourceExhausted, "OVER_BUDGET"},
-	{prefetch.ErrOverBudget, codes.ResourceExhausted, "OVER_BUDGET"},
-	{prefetch.ErrTooLarge, codes.ResourceExhausted, "TOO_LARGE"},
-	{prefetch.ErrNotAllowed, codes.PermissionDenied, "PERMISSION_DENIED"},
-	{staging.ErrArenaTooLarge, codes.ResourceExhausted, "TOO_LARGE"},
-	{arena.ErrTooLarge, codes.ResourceExhausted, "TOO_LARGE"},
-	{staging.ErrArenaFull, codes.ResourceExhausted, "ARENA_FULL"},
-	{arena.ErrFull, codes.ResourceExhausted, "ARENA_FULL"},
-	{storage.ErrNoSpace, codes.ResourceExhausted, "STORAGE_FULL"},
-	{storage.ErrUnavailable, codes.Unavailable, "STORAGE_UNAVAILABLE"},
-	{staging.ErrClosing, codes.Unavailable, "SHUTTING_DOWN"},
-	{prefetch.ErrClosed, codes.Unavailable, "SHUTTING_DOWN"},
-	{arena.ErrClosed, codes.Unavailable, "SHUTTING_DOWN"},
-	{context.DeadlineExceeded, codes.DeadlineExceeded, "DEADLINE"},
-	{context.Canceled, codes.Canceled, "CANCELLED"},
+	{s3.ErrAccessDenied, codes.FailedPrecondition, pb.ErrorReason_STORAGE_MISCONFIGURED},
+	{s3.ErrNoSuchBucket, codes.FailedPrecondition, pb.ErrorReason_STORAGE_MISCONFIGURED},
+	{staging.ErrOverBudget, codes.ResourceExhausted, pb.ErrorReason_OVER_BUDGET},
+	{prefetch.ErrOverBudget, codes.ResourceExhausted, pb.ErrorReason_OVER_BUDGET},
+	{prefetch.ErrTooLarge, codes.ResourceExhausted, pb.ErrorReason_TOO_LARGE},
+	{prefetch.ErrNotAllowed, codes.PermissionDenied, pb.ErrorReason_PERMISSION_DENIED},
+	{staging.ErrArenaTooLarge, codes.ResourceExhausted, pb.ErrorReason_TOO_LARGE},
+	{arena.ErrTooLarge, codes.ResourceExhausted, pb.ErrorReason_TOO_LARGE},
+	{staging.ErrArenaFull, codes.ResourceExhausted, pb.ErrorReason_ARENA_FULL},
+	{arena.ErrFull, codes.ResourceExhausted, pb.ErrorReason_ARENA_FULL},
+	{storage.ErrNoSpace, codes.ResourceExhausted, pb.ErrorReason_STORAGE_FULL},
+	{storage.ErrUnavailable, codes.Unavailable, pb.ErrorReason_STORAGE_UNAVAILABLE},
+	{staging.ErrClosing, codes.Unavailable, pb.ErrorReason_SHUTTING_DOWN},
+	{prefetch.ErrClosed, codes.Unavailable, pb.ErrorReason_SHUTTING_DOWN},
+	{arena.ErrClosed, codes.Unavailable, pb.ErrorReason_SHUTTING_DOWN},
+	{context.DeadlineExceeded, codes.DeadlineExceeded, pb.ErrorReason_DEADLINE},
+	{context.Canceled, codes.Canceled, pb.ErrorReason_CANCELLED},
 }
 
 // toStatus maps core errors (checkpoint, prefetch, arena, storage) to a
@@ -79,8 +80,8 @@ func toStatus(err error) error {
 
 // classify returns the gRPC code, ErrorInfo reason and metadata of a core
 // error (INTERNAL when it is none of the core's).
-func classify(err error) (codes.Code, string, map[string]string) {
-	code, reason, meta := codes.Internal, "INTERNAL", map[string]string{}
+func classify(err error) (codes.Code, pb.ErrorReason, map[string]string) {
+	code, reason, meta := codes.Internal, pb.ErrorReason_INTERNAL, map[string]string{}
 	var committed *checkpoint.CommittedError
 	var inProgress *staging.InProgressError
 	var chunk *checkpoint.ChunkError
@@ -93,11 +94,11 @@ func classify(err error) (codes.Code, string, map[string]string) {
 	}
 	switch {
 	case errors.As(err, &committed):
-		code, reason = codes.AlreadyExists, "STEP_COMMITTED"
+		code, reason = codes.AlreadyExists, pb.ErrorReason_STEP_COMMITTED
 		meta["job"], meta["step"], meta["attempt"] = committed.Job, strconv.FormatInt(committed.Step, 10), committed.Attempt
 	case errors.As(err, &inProgress):
 		t := inProgress.Target
-		code, reason = codes.AlreadyExists, "SAVE_IN_PROGRESS"
+		code, reason = codes.AlreadyExists, pb.ErrorReason_SAVE_IN_PROGRESS
 		meta["job"], meta["step"], meta["rank"], meta["attempt"] = t.Job, strconv.FormatInt(t.Step, 10), strconv.Itoa(t.Rank), t.Attempt
 		meta["state"] = inProgress.State.String()
 	default:
@@ -126,12 +127,12 @@ func isCore(err error) bool {
 	return false
 }
 
-func withInfo(code codes.Code, msg, reason string, meta map[string]string) error {
+func withInfo(code codes.Code, msg string, reason pb.ErrorReason, meta map[string]string) error {
 	st := status.New(code, msg)
 	if len(meta) == 0 {
 		meta = nil
 	}
-	if d, err := st.WithDetails(&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain, Metadata: meta}); err == nil {
+	if d, err := st.WithDetails(&errdetails.ErrorInfo{Reason: reason.String(), Domain: ErrorDomain, Metadata: meta}); err == nil {
 		st = d
 	}
 	return st.Err()

@@ -112,9 +112,9 @@ func (s *Checkpoint) WaitSave(ctx context.Context, req *pb.WaitSaveRequest) (*pb
 		if res.Err != nil {
 			msg += "; last error: " + res.Err.Error()
 		}
-		code, reason := codes.DeadlineExceeded, "DEADLINE"
+		code, reason := codes.DeadlineExceeded, pb.ErrorReason_DEADLINE
 		if errors.Is(err, context.Canceled) {
-			code, reason = codes.Canceled, "CANCELLED"
+			code, reason = codes.Canceled, pb.ErrorReason_CANCELLED
 		}
 		return nil, withInfo(code, msg, reason, map[string]string{"state": res.State.String()})
 	}
@@ -124,8 +124,8 @@ func (s *Checkpoint) WaitSave(ctx context.Context, req *pb.WaitSaveRequest) (*pb
 		// A failed save says why the way a failed call does, so that a
 		// save refused late (another run committed its step after this
 		// one was accepted) reads like one refused at BeginSave.
-		if _, reason, meta := classify(res.Err); reason != "INTERNAL" && res.State == staging.StateFailed {
-			resp.Reason, resp.Metadata = reason, meta
+		if _, reason, meta := classify(res.Err); reason != pb.ErrorReason_INTERNAL && res.State == staging.StateFailed {
+			resp.Reason, resp.Metadata = reason.String(), meta
 		}
 	}
 	return resp, nil

@@ -8,12 +8,15 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
 // Reason returns why the daemon refused a call: the reason of the
-// google.rpc.ErrorInfo its error carries ("STEP_COMMITTED",
-// "SAVE_IN_PROGRESS", "ARENA_FULL", ...; the list is in the proto), or ""
-// when err carries none (a failed save's Wait carries one too). Decide on it, not on the message text.
+// google.rpc.ErrorInfo its error carries, the name of one of the proto's
+// ErrorReason values ("STEP_COMMITTED", "SAVE_IN_PROGRESS", "ARENA_FULL",
+// ...), or "" when err carries none (a failed save's Wait carries one
+// too). Decide on it, not on the message text.
 func Reason(err error) string {
 	if f, ok := errors.AsType[*SaveFailure](err); ok {
 		return f.Reason
@@ -66,13 +69,27 @@ var (
 	ErrStorageMisconfigured = errors.New("storage misconfigured") // STORAGE_MISCONFIGURED
 )
 
-var byReason = map[string]error{
-	"INVALID": ErrInvalid, "STEP_NOT_FOUND": ErrNotFound, "UNKNOWN_LEASE": ErrNotFound, "UNKNOWN_SESSION": ErrNotFound,
-	"STEP_COMMITTED": ErrStepCommitted, "SAVE_IN_PROGRESS": ErrSaveInProgress,
-	"ARENA_FULL": ErrResourceExhausted, "TOO_LARGE": ErrResourceExhausted, "OVER_BUDGET": ErrResourceExhausted,
-	"STORAGE_FULL": ErrResourceExhausted, "CORRUPT": ErrCorrupt, "STORAGE_UNAVAILABLE": ErrStorageUnavailable,
-	"SHUTTING_DOWN": ErrDaemonUnavailable, "PERMISSION_DENIED": ErrPermissionDenied, "STORE_UNSAFE": ErrStoreUnsafe,
-	"STORAGE_MISCONFIGURED": ErrStorageMisconfigured,
+// byReason is what each of the proto's ErrorReason values matches; the
+// ones not here (DEADLINE, CANCELLED, INTERNAL) match by code.
+var byReason = map[pb.ErrorReason]error{
+	pb.ErrorReason_INVALID: ErrInvalid, pb.ErrorReason_STEP_NOT_FOUND: ErrNotFound,
+	pb.ErrorReason_UNKNOWN_LEASE: ErrNotFound, pb.ErrorReason_UNKNOWN_SESSION: ErrNotFound,
+	pb.ErrorReason_STEP_COMMITTED: ErrStepCommitted, pb.ErrorReason_SAVE_IN_PROGRESS: ErrSaveInProgress,
+	pb.ErrorReason_ARENA_FULL: ErrResourceExhausted, pb.ErrorReason_TOO_LARGE: ErrResourceExhausted,
+	pb.ErrorReason_OVER_BUDGET: ErrResourceExhausted, pb.ErrorReason_STORAGE_FULL: ErrResourceExhausted,
+	pb.ErrorReason_CORRUPT: ErrCorrupt, pb.ErrorReason_STORAGE_UNAVAILABLE: ErrStorageUnavailable,
+	pb.ErrorReason_SHUTTING_DOWN: ErrDaemonUnavailable, pb.ErrorReason_PERMISSION_DENIED: ErrPermissionDenied,
+	pb.ErrorReason_STORE_UNSAFE: ErrStoreUnsafe, pb.ErrorReason_STORAGE_MISCONFIGURED: ErrStorageMisconfigured,
+}
+
+// reasonErr is what the reason named r matches (nil for one this client
+// does not know).
+func reasonErr(r string) error {
+	v, ok := pb.ErrorReason_value[r]
+	if !ok {
+		return nil
+	}
+	return byReason[pb.ErrorReason(v)]
 }
 
 var byCode = map[codes.Code]error{
@@ -92,7 +109,7 @@ func (e *callError) Unwrap() error { return e.err }
 
 func (e *callError) Is(target error) bool {
 	if r := Reason(e.err); r != "" {
-		return byReason[r] == target
+		return reasonErr(r) == target
 	}
 	return byCode[status.Code(e.err)] == target
 }

@@ -166,7 +166,7 @@ func (e *SaveFailure) Error() string {
 }
 
 func (e *SaveFailure) Is(target error) bool {
-	return target == ErrSaveFailed || (e.Reason != "" && byReason[e.Reason] == target)
+	return target == ErrSaveFailed || (e.Reason != "" && reasonErr(e.Reason) == target)
 }
 
 // Wait blocks until the save reached where it ends, the save failed, or

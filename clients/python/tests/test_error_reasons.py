@@ -245,3 +245,12 @@ def test_save_failed_with_a_reason_raises_its_class(reason, cls):
 )
 def test_save_that_ended_well_is_no_error(state):
     assert _handle.failure(WHAT, pb.WaitSaveResponse(state=state)) is None
+
+
+def test_every_reason_of_the_proto_has_a_class_and_a_row_here():
+    """The proto's ErrorReason is the one list: a reason added there fails
+    here until the client maps it and this table covers it."""
+    names = {pb.ErrorReason.Name(v) for v in pb.ErrorReason.values()} - {"ERROR_REASON_UNSPECIFIED"}
+    assert names == set(_errors._BY_REASON)
+    assert names == {r for r, _, _ in REASONS}
+

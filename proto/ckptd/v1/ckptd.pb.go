@@ -30,6 +30,136 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// ErrorReason is why the daemon refused a call: every error status it
+// sends carries a google.rpc.ErrorInfo of domain "ckptd.io" whose reason
+// is one of these names (the name, not the number, as ErrorInfo's reason
+// is a string), and a failed save's WaitSaveResponse.reason too. Clients
+// decide on it, never on the message text; ErrorInfo's metadata carries
+// the fields a client may act on (job, step, rank, attempt, chunk, shard).
+type ErrorReason int32
+
+const (
+	ErrorReason_ERROR_REASON_UNSPECIFIED ErrorReason = 0
+	// The request or a name in it is malformed. Nothing was changed.
+	ErrorReason_INVALID ErrorReason = 1
+	// The step is not committed (or does not exist).
+	ErrorReason_STEP_NOT_FOUND ErrorReason = 2
+	// No lease of that id: expired, released, never granted, or another
+	// connection's.
+	ErrorReason_UNKNOWN_LEASE ErrorReason = 3
+	// No dataset session of that id (or another connection's).
+	ErrorReason_UNKNOWN_SESSION ErrorReason = 4
+	// The step is committed already (metadata: job, step, attempt).
+	ErrorReason_STEP_COMMITTED ErrorReason = 5
+	// This daemon is saving the same rank of the same step for the same
+	// attempt already (metadata: job, step, rank, attempt, state).
+	ErrorReason_SAVE_IN_PROGRESS ErrorReason = 6
+	// No arena space came free in time (--staging-wait).
+	ErrorReason_ARENA_FULL ErrorReason = 7
+	// The request can never fit: larger than the arena, or a sample larger
+	// than a session's read-ahead budget.
+	ErrorReason_TOO_LARGE ErrorReason = 8
+	// A budget of the daemon's is used up (--tensor-table-bytes, the
+	// datasets' share of the arena).
+	ErrorReason_OVER_BUDGET ErrorReason = 9
+	// The storage is full.
+	ErrorReason_STORAGE_FULL ErrorReason = 10
+	// Stored data, a manifest or a shard failed verification (metadata:
+	// step, rank, chunk or shard).
+	ErrorReason_CORRUPT ErrorReason = 11
+	// The storage does not answer; retry later.
+	ErrorReason_STORAGE_UNAVAILABLE ErrorReason = 12
+	// The daemon is shutting down.
+	ErrorReason_SHUTTING_DOWN ErrorReason = 13
+	// The dataset source is not among --dataset-allow.
+	ErrorReason_PERMISSION_DENIED ErrorReason = 14
+	// The store refuses the daemon's credentials, or its bucket is gone.
+	ErrorReason_STORAGE_MISCONFIGURED ErrorReason = 15
+	// A symbolic link was found in the store; the daemon refuses to use it.
+	ErrorReason_STORE_UNSAFE ErrorReason = 16
+	// The call's deadline passed.
+	ErrorReason_DEADLINE ErrorReason = 17
+	// The call was cancelled.
+	ErrorReason_CANCELLED ErrorReason = 18
+	// A bug: the daemon's log says more.
+	ErrorReason_INTERNAL ErrorReason = 19
+)
+
+// Enum value maps for ErrorReason.
+var (
+	ErrorReason_name = map[int32]string{
+		0:  "ERROR_REASON_UNSPECIFIED",
+		1:  "INVALID",
+		2:  "STEP_NOT_FOUND",
+		3:  "UNKNOWN_LEASE",
+		4:  "UNKNOWN_SESSION",
+		5:  "STEP_COMMITTED",
+		6:  "SAVE_IN_PROGRESS",
+		7:  "ARENA_FULL",
+		8:  "TOO_LARGE",
+		9:  "OVER_BUDGET",
+		10: "STORAGE_FULL",
+		11: "CORRUPT",
+		12: "STORAGE_UNAVAILABLE",
+		13: "SHUTTING_DOWN",
+		14: "PERMISSION_DENIED",
+		15: "STORAGE_MISCONFIGURED",
+		16: "STORE_UNSAFE",
+		17: "DEADLINE",
+		18: "CANCELLED",
+		19: "INTERNAL",
+	}
+	ErrorReason_value = map[string]int32{
+		"ERROR_REASON_UNSPECIFIED": 0,
+		"INVALID":                  1,
+		"STEP_NOT_FOUND":           2,
+		"UNKNOWN_LEASE":            3,
+		"UNKNOWN_SESSION":          4,
+		"STEP_COMMITTED":           5,
+		"SAVE_IN_PROGRESS":         6,
+		"ARENA_FULL":               7,
+		"TOO_LARGE":                8,
+		"OVER_BUDGET":              9,
+		"STORAGE_FULL":             10,
+		"CORRUPT":                  11,
+		"STORAGE_UNAVAILABLE":      12,
+		"SHUTTING_DOWN":            13,
+		"PERMISSION_DENIED":        14,
+		"STORAGE_MISCONFIGURED":    15,
+		"STORE_UNSAFE":             16,
+		"DEADLINE":                 17,
+		"CANCELLED":                18,
+		"INTERNAL":                 19,
+	}
+)
+
+func (x ErrorReason) Enum() *ErrorReason {
+	p := new(ErrorReason)
+	*p = x
+	return p
+}
+
+func (x ErrorReason) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (ErrorReason) Descriptor() protoreflect.EnumDescriptor {
+	return file_ckptd_v1_ckptd_proto_enumTypes[0].Descriptor()
+}
+
+func (ErrorReason) Type() protoreflect.EnumType {
+	return &file_ckptd_v1_ckptd_proto_enumTypes[0]
+}
+
+func (x ErrorReason) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use ErrorReason.Descriptor instead.
+func (ErrorReason) EnumDescriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{0}
+}
+
 type SaveState int32
 
 const (
@@ -87,11 +217,11 @@ func (x SaveState) String() string {
 }
 
 func (SaveState) Descriptor() protoreflect.EnumDescriptor {
-	return file_ckptd_v1_ckptd_proto_enumTypes[0].Descriptor()
+	return file_ckptd_v1_ckptd_proto_enumTypes[1].Descriptor()
 }
 
 func (SaveState) Type() protoreflect.EnumType {
-	return &file_ckptd_v1_ckptd_proto_enumTypes[0]
+	return &file_ckptd_v1_ckptd_proto_enumTypes[1]
 }
 
 func (x SaveState) Number() protoreflect.EnumNumber {
@@ -100,7 +230,7 @@ func (x SaveState) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use SaveState.Descriptor instead.
 func (SaveState) EnumDescriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{0}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{1}
 }
 
 type GetArenaRequest struct {
@@ -3843,7 +3973,30 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x12\n" +
 	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x18\n" +
 	"\aattempt\x18\x04 \x01(\tR\aattempt\x12#\n" +
-	"\rmanifest_only\x18\x05 \x01(\bR\fmanifestOnly*\xcf\x01\n" +
+	"\rmanifest_only\x18\x05 \x01(\bR\fmanifestOnly*\x88\x03\n" +
+	"\vErrorReason\x12\x1c\n" +
+	"\x18ERROR_REASON_UNSPECIFIED\x10\x00\x12\v\n" +
+	"\aINVALID\x10\x01\x12\x12\n" +
+	"\x0eSTEP_NOT_FOUND\x10\x02\x12\x11\n" +
+	"\rUNKNOWN_LEASE\x10\x03\x12\x13\n" +
+	"\x0fUNKNOWN_SESSION\x10\x04\x12\x12\n" +
+	"\x0eSTEP_COMMITTED\x10\x05\x12\x14\n" +
+	"\x10SAVE_IN_PROGRESS\x10\x06\x12\x0e\n" +
+	"\n" +
+	"ARENA_FULL\x10\a\x12\r\n" +
+	"\tTOO_LARGE\x10\b\x12\x0f\n" +
+	"\vOVER_BUDGET\x10\t\x12\x10\n" +
+	"\fSTORAGE_FULL\x10\n" +
+	"\x12\v\n" +
+	"\aCORRUPT\x10\v\x12\x17\n" +
+	"\x13STORAGE_UNAVAILABLE\x10\f\x12\x11\n" +
+	"\rSHUTTING_DOWN\x10\r\x12\x15\n" +
+	"\x11PERMISSION_DENIED\x10\x0e\x12\x19\n" +
+	"\x15STORAGE_MISCONFIGURED\x10\x0f\x12\x10\n" +
+	"\fSTORE_UNSAFE\x10\x10\x12\f\n" +
+	"\bDEADLINE\x10\x11\x12\r\n" +
+	"\tCANCELLED\x10\x12\x12\f\n" +
+	"\bINTERNAL\x10\x13*\xcf\x01\n" +
 	"\tSaveState\x12\x1a\n" +
 	"\x16SAVE_STATE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11SAVE_STATE_STAGED\x10\x01\x12\x17\n" +
@@ -3894,134 +4047,135 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 	return file_ckptd_v1_ckptd_proto_rawDescData
 }
 
-var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
 var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 54)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
-	(SaveState)(0),                  // 0: ckptd.v1.SaveState
-	(*GetArenaRequest)(nil),         // 1: ckptd.v1.GetArenaRequest
-	(*ArenaInfo)(nil),               // 2: ckptd.v1.ArenaInfo
-	(*Tensor)(nil),                  // 3: ckptd.v1.Tensor
-	(*SaveTarget)(nil),              // 4: ckptd.v1.SaveTarget
-	(*BeginSaveRequest)(nil),        // 5: ckptd.v1.BeginSaveRequest
-	(*Lease)(nil),                   // 6: ckptd.v1.Lease
-	(*BeginSaveResponse)(nil),       // 7: ckptd.v1.BeginSaveResponse
-	(*CommitSaveRequest)(nil),       // 8: ckptd.v1.CommitSaveRequest
-	(*CommitSaveResponse)(nil),      // 9: ckptd.v1.CommitSaveResponse
-	(*AbortSaveRequest)(nil),        // 10: ckptd.v1.AbortSaveRequest
-	(*AbortSaveResponse)(nil),       // 11: ckptd.v1.AbortSaveResponse
-	(*SaveStreamHeader)(nil),        // 12: ckptd.v1.SaveStreamHeader
-	(*SaveStreamRequest)(nil),       // 13: ckptd.v1.SaveStreamRequest
-	(*WaitSaveRequest)(nil),         // 14: ckptd.v1.WaitSaveRequest
-	(*WaitSaveResponse)(nil),        // 15: ckptd.v1.WaitSaveResponse
-	(*ListStepsRequest)(nil),        // 16: ckptd.v1.ListStepsRequest
-	(*StepInfo)(nil),                // 17: ckptd.v1.StepInfo
-	(*ListStepsResponse)(nil),       // 18: ckptd.v1.ListStepsResponse
-	(*BeginRestoreRequest)(nil),     // 19: ckptd.v1.BeginRestoreRequest
-	(*RestoreHeader)(nil),           // 20: ckptd.v1.RestoreHeader
-	(*BeginRestoreResponse)(nil),    // 21: ckptd.v1.BeginRestoreResponse
-	(*RestoreStreamResponse)(nil),   // 22: ckptd.v1.RestoreStreamResponse
-	(*ReleaseRegionRequest)(nil),    // 23: ckptd.v1.ReleaseRegionRequest
-	(*ReleaseRegionResponse)(nil),   // 24: ckptd.v1.ReleaseRegionResponse
-	(*OpenDatasetRequest)(nil),      // 25: ckptd.v1.OpenDatasetRequest
-	(*OpenDatasetResponse)(nil),     // 26: ckptd.v1.OpenDatasetResponse
-	(*NextBatchRequest)(nil),        // 27: ckptd.v1.NextBatchRequest
-	(*SampleField)(nil),             // 28: ckptd.v1.SampleField
-	(*Sample)(nil),                  // 29: ckptd.v1.Sample
-	(*PrefetchStats)(nil),           // 30: ckptd.v1.PrefetchStats
-	(*NextBatchResponse)(nil),       // 31: ckptd.v1.NextBatchResponse
-	(*CloseDatasetRequest)(nil),     // 32: ckptd.v1.CloseDatasetRequest
-	(*CloseDatasetResponse)(nil),    // 33: ckptd.v1.CloseDatasetResponse
-	(*DatasetPositionRequest)(nil),  // 34: ckptd.v1.DatasetPositionRequest
-	(*DatasetPositionResponse)(nil), // 35: ckptd.v1.DatasetPositionResponse
-	(*GetStatusRequest)(nil),        // 36: ckptd.v1.GetStatusRequest
-	(*DaemonStatus)(nil),            // 37: ckptd.v1.DaemonStatus
-	(*HotTier)(nil),                 // 38: ckptd.v1.HotTier
-	(*ArenaUsage)(nil),              // 39: ckptd.v1.ArenaUsage
-	(*SaveActivity)(nil),            // 40: ckptd.v1.SaveActivity
-	(*LeaseState)(nil),              // 41: ckptd.v1.LeaseState
-	(*DatasetState)(nil),            // 42: ckptd.v1.DatasetState
-	(*PersistRequest)(nil),          // 43: ckptd.v1.PersistRequest
-	(*PersistResponse)(nil),         // 44: ckptd.v1.PersistResponse
-	(*InventoryRequest)(nil),        // 45: ckptd.v1.InventoryRequest
-	(*HeldShard)(nil),               // 46: ckptd.v1.HeldShard
-	(*InventoryResponse)(nil),       // 47: ckptd.v1.InventoryResponse
-	(*ReplicaHeader)(nil),           // 48: ckptd.v1.ReplicaHeader
-	(*ReplicaPiece)(nil),            // 49: ckptd.v1.ReplicaPiece
-	(*PutReplicaResponse)(nil),      // 50: ckptd.v1.PutReplicaResponse
-	(*GetReplicaRequest)(nil),       // 51: ckptd.v1.GetReplicaRequest
-	nil,                             // 52: ckptd.v1.WaitSaveResponse.MetadataEntry
-	nil,                             // 53: ckptd.v1.DaemonStatus.ErrorsEntry
-	nil,                             // 54: ckptd.v1.DaemonStatus.BackendErrorsEntry
+	(ErrorReason)(0),                // 0: ckptd.v1.ErrorReason
+	(SaveState)(0),                  // 1: ckptd.v1.SaveState
+	(*GetArenaRequest)(nil),         // 2: ckptd.v1.GetArenaRequest
+	(*ArenaInfo)(nil),               // 3: ckptd.v1.ArenaInfo
+	(*Tensor)(nil),                  // 4: ckptd.v1.Tensor
+	(*SaveTarget)(nil),              // 5: ckptd.v1.SaveTarget
+	(*BeginSaveRequest)(nil),        // 6: ckptd.v1.BeginSaveRequest
+	(*Lease)(nil),                   // 7: ckptd.v1.Lease
+	(*BeginSaveResponse)(nil),       // 8: ckptd.v1.BeginSaveResponse
+	(*CommitSaveRequest)(nil),       // 9: ckptd.v1.CommitSaveRequest
+	(*CommitSaveResponse)(nil),      // 10: ckptd.v1.CommitSaveResponse
+	(*AbortSaveRequest)(nil),        // 11: ckptd.v1.AbortSaveRequest
+	(*AbortSaveResponse)(nil),       // 12: ckptd.v1.AbortSaveResponse
+	(*SaveStreamHeader)(nil),        // 13: ckptd.v1.SaveStreamHeader
+	(*SaveStreamRequest)(nil),       // 14: ckptd.v1.SaveStreamRequest
+	(*WaitSaveRequest)(nil),         // 15: ckptd.v1.WaitSaveRequest
+	(*WaitSaveResponse)(nil),        // 16: ckptd.v1.WaitSaveResponse
+	(*ListStepsRequest)(nil),        // 17: ckptd.v1.ListStepsRequest
+	(*StepInfo)(nil),                // 18: ckptd.v1.StepInfo
+	(*ListStepsResponse)(nil),       // 19: ckptd.v1.ListStepsResponse
+	(*BeginRestoreRequest)(nil),     // 20: ckptd.v1.BeginRestoreRequest
+	(*RestoreHeader)(nil),           // 21: ckptd.v1.RestoreHeader
+	(*BeginRestoreResponse)(nil),    // 22: ckptd.v1.BeginRestoreResponse
+	(*RestoreStreamResponse)(nil),   // 23: ckptd.v1.RestoreStreamResponse
+	(*ReleaseRegionRequest)(nil),    // 24: ckptd.v1.ReleaseRegionRequest
+	(*ReleaseRegionResponse)(nil),   // 25: ckptd.v1.ReleaseRegionResponse
+	(*OpenDatasetRequest)(nil),      // 26: ckptd.v1.OpenDatasetRequest
+	(*OpenDatasetResponse)(nil),     // 27: ckptd.v1.OpenDatasetResponse
+	(*NextBatchRequest)(nil),        // 28: ckptd.v1.NextBatchRequest
+	(*SampleField)(nil),             // 29: ckptd.v1.SampleField
+	(*Sample)(nil),                  // 30: ckptd.v1.Sample
+	(*PrefetchStats)(nil),           // 31: ckptd.v1.PrefetchStats
+	(*NextBatchResponse)(nil),       // 32: ckptd.v1.NextBatchResponse
+	(*CloseDatasetRequest)(nil),     // 33: ckptd.v1.CloseDatasetRequest
+	(*CloseDatasetResponse)(nil),    // 34: ckptd.v1.CloseDatasetResponse
+	(*DatasetPositionRequest)(nil),  // 35: ckptd.v1.DatasetPositionRequest
+	(*DatasetPositionResponse)(nil), // 36: ckptd.v1.DatasetPositionResponse
+	(*GetStatusRequest)(nil),        // 37: ckptd.v1.GetStatusRequest
+	(*DaemonStatus)(nil),            // 38: ckptd.v1.DaemonStatus
+	(*HotTier)(nil),                 // 39: ckptd.v1.HotTier
+	(*ArenaUsage)(nil),              // 40: ckptd.v1.ArenaUsage
+	(*SaveActivity)(nil),            // 41: ckptd.v1.SaveActivity
+	(*LeaseState)(nil),              // 42: ckptd.v1.LeaseState
+	(*DatasetState)(nil),            // 43: ckptd.v1.DatasetState
+	(*PersistRequest)(nil),          // 44: ckptd.v1.PersistRequest
+	(*PersistResponse)(nil),         // 45: ckptd.v1.PersistResponse
+	(*InventoryRequest)(nil),        // 46: ckptd.v1.InventoryRequest
+	(*HeldShard)(nil),               // 47: ckptd.v1.HeldShard
+	(*InventoryResponse)(nil),       // 48: ckptd.v1.InventoryResponse
+	(*ReplicaHeader)(nil),           // 49: ckptd.v1.ReplicaHeader
+	(*ReplicaPiece)(nil),            // 50: ckptd.v1.ReplicaPiece
+	(*PutReplicaResponse)(nil),      // 51: ckptd.v1.PutReplicaResponse
+	(*GetReplicaRequest)(nil),       // 52: ckptd.v1.GetReplicaRequest
+	nil,                             // 53: ckptd.v1.WaitSaveResponse.MetadataEntry
+	nil,                             // 54: ckptd.v1.DaemonStatus.ErrorsEntry
+	nil,                             // 55: ckptd.v1.DaemonStatus.BackendErrorsEntry
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
-	4,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
-	3,  // 1: ckptd.v1.BeginSaveRequest.tensors:type_name -> ckptd.v1.Tensor
-	6,  // 2: ckptd.v1.BeginSaveResponse.lease:type_name -> ckptd.v1.Lease
-	4,  // 3: ckptd.v1.CommitSaveResponse.target:type_name -> ckptd.v1.SaveTarget
-	4,  // 4: ckptd.v1.SaveStreamHeader.target:type_name -> ckptd.v1.SaveTarget
-	3,  // 5: ckptd.v1.SaveStreamHeader.tensors:type_name -> ckptd.v1.Tensor
-	12, // 6: ckptd.v1.SaveStreamRequest.header:type_name -> ckptd.v1.SaveStreamHeader
-	0,  // 7: ckptd.v1.WaitSaveResponse.state:type_name -> ckptd.v1.SaveState
-	52, // 8: ckptd.v1.WaitSaveResponse.metadata:type_name -> ckptd.v1.WaitSaveResponse.MetadataEntry
-	17, // 9: ckptd.v1.ListStepsResponse.steps:type_name -> ckptd.v1.StepInfo
-	3,  // 10: ckptd.v1.RestoreHeader.tensors:type_name -> ckptd.v1.Tensor
-	6,  // 11: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
-	20, // 12: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
-	20, // 13: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
-	28, // 14: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
-	6,  // 15: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
-	29, // 16: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
-	30, // 17: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
-	39, // 18: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
-	40, // 19: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
-	41, // 20: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
-	42, // 21: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
-	53, // 22: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
-	38, // 23: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
-	54, // 24: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
-	4,  // 25: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
-	4,  // 26: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
-	30, // 27: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
-	46, // 28: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
-	48, // 29: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
-	1,  // 30: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
-	5,  // 31: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
-	8,  // 32: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
-	10, // 33: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
-	13, // 34: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
-	14, // 35: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
-	16, // 36: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
-	19, // 37: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
-	19, // 38: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
-	23, // 39: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
-	25, // 40: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
-	27, // 41: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
-	32, // 42: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
-	34, // 43: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
-	36, // 44: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
-	49, // 45: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
-	51, // 46: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
-	45, // 47: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
-	43, // 48: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
-	2,  // 49: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	7,  // 50: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	9,  // 51: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	11, // 52: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	9,  // 53: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	15, // 54: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	18, // 55: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	21, // 56: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	22, // 57: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	24, // 58: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	26, // 59: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	31, // 60: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	33, // 61: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	35, // 62: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
-	37, // 63: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
-	50, // 64: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
-	49, // 65: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
-	47, // 66: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
-	44, // 67: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
+	5,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
+	4,  // 1: ckptd.v1.BeginSaveRequest.tensors:type_name -> ckptd.v1.Tensor
+	7,  // 2: ckptd.v1.BeginSaveResponse.lease:type_name -> ckptd.v1.Lease
+	5,  // 3: ckptd.v1.CommitSaveResponse.target:type_name -> ckptd.v1.SaveTarget
+	5,  // 4: ckptd.v1.SaveStreamHeader.target:type_name -> ckptd.v1.SaveTarget
+	4,  // 5: ckptd.v1.SaveStreamHeader.tensors:type_name -> ckptd.v1.Tensor
+	13, // 6: ckptd.v1.SaveStreamRequest.header:type_name -> ckptd.v1.SaveStreamHeader
+	1,  // 7: ckptd.v1.WaitSaveResponse.state:type_name -> ckptd.v1.SaveState
+	53, // 8: ckptd.v1.WaitSaveResponse.metadata:type_name -> ckptd.v1.WaitSaveResponse.MetadataEntry
+	18, // 9: ckptd.v1.ListStepsResponse.steps:type_name -> ckptd.v1.StepInfo
+	4,  // 10: ckptd.v1.RestoreHeader.tensors:type_name -> ckptd.v1.Tensor
+	7,  // 11: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
+	21, // 12: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
+	21, // 13: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
+	29, // 14: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
+	7,  // 15: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
+	30, // 16: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
+	31, // 17: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
+	40, // 18: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
+	41, // 19: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
+	42, // 20: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
+	43, // 21: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
+	54, // 22: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	39, // 23: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
+	55, // 24: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
+	5,  // 25: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
+	5,  // 26: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
+	31, // 27: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
+	47, // 28: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
+	49, // 29: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
+	2,  // 30: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
+	6,  // 31: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
+	9,  // 32: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
+	11, // 33: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
+	14, // 34: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
+	15, // 35: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
+	17, // 36: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
+	20, // 37: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
+	20, // 38: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
+	24, // 39: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
+	26, // 40: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
+	28, // 41: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
+	33, // 42: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
+	35, // 43: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
+	37, // 44: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
+	50, // 45: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
+	52, // 46: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
+	46, // 47: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
+	44, // 48: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
+	3,  // 49: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	8,  // 50: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	10, // 51: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	12, // 52: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	10, // 53: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	16, // 54: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	19, // 55: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	22, // 56: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	23, // 57: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	25, // 58: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	27, // 59: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	32, // 60: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	34, // 61: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	36, // 62: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
+	38, // 63: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	51, // 64: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
+	50, // 65: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
+	48, // 66: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
+	45, // 67: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
 	49, // [49:68] is the sub-list for method output_type
 	30, // [30:49] is the sub-list for method input_type
 	30, // [30:30] is the sub-list for extension type_name
@@ -4047,7 +4201,7 @@ func file_ckptd_v1_ckptd_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
-			NumEnums:      1,
+			NumEnums:      2,
 			NumMessages:   54,
 			NumExtensions: 0,
 			NumServices:   4,

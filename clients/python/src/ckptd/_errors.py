@@ -21,6 +21,8 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from .v1 import ckptd_pb2 as pb
+
 # ErrorInfo.domain of the daemon's errors (contracts: structured errors).
 DOMAIN = "ckptd.io"
 
@@ -174,28 +176,31 @@ class ClientClosedError(CkptdError):
     """The client was closed."""
 
 
-# The daemon's reasons (contracts: structured errors) and their classes.
-_BY_REASON: dict[str, type[CkptdError]] = {
-    "INVALID": InvalidArgumentError,
-    "STEP_NOT_FOUND": NotFoundError,
-    "UNKNOWN_LEASE": NotFoundError,
-    "UNKNOWN_SESSION": NotFoundError,
-    "STEP_COMMITTED": AlreadyExistsError,
-    "SAVE_IN_PROGRESS": AlreadyExistsError,
-    "ARENA_FULL": ResourceExhaustedError,
-    "TOO_LARGE": ResourceExhaustedError,
-    "OVER_BUDGET": ResourceExhaustedError,
-    "STORAGE_FULL": ResourceExhaustedError,
-    "CORRUPT": DataLossError,
-    "STORAGE_UNAVAILABLE": StorageUnavailableError,
-    "SHUTTING_DOWN": DaemonUnavailableError,
-    "PERMISSION_DENIED": PermissionDeniedError,
-    "STORAGE_MISCONFIGURED": StorageMisconfiguredError,
-    "STORE_UNSAFE": StoreUnsafeError,
-    "DEADLINE": TimeoutError,
-    "CANCELLED": CkptdError,
-    "INTERNAL": CkptdError,
+# The daemon's reasons (the proto's ErrorReason, whose names ErrorInfo
+# carries: contracts, structured errors) and their classes.
+_R = pb.ErrorReason
+_CLASSES: dict[pb.ErrorReason, type[CkptdError]] = {
+    _R.INVALID: InvalidArgumentError,
+    _R.STEP_NOT_FOUND: NotFoundError,
+    _R.UNKNOWN_LEASE: NotFoundError,
+    _R.UNKNOWN_SESSION: NotFoundError,
+    _R.STEP_COMMITTED: AlreadyExistsError,
+    _R.SAVE_IN_PROGRESS: AlreadyExistsError,
+    _R.ARENA_FULL: ResourceExhaustedError,
+    _R.TOO_LARGE: ResourceExhaustedError,
+    _R.OVER_BUDGET: ResourceExhaustedError,
+    _R.STORAGE_FULL: ResourceExhaustedError,
+    _R.CORRUPT: DataLossError,
+    _R.STORAGE_UNAVAILABLE: StorageUnavailableError,
+    _R.SHUTTING_DOWN: DaemonUnavailableError,
+    _R.PERMISSION_DENIED: PermissionDeniedError,
+    _R.STORAGE_MISCONFIGURED: StorageMisconfiguredError,
+    _R.STORE_UNSAFE: StoreUnsafeError,
+    _R.DEADLINE: TimeoutError,
+    _R.CANCELLED: CkptdError,
+    _R.INTERNAL: CkptdError,
 }
+_BY_REASON: dict[str, type[CkptdError]] = {_R.Name(r): cls for r, cls in _CLASSES.items()}
 
 # For a status without ErrorInfo (or with a reason this client does not
 # know): the class its code implies. UNAVAILABLE without a reason is taken

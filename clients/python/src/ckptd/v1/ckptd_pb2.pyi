@@ -7,6 +7,29 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    INVALID: _ClassVar[ErrorReason]
+    STEP_NOT_FOUND: _ClassVar[ErrorReason]
+    UNKNOWN_LEASE: _ClassVar[ErrorReason]
+    UNKNOWN_SESSION: _ClassVar[ErrorReason]
+    STEP_COMMITTED: _ClassVar[ErrorReason]
+    SAVE_IN_PROGRESS: _ClassVar[ErrorReason]
+    ARENA_FULL: _ClassVar[ErrorReason]
+    TOO_LARGE: _ClassVar[ErrorReason]
+    OVER_BUDGET: _ClassVar[ErrorReason]
+    STORAGE_FULL: _ClassVar[ErrorReason]
+    CORRUPT: _ClassVar[ErrorReason]
+    STORAGE_UNAVAILABLE: _ClassVar[ErrorReason]
+    SHUTTING_DOWN: _ClassVar[ErrorReason]
+    PERMISSION_DENIED: _ClassVar[ErrorReason]
+    STORAGE_MISCONFIGURED: _ClassVar[ErrorReason]
+    STORE_UNSAFE: _ClassVar[ErrorReason]
+    DEADLINE: _ClassVar[ErrorReason]
+    CANCELLED: _ClassVar[ErrorReason]
+    INTERNAL: _ClassVar[ErrorReason]
+
 class SaveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SAVE_STATE_UNSPECIFIED: _ClassVar[SaveState]
@@ -17,6 +40,26 @@ class SaveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SAVE_STATE_FAILED: _ClassVar[SaveState]
     SAVE_STATE_HOT: _ClassVar[SaveState]
     SAVE_STATE_REPLICATED: _ClassVar[SaveState]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+INVALID: ErrorReason
+STEP_NOT_FOUND: ErrorReason
+UNKNOWN_LEASE: ErrorReason
+UNKNOWN_SESSION: ErrorReason
+STEP_COMMITTED: ErrorReason
+SAVE_IN_PROGRESS: ErrorReason
+ARENA_FULL: ErrorReason
+TOO_LARGE: ErrorReason
+OVER_BUDGET: ErrorReason
+STORAGE_FULL: ErrorReason
+CORRUPT: ErrorReason
+STORAGE_UNAVAILABLE: ErrorReason
+SHUTTING_DOWN: ErrorReason
+PERMISSION_DENIED: ErrorReason
+STORAGE_MISCONFIGURED: ErrorReason
+STORE_UNSAFE: ErrorReason
+DEADLINE: ErrorReason
+CANCELLED: ErrorReason
+INTERNAL: ErrorReason
 SAVE_STATE_UNSPECIFIED: SaveState
 SAVE_STATE_STAGED: SaveState
 SAVE_STATE_DRAINING: SaveState
