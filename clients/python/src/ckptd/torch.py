@@ -44,7 +44,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from . import _attempt, _names, _ranks, _sharding, _tensors
+from . import _attempt, _names, _ranks, _sharding
 from ._client import Client
 from ._dataset import DatasetSpec
 from ._elastic import gather_dataset_state
@@ -343,8 +343,7 @@ class _Packer:
             raise TypeError(f"{':'.join(path)}: a DTensor must be inside model, optimizer or extra")
         group, fqn = path[0], ".".join(path[1:])
         shape, offsets = _local_box(t)
-        local = t.to_local().detach()
-        local = _tensors.bits(torch, local).contiguous().view(local.dtype)  # any dtype
+        local = t.to_local().detach().contiguous()
         if tuple(local.shape) != shape:
             raise ValueError(
                 f"{':'.join(path)}: the local tensor is {tuple(local.shape)}, but its "
@@ -486,7 +485,7 @@ class _Source:
             seen.add(box)
             dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))
             src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p.offsets, strict=True))
-            _tensors.bits(torch, out)[dst] = _tensors.bits(torch, t)[src]  # any dtype, bit for bit
+            out[dst] = t[src]
             filled += prod(b - a for a, b in zip(lo, hi, strict=True))
         if filled != prod(shape):
             raise CkptdError(
@@ -617,8 +616,7 @@ def _as_like(value: Any, like: Any) -> Any:
         return value
     shape, offsets = _local_box(like)
     box = tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
-    local = _tensors.bits(torch, value)[box].contiguous().view(value.dtype)  # any dtype
-    return _from_local(local, like)
+    return _from_local(value[box].contiguous(), like)
 
 
 class _RunAttempt:
