@@ -1,7 +1,10 @@
-// Package checkpoint is ckptd's checkpoint core: it validates staged shards,
-// drains them to a storage.Backend as compressed, hashed chunks, commits
-// steps, and lists, verifies, restores and prunes them. It knows nothing of
-// gRPC; the daemon's server adapter and the CLI both call into it.
+// Package checkpoint is ckptd's checkpoint format and the operations on
+// it: it validates shards, writes them to a storage.Backend as compressed,
+// hashed chunks, commits steps, and lists, verifies, reads and prunes them.
+// It is all that `ckptd restore`, `export`, `list`, `verify` and `prune`
+// need, with no daemon running. The daemon's runtime (leases on the arena,
+// the drain, save states, restores into the arena) is package staging,
+// which calls into this one. It knows nothing of gRPC.
 //
 // # Storage layout
 //
