@@ -15,7 +15,7 @@ import (
 // PrefetchArena fit the daemon's arena to them; regions convert as they
 // are, since all three region types are an offset and a length.
 
-// CheckpointArena is a as a staging.Manager uses it.
+// CheckpointArena is the daemon's arena a as a staging.Manager uses it.
 func CheckpointArena(a *arena.Arena) staging.Arena { return checkpointArena{a} }
 
 type checkpointArena struct{ *arena.Arena }
@@ -69,7 +69,7 @@ type alsoIs struct {
 
 func (e alsoIs) Unwrap() []error { return []error{e.error, e.target} }
 
-// PrefetchArena is a as a prefetch.Service uses it.
+// PrefetchArena is the daemon's arena a as a prefetch.Service uses it.
 func PrefetchArena(a *arena.Arena) prefetch.Arena { return prefetchArena{a} }
 
 type prefetchArena struct{ *arena.Arena }

@@ -55,7 +55,8 @@ type Backend struct {
 	// The modes of new files and folders, as mode_t bits.
 	fileMode, dirMode uint32
 
-	// How writes went; read by tests, and by metrics later.
+	// How writes went, for the tests that check which path a write took
+	// (O_DIRECT or buffered).
 	directWrites   atomic.Int64 // writes that turned O_DIRECT on
 	directFallback atomic.Int64 // EINVALs that made a write give up O_DIRECT
 }
