@@ -25,8 +25,9 @@
 // EvenDrop as many as the rank with the fewest, the others stopping early.
 // That needs every rank's count, so every shard's: the samples of each
 // shard dealt are counted in the background (countSamples reads a tar's
-// member headers and skips their data; a raw object is one sample), once
-// per daemon for all its sessions (Cache.counts, within CountBytes). A
+// member headers and skips what data it can, see skipReader; a raw object
+// is one sample; a shard a session parses whole is counted for free),
+// once per daemon for all its sessions (Cache.counts, within CountBytes). A
 // padded rank waits for the counts only at its end; a dropping one
 // delivers freely as far as every rank's counted shards reach. A world
 // size of 1 counts nothing.

@@ -309,6 +309,13 @@ func (sc *sampleCounts) count(ctx context.Context, b storage.Backend, prefix str
 	}
 }
 
+// learn records the count of a shard an iteration parsed whole.
+func (sc *sampleCounts) learn(b storage.Backend, sh Shard, n int) {
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	sc.remember(shardKey(b, sh), n)
+}
+
 // remember records a count; call with mu.
 func (sc *sampleCounts) remember(key string, n int) {
 	cost := int64(len(key)) + 64
@@ -349,8 +356,10 @@ func countSamples(ctx context.Context, b storage.Backend, sh Shard) (int, error)
 // skipReader reads an object as a stream that can skip ahead (io.Seeker,
 // which archive/tar uses to pass over members' data): a short skip reads
 // through, a longer one opens the object again where it lands (a ranged
-// read), so that counting a shard of large samples reads little more than
-// its headers.
+// read). From a local source a skip of more than 8 KiB reopens (a syscall
+// or two), so counting reads little more than the headers; from S3 only a
+// skip of more than 1 MiB does (a request costs about what reading 1 MiB
+// does), so a shard of small samples is read through.
 type skipReader struct {
 	ctx   context.Context
 	b     storage.Backend

@@ -1803,9 +1803,9 @@ type OpenDatasetRequest struct {
 	// the rank with the fewest, the others leaving out the last samples of
 	// their order; "off": each rank its shards' samples, counts as they
 	// fall. A job whose ranks step together (DDP) needs equal counts, or
-	// hangs at the epoch's end. pad and drop count every shard's samples
-	// (once per daemon: a tar's headers are read, not its data); a world
-	// size of 1 needs no counts.
+	// hangs at the epoch's end. pad and drop count every shard's samples,
+	// once per daemon (a local tar's member headers only; from S3 members
+	// under 1 MiB are read through); a world size of 1 needs no counts.
 	Even string `protobuf:"bytes,12,opt,name=even,proto3" json:"even,omitempty"`
 	// Send with each batch the samples it holds as a position
 	// (NextBatchResponse.delivered), for a consumer that keeps its own

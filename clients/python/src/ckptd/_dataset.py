@@ -100,7 +100,8 @@ class DatasetSpec:
             whose ranks step together (DDP) needs equal counts: with "off"
             and uneven counts it hangs at the epoch's end. With world_size
             1 it changes nothing; otherwise the daemon counts every shard's
-            samples once (reading the tars' headers, not their data).
+            samples once (a local source's tar headers only; from S3 it
+            reads through members under 1 MiB).
 
     Raises:
         TypeError: a field of the wrong type.
