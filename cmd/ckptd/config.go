@@ -156,10 +156,21 @@ func setupLogging(cmd *cobra.Command) error {
 	switch format, _ := cmd.Flags().GetString("log-format"); format {
 	case "text":
 		slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, opts)))
-	case "json": // one object per line, for log shippers
+	case "json": // one object per line, for log shippers; durations in seconds, as numbers
+		opts.ReplaceAttr = secondsForDurations
 		slog.SetDefault(slog.New(slog.NewJSONHandler(os.Stderr, opts)))
 	default:
 		return usageError{fmt.Errorf("--log-format %q: want text or json", format)}
 	}
 	return nil
+}
+
+// secondsForDurations writes a duration as seconds (a float): slog's JSON
+// handler writes nanoseconds, which a log shipper cannot tell from a
+// count.
+func secondsForDurations(_ []string, a slog.Attr) slog.Attr {
+	if a.Value.Kind() == slog.KindDuration {
+		a.Value = slog.Float64Value(a.Value.Duration().Seconds())
+	}
+	return a
 }

@@ -6,13 +6,14 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"os"
 	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
-	"google.golang.org/protobuf/encoding/protojson"
+	"golang.org/x/term"
 
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
@@ -34,7 +35,7 @@ func newStatusCmd() *cobra.Command {
 	}
 	fs := cmd.Flags()
 	fs.StringVar(&o.Socket, "socket", "", "the daemon's socket (default as for serve)")
-	fs.BoolVar(&o.JSON, "json", false, "print the status as JSON (the protocol's DaemonStatus message)")
+	fs.BoolVar(&o.JSON, "json", false, "print the status as JSON (the protocol's DaemonStatus message; 64-bit integers as numbers)")
 	fs.DurationVar(&o.Watch, "watch", 0, "redraw every interval (e.g. 2s) until interrupted")
 	fs.DurationVar(&o.Timeout, "timeout", 5*time.Second, "how long to wait for each answer")
 	return cmd
@@ -56,8 +57,8 @@ func runStatus(ctx context.Context, o *statusOptions, out io.Writer) error {
 		if err != nil {
 			return err
 		}
-		if o.Watch > 0 && !o.JSON {
-			fmt.Fprint(out, "\033[H\033[2J") // home, clear: redraw in place
+		if o.Watch > 0 {
+			redraw(out, o.JSON)
 		}
 		if err := printStatus(out, socket, st, o.JSON); err != nil {
 			return err
@@ -73,9 +74,22 @@ func runStatus(ctx context.Context, o *statusOptions, out io.Writer) error {
 	}
 }
 
+// redraw starts a frame of --watch: on a terminal, a table is drawn over
+// the last one (home, clear); into a pipe or a file, or as JSON, frames
+// follow each other with no escape codes (a JSON frame is one object).
+func redraw(out io.Writer, asJSON bool) {
+	if f, ok := out.(*os.File); ok && !asJSON && term.IsTerminal(int(f.Fd())) {
+		fmt.Fprint(out, "\033[H\033[2J")
+		return
+	}
+	if !asJSON {
+		fmt.Fprintf(out, "--- %s\n", time.Now().Format(time.RFC3339))
+	}
+}
+
 func printStatus(out io.Writer, socket string, st *pb.DaemonStatus, asJSON bool) error {
 	if asJSON {
-		b, err := protojson.MarshalOptions{Multiline: true, EmitUnpopulated: true}.Marshal(st)
+		b, err := protoJSON(st.ProtoReflect())
 		if err != nil {
 			return err
 		}

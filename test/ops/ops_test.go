@@ -90,6 +90,10 @@ func TestJSONLogs(t *testing.T) {
 					t.Errorf("the save line lacks %q: %s", k, line)
 				}
 			}
+			// Seconds, not nanoseconds: a drain of 6 MB takes well under a minute.
+			if d, ok := rec["duration"].(float64); !ok || d <= 0 || d > 60 {
+				t.Errorf("the save line's duration is not in seconds: %v", rec["duration"])
+			}
 		}
 	}
 	if saves != 1 {
@@ -106,7 +110,7 @@ func TestCLIDeadStoreFailsFast(t *testing.T) {
 	start := time.Now()
 	_, stderr, err := daemontest.CLIEnv(t, env, "list", "--storage", store, "--job", "e2e")
 	took := time.Since(start)
-	if err == nil || took > 45*time.Second {
+	if err == nil || took > testtime.Scale(45*time.Second) {
 		t.Fatalf("list against a dead store: %v after %s", err, took)
 	}
 	if lines := strings.Count(strings.TrimSpace(stderr), "\n") + 1; lines != 1 {
@@ -130,6 +134,11 @@ func TestStatus(t *testing.T) {
 		t.Fatal(err)
 	}
 	st := daemontest.StatusJSON(t, d.Socket)
+	// 64-bit integers are JSON numbers, not protojson's strings.
+	raw, _, err := daemontest.CLI(t, "status", "--socket", d.Socket, "--json")
+	if err != nil || !strings.Contains(raw, `"size": 268435456`) || !strings.Contains(raw, `"step": 7`) {
+		t.Fatalf("status --json: want numbers for 64-bit fields (%v):\n%s", err, raw)
+	}
 	a := st.GetArena()
 	if !st.GetStorageReady() || a.GetSize() != 256<<20 || a.GetStaging() == 0 || a.GetUsed() < a.GetStaging() {
 		t.Fatalf("status: ready %v, arena %v", st.GetStorageReady(), a)
@@ -262,7 +271,7 @@ func TestStatusWatch(t *testing.T) {
 	frames := watchFrames(stdout)
 	next := func(want string) string {
 		t.Helper()
-		timeout := time.After(30 * time.Second)
+		timeout := time.After(testtime.Scale(time.Minute))
 		for {
 			select {
 			case f, ok := <-frames:
@@ -273,7 +282,7 @@ func TestStatusWatch(t *testing.T) {
 					return f
 				}
 			case <-timeout:
-				t.Fatalf("no frame with %q within 30s", want)
+				t.Fatalf("no frame with %q within %v", want, testtime.Scale(time.Minute))
 			}
 		}
 	}
@@ -297,11 +306,18 @@ func TestStatusWatch(t *testing.T) {
 // watchFrames splits --watch's output into the frames between its
 // clear-screen sequences.
 func watchFrames(r io.Reader) <-chan string {
-	const clear = "\033[H\033[2J"
+	// Into a pipe, a frame begins with a "--- <time>" line, no escape
+	// codes (those are for a terminal only).
+	sep := []byte("--- ")
 	sc := bufio.NewScanner(r)
 	sc.Split(func(data []byte, atEOF bool) (int, []byte, error) {
-		if i := bytes.Index(data, []byte(clear)); i >= 0 {
-			return i + len(clear), data[:i], nil
+		if bytes.Contains(data, []byte("\033")) {
+			return 0, nil, fmt.Errorf("an escape code in --watch's output to a pipe: %q", data)
+		}
+		if i := bytes.Index(data, sep); i >= 0 {
+			if j := bytes.IndexByte(data[i:], '\n'); j >= 0 {
+				return i + j + 1, data[:i], nil
+			}
 		}
 		if atEOF && len(data) > 0 {
 			return len(data), data, nil
