@@ -5,16 +5,22 @@ Usage: dcp_worker.py MODE RANK WORLD INIT_FILE SOCKET JOB OUT_DIR
 A small model (three nn.Linear layers whose sizes do not divide by 4)
 sharded with FSDP2 fully_shard on a CPU mesh (gloo), with AdamW.
 
+Beside the model and optimizer, the state dict's "extra" holds plain
+(replicated) tensors of every dtype DCP plans (dtype_samples.py: 2-d,
+transposed, 0-d and empty), with random bits that depend on the step.
+
 save (WORLD 4): two optimizer steps, then dcp.save through ckptd.dcp.Writer
   (step 10); rank 0 writes the full (gathered) state to OUT_DIR/full_10.pt.
   Then one more step, and dcp.async_save through a Writer (step 11): the
   full state is gathered first (full_11.pt), and after async_save returns
-  the model is trained on before the future is waited for, so a staged
-  copy that aliased the live tensors would show.
+  the model is trained on (and the extra tensors' bits changed) before the
+  future is waited for, so a staged copy that aliased the live tensors
+  would show.
 load (any WORLD): a differently initialised model on WORLD ranks, loaded
   from step 10 and from "latest" (11) with dcp.load through ckptd.dcp.Reader;
-  rank 0 compares the gathered full state with full_<step>.pt bit for bit
-  and writes OUT_DIR/load_<WORLD>.json.
+  rank 0 compares the gathered full state with full_<step>.pt, and every
+  rank the extra tensors with the saved ones, bit for bit; rank 0 writes
+  OUT_DIR/load_<WORLD>.json.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from dtype_samples import dcp_samples, same_bits
 from slow import scaled
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -38,6 +45,7 @@ from torch.distributed.fsdp import fully_shard
 
 import ckptd
 import ckptd.dcp
+from ckptd import _tensors
 
 
 def build(world: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -62,9 +70,11 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: 
         opt.zero_grad()
 
 
-def sharded(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def sharded(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optim": osd}
+    return {"model": msd, "optim": osd, **({"extra": extra} if extra is not None else {})}
 
 
 def full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -98,7 +108,9 @@ def diff(a: Any, b: Any, path: str = "") -> list[str]:  # noqa: PLR0911
 def save(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> None:
     model, opt = build(world, seed=0)
     train(model, opt, 2, seed=1)
-    written = dcp.save(sharded(model, opt), storage_writer=ckptd.dcp.Writer(client, 10, job=job))
+    written = dcp.save(
+        sharded(model, opt, dcp_samples(10)), storage_writer=ckptd.dcp.Writer(client, 10, job=job)
+    )
     f10 = full(model, opt)
     if rank == 0:
         torch.save(f10, out / "full_10.pt")
@@ -108,12 +120,20 @@ def save(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> No
     f11 = full(model, opt)
     if rank == 0:
         torch.save(f11, out / "full_11.pt")
-    fut = dcp.async_save(sharded(model, opt), storage_writer=ckptd.dcp.Writer(client, 11, job=job))
+    extra = dcp_samples(11)
+    fut = dcp.async_save(
+        sharded(model, opt, extra), storage_writer=ckptd.dcp.Writer(client, 11, job=job)
+    )
     # The staged copy is in the daemon: change the live state (no collectives
     # while the background save uses the default group: parameters by hand).
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
+        for t in extra.values():  # other bits (transposed views share a grid's bytes)
+            if t.is_complex() and t.element_size() == 16:  # no integer of its width
+                t.fill_(7 + 7j)
+            else:
+                _tensors.bits(torch, t).fill_(90)
     fut.result(timeout=scaled(300))
     steps = {s.step: s for s in client.steps(job)}
     assert steps[10].world_size == world and steps[11].world_size == world, steps
@@ -124,14 +144,19 @@ def load(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> No
     train(model, opt, 1, seed=7)  # optimizer state exists, and differs
     report: dict[str, Any] = {}
     for step in (10, "latest"):
-        sd = sharded(model, opt)
+        sd = sharded(model, opt, dcp_samples(99))  # the same dtypes and shapes, other bits
         reader = ckptd.dcp.Reader(client, step, job=job)
         dcp.load(sd, storage_reader=reader)
+        assert reader.step is not None
+        saved = dcp_samples(reader.step)
+        wrong = [n for n, t in saved.items() if not same_bits(sd["extra"][n], t)]
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         got = full(model, opt)
         if rank == 0:
             want = torch.load(out / f"full_{reader.step}.pt", weights_only=False)
-            report[str(step)] = {"step": reader.step, "diff": diff(want, got)}
+            report[str(step)] = {"step": reader.step, "diff": diff(want, got) + wrong}
+        elif wrong:
+            raise AssertionError(f"rank {rank}, step {reader.step}: {wrong} differ")
     if rank == 0:
         (out / f"load_{world}.json").write_text(json.dumps(report))
 

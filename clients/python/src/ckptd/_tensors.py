@@ -4,7 +4,7 @@ Everything here works on flat ``uint8`` numpy buffers (a region of the
 arena, or a scratch buffer for the streaming fallback), so the same code
 serves both transports. torch is never imported here unless the caller
 already did (a torch tensor can only exist once torch is imported), or a
-restored dtype needs it (bfloat16, float8), because importing torch costs
+restored dtype needs it (bfloat16, float8, ...), because importing torch costs
 seconds.
 """
 
@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DType:
-    """One element type as the daemon spells it (safetensors names).
+    """One element type as the daemon spells it (checkpoint/dtype: safetensors' names).
 
     ``raw`` is the little-endian numpy dtype that holds the bits: the real
     numpy type where one exists, an unsigned integer of the same width for
-    bfloat16 and float8, which numpy lacks.
+    the types numpy lacks (bfloat16, float8, complex32, torch's bit and
+    sub-byte containers).
     """
 
     name: str
@@ -43,16 +44,20 @@ class DType:
         return self.raw.itemsize
 
 
+def _opaque(name: str, raw: str, torch_name: str) -> DType:
+    return DType(name, np.dtype(raw), torch_name, numpy_native=False)
+
+
 DTYPES: tuple[DType, ...] = (
     DType("BOOL", np.dtype("?"), "bool"),
     DType("U8", np.dtype("u1"), "uint8"),
     DType("I8", np.dtype("i1"), "int8"),
-    DType("F8_E4M3", np.dtype("u1"), "float8_e4m3fn", numpy_native=False),
-    DType("F8_E5M2", np.dtype("u1"), "float8_e5m2", numpy_native=False),
+    _opaque("F8_E4M3", "u1", "float8_e4m3fn"),
+    _opaque("F8_E5M2", "u1", "float8_e5m2"),
     DType("U16", np.dtype("<u2"), "uint16"),
     DType("I16", np.dtype("<i2"), "int16"),
     DType("F16", np.dtype("<f2"), "float16"),
-    DType("BF16", np.dtype("<u2"), "bfloat16", numpy_native=False),
+    _opaque("BF16", "<u2", "bfloat16"),
     DType("U32", np.dtype("<u4"), "uint32"),
     DType("I32", np.dtype("<i4"), "int32"),
     DType("F32", np.dtype("<f4"), "float32"),
@@ -60,13 +65,42 @@ DTYPES: tuple[DType, ...] = (
     DType("I64", np.dtype("<i8"), "int64"),
     DType("F64", np.dtype("<f8"), "float64"),
     DType("C64", np.dtype("<c8"), "complex64"),
+    # The rest of torch's dtypes; a daemon older than these refuses them.
+    _opaque("F8_E4M3FNUZ", "u1", "float8_e4m3fnuz"),
+    _opaque("F8_E5M2FNUZ", "u1", "float8_e5m2fnuz"),
+    _opaque("F8_E8M0", "u1", "float8_e8m0fnu"),
+    _opaque("FLOAT4_E2M1FN_X2", "u1", "float4_e2m1fn_x2"),  # two FP4 values per byte
+    _opaque("C32", "<u4", "complex32"),
+    DType("C128", np.dtype("<c16"), "complex128"),
+    _opaque("BCOMPLEX32", "<u4", "bcomplex32"),
+    _opaque("BITS8", "u1", "bits8"),
+    _opaque("BITS16", "<u2", "bits16"),
+    _opaque("BITS1X8", "u1", "bits1x8"),
+    _opaque("BITS2X4", "u1", "bits2x4"),
+    _opaque("BITS4X2", "u1", "bits4x2"),
+    *(_opaque(f"INT{n}", "u1", f"int{n}") for n in range(1, 8)),  # one element per byte
+    *(_opaque(f"UINT{n}", "u1", f"uint{n}") for n in range(1, 8)),
 )
 BY_NAME = {d.name: d for d in DTYPES}
 _BY_NUMPY = {(d.raw.kind, d.raw.itemsize): d for d in DTYPES if d.numpy_native}
 # ml_dtypes' extension types (what JAX uses), recognised by name so that
-# ml_dtypes need not be a dependency.
-_BY_NUMPY_NAME = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
-SUPPORTED = ", ".join(d.name for d in DTYPES)
+# ml_dtypes need not be a dependency. (Its float4_e2m1fn holds one value per
+# byte, not torch's two: it has no counterpart here.)
+_BY_NUMPY_NAME = {
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0",
+}
+NUMPY_SUPPORTED = (
+    "numpy's bool, int8-64, uint8-64, float16/32/64 and complex64/128, and ml_dtypes' "
+    + ", ".join(_BY_NUMPY_NAME)
+)
+# Signed integers of each width: torch's and numpy's oldest bit-holders, which
+# every dtype of that width can be viewed as.
+_INT_OF_WIDTH = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def torch_module() -> Any | None:
@@ -141,13 +175,19 @@ def _numpy_leaf(name: str, arr: np.ndarray) -> Leaf:
         arr = arr.view(dt.raw)  # keep the bits; numpy cannot convert these itself
     if dt is None:
         raise TypeError(
-            f"{name!r} has numpy dtype {arr.dtype}, which ckptd cannot store ({SUPPORTED})"
+            f"{name!r} has numpy dtype {arr.dtype}, which ckptd cannot store ({NUMPY_SUPPORTED})"
         )
     return Leaf(name, dt, tuple(int(d) for d in arr.shape), arr, "numpy")
 
 
 def _torch_leaf(torch: Any, name: str, t: torch.Tensor) -> Leaf:
-    if t.layout != torch.strided or t.is_quantized or getattr(t, "is_nested", False):
+    if t.is_quantized:
+        raise TypeError(
+            f"{name!r} is a quantized tensor ({t.dtype}), which ckptd cannot store: its "
+            "scale and zero point are no tensor bytes. Save t.int_repr() with "
+            "t.q_scale() and t.q_zero_point() (or the per-channel ones), or t.dequantize()"
+        )
+    if t.layout != torch.strided or getattr(t, "is_nested", False):
         raise TypeError(
             f"{name!r} is a {t.layout} tensor; only dense (strided) tensors can be saved"
         )
@@ -156,7 +196,9 @@ def _torch_leaf(torch: Any, name: str, t: torch.Tensor) -> Leaf:
     dt = _torch_dtypes(torch).get(t.dtype)
     if dt is None:
         raise TypeError(
-            f"{name!r} has torch dtype {t.dtype}, which ckptd cannot store ({SUPPORTED})"
+            f"{name!r} has torch dtype {t.dtype}, which this ckptd client does not know "
+            "(a torch newer than it?): save t.view(torch.uint8) and view it back after "
+            "loading, or update ckptd"
         )
     return Leaf(name, dt, tuple(int(d) for d in t.shape), t.detach(), "torch")
 
@@ -216,18 +258,29 @@ def copy_in(leaf: Leaf, dst: np.ndarray, pin: Callable[[], bool]) -> bool:
 
 def _host_numpy(t: torch.Tensor, dt: DType) -> np.ndarray:
     """A numpy view of a CPU tensor's elements (no copy unless lazily conjugated)."""
-    t = t.resolve_conj().resolve_neg()
-    if not dt.numpy_native:  # bfloat16, float8: numpy sees the same bits as ints
-        torch = loaded_torch()
-        t = t.view(torch.int16 if dt.itemsize == 2 else torch.int8)
+    if t.is_complex():
+        t = t.resolve_conj()
+    t = t.resolve_neg()
+    if not dt.numpy_native:  # numpy sees the same bits as ints
+        t = bits(loaded_torch(), t)
     return t.numpy()
+
+
+def bits(torch: Any, t: torch.Tensor) -> torch.Tensor:
+    """The tensor viewed as the signed integers of its width, if it has one (no copy).
+
+    Copies through these are bit-exact for every dtype, also those torch
+    cannot copy itself (its int1-7 and uint1-7).
+    """
+    name = _INT_OF_WIDTH.get(t.element_size())
+    return t if name is None or t.dtype == getattr(torch, name) else t.view(getattr(torch, name))
 
 
 def _copy_from_device(leaf: Leaf, dst: np.ndarray, pin: Callable[[], bool]) -> bool:
     torch = loaded_torch()
     out = torch.from_numpy(dst).view(torch_dtype(torch, leaf.dtype)).view(leaf.shape)
     asynchronous = leaf.is_cuda and pin()
-    out.copy_(leaf.value, non_blocking=asynchronous)
+    bits(torch, out).copy_(bits(torch, leaf.value), non_blocking=asynchronous)
     return asynchronous
 
 
@@ -254,7 +307,7 @@ def torch_out(
     """
     td = torch_dtype(torch, dt)
     if src.size == 0:
-        return torch.zeros(shape, dtype=td, device=device)
+        return torch.empty(shape, dtype=td, device=device)  # zeros cannot fill every dtype
     if device.type == "cpu":
         return torch.from_numpy(numpy_out(BY_NAME["U8"], (src.size,), src)).view(td).view(shape)
     out = torch.empty(src.size, dtype=torch.uint8, device=device)
@@ -265,8 +318,9 @@ def torch_out(
 def default_out(dt: DType, shape: tuple[int, ...], src: np.ndarray) -> Any:
     """A restored tensor for load's default (numpy) mode.
 
-    numpy has no bfloat16 or float8: those come back as torch tensors when
-    torch is installed, else as their raw bits (uint16 / uint8 arrays).
+    numpy has no bfloat16, float8, float4, complex32 or torch's bit and
+    sub-byte types: those come back as torch tensors when torch is
+    installed, else as their raw bits (unsigned integer arrays).
     """
     arr = numpy_out(dt, shape, src)
     if dt.numpy_native:
@@ -274,5 +328,5 @@ def default_out(dt: DType, shape: tuple[int, ...], src: np.ndarray) -> Any:
     torch = torch_module()
     if torch is None:
         return arr
-    signed = arr.view(np.int16 if dt.itemsize == 2 else np.int8)  # torch's oldest bit-holders
+    signed = arr.view(np.dtype(_INT_OF_WIDTH[dt.itemsize]))  # torch's oldest bit-holders
     return torch.from_numpy(signed).view(torch_dtype(torch, dt))

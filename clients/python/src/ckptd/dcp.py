@@ -549,7 +549,10 @@ def _read(
                 f"{req.storage_index.fqn!r}: the read needs {tuple(dst.size())} elements, "
                 f"the stored piece {name!r} gives {tuple(src.size())}"
             )
-        dst.copy_(src)
+        if dst.dtype == src.dtype:  # bit for bit, also dtypes torch cannot copy itself
+            _tensors.bits(torch, dst).copy_(_tensors.bits(torch, src))
+        else:
+            dst.copy_(src)
         planner.commit_tensor(req, dst)
 
 

@@ -44,7 +44,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from . import _attempt, _names, _ranks, _sharding
+from . import _attempt, _names, _ranks, _sharding, _tensors
 from ._client import Client
 from ._dataset import DatasetSpec
 from ._elastic import gather_dataset_state
@@ -343,7 +343,8 @@ class _Packer:
             raise TypeError(f"{':'.join(path)}: a DTensor must be inside model, optimizer or extra")
         group, fqn = path[0], ".".join(path[1:])
         shape, offsets = _local_box(t)
-        local = t.to_local().detach().contiguous()
+        local = t.to_local().detach()
+        local = _tensors.bits(torch, local).contiguous().view(local.dtype)  # any dtype
         if tuple(local.shape) != shape:
             raise ValueError(
                 f"{':'.join(path)}: the local tensor is {tuple(local.shape)}, but its "
@@ -485,7 +486,7 @@ class _Source:
             seen.add(box)
             dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))
             src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p.offsets, strict=True))
-            out[dst] = t[src]
+            _tensors.bits(torch, out)[dst] = _tensors.bits(torch, t)[src]  # any dtype, bit for bit
             filled += prod(b - a for a, b in zip(lo, hi, strict=True))
         if filled != prod(shape):
             raise CkptdError(
@@ -616,7 +617,8 @@ def _as_like(value: Any, like: Any) -> Any:
         return value
     shape, offsets = _local_box(like)
     box = tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
-    return _from_local(value[box].contiguous(), like)
+    local = _tensors.bits(torch, value)[box].contiguous().view(value.dtype)  # any dtype
+    return _from_local(local, like)
 
 
 class _RunAttempt:
