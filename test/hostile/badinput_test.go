@@ -2,6 +2,7 @@ package hostile
 
 import (
 	"context"
+	"errors"
 	"io"
 	"net/http"
 	"os"
@@ -135,8 +136,16 @@ func TestNoDaemonError(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	_, err = c.Steps(ctx, "")
-	if err == nil || !strings.Contains(err.Error(), "nobody.sock") {
+	if err == nil || !strings.Contains(err.Error(), "nobody.sock") || !errors.Is(err, ckptd.ErrDaemonUnavailable) {
 		t.Fatalf("no daemon: %v", err)
+	}
+	// Every command that talks to the daemon says so, and how to start one.
+	sock := filepath.Join(t.TempDir(), "nobody.sock")
+	for _, cmd := range [][]string{{"status"}, {"health"}, {"list", "--tiers"}} {
+		_, stderr, err := daemontest.CLI(t, append(cmd, "--socket", sock)...)
+		if err == nil || !strings.Contains(stderr, "no ckptd daemon answers on "+sock) || !strings.Contains(stderr, "ckptd serve --socket "+sock) {
+			t.Errorf("ckptd %v with no daemon: %v\n%s", cmd, err, stderr)
+		}
 	}
 }
 

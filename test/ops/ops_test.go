@@ -62,6 +62,10 @@ func TestHealth(t *testing.T) {
 		t.Fatalf("/healthz while storage is down: %d (the process is alive)", code)
 	}
 	waitFor("ckptd health fails", func() bool { _, err := health(); return err != nil })
+	// It names what fails, as /readyz does: the storage and why.
+	if out, _ := health(); !strings.Contains(out, "NOT_SERVING") || !strings.Contains(out, "does not answer") || !strings.Contains(out, "s3://") {
+		t.Errorf("ckptd health with storage down says: %s", out)
+	}
 	if err := srv.Restart(); err != nil {
 		t.Fatal(err)
 	}

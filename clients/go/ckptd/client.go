@@ -273,7 +273,20 @@ func (c *Client) Health(ctx context.Context) error {
 		return c.wrap(err)
 	}
 	if s := resp.GetStatus(); s != healthpb.HealthCheckResponse_SERVING {
-		return fmt.Errorf("ckptd at %s: %w: %s (see its log)", c.socket, ErrDaemonUnavailable, s)
+		return fmt.Errorf("ckptd at %s: %w: %s: %s", c.socket, ErrDaemonUnavailable, s, c.notServing(ctx))
 	}
 	return nil
+}
+
+// notServing says why a daemon is not serving: the storage it cannot
+// reach, as its status names it, or that it is shutting down.
+func (c *Client) notServing(ctx context.Context) string {
+	st, err := c.Status(ctx)
+	switch {
+	case err != nil:
+		return "its status does not answer either (" + err.Error() + "); see its log"
+	case !st.GetStorageReady():
+		return st.GetStorageError() // "storage <url> does not answer: <why>"
+	}
+	return "it is shutting down"
 }

@@ -4,6 +4,8 @@ package ckptd
 
 import (
 	"errors"
+	"fmt"
+	"strings"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
@@ -104,7 +106,25 @@ type callError struct {
 	err    error
 }
 
-func (e *callError) Error() string { return "ckptd at " + e.socket + ": " + e.err.Error() }
+func (e *callError) Error() string {
+	if status.Code(e.err) == codes.Unavailable && Reason(e.err) == "" {
+		// Nobody answered (no daemon, a crashed one): the socket is what
+		// to check, as the Python client says.
+		return fmt.Sprintf("no ckptd daemon answers on %s (%s); start one with `ckptd serve --socket %s` or set CKPTD_SOCKET",
+			e.socket, dialCause(e.err), e.socket)
+	}
+	return "ckptd at " + e.socket + ": " + e.err.Error()
+}
+
+// dialCause is what a failed connection's status says went wrong, without
+// gRPC's wrapping ("connection error: desc = transport: ...").
+func dialCause(err error) string {
+	msg := status.Convert(err).Message()
+	if _, cause, ok := strings.Cut(msg, "Error while dialing: "); ok {
+		return strings.TrimSuffix(cause, `"`)
+	}
+	return msg
+}
 func (e *callError) Unwrap() error { return e.err }
 
 func (e *callError) Is(target error) bool {
