@@ -302,6 +302,7 @@ func (mgr *Manager) tryCommit(ctx context.Context, t checkpoint.Target) (bool, e
 	switch {
 	case rec.Attempt == t.Attempt:
 		mgr.markDone(keyOf(t), StateCommitted, nil)
+		mgr.m.committed(t.Job, t.Step, time.Now())
 		if won { // one line per step, by the daemon whose commit record won
 			mgr.log.Info("step committed", "job", t.Job, "step", t.Step, "attempt", t.Attempt, "world_size", t.WorldSize)
 		}

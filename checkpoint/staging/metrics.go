@@ -4,6 +4,7 @@ import (
 	"maps"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -41,9 +42,27 @@ type Metrics struct {
 	// RestoreTiers counts restores by the tier that served them: hot,
 	// peer, storage.
 	RestoreTiers *prometheus.CounterVec
+	// LastCommitted and LastCommitTime are, by job, the newest step this
+	// daemon's saves committed and when it saw that (an alert on a job
+	// whose checkpoints stopped: time() - ckptd_last_commit_timestamp_seconds).
+	LastCommitted  *prometheus.GaugeVec
+	LastCommitTime *prometheus.GaugeVec
 
 	mu     sync.Mutex
 	errors map[string]uint64 // Errors' counts, for ErrorCounts
+	// newest is the step LastCommitted shows by job, and when it was set;
+	// at most maxCommitJobs jobs (a client naming a new job for every
+	// save must not grow the metrics without bound): the longest idle
+	// goes first.
+	newest map[string]jobCommit
+}
+
+// maxCommitJobs bounds the jobs the commit gauges keep.
+const maxCommitJobs = 256
+
+type jobCommit struct {
+	step int64
+	at   time.Time
 }
 
 // NewMetrics creates the metrics and registers them with reg (nil: not
@@ -84,11 +103,15 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "ckptd_saves_total", Help: "Saves by the strongest tier they reached (hot, replicated, committed)."}, []string{"tier"}),
 		RestoreTiers: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ckptd_restores_total", Help: "Restores by the tier that served them (hot, peer, storage)."}, []string{"tier"}),
+		LastCommitted: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "ckptd_last_committed_step", Help: "The newest step of the job this daemon's saves committed."}, []string{"job"}),
+		LastCommitTime: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "ckptd_last_commit_timestamp_seconds", Help: "When this daemon saw the job's newest step committed (Unix time)."}, []string{"job"}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.StagedBytes, m.DrainedBytes, m.StoredBytes, m.Restored,
 			m.QueueDepth, m.ArenaUsed, m.SaveStall, m.DrainTime, m.Errors, m.CodecRaw, m.CodecStored,
-			m.TableBytes, m.LeasesReleased, m.Quarantined, m.Tiers, m.RestoreTiers)
+			m.TableBytes, m.LeasesReleased, m.Quarantined, m.Tiers, m.RestoreTiers, m.LastCommitted, m.LastCommitTime)
 	}
 	return m
 }
@@ -136,4 +159,31 @@ func (m *Metrics) ErrorCounts() map[string]uint64 {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return maps.Clone(m.errors)
+}
+
+// committed records that a save of this daemon's committed step of job:
+// the gauges move to it unless they show a newer step.
+func (m *Metrics) committed(job string, step int64, now time.Time) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.newest == nil {
+		m.newest = map[string]jobCommit{}
+	}
+	if c, ok := m.newest[job]; ok && c.step >= step {
+		return
+	}
+	if _, ok := m.newest[job]; !ok && len(m.newest) >= maxCommitJobs {
+		oldest := ""
+		for j, c := range m.newest {
+			if oldest == "" || c.at.Before(m.newest[oldest].at) {
+				oldest = j
+			}
+		}
+		delete(m.newest, oldest)
+		m.LastCommitted.DeleteLabelValues(oldest)
+		m.LastCommitTime.DeleteLabelValues(oldest)
+	}
+	m.newest[job] = jobCommit{step, now}
+	m.LastCommitted.WithLabelValues(job).Set(float64(step))
+	m.LastCommitTime.WithLabelValues(job).Set(float64(now.UnixNano()) / 1e9)
 }

@@ -237,7 +237,7 @@ func (d *Daemon) startManager(context.Context) error {
 	o := d.o
 	o.Workers = reserveIOProc(o.Workers)
 	d.reg = prometheus.NewRegistry()
-	d.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	d.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildInfo(o.Version))
 	d.berrs = newBackendErrors(d.reg, backendStore, backendDataset)
 	d.b = d.berrs.countStore(d.b, backendStore)
 	var replicas tiers.Peers // nil unless configured: a nil *peers.Client is not
@@ -513,4 +513,14 @@ func serveMetrics(addr string, reg *prometheus.Registry, ready *readiness) func(
 		}
 	}()
 	return func() { _ = hs.Close() }
+}
+
+// buildInfo is ckptd_build_info: 1, labelled with the daemon's version and
+// the Go it was built with, so that a dashboard can tell which nodes run
+// what.
+func buildInfo(version string) prometheus.Collector {
+	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "ckptd_build_info",
+		Help: "1, labelled with the daemon's version and Go version."}, []string{"version", "goversion"})
+	g.WithLabelValues(version, runtime.Version()).Set(1)
+	return g
 }
