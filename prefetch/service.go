@@ -50,6 +50,10 @@ type ServiceConfig struct {
 	// Allow lists the sources trainers may read (serve's --dataset-allow):
 	// folders and s3://bucket/prefix entries; none allows nothing.
 	Allow []string
+	// Off turns datasets off (serve's --dataset-arena-bytes 0): sessions
+	// are refused, saying so, and the service takes no memory. With no
+	// source allowed they are off too.
+	Off bool
 	// ArenaDir is never a source, even beneath an allowed folder
 	// (default: the arena's folder, which holds its journal).
 	ArenaDir string
@@ -140,8 +144,14 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	if err != nil {
 		return nil, err
 	}
-	if len(cfg.Allow) == 0 {
+	switch {
+	case cfg.Off:
+		cfg.Logger.Info("datasets are off (--dataset-arena-bytes 0)")
+	case len(cfg.Allow) == 0:
 		cfg.Logger.Info("no dataset sources are allowed: datasets are off until --dataset-allow names some")
+	}
+	if cfg.off() {
+		cfg.CacheBytes = 0 // nothing to cache: the memory ceiling counts none
 	}
 	c, err := NewCache(cfg.CacheBytes)
 	if err != nil {
@@ -185,10 +195,16 @@ func (s *Service) MemoryCeiling() int64 { return s.cfg.MemoryCeiling(s.arena.Siz
 // start on an arena of arenaSize bytes, without starting it (`ckptd serve
 // --print-memory`).
 func (cfg ServiceConfig) MemoryCeiling(arenaSize int64) int64 {
+	if cfg.off() {
+		return 0
+	}
 	cfg.setDefaults(arenaSize)
 	perSession := cfg.Options.ReadAheadBytes + streamBuffer + cfg.Options.ListBytes
 	return cfg.CacheBytes + CountBytes + cfg.maxSessions()*perSession + cfg.ArenaBytes/cfg.SlotBytes*maxBatchMeta
 }
+
+// off reports whether datasets are off: Off, or no source allowed.
+func (cfg ServiceConfig) off() bool { return cfg.Off || len(cfg.Allow) == 0 }
 
 // Cache returns the shard cache (for metrics).
 func (s *Service) Cache() *Cache { return s.cache }
@@ -212,6 +228,9 @@ func (s *Service) Close() {
 // OpenSession starts one rank's iteration over one epoch of source for
 // owner, and returns the session's id.
 func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, spec Spec) (string, Stats, error) {
+	if s.cfg.Off {
+		return "", Stats{}, fmt.Errorf("%w: datasets are off: this daemon gives them no share of its arena (--dataset-arena-bytes 0)", ErrOverBudget)
+	}
 	src, err := s.allow.resolve(source)
 	if err != nil {
 		return "", Stats{}, err

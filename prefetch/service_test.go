@@ -15,6 +15,7 @@ import (
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/testtime"
 	"github.com/ckptd/ckptd/storage"
+	"github.com/ckptd/ckptd/storage/memstore"
 	"github.com/ckptd/ckptd/storage/posix"
 )
 
@@ -420,5 +421,23 @@ func TestTimedOutCallsLoseNothing(t *testing.T) {
 	}
 	if err := s.Release(Owner{}, id, newID()); !errors.Is(err, ErrUnknownSession) {
 		t.Fatalf("releasing an unknown delivery: %v", err)
+	}
+}
+
+// With datasets off (--dataset-arena-bytes 0) a session is refused saying
+// so, and the service counts no memory; with no source allowed, none.
+func TestDatasetsOff(t *testing.T) {
+	s := newService(t, memstore.New(), ServiceConfig{Off: true})
+	_, _, err := s.OpenSession(context.Background(), Owner{}, "s3://test", Spec{BatchSize: 1, WorldSize: 1})
+	if !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "--dataset-arena-bytes 0") {
+		t.Fatalf("a session with datasets off: %v", err)
+	}
+	for _, cfg := range []ServiceConfig{{Off: true, Allow: []string{"/data"}}, {}} {
+		if n := cfg.MemoryCeiling(1 << 30); n != 0 {
+			t.Errorf("%+v: a ceiling of %d bytes with datasets off", cfg, n)
+		}
+	}
+	if n := (ServiceConfig{Allow: []string{"/data"}}).MemoryCeiling(1 << 30); n == 0 {
+		t.Error("no ceiling with datasets on")
 	}
 }

@@ -365,3 +365,37 @@ func TestNiceFlag(t *testing.T) {
 		}
 	}
 }
+
+// --print-memory counts the datasets' terms only when datasets can be
+// opened: not without --dataset-allow, nor with --dataset-arena-bytes 0,
+// which with --dataset-allow is a usage error.
+func TestPrintMemoryDatasets(t *testing.T) {
+	needs := func(args ...string) (map[string]int64, error) {
+		root := newRootCmd()
+		var out bytes.Buffer
+		root.SetOut(&out)
+		root.SetArgs(append([]string{"serve", "--staging-bytes", "16GiB", "--print-memory"}, args...))
+		if err := root.Execute(); err != nil {
+			return nil, err
+		}
+		var n map[string]int64
+		if err := json.Unmarshal(out.Bytes(), &n); err != nil {
+			t.Fatalf("%v: %v\n%s", args, err, out.String())
+		}
+		return n, nil
+	}
+	off, err := needs()
+	if err != nil || off["dataset_ceiling_bytes"] != 0 {
+		t.Fatalf("no --dataset-allow: %v %v", off, err)
+	}
+	on, err := needs("--dataset-allow", "/data")
+	if err != nil || on["dataset_ceiling_bytes"] == 0 || on["total_bytes"] != off["total_bytes"]+on["dataset_ceiling_bytes"] {
+		t.Fatalf("with --dataset-allow: %v %v (without: %v)", on, err, off)
+	}
+	if zero, err := needs("--dataset-arena-bytes", "0"); err != nil || zero["dataset_ceiling_bytes"] != 0 {
+		t.Fatalf("--dataset-arena-bytes 0: %v %v", zero, err)
+	}
+	if _, err := needs("--dataset-arena-bytes", "0", "--dataset-allow", "/data"); exitCode(err) != 2 || !strings.Contains(fmtErr(err), "turns datasets off") {
+		t.Fatalf("--dataset-arena-bytes 0 with --dataset-allow: %v", err)
+	}
+}

@@ -68,7 +68,7 @@ func newServeCmd() *cobra.Command {
 	fs.StringSliceVar(&o.DatasetAllow, "dataset-allow", nil, "folders and s3://bucket/prefix sources trainers may read datasets from (repeat or comma-separate; none: datasets are off); the checkpoint store is not implied")
 	fs.Var((*byteSize)(&o.ReadAhead), "read-ahead-bytes", "memory each dataset session may hold: shards read ahead, its shuffle window (bounded by half of it), batches being assembled")
 	fs.Var((*byteSize)(&o.ListBytes), "dataset-list-bytes", "memory a dataset session's listing may take, about 512 bytes and twice the name per shard: a larger dataset fails to open")
-	fs.Var((*byteSize)(&o.DatasetArena), "dataset-arena-bytes", "the datasets' share of the arena, for ring slots and oversized batches (default: half of --staging-bytes; the rest stays for saves)")
+	fs.Var(datasetShare{&o.DatasetArena, &o.DatasetsOff}, "dataset-arena-bytes", "the datasets' share of the arena, for ring slots and oversized batches (default: half of --staging-bytes; the rest stays for saves); 0 turns datasets off")
 	inGroup(fs, "storage", "storage", "job", "s3-endpoint", "s3-region", "s3-retry-deadline", "s3-stall-timeout", "file-mode",
 		"codec", "chunk-size", "workers", "drains")
 	inGroup(fs, "staging", "staging-bytes", "staging-wait", "tensor-table-bytes", "lease-timeout", "crash-fence", "restores",
@@ -108,4 +108,29 @@ func runServe(ctx context.Context, o *daemon.Options, so *storageOptions, printM
 		return daemon.PrintMemory(o, out)
 	}
 	return daemon.Run(ctx, o)
+}
+
+// datasetShare is --dataset-arena-bytes: a size, 0 turning datasets off;
+// left unset, the daemon gives them half the arena.
+type datasetShare struct {
+	bytes *int64
+	off   *bool
+}
+
+func (d datasetShare) String() string {
+	if d.bytes == nil || *d.bytes == 0 && !*d.off {
+		return "" // unset: help shows the default in words
+	}
+	return formatBytes(*d.bytes)
+}
+
+func (d datasetShare) Type() string { return "bytes" }
+
+func (d datasetShare) Set(s string) error {
+	n, err := parseBytes(s)
+	if err != nil {
+		return err
+	}
+	*d.bytes, *d.off = n, n == 0
+	return nil
 }

@@ -69,7 +69,8 @@ type Options struct {
 	RingSlotsMax    int
 	SlotBytes       int64
 	RestartWait     time.Duration
-	DatasetArena    int64
+	DatasetArena    int64 // 0: half of StagingBytes, unless DatasetsOff
+	DatasetsOff     bool  // --dataset-arena-bytes 0: no dataset sessions at all
 	DatasetAllow    []string
 	ReadAhead       int64
 	ListBytes       int64
@@ -390,6 +391,9 @@ func (o *Options) check() (codec.Codec, int, error) {
 	}
 	if o.Nice < 0 || o.Nice > maxNice {
 		return "", 0, fmt.Errorf("--nice %d: want 0 (keep the priority) to %d", o.Nice, maxNice)
+	}
+	if o.DatasetsOff && len(o.DatasetAllow) > 0 {
+		return "", 0, fmt.Errorf("--dataset-arena-bytes 0 turns datasets off, yet --dataset-allow names sources: drop one of them")
 	}
 	if o.StagingBytes < 4096 {
 		return "", 0, fmt.Errorf("--staging-bytes %d is less than one 4096-byte page", o.StagingBytes)
