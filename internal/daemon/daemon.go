@@ -45,6 +45,10 @@ type Options struct {
 	Storage storageurl.OpenOptions
 	// Version is what the daemon reports of itself.
 	Version string
+	// StorageWait bounds how long the start waits for the checkpoint
+	// store to answer (0: as long as its own retries, for a store that
+	// comes up after the daemon).
+	StorageWait time.Duration
 
 	Socket          string
 	SocketGroup     string
@@ -208,13 +212,31 @@ func (d *Daemon) openStorage(ctx context.Context) error {
 	if err := waitSocketFree(ctx, sp.path, d.o.RestartWait, d.log); err != nil {
 		return err
 	}
-	b, err := d.o.open(ctx, d.o.URL, true)
+	b, err := d.openStore(ctx)
 	if err != nil {
 		return err
 	}
 	d.b = b
 	d.undo.push(func() { b.Close() })
 	return fault("storage")
+}
+
+// openStore opens the checkpoint store, failing within StorageWait when
+// it does not answer: a wrong endpoint is a mistake to report in seconds,
+// not after every retry.
+func (d *Daemon) openStore(ctx context.Context) (storage.Backend, error) {
+	octx := ctx
+	if d.o.StorageWait > 0 {
+		var cancel context.CancelFunc
+		octx, cancel = context.WithTimeout(ctx, d.o.StorageWait)
+		defer cancel()
+	}
+	b, err := d.o.open(octx, d.o.URL, true)
+	if err != nil && octx.Err() != nil && ctx.Err() == nil {
+		return nil, fmt.Errorf("%w; the storage did not answer within --storage-wait %s: check the endpoint and the network, "+
+			"or give --storage-wait 0 to wait for a store that comes up after the daemon", err, d.o.StorageWait)
+	}
+	return b, err
 }
 
 func (d *Daemon) openArena(context.Context) error {

@@ -228,6 +228,19 @@ func TestS3Errors(t *testing.T) {
 	if err == nil || ctx.Err() != nil || !strings.Contains(string(out), "does not exist") {
 		t.Fatalf("serve on a missing bucket: %v\n%s", err, out)
 	}
+
+	// A dead endpoint fails the start within --storage-wait, saying so
+	// (not after the two minutes of --s3-retry-deadline).
+	start := time.Now()
+	cmd = exec.CommandContext(ctx, daemontest.Bin(t), "serve", "--socket", filepath.Join(dir, "d.sock"),
+		"--arena-dir", daemontest.ArenaDir(), "--staging-bytes", "64MiB", "--storage", store,
+		"--s3-endpoint", dead, "--storage-wait", "2s")
+	cmd.Env = append(cmd.Environ(), srv.Env()...)
+	out, err = cmd.CombinedOutput()
+	if err == nil || ctx.Err() != nil || !strings.Contains(string(out), "did not answer within --storage-wait 2s") ||
+		time.Since(start) > testtime.Scale(30*time.Second) {
+		t.Fatalf("serve on a dead endpoint: %v after %v\n%s", err, time.Since(start), out)
+	}
 }
 
 // A save made while the store is down is accepted at once (the trainer
