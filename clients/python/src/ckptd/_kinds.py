@@ -38,7 +38,10 @@ def mark(state: Mapping[str, Any]) -> Mapping[str, Any]:
         raise InvalidArgumentError(
             f"the key {KEY!r} is reserved: ckptd records there which tensors were torch's"
         )
-    kinds = [(n, isinstance(v, torch.Tensor)) for n, v in _names.flatten(state)]
+    try:
+        kinds = [(n, isinstance(v, torch.Tensor)) for n, v in _names.flatten(state)]
+    except (TypeError, ValueError):
+        return state  # a state save() refuses, with its own error
     torch_leaves = sum(t for _, t in kinds)
     if torch_leaves == 0:
         return state
