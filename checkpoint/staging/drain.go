@@ -120,6 +120,7 @@ func (mgr *Manager) writeRetrying(sh *checkpoint.Shard) (*checkpoint.Manifest, b
 		m, reused, err := mgr.writeShard(sh)
 		switch {
 		case err == nil:
+			mgr.stalled.Store(nil)
 			return m, reused, nil
 		case errors.Is(err, checkpoint.ErrExists) || errors.Is(err, checkpoint.ErrInvalid) || errors.Is(err, checkpoint.ErrCorrupt):
 			return nil, false, err
@@ -127,6 +128,11 @@ func (mgr *Manager) writeRetrying(sh *checkpoint.Shard) (*checkpoint.Manifest, b
 			return nil, false, errAbandoned
 		}
 		mgr.m.failed("drain")
+		since := time.Now()
+		if s := mgr.stalled.Load(); s != nil {
+			since = s.since
+		}
+		mgr.stalled.Store(&drainStall{since: since, err: err})
 		mgr.log.Error("drain failed; retrying", "target", sh.Target, "in", backoff.d, "err", err)
 		mgr.saves.set(keyOf(sh.Target), StateDraining, err)
 		if !mgr.sleep(backoff.next()) {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ckptd/ckptd/checkpoint"
@@ -111,6 +112,9 @@ type Manager struct {
 
 	restores chan struct{} // a slot per restore reading from storage (Restores)
 	tiers    *tiers.Tiers
+	// stalled is set while drains retry storage errors (nil once one
+	// succeeds): an arena full of their saves is named for the outage.
+	stalled atomic.Pointer[drainStall]
 
 	ctx      context.Context // cancelled to abandon drains at shutdown
 	cancel   context.CancelFunc
@@ -230,9 +234,20 @@ func (mgr *Manager) alloc(ctx context.Context, n int64) (Region, error) {
 	if errors.Is(err, ErrArenaTooLarge) {
 		err = fmt.Errorf("%w; the shard must fit the staging arena: restart the daemon with --staging-bytes of at least %d", err, n)
 	}
+	if s := mgr.stalled.Load(); s != nil && errors.Is(err, ErrArenaFull) {
+		err = fmt.Errorf("%w; the arena is held by staged saves whose drains have been retrying for %s because storage does not answer: %v",
+			err, time.Since(s.since).Round(time.Second), s.err)
+	}
 	if err != nil {
 		mgr.m.failed("alloc")
 		return r, err
 	}
 	return r, nil
+}
+
+// drainStall is a storage outage the drains are riding out: since when,
+// and the last error.
+type drainStall struct {
+	since time.Time
+	err   error
 }

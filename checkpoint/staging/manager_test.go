@@ -31,6 +31,12 @@ type shmArena struct{ *arena.Arena }
 
 func (a shmArena) Alloc(ctx context.Context, n int64) (Region, error) {
 	r, err := a.Arena.Alloc(ctx, n)
+	switch { // as CheckpointArena does: the arena's errors match the Manager's
+	case errors.Is(err, arena.ErrFull):
+		err = errors.Join(err, ErrArenaFull)
+	case errors.Is(err, arena.ErrTooLarge):
+		err = errors.Join(err, ErrArenaTooLarge)
+	}
 	return Region(r), err
 }
 
@@ -441,5 +447,30 @@ func TestArenaGaugeFollowsTheArena(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(mgr.m.ArenaUsed); got != 0 {
 		t.Fatalf("gauge %v with the arena empty", got)
+	}
+}
+
+// During a storage outage a save that finds the arena full of saves the
+// drains cannot write is refused ARENA_FULL naming the outage, not just
+// its own deadline; once storage is back the next save goes through.
+func TestArenaFullNamesTheOutage(t *testing.T) {
+	b := faulty.New(memstore.New())
+	outage := b.Outage(faulty.OpAll)
+	mgr, a := newManagerOn(t, b, ManagerConfig{StagingWait: 200 * time.Millisecond})
+	t.Cleanup(outage.Remove) // before the Manager closes, which waits for its drains
+	held := checkpoint.Target{Job: "job", Step: 1, WorldSize: 1, Attempt: "a"}
+	saveBytesTo(t, mgr, a, held, make([]byte, 6<<20)) // most of the 8 MiB arena
+	eventually(t, "the drain retries", func() bool { res, _, _ := mgr.saves.status(&saveKey{"job", 1, 0, "a"}); return res.Err != nil })
+	_, err := mgr.BeginSave(context.Background(), Owner{}, checkpoint.Target{Job: "job", Step: 2, WorldSize: 1, Attempt: "a"},
+		[]checkpoint.Tensor{u8("w", 0, 4<<20)})
+	if !errors.Is(err, ErrArenaFull) || !strings.Contains(err.Error(), "storage does not answer") {
+		t.Fatalf("a save into an arena full of drains stuck on storage: %v", err)
+	}
+	outage.Remove()
+	if res := settled(t, mgr, held); res.State != StateCommitted {
+		t.Fatalf("the held save after the outage: %s (%v)", res.State, res.Err)
+	}
+	if mgr.stalled.Load() != nil {
+		t.Fatal("the outage is still remembered after a drain succeeded")
 	}
 }
