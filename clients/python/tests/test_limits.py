@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 # (Python name, Go file, Go constant)
 COPIES = [
-    ("MAX_METADATA", "checkpoint/save.go", "MaxMetadata"),
+    ("MAX_METADATA", "checkpoint/staging/save.go", "MaxMetadata"),
     ("MAX_NAME_BYTES", "checkpoint/names.go", "MaxNameLen"),
     ("MAX_MESSAGE", "proto/ckptd/v1/limits.go", "MaxMessageBytes"),
     ("STREAM_CHUNK", "proto/ckptd/v1/limits.go", "StreamChunkBytes"),
