@@ -230,13 +230,6 @@ func (e *evenTarget) final(ctx context.Context) (int64, error) {
 	}
 }
 
-// known returns the target if it is known yet.
-func (e *evenTarget) known() (int64, bool) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.target, e.target >= 0
-}
-
 // sampleCounts remembers how many samples each shard holds, for every
 // iteration of the node, within a byte budget (a full one starts over:
 // counts are cheap to make again), and counts each shard once for all the
