@@ -2,9 +2,11 @@
 
 Usage: dcp_outage_worker.py RANK WORLD INIT_FILE SOCKET JOB OUT_DIR LAST_STEP
 
-The test (pytest, the daemon's owner) and the ranks meet through marker
-files in OUT_DIR: a rank writes one when it reaches a point, and waits for
-the test's before it goes on. The FSDP2 model of dcp_worker.py saves:
+Every save goes through one Writer, its step named by DCP's checkpoint_id
+(OUT_DIR/ckpt/step-N), and loads as ckptd://JOB/N. The test (pytest, the
+daemon's owner) and the ranks meet through marker files in OUT_DIR: a
+rank writes one when it reaches a point, and waits for the test's before
+it goes on. The FSDP2 model of dcp_worker.py saves:
 
 1. step 1, dcp.save, the daemon not up yet: rank 0 writes ``waiting-1``
    once its save has found no daemon, and the test starts it;
@@ -90,12 +92,16 @@ def instrument() -> None:
 
 
 class Paused(ckptd.dcp.Writer):
-    """A Writer whose coordinator stops in finish() until the test says go."""
+    """A Writer whose coordinator stops in finish() until the test says go (steps 2, 3, 5).
+
+    One serves every save, each naming its step in DCP's checkpoint_id.
+    """
 
     def finish(self, metadata: Any, results: Any) -> None:
         step = PHASE["step"]
-        mark(f"staged-{step}")
-        wait_for(f"go-{step}")
+        if step in (2, 3, 5):
+            mark(f"staged-{step}")
+            wait_for(f"go-{step}")
         super().finish(metadata, results)
 
 
@@ -112,7 +118,9 @@ def main() -> None:
     with ckptd.Client(sock, reconnect_timeout=scaled(120)) as client:
         model, opt = build(world_n, seed=0)
 
-        def step(n: int, how: str, writer: ckptd.dcp.Writer) -> None:
+        writer = Paused(client, job=job)
+
+        def step(n: int, how: str) -> None:
             PHASE["step"] = n
             train(model, opt, 1, seed=n)
             wanted[n] = copy.deepcopy(full(model, opt))  # step counts alias the live ones
@@ -122,10 +130,13 @@ def main() -> None:
                     mark(f"ready-{n}")
                 wait_for(f"set-{n}")
             try:
+                cid = OUT / "ckpt" / f"step-{n}"
                 if how == "save":
-                    dcp.save(sharded(model, opt), storage_writer=writer)
+                    dcp.save(sharded(model, opt), storage_writer=writer, checkpoint_id=cid)
                 else:
-                    fut = dcp.async_save(sharded(model, opt), storage_writer=writer)
+                    fut = dcp.async_save(
+                        sharded(model, opt), storage_writer=writer, checkpoint_id=cid
+                    )
                     with torch.no_grad():  # the staged copy is the daemon's
                         for p in model.parameters():
                             p.add_(1.0)
@@ -140,12 +151,12 @@ def main() -> None:
                 errors[n] = f"{type(e).__name__}: {e}"
             dist.barrier()
 
-        step(1, "save", ckptd.dcp.Writer(client, 1, job=job))
-        step(2, "save", Paused(client, 2, job=job))
-        step(3, "async_save", Paused(client, 3, job=job))
-        step(4, "async_save", ckptd.dcp.Writer(client, 4, job=job))
+        step(1, "save")
+        step(2, "save")
+        step(3, "async_save")
+        step(4, "async_save")
         if last == "5":
-            step(5, "async_save", Paused(client, 5, job=job))
+            step(5, "async_save")
 
         report: dict[str, Any] = {}
         for n in sorted(wanted):
@@ -154,7 +165,8 @@ def main() -> None:
                 model2, opt2 = build(world_n, seed=123)
                 train(model2, opt2, 1, seed=7)
                 sd = sharded(model2, opt2)
-                dcp.load(sd, storage_reader=ckptd.dcp.Reader(client, n, job=job))
+                reader = ckptd.dcp.Reader(client)
+                dcp.load(sd, storage_reader=reader, checkpoint_id=f"ckptd://{job}/{n}")
                 msd, osd = sd["model"], sd["optim"]
                 set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd)
                 got = diff(wanted[n], full(model2, opt2))

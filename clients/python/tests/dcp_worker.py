@@ -11,6 +11,8 @@ transposed, 0-d and empty), with random bits that depend on the step.
 
 save (WORLD 4): two optimizer steps, then dcp.save through ckptd.dcp.Writer
   (step 10); rank 0 writes the full (gathered) state to OUT_DIR/full_10.pt.
+  Step 11 is named by async_save's checkpoint_id (.../step-11), as
+  frameworks name it, and loaded as ckptd://<job>/latest.
   Then one more step, and dcp.async_save through a Writer (step 11): the
   full state is gathered first (full_11.pt), and after async_save returns
   the model is trained on (and the extra tensors' bits changed) before the
@@ -121,8 +123,10 @@ def save(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> No
     if rank == 0:
         torch.save(f11, out / "full_11.pt")
     extra = dcp_samples(11)
-    fut = dcp.async_save(
-        sharded(model, opt, extra), storage_writer=ckptd.dcp.Writer(client, 11, job=job)
+    fut = dcp.async_save(  # the step as frameworks give it: in DCP's checkpoint_id
+        sharded(model, opt, extra),
+        storage_writer=ckptd.dcp.Writer(client, job=job),
+        checkpoint_id=out / "checkpoint" / "step-11",
     )
     # The staged copy is in the daemon: change the live state (no collectives
     # while the background save uses the default group: parameters by hand).
@@ -145,8 +149,12 @@ def load(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> No
     report: dict[str, Any] = {}
     for step in (10, "latest"):
         sd = sharded(model, opt, dcp_samples(99))  # the same dtypes and shapes, other bits
-        reader = ckptd.dcp.Reader(client, step, job=job)
-        dcp.load(sd, storage_reader=reader)
+        if step == "latest":  # the step in DCP's checkpoint_id
+            reader = ckptd.dcp.Reader(client)
+            dcp.load(sd, storage_reader=reader, checkpoint_id=f"ckptd://{job}/latest")
+        else:
+            reader = ckptd.dcp.Reader(client, step, job=job)
+            dcp.load(sd, storage_reader=reader)
         assert reader.step is not None
         saved = dcp_samples(reader.step)
         wrong = [n for n, t in saved.items() if not same_bits(sd["extra"][n], t)]

@@ -140,3 +140,159 @@ def test_reader_refuses_a_step_not_saved_by_the_writer(client, job):
     client.save(1, {"w": torch.ones(2)}, rank=0, world_size=1, job=job).wait(30)
     with pytest.raises(ckptd.CkptdError, match=r"not saved by ckptd\.dcp\.Writer"):
         ckptd.dcp.Reader(client, 1, job=job).read_metadata()
+
+
+# ---- the step from DCP's checkpoint_id (issue 24) ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("cid", "job", "step"),
+    [
+        ("ckptd://run-1/7", "run-1", 7),
+        ("ckptd://run-1/step-7/", "run-1", 7),
+        ("ckptd:///7", None, 7),
+        ("ckptd:///checkpoint-0007", None, 7),
+        ("/out/run-1/step-1000", None, 1000),
+        ("/out/run-1/step_1000/", None, 1000),
+        ("outputs/checkpoint/step1000", None, 1000),
+        ("/out/checkpoint-1000", None, 1000),
+        ("/out/ckpt-1000.pt", None, 1000),
+        ("/megatron/iter_0001000", None, 1000),
+        ("/ds/global_step1000", None, 1000),
+        ("/lightning/checkpoints/epoch=3-step=1000.ckpt", None, 1000),
+        ("/lightning/checkpoints/epoch=3-step=1000-v1.ckpt", None, 1000),
+        ("/out/1000", None, 1000),
+        (Path("/out/step-12"), None, 12),
+        ("s3://bucket/run/step-5", None, 5),
+    ],
+)
+def test_checkpoint_ids_name_the_step(cid, job, step):
+    assert ckptd.dcp.parse_checkpoint_id(cid) == ckptd.dcp.CheckpointId(job, step)
+
+
+@pytest.mark.parametrize(
+    "cid",
+    [
+        "/out/final", "/out/step-", "/out/epoch=3", "/out/epoch-3-step-10", "/out/step-1.5",
+        "/out/step=1-step=2",
+        "ckptd://run-1", "ckptd://run-1/", "ckptd://run-1/final", "ckptd://a/b/step-3",
+        "ckptd:///latest", "", "/",
+    ],
+)  # fmt: skip
+def test_checkpoint_ids_without_a_step_are_refused_naming_the_forms(cid):
+    with pytest.raises(ckptd.InvalidArgumentError, match=r"names no step.*ckptd://<job>/<step>"):
+        ckptd.dcp.parse_checkpoint_id(cid)
+
+
+def test_latest_only_for_a_reader():
+    assert ckptd.dcp.parse_checkpoint_id("ckptd://j/latest", latest=True).step == "latest"
+    assert ckptd.dcp.Writer.validate_checkpoint_id("ckptd://j/step-3")
+    assert ckptd.dcp.Reader.validate_checkpoint_id(Path("ckptd:/j/3")) is False  # a Path mangles //
+    assert not ckptd.dcp.Writer.validate_checkpoint_id("/out/step-3")
+
+
+def test_writer_and_reader_take_the_step_from_the_checkpoint_id(client, job, tmp_path):
+    sd = {"model": {"w": torch.arange(6.0)}, "extra": {"n": 3}}
+    writer = ckptd.dcp.Writer(client, job=job)
+    dcp.save(sd, storage_writer=writer, checkpoint_id=tmp_path / "ckpt" / "step-5")
+    sd["model"]["w"].add_(1)
+    fut = dcp.async_save(
+        sd, storage_writer=writer, checkpoint_id=f"ckptd://{job}/checkpoint-6"
+    )  # the same Writer, another step: async_save stages before DCP resets the writer
+    sd["model"]["w"].add_(100)  # staged already
+    fut.result(timeout=scaled(120))
+    assert [s.step for s in client.steps(job)] == [5, 6]
+    reader = ckptd.dcp.Reader(client)
+    for cid, want in (
+        (f"ckptd://{job}/5", 0.0),
+        (f"ckptd://{job}/latest", 1.0),
+        (str(tmp_path / "epoch=0-step=6.ckpt"), 1.0),
+    ):
+        got = {"model": {"w": torch.zeros(6)}, "extra": {"n": 0}}
+        if "ckptd://" in cid:
+            dcp.load(got, storage_reader=reader, checkpoint_id=cid)
+        else:
+            dcp.load(got, storage_reader=ckptd.dcp.Reader(client, job=job), checkpoint_id=cid)
+        assert torch.equal(got["model"]["w"], torch.arange(6.0) + want), cid
+        assert got["extra"]["n"] == 3
+    assert reader.step == 6
+
+
+def test_a_step_given_both_ways_must_agree(client, job, tmp_path):
+    sd = {"model": {"w": torch.ones(2)}}
+    with pytest.raises(ckptd.InvalidArgumentError, match=r"names step 10, but .* saves step 1"):
+        dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, 1, job=job),
+                 checkpoint_id=tmp_path / "step-10")  # fmt: skip
+    with pytest.raises(ckptd.InvalidArgumentError, match=r"names step 10, but .* saves step 1"):
+        dcp.async_save(sd, storage_writer=ckptd.dcp.Writer(client, 1, job=job),
+                       checkpoint_id=tmp_path / "step-10")  # fmt: skip
+    with pytest.raises(ckptd.InvalidArgumentError, match=r"names job 'other', but .* job"):
+        dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, job=job),
+                 checkpoint_id="ckptd://other/3")  # fmt: skip
+    with pytest.raises(ckptd.InvalidArgumentError, match="names no step"):
+        dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, job=job),
+                 checkpoint_id=tmp_path / "final")  # fmt: skip
+    # No step at all: async_save says so at once; dcp.save as the first thing of its
+    # local planning, which DCP reports in a CheckpointException.
+    with pytest.raises(ckptd.InvalidArgumentError, match="has no step"):
+        dcp.async_save(sd, storage_writer=ckptd.dcp.Writer(client, job=job))
+    with pytest.raises(CheckpointException, match="has no step"):
+        dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, job=job))
+    with pytest.raises(ckptd.InvalidArgumentError, match="names no step"):  # beside a step too
+        dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, 3, job=job), checkpoint_id=tmp_path)
+    # The same step both ways is fine.
+    dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, 2, job=job),
+             checkpoint_id=tmp_path / "step-2")  # fmt: skip
+    assert [s.step for s in client.steps(job)] == [2]  # nothing of the refused ones
+    with pytest.raises(ckptd.InvalidArgumentError, match=r"names step 3, but .* reads step 2"):
+        dcp.load(sd, storage_reader=ckptd.dcp.Reader(client, 2, job=job),
+                 checkpoint_id=f"ckptd://{job}/3")  # fmt: skip
+
+
+def test_an_earlier_saves_checkpoint_id_is_not_reused(client, job, tmp_path):
+    sd = {"model": {"w": torch.ones(2)}}
+    writer = ckptd.dcp.Writer(client, job=job)
+    dcp.save(sd, storage_writer=writer, checkpoint_id=tmp_path / "step-1")
+    with pytest.raises(CheckpointException, match="has no step"):
+        dcp.save(sd, storage_writer=writer)  # not step 1 again
+    reader = ckptd.dcp.Reader(client, job=job)
+    dcp.load(sd, storage_reader=reader, checkpoint_id=tmp_path / "step-1")
+    with pytest.raises(CheckpointException, match="has no step"):
+        dcp.load(sd, storage_reader=reader)
+
+
+def test_the_checkpoint_process_is_refused_before_anything_is_staged(client, job):
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    sd = {"model": {"w": torch.ones(2)}}
+    with pytest.raises(ckptd.CkptdError, match=r"PROCESS.*Use the default AsyncCheckpointerType"):
+        dcp.async_save(sd, storage_writer=ckptd.dcp.Writer(client, 1, job=job),
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)  # fmt: skip
+    assert client.steps(job) == []
+    # Nothing holds step 1: a staged rank 0 would make this SAVE_IN_PROGRESS.
+    client.save(1, {"w": torch.ones(2)}, rank=0, world_size=1, job=job).wait(scaled(60))
+
+
+def test_dcp_cannot_detect_ckptd_from_a_checkpoint_id_alone(client, job):
+    """torch 2.15's _storage_setup tries only FileSystemWriter and FsspecWriter."""
+    with pytest.raises(RuntimeError, match="Cannot detect which StorageReader or StorageWriter"):
+        dcp.save({"w": torch.ones(1)}, checkpoint_id=f"ckptd://{job}/step-3")
+
+
+def test_dcps_plan_caching_works_with_the_writer(client, job):
+    """DefaultSavePlanner(enable_plan_caching=True): DCP reuses its plans (sync and async)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    sd = {"model": {"w": torch.arange(6.0)}, "extra": {"n": 3}}
+    for step in (1, 2, 3, 4):
+        sd["model"]["w"].add_(1)
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        writer = ckptd.dcp.Writer(client, step, job=job)
+        if step <= 2:
+            dcp.save(sd, storage_writer=writer, planner=planner)
+        else:
+            dcp.async_save(sd, storage_writer=writer, planner=planner).result(scaled(120))
+    for step in (1, 2, 3, 4):
+        got = {"model": {"w": torch.zeros(6)}, "extra": {"n": 0}}
+        dcp.load(got, storage_reader=ckptd.dcp.Reader(client, step, job=job))
+        assert torch.equal(got["model"]["w"], torch.arange(6.0) + step) and got["extra"]["n"] == 3

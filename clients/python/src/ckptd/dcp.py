@@ -9,6 +9,17 @@
     fut = dcp.async_save(sd, storage_writer=ckptd.dcp.Writer(client, step=200))
     dcp.load(sd, storage_reader=ckptd.dcp.Reader(client, step="latest"))
 
+    # or the step in DCP's checkpoint_id, as frameworks pass it:
+    dcp.save(sd, storage_writer=ckptd.dcp.Writer(client), checkpoint_id=".../step-300")
+    dcp.load(sd, storage_reader=ckptd.dcp.Reader(client), checkpoint_id="ckptd://job/latest")
+
+A Writer or Reader without a step takes each save's step from the
+checkpoint_id DCP gives it (reset; parse_checkpoint_id says which ids name
+a step); a step given both ways must agree, and an id naming none is an
+error. async_save stages before DCP resets the writer, so stage() reads
+the id, and the checkpointer type (PROCESS is refused: the Writer cannot
+go to another process), from DCP's async_save call.
+
 DCP plans the checkpoint (DTensor / FSDP2 shards, deduplication of
 replicated tensors, resharding on load); ckptd stores the bytes. Each rank's
 write items become ONE ckptd rank shard of the step (rank and world size:
@@ -86,7 +97,10 @@ import dataclasses
 import io
 import os
 import pickle
+import re
+import sys
 import threading
+import types
 from collections.abc import Mapping, Sequence, Set
 from typing import Any, Literal
 
@@ -119,7 +133,7 @@ from ._handle import SaveHandle
 from ._load import LoadedState
 from .torch import _run_attempt
 
-__all__ = ["METADATA", "Reader", "Writer"]
+__all__ = ["METADATA", "CheckpointId", "Reader", "Writer", "parse_checkpoint_id"]
 
 METADATA = "dcp.metadata"  # rank 0's pickled DCP Metadata, when too large for a save's
 BYTES = "dcp.bytes"  # top-level key of the torch.save'd non-tensor items
@@ -128,6 +142,99 @@ DCP_VERSION = "1.0.0"  # Metadata.version, as DCP's FileSystemWriter writes it
 # storage_data of the stored Metadata: MetadataIndex -> (rank, tensor name),
 # plain tuples so the pickle names no ckptd class.
 Where = tuple[int, str]
+
+
+SCHEME = "ckptd://"
+ID_FORMS = (
+    "ckptd://<job>/<step> or ckptd:///<step> (the daemon's job), or a path whose last "
+    "component names the step: 1000, step-1000, step_1000, checkpoint-1000, ckpt-1000, "
+    "iter_0001000, global_step1000, epoch=3-step=1000.ckpt"
+)
+_NAMED = re.compile(r"(?:step|checkpoint|ckpt|iter|iteration|global_step)[-_]?([0-9]+)")
+_KEYED = re.compile(r"(?:.*[-_])?step=([0-9]+)(?:[-_].*)?")  # Lightning's epoch=3-step=1000
+_EXTENSION = re.compile(r"\.(?:ckpt|pt|pth|distcp)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointId:
+    """What a DCP checkpoint_id names: a step and, for ``ckptd://``, maybe a job.
+
+    job None: the id names none (the Writer's or Reader's job, else the
+    daemon's). step "latest": only a Reader's ``ckptd://<job>/latest``.
+    """
+
+    job: str | None
+    step: int | Literal["latest"]
+
+
+def parse_checkpoint_id(
+    checkpoint_id: str | os.PathLike[str], *, latest: bool = False
+) -> CheckpointId:
+    """The job and step a DCP checkpoint_id names (see ID_FORMS).
+
+    ``ckptd://<job>/<step>`` and ``ckptd:///<step>`` name the step as a
+    number or as a path component would (``step-3``); any other id is a
+    path (a folder a framework would write into) whose last component
+    names the step. A path never names the job: frameworks' folders are
+    often called "checkpoints" whatever the run. latest allows
+    ``ckptd://<job>/latest`` (a Reader's).
+
+    Raises:
+        InvalidArgumentError: the id names no step (or is malformed),
+            saying which forms are accepted.
+    """
+    text = os.fspath(checkpoint_id)
+    if not isinstance(text, str):
+        raise TypeError(f"checkpoint_id must be a str or a path, not {type(text).__name__}")
+    if text.startswith(SCHEME):
+        parts = text[len(SCHEME) :].rstrip("/").split("/")
+        if len(parts) == 2 and parts[1]:
+            job = parts[0] or None
+            if latest and parts[1] == "latest":
+                return CheckpointId(job, "latest")
+            step = _step_of(parts[1])
+            if step is not None:
+                return CheckpointId(job, step)
+        more = ", or ckptd://<job>/latest" if latest else ""
+        raise InvalidArgumentError(
+            f"checkpoint_id {text!r} names no step; ckptd.dcp takes {ID_FORMS}{more}"
+        )
+    last = text.rstrip("/").rsplit("/", 1)[-1]
+    step = _step_of(last)
+    if step is None:
+        raise InvalidArgumentError(
+            f"checkpoint_id {text!r} names no step (its last component is {last!r}); "
+            f"ckptd.dcp takes {ID_FORMS}, or give the step: Writer(client, step=N)"
+        )
+    return CheckpointId(None, step)
+
+
+def _step_of(component: str) -> int | None:
+    """The step a path component names, or None."""
+    name = _EXTENSION.sub("", component)
+    if re.fullmatch(r"[0-9]+", name):
+        return int(name)
+    m = _NAMED.fullmatch(name) or (_KEYED.fullmatch(name) if name.count("step=") == 1 else None)
+    return int(m.group(1)) if m else None
+
+
+def _async_save_call() -> Mapping[str, Any] | None:
+    """The arguments of DCP's async_save when it is what is running stage(), else None.
+
+    async_save stages before it gives the writer its checkpoint_id (reset,
+    in the background save), and before it chooses its executor: the
+    Writer reads both from the call, so that it neither stages a step the
+    id contradicts nor stages for a checkpoint process it cannot go to.
+    """
+    f: types.FrameType | None = sys._getframe(1)
+    while f is not None:
+        if (
+            f.f_code.co_name == "async_save"
+            and f.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict_saver"
+        ):
+            return f.f_locals
+        f = f.f_back
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +256,9 @@ class _Slot:
 
 @dataclasses.dataclass
 class _Staged:
-    """What stage() saved: the save (rank 0: held until finish) and its write results."""
+    """What stage() saved: its step, the save (rank 0: held until finish), its write results."""
 
+    step: int
     save: SaveHandle | _Held
     results: list[WriteResult]
 
@@ -176,7 +284,8 @@ class _Held:
         client = writer._client
         own = attempt is None
         resolved = client._attempt if attempt is None else attempt
-        target = _save.target(writer._job, writer._step, info.rank, info.world_size, resolved)
+        step = writer._step_now()
+        target = _save.target(writer._job_now(), step, info.rank, info.world_size, resolved)
         if own and client._attempt_random and info.world_size > 1:
             client._warn_random_attempt(info.world_size)
         self._held = _save.Held(client._conn, target, tree)
@@ -198,12 +307,18 @@ class _Held:
 
 
 class Writer(StorageWriter, AsyncStager):
-    """A DCP StorageWriter (and AsyncStager) saving one step through ckptd.
+    """A DCP StorageWriter (and AsyncStager) saving steps through ckptd.
 
     Args:
         client: a connected ckptd.Client.
-        step: the step this checkpoint is. One Writer per step.
-        job: the job (None: the daemon's).
+        step: the step this checkpoint is (then one Writer per step), or
+            None: each save's step is the one its checkpoint_id names (see
+            parse_checkpoint_id: ``ckptd://<job>/<step>``, or a path such as
+            ``.../step-1000``), and the Writer may serve several saves. A
+            step given both ways must agree; an id that names none is an
+            error, and so is a save with no step at all.
+        job: the job (None: the one a ``ckptd://`` id names, else the
+            daemon's). An id naming another job is an error.
         attempt: the attempt every rank's save carries. Default: the
             client's when it was given one (Client(attempt=...) or
             $CKPTD_ATTEMPT), else the run's: rank 0 makes one and broadcasts
@@ -224,7 +339,7 @@ class Writer(StorageWriter, AsyncStager):
     def __init__(
         self,
         client: Client,
-        step: int,
+        step: int | None = None,
         *,
         job: str | None = None,
         attempt: str | None = None,
@@ -233,11 +348,14 @@ class Writer(StorageWriter, AsyncStager):
     ) -> None:
         if not isinstance(client, Client):
             raise TypeError(f"client must be a ckptd.Client, not {type(client).__name__}")
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step must be an int, not {type(step).__name__}")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise TypeError(f"step must be an int or None, not {type(step).__name__}")
         self._client = client
         self._step = step
         self._job = job
+        self._id: CheckpointId | None = None  # what the current save's checkpoint_id names
+        self._id_fresh = False  # _id was given for the save being set up (not a past one's)
+        self.checkpoint_id: str | os.PathLike[str] | None = None  # DCP logs it
         self._attempt = attempt
         self._timeout = timeout
         self._group = process_group
@@ -248,27 +366,88 @@ class Writer(StorageWriter, AsyncStager):
         self._pending: _Held | None = None
 
     def __reduce__(self) -> Any:
-        raise TypeError(
-            "a ckptd.dcp.Writer cannot be sent to another process (its client holds a "
-            "connection): use async_save's default async_checkpointer_type (THREAD); "
-            "the daemon already drains the checkpoint in the background"
-        )
+        raise TypeError(_NO_PROCESS)
+
+    # ---- which step ----------------------------------------------------
+
+    def _use_id(self, checkpoint_id: str | os.PathLike[str]) -> CheckpointId:
+        """Check what checkpoint_id names against the Writer's own step and job."""
+        named = parse_checkpoint_id(checkpoint_id)
+        if self._step is not None and named.step != self._step:
+            raise InvalidArgumentError(
+                f"checkpoint_id {os.fspath(checkpoint_id)!r} names step {named.step}, but this "
+                f"ckptd.dcp.Writer saves step {self._step}: give the step one way (Writer(client) "
+                f"takes it from the id: {ID_FORMS})"
+            )
+        if self._job is not None and named.job is not None and named.job != self._job:
+            raise InvalidArgumentError(
+                f"checkpoint_id {os.fspath(checkpoint_id)!r} names job {named.job!r}, but this "
+                f"ckptd.dcp.Writer saves job {self._job!r}: give the job one way"
+            )
+        return named
+
+    def _step_now(self) -> int:
+        """The step the current save is."""
+        if self._step is not None:
+            return self._step
+        if self._id is None:
+            raise InvalidArgumentError(
+                "this ckptd.dcp.Writer has no step: give it one (Writer(client, step=N)) or "
+                f"a checkpoint_id that names one: {ID_FORMS}"
+            )
+        assert isinstance(self._id.step, int)
+        return self._id.step
+
+    def _job_now(self) -> str | None:
+        if self._job is not None:
+            return self._job
+        return self._id.job if self._id is not None else None
 
     # ---- StorageWriter --------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Start a save. What stage() saved is kept: DCP resets after staging."""
+        """Start a save of the step checkpoint_id names (if any; see the class).
+
+        What stage() saved is kept (DCP resets after staging): its step must
+        be the one the id names.
+
+        Raises:
+            InvalidArgumentError: the id names no step, or another step or
+                job than the Writer's (or than stage() saved); nothing is
+                saved.
+        """
+        if checkpoint_id is not None:
+            named = self._use_id(checkpoint_id)
+            staged = self._staged
+            if staged is not None and named.step != staged.step:
+                raise InvalidArgumentError(
+                    f"checkpoint_id {os.fspath(checkpoint_id)!r} names step {named.step}, but "
+                    f"this ckptd.dcp.Writer staged step {staged.step} for it"
+                )
+            self._id, self.checkpoint_id, self._id_fresh = named, checkpoint_id, True
         if self._pending is not None:
             self._pending.abort()
         self._pending = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Never: a ckptd checkpoint is named by Writer(step=...), not by an id."""
-        return False
+        """Whether checkpoint_id is a ``ckptd://`` id (malformed ones raise in reset)."""
+        try:
+            return os.fspath(checkpoint_id).startswith(SCHEME)
+        except TypeError:
+            return False
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Note the role; refuse DCP's save without collectives."""
+        """Note the role; refuse DCP's save without collectives.
+
+        A checkpoint_id of an earlier save is forgotten: a save without one
+        (and without Writer(step=...)) has no step.
+        """
+        if not self._id_fresh:
+            self._id = None
+        self._id_fresh = False
+        if self._staged is None:
+            self._step_now()  # no step: say so before DCP plans
         if kwargs.get("use_collectives", True) is False:
             raise CkptdError(
                 "ckptd.dcp.Writer needs use_collectives=True: a step is one shard per rank "
@@ -290,8 +469,11 @@ class Writer(StorageWriter, AsyncStager):
 
         After stage(), return what it saved instead.
         """
-        if self._staged is not None:
-            return _done(self._staged.results)
+        staged = self._staged
+        if staged is not None:
+            if not self._is_coordinator:
+                self._staged = None  # its save is made: the Writer may take the next one
+            return _done(staged.results)
         info = plan.storage_data
         if not isinstance(info, _RankPlan):
             raise CkptdError(
@@ -332,11 +514,21 @@ class Writer(StorageWriter, AsyncStager):
         shared memory and the trainer may change its tensors; DCP's
         background save only plans over it (shapes) and commits.
         """
+        call = _async_save_call()
+        if call is not None:
+            kind = call.get("async_checkpointer_type")
+            if getattr(kind, "name", None) == "PROCESS":
+                raise CkptdError(_NO_PROCESS)
+            cid = call.get("checkpoint_id")
+            self._id = None if cid is None else self._use_id(cid)
+            self.checkpoint_id, self._id_fresh = cid, True
         with self._lock:
             if self._staged is not None:
                 raise CkptdError(
-                    f"this ckptd.dcp.Writer already staged step {self._step}; make one per step"
+                    f"this ckptd.dcp.Writer already staged step {self._staged.step}, whose "
+                    "save has not finished: wait for one async_save before the next"
                 )
+            step = self._step_now()
             use_dist = dist.is_available() and dist.is_initialized()
             distw = _DistWrapper(self._group, use_dist, 0)
             info = _RankPlan(distw.get_rank(), distw.get_world_size())
@@ -363,7 +555,7 @@ class Writer(StorageWriter, AsyncStager):
                 save = _Held(self, tree, info, attempt, live=False)
             else:
                 save = self._save(tree, info, attempt)
-            self._staged = _Staged(save, results)
+            self._staged = _Staged(step, save, results)
         return state_dict
 
     def synchronize_staging(self) -> None:
@@ -384,13 +576,23 @@ class Writer(StorageWriter, AsyncStager):
 
     def _save(self, tree: dict[str, Any], info: _RankPlan, attempt: str | None) -> SaveHandle:
         return self._client.save(
-            self._step,
+            self._step_now(),
             tree,
             rank=info.rank,
             world_size=info.world_size,
-            job=self._job,
+            job=self._job_now(),
             attempt=attempt,
         )
+
+
+_NO_PROCESS = (
+    "a ckptd.dcp.Writer cannot go to DCP's checkpoint process "
+    "(async_checkpointer_type=AsyncCheckpointerType.PROCESS): its client holds a connection "
+    "to the daemon, which owns rank 0's staged region. Use the default "
+    "AsyncCheckpointerType.THREAD: stage() already copies the state into the daemon's shared "
+    "memory, and the daemon compresses and writes it in the background, so the thread only "
+    "plans and commits"
+)
 
 
 class Reader(StorageReader):
@@ -400,8 +602,11 @@ class Reader(StorageReader):
         client: a connected ckptd.Client.
         step: the step, or "latest" for the newest committed one (resolved
             once, when DCP reads the metadata: every shard then comes from
-            that step).
-        job: the job (None: the daemon's).
+            that step), or None: each load's step is the one its
+            checkpoint_id names (as for Writer; ``ckptd://<job>/latest``
+            too). A step given both ways must agree.
+        job: the job (None: the one a ``ckptd://`` id names, else the
+            daemon's).
 
     Loading reshards freely: the process group may have another size than
     the one that saved. Each rank loads rank 0's shard (for the metadata)
@@ -411,19 +616,44 @@ class Reader(StorageReader):
     def __init__(
         self,
         client: Client,
-        step: int | Literal["latest"],
+        step: int | Literal["latest"] | None = None,
         *,
         job: str | None = None,
     ) -> None:
         if not isinstance(client, Client):
             raise TypeError(f"client must be a ckptd.Client, not {type(client).__name__}")
-        if step != "latest" and (isinstance(step, bool) or not isinstance(step, int)):
-            raise TypeError(f'step must be an int or "latest", not {step!r}')
+        if (
+            step is not None
+            and step != "latest"
+            and (isinstance(step, bool) or not isinstance(step, int))
+        ):
+            raise TypeError(f'step must be an int, "latest" or None, not {step!r}')
         self._client = client
-        self._step: int | Literal["latest"] = step
-        self._job = job
+        self._given: int | Literal["latest"] | None = step
+        self._job_given = job
+        self._id: CheckpointId | None = None
+        self._id_fresh = False
+        self.checkpoint_id: str | os.PathLike[str] | None = None
         self._resolved: int | None = None
         self._where: dict[MetadataIndex, Where] = {}
+
+    @property
+    def _step(self) -> int | Literal["latest"]:
+        if self._given is not None:
+            return self._given
+        if self._id is None:
+            raise InvalidArgumentError(
+                "this ckptd.dcp.Reader has no step: give it one (Reader(client, step=N) or "
+                f'"latest") or a checkpoint_id that names one: {ID_FORMS}, or '
+                "ckptd://<job>/latest"
+            )
+        return self._id.step
+
+    @property
+    def _job(self) -> str | None:
+        if self._job_given is not None:
+            return self._job_given
+        return self._id.job if self._id is not None else None
 
     @property
     def step(self) -> int | None:
@@ -431,14 +661,34 @@ class Reader(StorageReader):
         return self._resolved
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Start a load: forget a resolved "latest"."""
+        """Start a load (of the step checkpoint_id names, if any): forget a resolved "latest".
+
+        Raises:
+            InvalidArgumentError: the id names no step, or another step or
+                job than the Reader's.
+        """
+        if checkpoint_id is not None:
+            named = parse_checkpoint_id(checkpoint_id, latest=True)
+            text = os.fspath(checkpoint_id)
+            if self._given is not None and named.step != self._given:
+                raise InvalidArgumentError(
+                    f"checkpoint_id {text!r} names step {named.step}, but this ckptd.dcp.Reader "
+                    f"reads step {self._given}: give the step one way (Reader(client) takes it "
+                    f"from the id: {ID_FORMS})"
+                )
+            if self._job_given is not None and named.job not in (None, self._job_given):
+                raise InvalidArgumentError(
+                    f"checkpoint_id {text!r} names job {named.job!r}, but this "
+                    f"ckptd.dcp.Reader reads job {self._job_given!r}: give the job one way"
+                )
+            self._id, self.checkpoint_id, self._id_fresh = named, checkpoint_id, True
         self._resolved = None
         self._where = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Never: a ckptd checkpoint is named by Reader(step=...), not by an id."""
-        return False
+        """Whether checkpoint_id is a ``ckptd://`` id (malformed ones raise in reset)."""
+        return Writer.validate_checkpoint_id(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Unpickle DCP's Metadata from rank 0's save of the step.
@@ -451,6 +701,9 @@ class Reader(StorageReader):
             NotFoundError: no such committed step (or, for "latest", none).
             CkptdError: the step was not saved by ckptd.dcp.Writer.
         """
+        if not self._id_fresh:
+            self._id = None  # an earlier load's id: this one gave none
+        self._id_fresh = False
         shard = self._load_metadata(self._step, _sharding.TENSOR)
         blob = shard.metadata
         if not blob:
