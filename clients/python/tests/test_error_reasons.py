@@ -253,4 +253,3 @@ def test_every_reason_of_the_proto_has_a_class_and_a_row_here():
     names = {pb.ErrorReason.Name(v) for v in pb.ErrorReason.values()} - {"ERROR_REASON_UNSPECIFIED"}
     assert names == set(_errors._BY_REASON)
     assert names == {r for r, _, _ in REASONS}
-
