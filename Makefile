@@ -5,7 +5,7 @@ FUZZTIME ?= 50000x
 # What `ckptd --version` says: the commit, or the tag on it.
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
-.PHONY: all build run test test-busy lint test-go test-python test-deploy fuzz bench bench-python bench-codec proto tools clean
+.PHONY: all build run test test-busy lint test-go test-python test-deploy fuzz bench bench-python bench-codec proto docs tools clean
 
 all: build
 
@@ -96,6 +96,10 @@ bench-codec:
 
 proto:
 	scripts/gen-proto.sh
+
+# docs/cli.md from the command tree (a test of cmd/ckptd fails when stale).
+docs:
+	CKPTD_UPDATE_DOCS=1 $(GO) test -count=1 -run '^TestCLIReference$$' ./cmd/ckptd
 
 clean:
 	rm -rf bin .bench

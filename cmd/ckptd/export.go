@@ -79,7 +79,7 @@ state dict's keys, with no "model:" group: --plain exports those.`,
 	fs.BoolVar(&o.Latest, "latest", false, "export the newest committed step")
 	fs.StringVar(&o.Out, "out", "", "folder to write into (created if missing)")
 	fs.StringVar(&o.Format, "format", "safetensors", "output format (safetensors)")
-	fs.Var(&o.MaxShardSize, "max-shard-size", "largest file to write (default 5GB); a larger tensor gets a file of its own")
+	fs.Var(&o.MaxShardSize, "max-shard-size", "largest file to write; a larger tensor gets a file of its own")
 	fs.BoolVar(&o.WithOptimizer, "with-optimizer", false, "also export the optimizer's tensors, named optimizer.<name>")
 	fs.StringVar(&o.ModelConfig, "model-config", "", "config.json to write into the export, or a folder holding one (default: the one the step records)")
 	fs.BoolVar(&o.RequireModelConfig, "require-model-config", false, "fail, writing nothing, when no config.json is available (from_pretrained needs one)")

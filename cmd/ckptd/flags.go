@@ -129,14 +129,15 @@ func (o *storageOptions) openStore(ctx context.Context) (*checkpoint.Store, func
 type byteSize int64
 
 // String is the size in the largest binary unit that divides it (1GiB,
-// 512MiB), as help shows defaults and as Set reads them back.
+// 512MiB), else the largest decimal one (5GB), as help shows defaults and
+// as Set reads them back.
 func (b *byteSize) String() string { return formatBytes(int64(*b)) }
 
 func formatBytes(n int64) string {
 	for _, u := range []struct {
 		suffix string
 		mult   int64
-	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}} {
+	}{{"TiB", 1 << 40}, {"GiB", 1 << 30}, {"MiB", 1 << 20}, {"KiB", 1 << 10}, {"TB", 1e12}, {"GB", 1e9}, {"MB", 1e6}} {
 		if n != 0 && n%u.mult == 0 {
 			return strconv.FormatInt(n/u.mult, 10) + u.suffix
 		}

@@ -54,9 +54,11 @@ func groupedUsage(cmd *cobra.Command) error {
 	w := cmd.OutOrStderr()
 	fmt.Fprintf(w, "Usage:\n  %s\n", cmd.UseLine())
 	byGroup := map[string]*pflag.FlagSet{}
+	grouped := false
+	cmd.LocalFlags().VisitAll(func(f *pflag.Flag) { grouped = grouped || groupOf(f) != "" })
 	cmd.LocalFlags().VisitAll(func(f *pflag.Flag) {
 		g := groupOf(f)
-		if f.Name == "help" {
+		if f.Name == "help" && grouped {
 			g = "operations"
 		}
 		if byGroup[g] == nil {
@@ -68,8 +70,21 @@ func groupedUsage(cmd *cobra.Command) error {
 	for _, g := range flagGroups {
 		printFlags(w, g.title, byGroup[g.name])
 	}
-	printFlags(w, "Other flags", byGroup[""])
+	other := "Other flags"
+	if len(byGroup) == 1 {
+		other = "Flags" // a command whose flags have no groups
+	}
+	printFlags(w, other, byGroup[""])
 	printFlags(w, "Global flags", cmd.InheritedFlags())
+	if cmd.HasAvailableSubCommands() {
+		fmt.Fprintf(w, "\nCommands:\n")
+		for _, c := range cmd.Commands() {
+			if c.IsAvailableCommand() {
+				fmt.Fprintf(w, "  %-*s %s\n", cmd.NamePadding(), c.Name(), c.Short)
+			}
+		}
+		fmt.Fprintf(w, "\nRun \"%s [command] --help\" for a command's flags.\n", cmd.CommandPath())
+	}
 	return nil
 }
 
