@@ -1,9 +1,10 @@
 """The READMEs' first examples run as written, against a real daemon.
 
-The code is taken from README.md (its first trainer example, under "Saving
-from a trainer") and clients/python/README.md (its first example), so the
-documentation cannot drift from what works: a model's state saved with
-``c.save`` and loaded with ``c.load("latest")`` goes back into the model,
+The code is taken from README.md (its quick start), docs/checkpoints.md
+(its first trainer example, under "Saving from a trainer") and
+clients/python/README.md (its first example), so the documentation cannot
+drift from what works: a model's state saved with ``c.save`` and loaded
+with ``c.load`` goes back into the model, a second run resumes from it,
 and the dataset lines read shards from a real MinIO.
 """
 
@@ -30,8 +31,8 @@ def first_block(readme: Path, after: str) -> str:
     return m.group(1)
 
 
-def run(code: str, model: torch.nn.Module, where: str) -> dict:
-    ns = {"model": model, "np": np, "__name__": "readme"}
+def run(code: str, model: torch.nn.Module, where: str, **names: object) -> dict:
+    ns = {"model": model, "np": np, "__name__": "readme", **names}
     exec(compile(code, where, "exec"), ns)  # the README's own code, as written
     return ns
 
@@ -46,9 +47,8 @@ def minio(tmp_path):
     server.stop()
 
 
-def test_readme_first_example(minio, make_daemon, monkeypatch):
-    code = first_block(REPO / "README.md", "### Saving from a trainer")
-    assert "c.load(" in code and "c.dataset(" in code
+def dataset_daemon_on(minio, make_daemon, monkeypatch):
+    """A daemon allowed to read s3://bucket/train, holding 3 shards."""
     minio.make_bucket("bucket")
     for s in range(3):
         minio.put("bucket", f"train/train-{s:03d}.tar", shard_bytes(make_samples(s, 40)))
@@ -57,6 +57,37 @@ def test_readme_first_example(minio, make_daemon, monkeypatch):
     monkeypatch.setenv("AWS_REGION", REGION)
     d = make_daemon("--s3-endpoint", minio.endpoint, "--dataset-allow", "s3://bucket/train")
     monkeypatch.setenv("CKPTD_SOCKET", d.socket)
+    return d
+
+
+def test_readme_quick_start(minio, make_daemon, monkeypatch):
+    """Run twice: the first run trains and saves, the second resumes."""
+    code = first_block(REPO / "README.md", "## A trainer's quick start")
+    dataset_daemon_on(minio, make_daemon, monkeypatch)
+
+    def train_one_step(model):
+        with torch.no_grad():
+            model.weight += 1
+
+    model = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        model.weight.zero_()  # whole numbers: 3000 steps of +1 are exact
+    ns = run(code, model, "README.md", steps=3000, train_one_step=train_one_step)
+    assert torch.equal(model.weight, torch.full((4, 8), 3000.0))
+    assert isinstance(ns["batch"], list) and ns["batch"][0]["__key__"].startswith("s0")
+    ns["c"].close()
+
+    resumed = torch.nn.Linear(8, 4)  # a new process: fresh weights, then the checkpoint's
+    ns = run(code, resumed, "README.md", steps=3000, train_one_step=train_one_step)
+    assert ns["start"] == 3000
+    assert torch.equal(resumed.weight, torch.full((4, 8), 3000.0))
+    ns["c"].close()
+
+
+def test_checkpoints_doc_first_example(minio, make_daemon, monkeypatch):
+    code = first_block(REPO / "docs" / "checkpoints.md", "## Saving from a trainer")
+    assert "c.load(" in code and "c.dataset(" in code
+    dataset_daemon_on(minio, make_daemon, monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     want = {k: v.clone() for k, v in model.state_dict().items()}
