@@ -20,7 +20,13 @@ run: build
 
 # Everything CI checks: formatting, vet, generated code, the race-enabled
 # test suite (unit, conformance, end-to-end) and a short fuzz of every parser.
-test: tools lint test-go test-python test-deploy fuzz
+# The Go and the Python suites run side by side: each leaves a core idle
+# much of the time (waiting on daemons, MinIO, subprocesses), so together
+# they take little longer than the longer one. Each one's output is shown
+# whole when it ends.
+test: tools lint
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-go test-python
+	$(MAKE) --no-print-directory test-deploy fuzz
 
 tools:
 	scripts/tools.sh
