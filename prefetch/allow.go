@@ -253,6 +253,9 @@ var errReadOnly = errors.New("dataset sources are read-only")
 func (b *localBackend) Put(context.Context, string, io.Reader, int64) error { return errReadOnly }
 func (b *localBackend) PutIfAbsent(context.Context, string, []byte) error   { return errReadOnly }
 func (b *localBackend) Delete(context.Context, string) error                { return errReadOnly }
+func (b *localBackend) DeleteTemporary(context.Context, storage.Temporary) error {
+	return errReadOnly
+}
 
 // Get implements storage.Backend.
 func (b *localBackend) Get(ctx context.Context, name string, offset, length int64) (io.ReadCloser, error) {

@@ -54,6 +54,27 @@ type ObjectInfo struct {
 	ModTime time.Time
 }
 
+// Temporary is what a Put leaves in the store while it writes, and what a
+// writer that died mid-Put (a kill -9, a crash of its node) leaves for
+// good: a POSIX backend's temporary file, an S3 multipart upload neither
+// completed nor aborted. It is not an object: Get, Stat and List never see
+// it, and only ListTemporaries and DeleteTemporary touch it.
+type Temporary struct {
+	// Name is the object it would become; a POSIX backend recovers it from
+	// the temporary file's name, which keeps at most 255 bytes of the last
+	// segment.
+	Name string
+	// ID says which write of that object it is: the temporary file's name,
+	// the upload's id. It is opaque outside its backend.
+	ID string
+	// Size is how many bytes were written so far.
+	Size int64
+	// ModTime is when it was last written to: a write in progress keeps
+	// it fresh, a dead writer's stops. Deciding from it that a temporary
+	// is abandoned needs a margin longer than a writer can stall.
+	ModTime time.Time
+}
+
 // Backend is an object store. Implementations are safe for concurrent use.
 type Backend interface {
 	// Location names the store for messages ("file:///data/ckpt", "s3://b/p").
@@ -104,6 +125,21 @@ type Backend interface {
 	// S3 DELETE does: a retried or concurrent delete is not an error, and
 	// the object store needs no lookup first.
 	Delete(ctx context.Context, name string) error
+
+	// ListTemporaries calls fn for every Temporary of an object whose name
+	// starts with prefix, in no particular order: the Puts in progress and
+	// what writers that died left. A backend whose Put leaves nothing
+	// behind lists none. It cannot tell a live writer's temporary from a
+	// dead one's; the caller decides from ModTime. An error from fn stops
+	// the listing and is returned.
+	ListTemporaries(ctx context.Context, prefix string, fn func(Temporary) error) error
+
+	// DeleteTemporary removes a temporary that ListTemporaries gave, and
+	// never the object t.Name itself. A Put still writing to it fails (and
+	// stores nothing). Deleting one that is gone (published, aborted,
+	// removed) succeeds; a t that names no temporary of this backend's form
+	// fails with ErrInvalidName.
+	DeleteTemporary(ctx context.Context, t Temporary) error
 
 	// Close releases resources held by the backend.
 	Close() error

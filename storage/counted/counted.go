@@ -29,6 +29,8 @@ const (
 	OpList        = "list"
 	OpListDirs    = "list-dirs"
 	OpDelete      = "delete"
+	OpListTemps   = "list-temporaries"
+	OpDeleteTemp  = "delete-temporary"
 )
 
 // Backend passes every call through to the backend it wraps and calls
@@ -86,33 +88,38 @@ func (c *Backend) Stat(ctx context.Context, name string) (storage.ObjectInfo, er
 }
 
 func (c *Backend) List(ctx context.Context, prefix string, fn func(storage.ObjectInfo) error) error {
+	return listing(c, OpList, fn, func(fn func(storage.ObjectInfo) error) error { return c.b.List(ctx, prefix, fn) })
+}
+
+func (c *Backend) ListDirs(ctx context.Context, dir string, fn func(seg string) error) error {
+	return listing(c, OpListDirs, fn, func(fn func(string) error) error { return c.b.ListDirs(ctx, dir, fn) })
+}
+
+// listing runs a listing of op with the callback fn and counts its error,
+// unless fn's own error stopped it.
+func listing[T any](c *Backend, op string, fn func(T) error, list func(func(T) error) error) error {
 	stopped := false
-	err := c.b.List(ctx, prefix, func(oi storage.ObjectInfo) error {
-		err := fn(oi)
+	err := list(func(v T) error {
+		err := fn(v)
 		stopped = err != nil
 		return err
 	})
 	if stopped {
 		return err // the caller's own error, not the store's
 	}
-	return c.count(OpList, err)
-}
-
-func (c *Backend) ListDirs(ctx context.Context, dir string, fn func(seg string) error) error {
-	stopped := false
-	err := c.b.ListDirs(ctx, dir, func(seg string) error {
-		err := fn(seg)
-		stopped = err != nil
-		return err
-	})
-	if stopped {
-		return err
-	}
-	return c.count(OpListDirs, err)
+	return c.count(op, err)
 }
 
 func (c *Backend) Delete(ctx context.Context, name string) error {
 	return c.count(OpDelete, c.b.Delete(ctx, name))
+}
+
+func (c *Backend) ListTemporaries(ctx context.Context, prefix string, fn func(storage.Temporary) error) error {
+	return listing(c, OpListTemps, fn, func(fn func(storage.Temporary) error) error { return c.b.ListTemporaries(ctx, prefix, fn) })
+}
+
+func (c *Backend) DeleteTemporary(ctx context.Context, t storage.Temporary) error {
+	return c.count(OpDeleteTemp, c.b.DeleteTemporary(ctx, t))
 }
 
 func (c *Backend) Close() error { return c.b.Close() }

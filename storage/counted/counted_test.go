@@ -77,9 +77,11 @@ func TestFailuresCounted(t *testing.T) {
 	_ = c.List(ctx, "a/", func(storage.ObjectInfo) error { return nil })
 	_ = c.ListDirs(ctx, "", func(string) error { return nil })
 	_ = c.Delete(ctx, "a/obj")
+	_ = c.ListTemporaries(ctx, "a/", func(storage.Temporary) error { return nil })
+	_ = c.DeleteTemporary(ctx, storage.Temporary{Name: "a/obj", ID: ".obj.tmp-0123456789abcdef"})
 	outage.Remove()
 	want := map[string]int{counted.OpPut: 1, counted.OpPutIfAbsent: 1, counted.OpGet: 1, counted.OpStat: 1,
-		counted.OpList: 1, counted.OpListDirs: 1, counted.OpDelete: 1}
+		counted.OpList: 1, counted.OpListDirs: 1, counted.OpDelete: 1, counted.OpListTemps: 1, counted.OpDeleteTemp: 1}
 	if got := n.counts(); !maps.Equal(got, want) {
 		t.Fatalf("counted %v, want %v", got, want)
 	}

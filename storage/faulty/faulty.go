@@ -39,13 +39,15 @@ const (
 	OpList
 	OpListDirs
 	OpDelete
+	OpListTemporaries
+	OpDeleteTemporary
 
-	OpWrites = OpPut | OpPutIfAbsent | OpDelete
-	OpReads  = OpGet | OpStat | OpList | OpListDirs
+	OpWrites = OpPut | OpPutIfAbsent | OpDelete | OpDeleteTemporary
+	OpReads  = OpGet | OpStat | OpList | OpListDirs | OpListTemporaries
 	OpAll    = OpWrites | OpReads
 )
 
-var opNames = []string{"put", "put-if-absent", "get", "stat", "list", "list dirs", "delete"}
+var opNames = []string{"put", "put-if-absent", "get", "stat", "list", "list dirs", "delete", "list temporaries", "delete temporary"}
 
 func (o Op) String() string {
 	var names []string
@@ -91,8 +93,8 @@ type Fault struct {
 	// can apply to.
 	Ops Op
 	// Name is a path.Match pattern ("job/steps/*/COMMIT.json") for the
-	// object name; List and ListDirs match it against their prefix or
-	// folder. Empty matches every call.
+	// object name; List, ListDirs and ListTemporaries match it against
+	// their prefix or folder. Empty matches every call.
 	Name string
 	// Err is the error of Fail, FailPutAfter and ShortRead.
 	Err error
@@ -315,6 +317,23 @@ func (b *Backend) Delete(ctx context.Context, name string) error {
 		return err
 	}
 	return b.inner.Delete(ctx, name)
+}
+
+// ListTemporaries implements storage.Backend.
+func (b *Backend) ListTemporaries(ctx context.Context, prefix string, fn func(storage.Temporary) error) error {
+	if _, err := b.before(ctx, OpListTemporaries, prefix); err != nil {
+		return err
+	}
+	return b.inner.ListTemporaries(ctx, prefix, fn)
+}
+
+// DeleteTemporary implements storage.Backend; a fault's Name matches
+// t.Name.
+func (b *Backend) DeleteTemporary(ctx context.Context, t storage.Temporary) error {
+	if _, err := b.before(ctx, OpDeleteTemporary, t.Name); err != nil {
+		return err
+	}
+	return b.inner.DeleteTemporary(ctx, t)
 }
 
 // failingReader passes left bytes of r through, then fails with err.

@@ -53,13 +53,14 @@ func calls(t *testing.T, b storage.Backend) map[faulty.Op]error {
 	_, getErr := get(t, b, "a/obj")
 	_, statErr := b.Stat(ctx, "a/obj")
 	return map[faulty.Op]error{
-		faulty.OpPut:         put(t, b, "a/new", "new"),
-		faulty.OpPutIfAbsent: b.PutIfAbsent(ctx, "a/commit", []byte("c")),
-		faulty.OpGet:         getErr,
-		faulty.OpStat:        statErr,
-		faulty.OpList:        b.List(ctx, "a/", func(storage.ObjectInfo) error { return nil }),
-		faulty.OpListDirs:    b.ListDirs(ctx, "", func(string) error { return nil }),
-		faulty.OpDelete:      b.Delete(ctx, "a/gone"),
+		faulty.OpPut:             put(t, b, "a/new", "new"),
+		faulty.OpPutIfAbsent:     b.PutIfAbsent(ctx, "a/commit", []byte("c")),
+		faulty.OpGet:             getErr,
+		faulty.OpStat:            statErr,
+		faulty.OpList:            b.List(ctx, "a/", func(storage.ObjectInfo) error { return nil }),
+		faulty.OpListDirs:        b.ListDirs(ctx, "", func(string) error { return nil }),
+		faulty.OpDelete:          b.Delete(ctx, "a/gone"),
+		faulty.OpListTemporaries: b.ListTemporaries(ctx, "a/", func(storage.Temporary) error { return nil }),
 	}
 }
 

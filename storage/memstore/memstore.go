@@ -262,3 +262,19 @@ func (b *Backend) Delete(ctx context.Context, name string) error {
 	delete(b.objects, name)
 	return nil
 }
+
+// ListTemporaries implements storage.Backend: a Put here holds its bytes
+// in memory until it replaces the object at once, so there are none.
+func (b *Backend) ListTemporaries(ctx context.Context, prefix string, _ func(storage.Temporary) error) error {
+	if err := storage.ValidPrefix(prefix); err != nil {
+		return fmt.Errorf("memstore: list temporaries: %w", err)
+	}
+	_, err := b.snapshot(ctx, "list temporaries", prefix)
+	return err
+}
+
+// DeleteTemporary implements storage.Backend: there are none to delete,
+// so it refuses every t as naming no temporary of this backend's.
+func (b *Backend) DeleteTemporary(_ context.Context, t storage.Temporary) error {
+	return fmt.Errorf("memstore: delete temporary %q of %q: %w: this store has no temporaries", t.ID, t.Name, storage.ErrInvalidName)
+}

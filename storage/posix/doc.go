@@ -21,7 +21,11 @@
 // whole fits in 255 bytes. List never shows such files, and the backend
 // rejects object names whose last segment has that form with
 // storage.ErrInvalidName, so they cannot be confused with objects. A crash
-// can leave one behind; it is garbage and safe to remove once no Put runs.
+// (a kill -9 of the writer) can leave one behind: ListTemporaries shows
+// them all, under the object each would have become, with its size and
+// last write (mtime), and DeleteTemporary removes one. Nothing in a name
+// says whose it is (writers on several nodes may share the folder), so
+// only its age can tell a dead writer's from a live one's.
 //
 // # Links
 //

@@ -9,6 +9,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -28,10 +29,14 @@ func (b *Backend) List(ctx context.Context, prefix string, fn func(storage.Objec
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("posix: list %q: %w", prefix, err)
 	}
-	dir := prefix[:strings.LastIndexByte(prefix, '/')+1] // "" or ends in "/"
+	return b.walk(ctx, "list", &lister{prefix: prefix, fn: fn})
+}
+
+// walk runs l from the folder of its prefix's last slash.
+func (b *Backend) walk(ctx context.Context, op string, l *lister) error {
+	dir := l.prefix[:strings.LastIndexByte(l.prefix, '/')+1] // "" or ends in "/"
 	d, err := b.openListed(strings.TrimSuffix(dir, "/"))
 	if err == nil && d != nil {
-		l := &lister{prefix: prefix, fn: fn}
 		err = l.walk(ctx, d, dir)
 		d.close()
 	}
@@ -40,8 +45,53 @@ func (b *Backend) List(ctx context.Context, prefix string, fn func(storage.Objec
 		return fe.err // the caller's own error, as it gave it
 	}
 	if err != nil {
-		return fmt.Errorf("posix: list %q: %w", prefix, err)
+		return fmt.Errorf("posix: %s %q: %w", op, l.prefix, err)
 	}
+	return nil
+}
+
+// ListTemporaries implements storage.Backend: the temporary files of Puts
+// in progress and of writers that died, walked as List walks objects (the
+// prefix applies to the object each would become). A Put's own file shows
+// here from its creation until its rename.
+func (b *Backend) ListTemporaries(ctx context.Context, prefix string, fn func(storage.Temporary) error) error {
+	if err := storage.ValidPrefix(prefix); err != nil {
+		return fmt.Errorf("posix: list temporaries: %w", err)
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("posix: list temporaries %q: %w", prefix, err)
+	}
+	return b.walk(ctx, "list temporaries", &lister{prefix: prefix, temps: fn})
+}
+
+// DeleteTemporary implements storage.Backend: it unlinks the temporary
+// file t.ID in t.Name's folder, which must have tempName's form for that
+// object, then removes the folders that became empty, as Delete does. A
+// Put writing to it fails at its rename. A link of that name is refused.
+func (b *Backend) DeleteTemporary(ctx context.Context, t storage.Temporary) error {
+	if err := storage.ValidName(t.Name); err != nil {
+		return fmt.Errorf("posix: delete temporary: %w", err)
+	}
+	dir, base := splitName(t.Name)
+	if !isTempName(t.ID) || strings.Contains(t.ID, "/") || tempBase(t.ID) != cutBase(base) {
+		return fmt.Errorf("posix: delete temporary %q of %q: %w: not a temporary file of that object", t.ID, t.Name, storage.ErrInvalidName)
+	}
+	if err := ctx.Err(); err != nil {
+		return wrapErr("delete temporary", t.Name, err)
+	}
+	name := t.Name[:len(t.Name)-len(base)] + t.ID
+	dfd, err := b.openDir(dir, pathFlags)
+	if err == nil {
+		defer closeFD(dfd)
+		err = b.unlinkObject(dfd, name, t.ID)
+	}
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.EISDIR) {
+		return nil // gone: renamed, aborted, removed
+	}
+	if err != nil {
+		return wrapErr("delete temporary", name, err)
+	}
+	b.removeEmptyDirs(dir)
 	return nil
 }
 
@@ -89,9 +139,13 @@ func (d *folder) sub(name string) (*folder, error) {
 	return newFolder(fd, d.f.Name()+"/"+name), nil
 }
 
+// lister walks folders for List (fn) or, when temps is set, for
+// ListTemporaries: then only temporary files are visited, keyed by the
+// object they would become.
 type lister struct {
 	prefix string
 	fn     func(storage.ObjectInfo) error
+	temps  func(storage.Temporary) error
 }
 
 // entry is a directory entry with the key it sorts by.
@@ -112,12 +166,16 @@ func (l *lister) walk(ctx context.Context, d *folder, dir string) error {
 	}
 	sorted := make([]entry, 0, len(entries))
 	for _, de := range entries {
-		if isTempName(de.Name()) || de.Type()&fs.ModeSymlink != 0 {
-			continue
+		temp := isTempName(de.Name())
+		if de.Type()&fs.ModeSymlink != 0 || temp && de.IsDir() || !de.IsDir() && temp != (l.temps != nil) {
+			continue // links; folders of a temporary's form; objects or temporaries, whichever is not listed
 		}
 		key := dir + de.Name()
-		if de.IsDir() {
+		switch {
+		case de.IsDir():
 			key += "/"
+		case temp:
+			key = dir + tempBase(de.Name())
 		}
 		sorted = append(sorted, entry{key: key, de: de})
 	}
@@ -159,7 +217,12 @@ func (l *lister) visit(ctx context.Context, d *folder, e entry) error {
 	if fileType(&st) != unix.S_IFREG {
 		return nil // replaced since
 	}
-	if err := l.fn(objectInfo(e.key, &st)); err != nil {
+	if l.temps != nil {
+		err = l.temps(storage.Temporary{Name: e.key, ID: e.de.Name(), Size: st.Size, ModTime: time.Unix(st.Mtim.Unix())})
+	} else {
+		err = l.fn(objectInfo(e.key, &st))
+	}
+	if err != nil {
 		return fnError{err}
 	}
 	return nil

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/posix"
@@ -475,4 +476,109 @@ func TestListDirsSkipsDirsWithoutObjects(t *testing.T) {
 	if !slices.Equal(got, []string{"deep"}) {
 		t.Fatalf("ListDirs(s/) = %q, want [deep]", got)
 	}
+}
+
+// A writer killed mid-Put leaves its temporary file: ListTemporaries shows
+// it as the object it would have become, with its size and last write,
+// List never does, and DeleteTemporary removes it and the folders it
+// leaves empty, refusing names not of its form and links.
+func TestLeftoverTemporaries(t *testing.T) {
+	b := newBackend(t, "", posix.Options{})
+	ctx := t.Context()
+	mustPut := func(name string, data []byte) {
+		t.Helper()
+		if err := b.Put(ctx, name, bytes.NewReader(data), int64(len(data))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustPut("job/steps/1/a/rank-00000.data", []byte("published"))
+	// What a kill -9 leaves: a file of the temporary form, beside objects
+	// and alone in a folder of its own.
+	leftovers := map[string]int{
+		"job/steps/1/a/.rank-00001.data.tmp-0123456789abcdef": 5000,
+		"job/steps/2/b/.rank-00000.data.tmp-fedcba9876543210": 7,
+	}
+	for rel, n := range leftovers {
+		p := filepath.Join(b.Root(), rel)
+		if err := os.MkdirAll(filepath.Dir(p), 0o750); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, make([]byte, n), 0o640); err != nil {
+			t.Fatal(err)
+		}
+	}
+	old := time.Now().Add(-3 * time.Hour)
+	if err := os.Chtimes(filepath.Join(b.Root(), "job/steps/2/b/.rank-00000.data.tmp-fedcba9876543210"), old, old); err != nil {
+		t.Fatal(err)
+	}
+	// A folder of the temporary form is nobody's temporary; a link is not
+	// followed.
+	os.Mkdir(filepath.Join(b.Root(), "job/steps/1/.d.tmp-0000000000000000"), 0o750)
+	os.Symlink("/etc/passwd", filepath.Join(b.Root(), "job/steps/1/a/.rank-00002.data.tmp-0000000000000001"))
+
+	list := func(prefix string) map[string]storage.Temporary {
+		got := map[string]storage.Temporary{}
+		err := b.ListTemporaries(ctx, prefix, func(tmp storage.Temporary) error {
+			got[tmp.Name] = tmp
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	got := list("job/")
+	if len(got) != 2 {
+		t.Fatalf("ListTemporaries(job/) = %+v, want the two leftovers", got)
+	}
+	one, two := got["job/steps/1/a/rank-00001.data"], got["job/steps/2/b/rank-00000.data"]
+	if one.ID != ".rank-00001.data.tmp-0123456789abcdef" || one.Size != 5000 || time.Since(one.ModTime) > time.Hour {
+		t.Errorf("fresh leftover = %+v", one)
+	}
+	if two.Size != 7 || !two.ModTime.Equal(old.Truncate(time.Second)) && two.ModTime.Sub(old).Abs() > time.Second {
+		t.Errorf("old leftover = %+v, want 7 bytes last written at %v", two, old)
+	}
+	if g := list("job/steps/1/a/rank-00001"); len(g) != 1 {
+		t.Errorf("ListTemporaries by the object's prefix = %+v", g)
+	}
+	if g := list("job/steps/1/a/.rank"); len(g) != 0 {
+		t.Errorf("ListTemporaries by the temporary file's own prefix = %+v, want none (prefixes are of object names)", g)
+	}
+	var names []string
+	_ = b.List(ctx, "", func(oi storage.ObjectInfo) error { names = append(names, oi.Name); return nil })
+	if !slices.Equal(names, []string{"job/steps/1/a/rank-00000.data"}) {
+		t.Errorf("List = %q, want the one object", names)
+	}
+	for _, bad := range []storage.Temporary{
+		{Name: "job/steps/2/b/rank-00000.data", ID: ".rank-00001.data.tmp-fedcba9876543210"}, // another object's
+		{Name: "job/steps/2/b/rank-00000.data", ID: "rank-00000.data"},                       // the object itself
+		{Name: "job/steps/2/b/rank-00000.data", ID: "../a/.rank-00000.data.tmp-fedcba9876543210"},
+	} {
+		if err := b.DeleteTemporary(ctx, bad); !errors.Is(err, storage.ErrInvalidName) {
+			t.Errorf("DeleteTemporary(%+v) = %v, want ErrInvalidName", bad, err)
+		}
+	}
+	link := storage.Temporary{Name: "job/steps/1/a/rank-00002.data", ID: ".rank-00002.data.tmp-0000000000000001"}
+	if err := b.DeleteTemporary(ctx, link); !errors.Is(err, storage.ErrSymlink) {
+		t.Errorf("DeleteTemporary of a link = %v, want ErrSymlink", err)
+	}
+	os.Remove(filepath.Join(b.Root(), "job/steps/1/a/.rank-00002.data.tmp-0000000000000001"))
+	for range 2 {
+		if err := b.DeleteTemporary(ctx, two); err != nil {
+			t.Fatalf("DeleteTemporary: %v", err)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(b.Root(), "job/steps/2")); !os.IsNotExist(err) {
+		t.Errorf("the folders the leftover was alone in are still there: %v", err)
+	}
+	if err := b.DeleteTemporary(ctx, one); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Stat(ctx, "job/steps/1/a/rank-00000.data"); err != nil {
+		t.Errorf("the object beside the leftover: %v", err)
+	}
+	if g := list(""); len(g) != 0 {
+		t.Errorf("left: %+v", g)
+	}
+	os.Remove(filepath.Join(b.Root(), "job/steps/1/.d.tmp-0000000000000000"))
 }

@@ -27,11 +27,21 @@ const (
 // tempName returns a fresh temporary file name for an object whose last
 // segment is base; see the package documentation for the form.
 func tempName(base string) string {
-	if max := 255 - tempExtra; len(base) > max {
-		base = base[:max]
-	}
-	return fmt.Sprintf(".%s%s%016x", base, tempMarker, tempRandom())
+	return fmt.Sprintf(".%s%s%016x", cutBase(base), tempMarker, tempRandom())
 }
+
+// cutBase is the part of an object's last segment that its temporary
+// files' names keep: all of it, unless the whole would pass 255 bytes.
+func cutBase(base string) string {
+	if max := 255 - tempExtra; len(base) > max {
+		return base[:max]
+	}
+	return base
+}
+
+// tempBase is the object's last segment (cut as cutBase cuts it) in a
+// name of tempName's form.
+func tempBase(name string) string { return name[1 : len(name)-len(tempMarker)-tempDigits] }
 
 // tempRandom is rand.Uint64; tests replace it to know the next temporary
 // name in advance.

@@ -28,8 +28,12 @@
 // success means the store has made it durable. So Put streams the object as
 // a multipart upload and completes it last. A failed or cancelled Put aborts
 // its upload, so no parts are left behind to be billed; only a crash (or an
-// abort that fails for as long as the retry deadline) can leave one, which a
-// bucket lifecycle rule (AbortIncompleteMultipartUpload) cleans up.
+// abort that fails for as long as the retry deadline) can leave one. Such
+// uploads are the store's temporaries: ListTemporaries lists them (by the
+// time of their newest part) and DeleteTemporary aborts one, which is how
+// `ckptd prune` removes those idle past --gc-grace; a bucket lifecycle
+// rule (AbortIncompleteMultipartUpload) cleans up after writers under
+// other prefixes too.
 //
 // PutIfAbsent is a single PUT with "If-None-Match: *", which the store
 // evaluates atomically: of racing writers exactly one succeeds and the

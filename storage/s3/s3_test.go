@@ -1,6 +1,7 @@
 package s3_test
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"net"
@@ -97,5 +98,71 @@ func TestUnreachableIsUnavailable(t *testing.T) {
 	})
 	if !errors.Is(err, storage.ErrUnavailable) || !strings.Contains(err.Error(), endpoint) {
 		t.Fatalf("New on a closed port = %v, want ErrUnavailable naming %s", err, endpoint)
+	}
+}
+
+// A writer killed mid-Put leaves its multipart upload: ListTemporaries
+// shows it under the object's name, with the bytes of its parts and the
+// time of the newest, only below the backend's prefix (MinIO lists
+// uploads only by exact key or for the whole bucket), and DeleteTemporary
+// aborts it.
+func TestLeftoverUploads(t *testing.T) {
+	srv := miniotest.Start(t)
+	bucket := srv.NewBucket(t)
+	b := open(t, srv, bucket, "team/ckpt", nil)
+	core := minio.Core{Client: srv.Client()}
+	ctx := t.Context()
+	start := func(key string, parts int) string {
+		t.Helper()
+		id, err := core.NewMultipartUpload(ctx, bucket, key, minio.PutObjectOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for n := 1; n <= parts; n++ {
+			data := make([]byte, s3.MinPartSize)
+			if _, err := core.PutObjectPart(ctx, bucket, key, id, n, bytes.NewReader(data), int64(len(data)), minio.PutObjectPartOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return id
+	}
+	mine := start("team/ckpt/job/steps/000000000001/a/rank-00000.data", 2)
+	start("team/ckpt/job/steps/000000000002/b/rank-00003.data", 0)
+	start("team/other/job/steps/000000000001/a/rank-00000.data", 1) // another prefix's
+	start("team/ckpt-x/job", 0)                                     // a key the prefix's string begins, not below it
+	got := map[string]storage.Temporary{}
+	err := b.ListTemporaries(ctx, "job/steps/", func(tmp storage.Temporary) error {
+		got[tmp.Name] = tmp
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 2 {
+		t.Fatalf("ListTemporaries(job/steps/) = %+v, want this prefix's two uploads", got)
+	}
+	one := got["job/steps/000000000001/a/rank-00000.data"]
+	if one.ID != mine || one.Size != 2*s3.MinPartSize || time.Since(one.ModTime).Abs() > time.Hour {
+		t.Errorf("upload with two parts = %+v, want id %s and %d bytes", one, mine, 2*s3.MinPartSize)
+	}
+	if tmp := got["job/steps/000000000002/b/rank-00003.data"]; tmp.Size != 0 || tmp.ModTime.IsZero() {
+		t.Errorf("upload without parts = %+v", tmp)
+	}
+	n := 0
+	_ = b.ListTemporaries(ctx, "job/steps/000000000002/", func(storage.Temporary) error { n++; return nil })
+	if n != 1 {
+		t.Errorf("ListTemporaries(job/steps/000000000002/) listed %d, want 1", n)
+	}
+	for range 2 {
+		if err := b.DeleteTemporary(ctx, one); err != nil {
+			t.Fatal(err)
+		}
+	}
+	left, err := srv.IncompleteUploads(ctx, bucket, "team/ckpt/job/steps/000000000001/a/rank-00000.data")
+	if err != nil || len(left) != 0 {
+		t.Fatalf("after DeleteTemporary: uploads %v, %v", left, err)
+	}
+	if err := b.DeleteTemporary(ctx, storage.Temporary{Name: "job/x", ID: "a/b"}); !errors.Is(err, storage.ErrInvalidName) {
+		t.Errorf("DeleteTemporary with an id holding a slash = %v, want ErrInvalidName", err)
 	}
 }

@@ -153,3 +153,25 @@ func listDirs(t *testing.T, b storage.Backend, dir string) []string {
 	}
 	return segs
 }
+
+func listTemporaries(t *testing.T, b storage.Backend, prefix string) []storage.Temporary {
+	t.Helper()
+	var temps []storage.Temporary
+	err := b.ListTemporaries(t.Context(), prefix, func(tmp storage.Temporary) error {
+		temps = append(temps, tmp)
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("ListTemporaries(%q): %v", prefix, err)
+	}
+	return temps
+}
+
+// checkNoTemporaries checks that nothing of a Put is left in the store:
+// every Put before returned, whether it succeeded or failed.
+func checkNoTemporaries(t *testing.T, b storage.Backend) {
+	t.Helper()
+	if got := listTemporaries(t, b, ""); len(got) != 0 {
+		t.Fatalf("temporaries left after every Put returned: %+v", got)
+	}
+}

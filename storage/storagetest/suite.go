@@ -18,6 +18,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ckptd/ckptd/storage"
 )
@@ -45,6 +46,8 @@ func Run(t *testing.T, newBackend func(t *testing.T) storage.Backend) {
 		{"NotFound", testNotFound},
 		{"List", testList},
 		{"ListInProgress", testListInProgress},
+		{"Temporaries", testTemporaries},
+		{"DeleteTemporaryMidPut", testDeleteTemporaryMidPut},
 		{"ListStops", testListStops},
 		{"ListDirs", testListDirs},
 		{"ListDirsStops", testListDirsStops},
@@ -172,6 +175,7 @@ func testSizeMismatch(t *testing.T, b storage.Backend) {
 		})
 	}
 	checkList(t, b, "", []string{"size/existing"})
+	checkNoTemporaries(t, b)
 }
 
 func testReaderError(t *testing.T, b storage.Backend) {
@@ -185,6 +189,7 @@ func testReaderError(t *testing.T, b storage.Backend) {
 		checkMissing(t, b, "rerr/obj")
 	}
 	checkList(t, b, "", nil)
+	checkNoTemporaries(t, b)
 }
 
 func testOverwrite(t *testing.T, b storage.Backend) {
@@ -290,6 +295,7 @@ func testCancelMidPut(t *testing.T, b storage.Backend) {
 	checkMissing(t, b, "cancel/new")
 	checkObject(t, b, "cancel/existing", old)
 	checkList(t, b, "", []string{"cancel/existing"})
+	checkNoTemporaries(t, b)
 }
 
 // cancellingReader yields endless bytes and cancels the context after
@@ -497,17 +503,26 @@ func testList(t *testing.T, b storage.Backend) {
 	}
 }
 
+// startPut starts a Put of name from a pipe of unknown size: the test
+// writes the object's bytes into pw (a write returns once Put has read
+// them, so Put is midway then) and closes it, and the Put's result comes
+// on the channel.
+func startPut(t *testing.T, b storage.Backend, name string) (*io.PipeWriter, <-chan error) {
+	pr, pw := io.Pipe()
+	putErr := make(chan error, 1)
+	go func() {
+		err := b.Put(t.Context(), name, pr, -1)
+		pr.CloseWithError(errors.New("the Put returned early")) // unblock the writer
+		putErr <- err
+	}()
+	return pw, putErr
+}
+
 // testListInProgress checks that a Put in progress is not visible, nor
 // the folder it is the first object of.
 func testListInProgress(t *testing.T, b storage.Backend) {
 	mustPut(t, b, "prog/done", []byte("done"))
-	pr, pw := io.Pipe()
-	putErr := make(chan error, 1)
-	go func() {
-		err := b.Put(t.Context(), "prog/new/busy", pr, -1)
-		pr.CloseWithError(errors.New("the Put returned early")) // unblock the writer
-		putErr <- err
-	}()
+	pw, putErr := startPut(t, b, "prog/new/busy")
 	// Pipe writes return once Put has read the bytes, so Put is
 	// midway when this returns.
 	data := randomBytes(60, 9<<20)
@@ -528,6 +543,100 @@ func testListInProgress(t *testing.T, b storage.Backend) {
 	if got := listDirs(t, b, "prog/"); !slices.Equal(got, []string{"new"}) {
 		t.Errorf("ListDirs(prog/) = %q, want [new]", got)
 	}
+}
+
+// testTemporaries checks what ListTemporaries shows: nothing of a Put
+// that returned, at most the Put's own temporary while it runs (a store
+// whose Put keeps its bytes elsewhere until it publishes shows none), and
+// a refusal of bad names.
+func testTemporaries(t *testing.T, b storage.Backend) {
+	checkNoTemporaries(t, b)
+	for i, size := range []int{0, 4000, 9<<20 + 1, 12 << 20} {
+		mustPut(t, b, fmt.Sprintf("temps/done/%d", i), randomBytes(uint64(70+i), size))
+	}
+	if err := b.PutIfAbsent(t.Context(), "temps/commit", []byte("{}")); err != nil {
+		t.Fatal(err)
+	}
+	checkNoTemporaries(t, b)
+	pw, putErr := startPut(t, b, "temps/new/busy")
+	data := randomBytes(71, 9<<20)
+	if _, err := pw.Write(data); err != nil { // Put has read the bytes once this returns
+		t.Fatalf("write to Put: %v", err)
+	}
+	started := time.Now()
+	temps := listTemporaries(t, b, "temps/")
+	if len(temps) > 1 {
+		t.Errorf("ListTemporaries during one Put = %+v, want at most its own", temps)
+	}
+	for _, tmp := range temps {
+		if tmp.Name != "temps/new/busy" || tmp.ID == "" || tmp.Size < 0 || tmp.Size > int64(len(data)) {
+			t.Errorf("the Put's temporary = %+v, want Name temps/new/busy, an ID and at most %d bytes", tmp, len(data))
+		}
+		if d := started.Sub(tmp.ModTime); d > time.Hour || d < -time.Hour {
+			t.Errorf("the Put's temporary was last written at %v, %v from now", tmp.ModTime, d)
+		}
+	}
+	if got := listTemporaries(t, b, "temps/new/busx"); len(got) != 0 {
+		t.Errorf("ListTemporaries(temps/new/busx) = %+v, want none: no name matches", got)
+	}
+	if got := listTemporaries(t, b, "temps/new/bu"); len(got) != len(temps) {
+		t.Errorf("ListTemporaries(temps/new/bu) = %+v, want %+v", got, temps)
+	}
+	checkList(t, b, "temps/new/", nil)
+	pw.Close()
+	if err := <-putErr; err != nil {
+		t.Fatalf("Put: %v", err)
+	}
+	checkObject(t, b, "temps/new/busy", data)
+	checkNoTemporaries(t, b)
+	for _, prefix := range []string{"/abs", "a/../b", "a\x00b"} {
+		if err := b.ListTemporaries(t.Context(), prefix, func(storage.Temporary) error { return nil }); !errors.Is(err, storage.ErrInvalidName) {
+			t.Errorf("ListTemporaries(%q) = %v, want ErrInvalidName", prefix, err)
+		}
+	}
+	for _, name := range []string{"", "/abs", "a/../b"} {
+		if err := b.DeleteTemporary(t.Context(), storage.Temporary{Name: name, ID: "x"}); !errors.Is(err, storage.ErrInvalidName) {
+			t.Errorf("DeleteTemporary of %q = %v, want ErrInvalidName", name, err)
+		}
+	}
+	checkObject(t, b, "temps/new/busy", data)
+}
+
+// testDeleteTemporaryMidPut checks that deleting a Put's temporary while
+// it runs makes that Put fail and store nothing (what a prune that
+// mistook a stalled writer for a dead one does), that a second delete
+// succeeds, and that the object of that name is never touched.
+func testDeleteTemporaryMidPut(t *testing.T, b storage.Backend) {
+	old := []byte("the old contents")
+	mustPut(t, b, "tdel/obj", old)
+	pw, putErr := startPut(t, b, "tdel/obj")
+	if _, err := pw.Write(randomBytes(72, 9<<20)); err != nil {
+		t.Fatalf("write to Put: %v", err)
+	}
+	temps := listTemporaries(t, b, "tdel/")
+	for _, tmp := range temps {
+		for range 2 {
+			if err := b.DeleteTemporary(t.Context(), tmp); err != nil {
+				t.Fatalf("DeleteTemporary(%+v): %v", tmp, err)
+			}
+		}
+	}
+	if got := listTemporaries(t, b, "tdel/"); len(got) != 0 {
+		t.Errorf("temporaries after deleting them: %+v", got)
+	}
+	checkObject(t, b, "tdel/obj", old)
+	_, _ = pw.Write(randomBytes(73, 6<<20)) // more parts, if the Put still reads
+	pw.Close()
+	err := <-putErr
+	switch {
+	case len(temps) > 0 && err == nil:
+		t.Fatal("a Put whose temporary was deleted midway succeeded")
+	case len(temps) == 0 && err != nil:
+		t.Fatalf("Put: %v", err)
+	case len(temps) > 0:
+		checkObject(t, b, "tdel/obj", old)
+	}
+	checkNoTemporaries(t, b)
 }
 
 func testLocation(t *testing.T, b storage.Backend) {
