@@ -64,7 +64,8 @@ type lease struct {
 	layout    *checkpoint.Layout
 	metadata  []byte
 	committed bool
-	cost      int64 // charged to TableBudget
+	check     *precheck // a save's look at storage for its step's commit record
+	cost      int64     // charged to TableBudget
 	begun     time.Time
 	expires   time.Time
 }

@@ -115,10 +115,15 @@ type Manager struct {
 	// stalled is set while drains retry storage errors (nil once one
 	// succeeds): an arena full of their saves is named for the outage.
 	stalled atomic.Pointer[drainStall]
+	// storageDown is set while saves' looks at storage for their step's
+	// commit record get no answer (see precheck): saves are not held for
+	// the next ones.
+	storageDown atomic.Bool
 
 	ctx      context.Context // cancelled to abandon drains at shutdown
 	cancel   context.CancelFunc
 	wg       sync.WaitGroup // drains and the reaper
+	checks   sync.WaitGroup // saves' looks at storage (precheck), stopped by cancel
 	watchers sync.WaitGroup // watchOwner goroutines, stopped by cancel
 }
 
@@ -202,6 +207,7 @@ func (mgr *Manager) Close(ctx context.Context) int {
 	mgr.cancel()
 	mgr.tiers.Close()
 	mgr.watchers.Wait()
+	mgr.checks.Wait()
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
 	return mgr.leases.journaled()

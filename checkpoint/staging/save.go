@@ -30,9 +30,13 @@ func (mgr *Manager) BeginSave(ctx context.Context, o Owner, t checkpoint.Target,
 		return LeaseInfo{}, err
 	}
 	l := &lease{id: newLeaseID(), kind: saveLease, size: layout.RegionSize, target: t, layout: layout, begun: start}
-	if err := mgr.reserveSave(ctx, l); err != nil {
+	if err := mgr.seenCommitted(t); err != nil {
 		return LeaseInfo{}, err
 	}
+	if err := mgr.reserveSave(l); err != nil {
+		return LeaseInfo{}, err
+	}
+	l.check = mgr.startPrecheck(t)
 	region, err := mgr.alloc(ctx, layout.RegionSize)
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
@@ -48,12 +52,36 @@ func (mgr *Manager) BeginSave(ctx context.Context, o Owner, t checkpoint.Target,
 	return l.info(), nil
 }
 
-// reserveSave refuses a save of a step already committed or of a rank this
-// daemon is already saving for the same attempt, books the lease's tensor
-// table against TableBudget, and marks the rank as being staged.
-func (mgr *Manager) reserveSave(ctx context.Context, l *lease) error {
+// seenCommitted refuses a save of a step this daemon saw committed (its
+// registry of saves), before the client copies anything: a client whose
+// CommitSave answer was lost in a restart asks again, and is told its
+// save is in. Storage has the last word (a commit record may have been
+// pruned since): it is asked, unless it is seen down.
+func (mgr *Manager) seenCommitted(t checkpoint.Target) error {
+	attempt, ok := mgr.saves.committedBy(t.Job, t.Step)
+	if !ok {
+		return nil
+	}
+	seen := &checkpoint.CommittedError{Job: t.Job, Step: t.Step, Attempt: attempt, Mine: attempt == t.Attempt}
+	if mgr.storageDown.Load() || mgr.stalled.Load() != nil {
+		return seen
+	}
+	c := mgr.startPrecheck(t)
+	<-c.done
+	if !mgr.storageDown.Load() {
+		return c.err
+	}
+	return seen
+}
+
+// reserveSave refuses a save of a rank this daemon is already saving for
+// the same attempt, books the lease's tensor table against TableBudget,
+// and marks the rank as being staged. It reads no storage: whether the
+// step is committed is checked beside the client's copy (startPrecheck)
+// and refused at CommitSave.
+func (mgr *Manager) reserveSave(l *lease) error {
 	t := l.target
-	if err := mgr.committedHint(ctx, t); err != nil {
+	if _, err := mgr.jobStore(t.Job); err != nil {
 		return err
 	}
 	mgr.mu.Lock()
@@ -83,33 +111,74 @@ func tableCost(l *checkpoint.Layout) int64 {
 	return n
 }
 
-// precheckTimeout bounds BeginSave's look at storage. A slow or
-// unreachable store must not stall a trainer's save: the drain checks
-// again before it writes anything (writeShard), and meanwhile
-// the save waits in the arena.
+// precheckTimeout bounds the look at storage for a commit record of a
+// save's step. A slow or unreachable store must not stall a trainer's
+// save: the drain checks again before it writes anything (writeShard),
+// and meanwhile the save waits in the arena.
 const precheckTimeout = time.Second
 
-// committedHint refuses a save of a committed step early and clearly.
-// When storage does not answer in time it lets the save through and logs
-// why; the drain checks again before writing.
-func (mgr *Manager) committedHint(ctx context.Context, t checkpoint.Target) error {
-	cctx, cancel := context.WithTimeout(ctx, precheckTimeout)
-	defer cancel()
-	store, err := mgr.jobStore(t.Job)
-	if err != nil {
-		return err
-	}
-	rec, err := store.ReadCommit(cctx, t.Step)
-	switch {
-	case err == nil:
-		return &checkpoint.CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Mine: rec.Attempt == t.Attempt}
-	case errors.Is(err, storage.ErrNotFound):
+// precheck is the look at storage for a commit record of a save's step,
+// made beside the client's copy into its region. err is set before done
+// is closed: a CommittedError when the step is committed, another error
+// when storage refused to say (not when it did not answer).
+type precheck struct {
+	done chan struct{}
+	err  error
+}
+
+// startPrecheck reads the commit record of t's step on a goroutine of its
+// own (the Manager's checks), bounded by precheckTimeout. It records
+// whether storage answered: while it does not, CommitSave does not wait
+// for the next ones (see precheckResult).
+func (mgr *Manager) startPrecheck(t checkpoint.Target) *precheck {
+	c := &precheck{done: make(chan struct{})}
+	mgr.checks.Go(func() {
+		defer close(c.done)
+		ctx, cancel := context.WithTimeout(mgr.ctx, precheckTimeout)
+		defer cancel()
+		store, err := mgr.jobStore(t.Job)
+		if err != nil {
+			c.err = err
+			return
+		}
+		rec, err := store.ReadCommit(ctx, t.Step)
+		switch {
+		case err == nil:
+			mgr.storageDown.Store(false)
+			c.err = &checkpoint.CommittedError{Job: t.Job, Step: t.Step, Attempt: rec.Attempt, Mine: rec.Attempt == t.Attempt}
+		case errors.Is(err, storage.ErrNotFound):
+			mgr.storageDown.Store(false)
+		case mgr.ctx.Err() != nil:
+		case errors.Is(err, storage.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded):
+			if !mgr.storageDown.Swap(true) {
+				mgr.log.Warn("storage does not say whether steps are committed; saves are not held for it, and the drain checks before writing", "target", t, "err", err)
+			}
+		case errors.Is(err, checkpoint.ErrCorrupt):
+			mgr.log.Warn("the step's commit record is unreadable; the drain will check", "target", t, "err", err)
+		default:
+			c.err = fmt.Errorf("check step %d: %w", t.Step, err)
+		}
+	})
+	return c
+}
+
+// precheckResult is what the look at storage found, waiting for it
+// (precheckTimeout at most) unless storage is seen down: then a save is
+// not held for it, and the drain checks before writing.
+func (mgr *Manager) precheckResult(c *precheck) error {
+	if c == nil {
 		return nil
-	case ctx.Err() == nil && (errors.Is(err, storage.ErrUnavailable) || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, checkpoint.ErrCorrupt)):
-		mgr.log.Warn("storage did not say whether the step is committed; the drain will check", "target", t, "err", err)
+	}
+	select {
+	case <-c.done:
+		return c.err
+	default:
+	}
+	if mgr.storageDown.Load() || mgr.stalled.Load() != nil {
 		return nil
 	}
-	return fmt.Errorf("check step %d: %w", t.Step, err)
+	<-c.done
+	return c.err
 }
 
 // CommitSave accepts a filled region: once it returns, the save is
@@ -119,11 +188,27 @@ func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (checkpoint.
 	if len(metadata) > MaxMetadata {
 		return checkpoint.Target{}, 0, fmt.Errorf("%w: metadata is %d bytes, more than %d", checkpoint.ErrInvalid, len(metadata), MaxMetadata)
 	}
+	unknown := fmt.Errorf("%w: no open save lease %q (expired, aborted, or never granted to this connection)", ErrUnknownLease, id)
 	mgr.mu.Lock()
 	l := mgr.leases.lookup(id, o)
 	if l == nil || l.kind != saveLease || l.committed {
 		mgr.mu.Unlock()
-		return checkpoint.Target{}, 0, fmt.Errorf("%w: no open save lease %q (expired, aborted, or never granted to this connection)", ErrUnknownLease, id)
+		return checkpoint.Target{}, 0, unknown
+	}
+	check := l.check
+	mgr.mu.Unlock()
+	if err := mgr.precheckResult(check); err != nil {
+		mgr.mu.Lock()
+		if mgr.leases.lookup(id, o) == l && !l.committed {
+			mgr.dropLease(l)
+		}
+		mgr.mu.Unlock()
+		return checkpoint.Target{}, 0, err
+	}
+	mgr.mu.Lock()
+	if mgr.leases.lookup(id, o) != l || l.committed {
+		mgr.mu.Unlock()
+		return checkpoint.Target{}, 0, unknown
 	}
 	if err := mgr.leases.charge(l, int64(len(metadata))); err != nil {
 		mgr.mu.Unlock()

@@ -114,6 +114,19 @@ func (r *saveStates) unsettled(k saveKey) (State, bool) {
 	return StateUnknown, false
 }
 
+// committedBy returns the attempt that committed step of job, when this
+// daemon knows of one of its ranks' saves committed.
+func (r *saveStates) committedBy(job string, step int64) (string, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for k, st := range r.m {
+		if k.job == job && k.step == step && st.state == StateCommitted {
+			return k.attempt, true
+		}
+	}
+	return "", false
+}
+
 // setUnlessFinal is set, unless the save is final already.
 func (r *saveStates) setUnlessFinal(k saveKey, s State, err error) {
 	r.mu.Lock()
