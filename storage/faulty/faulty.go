@@ -81,10 +81,15 @@ const (
 	// backend's Put fails midway and, by its contract, stores nothing. A
 	// Put of N bytes or fewer is not affected.
 	FailPutAfter
+	// StallPutAfter makes the data stream of a Put stop for Delay (or
+	// until the Put's context ends) after N bytes, then go on: the write is
+	// in progress, with what it wrote so far in the store's temporary,
+	// which is where a crash test kills the writer.
+	StallPutAfter
 )
 
 // kindOps are the operations each kind can apply to.
-var kindOps = map[Kind]Op{Fail: OpAll, Delay: OpAll, ShortRead: OpGet, CorruptRead: OpGet, FailPutAfter: OpPut}
+var kindOps = map[Kind]Op{Fail: OpAll, Delay: OpAll, ShortRead: OpGet, CorruptRead: OpGet, FailPutAfter: OpPut, StallPutAfter: OpPut}
 
 // Fault describes one misbehaviour and the calls it applies to.
 type Fault struct {
@@ -98,9 +103,10 @@ type Fault struct {
 	Name string
 	// Err is the error of Fail, FailPutAfter and ShortRead.
 	Err error
-	// Delay is Delay's wait.
+	// Delay is the wait of Delay and StallPutAfter.
 	Delay time.Duration
-	// N is the byte offset of ShortRead, CorruptRead and FailPutAfter.
+	// N is the byte offset of ShortRead, CorruptRead, FailPutAfter and
+	// StallPutAfter.
 	N int64
 	// Times is how many calls it applies to before it stops; zero means
 	// until it is removed.
@@ -254,6 +260,10 @@ func (b *Backend) Put(ctx context.Context, name string, r io.Reader, size int64)
 		return err
 	}
 	for _, f := range faults {
+		if f.Kind == StallPutAfter {
+			r = &stallingReader{ctx: ctx, r: r, left: f.N, stall: f.Delay}
+			continue
+		}
 		r = &failingReader{r: r, left: f.N, err: injected(OpPut, name, errOr(f.Err, storage.ErrUnavailable))}
 	}
 	return b.inner.Put(ctx, name, r, size)
@@ -334,6 +344,32 @@ func (b *Backend) DeleteTemporary(ctx context.Context, t storage.Temporary) erro
 		return err
 	}
 	return b.inner.DeleteTemporary(ctx, t)
+}
+
+// stallingReader passes left bytes of r through, stops for stall (or
+// until ctx ends, then fails with ctx's error) and passes the rest.
+type stallingReader struct {
+	ctx   context.Context
+	r     io.Reader
+	left  int64
+	stall time.Duration
+}
+
+func (s *stallingReader) Read(p []byte) (int, error) {
+	if s.left == 0 {
+		s.left = -1
+		if err := sleep(s.ctx, s.stall); err != nil {
+			return 0, err
+		}
+	}
+	if s.left > 0 && int64(len(p)) > s.left {
+		p = p[:s.left]
+	}
+	n, err := s.r.Read(p)
+	if s.left > 0 {
+		s.left -= int64(n)
+	}
+	return n, err
 }
 
 // failingReader passes left bytes of r through, then fails with err.

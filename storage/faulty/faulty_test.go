@@ -224,6 +224,48 @@ func TestFailPutAfter(t *testing.T) {
 	}
 }
 
+// A Put stalled after N bytes is in progress, with its temporary in the
+// store, until its context ends; then it fails and stores nothing.
+func TestStallPutAfter(t *testing.T) {
+	inner, err := posix.New(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := faulty.New(inner)
+	// The POSIX backend writes in blocks of 4 MiB: the first is in the
+	// temporary when the stream stalls in the second.
+	const stallAt = 5 << 20
+	b.Inject(faulty.Fault{Kind: faulty.StallPutAfter, N: stallAt, Delay: time.Hour})
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- b.Put(ctx, "a/obj", bytes.NewReader(bytes.Repeat([]byte("x"), 12<<20)), 12<<20) }()
+	var temps []storage.Temporary
+	for len(temps) == 0 || temps[0].Size == 0 {
+		select {
+		case err := <-done:
+			t.Fatalf("Put returned %v while it should stall", err)
+		case <-time.After(10 * time.Millisecond):
+		}
+		temps = temps[:0]
+		if err := b.ListTemporaries(t.Context(), "a/", func(tmp storage.Temporary) error {
+			temps = append(temps, tmp)
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if temps[0].Size > stallAt || temps[0].Name != "a/obj" {
+		t.Errorf("the stalled Put's temporary = %+v, want at most %d bytes of a/obj", temps[0], stallAt)
+	}
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Errorf("the stalled Put after its context ended = %v, want context.Canceled", err)
+	}
+	if _, err := b.Stat(t.Context(), "a/obj"); !errors.Is(err, storage.ErrNotFound) {
+		t.Errorf("Stat after the stalled Put failed = %v, want ErrNotFound", err)
+	}
+}
+
 // TestToggleWhileInUse turns an outage on and off while other goroutines
 // use the store; run with -race.
 func TestToggleWhileInUse(t *testing.T) {
