@@ -35,16 +35,19 @@ type PruneReport struct {
 	Removed []int64      // committed steps removed
 	Garbage []AttemptRef // attempts removed that no commit record names
 	Damaged []int64      // steps with a damaged commit record or manifest: left alone
-	Objects int          // objects deleted
-	Bytes   int64        // their size
+	// Temporaries removed: what writers left mid-write, idle for GCGrace.
+	Temporaries []TemporaryInfo
+	Objects     int   // objects deleted
+	Bytes       int64 // their size, temporaries' included
 }
 
 // Prune keeps the newest KeepLast committed steps and removes the rest.
 // It also removes the attempts that no commit record names: those of
 // committed steps (a crashed run's ranks) at once, and those of
-// uncommitted steps once nothing was written to them for GCGrace. Steps
-// whose commit record is damaged are left alone and reported: they need a
-// person.
+// uncommitted steps once nothing was written to them for GCGrace. So are
+// the temporaries that writers left mid-write (a kill -9 in a POSIX write,
+// an S3 upload never completed) once idle for GCGrace. Steps whose commit
+// record is damaged are left alone and reported: they need a person.
 //
 // An uncommitted step may still commit while Prune runs (its last ranks
 // drain, or a save kept journaled through an outage drains late), so its
@@ -98,12 +101,13 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 			return rep, err
 		}
 	}
+	cutoff := opts.Now.Add(-opts.GCGrace)
 	for i := range inv {
-		if err := p.removeGarbage(ctx, &inv[i], opts.Now.Add(-opts.GCGrace)); err != nil {
+		if err := p.removeGarbage(ctx, &inv[i], cutoff); err != nil {
 			return rep, err
 		}
 	}
-	return rep, nil
+	return rep, p.removeTemporaries(ctx, cutoff)
 }
 
 // references returns the objects the kept steps' manifests point to. A
@@ -187,6 +191,30 @@ func (p *pruner) removeGarbage(ctx context.Context, si *StepInventory, cutoff ti
 		if err := p.deleteAll(ctx, a.objects); err != nil {
 			return fmt.Errorf("prune step %d attempt %q: %w", si.Step, a.Attempt, err)
 		}
+	}
+	return nil
+}
+
+// removeTemporaries deletes the temporaries nothing was written to since
+// cutoff: a live writer keeps its own fresh, so after the grace only a
+// dead writer's are left.
+func (p *pruner) removeTemporaries(ctx context.Context, cutoff time.Time) error {
+	temps, err := p.s.Temporaries(ctx)
+	if err != nil {
+		return err
+	}
+	for _, t := range temps {
+		if t.ModTime.After(cutoff) {
+			continue
+		}
+		if !p.dryRun {
+			if err := p.s.backend.DeleteTemporary(ctx, t.Temporary); err != nil {
+				return fmt.Errorf("prune the temporary %s of %s: %w", t.ID, t.Name, err)
+			}
+		}
+		p.rep.Temporaries = append(p.rep.Temporaries, t)
+		p.rep.Objects++
+		p.rep.Bytes += t.Size
 	}
 	return nil
 }

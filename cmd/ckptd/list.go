@@ -99,16 +99,20 @@ func runList(ctx context.Context, o *listOptions, out io.Writer) error {
 type attemptJSON struct {
 	Step      int64     `json:"step"`
 	Attempt   string    `json:"attempt"`
-	State     string    `json:"state"` // committed, uncommitted, garbage (another attempt committed the step), damaged
+	State     string    `json:"state"` // committed, uncommitted, garbage (another attempt committed the step), damaged, temporary
 	Ranks     int       `json:"ranks"` // manifests present
 	WorldSize int       `json:"world_size"`
 	Objects   int       `json:"objects"`
 	Bytes     int64     `json:"bytes"`
 	Newest    time.Time `json:"newest"`
+	// Object is what a temporary would become (state "temporary" only).
+	Object string `json:"object,omitempty"`
 }
 
 // listAll prints every attempt of every step, so an operator sees
-// half-written steps and a crashed run's leftovers.
+// half-written steps and a crashed run's leftovers, then each temporary:
+// a write in progress, or what a writer killed mid-write left (prune
+// removes those idle for --gc-grace).
 func listAll(ctx context.Context, store *checkpoint.Store, asJSON bool, out io.Writer) error {
 	inv, err := store.Inventory(ctx)
 	if err != nil {
@@ -127,17 +131,29 @@ func listAll(ctx context.Context, store *checkpoint.Store, asJSON bool, out io.W
 			case committed:
 				state = "garbage"
 			}
-			rows = append(rows, attemptJSON{si.Step, a.Attempt, state, a.Ranks, a.WorldSize, a.Objects, a.Bytes, a.Newest.UTC()})
+			rows = append(rows, attemptJSON{si.Step, a.Attempt, state, a.Ranks, a.WorldSize, a.Objects, a.Bytes, a.Newest.UTC(), ""})
 		}
+	}
+	temps, err := store.Temporaries(ctx)
+	if err != nil {
+		return err
+	}
+	for _, t := range temps {
+		rows = append(rows, attemptJSON{Step: t.Step, Attempt: t.Attempt, State: "temporary", Objects: 1, Bytes: t.Size,
+			Newest: t.ModTime.UTC(), Object: t.Name})
 	}
 	if asJSON {
 		return writeJSON(out, rows)
 	}
 	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "STEP\tATTEMPT\tSTATE\tRANKS\tBYTES\tLAST WRITE")
+	fmt.Fprintln(tw, "STEP\tATTEMPT\tSTATE\tRANKS\tBYTES\tLAST WRITE\tOBJECT")
 	for _, r := range rows {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%d/%d\t%s\t%s\n", r.Step, attemptLabel(r.Attempt), r.State, r.Ranks, r.WorldSize,
-			human(r.Bytes), r.Newest.Local().Format(time.DateTime))
+		ranks := fmt.Sprintf("%d/%d", r.Ranks, r.WorldSize)
+		if r.State == "temporary" {
+			ranks = "-"
+		}
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\n", r.Step, attemptLabel(r.Attempt), r.State, ranks,
+			human(r.Bytes), r.Newest.Local().Format(time.DateTime), r.Object)
 	}
 	return tw.Flush()
 }

@@ -28,7 +28,9 @@ func newPruneCmd() *cobra.Command {
 of the job) that no commit record names: those of committed steps at once
 (a crashed run's ranks), and those of uncommitted steps once nothing was
 written to them for --gc-grace (they may still be in flight before that; set
-it above the longest outage a save may be held back through).
+it above the longest outage a save may be held back through), and what
+writers killed mid-write left (POSIX temporary files, S3 multipart uploads)
+once idle for --gc-grace too.
 Objects a kept step points to are never deleted, and neither is a step whose
 commit record is damaged (it is named, for a person to look at).`,
 		Args: cobra.NoArgs,
@@ -67,8 +69,8 @@ func runPrune(ctx context.Context, o *pruneOptions, out io.Writer) error {
 	for i, g := range rep.Garbage {
 		garbage[i] = fmt.Sprintf("%d/%s", g.Step, attemptLabel(g.Attempt))
 	}
-	fmt.Fprintf(out, "kept steps %v\n%s steps %v and uncommitted attempts [%s]: %d objects, %s\n",
-		rep.Kept, verb, rep.Removed, strings.Join(garbage, " "), rep.Objects, human(rep.Bytes))
+	fmt.Fprintf(out, "kept steps %v\n%s steps %v, uncommitted attempts [%s] and %d temporaries: %d objects, %s\n",
+		rep.Kept, verb, rep.Removed, strings.Join(garbage, " "), len(rep.Temporaries), rep.Objects, human(rep.Bytes))
 	if len(rep.Damaged) > 0 {
 		fmt.Fprintf(out, "left alone: steps %v, whose commit record or a manifest is damaged (see the warnings above)\n", rep.Damaged)
 	}

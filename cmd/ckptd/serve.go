@@ -60,6 +60,8 @@ func newServeCmd() *cobra.Command {
 	fs.DurationVar(&o.Grace, "shutdown-grace", time.Minute, "on SIGTERM, how long to keep draining before leaving saves journaled for the next start")
 	fs.DurationVar(&o.DrainDelay, "debug-drain-delay", 0, "delay every drain (for crash tests)")
 	_ = fs.MarkHidden("debug-drain-delay")
+	fs.Var((*byteSize)(&o.StallWritesAfter), "debug-stall-writes-after", "stall every checkpoint object's write after this many bytes, for an hour (for crash tests: a kill in the middle of a write)")
+	_ = fs.MarkHidden("debug-stall-writes-after")
 	fs.Var((*byteSize)(&o.CacheBytes), "cache-bytes", "dataset shard cache budget, shared by every rank on the node (0 disables it)")
 	fs.IntVar(&o.Nice, "nice", 10, "run the daemon this many nice levels (0-19) below the priority it starts with, so that the trainer beside it wins a contended core; 0 keeps it. It orders the daemon against processes of its own cgroup only: give a sidecar container a small CPU request instead")
 	fs.BoolVar(&o.CacheLookahead, "cache-lookahead", true, "when the cache is full, evict the shard the open sessions read farthest in the future (false: keep what the cache holds)")

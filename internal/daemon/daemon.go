@@ -32,6 +32,7 @@ import (
 	"github.com/ckptd/ckptd/prefetch"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 	"github.com/ckptd/ckptd/storage"
+	"github.com/ckptd/ckptd/storage/faulty"
 	"github.com/ckptd/ckptd/storage/storageurl"
 )
 
@@ -83,6 +84,10 @@ type Options struct {
 	PersistEvery    int
 	PersistInterval time.Duration
 	Peers           PeerOptions
+
+	// StallWritesAfter stalls each write to the checkpoint store after
+	// that many bytes (0: never); crash tests kill the daemon there.
+	StallWritesAfter int64
 }
 
 // UsageError is a setting the daemon cannot start with: the command
@@ -235,6 +240,11 @@ func (d *Daemon) openStore(ctx context.Context) (storage.Backend, error) {
 	if err != nil && octx.Err() != nil && ctx.Err() == nil {
 		return nil, fmt.Errorf("%w; the storage did not answer within --storage-wait %s: check the endpoint and the network, "+
 			"or give --storage-wait 0 to wait for a store that comes up after the daemon", err, d.o.StorageWait)
+	}
+	if err == nil && d.o.StallWritesAfter > 0 {
+		f := faulty.New(b)
+		f.Inject(faulty.Fault{Kind: faulty.StallPutAfter, N: d.o.StallWritesAfter, Delay: time.Hour})
+		b = f
 	}
 	return b, err
 }
