@@ -91,6 +91,9 @@ func (mgr *Manager) drain(l *lease) {
 	if !mgr.tiers.Persists(l.target) && mgr.keepInMemory(l) {
 		return
 	}
+	if l.recovered {
+		mgr.removeTemporaries(l.target)
+	}
 	start := time.Now()
 	sh := &checkpoint.Shard{
 		Target: l.target, Layout: l.layout, Metadata: l.metadata,
@@ -107,6 +110,24 @@ func (mgr *Manager) drain(l *lease) {
 		mgr.endDrain(l, StateFailed, err)
 	}
 }
+
+// removeTemporaries removes what the dead process's write of a replayed
+// save left in storage, which nothing else would remove before prune's
+// grace. Best effort, and bounded: storage that does not answer now only
+// leaves them to prune.
+func (mgr *Manager) removeTemporaries(t checkpoint.Target) {
+	s, err := mgr.jobStore(t.Job)
+	if err != nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(mgr.ctx, temporariesTimeout)
+	defer cancel()
+	s.RemoveRankTemporaries(ctx, t)
+}
+
+// temporariesTimeout bounds removeTemporaries: it must not hold back a
+// replayed save's drain through a storage outage.
+const temporariesTimeout = 30 * time.Second
 
 // errAbandoned: the daemon shut down while a shard was being written.
 var errAbandoned = errors.New("abandoned at shutdown")

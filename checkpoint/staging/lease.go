@@ -64,6 +64,7 @@ type lease struct {
 	layout    *checkpoint.Layout
 	metadata  []byte
 	committed bool
+	recovered bool      // replayed from an earlier process's journal
 	check     *precheck // a save's look at storage for its step's commit record
 	cost      int64     // charged to TableBudget
 	begun     time.Time

@@ -316,6 +316,7 @@ func (mgr *Manager) recover() error {
 			continue
 		}
 		l.id = e.ID
+		l.recovered = true
 		mgr.leases.add(l, "")
 		mgr.leases.book(l) // even past the budget: it is acknowledged
 		mgr.saves.setWorld(keyOf(l.target), StateStaged, nil, l.target.WorldSize)
