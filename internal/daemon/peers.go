@@ -54,6 +54,10 @@ func (p *PeerOptions) setup(ctx context.Context, hotBytes int64, log *slog.Logge
 	if err != nil {
 		return nil, peers.Creds{}, err
 	}
+	if err := p.TLS.CheckOwn(self); err != nil {
+		return nil, peers.Creds{}, err
+	}
+	p.discovery.Check = p.TLS.CheckOwn
 	if p.TLS.Insecure && p.TLS.CertFile == "" {
 		log.Warn("peers: checkpoints travel in plaintext (--peer-insecure)")
 	}

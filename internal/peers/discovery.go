@@ -26,6 +26,10 @@ type Discovery struct {
 	// whose host is one of this host's addresses or its name, on Port.
 	Self string
 	Port string
+	// Check, when set, checks this sidecar's entry once it is found or
+	// changes (its certificate names it: TLS.CheckOwn); a failure is
+	// logged as an error, the start having passed.
+	Check func(self string) error
 }
 
 // DefaultEvery is how often a discovered list is looked up again.
@@ -163,8 +167,14 @@ func (c *Client) Watch(ctx context.Context, d Discovery, log *slog.Logger) {
 			log.Warn("peers: looking the list up again failed; keeping the last one", "err", err)
 			continue
 		}
+		_, was := c.Members()
 		if c.SetMembers(list, self) {
 			log.Info("peers: the list changed", "peers", list, "self", self)
+			if self != was && self != "" && d.Check != nil {
+				if err := d.Check(self); err != nil {
+					log.Error("peers: this sidecar's entry changed, and its peers cannot check its certificate against it: replicas it is sent will fail", "self", self, "err", err)
+				}
+			}
 		}
 	}
 }

@@ -5,25 +5,23 @@ import (
 	"testing"
 
 	"github.com/ckptd/ckptd/clients/go/ckptd"
-	"github.com/ckptd/ckptd/internal/peers/peertest"
 	"github.com/ckptd/ckptd/test/daemontest"
 )
 
 // Three sidecars of one job keep replicas of each other's shards (mutual
 // TLS): with the node that saved a shard gone and the store's server
 // killed, a trainer restarted on another node still loads it from a peer.
+// Their certificates are made by docs/tiers.md's recipe.
 // A sidecar without TLS and without --peer-insecure does not start.
 func TestPeerReplicas(t *testing.T) {
 	srv, _, store := daemontest.S3Store(t)
-	dir := t.TempDir()
-	ca := peertest.NewCA(t, dir, "ca")
-	cert, key := ca.Leaf(t, dir, "node")
+	c := recipeCerts(t, "localhost", "127.0.0.1", nil)
 	addrs := []string{daemontest.ClosedAddr(t), daemontest.ClosedAddr(t), daemontest.ClosedAddr(t)}
 	var ds []*daemontest.Daemon
 	for _, addr := range addrs {
 		ds = append(ds, daemontest.StartEnv(t, store, srv.Env(), "--hot-bytes", "64MiB", "--s3-retry-deadline", "1s",
 			"--shutdown-grace", "1s", "--peers", strings.Join(addrs, ","), "--peer-listen", addr,
-			"--peer-cert", cert, "--peer-key", key, "--peer-ca", ca.File))
+			"--peer-cert", c.cert, "--peer-key", c.key, "--peer-ca", c.ca))
 	}
 	want := map[int]*ckptd.SaveRequest{}
 	for rank := range 3 { // rank r saved through sidecar r

@@ -1,0 +1,106 @@
+package tiers
+
+import (
+	"bytes"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ckptd/ckptd/internal/testtime"
+	"github.com/ckptd/ckptd/test/daemontest"
+)
+
+// certs are the files docs/tiers.md's certificate recipe makes for one
+// node.
+type certs struct{ ca, cert, key string }
+
+// recipeCerts runs docs/tiers.md's certificate recipe in a new folder for
+// a node listed as name and ip, with edit (when not nil) applied to the
+// recipe first: the tests' certificates are made as an operator's are.
+func recipeCerts(t *testing.T, name, ip string, edit func(string) string) certs {
+	t.Helper()
+	if _, err := exec.LookPath("openssl"); err != nil {
+		t.Fatalf("the certificate recipe needs openssl: %v", err)
+	}
+	doc, err := os.ReadFile("../../docs/tiers.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	blocks := regexp.MustCompile("(?s)```sh\n(.*?)```").FindAllSubmatch(doc, -1)
+	if len(blocks) != 1 {
+		t.Fatalf("docs/tiers.md has %d sh blocks, want the recipe alone", len(blocks))
+	}
+	recipe := string(blocks[0][1])
+	if edit != nil {
+		recipe = edit(recipe)
+	}
+	dir := t.TempDir()
+	cmd := daemontest.Command("bash", "-euo", "pipefail", "-c", recipe)
+	cmd.Dir, cmd.Env = dir, append(os.Environ(), "NODE="+name, "NODE_IP="+ip)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("the certificate recipe: %v\n%s", err, out)
+	}
+	return certs{ca: filepath.Join(dir, "ca.pem"), cert: filepath.Join(dir, "node.pem"), key: filepath.Join(dir, "node.key")}
+}
+
+// args are serve's flags for these certificates.
+func (c certs) args() []string {
+	return []string{"--peer-cert", c.cert, "--peer-key", c.key, "--peer-ca", c.ca}
+}
+
+// serveRefused runs ckptd serve with args, which must fail at start, and
+// returns its exit code and what it wrote.
+func serveRefused(t *testing.T, args ...string) (int, string) {
+	t.Helper()
+	dir := t.TempDir()
+	cmd := daemontest.Command(daemontest.Bin(t), append([]string{"serve", "--socket", filepath.Join(dir, "ckptd.sock"),
+		"--storage", filepath.Join(dir, "store"), "--arena-dir", daemontest.ArenaDir(), "--staging-bytes", "16MiB"}, args...)...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	select {
+	case err := <-exited:
+		return daemontest.ExitCode(err), out.String()
+	case <-time.After(testtime.Scale(time.Minute)):
+		_ = cmd.Process.Kill()
+		<-exited
+		t.Fatalf("serve %v started:\n%s", args, out.String())
+	}
+	return 0, ""
+}
+
+// A certificate its peers would refuse fails serve at start, naming the
+// certificate's subject, its names and the fixes: one without a name for
+// the address this sidecar is listed at, one not good for client
+// connections.
+func TestPeerCertificateChecked(t *testing.T) {
+	addrs := []string{daemontest.ClosedAddr(t), daemontest.ClosedAddr(t)}
+	peerArgs := []string{"--hot-bytes", "1MiB", "--peers", strings.Join(addrs, ","), "--peer-listen", addrs[0]}
+	for _, tc := range []struct {
+		name  string
+		certs certs
+		want  []string
+	}{
+		{"no SAN for the listed address", recipeCerts(t, "node0.example", "127.0.0.2", nil),
+			[]string{`subject "CN=node0.example"`, "DNS:node0.example, IP:127.0.0.2", "does not name 127.0.0.1",
+				"subjectAltName = IP:127.0.0.1", "--peer-advertise", "docs/tiers.md"}},
+		{"no clientAuth", recipeCerts(t, "localhost", "127.0.0.1", func(r string) string {
+			return strings.Replace(r, "serverAuth, clientAuth", "serverAuth", 1)
+		}), []string{`subject "CN=localhost"`, "not good for clientAuth", "extendedKeyUsage = serverAuth, clientAuth"}},
+	} {
+		code, out := serveRefused(t, append(peerArgs, tc.certs.args()...)...)
+		for _, w := range tc.want {
+			if code != 2 || !strings.Contains(out, w) {
+				t.Errorf("%s: exit %d, want 2 and %q in:\n%s", tc.name, code, w, out)
+			}
+		}
+	}
+}
