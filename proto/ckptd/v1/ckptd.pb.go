@@ -1093,10 +1093,15 @@ type WaitSaveResponse struct {
 	// FAILED and the failure has one (the reasons a failed call carries):
 	// STEP_COMMITTED with the committing "attempt", for a save refused
 	// because another run of the job committed its step meanwhile.
-	Reason        string            `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
-	Metadata      map[string]string `protobuf:"bytes,4,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Reason   string            `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	Metadata map[string]string `protobuf:"bytes,4,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// When state is HOT because sending the save to its --replicas peers
+	// failed: why. The save is in this node's memory only, and lost with
+	// it; clients warn (Python NotReplicatedWarning, Go ErrNotReplicated).
+	// Empty when the daemon has no peers.
+	ReplicationError string `protobuf:"bytes,5,opt,name=replication_error,json=replicationError,proto3" json:"replication_error,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *WaitSaveResponse) Reset() {
@@ -1155,6 +1160,13 @@ func (x *WaitSaveResponse) GetMetadata() map[string]string {
 		return x.Metadata
 	}
 	return nil
+}
+
+func (x *WaitSaveResponse) GetReplicationError() string {
+	if x != nil {
+		return x.ReplicationError
+	}
+	return ""
 }
 
 type ListStepsRequest struct {
@@ -3758,12 +3770,13 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x12\n" +
 	"\x04rank\x18\x03 \x01(\x05R\x04rank\x12\x16\n" +
 	"\x06nowait\x18\x04 \x01(\bR\x06nowait\x12\x18\n" +
-	"\aattempt\x18\x05 \x01(\tR\aattempt\"\xee\x01\n" +
+	"\aattempt\x18\x05 \x01(\tR\aattempt\"\x9b\x02\n" +
 	"\x10WaitSaveResponse\x12)\n" +
 	"\x05state\x18\x01 \x01(\x0e2\x13.ckptd.v1.SaveStateR\x05state\x12\x14\n" +
 	"\x05error\x18\x02 \x01(\tR\x05error\x12\x16\n" +
 	"\x06reason\x18\x03 \x01(\tR\x06reason\x12D\n" +
-	"\bmetadata\x18\x04 \x03(\v2(.ckptd.v1.WaitSaveResponse.MetadataEntryR\bmetadata\x1a;\n" +
+	"\bmetadata\x18\x04 \x03(\v2(.ckptd.v1.WaitSaveResponse.MetadataEntryR\bmetadata\x12+\n" +
+	"\x11replication_error\x18\x05 \x01(\tR\x10replicationError\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\":\n" +

@@ -200,7 +200,7 @@ class WaitSaveRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., nowait: _Optional[bool] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class WaitSaveResponse(_message.Message):
-    __slots__ = ("state", "error", "reason", "metadata")
+    __slots__ = ("state", "error", "reason", "metadata", "replication_error")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -212,11 +212,13 @@ class WaitSaveResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_ERROR_FIELD_NUMBER: _ClassVar[int]
     state: SaveState
     error: str
     reason: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, state: _Optional[_Union[SaveState, str]] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    replication_error: str
+    def __init__(self, state: _Optional[_Union[SaveState, str]] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., replication_error: _Optional[str] = ...) -> None: ...
 
 class ListStepsRequest(_message.Message):
     __slots__ = ("job", "tiers")
