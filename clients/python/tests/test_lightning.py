@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,10 @@ import ckptd
 pl = pytest.importorskip("lightning.pytorch")
 cl = pytest.importorskip("ckptd.lightning")
 
-WORKER = Path(__file__).with_name("lightning_worker.py")
+sys.path.insert(0, str(Path(__file__).with_name("frameworks")))
+from common import read_losses, wait_paused  # noqa: E402
+
+WORKER = Path(__file__).with_name("frameworks") / "lightning_worker.py"
 EPOCHS = 6
 STEPS_PER_EPOCH = 8  # 64 samples, batches of 4, over 2 ranks
 
@@ -49,11 +51,6 @@ def finish(p: subprocess.Popen[str]) -> str:
     return text
 
 
-def losses(out: Path, tag: str, rank: int) -> dict[int, str]:
-    lines = (out / f"losses-{tag}-rank{rank}.txt").read_text().split("\n")
-    return {int(s): v for s, v in (ln.split() for ln in lines if ln)}
-
-
 def test_ddp_killed_mid_save_resumes_bit_for_bit(daemon, job, tmp_path):
     common = ["--epochs", str(EPOCHS), "--devices", "2"]
     whole = worker(daemon.socket, tmp_path / "whole", "whole", "--job", f"{job}-w", *common)
@@ -63,11 +60,7 @@ def test_ddp_killed_mid_save_resumes_bit_for_bit(daemon, job, tmp_path):
     pause = 3 * STEPS_PER_EPOCH  # the end of epoch 3: last.ckpt still names epoch 2
     killed = worker(daemon.socket, out, "killed", "--job", job, *common, "--pause-at", str(pause))
     try:
-        deadline = time.monotonic() + scaled(300)
-        while not (out / "paused").exists():
-            assert killed.poll() is None, killed.communicate()[0]
-            assert time.monotonic() < deadline, "the trainer never reached the save"
-            time.sleep(0.05)
+        wait_paused(killed, out / "paused")
         os.killpg(killed.pid, signal.SIGKILL)  # both ranks, inside rank 0's save
     finally:
         if killed.poll() is None:
@@ -86,9 +79,9 @@ def test_ddp_killed_mid_save_resumes_bit_for_bit(daemon, job, tmp_path):
     got = json.loads((out / "final-resumed.json").read_text())
     assert got == want  # weights, optimizer state, LR and the step
     for rank in (0, 1):
-        after = losses(out, "resumed", rank)
+        after = read_losses(out / f"losses-resumed-rank{rank}.txt")
         assert min(after) == 2 * STEPS_PER_EPOCH  # it went on from last.ckpt's step
-        reference = losses(tmp_path / "whole", "whole", rank)
+        reference = read_losses(tmp_path / "whole" / f"losses-whole-rank{rank}.txt")
         assert after == {s: reference[s] for s in after}
     # The interrupted run's staged step committed without its trainer; the
     # resumed run saved that step again, found it equal, and pointed at it.

@@ -22,6 +22,7 @@ import os
 import pickle
 import pickletools
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,7 +32,8 @@ import torch
 from . import _tensors
 from . import torch as ct
 from ._client import Client
-from ._errors import CkptdError, NotFoundError
+from ._errors import AlreadyExistsError, CkptdError, NotFoundError
+from ._handle import SaveHandle
 
 PICKLED = "ckptd.pickled"
 REF = "ckptd.tensor"
@@ -175,6 +177,16 @@ def same_tensors(saved: Any, now: Any) -> str | None:
     return None
 
 
+@dataclass
+class Loaded:
+    """A step saved through ckptd.torch, decoded without a module to load into."""
+
+    model: dict[str, Any]
+    optimizer: Any
+    extra: Any
+    step: int
+
+
 def load(
     client: Client,
     step: int | Literal["latest"],
@@ -183,21 +195,65 @@ def load(
     rank: int = 0,
     extra_skeleton: Any = None,
     device: Any = None,
-) -> tuple[dict[str, Any], Any, int]:
-    """A step saved through ckptd.torch: (model state dict, extra, step).
+) -> Loaded:
+    """Load rank's shard of a step saved through ckptd.torch.
 
     extra_skeleton, when given, decodes extra instead of the step's own
-    (a pointer file's view of the same tensors). Tensors are on the CPU,
-    or moved to device.
+    (a pointer file's view of the same tensors). Tensors are on the CPU;
+    the model's are moved to device when one is given.
     """
     source = ct._Source(client, step, rank, job)
     skeleton = ct._skeleton(source.state)
     unpacker = ct._Unpacker(source.state, source)
     model = unpacker.decode(skeleton["model"])
+    optimizer = None if skeleton["optimizer"] is None else unpacker.decode(skeleton["optimizer"])
     extra = unpacker.decode(skeleton["extra"] if extra_skeleton is None else extra_skeleton)
     if device is not None:
         model = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in model.items()}
-    return model, extra, int(source.state.step)
+    return Loaded(model, optimizer, extra, int(source.state.step))
+
+
+def stage(
+    client: Client,
+    step: int,
+    model: torch.nn.Module | Mapping[str, Any],
+    *,
+    optimizer: Mapping[str, Any] | None,
+    extra: Any,
+    rank: int,
+    world_size: int,
+    job: str | None,
+    timeout: float | None,
+) -> SaveHandle | None:
+    """Save rank's shard of step through ckptd.torch; None when an earlier run committed it.
+
+    A step an earlier run of the job committed (a trainer that resumed from
+    an older step than the newest, which it retrains) is taken as this
+    save when it holds the same tensors, bit for bit; else CkptdError.
+    """
+    try:
+        return ct.save_state_dict(
+            client, step, model, optimizer=optimizer, extra=extra, rank=rank,
+            world_size=world_size, job=job,
+        )  # fmt: skip
+    except AlreadyExistsError as exists:
+        if exists.reason != "STEP_COMMITTED":
+            raise
+        attempt = str((exists.metadata or {}).get("attempt", ""))
+        wait_committed(client, step, job=job, attempt=attempt, timeout=timeout)
+        stored = load(client, step, job=job, rank=rank)
+        sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
+        differs = same_tensors(
+            {"model": stored.model, "optimizer": stored.optimizer, "extra": stored.extra},
+            {"model": sd, "optimizer": optimizer, "extra": extra},
+        )
+        if differs is not None:
+            raise CkptdError(
+                f"step {step} was committed by an earlier run of the job (attempt {attempt}) "
+                f"with other values ({differs} differs); ckptd keeps one state per step: "
+                "resume from the newest committed step, or save under another job"
+            ) from exists
+        return None
 
 
 def extra_skeleton(extra: Any) -> Any:

@@ -162,9 +162,9 @@ class CheckpointIO(_fabric_plugins.CheckpointIO):
         fw.wait_committed(
             self.client, step, job=self.job, attempt=attempt, timeout=self.wait_timeout
         )
-        model_sd, extra, _ = fw.load(self.client, step, job=self.job)
+        loaded = fw.load(self.client, step, job=self.job)
         now = fw.portable({k: v for k, v in checkpoint.items() if k != "state_dict"})
-        stored = {"state_dict": model_sd, "extra": extra["tensors"]}
+        stored = {"state_dict": loaded.model, "extra": loaded.extra["tensors"]}
         now = {"state_dict": checkpoint.get("state_dict", {}), "extra": now["tensors"]}
         differs = fw.same_tensors(stored, now)
         if differs is not None:
@@ -199,11 +199,11 @@ class CheckpointIO(_fabric_plugins.CheckpointIO):
             timeout=self.wait_timeout,
         )  # fmt: skip
         device = map_location if isinstance(map_location, (str, torch.device)) else None
-        model_sd, extra, _ = fw.load(
+        loaded = fw.load(
             self.client, step, job=job, extra_skeleton=pointer.get("extra"), device=device
         )
-        out: dict[str, Any] = fw.unportable(extra, weights_only is not True, str(path))
-        out["state_dict"] = model_sd
+        out: dict[str, Any] = fw.unportable(loaded.extra, weights_only is not True, str(path))
+        out["state_dict"] = loaded.model
         return out
 
     def remove_checkpoint(self, path: Any) -> None:

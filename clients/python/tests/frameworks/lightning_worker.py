@@ -15,15 +15,16 @@ resumes with fit(ckpt_path="last").
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import time
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 
-import ckptd
+sys.path.insert(0, str(Path(__file__).parent))
+from common import PausingClient, digest, log_loss, optimizer_digest
+
 import ckptd.lightning
 
 
@@ -38,35 +39,12 @@ class Net(pl.LightningModule):
     def training_step(self, batch, _):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
-        with open(self.losses, "a") as f:
-            f.write(f"{self.global_step} {loss.item().hex()}\n")
+        log_loss(self.losses, self.global_step, loss)
         return loss
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.7)}
-
-
-class PausingClient(ckptd.Client):
-    """A real client that stops for good inside one save, after staging it."""
-
-    def __init__(self, pause_at: int, marker: Path) -> None:
-        super().__init__()
-        self.pause_at, self.marker = pause_at, marker
-
-    def save(self, step, state, **kw):
-        h = super().save(step, state, **kw)
-        if step == self.pause_at:
-            self.marker.write_text(str(step))
-            time.sleep(3600)
-        return h
-
-
-def digest(*tensors: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def main() -> None:
@@ -104,11 +82,10 @@ def main() -> None:
     trainer.fit(model, loader, ckpt_path="last" if a.resume else None)
     if trainer.global_rank == 0:
         opt = trainer.optimizers[0]
-        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         final = {
             "step": trainer.global_step,
             "weights": digest(*model.parameters()),
-            "optimizer": digest(*state),
+            "optimizer": optimizer_digest(opt),
             "lr": [g["lr"].hex() for g in opt.param_groups],
         }
         (a.out / f"final-{a.tag}.json").write_text(json.dumps(final))
