@@ -27,7 +27,9 @@ load (any WORLD): a differently initialised model on WORLD ranks, loaded
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,7 +88,7 @@ def full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def diff(a: Any, b: Any, path: str = "") -> list[str]:  # noqa: PLR0911
-    """Where a and b differ; tensors bit for bit (dtype, shape and bytes)."""
+    """Where a and b differ; tensors bit for bit (dtype, shape and bytes), NaN equal to NaN."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return [f"{path}: {type(a).__name__} vs {type(b).__name__}"]
@@ -99,12 +101,16 @@ def diff(a: Any, b: Any, path: str = "") -> list[str]:  # noqa: PLR0911
             return [f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"]
         return [d for k in a for d in diff(a[k], b[k], f"{path}.{k}")]
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}: length {len(a)} vs {len(b)}"]
+        if type(a) is not type(b) or len(a) != len(b):
+            return [f"{path}: {a!r} vs {b!r}"]
         return [
             d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in diff(x, y, f"{path}.{i}")
         ]
-    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
+    if isinstance(a, io.BytesIO) and isinstance(b, io.BytesIO):
+        a, b = a.getvalue(), b.getvalue()
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return []
+    return [] if type(a) is type(b) and a == b else [f"{path}: {a!r} vs {b!r}"]
 
 
 def save(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> None:

@@ -273,10 +273,34 @@ def test_the_checkpoint_process_is_refused_before_anything_is_staged(client, job
     client.save(1, {"w": torch.ones(2)}, rank=0, world_size=1, job=job).wait(scaled(60))
 
 
-def test_dcp_cannot_detect_ckptd_from_a_checkpoint_id_alone(client, job):
-    """torch 2.15's _storage_setup tries only FileSystemWriter and FsspecWriter."""
-    with pytest.raises(RuntimeError, match="Cannot detect which StorageReader or StorageWriter"):
-        dcp.save({"w": torch.ones(1)}, checkpoint_id=f"ckptd://{job}/step-3")
+@pytest.fixture
+def default_socket(daemon, monkeypatch):
+    """$CKPTD_SOCKET names the test daemon; ckptd.dcp's own client is made afresh."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    monkeypatch.setattr(ckptd.dcp, "_default", None)
+    yield
+    if ckptd.dcp._default is not None:
+        ckptd.dcp._default.close()
+
+
+def test_a_ckptd_checkpoint_id_alone_finds_ckptd(default_socket, client, job, tmp_path):
+    """Importing ckptd.dcp lets DCP take a ckptd:// id given alone (torch 2.15 has no registry)."""
+    assert ckptd.dcp.FOUND_BY_ID
+    sd = {"model": {"w": torch.arange(3.0)}, "extra": {"n": 1}}
+    dcp.save(sd, checkpoint_id=f"ckptd://{job}/step-3")
+    sd["model"]["w"].add_(1)
+    dcp.async_save(sd, checkpoint_id=f"ckptd://{job}/4").result(timeout=scaled(120))
+    assert [s.step for s in client.steps(job)] == [3, 4]
+    for cid, want in ((f"ckptd://{job}/3", 0.0), (f"ckptd://{job}/latest", 1.0)):
+        got = {"model": {"w": torch.zeros(3)}, "extra": {"n": 0}}
+        dcp.load(got, checkpoint_id=cid)
+        assert torch.equal(got["model"]["w"], torch.arange(3.0) + want) and got["extra"]["n"] == 1
+    with pytest.raises(ckptd.InvalidArgumentError, match="names no step"):  # before DCP plans
+        dcp.save(sd, checkpoint_id=f"ckptd://{job}/final")
+    # Any other id is DCP's as before: a folder for its FileSystemWriter.
+    dcp.save(sd, checkpoint_id=tmp_path / "step-5")
+    assert (tmp_path / "step-5" / ".metadata").exists()
+    assert [s.step for s in client.steps(job)] == [3, 4]
 
 
 def test_dcps_plan_caching_works_with_the_writer(client, job):
@@ -292,6 +316,7 @@ def test_dcps_plan_caching_works_with_the_writer(client, job):
             dcp.save(sd, storage_writer=writer, planner=planner)
         else:
             dcp.async_save(sd, storage_writer=writer, planner=planner).result(scaled(120))
+        assert planner._cached_plans_key == "DefaultSavePlanner"  # the caller's, untouched
     for step in (1, 2, 3, 4):
         got = {"model": {"w": torch.zeros(6)}, "extra": {"n": 0}}
         dcp.load(got, storage_reader=ckptd.dcp.Reader(client, step, job=job))

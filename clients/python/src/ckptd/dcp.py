@@ -12,13 +12,27 @@
     # or the step in DCP's checkpoint_id, as frameworks pass it:
     dcp.save(sd, storage_writer=ckptd.dcp.Writer(client), checkpoint_id=".../step-300")
     dcp.load(sd, storage_reader=ckptd.dcp.Reader(client), checkpoint_id="ckptd://job/latest")
+    # or a ckptd:// id alone (the node's daemon, at the default socket):
+    dcp.save(sd, checkpoint_id="ckptd://job/step-400")
 
 A Writer or Reader without a step takes each save's step from the
 checkpoint_id DCP gives it (reset; parse_checkpoint_id says which ids name
 a step); a step given both ways must agree, and an id naming none is an
 error. async_save stages before DCP resets the writer, so stage() reads
 the id, and the checkpointer type (PROCESS is refused: the Writer cannot
-go to another process), from DCP's async_save call.
+go to another process), from DCP's async_save call. DCP has no registry of
+storages: importing this module wraps DCP's _storage_setup so that a
+``ckptd://`` id given without a storage gets a Writer or Reader of a
+Client() (one per process); see _find_ckptd_by_id.
+
+A save of a step that is committed already raises AlreadyExistsError
+(DCP's FileSystemWriter overwrites; a committed ckptd step never changes),
+or with Writer(if_committed="keep") stores nothing and keeps the step.
+Saves that give DCP no planner plan with DCP's plan caching on (keyed by
+the process group): a save of the layout the last one had sends DCP empty
+plans, and the coordinator reuses its global plan and metadata. DCP still
+gathers and scatters those plans (its collective, which no storage hook
+precedes).
 
 DCP plans the checkpoint (DTensor / FSDP2 shards, deduplication of
 replicated tensors, resharding on load); ckptd stores the bytes. Each rank's
@@ -55,7 +69,9 @@ ranks save theirs at once:
 - ``dcp.async_save``: the Writer is DCP's AsyncStager, and stage() -- run in
   the trainer's thread -- makes this rank's local plan (DCP's
   DefaultSavePlanner) and copies its items straight into the daemon's
-  shared-memory arena (one copy), with **no collective**: of a DTensor piece
+  shared-memory arena (one copy), with **no collective**, and returns the
+  state dict's dicts and lists copied (DCP's background save plans over
+  them, so the trainer may change its own at once): of a DTensor piece
   replicated over a mesh dimension, only the rank at coordinate 0 of it
   stores it; plain (non-DTensor) values, which DCP takes to be replicated,
   are stored by every rank (the metadata names the lowest rank's copy,
@@ -94,20 +110,23 @@ each after use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
+import logging
 import os
 import pickle
 import re
 import sys
 import threading
 import types
-from collections.abc import Mapping, Sequence, Set
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence, Set
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import _storage_utils, state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
@@ -128,12 +147,15 @@ from torch.futures import Future
 
 from . import _limits, _save, _sharding, _tensors
 from ._client import Client
-from ._errors import CkptdError, InvalidArgumentError
+from ._errors import AlreadyExistsError, CkptdError, InvalidArgumentError
 from ._handle import SaveHandle
 from ._load import LoadedState
 from .torch import _run_attempt
 
 __all__ = ["METADATA", "CheckpointId", "Reader", "Writer", "parse_checkpoint_id"]
+
+_LOG = logging.getLogger("ckptd")
+_T = TypeVar("_T")
 
 METADATA = "dcp.metadata"  # rank 0's pickled DCP Metadata, when too large for a save's
 BYTES = "dcp.bytes"  # top-level key of the torch.save'd non-tensor items
@@ -237,6 +259,48 @@ def _async_save_call() -> Mapping[str, Any] | None:
     return None
 
 
+def _cache_default_plans() -> None:
+    """Turn DCP's plan caching on for the dcp.save running this, if it plans with DCP's default.
+
+    Called from set_up_storage_writer, after DCP set its planner up and
+    before the planner makes its local plan. Only a planner DCP made itself
+    (save() was given none) is changed: a planner the caller passed is
+    theirs. The cache is keyed by the process group, as DCP's coordinator
+    keeps every rank's plan of the group: DCP's own key (the planner's
+    class name) would mix two groups' plans in a process that saves over
+    both.
+    """
+    f: types.FrameType | None = sys._getframe(1)
+    while f is not None and not (
+        f.f_code.co_name == "_save_state_dict"
+        and f.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict_saver"
+    ):
+        f = f.f_back
+    if f is None or f.f_back is None or f.f_back.f_code.co_name != "save":
+        return
+    if f.f_back.f_locals.get("planner") is not None:
+        return  # the caller's own planner
+    planner = f.f_locals.get("planner")
+    if type(planner) is not DefaultSavePlanner or planner._enable_plan_caching:
+        return
+    distw = f.f_locals.get("distW")
+    group = getattr(distw, "group", None)
+    if group is None and getattr(distw, "use_dist", False):
+        group = dist.group.WORLD
+    name = getattr(group, "group_name", None) if group is not None else "no-dist"
+    planner._enable_plan_caching = True
+    planner._cached_plans_key = f"ckptd.dcp:{name}"
+
+
+def _containers_copied(obj: Any) -> Any:
+    """Return obj with the dicts and lists DCP traverses copied, every other value shared."""
+    if isinstance(obj, Mapping):
+        return {k: _containers_copied(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_containers_copied(v) for v in obj]
+    return obj
+
+
 @dataclasses.dataclass(frozen=True)
 class _RankPlan:
     """What prepare_global_plan tells each rank: its place in the step."""
@@ -259,8 +323,15 @@ class _Staged:
     """What stage() saved: its step, the save (rank 0: held until finish), its write results."""
 
     step: int
-    save: SaveHandle | _Held
+    save: SaveHandle | _Held | _Kept
     results: list[WriteResult]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """A save skipped because its step is committed already (Writer(if_committed="keep"))."""
+
+    what: str  # names the save in the log
 
 
 class _Held:
@@ -329,6 +400,16 @@ class Writer(StorageWriter, AsyncStager):
             limit).
         process_group: the group async_save is given (stage() plans over
             it); None: the default group. dcp.save uses the group it is given.
+        if_committed: what a save of a step that is committed already does
+            (DCP's FileSystemWriter overwrites its folder; a committed ckptd
+            step is never changed): "error" (default) raises
+            AlreadyExistsError, before anything is stored, saying so;
+            "keep" keeps the committed step, stores nothing and returns
+            (dcp.save, async_save's future) as if saved, logging a warning.
+        cache_plans: turn DCP's plan caching on for saves that pass no
+            planner (DCP's DefaultSavePlanner): a save of the same state
+            layout as the one before sends empty plans to the coordinator,
+            which reuses its global plan and metadata (see the module).
 
     The rank and world size of each shard are the rank's place in DCP's
     process group and that group's size.
@@ -345,11 +426,19 @@ class Writer(StorageWriter, AsyncStager):
         attempt: str | None = None,
         timeout: float | None = None,
         process_group: dist.ProcessGroup | None = None,
+        if_committed: Literal["error", "keep"] = "error",
+        cache_plans: bool = True,
     ) -> None:
         if not isinstance(client, Client):
             raise TypeError(f"client must be a ckptd.Client, not {type(client).__name__}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
             raise TypeError(f"step must be an int or None, not {type(step).__name__}")
+        if if_committed not in ("error", "keep"):
+            raise InvalidArgumentError(
+                f'if_committed must be "error" or "keep", not {if_committed!r}'
+            )
+        self._if_committed = if_committed
+        self._cache_plans = cache_plans
         self._client = client
         self._step = step
         self._job = job
@@ -363,7 +452,7 @@ class Writer(StorageWriter, AsyncStager):
         self._is_coordinator = False
         self._staged: _Staged | None = None
         # Rank 0's shard during dcp.save, copied in write_data, committed in finish().
-        self._pending: _Held | None = None
+        self._pending: _Held | _Kept | None = None
 
     def __reduce__(self) -> Any:
         raise TypeError(_NO_PROCESS)
@@ -425,7 +514,7 @@ class Writer(StorageWriter, AsyncStager):
                     f"this ckptd.dcp.Writer staged step {staged.step} for it"
                 )
             self._id, self.checkpoint_id, self._id_fresh = named, checkpoint_id, True
-        if self._pending is not None:
+        if isinstance(self._pending, _Held):
             self._pending.abort()
         self._pending = None
 
@@ -454,6 +543,8 @@ class Writer(StorageWriter, AsyncStager):
                 "of the process group, with DCP's global metadata in rank 0's"
             )
         self._is_coordinator = is_coordinator
+        if self._cache_plans:
+            _cache_default_plans()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Nothing to add to the local plan."""
@@ -482,14 +573,16 @@ class Writer(StorageWriter, AsyncStager):
         attempt = self._resolve_attempt(info.world_size)
         tree, results = _shard(plan.items, _layout(plan), planner, info.rank)
         if self._is_coordinator:
-            self._pending = _Held(self, tree, info, attempt, live=True)
+            self._pending = self._unless_committed(
+                info, lambda: _Held(self, tree, info, attempt, live=True)
+            )
         else:
-            self._save(tree, info, attempt)
+            self._unless_committed(info, lambda: self._save(tree, info, attempt))
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Rank 0: commit its shard with the metadata; wait for the step to commit."""
-        held: SaveHandle | _Held | None
+        held: SaveHandle | _Held | _Kept | None
         if self._staged is not None:
             held, self._staged = self._staged.save, None
         else:
@@ -498,6 +591,8 @@ class Writer(StorageWriter, AsyncStager):
             if held is None:
                 raise CkptdError("ckptd.dcp.Writer.finish before write_data on the coordinator")
             _complete_metadata(metadata, _where(metadata, results))
+            if isinstance(held, _Kept):
+                return
             handle = held.commit(metadata) if isinstance(held, _Held) else held
         except BaseException:
             if isinstance(held, _Held):
@@ -510,9 +605,11 @@ class Writer(StorageWriter, AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy this rank's items into the daemon's arena; no collective (see the module).
 
-        Returns state_dict itself: once stage() returns, the bytes are in
-        shared memory and the trainer may change its tensors; DCP's
-        background save only plans over it (shapes) and commits.
+        Returns state_dict's containers copied (its leaves as they are):
+        once stage() returns, the bytes are in shared memory and the trainer
+        may change its tensors, and its dicts and lists too; DCP's
+        background save only plans over the copy (names and shapes) and
+        commits.
         """
         call = _async_save_call()
         if call is not None:
@@ -550,13 +647,16 @@ class Writer(StorageWriter, AsyncStager):
                 info.rank,
                 skip=set() if info.rank == 0 else plain,
             )
-            save: SaveHandle | _Held
+            save: SaveHandle | _Held | _Kept
             if distw.is_coordinator:
-                save = _Held(self, tree, info, attempt, live=False)
+                save = self._unless_committed(
+                    info, lambda: _Held(self, tree, info, attempt, live=False)
+                )
             else:
-                save = self._save(tree, info, attempt)
+                save = self._unless_committed(info, lambda: self._save(tree, info, attempt))
             self._staged = _Staged(step, save, results)
-        return state_dict
+        copied: dict[str, Any] = _containers_copied(state_dict)
+        return copied
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: stage() has copied when it returns."""
@@ -565,6 +665,37 @@ class Writer(StorageWriter, AsyncStager):
         """Nothing to release."""
 
     # ---- helpers --------------------------------------------------------
+
+    def _unless_committed(self, info: _RankPlan, save: Callable[[], _T]) -> _T | _Kept:
+        """save(), or, when the step is committed already, what if_committed says.
+
+        Raises:
+            AlreadyExistsError: the step is committed (if_committed="error"),
+                saying how to keep it instead.
+        """
+        try:
+            return save()
+        except AlreadyExistsError as e:
+            if e.reason != "STEP_COMMITTED":
+                raise
+            what = f"step {self._step_now()} rank {info.rank}"
+            if self._if_committed == "keep":
+                _LOG.warning(
+                    "ckptd.dcp: %s not saved: the step is committed already, and "
+                    'if_committed="keep" keeps it as it is',
+                    what,
+                )
+                return _Kept(what)
+            raise AlreadyExistsError(
+                f"{e}. ckptd never changes a committed step (DCP's FileSystemWriter would "
+                "overwrite its folder): save the state as another step, or pass "
+                'ckptd.dcp.Writer(..., if_committed="keep") to keep the committed step '
+                "and skip such a save",
+                code=e.code,
+                details=e.details,
+                reason=e.reason,
+                metadata=e.metadata,
+            ) from None
 
     def _resolve_attempt(self, world_size: int) -> str | None:
         """The attempt to save under; None: the client's own. Maybe a collective."""
@@ -943,3 +1074,68 @@ def _complete_metadata(md: Metadata, where: Mapping[MetadataIndex, Any]) -> Meta
     md.version = DCP_VERSION
     md.storage_data = dict(where)
     return md
+
+
+# ---- a ckptd:// checkpoint_id without a storage --------------------------
+
+_default_lock = threading.Lock()
+_default: Client | None = None
+
+
+def _default_client() -> Client:
+    """The process's Client of the node's daemon (default socket), made on first use."""
+    global _default  # noqa: PLW0603 - one connection per process, made lazily
+    with _default_lock:
+        if _default is None:
+            _default = Client()
+        return _default
+
+
+def _finding_ckptd(original: Callable[..., Any]) -> Callable[..., Any]:
+    """DCP's _storage_setup, which also gives a ckptd.dcp storage for a ckptd:// id."""
+
+    @functools.wraps(original)
+    def _storage_setup(
+        storage: StorageReader | StorageWriter | None,
+        checkpoint_id: str | os.PathLike[str] | None,
+        reader: bool = False,
+    ) -> StorageReader | StorageWriter | None:
+        if storage or checkpoint_id is None or not Writer.validate_checkpoint_id(checkpoint_id):
+            given: StorageReader | StorageWriter | None = original(storage, checkpoint_id, reader)
+            return given
+        found: Reader | Writer = Reader(_default_client()) if reader else Writer(_default_client())
+        found.reset(checkpoint_id)
+        return found
+
+    _storage_setup.ckptd = True  # type: ignore[attr-defined]
+    return _storage_setup
+
+
+def _find_ckptd_by_id() -> bool:
+    """Let DCP pick ckptd.dcp for a ``ckptd://`` checkpoint_id given without a storage.
+
+    DCP (torch 2.15) has no registry of storages: given only a
+    checkpoint_id, its _storage_setup asks its own FileSystem and Fsspec
+    writers (readers) in turn, and neither takes ``ckptd://``. Importing
+    ckptd.dcp wraps that function where DCP's save and load call it, so a
+    ``ckptd://`` id, which no DCP storage takes, gets a Writer (Reader) of
+    the node's daemon (Client() at its default socket, one per process);
+    every other id goes to DCP as before. False when this torch has no such
+    function (DCP then says it "Cannot detect which StorageReader or
+    StorageWriter to use": pass one).
+    """
+    original = getattr(_storage_utils, "_storage_setup", None)
+    if original is None:
+        return False
+    if getattr(original, "ckptd", False):
+        return True
+    hooked = _finding_ckptd(original)
+    found = False
+    for module in (_storage_utils, state_dict_saver, state_dict_loader):
+        if getattr(module, "_storage_setup", None) is original:
+            module._storage_setup = hooked  # type: ignore[attr-defined]
+            found = True
+    return found
+
+
+FOUND_BY_ID = _find_ckptd_by_id()
