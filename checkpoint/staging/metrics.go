@@ -42,6 +42,9 @@ type Metrics struct {
 	// RestoreTiers counts restores by the tier that served them: hot,
 	// peer, storage.
 	RestoreTiers *prometheus.CounterVec
+	// ReplicationFailures counts saves kept in memory only that did not
+	// reach their --replicas peers: they ended hot, in one node's memory.
+	ReplicationFailures prometheus.Counter
 	// LastCommitted and LastCommitTime are, by job, the newest step this
 	// daemon's saves committed and when it saw that (an alert on a job
 	// whose checkpoints stopped: time() - ckptd_last_commit_timestamp_seconds).
@@ -103,6 +106,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "ckptd_saves_total", Help: "Saves by the strongest tier they reached (hot, replicated, committed)."}, []string{"tier"}),
 		RestoreTiers: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ckptd_restores_total", Help: "Restores by the tier that served them (hot, peer, storage)."}, []string{"tier"}),
+		ReplicationFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_replication_failures_total", Help: "Saves kept in memory only that did not reach their --replicas peers (they ended hot: one node's memory)."}),
 		LastCommitted: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "ckptd_last_committed_step", Help: "The newest step of the job this daemon's saves committed."}, []string{"job"}),
 		LastCommitTime: prometheus.NewGaugeVec(prometheus.GaugeOpts{
@@ -111,7 +116,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	if reg != nil {
 		reg.MustRegister(m.StagedBytes, m.DrainedBytes, m.StoredBytes, m.Restored,
 			m.QueueDepth, m.ArenaUsed, m.SaveStall, m.DrainTime, m.Errors, m.CodecRaw, m.CodecStored,
-			m.TableBytes, m.LeasesReleased, m.Quarantined, m.Tiers, m.RestoreTiers, m.LastCommitted, m.LastCommitTime)
+			m.TableBytes, m.LeasesReleased, m.Quarantined, m.Tiers, m.RestoreTiers, m.ReplicationFailures, m.LastCommitted, m.LastCommitTime)
 	}
 	return m
 }

@@ -44,6 +44,7 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 	}
 	mgr.tiers.ReplicateMemoryOnly(m, data, release, func(err error) {
 		if err != nil {
+			mgr.m.ReplicationFailures.Inc()
 			mgr.markDone(keyOf(t), StateHot, err)
 			return
 		}

@@ -127,6 +127,9 @@ func (s *Checkpoint) WaitSave(ctx context.Context, req *pb.WaitSaveRequest) (*pb
 		if _, reason, meta := classify(res.Err); reason != pb.ErrorReason_INTERNAL && res.State == staging.StateFailed {
 			resp.Reason, resp.Metadata = reason.String(), meta
 		}
+		if res.State == staging.StateHot {
+			resp.ReplicationError = res.Err.Error() // it reached no peer: see staging.StateHot
+		}
 	}
 	return resp, nil
 }

@@ -169,17 +169,43 @@ func (e *SaveFailure) Is(target error) bool {
 	return target == ErrSaveFailed || (e.Reason != "" && reasonErr(e.Reason) == target)
 }
 
+// ErrNotReplicated is what Wait's error matches when a save of a step
+// the daemon keeps in memory only reached this node's memory but not its
+// --replicas peers (a *NotReplicatedError says why): the save stands
+// (Status says HOT), and is lost with the node.
+var ErrNotReplicated = errors.New("not replicated to peers")
+
+// NotReplicatedError is a save kept in this node's memory only, which
+// the daemon could not send to its peers. It matches ErrNotReplicated.
+type NotReplicatedError struct {
+	Step    int64
+	Rank    int
+	Message string // why, as the daemon says
+}
+
+func (e *NotReplicatedError) Error() string {
+	return fmt.Sprintf("%s: step %d rank %d is in this node's memory only, and lost with it: %s", ErrNotReplicated, e.Step, e.Rank, e.Message)
+}
+
+func (e *NotReplicatedError) Is(target error) bool { return target == ErrNotReplicated }
+
 // Wait blocks until the save reached where it ends, the save failed, or
 // ctx ends. A save ends committed, or, for a step the daemon keeps in
 // memory only (ckptd serve --persist-every), hot or replicated: Status
-// tells which.
+// tells which. A save kept in memory that did not reach its peers returns
+// a *NotReplicatedError (matching ErrNotReplicated): not a failure of the
+// save, but a warning that one node holds it.
 func (h *SaveHandle) Wait(ctx context.Context) error {
 	resp, err := h.c.api.WaitSave(ctx, &pb.WaitSaveRequest{Job: h.job, Step: h.step, Rank: int32(h.rank), Attempt: h.attempt})
 	if err != nil {
 		return h.c.wrap(err)
 	}
 	switch resp.GetState() {
-	case pb.SaveState_SAVE_STATE_COMMITTED, pb.SaveState_SAVE_STATE_REPLICATED, pb.SaveState_SAVE_STATE_HOT:
+	case pb.SaveState_SAVE_STATE_HOT:
+		if why := resp.GetReplicationError(); why != "" {
+			return &NotReplicatedError{Step: h.step, Rank: h.rank, Message: why}
+		}
+	case pb.SaveState_SAVE_STATE_COMMITTED, pb.SaveState_SAVE_STATE_REPLICATED:
 	default:
 		return &SaveFailure{Step: h.step, Rank: h.rank, State: resp.GetState(), Message: resp.GetError(),
 			Reason: resp.GetReason(), Metadata: resp.GetMetadata()}
