@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+import warnings
+
 import numpy as np
+import pytest
 
 import ckptd
 
@@ -32,3 +36,28 @@ def test_steps_kept_in_memory(make_daemon):
         got = c.load("latest", rank=0)
         assert (got.step, got.tier) == (2, "storage")
         assert np.array_equal(got["w"], states[2]["w"])
+
+
+def _free_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_not_replicated_warns(make_daemon):
+    """A save kept in memory that reached no peer warns; it still stands (HOT)."""
+    me, dead = _free_addr(), _free_addr()  # nothing listens at dead: its peer is down
+    d = make_daemon(
+        *("--hot-bytes", "64MiB", "--persist-every", "2", "--peers", f"{me},{dead}"),
+        *("--peer-listen", me, "--peer-insecure"),
+    )
+    with d.client() as c:
+        h = c.save(1, {"w": np.full(1000, 1, dtype=np.float32)}, rank=0, world_size=1)
+        with pytest.warns(ckptd.NotReplicatedWarning, match="memory only.*peer"):
+            h.wait(120)
+        assert h.status is ckptd.SaveStatus.HOT
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            h.wait(1)  # warned once
+            c.save(2, {"w": np.full(1000, 2, dtype=np.float32)}, rank=0, world_size=1).wait(120)
+        assert c.load("latest", rank=0).step == 2

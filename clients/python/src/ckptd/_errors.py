@@ -176,6 +176,16 @@ class ClientClosedError(CkptdError):
     """The client was closed."""
 
 
+class NotReplicatedWarning(UserWarning):
+    """A save kept in memory only reached this node's memory, not its peers.
+
+    Warned by SaveHandle.wait when the daemon (``--persist-every`` with
+    ``--peers``) could not send the save to its ``--replicas`` peers: the
+    save stands (status HOT) but is lost with the node. The message says
+    why.
+    """
+
+
 # The daemon's reasons (the proto's ErrorReason, whose names ErrorInfo
 # carries: contracts, structured errors) and their classes.
 _R = pb.ErrorReason

@@ -17,6 +17,7 @@ import enum
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -26,6 +27,7 @@ from ._errors import (
     CkptdError,
     ClientClosedError,
     DaemonUnavailableError,
+    NotReplicatedWarning,
     SaveFailedError,
     TimeoutError,
     from_reason,
@@ -114,6 +116,7 @@ class SaveHandle(_Future[None]):
         self._following = False  # a thread waits for the daemon to come back
         self._delay = BACKOFF[0]
         self._ended_at = SaveStatus.COMMITTED  # the tier it ended at, once settled well
+        self._not_replicated = ""  # why a save that ended HOT reached no peer; warned once
         with self._lock:
             self._watch()
 
@@ -231,6 +234,7 @@ class SaveHandle(_Future[None]):
                 err = _Future.exception(self, 0)
                 if err is not None:
                     raise err
+                self._warn_not_replicated()
                 return
             if self._conn.closed:
                 raise ClientClosedError(f"{what}: the client is closed")
@@ -246,6 +250,18 @@ class SaveHandle(_Future[None]):
             if self._ask() is not None:
                 outage = Outage(self._conn, what)  # it answers: this outage is over
             self._rewatch()
+
+    def _warn_not_replicated(self) -> None:
+        """Warn, once, that the save ended in this node's memory only."""
+        with self._lock:
+            why, self._not_replicated = self._not_replicated, ""
+        if why:
+            warnings.warn(
+                f"{self._what()} is kept in this node's memory only, and lost with it: "
+                f"it did not reach its peers ({why})",
+                NotReplicatedWarning,
+                stacklevel=3,
+            )
 
     # ---- following the save --------------------------------------------
 
@@ -299,6 +315,7 @@ class SaveHandle(_Future[None]):
                 return True
             if answer.state in _ENDS:
                 self._ended_at = _LIVE[answer.state]
+                self._not_replicated = answer.replication_error
             self._settle(failure(self._what(), answer))
             return True
 
