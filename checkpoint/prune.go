@@ -12,8 +12,12 @@ import (
 
 // PruneOptions say what Prune keeps.
 type PruneOptions struct {
-	// KeepLast is how many of the newest committed steps to keep (>= 1).
+	// KeepLast is how many of the newest committed steps to keep (>= 1,
+	// or >= 0 with KeepEvery).
 	KeepLast int
+	// KeepEvery, when positive, also keeps every committed step whose
+	// number it divides (a long-term record: every 10000th step).
+	KeepEvery int64
 	// GCGrace is how long an attempt that is not committed is left alone
 	// after its last write (default 1h): it may still be in flight.
 	GCGrace time.Duration
@@ -61,8 +65,8 @@ type PruneReport struct {
 // first, so a crash mid-prune leaves an uncommitted step, never a committed
 // one with missing data.
 func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, error) {
-	if opts.KeepLast < 1 {
-		return nil, fmt.Errorf("%w: --keep-last must be at least 1, got %d", ErrInvalid, opts.KeepLast)
+	if err := opts.check(); err != nil {
+		return nil, err
 	}
 	if opts.GCGrace <= 0 {
 		opts.GCGrace = time.Hour
@@ -85,8 +89,7 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 			committed = append(committed, si)
 		}
 	}
-	cut := max(0, len(committed)-opts.KeepLast)
-	kept := committed[cut:]
+	kept, removed := opts.split(committed)
 	for _, si := range kept {
 		rep.Kept = append(rep.Kept, si.Step)
 	}
@@ -95,7 +98,7 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 		return nil, err
 	}
 	p := &pruner{s: s, refs: refs, dryRun: opts.DryRun, rep: rep}
-	for _, si := range committed[:cut] {
+	for _, si := range removed {
 		rep.Removed = append(rep.Removed, si.Step)
 		if err := p.removeStep(ctx, si); err != nil {
 			return rep, err
@@ -107,7 +110,31 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 			return rep, err
 		}
 	}
-	return rep, p.removeTemporaries(ctx, cutoff)
+	return rep, p.removeTemporaries(ctx, stepsPrefix(s.job), &cutoff)
+}
+
+func (o PruneOptions) check() error {
+	switch {
+	case o.KeepEvery < 0:
+		return fmt.Errorf("%w: --keep-every must be positive, got %d", ErrInvalid, o.KeepEvery)
+	case o.KeepLast < 0 || o.KeepLast == 0 && o.KeepEvery == 0:
+		return fmt.Errorf("%w: --keep-last must be at least 1 (or 0 together with --keep-every), got %d", ErrInvalid, o.KeepLast)
+	}
+	return nil
+}
+
+// split divides the committed steps, oldest first, into those kept (the
+// newest KeepLast and those KeepEvery divides) and those removed.
+func (o PruneOptions) split(committed []*StepInventory) (kept, removed []*StepInventory) {
+	cut := max(0, len(committed)-o.KeepLast)
+	for i, si := range committed {
+		if i >= cut || o.KeepEvery > 0 && si.Step%o.KeepEvery == 0 {
+			kept = append(kept, si)
+		} else {
+			removed = append(removed, si)
+		}
+	}
+	return kept, removed
 }
 
 // references returns the objects the kept steps' manifests point to. A
@@ -195,21 +222,21 @@ func (p *pruner) removeGarbage(ctx context.Context, si *StepInventory, cutoff ti
 	return nil
 }
 
-// removeTemporaries deletes the temporaries nothing was written to since
-// cutoff: a live writer keeps its own fresh, so after the grace only a
-// dead writer's are left.
-func (p *pruner) removeTemporaries(ctx context.Context, cutoff time.Time) error {
-	temps, err := p.s.Temporaries(ctx)
+// removeTemporaries deletes the temporaries under prefix that nothing was
+// written to since cutoff (every one when cutoff is nil): a live writer
+// keeps its own fresh, so after a grace only a dead writer's are left.
+func (p *pruner) removeTemporaries(ctx context.Context, prefix string, cutoff *time.Time) error {
+	temps, err := p.s.temporaries(ctx, prefix)
 	if err != nil {
 		return err
 	}
 	for _, t := range temps {
-		if t.ModTime.After(cutoff) {
+		if cutoff != nil && t.ModTime.After(*cutoff) {
 			continue
 		}
 		if !p.dryRun {
 			if err := p.s.backend.DeleteTemporary(ctx, t.Temporary); err != nil {
-				return fmt.Errorf("prune the temporary %s of %s: %w", t.ID, t.Name, err)
+				return fmt.Errorf("delete the temporary %s of %s: %w", t.ID, t.Name, err)
 			}
 		}
 		p.rep.Temporaries = append(p.rep.Temporaries, t)

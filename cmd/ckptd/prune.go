@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"strings"
@@ -14,23 +15,25 @@ import (
 
 type pruneOptions struct {
 	storageOptions
-	KeepLast int
-	GCGrace  time.Duration
-	DryRun   bool
+	KeepLast  int
+	KeepEvery int64
+	GCGrace   time.Duration
+	DryRun    bool
 }
 
 func newPruneCmd() *cobra.Command {
 	o := &pruneOptions{}
 	cmd := &cobra.Command{
-		Use:   "prune --keep-last N [--dry-run]",
+		Use:   "prune --keep-last N [--keep-every M] [--dry-run]",
 		Short: "Delete all but the newest N committed steps, and attempts no commit record names",
-		Long: `Delete all but the newest N committed steps. Also delete the attempts (runs
-of the job) that no commit record names: those of committed steps at once
-(a crashed run's ranks), and those of uncommitted steps once nothing was
-written to them for --gc-grace (they may still be in flight before that; set
-it above the longest outage a save may be held back through), and what
-writers killed mid-write left (POSIX temporary files, S3 multipart uploads)
-once idle for --gc-grace too.
+		Long: `Delete all but the newest N committed steps and, with --keep-every M, the
+steps whose number M divides (--keep-last 0 --keep-every 10000 keeps only
+those). Also delete the attempts (runs of the job) that no commit record
+names: those of committed steps at once (a crashed run's ranks), and those
+of uncommitted steps once nothing was written to them for --gc-grace (they
+may still be in flight before that; set it above the longest outage a save
+may be held back through); and what writers killed mid-write left (POSIX
+temporary files, S3 multipart uploads) once idle for --gc-grace too.
 Objects a kept step points to are never deleted, and neither is a step whose
 commit record is damaged (it is named, for a person to look at).`,
 		Args: cobra.NoArgs,
@@ -42,7 +45,8 @@ commit record is damaged (it is named, for a person to look at).`,
 		},
 	}
 	o.storageOptions.registerInteractive(cmd.Flags())
-	cmd.Flags().IntVar(&o.KeepLast, "keep-last", 0, "committed steps to keep")
+	cmd.Flags().IntVar(&o.KeepLast, "keep-last", 0, "committed steps to keep, the newest (0 only with --keep-every)")
+	cmd.Flags().Int64Var(&o.KeepEvery, "keep-every", 0, "also keep every committed step whose number this divides (e.g. 10000)")
 	cmd.Flags().DurationVar(&o.GCGrace, "gc-grace", time.Hour, "how long an uncommitted attempt is left alone after its last write")
 	cmd.Flags().BoolVar(&o.DryRun, "dry-run", false, "print what would be deleted, delete nothing")
 	return cmd
@@ -57,7 +61,10 @@ func runPrune(ctx context.Context, o *pruneOptions, out io.Writer) error {
 	if o.GCGrace <= 0 {
 		return usageError{fmt.Errorf("--gc-grace must be positive, got %s", o.GCGrace)}
 	}
-	rep, err := store.Prune(ctx, checkpoint.PruneOptions{KeepLast: o.KeepLast, GCGrace: o.GCGrace, DryRun: o.DryRun})
+	rep, err := store.Prune(ctx, checkpoint.PruneOptions{KeepLast: o.KeepLast, KeepEvery: o.KeepEvery, GCGrace: o.GCGrace, DryRun: o.DryRun})
+	if errors.Is(err, checkpoint.ErrInvalid) {
+		return usageError{err}
+	}
 	if err != nil {
 		return err
 	}
