@@ -20,6 +20,8 @@ type PeerOptions struct {
 	Advertise string
 	Replicas  int
 	TLS       peers.TLS
+	// InsecureNetwork lets --peer-insecure reach peers off loopback.
+	InsecureNetwork bool
 	discovery peers.Discovery // set by setup when the list is discovered
 }
 
@@ -50,6 +52,10 @@ func (p *PeerOptions) setup(ctx context.Context, hotBytes int64, log *slog.Logge
 	if err != nil {
 		return nil, peers.Creds{}, err
 	}
+	if err := p.plaintextAllowed(list); err != nil {
+		return nil, peers.Creds{}, err
+	}
+	p.discovery.Vet = p.plaintextAllowed
 	server, client, err := p.TLS.Credentials()
 	if err != nil {
 		return nil, peers.Creds{}, err
@@ -58,8 +64,9 @@ func (p *PeerOptions) setup(ctx context.Context, hotBytes int64, log *slog.Logge
 		return nil, peers.Creds{}, err
 	}
 	p.discovery.Check = p.TLS.CheckOwn
-	if p.TLS.Insecure && p.TLS.CertFile == "" {
-		log.Warn("peers: checkpoints travel in plaintext (--peer-insecure)")
+	if p.plaintext() {
+		log.Warn("peers: checkpoints travel in plaintext, and whoever reaches the peer port may read and write replicas (--peer-insecure)",
+			"off_loopback", p.InsecureNetwork)
 	}
 	return peers.NewClient(list, self, p.Replicas, client, log), server, nil
 }
@@ -98,4 +105,25 @@ func (p *PeerOptions) members(ctx context.Context, log *slog.Logger) ([]string, 
 			"hint", "--peer-advertise names this sidecar's entry")
 	}
 	return list, self, nil
+}
+
+// plaintext reports whether the peers talk without TLS.
+func (p *PeerOptions) plaintext() bool { return p.TLS.Insecure && p.TLS.CertFile == "" }
+
+// plaintextAllowed refuses --peer-insecure when the peer port listens,
+// or a peer of list is, off loopback, unless --peer-insecure-network
+// says the operator accepts what that allows: anyone on the network
+// reads and writes replicas.
+func (p *PeerOptions) plaintextAllowed(list []string) error {
+	if !p.plaintext() || p.InsecureNetwork {
+		return nil
+	}
+	for _, addr := range append([]string{p.Listen}, list...) {
+		if !peers.Loopback(addr) {
+			return fmt.Errorf("--peer-insecure with %s off loopback: without TLS, anyone who reaches the peer port reads every replica "+
+				"and writes its own; use mutual TLS (--peer-cert, --peer-key, --peer-ca; docs/tiers.md has a recipe), "+
+				"or add --peer-insecure-network to accept that on a network you trust", addr)
+		}
+	}
+	return nil
 }

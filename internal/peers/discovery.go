@@ -30,6 +30,9 @@ type Discovery struct {
 	// changes (its certificate names it: TLS.CheckOwn); a failure is
 	// logged as an error, the start having passed.
 	Check func(self string) error
+	// Vet, when set, refuses a list (it is logged, and the last one
+	// kept): plaintext peers off loopback.
+	Vet func(list []string) error
 }
 
 // DefaultEvery is how often a discovered list is looked up again.
@@ -167,6 +170,12 @@ func (c *Client) Watch(ctx context.Context, d Discovery, log *slog.Logger) {
 			log.Warn("peers: looking the list up again failed; keeping the last one", "err", err)
 			continue
 		}
+		if d.Vet != nil {
+			if err := d.Vet(list); err != nil {
+				log.Error("peers: the list changed to one this sidecar refuses; keeping the last one", "peers", list, "err", err)
+				continue
+			}
+		}
 		_, was := c.Members()
 		if c.SetMembers(list, self) {
 			log.Info("peers: the list changed", "peers", list, "self", self)
@@ -177,4 +186,19 @@ func (c *Client) Watch(ctx context.Context, d Discovery, log *slog.Logger) {
 			}
 		}
 	}
+}
+
+// Loopback reports whether addr (host:port) is on this host's loopback
+// interface: its host is a loopback address or "localhost". An empty host
+// listens on every interface.
+func Loopback(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }

@@ -78,3 +78,14 @@ func TestPeerDNS(t *testing.T) {
 		t.Fatal("a name without a port was taken")
 	}
 }
+
+func TestLoopback(t *testing.T) {
+	for addr, want := range map[string]bool{
+		"127.0.0.1:7465": true, "127.3.2.1:1": true, "[::1]:7465": true, "localhost:7465": true,
+		":7465": false, "0.0.0.0:7465": false, "10.0.0.1:7465": false, "[::]:7465": false, "node1:7465": false, "nonsense": false,
+	} {
+		if got := Loopback(addr); got != want {
+			t.Errorf("Loopback(%q) = %v, want %v", addr, got, want)
+		}
+	}
+}

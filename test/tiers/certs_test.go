@@ -104,3 +104,25 @@ func TestPeerCertificateChecked(t *testing.T) {
 		}
 	}
 }
+
+// --peer-insecure (plaintext: whoever reaches the port reads and writes
+// replicas) is refused off loopback unless --peer-insecure-network says
+// the operator accepts that; on loopback it needs nothing more.
+func TestPlaintextPeersOffLoopback(t *testing.T) {
+	self := daemontest.ClosedAddr(t)
+	_, port, _ := strings.Cut(self, ":")
+	for name, args := range map[string][]string{
+		"a peer off loopback":     {"--peers", self + ",192.0.2.1:7465", "--peer-listen", self},
+		"listening on every host": {"--peers", self + ",127.0.0.1:1", "--peer-listen", ":" + port, "--peer-advertise", self},
+	} {
+		code, out := serveRefused(t, append([]string{"--hot-bytes", "1MiB", "--peer-insecure"}, args...)...)
+		if code != 2 || !strings.Contains(out, "off loopback") || !strings.Contains(out, "--peer-insecure-network") || !strings.Contains(out, "--peer-cert") {
+			t.Errorf("%s: exit %d:\n%s", name, code, out)
+		}
+	}
+	d := daemontest.Start(t, "", "--hot-bytes", "1MiB", "--peer-insecure", "--peer-insecure-network",
+		"--peers", self+",192.0.2.1:7465", "--peer-listen", self, "--shutdown-grace", "1s")
+	if !strings.Contains(d.Logs(), "off_loopback=true") {
+		t.Errorf("plaintext off loopback is not logged:\n%s", d.Logs())
+	}
+}
