@@ -22,7 +22,7 @@ type PeerOptions struct {
 	TLS       peers.TLS
 	// InsecureNetwork lets --peer-insecure reach peers off loopback.
 	InsecureNetwork bool
-	discovery peers.Discovery // set by setup when the list is discovered
+	discovery       peers.Discovery // set by setup when the list is discovered
 }
 
 // setup checks the flags and returns the peers' client and the server's
