@@ -284,3 +284,13 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, target)
+
+
+def agree(step: int | None) -> int | None:
+    """Rank 0's step on every rank (a commit may land between two ranks' looks)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return step
+    box = [step]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -225,7 +225,7 @@ class Trainer(transformers.Trainer):
         step: int | None
         if resume is True:
             step = self.ckptd_client.latest_step(self.ckptd_job)
-            step = _agree(step)
+            step = fw.agree(step)
             if step is None:
                 job = self.ckptd_job or "the daemon's default job"
                 raise ValueError(
@@ -305,13 +305,3 @@ def _rng_states(parallel_mode: Any) -> dict[str, Any]:
             else torch.cuda.random.get_rng_state()
         )
     return states
-
-
-def _agree(step: int | None) -> int | None:
-    """Rank 0's step on every rank (a commit may land between two ranks' looks)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return step
-    box = [step]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
