@@ -71,7 +71,7 @@ func newRootCmd() *cobra.Command {
 	root.PersistentFlags().String("log-format", "text", "text, or json (one object per line; keys job, step, rank, attempt, bytes, duration in seconds)")
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 	root.SetUsageFunc(groupedUsage) // every command's flags wrapped to helpColumns, serve's under groups
-	root.AddCommand(newServeCmd(), newRestoreCmd(), newListCmd(), newVerifyCmd(), newPruneCmd(), newDeleteCmd(), newHealthCmd(),
+	root.AddCommand(newServeCmd(), newRestoreCmd(), newListCmd(), newVerifyCmd(), newPruneCmd(), newDeleteCmd(), newCleanupCmd(), newHealthCmd(),
 		newStatusCmd(), newExportCmd())
 	return root
 }

@@ -50,6 +50,10 @@ type Options struct {
 	// restores, dataset rings); Reserve, which re-takes journaled regions,
 	// does not wait.
 	Fence time.Duration
+	// Owner is recorded in the lock beside the pid: the socket of the
+	// daemon, so that a folder its dead daemon left can be named by what
+	// would restart it (ReapStale).
+	Owner string
 	// Logger defaults to slog.Default().
 	Logger *slog.Logger
 }

@@ -29,6 +29,7 @@ const (
 // one in another pid namespace; one that has not written its pid yet) is
 // waited for, for up to opts.LockWait, with a log line every few seconds.
 func lockArena(opts Options, made *created, log *slog.Logger) (*os.File, error) {
+	record := []byte(strconv.Itoa(os.Getpid()) + "\n" + opts.Owner + "\n")
 	path := filepath.Join(opts.Dir, lockFile)
 	start := time.Now()
 	var logged time.Time
@@ -38,7 +39,7 @@ func lockArena(opts Options, made *created, log *slog.Logger) (*os.File, error) 
 			return nil, err
 		}
 		made.dir = made.dir || c
-		f, c, holder, err := tryLock(path)
+		f, c, holder, err := tryLock(path, record)
 		if err != nil {
 			return nil, err
 		}
@@ -74,11 +75,12 @@ func lockArena(opts Options, made *created, log *slog.Logger) (*os.File, error) 
 // blocks its successor for good. The pid written inside is for the error
 // message and for telling a running holder from an exiting one.
 //
+// It writes record into the lock it takes: the pid, then what Owner names.
 // It returns the locked file (and whether it created it), or nil and the
 // holder's pid: 0 when the holder has not written it yet, -1 when the lock
 // file was deleted or replaced while we locked it (a daemon removing its
 // arena) and the caller should simply try again.
-func tryLock(path string) (f *os.File, created bool, holder int, err error) {
+func tryLock(path string, record []byte) (f *os.File, created bool, holder int, err error) {
 	f, err = os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, privateMode)
 	created = err == nil
 	if errors.Is(err, fs.ErrExist) {
@@ -101,10 +103,9 @@ func tryLock(path string) (f *os.File, created bool, holder int, err error) {
 		f.Close()
 		return nil, false, -1, nil
 	}
-	pid := []byte(strconv.Itoa(os.Getpid()) + "\n")
 	err = f.Truncate(0)
 	if err == nil {
-		_, err = f.WriteAt(pid, 0)
+		_, err = f.WriteAt(record, 0)
 	}
 	if err != nil {
 		f.Close()
@@ -123,13 +124,23 @@ func samePath(f *os.File, path string) bool {
 
 // readPID returns the pid in a lock file, or 0 if there is none yet.
 func readPID(f *os.File) int {
-	buf := make([]byte, 32)
-	n, _ := f.ReadAt(buf, 0)
-	pid, err := strconv.Atoi(string(bytes.TrimSpace(buf[:n])))
-	if err != nil || pid <= 0 {
-		return 0
-	}
+	pid, _ := readLock(f)
 	return pid
+}
+
+// readLock returns what a lock file records: the holder's pid (0 if none
+// yet) and its owner, the socket of the daemon that took it ("" for a
+// daemon that did not record one).
+func readLock(f *os.File) (int, string) {
+	buf := make([]byte, 4096+32)
+	n, _ := f.ReadAt(buf, 0)
+	first, rest, _ := bytes.Cut(buf[:n], []byte("\n"))
+	owner, _, _ := bytes.Cut(rest, []byte("\n"))
+	pid, err := strconv.Atoi(string(bytes.TrimSpace(first)))
+	if err != nil || pid <= 0 {
+		pid = 0
+	}
+	return pid, string(owner)
 }
 
 func inUseError(path string, pid int, state ProcState, comm string, waited time.Duration) error {

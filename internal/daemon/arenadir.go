@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 
@@ -176,5 +177,36 @@ func (p *arenaPlace) removePointer() {
 	}
 	if b, err := os.ReadFile(p.pointer); err == nil && strings.TrimSpace(string(b)) == p.dir {
 		_ = os.Remove(p.pointer)
+	}
+}
+
+// StaleArenaNames matches the names of this user's default arena folders
+// (and the legacy ones, which carry no uid). An explicit --arena-dir is
+// never reaped: it may be anything.
+func StaleArenaNames() *regexp.Regexp {
+	return regexp.MustCompile(fmt.Sprintf(`^ckptd-(%d-)?[0-9a-f]{12}(-[0-9a-f]{16})?$`, os.Getuid()))
+}
+
+// ShmDir is where default arenas are made.
+func ShmDir() string { return shmDir }
+
+// reapStale removes the arenas this user's dead daemons left in shmDir,
+// so that the memory of a daemon killed on a node its job then left comes
+// back at the next start of any daemon; those whose journal holds staged
+// saves stay for a daemon on their socket to drain. Failures are logged:
+// they must not stop this daemon.
+func reapStale(own string, log *slog.Logger) {
+	reaped, err := arena.ReapStale(arena.ReapOptions{Parent: shmDir, Names: StaleArenaNames(), Skip: own})
+	if err != nil {
+		log.Warn("could not remove every stale arena; ckptd cleanup retries", "err", err)
+	}
+	for _, st := range reaped {
+		if st.Removed {
+			log.Info("removed the arena of a daemon that is gone", "arena", st.Dir, "socket", st.Socket, "bytes", st.Bytes)
+			continue
+		}
+		log.Warn("kept the arena of a daemon that is gone: its journal holds staged saves not yet in storage; "+
+			"start ckptd serve on its socket to drain them (ckptd cleanup --force discards them)",
+			"arena", st.Dir, "socket", st.Socket, "staged_saves", st.Journaled, "bytes", st.Bytes)
 	}
 }

@@ -252,11 +252,12 @@ func (d *Daemon) openStore(ctx context.Context) (storage.Backend, error) {
 func (d *Daemon) openArena(context.Context) error {
 	a, place, err := openArena(d.o, d.sp, arena.Options{
 		Size: d.o.StagingBytes, Lock: true, Logger: d.log,
-		Shared: d.gid >= 0, SharedGID: d.gid, LockWait: d.o.RestartWait, Fence: d.o.ReuseFence,
+		Shared: d.gid >= 0, SharedGID: d.gid, LockWait: d.o.RestartWait, Fence: d.o.ReuseFence, Owner: d.sp.path,
 	}, d.log)
 	if err != nil {
 		return err
 	}
+	reapStale(place.dir, d.log)
 	d.a, d.place = a, place
 	d.undo.push(func() { _ = a.Discard() })
 	if err := place.writePointer(); err != nil { // before any save is journaled, so that a restart finds them
