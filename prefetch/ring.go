@@ -2,6 +2,7 @@ package prefetch
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -71,6 +72,12 @@ func newRing(ctx context.Context, a Arena, budget *arenaBudget, n, most int, slo
 	most = max(most, n)
 	size := int64(n) * slotSize
 	if err := budget.acquire(ctx, size, wait, fmt.Sprintf("a dataset session's ring (--ring-slots %d × --slot-bytes %d)", n, slotSize)); err != nil {
+		if errors.Is(err, ErrOverBudget) && size <= budget.size {
+			// It could fit once others close: say how many sessions fit at
+			// once, which a DataLoader's worker count easily passes.
+			err = fmt.Errorf("%w; that share holds %d such rings, one per open session, and every DataLoader worker "+
+				"of every rank on this node opens its own", err, budget.size/size)
+		}
 		return nil, err
 	}
 	r := &Ring{a: a, budget: budget, wait: wait, slotSize: slotSize, base: n, free: make(chan Region, most), turns: make(chan struct{}, most)}

@@ -278,7 +278,8 @@ func TestDatasetShareOfTheArena(t *testing.T) {
 		ids = append(ids, id)
 	}
 	_, _, err := s.OpenSession(ctx, Owner{}, src, small)
-	if !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "--dataset-arena-bytes") {
+	if !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "--dataset-arena-bytes") ||
+		!strings.Contains(err.Error(), "holds 2 such rings") {
 		t.Fatalf("a third ring in a share that holds two: %v", err)
 	}
 	// The rest of the arena is the saves'.
