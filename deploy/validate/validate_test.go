@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -161,6 +162,7 @@ func TestSystemdAndSlurmFlags(t *testing.T) {
 		t.Fatalf("ExecStart %v", args)
 	}
 	checkFlags(t, "the systemd unit", args[2:])
+	checkSystemdUnit(t, string(unit), args[2:])
 
 	script, err := os.ReadFile("../slurm/ckptd-sbatch.sh")
 	if err != nil {
@@ -171,6 +173,46 @@ func TestSystemdAndSlurmFlags(t *testing.T) {
 		t.Fatal("the sbatch script starts no ckptd serve")
 	}
 	checkFlags(t, "the sbatch script", strings.Fields(strings.ReplaceAll(line[1], "\\\n", " ")))
+}
+
+// checkSystemdUnit checks what the unit promises beside its flags: the
+// settings file it names (deploy/systemd/ckptd.yaml, installed as
+// /etc/ckptd/ckptd.yaml) is one serve starts with, MemoryMax covers what
+// those settings need, credentials come from an EnvironmentFile, and the
+// arena outlives a stop (RemoveIPC=no) locked in memory.
+func checkSystemdUnit(t *testing.T, unit string, args []string) {
+	t.Helper()
+	for i, a := range args {
+		if a == "--config" && i+1 < len(args) && args[i+1] == "/etc/ckptd/ckptd.yaml" {
+			args[i+1] = "../systemd/ckptd.yaml"
+		}
+	}
+	// The group ckpt exists on the node, not here: the settings' memory
+	// does not depend on it.
+	_, total := memoryNeeds(t, append(args, "--socket-group="))
+	setting := func(key string) string {
+		m := regexp.MustCompile(`(?m)^` + key + `=(.*)$`).FindStringSubmatch(unit)
+		if m == nil {
+			t.Errorf("the unit sets no %s", key)
+			return ""
+		}
+		return m[1]
+	}
+	maxMem := setting("MemoryMax")
+	if gib, err := strconv.ParseInt(strings.TrimSuffix(maxMem, "G"), 10, 64); err != nil || !strings.HasSuffix(maxMem, "G") {
+		t.Errorf("MemoryMax=%s: want whole GiB (NG)", maxMem)
+	} else if gib<<30 < total {
+		t.Errorf("MemoryMax=%s is less than the %d bytes (%.1f GiB) its settings need (ckptd serve --print-memory)",
+			maxMem, total, float64(total)/(1<<30))
+	}
+	for key, want := range map[string]string{"RemoveIPC": "no", "LimitMEMLOCK": "infinity", "NoNewPrivileges": "yes"} {
+		if got := setting(key); got != want {
+			t.Errorf("%s=%s, want %s", key, got, want)
+		}
+	}
+	if env := setting("EnvironmentFile"); !strings.HasPrefix(strings.TrimPrefix(env, "-"), "/etc/ckptd/") {
+		t.Errorf("EnvironmentFile=%s: the credentials' file should sit beside the settings in /etc/ckptd", env)
+	}
 }
 
 // The image's default command passes only flags serve has, its health
