@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -137,6 +138,12 @@ func checkPod(t *testing.T, pod *corev1.Pod) {
 	if sm["dshm"] != "/dev/shm" {
 		t.Error("the arena's /dev/shm is not shared")
 	}
+	checkSidecarSecurity(t, side, sm)
+	for _, e := range trainer.Env {
+		if e.Name == "CKPTD_SOCKET" && !slices.Contains(side.Args, "--socket="+e.Value) {
+			t.Errorf("the trainer's CKPTD_SOCKET %s is not the sidecar's --socket", e.Value)
+		}
+	}
 	arena, total := memoryNeeds(t, side.Args[1:])
 	if limit := side.Resources.Limits.Memory(); limit.Value() < total {
 		t.Errorf("the sidecar's memory limit %s is less than the %d bytes its flags need (ckptd serve --print-memory)", limit, total)
@@ -145,6 +152,44 @@ func checkPod(t *testing.T, pod *corev1.Pod) {
 		if v.Name == "dshm" && (v.EmptyDir.SizeLimit == nil || v.EmptyDir.SizeLimit.Value() < arena) {
 			t.Errorf("/dev/shm's sizeLimit %v is less than the %d-byte arena", v.EmptyDir.SizeLimit, arena)
 		}
+	}
+}
+
+// checkSidecarSecurity checks what lets the sidecar lock its arena and
+// the trainer trust its socket: IPC_LOCK as the only capability (effective
+// only for uid 0: Kubernetes sets no ambient capabilities), the socket in
+// a folder the daemon makes inside a volume (clients refuse a socket in a
+// folder every user may write, as an emptyDir is), and a startup probe
+// that does not wait on storage.
+func checkSidecarSecurity(t *testing.T, side corev1.Container, mounts map[string]string) {
+	t.Helper()
+	sc := side.SecurityContext
+	if sc == nil || sc.Capabilities == nil || sc.RunAsUser == nil {
+		t.Fatal("the sidecar sets no user and capabilities")
+	}
+	if fmt.Sprint(sc.Capabilities.Add) != "[IPC_LOCK]" || fmt.Sprint(sc.Capabilities.Drop) != "[ALL]" || *sc.RunAsUser != 0 {
+		t.Errorf("the sidecar adds %v, drops %v as uid %d; want only IPC_LOCK, as uid 0, to lock the arena",
+			sc.Capabilities.Add, sc.Capabilities.Drop, *sc.RunAsUser)
+	}
+	if sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation || sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+		t.Error("the sidecar may escalate privileges or write its root file system")
+	}
+	socket := ""
+	for _, a := range side.Args {
+		if v, ok := strings.CutPrefix(a, "--socket="); ok {
+			socket = v
+		}
+	}
+	if socket == "" {
+		t.Error("the sidecar passes no --socket")
+	}
+	for _, path := range mounts {
+		if filepath.Dir(socket) == path {
+			t.Errorf("the socket %s sits in the volume's own folder %s, which every user may write", socket, path)
+		}
+	}
+	if p := side.StartupProbe; p == nil || p.HTTPGet == nil || p.HTTPGet.Path != "/healthz" {
+		t.Error("the startup probe is not /healthz, which answers whether or not storage does")
 	}
 }
 

@@ -271,7 +271,8 @@ func (d *Daemon) startManager(context.Context) error {
 	o := d.o
 	o.Workers = reserveIOProc(o.Workers)
 	d.reg = prometheus.NewRegistry()
-	d.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildInfo(o.Version))
+	d.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildInfo(o.Version),
+		arenaLocked(d.a.Locked()))
 	d.berrs = newBackendErrors(d.reg, backendStore, backendDataset)
 	d.b = d.berrs.countStore(d.b, backendStore)
 	var replicas tiers.Peers // nil unless configured: a nil *peers.Client is not
@@ -555,6 +556,18 @@ func serveMetrics(addr string, reg *prometheus.Registry, ready *readiness) func(
 // buildInfo is ckptd_build_info: 1, labelled with the daemon's version and
 // the Go it was built with, so that a dashboard can tell which nodes run
 // what.
+// arenaLocked is ckptd_arena_locked: whether the arena is locked in memory,
+// which a container needs IPC_LOCK or a large RLIMIT_MEMLOCK for; unlocked,
+// it may be swapped and CUDA pins it slowly.
+func arenaLocked(locked bool) prometheus.Collector {
+	g := prometheus.NewGauge(prometheus.GaugeOpts{Name: "ckptd_arena_locked",
+		Help: "1 when the staging arena is locked in memory (mlock), 0 when it could not be (no IPC_LOCK, RLIMIT_MEMLOCK too small)."})
+	if locked {
+		g.Set(1)
+	}
+	return g
+}
+
 func buildInfo(version string) prometheus.Collector {
 	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "ckptd_build_info",
 		Help: "1, labelled with the daemon's version and Go version."}, []string{"version", "goversion"})

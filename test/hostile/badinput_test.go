@@ -162,7 +162,7 @@ func TestMetricsEndpoint(t *testing.T) {
 	}
 	want := []string{"ckptd_staged_bytes_total 6.299864e+06", "ckptd_drained_bytes_total 6.299864e+06", "ckptd_save_stall_seconds_count 1",
 		"ckptd_drain_seconds_count 1", "ckptd_drain_queue_depth 0", "ckptd_arena_used_bytes 0",
-		`ckptd_last_committed_step{job="e2e"} 1`, `ckptd_last_commit_timestamp_seconds{job="e2e"} 1.`, `ckptd_build_info{goversion="go`}
+		`ckptd_last_committed_step{job="e2e"} 1`, `ckptd_last_commit_timestamp_seconds{job="e2e"} 1.`, `ckptd_build_info{goversion="go`, "ckptd_arena_locked "}
 	// The save is reported committed before the drain gives its arena
 	// region back: the gauges reach 0 a moment later.
 	var body []byte
