@@ -177,6 +177,31 @@ def test_a_changed_state_at_a_saved_step_is_refused(daemon, job, tmp_path):
     io.teardown()
 
 
+def test_a_resumed_run_waits_for_the_earlier_runs_save_of_its_step(daemon, job, tmp_path):
+    """A killed run's staged save of step 5 still draining; the resumed run saves 5 too."""
+    w = torch.randn(32 * 2**20 // 4)  # 32 MiB: the daemon drains it for a while
+    earlier = cl.CheckpointIO(socket=daemon.socket, job=job)
+    earlier.save_checkpoint({"global_step": 4, "state_dict": {"w": w}}, tmp_path / "4.ckpt")
+    earlier.teardown()
+    earlier.save_checkpoint({"global_step": 5, "state_dict": {"w": w + 1}}, tmp_path / "5.ckpt")
+    # (earlier is "killed" here: its save of 5 is the daemon's now)
+    resumed = cl.CheckpointIO(socket=daemon.socket, job=job)  # another attempt
+    assert resumed.load_checkpoint(tmp_path / "4.ckpt")["global_step"] == 4
+    resumed.save_checkpoint({"global_step": 5, "state_dict": {"w": w + 1}}, tmp_path / "r5.ckpt")
+    resumed.teardown()  # no save of its own lost to the earlier one
+    assert cl.read_pointer(tmp_path / "r5.ckpt")["step"] == 5
+    with daemon.client() as c:
+        assert {s.step: s.attempt for s in c.steps(job)}[5] == earlier.client.attempt
+
+    again = cl.CheckpointIO(socket=daemon.socket, job=job)
+    again.load_checkpoint(tmp_path / "4.ckpt")
+    earlier.save_checkpoint({"global_step": 6, "state_dict": {"w": w + 2}}, tmp_path / "6.ckpt")
+    with pytest.raises(ckptd.CkptdError, match="differs"):
+        again.save_checkpoint({"global_step": 6, "state_dict": {"w": w}}, tmp_path / "r6.ckpt")
+    earlier.teardown()
+    again.teardown()
+
+
 def test_import_error_names_the_extra():
     code = "import sys; sys.modules['lightning'] = None; import ckptd.lightning"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

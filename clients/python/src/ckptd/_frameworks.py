@@ -21,6 +21,7 @@ import json
 import os
 import pickle
 import pickletools
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from . import _tensors
 from . import torch as ct
 from ._client import Client
 from ._errors import AlreadyExistsError, CkptdError, NotFoundError
-from ._handle import SaveHandle
+from ._handle import SaveHandle, SaveStatus
 
 PICKLED = "ckptd.pickled"
 REF = "ckptd.tensor"
@@ -213,6 +214,36 @@ def load(
     return Loaded(model, optimizer, extra, int(source.state.step))
 
 
+def settle_earlier_run(
+    client: Client, step: int, *, rank: int, job: str | None, timeout: float | None
+) -> None:
+    """Wait while the daemon drains a save of step that an earlier run made.
+
+    A trainer killed right after staging step leaves that save to the
+    daemon; a resumed run that saves step again before it commits would
+    lose to it only after its own save was accepted (AlreadyExistsError
+    from the handle, when the state is gone and cannot be compared). So a
+    run that resumed waits here first: until that save commits (then
+    stage() finds the step committed and compares), fails, or is durable
+    while the earlier run's other ranks never came (then this save goes
+    ahead). Nothing known of step returns at once (one round trip).
+    """
+    h = client.handle(step, rank=rank, job=job, attempt="")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        h.wait(0.5)
+        return  # committed: stage() compares
+    except TimeoutError:
+        pass  # known to the daemon and still running
+    except CkptdError:
+        return  # unknown (NotFoundError), or failed: this save goes ahead
+    while deadline is None or time.monotonic() < deadline:
+        status = h.status
+        if status not in (SaveStatus.STAGED, SaveStatus.DRAINING):
+            return  # committed, failed, or waiting for ranks that died
+        time.sleep(0.05)
+
+
 def stage(
     client: Client,
     step: int,
@@ -224,13 +255,18 @@ def stage(
     world_size: int,
     job: str | None,
     timeout: float | None,
+    resumed: bool = False,
 ) -> SaveHandle | None:
     """Save rank's shard of step through ckptd.torch; None when an earlier run committed it.
 
     A step an earlier run of the job committed (a trainer that resumed from
     an older step than the newest, which it retrains) is taken as this
     save when it holds the same tensors, bit for bit; else CkptdError.
+    resumed: this process resumed from a step, so an earlier run's save of
+    step may still be draining (see settle_earlier_run).
     """
+    if resumed:
+        settle_earlier_run(client, step, rank=rank, job=job, timeout=timeout)
     try:
         return ct.save_state_dict(
             client, step, model, optimizer=optimizer, extra=extra, rank=rank,

@@ -17,6 +17,7 @@ accelerator's step counter and the objects registered with
 from __future__ import annotations
 
 import random
+import weakref
 from typing import Any, Literal
 
 try:
@@ -98,7 +99,7 @@ def save_state(
             extra["scaler"] = accelerator.scaler.state_dict()
     return fw.stage(
         c, step, model, optimizer=optimizer, extra=fw.portable(extra), rank=rank,
-        world_size=world, job=job, timeout=timeout,
+        world_size=world, job=job, timeout=timeout, resumed=accelerator in _RESUMED,
     )  # fmt: skip
 
 
@@ -162,6 +163,7 @@ def load_state(
         accelerator.scaler.load_state_dict(extra["scaler"])
     accelerator.step = own["step"]
     _set_rng_states(own["rng"])
+    _RESUMED.add(accelerator)
     return step
 
 
@@ -177,6 +179,9 @@ def _check(accelerator: accelerate.Accelerator) -> str:
 
 
 _CLIENT: list[Client] = []
+# Accelerators that load_state resumed: their saves first let an earlier
+# run's save of the same step finish (ckptd._frameworks.settle_earlier_run).
+_RESUMED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _default_client() -> Client:

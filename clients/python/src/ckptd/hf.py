@@ -102,6 +102,7 @@ class Trainer(transformers.Trainer):
         self._ckptd_pending: list[SaveHandle] = []
         self._ckptd_resume: _Resume | None = None
         self._ckptd_warned_limit = False
+        self._ckptd_resumed = False
 
     @property
     def ckptd_client(self) -> Client:
@@ -156,6 +157,7 @@ class Trainer(transformers.Trainer):
         h = fw.stage(
             self.ckptd_client, step, saved_model, optimizer=optimizer, extra=fw.portable(extra),
             rank=rank, world_size=world, job=self.ckptd_job, timeout=self.ckptd_wait_timeout,
+            resumed=self._ckptd_resumed,
         )  # fmt: skip
         if h is not None:
             with self._ckptd_lock:
@@ -263,6 +265,7 @@ class Trainer(transformers.Trainer):
         if "scaler" in extra:
             torch.save(extra["scaler"], os.path.join(folder, "scaler.pt"))
         self._ckptd_resume = _Resume(step, folder, main.model, main.optimizer, extra)
+        self._ckptd_resumed = True
         return folder
 
     def _ours(self, checkpoint: Any) -> _Resume | None:

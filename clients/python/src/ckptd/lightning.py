@@ -85,6 +85,7 @@ class CheckpointIO(_fabric_plugins.CheckpointIO):
         self._pending: list[SaveHandle] = []
         # global step -> what the tensors of the state saved at it were
         self._saved: dict[int, dict[str, Any]] = {}
+        self._resumed = False  # loaded a step: an earlier run's last save may still drain
 
     @property
     def client(self) -> Client:
@@ -132,6 +133,10 @@ class CheckpointIO(_fabric_plugins.CheckpointIO):
             try:
                 if step in self._saved:
                     raise AlreadyExistsError(f"step {step} was saved by this run already")
+                if self._resumed:
+                    fw.settle_earlier_run(
+                        self.client, step, rank=0, job=self.job, timeout=self.wait_timeout
+                    )
                 h = ct.save_state_dict(
                     self.client, step, model_sd, extra=extra, rank=0, world_size=1, job=self.job
                 )
@@ -194,6 +199,7 @@ class CheckpointIO(_fabric_plugins.CheckpointIO):
                 path, map_location=map_location, weights_only=weights_only
             )
         step, job = int(pointer["step"]), pointer.get("job")
+        self._resumed = True
         fw.wait_committed(
             self.client, step, job=job, attempt=str(pointer.get("attempt") or ""),
             timeout=self.wait_timeout,
