@@ -254,13 +254,10 @@ func (mgr *Manager) finishDrain(l *lease, m *checkpoint.Manifest, reused bool, s
 		return // shutdown: the save stays journaled, and the commit is tried after the restart
 	}
 	// After the commit, so as not to delay it: the copy takes a while for a
-	// large shard. It is marked committed if the commit was this one's.
+	// large shard. It is kept committed if the commit record pins it.
 	region := mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size]
 	data, release, _ := mgr.tiers.Keep(m, l.layout, region)
 	res, _, _ := mgr.saves.status(&saveKey{t.Job, t.Step, t.Rank, t.Attempt})
-	if res.State == StateCommitted {
-		mgr.tiers.MarkCommitted(t.Job, t.Step, t.Attempt)
-	}
 	if mgr.tiers.HasPeers() && data != nil {
 		mgr.tiers.Replicate(m, data, res.State == StateCommitted, release)
 	} else {
@@ -325,7 +322,7 @@ func (mgr *Manager) tryCommit(ctx context.Context, t checkpoint.Target) (bool, e
 	case rec == nil:
 		return false, nil
 	}
-	mgr.tiers.MarkCommitted(t.Job, t.Step, rec.Attempt)
+	mgr.tiers.MarkCommitted(t.Job, rec)
 	switch {
 	case rec.Attempt == t.Attempt:
 		mgr.markDone(keyOf(t), StateCommitted, nil)

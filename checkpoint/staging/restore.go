@@ -165,7 +165,7 @@ func (mgr *Manager) persistedSource(ctx context.Context, store *checkpoint.Store
 	if err != nil {
 		return tiers.Source{}, err
 	}
-	mgr.tiers.MarkCommitted(store.Job(), rec.Step, rec.Attempt) // the commit may have been another node's
+	mgr.tiers.MarkCommitted(store.Job(), rec) // the commit may have been another node's
 	if rank >= 0 && rank < rec.WorldSize {
 		if src, ok := mgr.tiers.Hot(store.Job(), rec.Step, rank, rec.Attempt); ok {
 			if src.PinnedBy(rec, rank) {

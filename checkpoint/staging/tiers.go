@@ -27,7 +27,8 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 	region := mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size]
 	m, data, release, err := mgr.tiers.HoldInMemory(t, l.layout, region, l.metadata, mgr.w.Options().ChunkSize)
 	if err != nil {
-		mgr.log.Warn(err.Error()+"; persisting a step the policy (--persist-every, --persist-interval) would keep in memory", "target", t)
+		mgr.log.Warn(err.Error()+"; persisting a step the policy (--persist-every, --persist-interval) would keep in memory, with its other ranks", "target", t)
+		mgr.tiers.PersistInstead(t)
 		return false
 	}
 	// Draining until it reaches the peers: see StateHot.

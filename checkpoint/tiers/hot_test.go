@@ -1,35 +1,79 @@
 package tiers
 
 import (
+	"errors"
 	"testing"
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/dtype"
 )
 
+// shard is a manifest of n bytes of one u8 tensor of job's step by rank
+// and attempt "a", and its data space filled with fill.
+func shard(job string, step int64, rank int, n int64, fill byte) (*checkpoint.Manifest, []byte) {
+	m := &checkpoint.Manifest{Format: checkpoint.ManifestFormat, Version: checkpoint.ManifestVersion, Job: job, Step: step,
+		Rank: rank, WorldSize: rank + 1, Attempt: "a", DataSize: n,
+		Tensors: []checkpoint.Tensor{{Name: "w", DType: dtype.U8, Shape: []int64{n}, Length: n}}}
+	data := make([]byte, n)
+	for i := range data {
+		data[i] = fill
+	}
+	m.Metadata = []byte{fill} // other bytes, another manifest
+	return m, data
+}
+
+// keep keeps a shard in h as a drain (origin) or a peer (replica) would,
+// through a buffer of h's; it reports what insert said, or errNoRoom.
+func keep(h *hotTier, m *checkpoint.Manifest, data []byte, f hotFlags) error {
+	b, ok := h.buffer(keyOf(m), m.DataSize)
+	if !ok {
+		return errNoRoomTest
+	}
+	copy(b, data)
+	release, err := h.insert(m, b, f)
+	release()
+	return err
+}
+
+var errNoRoomTest = errors.New("no room")
+
+// checkBudget fails unless the tier counts every buffer it has by its
+// capacity, within the budget.
+func checkBudget(t *testing.T, h *hotTier) {
+	t.Helper()
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var held int64
+	for _, e := range h.entries {
+		held += int64(cap(e.data))
+	}
+	for _, b := range h.spares {
+		held += int64(cap(b))
+	}
+	if held != h.used || h.used > h.budget {
+		t.Fatalf("the tier holds %d bytes of buffers, counts %d, of a budget of %d", held, h.used, h.budget)
+	}
+}
+
 // Dropped shards' buffers are reused for the next shards (no fresh memory
 // in steady state), within the budget, and never while pinned.
 func TestHotTierReusesBuffers(t *testing.T) {
 	h := newHotTier(1<<20, 2)
-	layout, err := checkpoint.NewLayout([]checkpoint.Tensor{checkpoint.Tensor{Name: "w", DType: dtype.U8, Shape: []int64{300_000}, Length: 300_000}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	region := make([]byte, 300_000)
 	add := func(step int64) []byte {
 		t.Helper()
-		m := &checkpoint.Manifest{Format: checkpoint.ManifestFormat, Version: checkpoint.ManifestVersion, Job: "job", Step: step, WorldSize: 1, Attempt: "a",
-			DataSize: 300_000, Tensors: layout.Packed}
-		region[0] = byte(step)
-		data, release, kept := h.add(m, layout, region, true)
+		m, data := shard("job", step, 0, 300_000, byte(step))
+		b, ok := h.buffer(keyOf(m), m.DataSize)
+		if !ok {
+			t.Fatalf("step %d: no room", step)
+		}
+		copy(b, data)
+		release, err := h.insert(m, b, hotFlags{origin: true, memory: false})
 		release()
-		if !kept || data[0] != byte(step) {
-			t.Fatalf("step %d not kept", step)
+		if err != nil || b[0] != byte(step) {
+			t.Fatalf("step %d not kept: %v", step, err)
 		}
-		if used, budget, _ := h.stats(); used > budget {
-			t.Fatalf("step %d: %d bytes held of a %d budget", step, used, budget)
-		}
-		return data
+		checkBudget(t, h)
+		return b
 	}
 	d1, _ := add(1), add(2)
 	d3 := add(3) // step 1 goes (2 steps kept): its buffer is spare
@@ -49,4 +93,146 @@ func TestHotTierReusesBuffers(t *testing.T) {
 	if d6 := add(6); &d6[0] != &e.data[0] && &d6[0] != &d4[0] { // steps 2 and 4 went
 		t.Fatal("step 6 took fresh memory with spares at hand")
 	}
+}
+
+// A shard kept in a spare larger than it counts the spare's capacity: the
+// tier never holds more than its budget while saying it is within it
+// (it held up to twice its budget, counting shards by their size).
+func TestHotTierCountsCapacity(t *testing.T) {
+	const budget = 1 << 20
+	h := newHotTier(budget, 1)
+	big, data := shard("job", 1, 0, 600_000, 1)
+	if err := keep(h, big, data, hotFlags{origin: true}); err != nil {
+		t.Fatal(err)
+	}
+	for step := int64(2); step < 20; step++ { // smaller shards land in the 600 kB spare, and more
+		m, data := shard("job", step, 0, 300_001, byte(step))
+		if err := keep(h, m, data, hotFlags{origin: true}); err != nil {
+			t.Fatalf("step %d: %v", step, err)
+		}
+		checkBudget(t, h)
+	}
+	if used, _, _ := h.stats(); used > budget {
+		t.Fatalf("holds %d of %d", used, budget)
+	}
+}
+
+// A peer's replica never replaces what the tier holds under its key: the
+// sidecar's own shard (the original) stays, and a replica of the same
+// save with other bytes is refused; the same bytes again are taken.
+func TestReplicaNeverReplaces(t *testing.T) {
+	h := newHotTier(1<<20, 2)
+	own, data := shard("job", 5, 0, 1000, 1)
+	if err := keep(h, own, data, hotFlags{origin: true}); err != nil {
+		t.Fatal(err)
+	}
+	forged, fdata := shard("job", 5, 0, 1000, 66)
+	if err := keep(h, forged, fdata, hotFlags{memory: true}); !errors.Is(err, errHeld) {
+		t.Fatalf("a replica over the original: %v", err)
+	}
+	if e, release := h.getAny("job", 5, 0, "a"); e == nil || e.data[0] != 1 || e.hash != own.Hash() {
+		t.Fatal("the original was replaced")
+	} else {
+		release()
+	}
+
+	first, d1 := shard("job", 6, 1, 1000, 7)
+	if err := keep(h, first, d1, hotFlags{memory: true}); err != nil {
+		t.Fatal(err)
+	}
+	again, d2 := shard("job", 6, 1, 1000, 7)
+	if err := keep(h, again, d2, hotFlags{memory: true}); err != nil {
+		t.Fatalf("the same replica again: %v", err)
+	}
+	other, d3 := shard("job", 6, 1, 1000, 8)
+	if err := keep(h, other, d3, hotFlags{memory: true}); !errors.Is(err, errHeld) {
+		t.Fatalf("a replica of the same save with other content: %v", err)
+	}
+	if e, release := h.getAny("job", 6, 1, "a"); e == nil || e.data[0] != 7 {
+		t.Fatal("the held replica was replaced")
+	} else {
+		release()
+	}
+	checkBudget(t, h)
+}
+
+// Room is made by age across jobs, never by taking another job's newest
+// step: a young job (low step numbers) keeps its steps against an old one
+// (it always lost, the oldest being judged by step number), and a shard
+// that would need another job's newest step finds no room.
+func TestEvictionByAge(t *testing.T) {
+	h := newHotTier(1<<20, 4)
+	const n = 200_000 // five fit
+	add := func(job string, step int64) error {
+		m, data := shard(job, step, 0, n, byte(step))
+		return keep(h, m, data, hotFlags{origin: true})
+	}
+	for _, s := range []struct {
+		job  string
+		step int64
+	}{{"old", 1000}, {"young", 1}, {"old", 1001}, {"young", 2}, {"old", 1002}} {
+		if err := add(s.job, s.step); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := add("old", 1003); err != nil { // old's 1000 is the oldest kept
+		t.Fatal(err)
+	}
+	held := func(job string, step int64) bool {
+		e, release := h.getAny(job, step, 0, "a")
+		if e != nil {
+			release()
+		}
+		return e != nil
+	}
+	if held("old", 1000) || !held("young", 1) || !held("young", 2) {
+		t.Fatal("room was not made by age")
+	}
+	if err := add("young", 3); err != nil { // young's 1 is the oldest now
+		t.Fatal(err)
+	}
+	if held("young", 1) || !held("old", 1001) {
+		t.Fatal("room was not made by age")
+	}
+	checkBudget(t, h)
+
+	// Only each job's newest step left to take: no room.
+	h2 := newHotTier(3*n, 4)
+	for _, job := range []string{"a", "b", "c"} {
+		m, data := shard(job, 1, 0, n, 1)
+		if err := keep(h2, m, data, hotFlags{origin: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if m, data := shard("d", 1, 0, n, 1); keep(h2, m, data, hotFlags{origin: true}) == nil {
+		t.Fatal("a job's newest step was taken for another job's")
+	}
+}
+
+// A shard of a step kept in memory only stays, whatever the pressure,
+// until a newer step of its job is committed: then room is made of it.
+func TestMemoryOnlyStepsProtected(t *testing.T) {
+	const n = 200_000
+	h := newHotTier(3*n, 1) // --hot-steps 1 does not apply to them
+	for step := int64(1); step <= 3; step++ {
+		m, data := shard("job", step, 0, n, byte(step))
+		if err := keep(h, m, data, hotFlags{origin: true, memory: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	m4, d4 := shard("job", 4, 0, n, 4)
+	if keep(h, m4, d4, hotFlags{origin: true, memory: true}) == nil {
+		t.Fatal("a step kept in memory only was evicted")
+	}
+	h.committed("job", &checkpoint.CommitRecord{Version: checkpoint.CommitVersion, Job: "job", Step: 2, Attempt: "a", WorldSize: 1,
+		Manifests: []checkpoint.ManifestRef{{Object: "steps/000000000002/a/rank-00000.manifest.json", Hash: "xxh3:0"}}})
+	if err := keep(h, m4, d4, hotFlags{origin: true, memory: true}); err != nil {
+		t.Fatalf("step 2 committed, steps 1 and 2 in memory are not protected: %v", err)
+	}
+	if e, release := h.getAny("job", 3, 0, "a"); e == nil {
+		t.Fatal("step 3, newer than the commit, went")
+	} else {
+		release()
+	}
+	checkBudget(t, h)
 }

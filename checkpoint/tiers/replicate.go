@@ -178,32 +178,49 @@ func (t *Tiers) replicate(r replica) {
 
 // AcceptReplica keeps a peer's shard in the hot tier, where restores (and
 // the peer's GetReplica) find it. The manifest is validated and the data
-// must be its data space; chunk hashes are checked when it is served.
+// must be its data space, in a buffer ReplicaBuffer handed out (given
+// back when the replica is refused); chunk hashes are checked when it is
+// served. Whether the step is committed is never taken from the peer
+// (committed is ignored): the shard is served as committed once a commit
+// record this sidecar read pins it. A replica never replaces a shard held
+// under the same key; the same bytes again are taken as kept.
 func (t *Tiers) AcceptReplica(manifest, data []byte, committed, memory bool) error {
+	_ = committed
 	if !t.hot.enabled() {
+		t.hot.giveBack(data)
 		return fmt.Errorf("%w: this sidecar keeps no replicas (--hot-bytes is 0)", ErrNoRoom)
 	}
 	m, err := checkpoint.ParseManifest(manifest)
 	if err != nil {
+		t.hot.giveBack(data)
 		return fmt.Errorf("%w: replica manifest: %w", checkpoint.ErrInvalid, err)
 	}
 	if int64(len(data)) != m.DataSize {
+		t.hot.giveBack(data)
 		return fmt.Errorf("%w: replica of %s has %d bytes of data, its manifest says %d", checkpoint.ErrInvalid, m.Target(), len(data), m.DataSize)
 	}
-	release, ok := t.hot.insert(m, data, hotFlags{committed: committed, memory: memory})
+	release, err := t.hot.insert(m, data, hotFlags{memory: memory})
 	release()
-	if !ok {
-		return fmt.Errorf("%w for a replica of %d bytes (--hot-bytes)", ErrNoRoom, m.DataSize)
+	if err != nil {
+		return fmt.Errorf("%w: a replica of %s is refused: %w", checkpoint.ErrExists, keyOf(m), err)
 	}
 	return nil
 }
 
-// ReplicaBuffer returns n bytes to receive a peer's replica into: a spare
-// of the hot tier when one fits (see hotTier), room made for it as an
-// insert would.
-func (t *Tiers) ReplicaBuffer(n int64) []byte {
-	return t.hot.buffer("", -1, n)
+// ReplicaBuffer returns n bytes to receive a peer's replica into, charged
+// to the hot tier from now on: a spare of the hot tier when one fits
+// (see hotTier), room made for it as an insert would. Give it to
+// AcceptReplica, or back with ReturnBuffer.
+func (t *Tiers) ReplicaBuffer(n int64) ([]byte, error) {
+	b, ok := t.hot.buffer(hotKey{step: -1}, n)
+	if !ok {
+		return nil, fmt.Errorf("%w for a replica of %d bytes (--hot-bytes)", ErrNoRoom, n)
+	}
+	return b, nil
 }
+
+// ReturnBuffer gives back a buffer ReplicaBuffer handed out, unused.
+func (t *Tiers) ReturnBuffer(b []byte) { t.hot.giveBack(b) }
 
 // Replica returns a shard the hot tier holds for a peer, and a func to
 // call once it is sent.

@@ -134,16 +134,27 @@ func (t *Tiers) MemoryTier() bool {
 func (t *Tiers) Stats() (used, budget int64, shards int) { return t.hot.stats() }
 
 // Keep keeps a drained shard, packed from its staging region, in the hot
-// tier if it fits (see hotTier.add); kept, it comes pinned: call release
+// tier if it fits (see hotTier); kept, it comes pinned: call release
 // when done with data.
 func (t *Tiers) Keep(m *checkpoint.Manifest, layout *checkpoint.Layout, region []byte) (data []byte, release func(), kept bool) {
-	return t.hot.add(m, layout, region, false)
+	data, ok := t.hot.buffer(keyOf(m), m.DataSize)
+	if !ok {
+		return nil, func() {}, false
+	}
+	layout.Pack(region, data)
+	release, err := t.hot.insert(m, data, hotFlags{origin: true})
+	if err != nil {
+		return nil, func() {}, false
+	}
+	return data, release, true
 }
 
-// MarkCommitted records which attempt committed step of job: its shards
-// become servable, and those of other attempts go.
-func (t *Tiers) MarkCommitted(job string, step int64, attempt string) {
-	t.hot.committed(job, step, attempt)
+// MarkCommitted records rec, the commit record of a step of job as this
+// sidecar read it from storage: the shards it pins become servable, those
+// of other attempts go, and older steps kept in memory only are no longer
+// protected from eviction.
+func (t *Tiers) MarkCommitted(job string, rec *checkpoint.CommitRecord) {
+	t.hot.committed(job, rec)
 }
 
 // Latest returns the newest committed step of job whose rank's shard the
@@ -168,17 +179,39 @@ func (t *Tiers) Persists(target checkpoint.Target) bool {
 	}
 	k := stepKey{target.Job, target.Step, target.Attempt}
 	persist, announce := t.policy.decide(k, every, interval, time.Now())
-	if announce && t.cfg.Peers != nil {
-		t.background(func() {
-			ctx, cancel := context.WithTimeout(t.ctx, replicateTimeout)
-			defer cancel()
-			if err := t.cfg.Peers.Persist(ctx, k.job, k.step, k.attempt); err != nil {
-				t.cfg.Failed("replicate")
-				t.log.Warn("could not tell every peer that this step is persisted", "job", k.job, "step", k.step, "err", err)
-			}
-		})
+	if announce {
+		t.announce(k)
 	}
 	return persist
+}
+
+// announce tells the peers, in the background, that this sidecar
+// persists k's step.
+func (t *Tiers) announce(k stepKey) {
+	if t.cfg.Peers == nil {
+		return
+	}
+	t.background(func() {
+		ctx, cancel := context.WithTimeout(t.ctx, replicateTimeout)
+		defer cancel()
+		if err := t.cfg.Peers.Persist(ctx, k.job, k.step, k.attempt); err != nil {
+			t.cfg.Failed("replicate")
+			t.log.Warn("could not tell every peer that this step is persisted", "job", k.job, "step", k.step, "err", err)
+		}
+	})
+}
+
+// PersistInstead records that target's step, which the policy kept in
+// memory, is persisted after all, this sidecar's memory having no room
+// for a save of it: its ranks held here are persisted too, from memory,
+// and the peers are told, so that the step commits and the steps kept in
+// memory before it may go.
+func (t *Tiers) PersistInstead(target checkpoint.Target) {
+	k := stepKey{target.Job, target.Step, target.Attempt}
+	if t.policy.tell(k, time.Now()) {
+		t.persistHeld(k.job, k.step, k.attempt)
+	}
+	t.announce(k)
 }
 
 // PersistStep is a peer's word that it persisted step of job by attempt:
@@ -227,14 +260,17 @@ func (t *Tiers) persistHeld(job string, step int64, attempt string) {
 // comes pinned: call release when done with data.
 func (t *Tiers) HoldInMemory(target checkpoint.Target, layout *checkpoint.Layout, region, metadata []byte, chunkSize int64) (m *checkpoint.Manifest, data []byte, release func(), err error) {
 	if layout.DataSize > t.cfg.HotBytes {
-		return nil, nil, nil, fmt.Errorf("the shard is larger than the hot tier (--hot-bytes)")
+		return nil, nil, nil, fmt.Errorf("%w: the shard is larger than the hot tier (--hot-bytes)", ErrNoRoom)
 	}
-	data = t.hot.buffer(target.Job, target.Step, layout.DataSize)
+	data, ok := t.hot.buffer(hotKey{target.Job, target.Step, target.Rank, target.Attempt}, layout.DataSize)
+	if !ok {
+		return nil, nil, nil, fmt.Errorf("%w: what it holds is being read, or is the only copy of newer steps kept in memory (--hot-bytes)", ErrNoRoom)
+	}
 	layout.Pack(region, data)
 	m = checkpoint.MemoryManifest(target, layout, metadata, data, chunkSize)
-	release, ok := t.hot.insert(m, data, hotFlags{memory: true, origin: true})
-	if !ok {
-		return nil, nil, nil, fmt.Errorf("no room in the hot tier (restores hold it)")
+	release, err = t.hot.insert(m, data, hotFlags{memory: true, origin: true})
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("%w: %s: %w", ErrNoRoom, keyOf(m), err)
 	}
 	return m, data, release, nil
 }

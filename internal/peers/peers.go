@@ -350,7 +350,7 @@ func (c *Client) getGRPC(ctx context.Context, addr string, req *pb.GetReplicaReq
 	if err != nil {
 		return nil, nil, err
 	}
-	_, manifest, data, err = receive(stream.Recv, maxBytes)
+	_, manifest, data, err = receive(stream.Recv, maxBytes, nil, nil)
 	return manifest, data, err
 }
 
@@ -436,8 +436,10 @@ func (c *Client) inventory(ctx context.Context, addr, job string) ([]tiers.HeldS
 }
 
 // receive reads a header and the manifest and data it announces, refusing
-// more than maxManifest and maxData bytes of them.
-func receive(recv func() (*pb.ReplicaPiece, error), maxData int64) (*pb.ReplicaHeader, []byte, []byte, error) {
+// more than maxManifest and maxData bytes of them; the data goes into a
+// buffer alloc makes (nil: new memory), which is given to give back when
+// receive fails after it.
+func receive(recv func() (*pb.ReplicaPiece, error), maxData int64, alloc func(int64) ([]byte, error), giveBack func([]byte)) (*pb.ReplicaHeader, []byte, []byte, error) {
 	first, err := recv()
 	if err != nil {
 		return nil, nil, nil, err
@@ -449,34 +451,52 @@ func receive(recv func() (*pb.ReplicaPiece, error), maxData int64) (*pb.ReplicaH
 	if err := tooLarge(hdr, maxData); err != nil {
 		return nil, nil, nil, err
 	}
-	want := hdr.GetManifestSize() + hdr.GetDataSize()
-	buf := make([]byte, 0, want)
+	if alloc == nil {
+		alloc = func(n int64) ([]byte, error) { return make([]byte, n), nil }
+		giveBack = func([]byte) {}
+	}
+	manifest := make([]byte, hdr.GetManifestSize())
+	data, err := alloc(int64(hdr.GetDataSize()))
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	want, got := uint64(len(manifest)+len(data)), uint64(0)
 	for {
 		piece, err := recv()
 		if errors.Is(err, io.EOF) {
 			break
 		}
+		b := piece.GetData()
+		if err == nil && got+uint64(len(b)) > want {
+			err = errors.New("a replica longer than its header says")
+		}
 		if err != nil {
+			giveBack(data)
 			return nil, nil, nil, err
 		}
-		if uint64(len(buf))+uint64(len(piece.GetData())) > want {
-			return nil, nil, nil, errors.New("a replica longer than its header says")
+		n := copy(manifest[min(got, uint64(len(manifest))):], b)
+		if n < len(b) { // the manifest is whole: the rest is data
+			copy(data[got+uint64(n)-uint64(len(manifest)):], b[n:])
 		}
-		buf = append(buf, piece.GetData()...)
+		got += uint64(len(b))
 	}
-	if uint64(len(buf)) != want {
-		return nil, nil, nil, fmt.Errorf("a replica of %d bytes, its header says %d", len(buf), want)
+	if got != want {
+		giveBack(data)
+		return nil, nil, nil, fmt.Errorf("a replica of %d bytes, its header says %d", got, want)
 	}
-	return hdr, buf[:hdr.GetManifestSize()], buf[hdr.GetManifestSize():], nil
+	return hdr, manifest, data, nil
 }
 
 // Local is what the Peer service serves: this sidecar's memory tiers
 // (a *tiers.Tiers).
 type Local interface {
-	// AcceptReplica keeps a peer's shard; ReplicaBuffer is room to
-	// receive one of n bytes into.
+	// AcceptReplica keeps a peer's shard, whose data is in a buffer
+	// ReplicaBuffer handed out (kept or given back); ReplicaBuffer is room
+	// to receive one of n bytes into, charged to the hot tier until given
+	// to AcceptReplica or back to ReturnBuffer.
 	AcceptReplica(manifest, data []byte, committed, memory bool) error
-	ReplicaBuffer(n int64) []byte
+	ReplicaBuffer(n int64) ([]byte, error)
+	ReturnBuffer(b []byte)
 	// Replica is a shard held for a peer, and the func to call once sent.
 	Replica(job string, step int64, rank int, attempt string) (manifest, data []byte, committed bool, release func(), err error)
 	// Inventory lists the shards of job held here.
@@ -506,7 +526,8 @@ func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, p
 	case <-stream.Context().Done():
 		return stream.Context().Err()
 	}
-	hdr, manifest, data, err := receive(stream.Recv, s.maxBytes)
+	alloc := func(n int64) ([]byte, error) { return s.local.ReplicaBuffer(n) }
+	hdr, manifest, data, err := receive(stream.Recv, s.maxBytes, alloc, func(b []byte) { s.local.ReturnBuffer(b) })
 	if err != nil {
 		return err
 	}

@@ -197,9 +197,15 @@ func (s *Server) serveRawPut(c net.Conn) {
 	defer func() { <-s.receive }()
 	n := hdr.GetManifestSize() + hdr.GetDataSize()
 	_ = c.SetDeadline(time.Now().Add(rawSendMin + time.Duration(int64(n)/rawSendRate)*time.Second))
-	manifest, data := make([]byte, hdr.GetManifestSize()), s.local.ReplicaBuffer(int64(hdr.GetDataSize()))
+	data, err := s.local.ReplicaBuffer(int64(hdr.GetDataSize()))
+	if err != nil {
+		answer(err)
+		return
+	}
+	manifest := make([]byte, hdr.GetManifestSize())
 	for _, b := range [][]byte{manifest, data} {
 		if _, err := io.ReadFull(c, b); err != nil {
+			s.local.ReturnBuffer(data)
 			return
 		}
 	}
