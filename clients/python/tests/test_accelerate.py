@@ -10,9 +10,7 @@ shuffled data: the RNG states come back too).
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,64 +22,25 @@ from slow import scaled
 accelerate = pytest.importorskip("accelerate")
 ca = pytest.importorskip("ckptd.accelerate")
 sys.path.insert(0, str(Path(__file__).with_name("frameworks")))
-from common import read_losses, wait_paused  # noqa: E402
+from common import finish_ranks, kill_ranks, launch_ranks, read_losses, wait_paused  # noqa: E402
 
 WORKER = Path(__file__).with_name("frameworks") / "accelerate_worker.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ranks(sock: str, out: Path, tag: str, *args: str, world: int = 2) -> list[subprocess.Popen]:
-    port = str(free_port())
-    procs = []
-    for r in range(world):
-        env = {
-            **os.environ, "CKPTD_SOCKET": sock, "OMP_NUM_THREADS": "1", "RANK": str(r),
-            "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-        }  # fmt: skip
-        env.pop("CKPTD_ATTEMPT", None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(out), tag, *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    return procs
-
-
-def finish(procs: list[subprocess.Popen]) -> None:
-    try:
-        texts = [p.communicate(timeout=scaled(600))[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for r, (p, text) in enumerate(zip(procs, texts, strict=True)):
-        assert p.returncode == 0, f"rank {r}:\n{text}"
-
-
 def test_ddp_killed_mid_save_resumes_bit_for_bit(daemon, job, tmp_path):
-    finish(ranks(daemon.socket, tmp_path / "whole", "whole", "--job", f"{job}-w"))
+    finish_ranks(
+        launch_ranks(WORKER, daemon.socket, tmp_path / "whole", "whole", "--job", f"{job}-w")
+    )
 
     out = tmp_path / "killed"
-    killed = ranks(daemon.socket, out, "killed", "--job", job, "--pause-at", "12")
+    killed = launch_ranks(WORKER, daemon.socket, out, "killed", "--job", job, "--pause-at", "12")
     try:
         wait_paused(killed[0], out / "paused")
     finally:
-        for p in killed:
-            p.send_signal(signal.SIGKILL)
-        for p in killed:
-            p.wait()
+        kill_ranks(killed)
     assert killed[0].returncode == -signal.SIGKILL
 
-    finish(ranks(daemon.socket, out, "resumed", "--job", job, "--resume"))
+    finish_ranks(launch_ranks(WORKER, daemon.socket, out, "resumed", "--job", job, "--resume"))
     start = {int((out / f"resumed-resumed-rank{r}").read_text()) for r in (0, 1)}
     # Step 12 commits if rank 1 staged its shard before the kill, else 8 is the newest.
     assert start in ({8}, {12})

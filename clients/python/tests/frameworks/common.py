@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -65,3 +68,56 @@ def wait_paused(proc: subprocess.Popen[str], marker: Path) -> None:
         assert proc.poll() is None, proc.communicate()[0]
         assert time.monotonic() < deadline, "the trainer never reached the save"
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (for torch.distributed's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(
+    worker: Path, sock: str, out: Path, tag: str, *args: str, world: int = 2
+) -> list[subprocess.Popen[str]]:
+    """Start `worker out tag args` once per rank, as torchrun would (RANK, WORLD_SIZE, ...)."""
+    port = str(free_port())
+    procs = []
+    for r in range(world):
+        env = {
+            **os.environ, "CKPTD_SOCKET": sock, "OMP_NUM_THREADS": "1", "RANK": str(r),
+            "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }  # fmt: skip
+        env.pop("CKPTD_ATTEMPT", None)  # the ranks agree on one themselves
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(worker), str(out), tag, *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    return procs
+
+
+def finish_ranks(procs: list[subprocess.Popen[str]]) -> None:
+    """Wait for every rank; each must exit 0 (a failure shows its output)."""
+    from slow import scaled
+
+    try:
+        texts = [p.communicate(timeout=scaled(600))[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, text) in enumerate(zip(procs, texts, strict=True)):
+        assert p.returncode == 0, f"rank {r}:\n{text}"
+
+
+def kill_ranks(procs: list[subprocess.Popen[str]]) -> None:
+    """SIGKILL every rank and reap it."""
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait()

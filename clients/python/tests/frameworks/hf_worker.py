@@ -2,9 +2,10 @@
 
     hf_worker.py OUT TAG --job JOB [--resume] [--pause-at STEP]
 
-Saves every 6 of 24 steps (an epoch is 16). Appends each step's loss to
-OUT/losses-TAG.txt and writes OUT/final-TAG.json (weights, AdamW state,
-LR) at the end. --pause-at STEP stops inside the save of STEP once it is
+Saves every 6 of 24 steps. With RANK, WORLD_SIZE, ... set (as torchrun
+sets them) it runs DDP over gloo. Each rank appends its losses to
+OUT/losses-TAG-rank<r>.txt; rank 0 writes OUT/final-TAG.json (weights,
+AdamW state, LR) at the end. --pause-at STEP stops inside the save of STEP once it is
 staged (OUT/paused then exists); --resume trains with
 resume_from_checkpoint=True.
 """
@@ -61,13 +62,15 @@ def main() -> None:
         report_to="none", logging_steps=1000, disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
     client = None
-    if a.pause_at is not None:
+    if a.pause_at is not None and args.process_index == 0:
         client = PausingClient(a.pause_at, a.out / "paused")
     trainer = Logged(
         model=model, args=args, train_dataset=data, ckptd_client=client, ckptd_job=a.job,
-        losses=a.out / f"losses-{a.tag}.txt",
+        losses=a.out / f"losses-{a.tag}-rank{args.process_index}.txt",
     )  # fmt: skip
     trainer.train(resume_from_checkpoint=True if a.resume else None)
+    if args.process_index != 0:
+        return
     final = {
         "step": trainer.state.global_step,
         "weights": digest(*model.parameters()),
