@@ -28,6 +28,13 @@ type Arena interface {
 	// ctx is done. Its error matches ErrArenaTooLarge when n can never
 	// fit, and ErrArenaFull when no room was freed in time.
 	Alloc(ctx context.Context, n int64) (Region, error)
+	// AllocWriter is Alloc for a region a client writes into (a save's),
+	// which the arena records as such until Seal or Free: after a crash,
+	// only such regions wait out the fence (ManagerConfig.ReuseFence)
+	// before others may use them.
+	AllocWriter(ctx context.Context, n int64) (Region, error)
+	// Seal says no client writes into r any more: its save is journaled.
+	Seal(r Region)
 	// Free gives back a region from Alloc or Reserve.
 	Free(Region) error
 	// Reserve marks a region that a journal entry names as in use; the

@@ -223,6 +223,15 @@ func (mgr *Manager) freeRegion(r Region) {
 }
 
 func (mgr *Manager) alloc(ctx context.Context, n int64) (Region, error) {
+	return mgr.allocWith(ctx, n, mgr.arena.Alloc)
+}
+
+// allocWriter allocates a region a client writes into: a save's.
+func (mgr *Manager) allocWriter(ctx context.Context, n int64) (Region, error) {
+	return mgr.allocWith(ctx, n, mgr.arena.AllocWriter)
+}
+
+func (mgr *Manager) allocWith(ctx context.Context, n int64, alloc func(context.Context, int64) (Region, error)) (Region, error) {
 	if n == 0 {
 		return Region{}, nil
 	}
@@ -236,7 +245,7 @@ func (mgr *Manager) alloc(ctx context.Context, n int64) (Region, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
-	r, err := mgr.arena.Alloc(ctx, n)
+	r, err := alloc(ctx, n)
 	if errors.Is(err, ErrArenaTooLarge) {
 		err = fmt.Errorf("%w; the shard must fit the staging arena: restart the daemon with --staging-bytes of at least %d", err, n)
 	}

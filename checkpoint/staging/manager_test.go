@@ -30,7 +30,16 @@ import (
 type shmArena struct{ *arena.Arena }
 
 func (a shmArena) Alloc(ctx context.Context, n int64) (Region, error) {
-	r, err := a.Arena.Alloc(ctx, n)
+	return a.alloc(a.Arena.Alloc(ctx, n))
+}
+
+func (a shmArena) AllocWriter(ctx context.Context, n int64) (Region, error) {
+	return a.alloc(a.Arena.AllocWriter(ctx, n))
+}
+
+func (a shmArena) Seal(r Region) { a.Arena.Seal(arena.Region(r)) }
+
+func (a shmArena) alloc(r arena.Region, err error) (Region, error) {
 	switch { // as CheckpointArena does: the arena's errors match the Manager's
 	case errors.Is(err, arena.ErrFull):
 		err = errors.Join(err, ErrArenaFull)

@@ -37,7 +37,7 @@ func (mgr *Manager) BeginSave(ctx context.Context, o Owner, t checkpoint.Target,
 		return LeaseInfo{}, err
 	}
 	l.check = mgr.startPrecheck(t)
-	region, err := mgr.alloc(ctx, layout.RegionSize)
+	region, err := mgr.allocWriter(ctx, layout.RegionSize)
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
 	if err != nil {
@@ -222,6 +222,9 @@ func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (checkpoint.
 	l.metadata = append([]byte(nil), metadata...)
 	mgr.mu.Unlock()
 	err := mgr.journal(l)
+	if err == nil {
+		mgr.arena.Seal(l.region) // the client is done: the journal holds the region now
+	}
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
 	if err != nil {

@@ -43,7 +43,7 @@ func newServeCmd() *cobra.Command {
 	fs.DurationVar(&o.RestartWait, "restart-wait", 30*time.Second, "how long to wait for a previous daemon that is exiting (killed a moment ago: unmapping a large arena takes seconds) to release the socket and the arena; a running one fails the start at once")
 	fs.Var((*byteSize)(&o.StagingBytes), "staging-bytes", "size of the shared-memory staging arena (e.g. 8GiB)")
 	fs.DurationVar(&o.StagingWait, "staging-wait", staging.DefaultStagingWait, "how long a save waits for arena space before failing")
-	fs.DurationVar(&o.ReuseFence, "crash-fence", staging.DefaultReuseFence, "after a crash, how long new saves, restores and dataset rings wait before using arena space the dead daemon's clients may still be copying into; also how long a gone client's save region is kept when its process cannot be seen")
+	fs.DurationVar(&o.ReuseFence, "crash-fence", staging.DefaultReuseFence, "after a crash, how long the save regions the dead daemon's clients may still be copying into stay unused (the rest of the arena is free at once); also how long a gone client's save region is kept when its process cannot be seen")
 	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", staging.DefaultLeaseTimeout, "end saves never committed and restores never released after this (a client that disconnects frees them at once)")
 	fs.Var((*byteSize)(&o.TableBytes), "tensor-table-bytes", "memory for the tensor tables and metadata of open saves, and 1 KiB per open restore; a save or restore that would exceed it fails with RESOURCE_EXHAUSTED")
 	fs.StringVar(&o.Codec, "codec", string(codec.Auto), "chunk codec: auto (per chunk by dtype: float-aware for floats, zstd otherwise, cheaper when storage outruns compression), zstd, lz4, none, or float-bf16|f16|f32|f64")

@@ -60,7 +60,7 @@ type Options struct {
 
 // created records what one Open made, so that a failed start can take it
 // back (Discard) and leave the place as it found it.
-type created struct{ dir, lock, journal, file bool }
+type created struct{ dir, lock, journal, writers, file bool }
 
 // access is who may use the arena directory and file.
 type access struct {
@@ -86,6 +86,7 @@ type Arena struct {
 	log     *slog.Logger
 	alloc   *allocator
 	journal *Journal
+	writers *writers
 	made    created
 	reused  bool      // the file held a crashed daemon's staged saves
 	fence   time.Time // no Alloc before this (Options.Fence)
@@ -152,6 +153,11 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File, made *created
 	if err != nil {
 		return nil, err
 	}
+	w, recorded, err := openWriters(filepath.Join(opts.Dir, writersDir), log)
+	if err != nil {
+		return nil, err
+	}
+	made.writers = !recorded
 	path := filepath.Join(opts.Dir, arenaFile)
 	f, size, err := openArenaFile(path, want, j.Len(), opts.access(), made, log)
 	if err != nil {
@@ -182,9 +188,12 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File, made *created
 		log:      log,
 		alloc:    newAllocator(size &^ (pageSize - 1)),
 		journal:  j,
+		writers:  w,
 		made:     *made,
 		reused:   !made.file,
-		fence:    fenceUntil(!made.file, opts.Fence),
+		// A daemon that kept no record of its writers' regions left this
+		// arena: any of it may be being written, so all of it waits.
+		fence: fenceUntil(!made.file && !recorded, opts.Fence),
 		mem:      mem,
 		lockFile: lf,
 	}
@@ -194,6 +203,17 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File, made *created
 	log.Info("arena: opened", "path", path, "bytes", size, "locked", a.locked, "journal_entries", j.Len())
 	if wait := time.Until(a.fence); wait > 0 {
 		log.Info("arena kept from a crashed daemon: new regions wait until its clients' copies have ended", "for", wait.Round(time.Millisecond))
+	}
+	if a.reused && recorded {
+		n, err := w.fenceLeft(a.alloc, opts.Fence)
+		if err != nil {
+			unix.Munmap(mem)
+			return nil, err
+		}
+		if n > 0 {
+			log.Info("arena kept from a crashed daemon: the regions its clients may still be copying into wait; the rest is free now",
+				"regions", n, "for", opts.Fence)
+		}
 	}
 	return a, nil
 }
@@ -409,11 +429,19 @@ func (a *Arena) Alloc(ctx context.Context, n int64) (Region, error) {
 
 // Free returns a region obtained from Alloc or Reserve. Freeing anything
 // else fails with ErrNotAllocated and changes nothing.
-func (a *Arena) Free(r Region) error { return a.alloc.freeRegion(r) }
+func (a *Arena) Free(r Region) error {
+	a.writers.forget(r)
+	return a.alloc.freeRegion(r)
+}
 
 // Reserve marks a specific region as used; on restart the daemon reserves
 // the regions its journal names before handing out new ones.
-func (a *Arena) Reserve(r Region) error { return a.alloc.reserve(r) }
+func (a *Arena) Reserve(r Region) error {
+	if a.writers.adopt(r) {
+		return nil
+	}
+	return a.alloc.reserve(r)
+}
 
 // Used is the number of bytes allocated, counting whole pages.
 func (a *Arena) Used() int64 { return a.alloc.usedBytes() }
@@ -486,11 +514,13 @@ func undo(dir string, made created) error {
 	}
 	rm(made.file, arenaFile)
 	rm(made.journal, journalDir)
+	rm(made.writers, writersDir)
 	rm(made.lock, lockFile)
 	return err
 }
 
 func (a *Arena) closeLocked(del func() error) error {
+	a.writers.close()
 	a.alloc.close()
 	err := unix.Munmap(a.mem)
 	a.mem = nil

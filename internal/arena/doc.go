@@ -13,6 +13,9 @@
 //	Dir/journal/   one file per staged-but-not-yet-durable save, named by its id,
 //	               content opaque to this package (the caller writes JSON);
 //	               files named .tmp-* are torn writes and are ignored
+//	Dir/writers/   one empty file per region a client may be writing into (a save's, from
+//	               AllocWriter until Seal or Free), named <offset>-<length>: after a crash
+//	               only those regions wait out Options.Fence
 //	Dir/journal/quarantine/
 //	               entries taken out of the journal because they cannot be replayed
 //	               (Journal.Quarantine), as <time>-<id> with <time>-<id>.reason; the newest 64

@@ -13,7 +13,8 @@ func TestReapStale(t *testing.T) {
 	names := regexp.MustCompile(`^ckptd-\d+$`)
 	open := func(name string) *Arena {
 		t.Helper()
-		a, err := Open(Options{Dir: filepath.Join(parent, name), Size: mib, Owner: "/run/" + name + ".sock"})
+		log, _ := testLogger()
+		a, err := Open(Options{Dir: filepath.Join(parent, name), Size: mib, Owner: "/run/" + name + ".sock", Logger: log})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -72,7 +73,8 @@ func TestReapStale(t *testing.T) {
 	if err != nil || len(got) != 1 || !got[0].Removed || exists("ckptd-3") || !exists("ckptd-1") {
 		t.Fatalf("forced ReapStale = %+v, %v; want ckptd-3 removed, the live ckptd-1 kept", got, err)
 	}
-	a, err := Open(Options{Dir: filepath.Join(parent, "ckptd-3"), Size: mib})
+	log, _ := testLogger()
+	a, err := Open(Options{Dir: filepath.Join(parent, "ckptd-3"), Size: mib, Logger: log})
 	if err != nil {
 		t.Fatalf("a daemon starts on a reaped folder's place: %v", err)
 	}

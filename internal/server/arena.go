@@ -25,6 +25,13 @@ func (a checkpointArena) Alloc(ctx context.Context, n int64) (staging.Region, er
 	return staging.Region(r), checkpointError(err)
 }
 
+func (a checkpointArena) AllocWriter(ctx context.Context, n int64) (staging.Region, error) {
+	r, err := a.Arena.AllocWriter(ctx, n)
+	return staging.Region(r), checkpointError(err)
+}
+
+func (a checkpointArena) Seal(r staging.Region) { a.Arena.Seal(arena.Region(r)) }
+
 func (a checkpointArena) Free(r staging.Region) error {
 	return a.Arena.Free(arena.Region(r))
 }
