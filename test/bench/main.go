@@ -13,6 +13,8 @@
 //	peers           restore from a peer sidecar (fetch over loopback TCP,
 //	                verify, copy) and replication after commit, vs a raw
 //	                loopback TCP transfer of the same bytes
+//	start           opening a fresh arena (what a daemon's start waits on)
+//	                vs a write of every page of a new shared-memory file
 package main
 
 import (
@@ -67,7 +69,7 @@ func main() {
 	flag.Int64Var(&cfg.chunkSize, "chunk-size", 4<<20, "chunk bytes")
 	flag.IntVar(&cfg.workers, "workers", runtime.GOMAXPROCS(0), "compression workers")
 	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile here")
-	flag.StringVar(&cfg.only, "only", "", "run only these parts, comma-separated: save (save stall and drain), restore (needs save), hot, peer, s3")
+	flag.StringVar(&cfg.only, "only", "", "run only these parts, comma-separated: save (save stall and drain), restore (needs save), hot, peer, s3, start")
 	flag.Parse()
 	if *cpuprofile != "" {
 		f, err := os.Create(*cpuprofile)
@@ -137,6 +139,7 @@ func run(cfg config) error {
 		{"hot", func() ([]row, error) { return benchHotRestore(cfg, data, work) }},
 		{"peer", func() ([]row, error) { return benchPeers(cfg, data, work) }},
 		{"s3", func() ([]row, error) { return benchS3(cfg, data, work) }},
+		{"start", func() ([]row, error) { return benchStart(cfg) }},
 	}
 	for _, p := range parts {
 		if !cfg.wants(p.name) {
