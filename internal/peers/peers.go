@@ -27,19 +27,23 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/tiers"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
-// Shards travel in pieces of piece bytes, with flow-control windows of
-// window bytes per stream and connection and socket buffers of
-// socketBuffer: gRPC's defaults (64 KiB windows probed upward, 32 KiB
-// buffers) hold a loopback or datacenter link to a fraction of its
-// bandwidth. Each peer connection buffers at most about a window.
+// A shard read on the raw path is read in pieces of piece bytes (progress
+// is reported after each). The client's gRPC connections, which fetch a
+// shard when a peer has no raw path, have flow-control windows of window
+// bytes per stream and connection and socket buffers of socketBuffer:
+// gRPC's defaults (64 KiB windows probed upward, 32 KiB buffers) hold a
+// loopback or datacenter link to a fraction of its bandwidth. The
+// server's side is bounded for what a peer may hold (limits.go).
 const (
 	piece        = 4 << 20
 	window       = 16 << 20
@@ -234,15 +238,14 @@ func (c *Client) put(ctx context.Context, addr string, hdr *pb.ReplicaHeader, ma
 	return err
 }
 
-// sendPieces sends hdr, then manifest and data in pieces of
-// piece.
+// sendPieces sends hdr, then manifest and data in pieces of grpcPiece.
 func sendPieces(hdr *pb.ReplicaHeader, manifest, data []byte, send func(*pb.ReplicaPiece) error) error {
 	if err := send(&pb.ReplicaPiece{Header: hdr}); err != nil {
 		return err
 	}
 	for _, b := range [][]byte{manifest, data} {
 		for len(b) > 0 {
-			n := min(len(b), piece)
+			n := min(len(b), grpcPiece)
 			if err := send(&pb.ReplicaPiece{Data: b[:n]}); err != nil {
 				return err
 			}
@@ -436,9 +439,9 @@ func (c *Client) inventory(ctx context.Context, addr, job string) ([]tiers.HeldS
 }
 
 // receive reads a header and the manifest and data it announces, refusing
-// more than maxManifest and maxData bytes of them; the data goes into a
-// buffer alloc makes (nil: new memory), which is given to give back when
-// receive fails after it.
+// more than maxManifest and maxData bytes of them; each goes into a
+// buffer alloc makes (nil: new memory), which receive gives to giveBack
+// when it fails after it.
 func receive(recv func() (*pb.ReplicaPiece, error), maxData int64, alloc func(int64) ([]byte, error), giveBack func([]byte)) (*pb.ReplicaHeader, []byte, []byte, error) {
 	first, err := recv()
 	if err != nil {
@@ -455,9 +458,18 @@ func receive(recv func() (*pb.ReplicaPiece, error), maxData int64, alloc func(in
 		alloc = func(n int64) ([]byte, error) { return make([]byte, n), nil }
 		giveBack = func([]byte) {}
 	}
-	manifest := make([]byte, hdr.GetManifestSize())
+	manifest, err := alloc(int64(hdr.GetManifestSize()))
+	if err != nil {
+		return nil, nil, nil, err
+	}
 	data, err := alloc(int64(hdr.GetDataSize()))
 	if err != nil {
+		giveBack(manifest)
+		return nil, nil, nil, err
+	}
+	fail := func(err error) (*pb.ReplicaHeader, []byte, []byte, error) {
+		giveBack(manifest)
+		giveBack(data)
 		return nil, nil, nil, err
 	}
 	want, got := uint64(len(manifest)+len(data)), uint64(0)
@@ -471,8 +483,7 @@ func receive(recv func() (*pb.ReplicaPiece, error), maxData int64, alloc func(in
 			err = errors.New("a replica longer than its header says")
 		}
 		if err != nil {
-			giveBack(data)
-			return nil, nil, nil, err
+			return fail(err)
 		}
 		n := copy(manifest[min(got, uint64(len(manifest))):], b)
 		if n < len(b) { // the manifest is whole: the rest is data
@@ -481,8 +492,7 @@ func receive(recv func() (*pb.ReplicaPiece, error), maxData int64, alloc func(in
 		got += uint64(len(b))
 	}
 	if got != want {
-		giveBack(data)
-		return nil, nil, nil, fmt.Errorf("a replica of %d bytes, its header says %d", got, want)
+		return fail(fmt.Errorf("a replica of %d bytes, its header says %d", got, want))
 	}
 	return hdr, manifest, data, nil
 }
@@ -510,28 +520,93 @@ type Server struct {
 	pb.UnimplementedPeerServer
 	local    Local
 	maxBytes int64
-	receive  chan struct{} // one replica received at a time: its bytes are memory until stored
+	// receives bounds the replicas received at once; each one's bytes are
+	// charged to the hot tier before the first is read.
+	receives chan struct{}
 }
+
+// maxReceives is how many replicas a sidecar receives at once, and
+// receiveWait how long one waits for its turn before it is refused.
+const (
+	maxReceives = 4
+	receiveWait = time.Minute
+)
 
 // NewServer serves replicas into and out of local's hot tier, taking
-// replicas of at most maxBytes (--hot-bytes), one at a time.
+// replicas of at most maxBytes (--hot-bytes), maxReceives at a time.
 func NewServer(local Local, maxBytes int64) *Server {
-	return &Server{local: local, maxBytes: maxBytes, receive: make(chan struct{}, 1)}
+	return &Server{local: local, maxBytes: maxBytes, receives: make(chan struct{}, maxReceives)}
 }
 
-func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, pb.PutReplicaResponse]) error {
+// errBusy refuses a replica that waited receiveWait for its turn.
+var errBusy = status.Error(codes.ResourceExhausted, "this sidecar is receiving as many replicas as it takes at once")
+
+// turn waits for a receive's turn, until ctx ends or receiveWait passes;
+// done ends the turn.
+func (s *Server) turn(ctx context.Context) (done func(), err error) {
+	t := time.NewTimer(receiveWait)
+	defer t.Stop()
 	select {
-	case s.receive <- struct{}{}:
-		defer func() { <-s.receive }()
-	case <-stream.Context().Done():
-		return stream.Context().Err()
+	case s.receives <- struct{}{}:
+		return func() { <-s.receives }, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-t.C:
+		return nil, errBusy
 	}
-	alloc := func(n int64) ([]byte, error) { return s.local.ReplicaBuffer(n) }
-	hdr, manifest, data, err := receive(stream.Recv, s.maxBytes, alloc, func(b []byte) { s.local.ReturnBuffer(b) })
+}
+
+// sendDeadline is how long a peer may take to send or take n bytes: a
+// sender or reader slower than rawSendRate is cut off.
+func sendDeadline(n uint64) time.Duration {
+	return rawSendMin + time.Duration(n/rawSendRate)*time.Second
+}
+
+// PutReplica takes a replica sent through gRPC (a peer without the raw
+// path) into the hot tier, within sendDeadline of its largest size: a
+// slow sender does not hold its turn longer.
+func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, pb.PutReplicaResponse]) error {
+	done, err := s.turn(stream.Context())
 	if err != nil {
 		return err
 	}
-	if err := s.local.AcceptReplica(manifest, data, hdr.GetCommitted(), hdr.GetMemoryOnly()); err != nil {
+	defer done()
+	type received struct {
+		hdr            *pb.ReplicaHeader
+		manifest, data []byte
+		err            error
+	}
+	got, abandoned := make(chan received), make(chan struct{})
+	alloc := func(n int64) ([]byte, error) { return s.local.ReplicaBuffer(n) }
+	giveBack := func(b []byte) { s.local.ReturnBuffer(b) }
+	// Owned by this call: it ends when the stream does, which returning
+	// (at the deadline) ends; what it received then goes back.
+	go func() {
+		hdr, manifest, data, err := receive(stream.Recv, s.maxBytes, alloc, giveBack)
+		select {
+		case got <- received{hdr, manifest, data, err}:
+		case <-abandoned:
+			if err == nil {
+				giveBack(manifest)
+				giveBack(data)
+			}
+		}
+	}()
+	deadline := time.NewTimer(sendDeadline(maxManifest + uint64(max(s.maxBytes, 0))))
+	defer deadline.Stop()
+	var r received
+	select {
+	case r = <-got:
+	case <-deadline.C:
+		close(abandoned)
+		return status.Error(codes.DeadlineExceeded, "a replica sent too slowly")
+	}
+	if r.err != nil {
+		return r.err
+	}
+	err = s.local.AcceptReplica(r.manifest, r.data, r.hdr.GetCommitted(), r.hdr.GetMemoryOnly())
+	giveBack(r.manifest)
+	if err != nil {
 		return err
 	}
 	return stream.SendAndClose(&pb.PutReplicaResponse{})
@@ -590,11 +665,9 @@ func Listen(addr string, creds Creds, srv *Server) (string, func(), error) {
 	if err != nil {
 		return "", nil, fmt.Errorf("peer listener: %w", err)
 	}
-	g := grpc.NewServer(grpc.Creds(insecure.NewCredentials()), grpc.MaxRecvMsgSize(pb.MaxMessageBytes),
-		grpc.InitialWindowSize(window), grpc.InitialConnWindowSize(window),
-		grpc.ReadBufferSize(socketBuffer), grpc.WriteBufferSize(socketBuffer))
+	g := grpc.NewServer(append(serverOptions(), grpc.Creds(insecure.NewCredentials()))...)
 	pb.RegisterPeerServer(g, srv)
-	m := &mux{lis: lis, tls: creds.TLS, srv: srv, grpc: newChanListener(lis.Addr())}
+	m := &mux{lis: lis, tls: creds.TLS, srv: srv, grpc: newChanListener(lis.Addr()), limit: newConnLimit()}
 	go m.serve()
 	go func() { _ = g.Serve(m.grpc) }()
 	return lis.Addr().String(), func() { lis.Close(); m.grpc.Close(); g.Stop() }, nil

@@ -52,10 +52,11 @@ const (
 // mux routes the peer port's connections: the raw path to the Server,
 // anything else (gRPC's HTTP/2 preface) to the gRPC server's listener.
 type mux struct {
-	lis  net.Listener
-	tls  *tls.Config // nil: plaintext (--peer-insecure)
-	srv  *Server
-	grpc *chanListener
+	lis   net.Listener
+	tls   *tls.Config // nil: plaintext (--peer-insecure)
+	srv   *Server
+	grpc  *chanListener
+	limit *connLimit
 }
 
 func (m *mux) serve() {
@@ -64,7 +65,12 @@ func (m *mux) serve() {
 		if err != nil {
 			return // the listener closed: Listen's stop
 		}
-		go m.route(c)
+		counted, ok := m.limit.admit(c)
+		if !ok { // too many from its host, or in all
+			c.Close()
+			continue
+		}
+		go m.route(counted)
 	}
 }
 
@@ -160,8 +166,7 @@ func (s *Server) serveRaw(c net.Conn) {
 		return
 	}
 	defer release()
-	n := int64(len(manifest) + len(data))
-	_ = c.SetDeadline(time.Now().Add(rawSendMin + time.Duration(n/rawSendRate)*time.Second))
+	_ = c.SetDeadline(time.Now().Add(sendDeadline(uint64(len(manifest) + len(data)))))
 	hdr := &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)), Committed: committed}
 	if writeFrame(c, hdr) != nil {
 		return
@@ -173,8 +178,9 @@ func (s *Server) serveRaw(c net.Conn) {
 }
 
 // serveRawPut takes one replica sent on the raw path into the hot tier,
-// one at a time (as PutReplica), its bytes read straight into the buffer
-// the tier keeps.
+// maxReceives at a time (as PutReplica), its bytes charged to the tier
+// before the first is read and read straight into the buffer the tier
+// keeps, within sendDeadline.
 func (s *Server) serveRawPut(c net.Conn) {
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(handshakeTimeout))
@@ -193,16 +199,27 @@ func (s *Server) serveRawPut(c net.Conn) {
 		answer(err)
 		return
 	}
-	s.receive <- struct{}{}
-	defer func() { <-s.receive }()
-	n := hdr.GetManifestSize() + hdr.GetDataSize()
-	_ = c.SetDeadline(time.Now().Add(rawSendMin + time.Duration(int64(n)/rawSendRate)*time.Second))
+	ctx, cancel := context.WithTimeout(context.Background(), receiveWait)
+	done, err := s.turn(ctx)
+	cancel()
+	if err != nil {
+		_ = c.SetDeadline(time.Now().Add(handshakeTimeout))
+		answer(err)
+		return
+	}
+	defer done()
+	_ = c.SetDeadline(time.Now().Add(sendDeadline(hdr.GetManifestSize() + hdr.GetDataSize())))
+	manifest, err := s.local.ReplicaBuffer(int64(hdr.GetManifestSize()))
+	if err != nil {
+		answer(err)
+		return
+	}
+	defer s.local.ReturnBuffer(manifest)
 	data, err := s.local.ReplicaBuffer(int64(hdr.GetDataSize()))
 	if err != nil {
 		answer(err)
 		return
 	}
-	manifest := make([]byte, hdr.GetManifestSize())
 	for _, b := range [][]byte{manifest, data} {
 		if _, err := io.ReadFull(c, b); err != nil {
 			s.local.ReturnBuffer(data)
