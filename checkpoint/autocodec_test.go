@@ -150,10 +150,14 @@ func TestAutoMeasuresStorage(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The backend's busy time is its sleeps plus the real writes, so the
-	// measurement is under the sleeps' rate, never above; how far under
-	// depends on the machine's load, hence the loose lower bound.
+	// whole stream's rate is under the sleeps' rate; how far under depends
+	// on the machine's load, hence the loose lower bound. The measurement
+	// is an average of samples' rates, the later weighing more, so on a
+	// busy machine (sleeps overslept unevenly) it can pass the whole
+	// stream's rate; what it must never be is the compression's rate,
+	// several times faster than this backend.
 	got, want := w.sel.StorageRate(), float64(*b.bytes)/b.slept.Seconds()
-	if got < want/4 || got > want*1.1 {
+	if got < want/4 || got > want*2 {
 		t.Errorf("measured storage at %.3g B/s, want about %.3g", got, want)
 	}
 }
