@@ -42,6 +42,17 @@ func floats(n int, seed uint64) []byte {
 	return b
 }
 
+// bf16s returns n bf16 values of a trained-weight-like spread: the top
+// halves of floats (the bottom halves, read as bf16, include NaNs).
+func bf16s(n int, seed uint64) []byte {
+	f := floats(n, seed)
+	b := make([]byte, 2*n)
+	for i := range n {
+		copy(b[2*i:], f[4*i+2:4*i+4])
+	}
+	return b
+}
+
 // testAttempt is the attempt the tests' shards are saved by.
 const testAttempt = "run-1"
 
@@ -58,7 +69,7 @@ func testShard(step int64, rank, world int) *Shard {
 	add("step_count", dtype.I64, []int64{3}, make([]byte, 24))
 	add("scalar", dtype.F32, []int64{}, floats(1, 7))
 	add("empty", dtype.F16, []int64{0, 5}, nil)
-	add("layer.0.bias", dtype.BF16, []int64{700}, floats(350, 9))
+	add("layer.0.bias", dtype.BF16, []int64{700}, bf16s(700, 9))
 	l, err := NewLayout(ts)
 	if err != nil {
 		panic(err)

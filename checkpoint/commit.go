@@ -105,6 +105,9 @@ func (s *Store) summarize(ctx context.Context, t Target, names []string) (*Commi
 		rec.Manifests[m.Rank] = ManifestRef{Object: manifestObject(t.Step, t.Attempt, m.Rank), Hash: codec.FormatHash(codec.Hash(data))}
 		rec.Bytes += m.DataSize
 		rec.StoredBytes += m.StoredSize
+		values, tensors := m.NonFinite()
+		rec.NonFinite += values
+		rec.NonFiniteTensors += tensors
 	}
 	return rec, nil
 }

@@ -46,6 +46,12 @@
 //	  "metadata": "<base64 of the trainer's opaque bytes>"
 //	}
 //
+// Version 3 is version 2 whose tensors may carry "nonfinite": how many NaN
+// and infinite values the drain counted in the tensor (each part of a
+// complex value). It is written only when some tensor holds any, so that
+// a manifest of finite tensors stays readable by a ckptd that knows
+// version 2 only.
+//
 // # Commit record (format "ckptd.commit", version 2)
 //
 //	{
@@ -53,7 +59,8 @@
 //	  "job": "llama", "step": 9000, "attempt": "slurm-4242-0", "world_size": 8,
 //	  "bytes": 8589934592, "stored_bytes": 7298765424, "committed_at": "...",
 //	  "manifests": [{"object": "steps/000000009000/slurm-4242-0/rank-00000.manifest.json",
-//	                 "hash": "xxh3:..."}, ...]   // one per rank, in rank order
+//	                 "hash": "xxh3:..."}, ...],  // one per rank, in rank order
+//	  "nonfinite": 6, "nonfinite_tensors": 3     // optional: the manifests' counts summed
 //	}
 //
 // Readers use exactly the manifests it names, and check each one's hash:

@@ -20,11 +20,16 @@ import (
 // Version 2 of both formats carries the attempt (the run of the job) and
 // lives under the attempt's folder; version 1 (no attempt, objects in the
 // step folder) is still read, so stores written before attempts restore.
+// Manifest version 3 adds the tensors' counts of non-finite values; a
+// manifest with none is written as version 2, which older ckptd read.
 const (
 	ManifestFormat  = "ckptd.manifest"
 	ManifestVersion = 2
-	CommitFormat    = "ckptd.commit"
-	CommitVersion   = 2
+	// ManifestVersionNonFinite is the version of a manifest with a
+	// tensor holding NaN or Inf, and the newest this build reads.
+	ManifestVersionNonFinite = 3
+	CommitFormat             = "ckptd.commit"
+	CommitVersion            = 2
 
 	// maxManifestBytes bounds what a reader accepts, so a corrupt or hostile
 	// object cannot make it allocate without limit.
@@ -46,6 +51,9 @@ type Tensor struct {
 	Shape  []int64     `json:"shape"`
 	Offset int64       `json:"offset"`
 	Length int64       `json:"length"`
+	// NonFinite counts the tensor's NaN and infinite values (each part
+	// of a complex value), as the drain found them: manifest version 3.
+	NonFinite int64 `json:"nonfinite,omitempty"`
 }
 
 func (t Tensor) equal(u Tensor) bool {
@@ -80,6 +88,33 @@ type Manifest struct {
 	Metadata   []byte    `json:"metadata"`
 }
 
+// NonFinite returns how many NaN and infinite values the shard's tensors
+// hold, and in how many tensors.
+func (m *Manifest) NonFinite() (values int64, tensors int) {
+	for _, t := range m.Tensors {
+		if t.NonFinite > 0 {
+			values += t.NonFinite
+			tensors++
+		}
+	}
+	return values, tensors
+}
+
+// setNonFinite records counts, by tensor (nil: none), in a copy of the
+// tensor table, making m a version 3 manifest when any is not 0.
+func (m *Manifest) setNonFinite(counts []int64) {
+	if counts == nil {
+		return
+	}
+	m.Tensors = slices.Clone(m.Tensors)
+	for i, n := range counts {
+		m.Tensors[i].NonFinite = n
+	}
+	if values, _ := m.NonFinite(); values > 0 {
+		m.Version = ManifestVersionNonFinite
+	}
+}
+
 // Target returns the shard the manifest describes.
 func (m *Manifest) Target() Target {
 	return Target{Job: m.Job, Step: m.Step, Rank: m.Rank, WorldSize: m.WorldSize, Attempt: m.Attempt}
@@ -109,7 +144,7 @@ func ParseManifest(b []byte) (*Manifest, error) {
 	if err := json.Unmarshal(b, &head); err != nil {
 		return nil, fmt.Errorf("%w: manifest is not valid JSON: %v", ErrCorrupt, err)
 	}
-	if err := checkFormat(head.Format, head.Version, ManifestFormat, 1, ManifestVersion); err != nil {
+	if err := checkFormat(head.Format, head.Version, ManifestFormat, 1, ManifestVersionNonFinite); err != nil {
 		return nil, err
 	}
 	var m Manifest
@@ -157,6 +192,14 @@ func (m *Manifest) validate() error {
 	size, err := validatePacked(m.Tensors)
 	if err != nil {
 		return err
+	}
+	for _, t := range m.Tensors {
+		switch {
+		case t.NonFinite < 0 || t.NonFinite > t.Length:
+			return fmt.Errorf("tensor %q: %d non-finite values in %d bytes", t.Name, t.NonFinite, t.Length)
+		case t.NonFinite > 0 && m.Version < ManifestVersionNonFinite:
+			return fmt.Errorf("tensor %q: non-finite counts in a version %d manifest", t.Name, m.Version)
+		}
 	}
 	if size != m.DataSize {
 		return fmt.Errorf("tensors hold %d bytes but data_size is %d", size, m.DataSize)
@@ -285,6 +328,12 @@ type CommitRecord struct {
 	CommittedAt time.Time `json:"committed_at"`
 	// Manifests[r] is rank r's manifest (version 2).
 	Manifests []ManifestRef `json:"manifests,omitempty"`
+	// NonFinite is how many NaN and infinite values the step's tensors
+	// hold, in NonFiniteTensors tensors, summed over the ranks' manifests:
+	// a step of a run that diverged. Records written before the count
+	// existed have none (and older readers ignore both).
+	NonFinite        int64 `json:"nonfinite,omitempty"`
+	NonFiniteTensors int   `json:"nonfinite_tensors,omitempty"`
 }
 
 // ManifestRef names one rank's manifest in a commit record: its object,
@@ -320,6 +369,9 @@ func (c *CommitRecord) validate() error {
 	t := Target{Job: c.Job, Step: c.Step, WorldSize: c.WorldSize, Attempt: c.Attempt}
 	if err := t.validateStored(); err != nil {
 		return err
+	}
+	if c.NonFinite < 0 || c.NonFiniteTensors < 0 {
+		return fmt.Errorf("%d non-finite values in %d tensors", c.NonFinite, c.NonFiniteTensors)
 	}
 	if c.Version == 1 {
 		return nil

@@ -45,7 +45,7 @@ func TestManifestRejects(t *testing.T) {
 	for _, tc := range []struct {
 		name, old, new, want string
 	}{
-		{"future version", `"version": 2`, `"version": 3`, "version 3 is not supported"},
+		{"future version", `"version": 2`, `"version": 4`, "version 4 is not supported"},
 		{"version 1 with an attempt", `"version": 2`, `"version": 1`, "version 1 has no attempt"},
 		{"no attempt", `"attempt": "run-1",`, ``, "names no attempt"},
 		{"bad attempt", `"attempt": "run-1"`, `"attempt": "../x"`, "attempt"},

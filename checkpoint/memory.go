@@ -39,6 +39,7 @@ func MemoryManifest(t Target, layout *Layout, metadata, data []byte, chunkSize i
 		Tensors: layout.Packed, Metadata: metadata, Chunks: make([]Chunk, len(plan)),
 	}
 	obj := dataObject(t.Step, t.Attempt, t.Rank)
+	counts := make([][]tensorCount, len(plan))
 	var g errgroup.Group
 	g.SetLimit(runtime.GOMAXPROCS(0))
 	for i, p := range plan {
@@ -46,10 +47,21 @@ func MemoryManifest(t Target, layout *Layout, metadata, data []byte, chunkSize i
 			raw := data[p.rawOffset : p.rawOffset+p.raw]
 			m.Chunks[i] = Chunk{Object: obj, Offset: p.rawOffset, Stored: p.raw, RawOffset: p.rawOffset, Raw: p.raw,
 				Codec: codec.None, Hash: codec.FormatHash(codec.Hash(raw))}
+			counts[i] = countChunk(p, raw, layout.Packed)
 			return nil
 		})
 	}
 	_ = g.Wait()
+	var nonFinite []int64
+	for _, cs := range counts {
+		for _, tc := range cs {
+			if nonFinite == nil {
+				nonFinite = make([]int64, len(layout.Packed))
+			}
+			nonFinite[tc.tensor] += tc.n
+		}
+	}
+	m.setNonFinite(nonFinite)
 	return m
 }
 

@@ -148,7 +148,7 @@ func (s *Store) latestWhere(ctx context.Context, check func(*CommitRecord) error
 		switch {
 		case err == nil:
 			return rec, nil
-		case errors.Is(err, storage.ErrNotFound), s.skipDamaged(step, err):
+		case errors.Is(err, storage.ErrNotFound), errors.Is(err, errPassOver), s.skipDamaged(step, err):
 		default:
 			return nil, fmt.Errorf("latest step of job %q in %s: %w", s.job, s.backend.Location(), err)
 		}
@@ -183,7 +183,13 @@ func (s *Store) ResolveWhole(ctx context.Context, step int64, latest bool) (*Com
 	if !latest {
 		return s.Resolve(ctx, step, false)
 	}
-	return s.latestWhere(ctx, func(rec *CommitRecord) error {
+	return s.latestWhere(ctx, s.wholeCheck(ctx))
+}
+
+// wholeCheck reads every rank's manifest of a step (metaConcurrency at a
+// time): an error says one is missing or damaged.
+func (s *Store) wholeCheck(ctx context.Context) func(*CommitRecord) error {
+	return func(rec *CommitRecord) error {
 		g, gctx := errgroup.WithContext(ctx)
 		g.SetLimit(metaConcurrency)
 		for rank := range rec.WorldSize {
@@ -193,7 +199,31 @@ func (s *Store) ResolveWhole(ctx context.Context, step int64, latest bool) (*Com
 			})
 		}
 		return g.Wait()
+	}
+}
+
+// errPassOver, from a latestWhere check, passes over a step that is fine
+// but not wanted.
+var errPassOver = errors.New("passed over")
+
+// LatestWholeFinite is ResolveWhole's latest for a run that may have
+// diverged: the newest committed step whose every rank reads and whose
+// tensors hold no NaN or infinite value, as its commit record counts them
+// (a record written before the count existed counts none). It also
+// returns the newer committed steps it passed over for holding some.
+func (s *Store) LatestWholeFinite(ctx context.Context) (*CommitRecord, []int64, error) {
+	var skipped []int64
+	rec, err := s.latestWhere(ctx, func(rec *CommitRecord) error {
+		if rec.NonFinite > 0 {
+			skipped = append(skipped, rec.Step)
+			return errPassOver
+		}
+		return s.wholeCheck(ctx)(rec)
 	})
+	if err != nil && len(skipped) > 0 {
+		err = fmt.Errorf("%w (steps %v hold NaN or Inf)", err, skipped)
+	}
+	return rec, skipped, err
 }
 
 func (s *Store) notFound(ctx context.Context, step int64) error {

@@ -121,7 +121,7 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (*Manifest, error) {
 	}
 	if plan := planChunks(sh.Layout, w.opts.ChunkSize); len(plan) > 0 {
 		obj := dataObject(t.Step, t.Attempt, t.Rank)
-		chunks, err := w.writeData(ctx, t.Job, obj, sh.Data, plan)
+		chunks, nonFinite, err := w.writeData(ctx, t.Job, obj, sh.Data, plan, sh.Layout.Packed)
 		if err != nil {
 			return nil, fmt.Errorf("write %s data: %w", t, err)
 		}
@@ -129,6 +129,7 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (*Manifest, error) {
 		for _, c := range chunks {
 			m.StoredSize += c.Stored
 		}
+		m.setNonFinite(nonFinite)
 	}
 	b, err := m.Encode()
 	if err != nil {
@@ -143,11 +144,19 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (*Manifest, error) {
 
 // pending is a chunk being compressed; done receives once it is ready.
 type pending struct {
-	plan  chunkPlan
-	buf   *chunkBuf
-	chunk Chunk
-	out   []byte // stored bytes: a slice of data or of buf
-	done  chan struct{}
+	plan      chunkPlan
+	buf       *chunkBuf
+	chunk     Chunk
+	out       []byte        // stored bytes: a slice of data or of buf
+	nonFinite []tensorCount // of the tensors the chunk holds, where not 0
+	done      chan struct{}
+}
+
+// tensorCount is how many non-finite values a chunk holds of one tensor
+// (its index in the packed table).
+type tensorCount struct {
+	tensor int
+	n      int64
 }
 
 // writeData compresses chunks in parallel and streams them, in order, into
@@ -156,12 +165,16 @@ type pending struct {
 // The backend's Put pulls finished chunks itself (chunkReader): no pipe and
 // no extra goroutine between compression and the write, which matters when
 // every core is busy compressing and each hand-off waits for a free one.
-func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, plan []chunkPlan) ([]Chunk, error) {
+//
+// It also counts each tensor's non-finite values (NaN, ±Inf) on the way,
+// while the chunk's bytes are in cache for the hash: nonFinite, by
+// tensor, is nil when there are none.
+func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, plan []chunkPlan, tensors []Tensor) ([]Chunk, []int64, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	r := &chunkReader{w: w, obj: obj, want: len(plan), queue: make(chan *pending, cap(w.bufs))}
+	r := &chunkReader{w: w, obj: obj, want: len(plan), queue: make(chan *pending, cap(w.bufs)), tensors: len(tensors)}
 	go func() {
-		r.err = w.produce(ctx, data, plan, r.queue)
+		r.err = w.produce(ctx, data, plan, tensors, r.queue)
 		close(r.queue) // publishes r.err to the reader
 	}()
 	err := w.b.Put(ctx, inJob(job, obj), r, -1)
@@ -169,14 +182,14 @@ func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, pl
 	cancel()        // stop the producer if Put gave up early
 	r.drain()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return r.chunks, nil
+	return r.chunks, r.nonFinite, nil
 }
 
 // produce starts one compression per chunk, in order, as buffers and CPU
 // slots allow, and queues them for the reader.
-func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, queue chan<- *pending) error {
+func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, tensors []Tensor, queue chan<- *pending) error {
 	for _, cp := range plan {
 		var buf *chunkBuf
 		select {
@@ -189,7 +202,7 @@ func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, que
 		w.cpu <- struct{}{}
 		go func() {
 			defer func() { <-w.cpu; close(p.done) }()
-			w.encode(data, p)
+			w.encode(data, p, tensors)
 		}()
 	}
 	return nil
@@ -211,6 +224,10 @@ type chunkReader struct {
 	chunks  []Chunk
 	offset  int64
 	writing bool // the backend holds data from the last Read
+	// nonFinite sums the chunks' counts by tensor (of tensors in all);
+	// nil while every count is 0.
+	nonFinite []int64
+	tensors   int
 }
 
 func (r *chunkReader) Read(p []byte) (int, error) {
@@ -243,6 +260,12 @@ func (r *chunkReader) read(p []byte) (int, error) {
 		c.Object, c.Offset = r.obj, r.offset
 		r.offset += c.Stored
 		r.chunks = append(r.chunks, c)
+		for _, tc := range next.nonFinite {
+			if r.nonFinite == nil {
+				r.nonFinite = make([]int64, r.tensors)
+			}
+			r.nonFinite[tc.tensor] += tc.n
+		}
 		r.cur, r.rest = next, next.out
 	}
 	n := copy(p, r.rest)
@@ -281,10 +304,11 @@ func (r *chunkReader) drain() {
 // encode hashes and compresses one chunk into p.out; a chunk that does not
 // shrink is stored raw. With codec.Auto the Selector picks the codec and
 // learns from how long this took and how well it shrank.
-func (w *Writer) encode(data []byte, p *pending) {
+func (w *Writer) encode(data []byte, p *pending, tensors []Tensor) {
 	start := time.Now()
 	raw := gather(data, p.plan, &p.buf.gather)
 	c := Chunk{RawOffset: p.plan.rawOffset, Raw: p.plan.raw, Hash: codec.FormatHash(codec.Hash(raw))}
+	p.nonFinite = countChunk(p.plan, raw, tensors)
 	hashed := time.Now()
 	p.out, c.Codec = raw, codec.None
 	use := w.opts.Codec

@@ -217,7 +217,7 @@ func TestRestoreAndList(t *testing.T) {
 		t.Fatalf("list --json: %s %v", out.String(), err)
 	}
 	dir := filepath.Join(t.TempDir(), "out")
-	if err := runRestore(context.Background(), &restoreOptions{storageOptions: so, Latest: true, Out: dir, Rank: -1}, &out); err != nil {
+	if err := runRestore(context.Background(), &restoreOptions{storageOptions: so, stepChoice: stepChoice{Latest: true}, Out: dir, Rank: -1}, &out); err != nil {
 		t.Fatal(err)
 	}
 	for _, name := range []string{"rank-00000.safetensors", "metadata.json"} {
@@ -225,11 +225,11 @@ func TestRestoreAndList(t *testing.T) {
 			t.Error(err)
 		}
 	}
-	err := runRestore(context.Background(), &restoreOptions{storageOptions: so, Step: 2, Out: dir, Rank: -1}, &out)
+	err := runRestore(context.Background(), &restoreOptions{storageOptions: so, stepChoice: stepChoice{Step: 2}, Out: dir, Rank: -1}, &out)
 	if !errors.Is(err, checkpoint.ErrStepNotFound) || !strings.Contains(err.Error(), "latest committed step: 1") {
 		t.Fatalf("unknown step: %v", err)
 	}
-	err = runRestore(context.Background(), &restoreOptions{storageOptions: so, Step: 1, Out: dir, Rank: 3}, &out)
+	err = runRestore(context.Background(), &restoreOptions{storageOptions: so, stepChoice: stepChoice{Step: 1}, Out: dir, Rank: 3}, &out)
 	if !strings.Contains(fmtErr(err), "--rank 3 out of range") || exitCode(err) != 2 {
 		t.Fatalf("bad rank: %v", err)
 	}
@@ -259,7 +259,7 @@ func TestRestoreCorrupt(t *testing.T) {
 	f.Close()
 	dir := t.TempDir()
 	so := storageOptions{URL: root, Job: "j"}
-	err = runRestore(context.Background(), &restoreOptions{storageOptions: so, Step: 1, Out: dir, Rank: -1}, &bytes.Buffer{})
+	err = runRestore(context.Background(), &restoreOptions{storageOptions: so, stepChoice: stepChoice{Step: 1}, Out: dir, Rank: -1}, &bytes.Buffer{})
 	if !errors.Is(err, checkpoint.ErrCorrupt) || !strings.Contains(err.Error(), "step 1 rank 0 chunk ") {
 		t.Fatalf("corrupt restore: %v", err)
 	}

@@ -19,8 +19,7 @@ import (
 
 type exportOptions struct {
 	storageOptions
-	Step          int64
-	Latest        bool
+	stepChoice
 	Out           string
 	Format        string
 	MaxShardSize  byteSize
@@ -61,8 +60,8 @@ state dict's keys, with no "model:" group: --plain exports those.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			switch {
-			case cmd.Flags().Changed("step") == o.Latest:
-				return usageError{errors.New("give exactly one of --step N and --latest")}
+			case o.stepChoice.check(cmd.Flags()) != nil:
+				return o.stepChoice.check(cmd.Flags())
 			case o.Out == "":
 				return usageError{errors.New("--out DIR is required")}
 			case o.Format != "safetensors":
@@ -75,8 +74,7 @@ state dict's keys, with no "model:" group: --plain exports those.`,
 	}
 	fs := cmd.Flags()
 	o.storageOptions.registerInteractive(fs)
-	fs.Int64Var(&o.Step, "step", 0, "step to export")
-	fs.BoolVar(&o.Latest, "latest", false, "export the newest committed step")
+	o.stepChoice.register(fs, "export")
 	fs.StringVar(&o.Out, "out", "", "folder to write into (created if missing)")
 	fs.StringVar(&o.Format, "format", "safetensors", "output format (safetensors)")
 	fs.Var(&o.MaxShardSize, "max-shard-size", "largest file to write; a larger tensor gets a file of its own")
@@ -92,7 +90,7 @@ func runExport(ctx context.Context, o *exportOptions, stdout, stderr io.Writer) 
 	if err != nil {
 		return err
 	}
-	store, rec, closeStore, err := o.openStep(ctx, o.Step, o.Latest)
+	store, rec, closeStore, err := o.openStep(ctx, o.stepChoice, stderr)
 	if err != nil {
 		return err
 	}

@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -95,15 +97,52 @@ func (o *storageOptions) open(ctx context.Context, create bool) (storage.Backend
 	return openStorage(ctx, o.URL, o, create)
 }
 
-// openStep opens the job's Store and resolves a committed step (the
-// newest whose every rank reads, when latest) in it; close closes the
+// stepChoice is the step a command reads: Step, or with Latest the
+// newest whose every rank reads, and with Finite too the newest of those
+// whose tensors hold no NaN or Inf.
+type stepChoice struct {
+	Step           int64
+	Latest, Finite bool
+}
+
+// registerStep adds --step, --latest and --finite for a command that
+// does verb to a step.
+func (c *stepChoice) register(fs *pflag.FlagSet, verb string) {
+	fs.Int64Var(&c.Step, "step", 0, "step to "+verb)
+	fs.BoolVar(&c.Latest, "latest", false, verb+" the newest committed step")
+	fs.BoolVar(&c.Finite, "finite", false, "with --latest: the newest committed step whose tensors hold no NaN or Inf (a run that diverged), naming the newer steps passed over")
+}
+
+// check refuses anything but exactly one of --step and --latest, and
+// --finite without --latest.
+func (c *stepChoice) check(fs *pflag.FlagSet) error {
+	switch {
+	case fs.Changed("step") == c.Latest:
+		return usageError{errors.New("give exactly one of --step N and --latest")}
+	case c.Finite && !c.Latest:
+		return usageError{errors.New("--finite picks among steps for --latest: give --latest, not --step")}
+	}
+	return nil
+}
+
+// openStep opens the job's Store and resolves the chosen committed step in
+// it, saying on warn which steps --finite passed over; close closes the
 // store.
-func (o *storageOptions) openStep(ctx context.Context, step int64, latest bool) (*checkpoint.Store, *checkpoint.CommitRecord, func(), error) {
+func (o *storageOptions) openStep(ctx context.Context, c stepChoice, warn io.Writer) (*checkpoint.Store, *checkpoint.CommitRecord, func(), error) {
 	store, closeStore, err := o.openStore(ctx)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	rec, err := store.ResolveWhole(ctx, step, latest)
+	var rec *checkpoint.CommitRecord
+	if c.Finite {
+		var skipped []int64
+		rec, skipped, err = store.LatestWholeFinite(ctx)
+		if err == nil && len(skipped) > 0 {
+			fmt.Fprintf(warn, "ckptd: passed over steps %v, whose tensors hold NaN or Inf; using step %d\n", skipped, rec.Step)
+		}
+	} else {
+		rec, err = store.ResolveWhole(ctx, c.Step, c.Latest)
+	}
 	if err != nil {
 		closeStore()
 		return nil, nil, nil, err

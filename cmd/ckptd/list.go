@@ -53,6 +53,10 @@ type stepJSON struct {
 	StoredBytes int64     `json:"stored_bytes"`
 	CommittedAt time.Time `json:"committed_at"`
 	Attempt     string    `json:"attempt,omitempty"`
+	// NonFinite counts the step's NaN and infinite values, in
+	// NonFiniteTensors tensors: a run that diverged.
+	NonFinite        int64 `json:"nonfinite,omitempty"`
+	NonFiniteTensors int   `json:"nonfinite_tensors,omitempty"`
 }
 
 func runList(ctx context.Context, o *listOptions, out io.Writer) error {
@@ -76,20 +80,24 @@ func runList(ctx context.Context, o *listOptions, out io.Writer) error {
 	}
 	steps := make([]stepJSON, len(recs))
 	for i, r := range recs {
-		steps[i] = stepJSON{r.Step, r.WorldSize, r.Bytes, r.StoredBytes, r.CommittedAt, r.Attempt}
+		steps[i] = stepJSON{r.Step, r.WorldSize, r.Bytes, r.StoredBytes, r.CommittedAt, r.Attempt, r.NonFinite, r.NonFiniteTensors}
 	}
 	if o.JSON {
 		return writeJSON(out, steps)
 	}
 	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "STEP\tRANKS\tBYTES\tSTORED\tRATIO\tCOMMITTED\tATTEMPT")
+	fmt.Fprintln(tw, "STEP\tRANKS\tBYTES\tSTORED\tRATIO\tCOMMITTED\tATTEMPT\tNAN/INF")
 	for _, s := range steps {
 		ratio := 0.0
 		if s.StoredBytes > 0 {
 			ratio = float64(s.Bytes) / float64(s.StoredBytes)
 		}
-		fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%.2f\t%s\t%s\n", s.Step, s.WorldSize, human(s.Bytes), human(s.StoredBytes),
-			ratio, s.CommittedAt.Local().Format(time.DateTime), attemptLabel(s.Attempt))
+		health := "none"
+		if s.NonFinite > 0 {
+			health = fmt.Sprintf("%d in %d tensors", s.NonFinite, s.NonFiniteTensors)
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%s\t%s\t%.2f\t%s\t%s\t%s\n", s.Step, s.WorldSize, human(s.Bytes), human(s.StoredBytes),
+			ratio, s.CommittedAt.Local().Format(time.DateTime), attemptLabel(s.Attempt), health)
 	}
 	return tw.Flush()
 }

@@ -21,8 +21,7 @@ import (
 
 type restoreOptions struct {
 	storageOptions
-	Step        int64
-	Latest      bool
+	stepChoice
 	Out         string
 	Rank        int
 	Concurrency int
@@ -32,7 +31,7 @@ type restoreOptions struct {
 func newRestoreCmd() *cobra.Command {
 	o := &restoreOptions{}
 	cmd := &cobra.Command{
-		Use:   "restore (--step N | --latest) --out DIR [--rank R]",
+		Use:   "restore (--step N | --latest [--finite]) --out DIR [--rank R]",
 		Short: "Write a committed step as rank-<rank>.safetensors files plus metadata.json",
 		Long: `Restore reads a committed step straight from storage (no daemon needed),
 verifies every chunk against its hash, and writes one rank-NNNNN.safetensors
@@ -42,8 +41,8 @@ in --out that looks valid.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			o.Progress = term.IsTerminal(int(os.Stderr.Fd()))
-			if cmd.Flags().Changed("step") == o.Latest {
-				return usageError{errors.New("give exactly one of --step N and --latest")}
+			if err := o.stepChoice.check(cmd.Flags()); err != nil {
+				return err
 			}
 			if o.Out == "" {
 				return usageError{errors.New("--out DIR is required")}
@@ -53,8 +52,7 @@ in --out that looks valid.`,
 	}
 	fs := cmd.Flags()
 	o.storageOptions.registerInteractive(fs)
-	fs.Int64Var(&o.Step, "step", 0, "step to restore")
-	fs.BoolVar(&o.Latest, "latest", false, "restore the newest committed step")
+	o.stepChoice.register(fs, "restore")
 	fs.StringVar(&o.Out, "out", "", "folder to write into (created if missing)")
 	fs.IntVar(&o.Rank, "rank", -1, "restore only this rank")
 	fs.IntVar(&o.Concurrency, "concurrency", 8, "chunks fetched at once")
@@ -80,7 +78,7 @@ type stepMeta struct {
 }
 
 func runRestore(ctx context.Context, o *restoreOptions, stdout io.Writer) error {
-	store, rec, closeStore, err := o.openStep(ctx, o.Step, o.Latest)
+	store, rec, closeStore, err := o.openStep(ctx, o.stepChoice, os.Stderr)
 	if err != nil {
 		return err
 	}

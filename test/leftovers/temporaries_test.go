@@ -118,6 +118,7 @@ func TestKilledWriteThenPrune(t *testing.T) {
 	}
 	daemontest.CheckShard(t, got, req)
 }
+
 // A daemon that replays a journaled save whose write a kill -9 cut
 // removes what that write left at once: only that save writes there.
 func TestReplayRemovesItsTemporaries(t *testing.T) {
