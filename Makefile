@@ -5,7 +5,7 @@ FUZZTIME ?= 50000x
 # What `ckptd --version` says: the commit, or the tag on it.
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
-.PHONY: all build run test test-busy lint test-go test-python test-deploy fuzz bench bench-python bench-codec proto docs tools clean
+.PHONY: all build run test test-busy lint test-go test-python test-deploy fuzz bench bench-python bench-codec bench-scale proto docs tools clean
 
 all: build
 
@@ -101,6 +101,14 @@ bench-python:
 bench-codec:
 	scripts/tools.sh
 	.venv/bin/python test/bench/floatcodec/bench.py $(CODECBENCHFLAGS)
+
+# How the requests and times of a step, its commit and the commands on it
+# grow with the ranks: 16 to 1,024 ranks over 8 ckptd serve processes, on
+# MinIO and on a POSIX folder (several minutes; not part of make test). The
+# table and what it means: docs/scale.md.
+bench-scale:
+	scripts/minio.sh >/dev/null
+	$(GO) run ./test/bench/scale $(SCALEFLAGS)
 
 proto:
 	scripts/gen-proto.sh
