@@ -5,7 +5,7 @@ FUZZTIME ?= 50000x
 # What `ckptd --version` says: the commit, or the tag on it.
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
-.PHONY: all build run test test-busy lint test-go test-python test-deploy fuzz bench bench-python bench-codec bench-scale proto docs tools clean
+.PHONY: all build run test test-busy lint test-go test-python test-deploy fuzz chaos bench bench-python bench-codec bench-scale proto docs tools clean
 
 all: build
 
@@ -78,6 +78,13 @@ test-deploy:
 
 fuzz:
 	FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
+
+# The memory tiers' chaos test (test/tiers TestChaos) for 10 minutes: ranks
+# drifting apart, nodes lost. `make test` runs it until 3 nodes are lost.
+chaos: build
+	$(GO) build -race -o bin/ckptd-race ./cmd/ckptd
+	CKPTD_CHAOS_DURATION=10m CKPTD_TEST_RACE_BIN=$(CURDIR)/bin/ckptd-race CKPTD_TEST_BIN=$(CURDIR)/bin/ckptd \
+	  $(GO) test -count=1 -timeout 30m -run '^TestChaos$$' -v ./test/tiers
 
 bench:
 	$(GO) run ./test/bench $(BENCHFLAGS)
