@@ -29,7 +29,9 @@ from common import read_losses, wait_paused  # noqa: E402
 
 WORKER = Path(__file__).with_name("frameworks") / "lightning_worker.py"
 EPOCHS = 6
-STEPS_PER_EPOCH = 8  # 64 samples, batches of 4, over 2 ranks
+# 64 samples in batches of 4: DDP deals them to the 2 ranks; Lightning's
+# ModelParallelStrategy gives every rank all of them.
+STEPS_PER_EPOCH = {"ddp": 8, "mp": 16}
 
 
 def worker(socket: str, out: Path, tag: str, *args: str) -> subprocess.Popen[str]:
@@ -51,13 +53,16 @@ def finish(p: subprocess.Popen[str]) -> str:
     return text
 
 
-def test_ddp_killed_mid_save_resumes_bit_for_bit(daemon, job, tmp_path):
-    common = ["--epochs", str(EPOCHS), "--devices", "2"]
+@pytest.mark.parametrize("strategy", ["ddp", "mp"])
+def test_killed_mid_save_resumes_bit_for_bit(daemon, job, tmp_path, strategy):
+    """DDP with CheckpointIO, and ModelParallelStrategy (FSDP2, every rank saves its pieces)."""
+    per_epoch = STEPS_PER_EPOCH[strategy]
+    common = ["--epochs", str(EPOCHS), "--devices", "2", "--strategy", strategy]
     whole = worker(daemon.socket, tmp_path / "whole", "whole", "--job", f"{job}-w", *common)
     finish(whole)
 
     out = tmp_path / "killed"
-    pause = 3 * STEPS_PER_EPOCH  # the end of epoch 3: last.ckpt still names epoch 2
+    pause = 3 * per_epoch  # the end of epoch 3: last.ckpt still names epoch 2
     killed = worker(daemon.socket, out, "killed", "--job", job, *common, "--pause-at", str(pause))
     try:
         wait_paused(killed, out / "paused")
@@ -69,7 +74,7 @@ def test_ddp_killed_mid_save_resumes_bit_for_bit(daemon, job, tmp_path):
     assert killed.returncode == -signal.SIGKILL
     last = cl.read_pointer(out / "ckpts" / "last.ckpt")
     assert last is not None
-    assert last["step"] == 2 * STEPS_PER_EPOCH  # the interrupted save left no pointer
+    assert last["step"] == 2 * per_epoch  # the interrupted save left no pointer
 
     resumed = worker(daemon.socket, out, "resumed", "--job", job, *common, "--resume")
     text = finish(resumed)
@@ -80,16 +85,18 @@ def test_ddp_killed_mid_save_resumes_bit_for_bit(daemon, job, tmp_path):
     assert got == want  # weights, optimizer state, LR and the step
     for rank in (0, 1):
         after = read_losses(out / f"losses-resumed-rank{rank}.txt")
-        assert min(after) == 2 * STEPS_PER_EPOCH  # it went on from last.ckpt's step
+        assert min(after) == 2 * per_epoch  # it went on from last.ckpt's step
         reference = read_losses(tmp_path / "whole" / f"losses-whole-rank{rank}.txt")
         assert after == {s: reference[s] for s in after}
-    # The interrupted run's staged step committed without its trainer; the
-    # resumed run saved that step again, found it equal, and pointed at it.
+    # The interrupted run's staged step committed without its trainer (under
+    # mp: if rank 1 had staged its pieces too); the resumed run saved that
+    # step again, found it equal, and pointed at it.
     with daemon.client() as c:
-        steps = [s.step for s in c.steps(job)]
-    assert steps == [STEPS_PER_EPOCH * e for e in range(1, EPOCHS + 1)]
+        steps = c.steps(job)
+    assert [s.step for s in steps] == [per_epoch * e for e in range(1, EPOCHS + 1)]
+    assert {s.world_size for s in steps} == {2 if strategy == "mp" else 1}
     for e in range(EPOCHS):
-        step = STEPS_PER_EPOCH * (e + 1)
+        step = per_epoch * (e + 1)
         p = cl.read_pointer(out / "ckpts" / f"epoch={e}-step={step}.ckpt")
         assert p is not None and p["step"] == step and p["job"] == job
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from . import _tensors
+from . import _names, _sharding, _tensors
 from . import torch as ct
 from ._client import Client
 from ._errors import AlreadyExistsError, CkptdError, NotFoundError
@@ -139,7 +139,11 @@ def identity(obj: Any) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for path, t in tensors(obj):
-        if t.numel() * t.element_size() <= _SMALL:
+        if ct._is_dtensor(t):  # its piece on this rank (comparing DTensors is a collective)
+            d: Any = t
+            local = d.to_local()
+            out[path] = (local.data_ptr(), local._version, tuple(local.shape), repr(d.placements))
+        elif t.numel() * t.element_size() <= _SMALL:
             out[path] = t.detach().to("cpu", copy=True)
         else:
             out[path] = (t.data_ptr(), t._version, t.dtype, tuple(t.shape), t.stride(), t.device)
@@ -186,6 +190,44 @@ class Loaded:
     optimizer: Any
     extra: Any
     step: int
+
+
+_RESERVED = (ct.SKELETON, ct.HF_CONFIG, _sharding.TENSOR)
+
+
+def same_shard(
+    client: Client,
+    step: int,
+    *,
+    rank: int,
+    job: str | None,
+    model: Mapping[str, Any],
+    optimizer: Mapping[str, Any] | None,
+    extra: Any,
+) -> str | None:
+    """None when rank's stored shard of step holds these tensors, bit for bit.
+
+    Else the name of the first that differs. What is compared is what
+    ckptd.torch.save_state_dict would store for them -- a DTensor's local
+    piece on this rank -- so no collective is needed.
+    """
+    packer = ct._Packer()
+    packer.encode(model, ("model",))
+    if optimizer is not None:
+        packer.encode(optimizer, ("optimizer",))
+    packer.encode(extra, ("extra",))
+    now = {n: v for n, v in _names.flatten(packer.tree) if n not in _RESERVED}
+    loaded = client.load(step, rank=rank, job=job, as_torch=True, nested=False)
+    stored = {n: v for n, v in loaded.items() if n not in _RESERVED}
+    if now.keys() != stored.keys():
+        return next(iter(sorted(now.keys() ^ stored.keys())))
+    for name, value in now.items():
+        x, y = torch.as_tensor(value).detach().cpu(), stored[name]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return name
+        if not torch.equal(_tensors.bits(torch, x), _tensors.bits(torch, y)):
+            return name
+    return None
 
 
 def load(
@@ -298,13 +340,19 @@ def extra_skeleton(extra: Any) -> Any:
 
 
 def wait_committed(
-    client: Client, step: int, *, job: str | None, attempt: str, timeout: float | None
+    client: Client,
+    step: int,
+    *,
+    job: str | None,
+    attempt: str,
+    timeout: float | None,
+    rank: int = 0,
 ) -> None:
-    """Return once step is committed; a save of it still draining is waited for."""
+    """Return once step is committed; a save of it (rank's) still draining is waited for."""
     if any(s.step == step for s in client.steps(job)):
         return
     try:
-        client.handle(step, rank=0, job=job, attempt=attempt).wait(timeout)
+        client.handle(step, rank=rank, job=job, attempt=attempt).wait(timeout)
     except NotFoundError:
         if not any(s.step == step for s in client.steps(job)):
             raise

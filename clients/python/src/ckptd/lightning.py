@@ -26,12 +26,19 @@ from typing import Any, TypeVar
 try:
     import lightning.fabric.plugins as _fabric_plugins
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO as _TorchCheckpointIO
+    from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallelStrategy
 except ImportError as _err:  # pragma: no cover - depends on the environment
     from ._frameworks import missing
 
     raise missing("lightning", "lightning", _err) from None
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from . import _frameworks as fw
 from . import torch as ct
@@ -39,7 +46,7 @@ from ._client import Client
 from ._errors import AlreadyExistsError, CkptdError
 from ._handle import SaveHandle
 
-__all__ = ["CheckpointIO", "load_from_checkpoint", "read_pointer"]
+__all__ = ["CheckpointIO", "ModelParallelStrategy", "load_from_checkpoint", "read_pointer"]
 
 _T = TypeVar("_T")
 
@@ -117,61 +124,85 @@ class CheckpointIO(_fabric_plugins.CheckpointIO):
                 "ckptd.lightning.CheckpointIO takes no storage_options "
                 f"(got {storage_options!r}); configure the daemon instead"
             )
+        self._save(checkpoint, path, rank=0, world_size=1)
+
+    def _save(
+        self,
+        checkpoint: dict[str, Any],
+        path: Any,
+        *,
+        rank: int,
+        world_size: int,
+        optimizer: dict[str, Any] | None = None,
+    ) -> None:
+        """Stage rank's shard of checkpoint (rank 0 writes the pointer); see save_checkpoint.
+
+        optimizer: an optimizer state to store as ckptd.torch's optimizer
+        group (its DTensors laid out again on load) instead of in extra.
+        """
         self._raise_failed()
         step = checkpoint.get("global_step")
         if not isinstance(step, int) or step < 0:
             raise ValueError(
                 f"a checkpoint to save through ckptd needs a global_step (got {step!r}): "
-                "ckptd.lightning.CheckpointIO is for the Trainer's checkpoints"
+                "ckptd.lightning is for the Trainer's checkpoints"
             )
         target = _local(path)
         model_sd = checkpoint.get("state_dict", {})
         extra = fw.portable({k: v for k, v in checkpoint.items() if k != "state_dict"})
         attempt = self.client.attempt
-        ident = fw.identity(checkpoint)
+        ident = fw.identity({"checkpoint": checkpoint, "optimizer": optimizer})
         if not fw.same_identity(self._saved.get(step), ident):
             try:
                 if step in self._saved:
                     raise AlreadyExistsError(f"step {step} was saved by this run already")
                 if self._resumed:
                     fw.settle_earlier_run(
-                        self.client, step, rank=0, job=self.job, timeout=self.wait_timeout
+                        self.client, step, rank=rank, job=self.job, timeout=self.wait_timeout
                     )
                 h = ct.save_state_dict(
-                    self.client, step, model_sd, extra=extra, rank=0, world_size=1, job=self.job
-                )
+                    self.client, step, model_sd, optimizer=optimizer, extra=extra, rank=rank,
+                    world_size=world_size, job=self.job,
+                )  # fmt: skip
             except AlreadyExistsError as exists:
-                attempt = self._same_as_stored(step, checkpoint, path, exists)
+                attempt = self._same_as_stored(step, rank, model_sd, optimizer, extra, path, exists)
             else:
                 with self._lock:
                     self._pending.append(h)
             self._saved[step] = ident
-        fw.write_json(
-            target,
-            {
-                POINTER: POINTER_FORMAT,
-                "job": self.job,
-                "step": step,
-                "attempt": attempt,
-                "extra": fw.extra_skeleton(extra),
-            },
-        )
+        if rank == 0:
+            fw.write_json(
+                target,
+                {
+                    POINTER: POINTER_FORMAT,
+                    "job": self.job,
+                    "step": step,
+                    "attempt": attempt,
+                    "extra": fw.extra_skeleton(extra),
+                },
+            )
 
     def _same_as_stored(
-        self, step: int, checkpoint: dict[str, Any], path: Any, exists: AlreadyExistsError
+        self,
+        step: int,
+        rank: int,
+        model_sd: Any,
+        optimizer: Any,
+        extra: Any,
+        path: Any,
+        exists: AlreadyExistsError,
     ) -> str:
-        """The attempt that stored step, once its tensors are checkpoint's, bit for bit."""
+        """The attempt that stored step, once rank's tensors are these, bit for bit."""
         attempt = str(exists.metadata.get("attempt", "")) if exists.metadata else ""
         if not attempt and step in self._saved:
             attempt = self.client.attempt
         fw.wait_committed(
-            self.client, step, job=self.job, attempt=attempt, timeout=self.wait_timeout
+            self.client, step, job=self.job, attempt=attempt, timeout=self.wait_timeout, rank=rank
         )
-        loaded = fw.load(self.client, step, job=self.job)
-        now = fw.portable({k: v for k, v in checkpoint.items() if k != "state_dict"})
-        stored = {"state_dict": loaded.model, "extra": loaded.extra["tensors"]}
-        now = {"state_dict": checkpoint.get("state_dict", {}), "extra": now["tensors"]}
-        differs = fw.same_tensors(stored, now)
+        differs = fw.same_shard(
+            self.client, step, rank=rank, job=self.job, model=model_sd, optimizer=optimizer,
+            extra=extra,
+        )  # fmt: skip
         if differs is not None:
             raise CkptdError(
                 f"{path}: a checkpoint at global step {step}, whose tensor {differs} differs "
@@ -240,6 +271,120 @@ class CheckpointIO(_fabric_plugins.CheckpointIO):
             self._pending = [h for h in self._pending if not h.done()]
         for h in done:
             h.result()
+
+
+class ModelParallelStrategy(_ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (FSDP2, tensor parallel) saving through ckptd.
+
+    ``Trainer(strategy=ckptd.lightning.ModelParallelStrategy(job=...))``.
+    With ``save_distributed_checkpoint=True`` (Lightning's default) the
+    strategy saves sharded state through DCP into a folder, bypassing any
+    CheckpointIO; this one stages every rank's pieces of the model and
+    optimizer (DTensors, ckptd.torch's format) as its shard of the ckptd
+    step at the global step, with no planning collective, and leaves
+    CheckpointIO's pointer where Lightning expects the checkpoint. Loading
+    lays the pieces out as the model is sharded now (another world size or
+    mesh too). With ``save_distributed_checkpoint=False`` the full state
+    goes through the Trainer's CheckpointIO (pass ckptd.lightning's as a
+    plugin). One optimizer only.
+
+    Args:
+        *args: ModelParallelStrategy's.
+        client: as CheckpointIO.
+        socket: as CheckpointIO.
+        job: as CheckpointIO.
+        wait_timeout: as CheckpointIO.
+        **kwargs: ModelParallelStrategy's.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        client: Client | None = None,
+        socket: str | None = None,
+        job: str | None = None,
+        wait_timeout: float | None = 600.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.ckptd_io = CheckpointIO(client, socket=socket, job=job, wait_timeout=wait_timeout)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state: its DTensors themselves, with no copy to the CPU first."""
+        if not self._save_distributed_checkpoint:
+            return super().lightning_module_state_dict()
+        assert self.model is not None
+        return get_model_state_dict(self.model)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name, its DTensors themselves."""
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Stage this rank's shard of the checkpoint's global step (every rank calls it)."""
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError("ckptd.lightning.ModelParallelStrategy takes no storage_options")
+        path = self.broadcast(filepath)
+        rest = dict(checkpoint)
+        optims = rest.pop("optimizer_states", [])
+        if len(optims) > 1:
+            raise NotImplementedError(
+                "ckptd.lightning.ModelParallelStrategy saves one optimizer; "
+                f"this module configures {len(optims)}"
+            )
+        self.ckptd_io._save(
+            rest, path, rank=self.global_rank, world_size=self.world_size,
+            optimizer=optims[0] if optims else None,
+        )  # fmt: skip
+        self.barrier("ckptd.lightning.ModelParallelStrategy.save_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """Load the step a pointer names into the sharded model and optimizer; return the rest.
+
+        Any other path (Lightning's own folder or file) loads as Lightning loads it.
+        """
+        path = self.broadcast(checkpoint_path)
+        pointer = read_pointer(path)
+        if pointer is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        io = self.ckptd_io
+        io._resumed = True
+        step, job = int(pointer["step"]), pointer.get("job")
+        fw.wait_committed(
+            io.client, step, job=job, attempt=str(pointer.get("attempt") or ""),
+            timeout=io.wait_timeout,
+        )  # fmt: skip
+        assert self.model is not None
+        assert self.lightning_module is not None
+        source = ct._Source(io.client, step, self.global_rank, job)
+        skeleton = ct._skeleton(source.state)
+        unpacker = ct._Unpacker(source.state, source)
+        model_sd = unpacker.decode(skeleton["model"], get_model_state_dict(self.model))
+        self.model.load_state_dict(model_sd, strict=self.lightning_module.strict_loading)
+        fitting = self.lightning_module.trainer.state.fn == "fit"
+        if fitting and self.optimizers and skeleton["optimizer"] is not None:
+            opt = self.optimizers[0]
+            like = get_optimizer_state_dict(self.model, opt)
+            osd = unpacker.decode(skeleton["optimizer"], like)
+            set_optimizer_state_dict(
+                self.model, opt, optim_state_dict=osd, options=StateDictOptions(strict=True)
+            )
+        extra = unpacker.decode(pointer.get("extra") or skeleton["extra"])
+        out: dict[str, Any] = fw.unportable(extra, weights_only is not True, str(path))
+        return out
+
+    def teardown(self) -> None:
+        """Lightning's teardown, then wait for this run's saves to commit."""
+        super().teardown()
+        self.ckptd_io.teardown()
 
 
 def load_from_checkpoint(

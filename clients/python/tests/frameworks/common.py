@@ -34,9 +34,10 @@ class PausingClient(ckptd.Client):
 
 
 def digest(*tensors: torch.Tensor) -> str:
-    """sha256 of the tensors' bits."""
+    """sha256 of the tensors' bits (a DTensor's: this rank's piece)."""
     h = hashlib.sha256()
-    for t in tensors:
+    for tensor in tensors:
+        t = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
