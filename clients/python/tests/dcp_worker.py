@@ -58,12 +58,17 @@ def build(world: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer
         torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 13), torch.nn.ReLU(),
         torch.nn.Linear(13, 5),
     )  # fmt: skip
+    return fsdp2(model, world), torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def fsdp2(model: torch.nn.Sequential, world: int) -> torch.nn.Sequential:
+    """Shard model with FSDP2 over a CPU mesh of world ranks, each Linear its own unit."""
     mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model
 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
