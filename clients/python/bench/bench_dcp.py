@@ -14,6 +14,18 @@ to the same local disk:
     dcp save         dcp.save with FileSystemWriter (blocks until written)
     ckptd.dcp save   dcp.save with ckptd.dcp.Writer (blocks until committed)
 
+With torchtitan installed, the same bytes as a model (FSDP2 over the ranks)
+and torchtitan's AdamW, checkpointed by torchtitan's CheckpointManager as
+its trainer calls it (save() is the stall, maybe_wait_for_saving() until
+durable):
+
+    titan async         async_mode="async": DCP's thread-based async_save to
+                        files (DCP's default stager copies in memory)
+    titan pinned        async_mode="async_with_pinned_mem" (pinned memory,
+                        DCP's checkpoint process): needs an accelerator,
+                        reported as not run on a machine without one
+    ckptd.titan async   ckptd.torchtitan.CheckpointManager, async_mode="async"
+
 Per method, run REPEAT times (each rank's median counts, then the slowest
 rank's): the trainer's blocking time (async_save or save returning), the
 time until durable (the future's result; for dcp.save the same), and the
@@ -53,6 +65,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckptd", default=None, help="a ckptd binary (default: go build one)")
     p.add_argument("--no-process", action="store_true", help="skip the process-based checkpointer")
     p.add_argument("--repeat", type=int, default=5, help="runs of each method (the median counts)")
+    p.add_argument("--no-titan", action="store_true", help="skip torchtitan's checkpoint managers")
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # mode rank world init out
     return p.parse_args()
 
@@ -118,6 +131,9 @@ def worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
     import ckptd.dcp
 
     cfg = json.loads(Path(out, "config.json").read_text())
+    if mode == "titan":
+        titan(rank, world, cfg, out)
+        return
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     sd = state(world, cfg["size_mib"])
     disk = Path(cfg["dir"])
@@ -192,6 +208,69 @@ def worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def titan(rank: int, world: int, cfg: dict[str, Any], out: str) -> None:
+    """One rank: torchtitan's CheckpointManager, its own and ckptd's, on the same model."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    import ckptd.torchtitan
+
+    dist.init_process_group("gloo", init_method=f"file://{out}/init-titan", rank=rank,
+                            world_size=world)  # fmt: skip
+    rows = max(4, cfg["size_mib"] * MiB // 4 // 3 // LAYERS // 1024 // 4 * 4)  # all ranks
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, rows, bias=False) for _ in range(LAYERS)))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt_cfg = default_adamw(lr=1e-3)
+    opt_cfg.implementation = "for-loop"
+    optimizers = opt_cfg.build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers, training_steps=100)
+    optimizers.state_dict()  # makes AdamW's state (init_optim_state): 3 tensors a layer
+    res: dict[str, Any] = {}
+    managers = {
+        "titan async": CheckpointManager.Config(enable=True, interval=1, keep_latest_k=0,
+                                                async_mode="async", folder="titan"),
+        "ckptd.titan async": ckptd.torchtitan.CheckpointManager.Config(
+            enable=True, interval=1, keep_latest_k=0, async_mode="async", job="bench-titan",
+            socket=cfg["socket"]),
+    }  # fmt: skip
+    accelerated = torch.accelerator.is_available()
+    if accelerated:
+        managers["titan pinned"] = CheckpointManager.Config(
+            enable=True, interval=1, keep_latest_k=0, async_mode="async_with_pinned_mem",
+            folder="titan-pinned")  # fmt: skip
+    for name, config in managers.items():
+        manager = config.build(dataloader=None, model_parts=[model], optimizers=optimizers,
+                               lr_schedulers=schedulers, states={}, sd_adapter=None,
+                               base_folder=cfg["dir"])  # fmt: skip
+        runs = []
+        for i in range(cfg["repeat"]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            manager.save(curr_step=i + 1)
+            t1 = time.perf_counter()
+            manager.maybe_wait_for_saving()
+            dist.barrier()
+            runs.append((t1 - t0, time.perf_counter() - t0))
+        manager.close()
+        res[name] = {
+            "block": statistics.median(b for b, _ in runs),
+            "durable": statistics.median(d for _, d in runs),
+        }
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, res)
+    if rank == 0:
+        Path(out, f"titan-{world}.json").write_text(json.dumps(every))
+    dist.destroy_process_group()
+
+
 # ---- the driver ---------------------------------------------------------
 
 
@@ -216,8 +295,18 @@ def launch(mode: str, world: int, out: Path) -> list[dict[str, Any]]:
     return result
 
 
-def table(saves: list[dict[str, Any]], written: dict[str, int], loads: dict[int, Any]) -> str:
-    """The report: slowest rank per method, ratios to memcpy and to dcp.load."""
+def table(
+    saves: list[dict[str, Any]],
+    written: dict[str, int],
+    loads: dict[int, Any],
+    titan: list[dict[str, Any]] | str | None,
+) -> str:
+    """The report: slowest rank per method, ratios to memcpy and to dcp.load.
+
+    titan: torchtitan's rows per rank (merged into saves), or why there are none.
+    """
+    if isinstance(titan, list):
+        saves = [{**s, **t} for s, t in zip(saves, titan, strict=True)]
 
     def worst(runs: list[dict[str, Any]], name: str, key: str) -> float:
         return max(r[name][key] for r in runs)
@@ -232,7 +321,7 @@ def table(saves: list[dict[str, Any]], written: dict[str, int], loads: dict[int,
         f"{'written MiB':>13}",
     ]
     for name in ("memcpy", "dcp async", "dcp async proc", "ckptd.dcp async", "dcp save",
-                 "ckptd.dcp save"):  # fmt: skip
+                 "ckptd.dcp save", "titan async", "titan pinned", "ckptd.titan async"):  # fmt: skip
         if name not in saves[0]:
             continue
         b, d = worst(saves, name, "block"), worst(saves, name, "durable")
@@ -245,9 +334,23 @@ def table(saves: list[dict[str, Any]], written: dict[str, int], loads: dict[int,
         ("ckptd.dcp async blocking / dcp async", "ckptd.dcp async", "dcp async", "block"),
         ("ckptd.dcp async durable / dcp async", "ckptd.dcp async", "dcp async", "durable"),
     )
+    if "ckptd.titan async" in saves[0]:
+        own = min(("titan async", "titan pinned"), key=lambda n: worst(saves, n, "block")
+                  if n in saves[0] else float("inf"))  # fmt: skip
+        targets += (
+            (f"ckptd.titan async blocking / {own}", "ckptd.titan async", own, "block"),
+            (f"ckptd.titan async durable / {own}", "ckptd.titan async", own, "durable"),
+        )
     lines.append("")
     for label, name, ref, key in targets:
-        lines.append(f"{label:<40}{worst(saves, name, key) / worst(saves, ref, key):>6.2f}")
+        lines.append(f"{label:<44}{worst(saves, name, key) / worst(saves, ref, key):>6.2f}")
+    if isinstance(titan, str):
+        lines.append(f"torchtitan: {titan}")
+    elif "titan pinned" not in saves[0]:
+        lines.append(
+            "titan pinned not run: torchtitan's async_with_pinned_mem stages with DCP's "
+            "DefaultStager, whose non-blocking copy needs an accelerator"
+        )
     lines += ["", f"{'load':<22}{'time':>10}{'x dcp.load':>12}"]
     for world, runs in loads.items():
         ref = worst(runs, "dcp load", "durable")
@@ -295,7 +398,15 @@ def main() -> None:
         if not args.no_process:
             written["dcp async proc"] = du(disk / "dcp_async_proc0")
         loads = {w: launch("load", w, out) for w in (args.world, max(1, args.world // 2))}
-    print(table(saves, written, loads))
+        titan: list[dict[str, Any]] | str | None = "skipped (--no-titan)"
+        if not args.no_titan:
+            try:
+                import torchtitan  # noqa: F401
+            except ImportError:
+                titan = "not installed (pip install 'ckptd[torchtitan]')"
+            else:
+                titan = launch("titan", args.world, out)
+    print(table(saves, written, loads, titan))
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(disk, ignore_errors=True)
 
