@@ -3339,8 +3339,10 @@ type HeldShard struct {
 	MemoryOnly bool `protobuf:"varint,6,opt,name=memory_only,json=memoryOnly,proto3" json:"memory_only,omitempty"`
 	// When the shard was saved, Unix nanoseconds (its manifest's created).
 	CreatedUnixNano int64 `protobuf:"varint,7,opt,name=created_unix_nano,json=createdUnixNano,proto3" json:"created_unix_nano,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The hash of its manifest as stored (what a commit record pins).
+	ManifestHash  string `protobuf:"bytes,8,opt,name=manifest_hash,json=manifestHash,proto3" json:"manifest_hash,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *HeldShard) Reset() {
@@ -3422,6 +3424,13 @@ func (x *HeldShard) GetCreatedUnixNano() int64 {
 	return 0
 }
 
+func (x *HeldShard) GetManifestHash() string {
+	if x != nil {
+		return x.ManifestHash
+	}
+	return ""
+}
+
 type InventoryResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Shards        []*HeldShard           `protobuf:"bytes,1,rep,name=shards,proto3" json:"shards,omitempty"`
@@ -3474,7 +3483,15 @@ type ReplicaHeader struct {
 	MemoryOnly   bool                   `protobuf:"varint,4,opt,name=memory_only,json=memoryOnly,proto3" json:"memory_only,omitempty"`       // the step is kept in memory only (--persist-every)
 	// On the raw data path only (where there is no gRPC status): why the
 	// request was refused; nothing follows the header then.
-	Error         string `protobuf:"bytes,5,opt,name=error,proto3" json:"error,omitempty"`
+	Error string `protobuf:"bytes,5,opt,name=error,proto3" json:"error,omitempty"`
+	// The shard a replica being sent is (PutReplica, and the raw path's
+	// put): the receiver checks the sender may send it, and charges its
+	// memory, before it reads a byte of it; its manifest must say the same.
+	Job           string `protobuf:"bytes,6,opt,name=job,proto3" json:"job,omitempty"`
+	Step          int64  `protobuf:"varint,7,opt,name=step,proto3" json:"step,omitempty"`
+	Rank          int32  `protobuf:"varint,8,opt,name=rank,proto3" json:"rank,omitempty"`
+	WorldSize     int32  `protobuf:"varint,9,opt,name=world_size,json=worldSize,proto3" json:"world_size,omitempty"`
+	Attempt       string `protobuf:"bytes,10,opt,name=attempt,proto3" json:"attempt,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3540,6 +3557,41 @@ func (x *ReplicaHeader) GetMemoryOnly() bool {
 func (x *ReplicaHeader) GetError() string {
 	if x != nil {
 		return x.Error
+	}
+	return ""
+}
+
+func (x *ReplicaHeader) GetJob() string {
+	if x != nil {
+		return x.Job
+	}
+	return ""
+}
+
+func (x *ReplicaHeader) GetStep() int64 {
+	if x != nil {
+		return x.Step
+	}
+	return 0
+}
+
+func (x *ReplicaHeader) GetRank() int32 {
+	if x != nil {
+		return x.Rank
+	}
+	return 0
+}
+
+func (x *ReplicaHeader) GetWorldSize() int32 {
+	if x != nil {
+		return x.WorldSize
+	}
+	return 0
+}
+
+func (x *ReplicaHeader) GetAttempt() string {
+	if x != nil {
+		return x.Attempt
 	}
 	return ""
 }
@@ -3957,7 +4009,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\aattempt\x18\x03 \x01(\tR\aattempt\"\x11\n" +
 	"\x0fPersistResponse\"$\n" +
 	"\x10InventoryRequest\x12\x10\n" +
-	"\x03job\x18\x01 \x01(\tR\x03job\"\xd7\x01\n" +
+	"\x03job\x18\x01 \x01(\tR\x03job\"\xfc\x01\n" +
 	"\tHeldShard\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x12\n" +
 	"\x04rank\x18\x02 \x01(\x05R\x04rank\x12\x1d\n" +
@@ -3967,16 +4019,24 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\tcommitted\x18\x05 \x01(\bR\tcommitted\x12\x1f\n" +
 	"\vmemory_only\x18\x06 \x01(\bR\n" +
 	"memoryOnly\x12*\n" +
-	"\x11created_unix_nano\x18\a \x01(\x03R\x0fcreatedUnixNano\"@\n" +
+	"\x11created_unix_nano\x18\a \x01(\x03R\x0fcreatedUnixNano\x12#\n" +
+	"\rmanifest_hash\x18\b \x01(\tR\fmanifestHash\"@\n" +
 	"\x11InventoryResponse\x12+\n" +
-	"\x06shards\x18\x01 \x03(\v2\x13.ckptd.v1.HeldShardR\x06shards\"\xa6\x01\n" +
+	"\x06shards\x18\x01 \x03(\v2\x13.ckptd.v1.HeldShardR\x06shards\"\x99\x02\n" +
 	"\rReplicaHeader\x12#\n" +
 	"\rmanifest_size\x18\x01 \x01(\x04R\fmanifestSize\x12\x1b\n" +
 	"\tdata_size\x18\x02 \x01(\x04R\bdataSize\x12\x1c\n" +
 	"\tcommitted\x18\x03 \x01(\bR\tcommitted\x12\x1f\n" +
 	"\vmemory_only\x18\x04 \x01(\bR\n" +
 	"memoryOnly\x12\x14\n" +
-	"\x05error\x18\x05 \x01(\tR\x05error\"S\n" +
+	"\x05error\x18\x05 \x01(\tR\x05error\x12\x10\n" +
+	"\x03job\x18\x06 \x01(\tR\x03job\x12\x12\n" +
+	"\x04step\x18\a \x01(\x03R\x04step\x12\x12\n" +
+	"\x04rank\x18\b \x01(\x05R\x04rank\x12\x1d\n" +
+	"\n" +
+	"world_size\x18\t \x01(\x05R\tworldSize\x12\x18\n" +
+	"\aattempt\x18\n" +
+	" \x01(\tR\aattempt\"S\n" +
 	"\fReplicaPiece\x12/\n" +
 	"\x06header\x18\x01 \x01(\v2\x17.ckptd.v1.ReplicaHeaderR\x06header\x12\x12\n" +
 	"\x04data\x18\x02 \x01(\fR\x04data\"\x14\n" +

@@ -599,7 +599,7 @@ class InventoryRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class HeldShard(_message.Message):
-    __slots__ = ("step", "rank", "world_size", "attempt", "committed", "memory_only", "created_unix_nano")
+    __slots__ = ("step", "rank", "world_size", "attempt", "committed", "memory_only", "created_unix_nano", "manifest_hash")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -607,6 +607,7 @@ class HeldShard(_message.Message):
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
     step: int
     rank: int
     world_size: int
@@ -614,7 +615,8 @@ class HeldShard(_message.Message):
     committed: bool
     memory_only: bool
     created_unix_nano: int
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., attempt: _Optional[str] = ..., committed: _Optional[bool] = ..., memory_only: _Optional[bool] = ..., created_unix_nano: _Optional[int] = ...) -> None: ...
+    manifest_hash: str
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., attempt: _Optional[str] = ..., committed: _Optional[bool] = ..., memory_only: _Optional[bool] = ..., created_unix_nano: _Optional[int] = ..., manifest_hash: _Optional[str] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
     __slots__ = ("shards",)
@@ -623,18 +625,28 @@ class InventoryResponse(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[HeldShard, _Mapping]]] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("manifest_size", "data_size", "committed", "memory_only", "error")
+    __slots__ = ("manifest_size", "data_size", "committed", "memory_only", "error", "job", "step", "rank", "world_size", "attempt")
     MANIFEST_SIZE_FIELD_NUMBER: _ClassVar[int]
     DATA_SIZE_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     manifest_size: int
     data_size: int
     committed: bool
     memory_only: bool
     error: str
-    def __init__(self, manifest_size: _Optional[int] = ..., data_size: _Optional[int] = ..., committed: _Optional[bool] = ..., memory_only: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    job: str
+    step: int
+    rank: int
+    world_size: int
+    attempt: str
+    def __init__(self, manifest_size: _Optional[int] = ..., data_size: _Optional[int] = ..., committed: _Optional[bool] = ..., memory_only: _Optional[bool] = ..., error: _Optional[str] = ..., job: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., attempt: _Optional[str] = ...) -> None: ...
 
 class ReplicaPiece(_message.Message):
     __slots__ = ("header", "data")
