@@ -114,7 +114,13 @@ func (a *assembler) shard(p *pendingShard, b storage.Backend, prefix string) err
 	case <-a.ctx.Done():
 		return a.ctx.Err()
 	}
-	if p.err != nil {
+	var se *ShardError
+	switch {
+	case p.err == nil:
+	case errors.As(p.err, &se) && a.spec.SkipCorrupt:
+		a.it.count(func(st *Stats) { st.CorruptSkipped++ }) // damaged as a whole (a hash, a decompression)
+		return nil
+	default:
 		return p.err
 	}
 	a.it.countFetch(p.how)
@@ -163,10 +169,23 @@ func (a *assembler) whole(p *pendingShard, prefix string) error {
 // walk cuts the samples out of a shard read whole.
 func (a *assembler) walk(p *pendingShard, prefix string) error {
 	data := p.data.b
-	if a.spec.Format == Raw {
+	own := func(field []byte) []byte {
+		if p.held {
+			return field
+		}
+		return bytes.Clone(field)
+	}
+	switch u := p.shard.unit; {
+	case a.spec.Format == Raw:
 		key, ext := rawKey(p.shard.Name, prefix)
 		return a.member(p.shard, p.shard.Name, key, ext, int64(len(data)), func() ([]byte, error) {
 			return data, nil // the object is the sample: ours, or the cache's
+		})
+	case u != nil && u.mds != nil:
+		br := bytes.NewReader(data)
+		pos := func() int64 { return int64(len(data)) - int64(br.Len()) }
+		return a.mdsSamples(p.shard, br, pos, int64(len(data)), func(f mdsField) func() ([]byte, error) {
+			return func() ([]byte, error) { return own(data[f.start : f.start+f.size : f.start+f.size]), nil }
 		})
 	}
 	br := bytes.NewReader(data)
@@ -174,11 +193,7 @@ func (a *assembler) walk(p *pendingShard, prefix string) error {
 	return walkTar(br, pos, int64(len(data)), func(m member) error {
 		key, ext := splitKey(m.name)
 		return a.member(p.shard, m.name, key, ext, m.size, func() ([]byte, error) {
-			field := data[m.start : m.start+m.size : m.start+m.size]
-			if p.held {
-				return field, nil
-			}
-			return bytes.Clone(field), nil
+			return own(data[m.start : m.start+m.size : m.start+m.size]), nil
 		})
 	})
 }
@@ -189,7 +204,7 @@ const streamBuffer = 256 << 10
 // stream parses a shard as it reads it (archive/tar over a ranged read),
 // holding no more of it than the sample being read.
 func (a *assembler) stream(b storage.Backend, sh Shard, prefix string) error {
-	r := &rangeReader{ctx: a.ctx, b: b, name: sh.Name, size: sh.Size}
+	r := &rangeReader{ctx: a.ctx, b: b, name: sh.objectName(), size: sh.Size}
 	defer r.Close()
 	read := func(n int64, from io.Reader) func() ([]byte, error) {
 		return func() ([]byte, error) {
@@ -201,6 +216,9 @@ func (a *assembler) stream(b storage.Backend, sh Shard, prefix string) error {
 	if a.spec.Format == Raw {
 		key, ext := rawKey(sh.Name, prefix)
 		return a.member(sh, sh.Name, key, ext, sh.Size, read(sh.Size, r))
+	}
+	if sh.unit != nil && sh.unit.mds != nil {
+		return a.streamMDS(sh, r, read)
 	}
 	c := &counter{r: bufio.NewReaderSize(r, streamBuffer)}
 	return walkTar(c, func() int64 { return c.n }, sh.Size, func(m member) error {
@@ -420,10 +438,14 @@ func (a *assembler) pad() error {
 func (a *assembler) padShard(sh Shard) error {
 	p := &pendingShard{shard: sh, done: make(chan struct{}), release: func() {}}
 	close(p.done)
-	if sh.Size > a.opts.streamAbove() {
+	stream, err := streamed(sh, a.opts)
+	if err != nil {
+		return err
+	}
+	if stream {
 		p.stream, p.how = true, fromStorage
 	} else {
-		w := max(sh.Size, 1)
+		w := sh.weight()
 		if err := a.it.shardsMem.Acquire(a.ctx, w); err != nil {
 			return err
 		}

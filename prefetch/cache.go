@@ -288,10 +288,23 @@ func localOf(b storage.Backend) (*localBackend, bool) {
 	}
 }
 
-// readShard reads a whole shard, checking that it has the listed size: a
-// local source's larger shards are mapped instead (see mapAbove), or read
-// when mapping fails.
+// readShard reads a whole shard and decodes it (decodeShard).
 func readShard(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, error) {
+	data, err := readStored(ctx, b, sh)
+	if err != nil {
+		return shardBytes{}, err
+	}
+	return decodeShard(sh, data)
+}
+
+// readStored reads a shard's stored bytes, checking that it has the listed
+// size: a local source's larger shards are mapped instead (see mapAbove),
+// or read when mapping fails. A part of an object (a Parquet row group) is
+// a ranged read.
+func readStored(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, error) {
+	if sh.objectName() != sh.Name {
+		return readRange(ctx, b, sh)
+	}
 	if lb, ok := localOf(b); ok && sh.Size > mapAbove {
 		m, err := lb.mapShard(ctx, sh.Name, sh.Size)
 		if err == nil {
@@ -311,6 +324,21 @@ func readShard(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, er
 	prefault(data)
 	if _, err := io.ReadFull(rc, data); err != nil {
 		return shardBytes{}, fmt.Errorf("read shard %s: %w (expected %d bytes)", printable(sh.Name), err, sh.Size)
+	}
+	return shardBytes{b: data}, nil
+}
+
+// readRange reads the Size bytes of a shard that is a part of an object.
+func readRange(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, error) {
+	rc, err := b.Get(ctx, sh.objectName(), sh.offset(), sh.Size)
+	if err != nil {
+		return shardBytes{}, fmt.Errorf("read shard %s: %w", printable(sh.Name), err)
+	}
+	defer rc.Close()
+	data := make([]byte, sh.Size)
+	if _, err := io.ReadFull(rc, data); err != nil {
+		return shardBytes{}, fmt.Errorf("read shard %s: %w (expected %d bytes at %d of %s)",
+			printable(sh.Name), err, sh.Size, sh.offset(), printable(sh.objectName()))
 	}
 	return shardBytes{b: data}, nil
 }

@@ -49,6 +49,15 @@
 // name), with one field per extension (the rest of the base name). Raw:
 // every object is one sample, its key the object name without extension
 // and its one field named by the extension ("bin" when it has none).
+// MDS (mds.go): Mosaic streaming's index.json lists the shards, their
+// sample counts, compression and hashes; a shard is read whole (hash
+// checked, decompressed: decodeShard, in the cache's fill) or streamed
+// (decompressed and hashed as it is parsed), and a sample's fields are
+// its columns' bytes, its key its global index. Auto (also "") tells
+// the format from the source: .tar objects, else an MDS index.json
+// (listDataset). A format's metadata rides on its Shards (unit): the
+// sample counts even epochs use instead of counting, and what a shard
+// takes once decoded, which the read-ahead budget is charged.
 //
 // Keys and field names travel as protobuf strings: a sample whose key or
 // field name is not UTF-8 (or longer than 4096 or 255 bytes, or with more

@@ -261,6 +261,9 @@ func (sc *sampleCounts) count(ctx context.Context, b storage.Backend, prefix str
 	if f == Raw {
 		return 1, nil
 	}
+	if n, ok := sh.knownCount(); ok {
+		return n, nil // the format's metadata says
+	}
 	key := shardKey(b, sh)
 	for {
 		sc.mu.Lock()

@@ -193,10 +193,11 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 		return nil, err
 	}
 	opts.setDefaults()
-	all, err := ListShards(ctx, b, prefix, spec.Format, opts.ListBytes)
+	all, format, err := listDataset(ctx, b, prefix, spec.Format, opts.ListBytes)
 	if err != nil {
 		return nil, err
 	}
+	spec.Format = format
 	left := epochOrder(all, spec.Seed, spec.Epoch, spec.Delivered)
 	if spec.Even == EvenDrop && spec.WorldSize > len(left) && spec.Delivered == nil {
 		return nil, fmt.Errorf("%w: even drop: %d shards for %d ranks: a rank without a shard delivers nothing, so every rank would; "+
@@ -330,12 +331,17 @@ func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix stri
 	budget := it.shardsMem
 	for i, sh := range shards {
 		p := &pendingShard{shard: sh, done: make(chan struct{}), release: func() {}}
-		if sh.Size > opts.streamAbove() {
+		stream, err := streamed(sh, opts)
+		if err != nil {
+			p.err, p.how = err, fromStorage
+			cache.passed(readAt{it.plan, i})
+			close(p.done)
+		} else if stream {
 			p.stream, p.how = true, fromStorage
 			cache.passed(readAt{it.plan, i}) // streamed: the cache never serves it
 			close(p.done)
 		} else {
-			w := max(sh.Size, 1)
+			w := sh.weight()
 			if err := it.pace.wait(ctx, w, budget.used.Load); err != nil {
 				return
 			}

@@ -13,10 +13,13 @@ import (
 // Format is how a dataset's objects hold samples.
 type Format string
 
-// The supported formats.
+// The supported formats. Auto (also "") tells the format from what the
+// source holds: see listDataset.
 const (
 	WebDataset Format = "webdataset"
 	Raw        Format = "raw"
+	MDS        Format = "mds" // Mosaic streaming's index.json and shard.*.mds files
+	Auto       Format = "auto"
 )
 
 // ErrInvalid: a dataset request is malformed.
@@ -33,19 +36,20 @@ var ErrOverBudget = errors.New("dataset budget used up")
 // ParseFormat checks a format name.
 func ParseFormat(s string) (Format, error) {
 	switch f := Format(s); f {
-	case WebDataset, Raw:
+	case WebDataset, Raw, MDS, Auto:
 		return f, nil
 	case "":
-		return WebDataset, nil
+		return Auto, nil
 	}
-	return "", fmt.Errorf("%w: unknown format %q (want webdataset or raw)", ErrInvalid, s)
+	return "", fmt.Errorf("%w: unknown format %q (want auto, webdataset, mds or raw)", ErrInvalid, s)
 }
 
 // Shard is one object of a dataset.
 type Shard struct {
 	Name    string // full object name in the backend
-	Size    int64
+	Size    int64  // bytes read from the backend
 	ModTime time.Time
+	unit    *unit // what the format's metadata says of it (MDS); nil for tar and raw
 }
 
 // ListShards lists a dataset's shards under prefix, in name order: .tar
@@ -56,25 +60,9 @@ type Shard struct {
 // ahead), so that a prefix holding millions of objects by mistake fails
 // at once instead of filling the daemon's memory.
 func ListShards(ctx context.Context, b storage.Backend, prefix string, f Format, budget int64) ([]Shard, error) {
-	var shards []Shard
-	var cost int64
-	err := b.List(ctx, prefix, func(oi storage.ObjectInfo) error {
-		if f != Raw && !strings.HasSuffix(oi.Name, ".tar") {
-			return nil
-		}
-		if cost += listCost(oi.Name); cost > budget {
-			return fmt.Errorf("%w: dataset %s/%s lists more shards than --dataset-list-bytes %d allows "+
-				"(about %d shards of such names; each costs a session its name twice and ~%d bytes)",
-				ErrTooLarge, b.Location(), printable(prefix), budget, budget/listCost(oi.Name), listShardBytes)
-		}
-		shards = append(shards, Shard{Name: oi.Name, Size: oi.Size, ModTime: oi.ModTime})
-		return nil
-	})
-	if errors.Is(err, ErrTooLarge) {
-		return nil, err
-	}
+	shards, err := listObjects(ctx, b, prefix, budget, func(name string) bool { return f == Raw || strings.HasSuffix(name, ".tar") })
 	if err != nil {
-		return nil, fmt.Errorf("list dataset %s/%s: %w", b.Location(), prefix, err)
+		return nil, err
 	}
 	if len(shards) == 0 {
 		what := "objects"

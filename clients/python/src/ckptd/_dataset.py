@@ -64,9 +64,16 @@ class DatasetSpec:
         source: a folder or path-like (relative paths are made absolute
             here, against this process's cwd, not the daemon's),
             ``file:///path`` or ``s3://bucket/prefix``.
-        format: "webdataset" (``.tar`` shards; a sample is the run of
-            members sharing a key) or "raw" (each object one sample, its
-            field named by its extension, "bin" without one).
+        format: "webdataset" (the default: ``.tar`` shards; a sample is
+            the run of members sharing a key, a field per extension),
+            "mds" (Mosaic streaming's shards as its MDSWriter wrote them,
+            any compression: a field per column, its bytes as MDS encodes
+            them, the key the sample's global index), "parquet" (a row
+            group a shard, a field per column), "raw" (each object one
+            sample, its field named by its extension, "bin" without one),
+            or "auto": told from what the source holds (``.tar`` shards
+            are webdataset, else a Mosaic ``index.json`` is mds, else
+            ``.parquet`` files are parquet).
         batch_size: samples per batch (the last one may be smaller); changing
             it does not change the order.
         rank: this rank, in [0, world_size). Default: this process's --
