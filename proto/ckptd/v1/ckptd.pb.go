@@ -1790,7 +1790,9 @@ type OpenDatasetRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// A folder path, file:///path or s3://bucket/prefix.
 	Source string `protobuf:"bytes,1,opt,name=source,proto3" json:"source,omitempty"`
-	// "webdataset" (default) or "raw".
+	// "webdataset", "mds" (Mosaic streaming's index.json and shards), "raw",
+	// or "auto" (the default, also ""): .tar objects make it webdataset,
+	// else an MDS index.json makes it mds.
 	Format    string `protobuf:"bytes,2,opt,name=format,proto3" json:"format,omitempty"`
 	BatchSize int32  `protobuf:"varint,3,opt,name=batch_size,json=batchSize,proto3" json:"batch_size,omitempty"`
 	Rank      int32  `protobuf:"varint,4,opt,name=rank,proto3" json:"rank,omitempty"`
