@@ -78,7 +78,7 @@ func newServeCmd() *cobra.Command {
 		"arena-dir", "restart-wait")
 	inGroup(fs, "tiers", "hot-bytes", "hot-steps", "persist-every", "persist-interval")
 	inGroup(fs, "peers", "peers", "peers-file", "peers-dns", "peer-listen", "peer-advertise", "replicas", "peer-cert", "peer-key",
-		"peer-ca", "peer-insecure", "peer-insecure-network")
+		"peer-ca", "peer-server-name", "peer-insecure", "peer-insecure-network")
 	inGroup(fs, "datasets", "dataset-allow", "dataset-arena-bytes", "cache-bytes", "cache-lookahead", "ring-slots", "ring-slots-max",
 		"slot-bytes", "read-ahead-bytes", "dataset-list-bytes")
 	inGroup(fs, "security", "socket", "socket-group")
@@ -98,6 +98,7 @@ func registerPeerFlags(fs *pflag.FlagSet, p *daemon.PeerOptions) {
 	fs.StringVar(&p.TLS.CertFile, "peer-cert", "", "this sidecar's certificate (PEM) for the peers' mutual TLS")
 	fs.StringVar(&p.TLS.KeyFile, "peer-key", "", "its private key (PEM)")
 	fs.StringVar(&p.TLS.CAFile, "peer-ca", "", "the CA (PEM) that signs every peer's certificate; others are refused")
+	fs.StringVar(&p.TLS.ServerName, "peer-server-name", "", "the name every peer's certificate carries, checked instead of the address dialled (peers found by --peers-dns are dialled by IP, which no certificate made in advance names)")
 	fs.BoolVar(&p.TLS.Insecure, "peer-insecure", false, "send checkpoints to peers in plaintext, without TLS: anyone who reaches the peer port reads and writes replicas (loopback only, unless --peer-insecure-network)")
 	fs.BoolVar(&p.InsecureNetwork, "peer-insecure-network", false, "let --peer-insecure listen and reach peers off loopback, where anyone on the network reads and writes replicas")
 }

@@ -66,7 +66,12 @@ func (t TLS) CheckOwn(self string) error {
 		problems = append(problems, "its key usage leaves out digitalSignature, which TLS 1.3 needs of both ends: "+
 			"issue it with keyUsage = critical, digitalSignature (see docs/tiers.md)")
 	}
-	if host, _, err := net.SplitHostPort(self); err == nil && host != "" {
+	if t.ServerName != "" {
+		if err := leaf.VerifyHostname(t.ServerName); err != nil {
+			problems = append(problems, fmt.Sprintf("it does not name %s (--peer-server-name), the name every peer checks it for; "+
+				"issue it with subjectAltName = %s (see docs/tiers.md)", t.ServerName, sanFor(t.ServerName)))
+		}
+	} else if host, _, err := net.SplitHostPort(self); err == nil && host != "" {
 		if err := leaf.VerifyHostname(host); err != nil {
 			problems = append(problems, fmt.Sprintf("it does not name %s, the host the other sidecars dial this one at (its entry %s in the peer list), "+
 				"so their TLS check of it fails; either issue it with subjectAltName = %s (see docs/tiers.md), "+

@@ -58,6 +58,11 @@ const maxManifest = 256 << 20
 type TLS struct {
 	CertFile, KeyFile, CAFile string
 	Insecure                  bool
+	// ServerName, when set, is the name every peer's certificate must
+	// carry, checked instead of the dialled host: peers found by DNS are
+	// dialled by address (a Kubernetes pod's IP), which no certificate
+	// made in advance can name.
+	ServerName string
 }
 
 // Creds are one side's transport security: the TLS configuration (nil:
@@ -96,7 +101,7 @@ func (t TLS) Credentials() (server, client Creds, err error) {
 	// raw path's clients name nothing.
 	sc := &tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: pool, ClientAuth: tls.RequireAndVerifyClientCert,
 		MinVersion: tls.VersionTLS13, NextProtos: []string{"h2"}}
-	cc := &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool, MinVersion: tls.VersionTLS13}
+	cc := &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool, MinVersion: tls.VersionTLS13, ServerName: t.ServerName}
 	return Creds{TLS: sc, GRPC: credentials.NewTLS(sc)}, Creds{TLS: cc, GRPC: credentials.NewTLS(cc)}, nil
 }
 
@@ -208,7 +213,8 @@ func (c *Client) Replicate(ctx context.Context, m *checkpoint.Manifest, data []b
 		return errors.New("this sidecar is not in the peer list (yet): nowhere to send replicas from")
 	}
 	var errs []error
-	hdr := &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)), Committed: committed, MemoryOnly: memory}
+	hdr := &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)), Committed: committed, MemoryOnly: memory,
+		Job: m.Job, Step: m.Step, Rank: int32(m.Rank), WorldSize: int32(m.WorldSize), Attempt: m.Attempt}
 	for _, addr := range Holders(list, self, m.Rank, c.replicas) {
 		err := c.putRaw(ctx, addr, hdr, manifest, data)
 		if err != nil && !errors.Is(err, errRefused) { // a peer from before the raw path, or a broken connection
@@ -353,7 +359,7 @@ func (c *Client) getGRPC(ctx context.Context, addr string, req *pb.GetReplicaReq
 	if err != nil {
 		return nil, nil, err
 	}
-	_, manifest, data, err = receive(stream.Recv, maxBytes, nil, nil)
+	_, manifest, data, err = receive(stream.Recv, maxBytes, nil, nil, nil)
 	return manifest, data, err
 }
 
@@ -439,10 +445,11 @@ func (c *Client) inventory(ctx context.Context, addr, job string) ([]tiers.HeldS
 }
 
 // receive reads a header and the manifest and data it announces, refusing
-// more than maxManifest and maxData bytes of them; each goes into a
-// buffer alloc makes (nil: new memory), which receive gives to giveBack
-// when it fails after it.
-func receive(recv func() (*pb.ReplicaPiece, error), maxData int64, alloc func(int64) ([]byte, error), giveBack func([]byte)) (*pb.ReplicaHeader, []byte, []byte, error) {
+// more than maxManifest and maxData bytes of them and what check (when
+// not nil) refuses of the header; each goes into a buffer alloc makes
+// (nil: new memory), which receive gives to giveBack when it fails after
+// it.
+func receive(recv func() (*pb.ReplicaPiece, error), maxData int64, check func(*pb.ReplicaHeader) error, alloc func(int64) ([]byte, error), giveBack func([]byte)) (*pb.ReplicaHeader, []byte, []byte, error) {
 	first, err := recv()
 	if err != nil {
 		return nil, nil, nil, err
@@ -453,6 +460,11 @@ func receive(recv func() (*pb.ReplicaPiece, error), maxData int64, alloc func(in
 	}
 	if err := tooLarge(hdr, maxData); err != nil {
 		return nil, nil, nil, err
+	}
+	if check != nil {
+		if err := check(hdr); err != nil {
+			return nil, nil, nil, err
+		}
 	}
 	if alloc == nil {
 		alloc = func(n int64) ([]byte, error) { return make([]byte, n), nil }
@@ -500,13 +512,15 @@ func receive(recv func() (*pb.ReplicaPiece, error), maxData int64, alloc func(in
 // Local is what the Peer service serves: this sidecar's memory tiers
 // (a *tiers.Tiers).
 type Local interface {
-	// AcceptReplica keeps a peer's shard, whose data is in a buffer
-	// ReplicaBuffer handed out (kept or given back); ReplicaBuffer is room
-	// to receive one of n bytes into, charged to the hot tier until given
-	// to AcceptReplica or back to ReturnBuffer.
-	AcceptReplica(manifest, data []byte, committed, memory bool) error
+	// AcceptReplica keeps a peer's shard, want (its manifest must say
+	// so), whose data is in a buffer ReplicaBuffer handed out (kept or
+	// given back); ReplicaBuffer is room to receive one of n bytes into,
+	// charged to the hot tier until given to AcceptReplica or back to
+	// ReturnBuffer. Holds reports whether a shard is held already.
+	AcceptReplica(want checkpoint.Target, manifest, data []byte, memory bool) error
 	ReplicaBuffer(n int64) ([]byte, error)
 	ReturnBuffer(b []byte)
+	Holds(t checkpoint.Target) bool
 	// Replica is a shard held for a peer, and the func to call once sent.
 	Replica(job string, step int64, rank int, attempt string) (manifest, data []byte, committed bool, release func(), err error)
 	// Inventory lists the shards of job held here.
@@ -520,6 +534,12 @@ type Server struct {
 	pb.UnimplementedPeerServer
 	local    Local
 	maxBytes int64
+	// members is the peer list and this sidecar's entry, and replicas
+	// how many copies of a rank are kept: whom the server serves (see
+	// Members); names tells callers apart.
+	members  func() ([]string, string)
+	replicas int
+	names    hostNames
 	// receives bounds the replicas received at once; each one's bytes are
 	// charged to the hot tier before the first is read.
 	receives chan struct{}
@@ -576,13 +596,18 @@ func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, p
 		manifest, data []byte
 		err            error
 	}
+	var want checkpoint.Target
+	check := func(hdr *pb.ReplicaHeader) (err error) {
+		want, err = s.maySend(callerFrom(stream.Context()), hdr)
+		return err
+	}
 	got, abandoned := make(chan received), make(chan struct{})
 	alloc := func(n int64) ([]byte, error) { return s.local.ReplicaBuffer(n) }
 	giveBack := func(b []byte) { s.local.ReturnBuffer(b) }
 	// Owned by this call: it ends when the stream does, which returning
 	// (at the deadline) ends; what it received then goes back.
 	go func() {
-		hdr, manifest, data, err := receive(stream.Recv, s.maxBytes, alloc, giveBack)
+		hdr, manifest, data, err := receive(stream.Recv, s.maxBytes, check, alloc, giveBack)
 		select {
 		case got <- received{hdr, manifest, data, err}:
 		case <-abandoned:
@@ -604,7 +629,7 @@ func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, p
 	if r.err != nil {
 		return r.err
 	}
-	err = s.local.AcceptReplica(r.manifest, r.data, r.hdr.GetCommitted(), r.hdr.GetMemoryOnly())
+	err = s.local.AcceptReplica(want, r.manifest, r.data, r.hdr.GetMemoryOnly())
 	giveBack(r.manifest)
 	if err != nil {
 		return err
@@ -665,7 +690,8 @@ func Listen(addr string, creds Creds, srv *Server) (string, func(), error) {
 	if err != nil {
 		return "", nil, fmt.Errorf("peer listener: %w", err)
 	}
-	g := grpc.NewServer(append(serverOptions(), grpc.Creds(insecure.NewCredentials()))...)
+	g := grpc.NewServer(append(serverOptions(), grpc.Creds(callerCreds{}),
+		grpc.ChainUnaryInterceptor(srv.authUnary), grpc.ChainStreamInterceptor(srv.authStream))...)
 	pb.RegisterPeerServer(g, srv)
 	m := &mux{lis: lis, tls: creds.TLS, srv: srv, grpc: newChanListener(lis.Addr()), limit: newConnLimit()}
 	go m.serve()

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -76,11 +77,15 @@ func (m *mux) serve() {
 
 func (m *mux) route(c net.Conn) {
 	_ = c.SetReadDeadline(time.Now().Add(handshakeTimeout))
+	var cert *x509.Certificate
 	if m.tls != nil {
 		tc := tls.Server(c, m.tls)
 		if err := tc.Handshake(); err != nil {
 			c.Close()
 			return
+		}
+		if certs := tc.ConnectionState().PeerCertificates; len(certs) > 0 {
+			cert = certs[0]
 		}
 		c = tc
 	}
@@ -91,7 +96,7 @@ func (m *mux) route(c net.Conn) {
 		return
 	}
 	_ = c.SetReadDeadline(time.Time{})
-	pc := &peekedConn{Conn: c, r: br}
+	pc := &peekedConn{Conn: c, r: br, cert: cert}
 	switch string(head) {
 	case rawPreface:
 		m.srv.serveRaw(pc)
@@ -104,10 +109,12 @@ func (m *mux) route(c net.Conn) {
 }
 
 // peekedConn is a connection whose first bytes were peeked: reads go
-// through the reader that holds them.
+// through the reader that holds them. cert is the certificate its peer
+// presented in the TLS handshake (nil: plaintext).
 type peekedConn struct {
 	net.Conn
-	r *bufio.Reader
+	r    *bufio.Reader
+	cert *x509.Certificate
 }
 
 func (c *peekedConn) Read(p []byte) (int, error) { return c.r.Read(p) }
@@ -160,6 +167,10 @@ func (s *Server) serveRaw(c net.Conn) {
 	if err := readFrame(c, req); err != nil {
 		return
 	}
+	if err := s.mayCall(callerOf(c)); err != nil {
+		_ = writeFrame(c, &pb.ReplicaHeader{Error: err.Error()})
+		return
+	}
 	manifest, data, committed, release, err := s.local.Replica(req.GetJob(), req.GetStep(), int(req.GetRank()), req.GetAttempt())
 	if err != nil {
 		_ = writeFrame(c, &pb.ReplicaHeader{Error: err.Error()})
@@ -199,6 +210,11 @@ func (s *Server) serveRawPut(c net.Conn) {
 		answer(err)
 		return
 	}
+	want, err := s.maySend(callerOf(c), hdr)
+	if err != nil {
+		answer(err)
+		return
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), receiveWait)
 	done, err := s.turn(ctx)
 	cancel()
@@ -226,7 +242,7 @@ func (s *Server) serveRawPut(c net.Conn) {
 			return
 		}
 	}
-	answer(s.local.AcceptReplica(manifest, data, hdr.GetCommitted(), hdr.GetMemoryOnly()))
+	answer(s.local.AcceptReplica(want, manifest, data, hdr.GetMemoryOnly()))
 }
 
 // putRaw sends a replica on the raw path; a refusal wraps errRefused.
@@ -310,7 +326,9 @@ func (c *Client) dialRaw(ctx context.Context, addr string) (net.Conn, error) {
 		return nil, err
 	}
 	conf := c.creds.TLS.Clone()
-	conf.ServerName = host
+	if conf.ServerName == "" { // else --peer-server-name: every peer's certificate carries that name
+		conf.ServerName = host
+	}
 	tc := tls.Client(conn, conf)
 	if err := tc.HandshakeContext(ctx); err != nil {
 		conn.Close()

@@ -50,6 +50,19 @@ func NewCA(t testing.TB, dir, name string) *CA {
 // 127.0.0.1 and localhost, and writes it and its key into dir.
 func (ca *CA) Leaf(t testing.TB, dir, name string) (certFile, keyFile string) {
 	t.Helper()
+	return ca.leaf(t, dir, name, []net.IP{net.ParseIP("127.0.0.1")}, []string{"localhost"})
+}
+
+// LeafNamed is Leaf for a certificate that names only the DNS names
+// given, as one made in advance for peers dialled by address must
+// (serve --peer-server-name).
+func (ca *CA) LeafNamed(t testing.TB, dir, name string, dnsNames ...string) (certFile, keyFile string) {
+	t.Helper()
+	return ca.leaf(t, dir, name, nil, dnsNames)
+}
+
+func (ca *CA) leaf(t testing.TB, dir, name string, ips []net.IP, dnsNames []string) (certFile, keyFile string) {
+	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		t.Fatal(err)
@@ -59,7 +72,7 @@ func (ca *CA) Leaf(t testing.TB, dir, name string) (certFile, keyFile string) {
 		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
 		KeyUsage:    x509.KeyUsageDigitalSignature,
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, DNSNames: []string{"localhost"},
+		IPAddresses: ips, DNSNames: dnsNames,
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
 	if err != nil {
