@@ -13,6 +13,7 @@ import (
 	"strings"
 	"testing"
 
+	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	k8syaml "k8s.io/apimachinery/pkg/util/yaml"
@@ -36,6 +37,7 @@ var kinds = map[schema.GroupVersionKind]func() any{
 	corev1.SchemeGroupVersion.WithKind("ConfigMap"):      func() any { return &corev1.ConfigMap{} },
 	corev1.SchemeGroupVersion.WithKind("Service"):        func() any { return &corev1.Service{} },
 	corev1.SchemeGroupVersion.WithKind("ServiceAccount"): func() any { return &corev1.ServiceAccount{} },
+	batchv1.SchemeGroupVersion.WithKind("Job"):           func() any { return &batchv1.Job{} },
 }
 
 // manifest is one YAML document of a file under deploy/kubernetes,

@@ -13,6 +13,7 @@ import (
 	"sync"
 	"testing"
 
+	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 )
 
@@ -86,27 +87,35 @@ func checkFlags(t *testing.T, where string, args []string) {
 	}
 }
 
-// Every Pod under deploy/kubernetes runs ckptd as a native sidecar beside
-// its trainer, sharing memory-backed /dev/shm and socket folders, with
-// probes and a memory limit that covers what its flags need.
+// Every Pod under deploy/kubernetes, and every Job's pod, runs ckptd as a
+// native sidecar beside its trainer, sharing memory-backed /dev/shm and
+// socket folders, with probes and a memory limit that covers what its
+// flags need.
 func TestKubernetesPod(t *testing.T) {
 	var pods int
 	for _, m := range kubernetesManifests(t) {
-		if pod, ok := m.obj.(*corev1.Pod); ok {
-			pods++
-			t.Run(m.String(), func(t *testing.T) { checkPod(t, pod) })
+		var spec *corev1.PodSpec
+		switch obj := m.obj.(type) {
+		case *corev1.Pod:
+			spec = &obj.Spec
+		case *batchv1.Job:
+			spec = &obj.Spec.Template.Spec
+		default:
+			continue
 		}
+		pods++
+		t.Run(m.String(), func(t *testing.T) { checkPod(t, spec) })
 	}
 	if pods == 0 {
 		t.Fatal("no Pod under deploy/kubernetes")
 	}
 }
 
-func checkPod(t *testing.T, pod *corev1.Pod) {
-	if len(pod.Spec.InitContainers) != 1 || len(pod.Spec.Containers) != 1 {
+func checkPod(t *testing.T, spec *corev1.PodSpec) {
+	if len(spec.InitContainers) != 1 || len(spec.Containers) != 1 {
 		t.Fatal("want one sidecar (init container) and one trainer")
 	}
-	side, trainer := pod.Spec.InitContainers[0], pod.Spec.Containers[0]
+	side, trainer := spec.InitContainers[0], spec.Containers[0]
 	if side.RestartPolicy == nil || *side.RestartPolicy != corev1.ContainerRestartPolicyAlways {
 		t.Error("the sidecar is not a native sidecar (restartPolicy: Always)")
 	}
@@ -127,7 +136,13 @@ func checkPod(t *testing.T, pod *corev1.Pod) {
 		return m
 	}
 	sm, tm := mounts(side), mounts(trainer)
-	for _, v := range pod.Spec.Volumes {
+	for _, v := range spec.Volumes {
+		if v.Secret != nil { // the peers' certificates: the sidecar's alone
+			if sm[v.Name] == "" || tm[v.Name] != "" {
+				t.Errorf("secret volume %s is not the sidecar's alone", v.Name)
+			}
+			continue
+		}
 		if v.EmptyDir == nil || v.EmptyDir.Medium != corev1.StorageMediumMemory {
 			t.Errorf("volume %s is not a memory-backed emptyDir", v.Name)
 		}
@@ -148,7 +163,7 @@ func checkPod(t *testing.T, pod *corev1.Pod) {
 	if limit := side.Resources.Limits.Memory(); limit.Value() < total {
 		t.Errorf("the sidecar's memory limit %s is less than the %d bytes its flags need (ckptd serve --print-memory)", limit, total)
 	}
-	for _, v := range pod.Spec.Volumes {
+	for _, v := range spec.Volumes {
 		if v.Name == "dshm" && (v.EmptyDir.SizeLimit == nil || v.EmptyDir.SizeLimit.Value() < arena) {
 			t.Errorf("/dev/shm's sizeLimit %v is less than the %d-byte arena", v.EmptyDir.SizeLimit, arena)
 		}
