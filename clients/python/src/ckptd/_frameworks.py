@@ -168,20 +168,6 @@ def same_identity(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
     return True
 
 
-def same_tensors(saved: Any, now: Any) -> str | None:
-    """None when now's tensors equal saved's bit for bit; else the first that differs."""
-    a, b = dict(tensors(saved)), dict(tensors(now))
-    if a.keys() != b.keys():
-        return next(iter(sorted(a.keys() ^ b.keys())))
-    for path, x in a.items():
-        y = b[path].detach().cpu()
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return path
-        if not torch.equal(_tensors.bits(torch, x), _tensors.bits(torch, y)):
-            return path
-    return None
-
-
 @dataclass
 class Loaded:
     """A step saved through ckptd.torch, decoded without a module to load into."""
@@ -319,11 +305,9 @@ def stage(
             raise
         attempt = str((exists.metadata or {}).get("attempt", ""))
         wait_committed(client, step, job=job, attempt=attempt, timeout=timeout)
-        stored = load(client, step, job=job, rank=rank)
         sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
-        differs = same_tensors(
-            {"model": stored.model, "optimizer": stored.optimizer, "extra": stored.extra},
-            {"model": sd, "optimizer": optimizer, "extra": extra},
+        differs = same_shard(
+            client, step, rank=rank, job=job, model=sd, optimizer=optimizer, extra=extra
         )
         if differs is not None:
             raise CkptdError(
