@@ -165,6 +165,7 @@ def test_top_k_last_best_and_plain_files(daemon, job, tmp_path):
     trainer2.strategy.checkpoint_io = pl.plugins.TorchCheckpointIO()
     trainer2.save_checkpoint(plain)
     assert cl.read_pointer(plain) is None
+    assert cl.read_pointer(tmp_path) is None  # a folder: Lightning's own sharded checkpoint
     assert io.load_checkpoint(plain, weights_only=False)["global_step"] == 8
 
 

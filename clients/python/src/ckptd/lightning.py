@@ -417,8 +417,10 @@ def load_from_checkpoint(
 
 
 def read_pointer(path: Any) -> dict[str, Any] | None:
-    """The ckptd pointer at path, or None when path is another file (a torch.save'd one)."""
+    """The ckptd pointer at path, or None for anything else (a torch.save'd file, a folder)."""
     target = _local(path)
+    if target.is_dir():  # Lightning's own sharded checkpoint
+        return None
     try:
         with open(target, "rb") as f:
             head = f.read(1)
