@@ -11,7 +11,9 @@ it in the background while training goes on.
 Where Lightning expects the checkpoint file, a small JSON pointer is left
 (the job, the step, and the non-tensor state of that very save), so that
 ModelCheckpoint's bookkeeping -- ``last.ckpt``, top-k, ``ckpt_path="last"``
-and ``"best"`` -- works unchanged. See docs/frameworks.md.
+and ``"best"`` -- works unchanged. Sharded state (FSDP2, tensor
+parallel): ``Trainer(strategy=ckptd.lightning.ModelParallelStrategy())``.
+See docs/frameworks.md.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ class CheckpointIO(_fabric_plugins.CheckpointIO):
     Lightning calls save_checkpoint on global rank 0 only, with the whole
     state (single device, DDP, FSDP with ``state_dict_type="full"``), so
     each checkpoint is one shard: rank 0 of world size 1. Every rank loads
-    it. Sharded strategies (FSDP's "sharded" state, ModelParallel) bypass
-    CheckpointIO: use ckptd.dcp with them (see docs/frameworks.md).
+    it. Sharded strategies bypass CheckpointIO: ModelParallelStrategy
+    (FSDP2) has its ckptd subclass below; FSDP1's "sharded" state is not
+    adapted (see docs/frameworks.md).
     """
 
     def __init__(
