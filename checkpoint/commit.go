@@ -6,7 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
+
+	"golang.org/x/sync/errgroup"
 
 	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/storage"
@@ -31,11 +34,20 @@ func (s *Store) TryCommit(ctx context.Context, step int64, attempt string, world
 	if rec, err := s.ReadCommit(ctx, step); !errors.Is(err, storage.ErrNotFound) {
 		return rec, false, err
 	}
-	names, err := s.listManifests(ctx, step, attempt)
+	names, err := s.manifestsUnder(ctx, inJob(s.job, attemptDir(step, attempt)))
 	if err != nil || len(names) < worldSize {
 		return nil, false, err
 	}
-	rec, err = s.summarize(ctx, t, names)
+	return s.commitFrom(ctx, t, names)
+}
+
+// commitFrom builds the commit record of t's attempt from its manifests
+// names and creates COMMIT.json if absent; it returns the step's record,
+// whoever wrote it, and whether this call did. The waiters of the step in
+// this process learn the record at once (see PollCommit).
+func (s *Store) commitFrom(ctx context.Context, t Target, names []string) (*CommitRecord, bool, error) {
+	t.Rank = 0 // the step's, not a rank's
+	rec, err := s.summarize(ctx, t, names)
 	if err != nil {
 		return nil, false, err
 	}
@@ -43,14 +55,16 @@ func (s *Store) TryCommit(ctx context.Context, step int64, attempt string, world
 	if err != nil {
 		return nil, false, err
 	}
-	err = s.backend.PutIfAbsent(ctx, commitName(s.job, step), data)
+	err = s.backend.PutIfAbsent(ctx, commitName(s.job, t.Step), data)
 	if errors.Is(err, storage.ErrExists) { // another sidecar (or attempt) won
-		rec, err = s.ReadCommit(ctx, step)
+		rec, err = s.ReadCommit(ctx, t.Step)
+		s.notePoll(t.Step, rec)
 		return rec, false, err
 	}
 	if err != nil {
-		return nil, false, fmt.Errorf("commit step %d: %w", step, err)
+		return nil, false, fmt.Errorf("commit step %d: %w", t.Step, err)
 	}
+	s.notePoll(t.Step, rec)
 	return rec, true, nil
 }
 
@@ -65,10 +79,10 @@ func (s *Store) RemoveRank(ctx context.Context, t Target) {
 	}
 }
 
-// listManifests lists the manifests of one attempt of a step.
-func (s *Store) listManifests(ctx context.Context, step int64, attempt string) ([]string, error) {
+// manifestsUnder lists the manifests whose names start with prefix.
+func (s *Store) manifestsUnder(ctx context.Context, prefix string) ([]string, error) {
 	var names []string
-	err := s.backend.List(ctx, inJob(s.job, attemptDir(step, attempt)), func(oi storage.ObjectInfo) error {
+	err := s.backend.List(ctx, prefix, func(oi storage.ObjectInfo) error {
 		if strings.HasSuffix(oi.Name, manifestSuffix) {
 			names = append(names, oi.Name)
 		}
@@ -77,39 +91,63 @@ func (s *Store) listManifests(ctx context.Context, step int64, attempt string) (
 	return names, err
 }
 
-// summarize reads every manifest of the attempt, checks that they describe
-// ranks 0..worldSize-1 of it, and builds the commit record.
+// summarizeConcurrency is how many manifests a commit reads at once: the
+// read of every manifest of a step is on the way from its last rank's
+// write to its commit record, and a step may have thousands.
+const summarizeConcurrency = 32
+
+// summarize reads every manifest of the attempt (summarizeConcurrency at
+// a time), checks that they describe ranks 0..worldSize-1 of it, and
+// builds the commit record.
 func (s *Store) summarize(ctx context.Context, t Target, names []string) (*CommitRecord, error) {
 	rec := &CommitRecord{
 		Format: CommitFormat, Version: CommitVersion, Job: t.Job, Step: t.Step, Attempt: t.Attempt,
 		WorldSize: t.WorldSize, CommittedAt: time.Now().UTC(), Manifests: make([]ManifestRef, t.WorldSize),
 	}
+	var mu sync.Mutex
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(summarizeConcurrency)
 	for _, name := range names {
-		data, err := s.readObject(ctx, name, maxManifestBytes)
-		if err != nil {
-			return nil, err
-		}
-		m, err := ParseManifest(data)
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w", name, err)
-		}
-		mt := m.Target()
-		mt.Rank = 0
-		if mt != t {
-			return nil, fmt.Errorf("%w: %s describes %s; attempt %q of step %d has ranks saved with a world size of %d",
-				ErrInvalid, name, m.Target(), t.Attempt, t.Step, t.WorldSize)
-		}
-		if name != manifestName(m.Target()) || rec.Manifests[m.Rank].Object != "" {
-			return nil, fmt.Errorf("%w: %s describes rank %d, stored elsewhere", ErrCorrupt, name, m.Rank)
-		}
-		rec.Manifests[m.Rank] = ManifestRef{Object: manifestObject(t.Step, t.Attempt, m.Rank), Hash: codec.FormatHash(codec.Hash(data))}
-		rec.Bytes += m.DataSize
-		rec.StoredBytes += m.StoredSize
-		values, tensors := m.NonFinite()
-		rec.NonFinite += values
-		rec.NonFiniteTensors += tensors
+		g.Go(func() error {
+			data, err := s.readObject(gctx, name, maxManifestBytes)
+			if err != nil {
+				return err
+			}
+			m, err := ParseManifest(data)
+			if err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			return rec.add(t, name, m, data)
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return nil, err
 	}
 	return rec, nil
+}
+
+// add counts the manifest m, read from name as data, in the record of t's
+// attempt, once it checks that m is one of its ranks, stored where it
+// should be.
+func (rec *CommitRecord) add(t Target, name string, m *Manifest, data []byte) error {
+	mt := m.Target()
+	mt.Rank = 0
+	if mt != t {
+		return fmt.Errorf("%w: %s describes %s; attempt %q of step %d has ranks saved with a world size of %d",
+			ErrInvalid, name, m.Target(), t.Attempt, t.Step, t.WorldSize)
+	}
+	if name != manifestName(m.Target()) || rec.Manifests[m.Rank].Object != "" {
+		return fmt.Errorf("%w: %s describes rank %d, stored elsewhere", ErrCorrupt, name, m.Rank)
+	}
+	rec.Manifests[m.Rank] = ManifestRef{Object: manifestObject(t.Step, t.Attempt, m.Rank), Hash: codec.FormatHash(codec.Hash(data))}
+	rec.Bytes += m.DataSize
+	rec.StoredBytes += m.StoredSize
+	values, tensors := m.NonFinite()
+	rec.NonFinite += values
+	rec.NonFiniteTensors += tensors
+	return nil
 }
 
 // readManifest reads and parses the manifest object name (relative to

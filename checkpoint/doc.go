@@ -80,14 +80,20 @@
 //
 // # Commit
 //
-// After writing a rank's data and manifest, a sidecar lists its attempt's
-// folder of the step; once world_size manifests of that attempt are there
-// it creates COMMIT.json with storage.Backend.PutIfAbsent. Manifests of
-// other attempts never count, whatever their world size. Several sidecars
+// After writing a rank's data and manifest, a sidecar lists the manifests
+// of the rank's group of 100 in its attempt's folder of the step (names
+// sharing "rank-NNN"), and while the group it listed is whole, the group
+// of 1,000 around it, of 10,000, then every rank (Store.TryCommitRank);
+// once world_size manifests of that attempt are there it creates
+// COMMIT.json with storage.Backend.PutIfAbsent. Manifests of other
+// attempts never count, whatever their world size. Several sidecars
 // sharing one store commit a step exactly once with no coordinator: the
-// last manifest written is always followed by a listing that sees all of
-// them, and the conditional create picks one winner, whichever attempt it
-// is. A save whose step another attempt committed fails (ALREADY_EXISTS,
+// manifest that completes a group is always followed by a listing that
+// sees the group whole, so the last one written is followed by a listing
+// of every rank, and the conditional create picks one winner, whichever
+// attempt it is. Ranks waiting for the commit read COMMIT.json and commit
+// the step themselves only when it stays uncommitted long after it could
+// have been (Store.PollCommit). A save whose step another attempt committed fails (ALREADY_EXISTS,
 // naming that attempt) and its objects are removed. Readers ignore steps
 // without COMMIT.json, so a crash at any point leaves the previous
 // committed step restorable; `ckptd prune` removes what no commit record

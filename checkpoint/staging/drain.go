@@ -284,11 +284,12 @@ func (mgr *Manager) recordDurable(t checkpoint.Target, m *checkpoint.Manifest, r
 		"bytes", m.DataSize, "stored", m.StoredSize, "duration", time.Since(start), "reused", reused)
 }
 
-// commitSettled tries t's step's commit until the outcome is known (see
-// tryCommit), with backoff; false when the daemon shuts down first.
+// commitSettled tries t's step's commit, as the drain that wrote t's
+// rank (Store.TryCommitRank), until the outcome is known (see settle),
+// with backoff; false when the daemon shuts down first.
 func (mgr *Manager) commitSettled(t checkpoint.Target) bool {
 	for b := newBackoff(); ; {
-		_, err := mgr.tryCommit(mgr.ctx, t)
+		_, err := mgr.settle(mgr.ctx, t, (*checkpoint.Store).TryCommitRank)
 		if err == nil {
 			return true
 		}
@@ -299,17 +300,26 @@ func (mgr *Manager) commitSettled(t checkpoint.Target) bool {
 	}
 }
 
-// tryCommit commits t's step if t's attempt has every rank, and records
-// the outcome for t's waiters: committed, or failed when another attempt
-// committed the step (t's objects are then garbage, and removed) or its
-// commit record is damaged. It reports whether the step is committed, by
-// any attempt; an error means the check itself failed and must be retried.
+// tryCommit is a waiter's look at t's step (Store.PollCommit: shared by
+// the step's waiters in this daemon, and committing the step itself only
+// when its last rank's drain seems lost), settled as settle does.
 func (mgr *Manager) tryCommit(ctx context.Context, t checkpoint.Target) (bool, error) {
+	return mgr.settle(ctx, t, (*checkpoint.Store).PollCommit)
+}
+
+// settle commits t's step with check if t's attempt has every rank, and
+// records the outcome for t's waiters: committed, or failed when another
+// attempt committed the step (t's objects are then garbage, and removed)
+// or its commit record is damaged. It reports whether the step is
+// committed, by any attempt; an error means the check itself failed and
+// must be retried.
+func (mgr *Manager) settle(ctx context.Context, t checkpoint.Target,
+	check func(*checkpoint.Store, context.Context, checkpoint.Target) (*checkpoint.CommitRecord, bool, error)) (bool, error) {
 	s, err := mgr.jobStore(t.Job)
 	if err != nil {
 		return false, err
 	}
-	rec, won, err := s.TryCommit(ctx, t.Step, t.Attempt, t.WorldSize)
+	rec, won, err := check(s, ctx, t)
 	switch {
 	case errors.Is(err, checkpoint.ErrCorrupt):
 		mgr.log.Error("the step's commit record is damaged; this save cannot join it", "target", t, "err", err)

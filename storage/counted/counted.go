@@ -2,6 +2,8 @@
 // operations that failed, in the manner of restic's backend decorators:
 // ckptd serve counts the failures of its checkpoint store and of its
 // dataset sources this way (ckptd status, ckptd_backend_errors_total).
+// It also counts every call by operation (Calls), which tests use to
+// bound what an algorithm asks of the store.
 //
 // An operation failed when the store did not do what was asked. Answers
 // are not failures: ErrNotFound (Stat, Get), ErrExists (PutIfAbsent); nor
@@ -16,6 +18,7 @@ import (
 	"errors"
 	"io"
 	"sync"
+	"sync/atomic"
 
 	"github.com/ckptd/ckptd/storage"
 )
@@ -33,17 +36,46 @@ const (
 	OpDeleteTemp  = "delete-temporary"
 )
 
+var ops = [...]string{OpPut, OpPutIfAbsent, OpGet, OpStat, OpList, OpListDirs, OpDelete, OpListTemps, OpDeleteTemp}
+
 // Backend passes every call through to the backend it wraps and calls
 // failed with the operation's name when it failed.
 type Backend struct {
 	b      storage.Backend
 	failed func(op string)
+	calls  [len(ops)]atomic.Int64
 }
 
-// New wraps b; failed is called (from any goroutine) once per failed
-// operation.
+// New wraps b; failed (nil: none) is called (from any goroutine) once per
+// failed operation.
 func New(b storage.Backend, failed func(op string)) *Backend {
+	if failed == nil {
+		failed = func(string) {}
+	}
 	return &Backend{b: b, failed: failed}
+}
+
+// Calls returns how many times each operation was called so far, failed
+// or not, by the names above (those never called are left out). A call
+// is not a request: a listing counts once however many pages the store
+// answered it in, and a Put once however many parts it was sent in.
+func (c *Backend) Calls() map[string]int64 {
+	out := map[string]int64{}
+	for i, op := range ops {
+		if n := c.calls[i].Load(); n > 0 {
+			out[op] = n
+		}
+	}
+	return out
+}
+
+func (c *Backend) call(op string) {
+	for i, o := range ops {
+		if o == op {
+			c.calls[i].Add(1)
+			return
+		}
+	}
 }
 
 // Unwrap returns the wrapped backend, for code that looks for a concrete
@@ -58,6 +90,7 @@ func Failure(err error) bool {
 }
 
 func (c *Backend) count(op string, err error) error {
+	c.call(op)
 	if Failure(err) {
 		c.failed(op)
 	}
@@ -79,6 +112,7 @@ func (c *Backend) Get(ctx context.Context, name string, offset, length int64) (i
 	if err != nil {
 		return nil, c.count(OpGet, err)
 	}
+	c.call(OpGet)
 	return &body{ReadCloser: rc, c: c}, nil
 }
 
@@ -105,6 +139,7 @@ func listing[T any](c *Backend, op string, fn func(T) error, list func(func(T) e
 		return err
 	})
 	if stopped {
+		c.call(op)
 		return err // the caller's own error, not the store's
 	}
 	return c.count(op, err)

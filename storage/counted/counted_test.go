@@ -155,3 +155,32 @@ func TestBrokenBodyCounted(t *testing.T) {
 		t.Fatalf("counted %v, want one get", got)
 	}
 }
+
+// Every call counts, failed, answered or stopped by its callback; a
+// listing counts once, whatever it lists.
+func TestCallsCounted(t *testing.T) {
+	c, f, _ := store(t)
+	ctx := t.Context()
+	for _, name := range []string{"a/1", "a/2", "a/3"} {
+		if err := put(ctx, c, name, "x"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_ = c.PutIfAbsent(ctx, "a/1", []byte("c")) // exists
+	_, _ = c.Stat(ctx, "a/missing")
+	rc, err := c.Get(ctx, "a/1", 0, -1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc.Close()
+	_ = c.List(ctx, "a/", func(storage.ObjectInfo) error { return nil })
+	_ = c.List(ctx, "a/", func(storage.ObjectInfo) error { return errors.New("stop") })
+	outage := f.Outage(faulty.OpAll)
+	_ = c.Delete(ctx, "a/1")
+	outage.Remove()
+	want := map[string]int64{counted.OpPut: 3, counted.OpPutIfAbsent: 1, counted.OpStat: 1, counted.OpGet: 1,
+		counted.OpList: 2, counted.OpDelete: 1}
+	if got := c.Calls(); !maps.Equal(got, want) {
+		t.Fatalf("calls %v, want %v", got, want)
+	}
+}

@@ -1,0 +1,286 @@
+package checkpoint
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"path"
+	"reflect"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ckptd/ckptd/storage"
+)
+
+// rankGroups are the groups of ranks a rank's commit check climbs
+// through, smallest first. Ranks have 5 digits in object names, so the
+// 10^k ranks that share their first 5-k digits share a name prefix, and
+// one listing of that prefix holds all their objects: 200 names (one
+// page of an S3 listing) for a group of 100 ranks.
+var rankGroups = [...]struct{ size, digits int }{{100, 3}, {1000, 2}, {10000, 1}, {100000, 0}}
+
+// TryCommitRank is TryCommit as the drain of t's rank makes it, right
+// after writing t's manifest: it commits t's step when all world_size
+// manifests of t's attempt are there, and returns the same as TryCommit.
+//
+// Unlike TryCommit it does not list the whole attempt: it lists the group
+// of 100 ranks around t.Rank, and only when that group is whole the group
+// of 1,000 around it, and so on up to every rank of the step. Whichever
+// rank's manifest completes a group is followed by a listing that sees the
+// group whole (storage lists what was written before), so the rank that
+// completes the last group climbs to the top and commits: still no
+// coordinator, and each rank makes one listing of one page, where a
+// listing of the whole attempt costs a page per 500 ranks. Only the few
+// ranks that complete a group list more, and only the one (or the few
+// racing) that completes the step reads every manifest.
+//
+// It does not read the commit record until the step looks whole: a save
+// whose step another attempt committed is told so when it waits (see
+// PollCommit), or when it climbs to the top.
+func (s *Store) TryCommitRank(ctx context.Context, t Target) (rec *CommitRecord, won bool, err error) {
+	if err := t.Validate(); err != nil {
+		return nil, false, err
+	}
+	names, err := s.wholeAround(ctx, t)
+	if err != nil || names == nil {
+		return nil, false, err
+	}
+	// The step looks whole. Another rank completing it at the same time
+	// may have committed it already: one read saves reading every manifest.
+	if rec, err := s.ReadCommit(ctx, t.Step); !errors.Is(err, storage.ErrNotFound) {
+		s.notePoll(t.Step, rec)
+		return rec, false, err
+	}
+	return s.commitFrom(ctx, t, names)
+}
+
+// wholeAround lists the groups of ranks around t.Rank (rankGroups),
+// smallest first, and returns every manifest of t's attempt once all its
+// world_size ranks have one; nil while the group it reached lacks one.
+func (s *Store) wholeAround(ctx context.Context, t Target) ([]string, error) {
+	dir := inJob(s.job, attemptDir(t.Step, t.Attempt))
+	for _, g := range rankGroups {
+		lo := t.Rank / g.size * g.size
+		hi := min(lo+g.size, t.WorldSize)
+		names, err := s.manifestsUnder(ctx, dir+"rank-"+fmt.Sprintf("%05d", lo)[:g.digits])
+		if err != nil {
+			return nil, err
+		}
+		if ranksIn(names, lo, hi) < hi-lo {
+			return nil, nil
+		}
+		if lo == 0 && hi == t.WorldSize {
+			return names, nil
+		}
+	}
+	return nil, fmt.Errorf("%w: rank %d of world size %d has no group", ErrInvalid, t.Rank, t.WorldSize)
+}
+
+// ranksIn counts the ranks in [lo, hi) that names (manifests of one
+// attempt, each once) hold. A name that is not a rank's manifest counts
+// for none; summarize refuses it when the step looks whole.
+func ranksIn(names []string, lo, hi int) int {
+	n := 0
+	for _, name := range names {
+		digits, ok := strings.CutPrefix(path.Base(name), "rank-")
+		if !ok {
+			continue
+		}
+		if r, err := strconv.Atoi(strings.TrimSuffix(digits, manifestSuffix)); err == nil && r >= lo && r < hi {
+			n++
+		}
+	}
+	return n
+}
+
+// PollCommit is a waiting rank's look at its step: the step's commit
+// record when it has one (by any attempt: the caller compares), else nil;
+// and, rarely, TryCommitRank on its behalf (won says whether that wrote
+// the record).
+//
+// The waiters of one step in this process share their looks: one reads
+// the commit record while the others wait for its answer, and an answer
+// younger than pollShare(world size) is given again without asking
+// storage, so a node's waiters ask about once per pollShare whatever
+// their number, and a commit this process made or saw is known to all
+// its waiters at once.
+//
+// Waiting ranks normally commit nothing: the drain of the step's last rank
+// does (TryCommitRank), and retries until it succeeds. If that drain
+// stops for good (its node lost with its journal), nobody else would ever
+// commit the step, so a waiter tries TryCommitRank itself, but only once
+// the step has been waited for longer than a healthy commit takes
+// (fallbackGrace), at a random moment spread over fallbackSpread, and at
+// most once per fallbackSpread in this process after that: the ranks of
+// a large job, spread over many nodes, do not all list and read every
+// manifest at the same moment.
+func (s *Store) PollCommit(ctx context.Context, t Target) (rec *CommitRecord, won bool, err error) {
+	if err := t.Validate(); err != nil {
+		return nil, false, err
+	}
+	p := s.poll(t)
+	if p == nil { // a backend that cannot key the table: every look is a full one
+		if rec, err := s.ReadCommit(ctx, t.Step); !errors.Is(err, storage.ErrNotFound) {
+			return rec, false, err
+		}
+		return s.TryCommitRank(ctx, t)
+	}
+	if rec := p.seen(t.WorldSize); rec != nil {
+		return rec, false, nil
+	}
+	select {
+	case p.turn <- struct{}{}:
+	case <-ctx.Done():
+		return nil, false, ctx.Err()
+	}
+	try, err := p.look(ctx, s, t)
+	<-p.turn // the other waiters need not wait for this one's try
+	if err != nil || !try {
+		return p.seen(t.WorldSize), false, err
+	}
+	return s.TryCommitRank(ctx, t)
+}
+
+// look is a waiter's look, holding the turn: it reads the commit record
+// unless a look younger than pollShare found none, and reports whether
+// this waiter is to try the commit itself.
+func (p *commitPoll) look(ctx context.Context, s *Store, t Target) (try bool, err error) {
+	now := time.Now()
+	if p.seen(t.WorldSize) == nil && now.Sub(p.readAt) >= pollShare(t.WorldSize) {
+		rec, err := s.ReadCommit(ctx, t.Step)
+		switch {
+		case err == nil:
+			p.note(rec)
+			return false, nil
+		case !errors.Is(err, storage.ErrNotFound):
+			return false, err
+		}
+		p.readAt = time.Now()
+	}
+	if p.seen(t.WorldSize) != nil || now.Before(p.fallbackAt) {
+		return false, nil
+	}
+	p.fallbackAt = now.Add(randomIn(fallbackSpread(t.WorldSize)))
+	return true, nil
+}
+
+// pollShare is how long a look at a step's commit record is shared by its
+// waiters in a process: a quarter of a millisecond per rank, between 250
+// ms and 2 s. A step of 16,384 ranks on 2,048 nodes is then asked about
+// 1,000 times a second, within what S3 serves on one prefix (5,500 reads a
+// second), where every rank asking every 250 ms would be 65,000.
+func pollShare(worldSize int) time.Duration {
+	return min(max(time.Duration(worldSize)*250*time.Microsecond, 250*time.Millisecond), 2*time.Second)
+}
+
+// fallbackGrace is how long a step is waited for before a waiter tries
+// to commit it itself: longer than the commit of a healthy step takes
+// once its last rank is written, which reads every manifest (5 s, plus 1
+// ms per rank).
+var fallbackGrace = func(worldSize int) time.Duration {
+	return 5*time.Second + time.Duration(worldSize)*time.Millisecond
+}
+
+// fallbackSpread is the window over which the waiters of a process
+// spread their tries (10 ms per rank, at least 5 s): with 8 ranks per node
+// the nodes of a job try about 12 times a second in all, whatever its
+// size.
+var fallbackSpread = func(worldSize int) time.Duration {
+	return max(5*time.Second, time.Duration(worldSize)*10*time.Millisecond)
+}
+
+func randomIn(d time.Duration) time.Duration { return rand.N(d) }
+
+// commitPoll is what the waiters of one step in this process share.
+type commitPoll struct {
+	rec atomic.Pointer[seenRecord] // the step's commit record, once seen
+	// turn is held by the waiter looking (the others wait for its
+	// answer); it guards readAt and fallbackAt.
+	turn       chan struct{}
+	readAt     time.Time // of the last look that found no record
+	fallbackAt time.Time // when a look next tries the commit itself
+	used       time.Time // guarded by commitPolls' lock
+}
+
+// seenRecord is a commit record and when it was seen. It is given to
+// waiters for pollShare only, as a look that found none is: a step can be
+// deleted, and saved again.
+type seenRecord struct {
+	rec *CommitRecord
+	at  time.Time
+}
+
+func (p *commitPoll) note(rec *CommitRecord) {
+	p.rec.Store(&seenRecord{rec: rec, at: time.Now()})
+}
+
+// seen returns the commit record seen within pollShare, or nil.
+func (p *commitPoll) seen(worldSize int) *CommitRecord {
+	if sr := p.rec.Load(); sr != nil && time.Since(sr.at) < pollShare(worldSize) {
+		return sr.rec
+	}
+	return nil
+}
+
+type pollKey struct {
+	b    storage.Backend
+	job  string
+	step int64
+}
+
+// commitPolls holds the steps being waited for in this process, by
+// backend: a process-wide table, because Stores are made per request.
+// Entries unused for pollIdle are dropped.
+var commitPolls = struct {
+	sync.Mutex
+	m     map[pollKey]*commitPoll
+	swept time.Time
+}{m: map[pollKey]*commitPoll{}}
+
+const pollIdle = time.Minute
+
+// poll returns t's step's shared entry, making it; nil when the backend
+// cannot be a map key.
+func (s *Store) poll(t Target) *commitPoll {
+	if !reflect.TypeOf(s.backend).Comparable() {
+		return nil
+	}
+	now := time.Now()
+	commitPolls.Lock()
+	defer commitPolls.Unlock()
+	if now.Sub(commitPolls.swept) > pollIdle/4 {
+		for k, p := range commitPolls.m {
+			if now.Sub(p.used) > pollIdle {
+				delete(commitPolls.m, k)
+			}
+		}
+		commitPolls.swept = now
+	}
+	k := pollKey{s.backend, s.job, t.Step}
+	p := commitPolls.m[k]
+	if p == nil {
+		p = &commitPoll{turn: make(chan struct{}, 1),
+			fallbackAt: now.Add(fallbackGrace(t.WorldSize) + randomIn(fallbackSpread(t.WorldSize)))}
+		commitPolls.m[k] = p
+	}
+	p.used = now
+	return p
+}
+
+// notePoll tells step's waiters in this process, if any, its commit
+// record (nil: nothing to tell).
+func (s *Store) notePoll(step int64, rec *CommitRecord) {
+	if rec == nil || !reflect.TypeOf(s.backend).Comparable() {
+		return
+	}
+	commitPolls.Lock()
+	p := commitPolls.m[pollKey{s.backend, s.job, step}]
+	commitPolls.Unlock()
+	if p != nil {
+		p.note(rec)
+	}
+}

@@ -1,0 +1,281 @@
+package checkpoint
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ckptd/ckptd/checkpoint/dtype"
+	"github.com/ckptd/ckptd/storage"
+	"github.com/ckptd/ckptd/storage/counted"
+	"github.com/ckptd/ckptd/storage/memstore"
+)
+
+// tinyShard is a rank's shard of a few bytes, for steps of many ranks.
+func tinyShard(attempt string, step int64, rank, world int) *Shard {
+	data := []byte{byte(rank), byte(rank >> 8), byte(step), 1}
+	l, err := NewLayout([]Tensor{{Name: "w", DType: dtype.U8, Shape: []int64{4}, Length: 4}})
+	if err != nil {
+		panic(err)
+	}
+	return &Shard{Target: Target{Job: "job", Step: step, Rank: rank, WorldSize: world, Attempt: attempt}, Layout: l, Data: data}
+}
+
+func countedStore(t *testing.T) (*counted.Backend, *Store, *Writer) {
+	t.Helper()
+	c := counted.New(memstore.New(), nil)
+	w, err := NewWriter(c, WriterOptions{ChunkSize: 64 << 10, Workers: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, &Store{backend: c, job: "job"}, w
+}
+
+// calls returns the calls of op made since before.
+func callsSince(c *counted.Backend, before map[string]int64, op string) int64 {
+	return c.Calls()[op] - before[op]
+}
+
+// Ranks written one at a time, in any order, each followed by its drain's
+// check: only the last one commits, each check lists one group of 100
+// ranks, and only the checks that complete a group list more. Every
+// manifest is read once, by the rank that commits.
+func TestTryCommitRankClimbsGroups(t *testing.T) {
+	for _, world := range []int{1, 7, 100, 101, 250, 1203} {
+		c, s, w := countedStore(t)
+		ctx := context.Background()
+		order := rand.Perm(world)
+		var lists, gets int64
+		for i, rank := range order {
+			sh := tinyShard(testAttempt, 3, rank, world)
+			if _, err := w.WriteShard(ctx, sh); err != nil {
+				t.Fatal(err)
+			}
+			before := c.Calls()
+			rec, won, err := s.TryCommitRank(ctx, sh.Target)
+			lists += callsSince(c, before, counted.OpList)
+			gets += callsSince(c, before, counted.OpGet)
+			last := i == world-1
+			if err != nil || (rec != nil) != last || won != last {
+				t.Fatalf("world %d: check after rank %d (%d of %d written) = %v, %v, %v", world, rank, i+1, world, rec, won, err)
+			}
+		}
+		// One listing per rank, one more per group of 100 completed, one
+		// per group of 1000, and the step's.
+		groups := (world+99)/100 + (world+999)/1000 + 1
+		if world <= 100 {
+			groups = 0
+		}
+		if lists > int64(world+groups) {
+			t.Errorf("world %d: %d listings, want at most %d", world, lists, world+groups)
+		}
+		if gets != int64(world)+1 { // every manifest, and the commit record looked for first
+			t.Errorf("world %d: %d reads, want %d", world, gets, world+1)
+		}
+		rec, err := s.Resolve(ctx, 3, false)
+		if err != nil || rec.WorldSize != world || rec.Attempt != testAttempt {
+			t.Fatalf("world %d: committed %+v, %v", world, rec, err)
+		}
+		for rank := range world {
+			if _, err := s.Manifest(ctx, rec, rank); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+// Ranks written at once, each checking after its write: the step commits
+// exactly once, with every rank.
+func TestTryCommitRankConcurrent(t *testing.T) {
+	const world = 230
+	_, s, w := countedStore(t)
+	var wins, seen atomic.Int32
+	var wg sync.WaitGroup
+	for rank := range world {
+		wg.Go(func() {
+			sh := tinyShard(testAttempt, 4, rank, world)
+			if _, err := w.WriteShard(t.Context(), sh); err != nil {
+				t.Error(err)
+				return
+			}
+			rec, won, err := s.TryCommitRank(t.Context(), sh.Target)
+			if err != nil {
+				t.Error(err)
+			}
+			if rec != nil {
+				seen.Add(1)
+			}
+			if won {
+				wins.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	if wins.Load() != 1 || seen.Load() < 1 {
+		t.Fatalf("%d checks committed, %d saw the commit; want 1 and at least 1", wins.Load(), seen.Load())
+	}
+	if rec, err := s.Resolve(t.Context(), 4, false); err != nil || rec.WorldSize != world {
+		t.Fatalf("committed %+v, %v", rec, err)
+	}
+}
+
+// A rank completing a step another attempt committed gets that attempt's
+// record, and commits nothing.
+func TestTryCommitRankOtherAttemptCommitted(t *testing.T) {
+	_, s, w := countedStore(t)
+	ctx := context.Background()
+	for _, attempt := range []string{"first", "second"} {
+		for rank := range 2 {
+			if _, err := w.WriteShard(ctx, tinyShard(attempt, 5, rank, 2)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if rec, won, err := s.TryCommitRank(ctx, tinyShard("first", 5, 1, 2).Target); err != nil || !won || rec.Attempt != "first" {
+		t.Fatalf("first attempt: %+v, %v, %v", rec, won, err)
+	}
+	rec, won, err := s.TryCommitRank(ctx, tinyShard("second", 5, 0, 2).Target)
+	if err != nil || won || rec == nil || rec.Attempt != "first" {
+		t.Fatalf("second attempt: %+v, %v, %v; want the first's record", rec, won, err)
+	}
+}
+
+// An attempt whose ranks were saved with two world sizes never commits.
+func TestTryCommitRankMixedWorldSizes(t *testing.T) {
+	_, s, w := countedStore(t)
+	ctx := context.Background()
+	for _, sh := range []*Shard{tinyShard(testAttempt, 6, 0, 2), tinyShard(testAttempt, 6, 1, 3)} {
+		if _, err := w.WriteShard(ctx, sh); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sh := tinyShard(testAttempt, 6, 1, 2)
+	if rec, _, err := s.TryCommitRank(ctx, sh.Target); !errors.Is(err, ErrInvalid) || rec != nil {
+		t.Fatalf("mixed world sizes: %+v, %v; want invalid", rec, err)
+	}
+}
+
+// shortFallback makes PollCommit try the commit itself at once, and
+// again 10ms after each try, for the test.
+func shortFallback(t *testing.T) {
+	grace, spread := fallbackGrace, fallbackSpread
+	fallbackGrace = func(int) time.Duration { return 0 }
+	fallbackSpread = func(int) time.Duration { return 10 * time.Millisecond }
+	t.Cleanup(func() { fallbackGrace, fallbackSpread = grace, spread })
+}
+
+// The waiters of a step share their looks at its commit record: many
+// looks within pollShare read it once.
+func TestPollCommitShared(t *testing.T) {
+	c, s, w := countedStore(t)
+	ctx := context.Background()
+	sh := tinyShard(testAttempt, 7, 0, 2)
+	if _, err := w.WriteShard(ctx, sh); err != nil {
+		t.Fatal(err)
+	}
+	before := c.Calls()
+	start := time.Now()
+	var wg sync.WaitGroup
+	for range 50 {
+		wg.Go(func() {
+			if rec, won, err := s.PollCommit(ctx, sh.Target); rec != nil || won || err != nil {
+				t.Errorf("look at an uncommitted step: %+v, %v, %v", rec, won, err)
+			}
+		})
+	}
+	wg.Wait()
+	took := time.Since(start)
+	reads, lists := callsSince(c, before, counted.OpGet), callsSince(c, before, counted.OpList)
+	if took < pollShare(2) && (reads != 1 || lists != 0) {
+		t.Fatalf("50 looks within %v read %d times and listed %d times; want one read", took, reads, lists)
+	}
+	// Rank 1's drain commits: the waiters know at once, reading nothing.
+	sh1 := tinyShard(testAttempt, 7, 1, 2)
+	if _, err := w.WriteShard(ctx, sh1); err != nil {
+		t.Fatal(err)
+	}
+	if rec, won, err := s.TryCommitRank(ctx, sh1.Target); rec == nil || !won || err != nil {
+		t.Fatalf("commit: %+v, %v, %v", rec, won, err)
+	}
+	before = c.Calls()
+	rec, _, err := s.PollCommit(ctx, sh.Target)
+	if err != nil || rec == nil || rec.Attempt != testAttempt {
+		t.Fatalf("look after the commit: %+v, %v", rec, err)
+	}
+	if n := callsSince(c, before, counted.OpGet); n != 0 {
+		t.Errorf("the look after this process's commit read %d objects", n)
+	}
+}
+
+// A step whose ranks are all written but that nobody committed (the last
+// rank's node was lost after writing it) is committed by a waiter.
+func TestPollCommitFallback(t *testing.T) {
+	shortFallback(t)
+	_, s, w := countedStore(t)
+	ctx := context.Background()
+	for rank := range 3 {
+		if _, err := w.WriteShard(ctx, tinyShard(testAttempt, 8, rank, 3)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waiter := tinyShard(testAttempt, 8, 0, 3).Target
+	deadline := time.Now().Add(time.Minute)
+	for {
+		rec, _, err := s.PollCommit(ctx, waiter)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rec != nil {
+			if rec.WorldSize != 3 || rec.Attempt != testAttempt {
+				t.Fatalf("committed %+v", rec)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no waiter committed the whole step")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A damaged commit record is an error for the waiter (which fails the
+// save), not a step to wait for forever.
+func TestPollCommitDamaged(t *testing.T) {
+	c, s, _ := countedStore(t)
+	ctx := context.Background()
+	if err := c.PutIfAbsent(ctx, commitName("job", 9), []byte("{not json")); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := s.PollCommit(ctx, tinyShard(testAttempt, 9, 0, 2).Target); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("look at a damaged record: %v", err)
+	}
+}
+
+// A backend that cannot key the shared table is looked at directly.
+func TestPollCommitUnsharedBackend(t *testing.T) {
+	b := valueBackend{Backend: memstore.New()}
+	w, err := NewWriter(b, WriterOptions{ChunkSize: 64 << 10, Workers: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Store{backend: b, job: "job"}
+	sh := tinyShard(testAttempt, 10, 0, 1)
+	if _, err := w.WriteShard(context.Background(), sh); err != nil {
+		t.Fatal(err)
+	}
+	if rec, won, err := s.PollCommit(context.Background(), sh.Target); rec == nil || !won || err != nil {
+		t.Fatalf("look: %+v, %v, %v", rec, won, err)
+	}
+}
+
+// valueBackend is a Backend whose type cannot be compared.
+type valueBackend struct {
+	*memstore.Backend
+	_ []int
+}
+
+var _ storage.Backend = valueBackend{}
