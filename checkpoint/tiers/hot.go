@@ -344,6 +344,16 @@ func (h *hotTier) forgetJobs() {
 	}
 }
 
+// holds reports whether the tier holds the shard k names.
+func (h *hotTier) holds(k hotKey) bool {
+	if !h.enabled() {
+		return false
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.entries[k] != nil
+}
+
 // get pins the committed shard of rank of step (by attempt, when not
 // empty) for copying out; release unpins it.
 func (h *hotTier) get(job string, step int64, rank int, attempt string) (e *hotEntry, release func()) {
@@ -442,6 +452,9 @@ type HeldShard struct {
 	Committed  bool // the step is committed in storage by Attempt
 	MemoryOnly bool // the step is not drained (--persist-every, --persist-interval)
 	Created    time.Time
+	// ManifestHash is the hash of its manifest as stored ("" from peers
+	// that do not say).
+	ManifestHash string
 }
 
 // inventory lists the shards of job the tier holds.
@@ -455,7 +468,7 @@ func (h *hotTier) inventory(job string) []HeldShard {
 	for k, e := range h.entries {
 		if k.job == job {
 			out = append(out, HeldShard{Step: k.step, Rank: k.rank, WorldSize: e.m.WorldSize, Attempt: k.attempt,
-				Committed: e.committed, MemoryOnly: e.memory, Created: e.m.Created})
+				Committed: e.committed, MemoryOnly: e.memory, Created: e.m.Created, ManifestHash: e.hash})
 		}
 	}
 	return out

@@ -25,8 +25,13 @@ type heldStep struct {
 	attempt   string
 	worldSize int
 	created   time.Time        // the newest of its shards'
-	holders   map[int][]string // by rank: the peers holding it, "" for this sidecar
+	holders   map[int][]holder // by rank: the sidecars holding it
 }
+
+// holder is a sidecar holding a rank of a heldStep: its address ("" for
+// this sidecar) and the hash of the manifest it lists ("" if it does not
+// say).
+type holder struct{ addr, hash string }
 
 func (s *heldStep) whole() bool { return len(s.holders) == s.worldSize }
 
@@ -68,13 +73,13 @@ func memoryOnly(byPeer map[string][]HeldShard) []*heldStep {
 			}
 			s := steps[key{h.Step, h.Attempt}]
 			if s == nil {
-				s = &heldStep{step: h.Step, attempt: h.Attempt, worldSize: h.WorldSize, holders: map[int][]string{}}
+				s = &heldStep{step: h.Step, attempt: h.Attempt, worldSize: h.WorldSize, holders: map[int][]holder{}}
 				steps[key{h.Step, h.Attempt}] = s
 			}
 			if h.WorldSize != s.worldSize {
 				continue // another world size under the same attempt: not this step's rank
 			}
-			s.holders[h.Rank] = append(s.holders[h.Rank], addr)
+			s.holders[h.Rank] = append(s.holders[h.Rank], holder{addr, h.ManifestHash})
 			if h.Created.After(s.created) {
 				s.created = h.Created
 			}
@@ -110,6 +115,12 @@ func (t *Tiers) FromMemory(ctx context.Context, job string, step int64, latest b
 			return Source{}, true, fmt.Errorf("%w: rank %d of step %d, saved at a world size of %d", checkpoint.ErrInvalid, rank, s.step, s.worldSize)
 		}
 		src, err := t.heldShard(ctx, job, s, rank)
+		if err != nil && latest { // an inventory said more than its sidecar gives: not whole after all
+			t.log.Warn("a sidecar's inventory lists this rank of a step kept in memory only, but no holder gives it; trying an older step",
+				"job", job, "step", s.step, "rank", rank, "err", err)
+			skipped = max(skipped, s.step)
+			continue
+		}
 		src.Skipped = skipped
 		return src, true, err
 	}
@@ -119,18 +130,22 @@ func (t *Tiers) FromMemory(ctx context.Context, job string, step int64, latest b
 // heldShard pins rank's shard of s here, or fetches it from a peer the
 // inventories say holds it.
 func (t *Tiers) heldShard(ctx context.Context, job string, s *heldStep, rank int) (Source, error) {
-	var from []string
-	for _, addr := range s.holders[rank] {
-		if addr == "" {
+	for _, h := range s.holders[rank] {
+		if h.addr == "" {
 			if e, release := t.hot.getAny(job, s.step, rank, s.attempt); e != nil {
 				return hotSource(e, release), nil
 			}
 			continue // evicted since the inventory
 		}
-		from = append(from, addr)
-	}
-	if src, ok := t.FromPeers(ctx, job, s.step, rank, s.attempt, from); ok {
-		return src, nil
+		src, ok := t.FromPeers(ctx, job, s.step, rank, s.attempt, []string{h.addr})
+		switch {
+		case !ok:
+		case h.hash != "" && src.hash != h.hash:
+			src.Release()
+			t.log.Warn("a sidecar serves a copy other than its inventory lists; trying the next", "peer", h.addr, "job", job, "step", s.step, "rank", rank)
+		default:
+			return src, nil
+		}
 	}
 	return Source{}, fmt.Errorf("%w: step %d of job %q is kept in memory only (--persist-every, --persist-interval) and rank %d's copy went away while restoring",
 		checkpoint.ErrStepNotFound, s.step, job, rank)

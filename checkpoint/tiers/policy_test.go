@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"fmt"
 	"testing"
 	"time"
 )
@@ -36,13 +37,40 @@ func TestPersistPolicy(t *testing.T) {
 	if !p.tell(k(5), t0) || !p.persisted(k(5)) {
 		t.Fatal("a peer's word did not turn step 5 persisted")
 	}
-	if p.tell(k(6), t0) || !p.persisted(k(6)) {
-		t.Fatal("a peer's word on a step not yet decided")
+	if p.tell(k(6), t0) {
+		t.Fatal("a peer's word on a step not yet decided had held ranks persisted")
+	}
+	if persist, announce := p.decide(k(6), 0, time.Minute, t0.Add(64*time.Second)); !persist || announce {
+		t.Fatal("a peer's word on a step not yet decided did not make it persisted")
 	}
 	for i := range int64(2 * maxDecisions) {
 		p.decide(k(100+i), 0, time.Minute, t0.Add(time.Hour))
 	}
 	if len(p.decided) > maxDecisions {
 		t.Fatalf("%d decisions remembered", len(p.decided))
+	}
+}
+
+// A peer's notices of steps that never come (a buggy or hostile peer)
+// are bounded, and hold back neither the interval nor the decisions made
+// here.
+func TestPersistNoticesBounded(t *testing.T) {
+	p := newPersistPolicy()
+	t0 := time.Unix(1000, 0)
+	if persist, _ := p.decide(stepKey{"job", 1, "a"}, 0, time.Minute, t0); !persist {
+		t.Fatal("the first step is persisted")
+	}
+	for i := range int64(4 * maxDecisions) {
+		p.tell(stepKey{"job", 1_000_000 + i, "a"}, t0.Add(time.Duration(i)*time.Millisecond))
+		p.tell(stepKey{fmt.Sprintf("job%d", i), 5, "a"}, t0)
+	}
+	if len(p.told) > maxDecisions || len(p.last) > 1 {
+		t.Fatalf("%d notices and %d jobs remembered", len(p.told), len(p.last))
+	}
+	if persist, _ := p.decide(stepKey{"job", 2, "a"}, 0, time.Minute, t0.Add(30*time.Second)); persist {
+		t.Fatal("step 2, within the interval, persisted")
+	}
+	if persist, announce := p.decide(stepKey{"job", 3, "a"}, 0, time.Minute, t0.Add(61*time.Second)); !persist || !announce {
+		t.Fatal("the notices held the interval back")
 	}
 }

@@ -176,16 +176,16 @@ func (t *Tiers) replicate(r replica) {
 	r.done(nil)
 }
 
-// AcceptReplica keeps a peer's shard in the hot tier, where restores (and
-// the peer's GetReplica) find it. The manifest is validated and the data
-// must be its data space, in a buffer ReplicaBuffer handed out (given
-// back when the replica is refused); chunk hashes are checked when it is
-// served. Whether the step is committed is never taken from the peer
-// (committed is ignored): the shard is served as committed once a commit
-// record this sidecar read pins it. A replica never replaces a shard held
-// under the same key; the same bytes again are taken as kept.
-func (t *Tiers) AcceptReplica(manifest, data []byte, committed, memory bool) error {
-	_ = committed
+// AcceptReplica keeps a peer's shard of want in the hot tier, where
+// restores (and the peer's GetReplica) find it. The manifest is validated
+// and must describe want, and the data must be its data space, in a
+// buffer ReplicaBuffer handed out (given back when the replica is
+// refused); chunk hashes are checked when it is served. Whether the step
+// is committed is never taken from the peer: the shard is served as
+// committed once a commit record this sidecar read pins it. A replica
+// never replaces a shard held under the same key; the same bytes again
+// are taken as kept.
+func (t *Tiers) AcceptReplica(want checkpoint.Target, manifest, data []byte, memory bool) error {
 	if !t.hot.enabled() {
 		t.hot.giveBack(data)
 		return fmt.Errorf("%w: this sidecar keeps no replicas (--hot-bytes is 0)", ErrNoRoom)
@@ -194,6 +194,10 @@ func (t *Tiers) AcceptReplica(manifest, data []byte, committed, memory bool) err
 	if err != nil {
 		t.hot.giveBack(data)
 		return fmt.Errorf("%w: replica manifest: %w", checkpoint.ErrInvalid, err)
+	}
+	if m.Target() != want {
+		t.hot.giveBack(data)
+		return fmt.Errorf("%w: a replica announced as %s has the manifest of %s", checkpoint.ErrInvalid, want, m.Target())
 	}
 	if int64(len(data)) != m.DataSize {
 		t.hot.giveBack(data)
@@ -205,6 +209,11 @@ func (t *Tiers) AcceptReplica(manifest, data []byte, committed, memory bool) err
 		return fmt.Errorf("%w: a replica of %s is refused: %w", checkpoint.ErrExists, keyOf(m), err)
 	}
 	return nil
+}
+
+// Holds reports whether the hot tier holds the shard t names.
+func (t *Tiers) Holds(target checkpoint.Target) bool {
+	return t.hot.holds(hotKey{target.Job, target.Step, target.Rank, target.Attempt})
 }
 
 // ReplicaBuffer returns n bytes to receive a peer's replica into, charged

@@ -301,7 +301,7 @@ func (d *Daemon) startPeers(ctx context.Context) error {
 	if d.peers == nil {
 		return nil
 	}
-	addr, stop, err := peers.Listen(d.o.Peers.Listen, d.peerCreds, peers.NewServer(d.mgr.PeerSide(), d.o.HotBytes))
+	addr, stop, err := peers.Listen(d.o.Peers.Listen, d.peerCreds, peers.NewServer(d.mgr.PeerSide(), d.o.HotBytes).Members(d.peers))
 	if err != nil {
 		return err
 	}

@@ -33,6 +33,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/ckptd/ckptd/checkpoint"
+	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/checkpoint/tiers"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
@@ -367,8 +368,15 @@ func (c *Client) getGRPC(ctx context.Context, addr string, req *pb.GetReplicaReq
 // no longer than this for a dead peer.
 const inventoryTimeout = 3 * time.Second
 
-// maxHeld bounds the shards taken from one peer's inventory.
-const maxHeld = 1 << 20
+// maxHeld bounds the shards taken from one peer's inventory, and
+// maxInventory the bytes of its answer (a shard takes some 60 on the
+// wire); askAtOnce bounds the peers asked at once, so that answers held
+// at once are bounded too.
+const (
+	maxHeld      = 1 << 15
+	maxInventory = 4 << 20
+	askAtOnce    = 32
+)
 
 // Inventory asks every other peer at once what it holds of job.
 func (c *Client) Inventory(ctx context.Context, job string) (map[string][]tiers.HeldShard, error) {
@@ -399,20 +407,23 @@ func (c *Client) Persist(ctx context.Context, job string, step int64, attempt st
 	})
 }
 
-// eachPeer runs fn for every peer but this sidecar, at once, and joins
-// their errors, each naming its peer.
+// eachPeer runs fn for every peer but this sidecar, askAtOnce at a time,
+// and joins their errors, each naming its peer.
 func (c *Client) eachPeer(fn func(addr string) error) error {
 	var (
 		mu   sync.Mutex
 		errs []error
 		wg   sync.WaitGroup
 	)
+	turns := make(chan struct{}, askAtOnce)
 	list, self := c.Members()
 	for _, addr := range slices.Compact(slices.Sorted(slices.Values(list))) {
 		if addr == self {
 			continue
 		}
+		turns <- struct{}{}
 		wg.Go(func() {
+			defer func() { <-turns }()
 			if err := fn(addr); err != nil {
 				mu.Lock()
 				errs = append(errs, fmt.Errorf("peer %s: %w", addr, err))
@@ -429,19 +440,42 @@ func (c *Client) inventory(ctx context.Context, addr, job string) ([]tiers.HeldS
 	if err != nil {
 		return nil, err
 	}
-	resp, err := p.Inventory(ctx, &pb.InventoryRequest{Job: job})
+	resp, err := p.Inventory(ctx, &pb.InventoryRequest{Job: job}, grpc.MaxCallRecvMsgSize(maxInventory))
 	if err != nil {
 		return nil, err
 	}
+	held, dropped, err := parseInventory(resp)
+	if dropped > 0 {
+		c.log.Warn("peers: an inventory lists shards no sidecar can hold; left out", "peer", addr, "job", job, "shards", dropped)
+	}
+	return held, err
+}
+
+// parseInventory takes a peer's inventory: at most maxHeld shards, those
+// that name a shard a sidecar can hold (a valid target and manifest
+// hash); it says how many it left out.
+func parseInventory(resp *pb.InventoryResponse) (held []tiers.HeldShard, dropped int, err error) {
 	if len(resp.GetShards()) > maxHeld {
-		return nil, fmt.Errorf("an inventory of %d shards, more than %d", len(resp.GetShards()), maxHeld)
+		return nil, 0, fmt.Errorf("an inventory of %d shards, more than %d", len(resp.GetShards()), maxHeld)
 	}
-	held := make([]tiers.HeldShard, 0, len(resp.GetShards()))
+	held = make([]tiers.HeldShard, 0, len(resp.GetShards()))
 	for _, h := range resp.GetShards() {
-		held = append(held, tiers.HeldShard{Step: h.GetStep(), Rank: int(h.GetRank()), WorldSize: int(h.GetWorldSize()),
-			Attempt: h.GetAttempt(), Committed: h.GetCommitted(), MemoryOnly: h.GetMemoryOnly(), Created: time.Unix(0, h.GetCreatedUnixNano())})
+		t := checkpoint.Target{Job: "job", Step: h.GetStep(), Rank: int(h.GetRank()), WorldSize: int(h.GetWorldSize()), Attempt: h.GetAttempt()}
+		if t.Validate() != nil || h.GetManifestHash() != "" && !validHash(h.GetManifestHash()) {
+			dropped++
+			continue
+		}
+		held = append(held, tiers.HeldShard{Step: t.Step, Rank: t.Rank, WorldSize: t.WorldSize, Attempt: t.Attempt, Committed: h.GetCommitted(),
+			MemoryOnly: h.GetMemoryOnly(), Created: time.Unix(0, h.GetCreatedUnixNano()), ManifestHash: h.GetManifestHash()})
 	}
-	return held, nil
+	return held, dropped, nil
+}
+
+// validHash reports whether h is a manifest hash as commit records hold
+// them.
+func validHash(h string) bool {
+	_, err := codec.ParseHash(h)
+	return err == nil
 }
 
 // receive reads a header and the manifest and data it announces, refusing
@@ -668,7 +702,7 @@ func (s *Server) Inventory(_ context.Context, req *pb.InventoryRequest) (*pb.Inv
 	resp := &pb.InventoryResponse{Shards: make([]*pb.HeldShard, 0, len(held))}
 	for _, h := range held {
 		resp.Shards = append(resp.Shards, &pb.HeldShard{Step: h.Step, Rank: int32(h.Rank), WorldSize: int32(h.WorldSize), Attempt: h.Attempt,
-			Committed: h.Committed, MemoryOnly: h.MemoryOnly, CreatedUnixNano: h.Created.UnixNano()})
+			Committed: h.Committed, MemoryOnly: h.MemoryOnly, CreatedUnixNano: h.Created.UnixNano(), ManifestHash: h.ManifestHash})
 	}
 	return resp, nil
 }

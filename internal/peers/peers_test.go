@@ -61,11 +61,13 @@ func TestMutualTLS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr, stop, err := Listen("127.0.0.1:0", serverCreds, NewServer(nil, 1<<20))
+	members := NewClient(nil, "", 1, Creds{}, nil)
+	addr, stop, err := Listen("127.0.0.1:0", serverCreds, NewServer(nil, 1<<20).Members(members))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer stop()
+	members.SetMembers([]string{addr, "127.0.0.1:1"}, addr) // the certificate's 127.0.0.1 is a peer
 	call := func(tl TLS) error {
 		_, creds, err := tl.Credentials()
 		if err != nil {

@@ -46,7 +46,7 @@ func benchPeers(cfg config, data []byte, work string) ([]row, error) {
 		}
 		defer d.close()
 		defer pc.Close()
-		_, stop, err := peers.Listen(addr, peers.Creds{GRPC: insecure.NewCredentials()}, peers.NewServer(d.mgr.PeerSide(), hot))
+		_, stop, err := peers.Listen(addr, peers.Creds{GRPC: insecure.NewCredentials()}, peers.NewServer(d.mgr.PeerSide(), hot).Members(pc))
 		if err != nil {
 			return nil, err
 		}

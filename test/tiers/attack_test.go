@@ -47,11 +47,18 @@ type victim struct {
 // entry) and saves step 1's rank 0 through it, which its hot tier keeps.
 func startVictim(t *testing.T, extra ...string) *victim {
 	t.Helper()
+	self, evilAddr := daemontest.ClosedAddr(t), daemontest.ClosedAddr(t)
+	return startVictimIn(t, []string{self, evilAddr}, self, evilAddr, recipeCerts(t, "localhost", "127.0.0.1", nil), extra...)
+}
+
+// startVictimIn is startVictim with the peer list, the victim's entry,
+// the attacker's entry and the victim's certificates given.
+func startVictimIn(t *testing.T, list []string, self, evilAddr string, c certs, extra ...string) *victim {
+	t.Helper()
 	srv, _, store := daemontest.S3Store(t)
-	v := &victim{srv: srv, addr: daemontest.ClosedAddr(t), certs: recipeCerts(t, "localhost", "127.0.0.1", nil), good: daemontest.Shard(1, 0, 1)}
-	evilAddr := daemontest.ClosedAddr(t)
+	v := &victim{srv: srv, addr: self, certs: c, good: daemontest.Shard(1, 0, 1)}
 	args := append([]string{"--hot-bytes", strconv.Itoa(victimHot), "--s3-retry-deadline", "1s", "--shutdown-grace", "1s",
-		"--peers", v.addr + "," + evilAddr, "--peer-listen", v.addr}, v.certs.args()...)
+		"--peers", strings.Join(list, ","), "--peer-listen", v.addr}, v.certs.args()...)
 	d := daemontest.New(t, "", store, append(append(append([]string{}, daemontest.DefaultArgs...), args...), extra...)...)
 	d.Env, d.Bin, d.DataLimit = srv.Env(), daemontest.PlainBin(t), victimDataLimit
 	d.Start()
@@ -63,14 +70,22 @@ func startVictim(t *testing.T, extra ...string) *victim {
 		st := daemontest.StatusJSON(t, d.Socket)
 		return st.GetHot().GetShards() >= 1
 	})
-	tl := peers.TLS{CertFile: v.certs.cert, KeyFile: v.certs.key, CAFile: v.certs.ca}
+	v.evil = v.peer(t, v.certs, list, evilAddr)
+	return v
+}
+
+// peer is a peer client of the victim's job as the sidecar at self with
+// certificates c would have.
+func (v *victim) peer(t *testing.T, c certs, list []string, self string) *peers.Client {
+	t.Helper()
+	tl := peers.TLS{CertFile: c.cert, KeyFile: c.key, CAFile: c.ca}
 	_, creds, err := tl.Credentials()
 	if err != nil {
 		t.Fatal(err)
 	}
-	v.evil = peers.NewClient([]string{v.addr, evilAddr}, evilAddr, 1, creds, nil)
-	t.Cleanup(v.evil.Close)
-	return v
+	p := peers.NewClient(list, self, 1, creds, nil)
+	t.Cleanup(p.Close)
+	return p
 }
 
 // check asserts the sidecar survived an attack: alive, its memory peak

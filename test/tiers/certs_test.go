@@ -15,8 +15,8 @@ import (
 )
 
 // certs are the files docs/tiers.md's certificate recipe makes for one
-// node.
-type certs struct{ ca, cert, key string }
+// node, in dir.
+type certs struct{ dir, ca, cert, key string }
 
 // recipeCerts runs docs/tiers.md's certificate recipe in a new folder for
 // a node listed as name and ip, with edit (when not nil) applied to the
@@ -38,13 +38,42 @@ func recipeCerts(t *testing.T, name, ip string, edit func(string) string) certs 
 	if edit != nil {
 		recipe = edit(recipe)
 	}
+	return runRecipe(t, t.TempDir(), recipe, name, ip)
+}
+
+// node makes another node's certificate, listed as name and ip, signed by
+// c's CA: the recipe's part for each node.
+func (c certs) node(t *testing.T, name, ip string) certs {
+	t.Helper()
+	doc, err := os.ReadFile("../../docs/tiers.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, perNode, ok := strings.Cut(string(regexp.MustCompile("(?s)```sh\n(.*?)```").FindSubmatch(doc)[1]), "# Per node")
+	if !ok {
+		t.Fatal(`the recipe in docs/tiers.md has no "# Per node" part`)
+	}
 	dir := t.TempDir()
+	for _, f := range []string{"ca.pem", "ca.key"} {
+		b, err := os.ReadFile(filepath.Join(c.dir, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, f), b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return runRecipe(t, dir, "# Per node"+perNode, name, ip)
+}
+
+func runRecipe(t *testing.T, dir, recipe, name, ip string) certs {
+	t.Helper()
 	cmd := daemontest.Command("bash", "-euo", "pipefail", "-c", recipe)
 	cmd.Dir, cmd.Env = dir, append(os.Environ(), "NODE="+name, "NODE_IP="+ip)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("the certificate recipe: %v\n%s", err, out)
 	}
-	return certs{ca: filepath.Join(dir, "ca.pem"), cert: filepath.Join(dir, "node.pem"), key: filepath.Join(dir, "node.key")}
+	return certs{dir: dir, ca: filepath.Join(dir, "ca.pem"), cert: filepath.Join(dir, "node.pem"), key: filepath.Join(dir, "node.key")}
 }
 
 // args are serve's flags for these certificates.
