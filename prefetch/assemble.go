@@ -187,6 +187,8 @@ func (a *assembler) walk(p *pendingShard, prefix string) error {
 		return a.mdsSamples(p.shard, br, pos, int64(len(data)), func(f mdsField) func() ([]byte, error) {
 			return func() ([]byte, error) { return own(data[f.start : f.start+f.size : f.start+f.size]), nil }
 		})
+	case u != nil && u.pq != nil:
+		return a.pqSamples(p.shard, data)
 	}
 	br := bytes.NewReader(data)
 	pos := func() int64 { return int64(len(data)) - int64(br.Len()) }
@@ -284,6 +286,37 @@ func (a *assembler) member(sh Shard, name, key, ext string, size int64, get func
 		return err
 	}
 	a.cur.Fields = append(a.cur.Fields, Field{Name: strings.Clone(ext), Data: data})
+	return nil
+}
+
+// emptySample adds a sample with no fields (a Parquet row whose every
+// column is null), charged its key, as member charges a first field.
+func (a *assembler) emptySample(sh Shard, key string) error {
+	if err := a.endSample(); err != nil {
+		return err
+	}
+	a.cur = &Sample{Key: strings.Clone(key), shard: sh.Name, ord: a.ord, keep: a.keep}
+	a.cur.skip = !a.padding && a.spec.Delivered != nil && a.spec.Delivered.Has(sh.Name, a.ord)
+	a.cur.pad = a.padding
+	a.ord++
+	if a.cur.skip {
+		return nil
+	}
+	if a.bad = badName(key, ""); a.bad != "" {
+		if a.spec.SkipCorrupt {
+			return nil
+		}
+		return corrupt(sh, "row %s: %s (skip_corrupt skips such samples)", printable(key), a.bad)
+	}
+	cost := int64(len(key)) + sampleOverhead
+	if err := a.room(cost); err != nil {
+		return err
+	}
+	if err := a.mem.Acquire(a.ctx, cost); err != nil {
+		return err
+	}
+	a.inWindow += cost
+	a.cur.cost = cost
 	return nil
 }
 

@@ -28,7 +28,8 @@ type Cache struct {
 	mu    sync.Mutex
 	fills map[string]*fill // shards being read, by key
 
-	counts *sampleCounts // shards' sample counts, for even epochs
+	counts  *sampleCounts // shards' sample counts, for even epochs
+	footers *footerCache  // Parquet files' footers, for listings
 
 	// Get holds life shared and Close whole, so that the ristretto cache is
 	// closed after every Get and every fill is over (a fill outlives the
@@ -59,7 +60,7 @@ func NewCache(budget int64) (*Cache, error) {
 	if budget < 0 {
 		return nil, fmt.Errorf("%w: negative cache budget %d", ErrInvalid, budget)
 	}
-	c := &Cache{adm: newAdmission(budget, DefaultStaleAfter), ahead: newLookahead(), fills: map[string]*fill{}, counts: newSampleCounts(CountBytes)}
+	c := &Cache{adm: newAdmission(budget, DefaultStaleAfter), ahead: newLookahead(), fills: map[string]*fill{}, counts: newSampleCounts(CountBytes), footers: newFooterCache(FooterBytes)}
 	gone := func(it *ristretto.Item[shardBytes]) { c.adm.release(it.Key, it.Conflict) }
 	counters := max(budget/(1<<20)*10, 10_000) // ~10 per expected 1 MiB+ shard
 	rc, err := ristretto.NewCache(&ristretto.Config[string, shardBytes]{

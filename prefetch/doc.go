@@ -49,13 +49,17 @@
 // name), with one field per extension (the rest of the base name). Raw:
 // every object is one sample, its key the object name without extension
 // and its one field named by the extension ("bin" when it has none).
+// Parquet (parquet.go): a shard is a row group, read as the bytes its
+// column chunks span and rewritten (decodePQ) into a standalone file of
+// uncompressed pages that parquet-go then reads, every size it trusts
+// checked first; footers are read once per daemon (Cache.footers).
 // MDS (mds.go): Mosaic streaming's index.json lists the shards, their
 // sample counts, compression and hashes; a shard is read whole (hash
 // checked, decompressed: decodeShard, in the cache's fill) or streamed
 // (decompressed and hashed as it is parsed), and a sample's fields are
 // its columns' bytes, its key its global index. Auto (also "") tells
-// the format from the source: .tar objects, else an MDS index.json
-// (listDataset). A format's metadata rides on its Shards (unit): the
+// the format from the source: .tar objects, else an MDS index.json, else
+// .parquet objects (listDataset). A format's metadata rides on its Shards (unit): the
 // sample counts even epochs use instead of counting, and what a shard
 // takes once decoded, which the read-ahead budget is charged.
 //
@@ -95,9 +99,10 @@
 // S = dataset-arena-bytes / (ring-slots × slot-bytes) are open, and the
 // service holds at most (Service.MemoryCeiling)
 //
-//	cache-bytes + 32 MiB + S × (R + 256 KiB + L) + dataset-arena-bytes / slot-bytes × 4 MiB
+//	cache-bytes + 96 MiB + S × (R + 256 KiB + L) + dataset-arena-bytes / slot-bytes × 4 MiB
 //
-// where 32 MiB bounds the shards' sample counts (CountBytes), 256 KiB is
+// where 96 MiB bounds the shards' sample counts (CountBytes, 32 MiB) and
+// the Parquet footers kept (FooterBytes, 64 MiB), 256 KiB is
 // a streamed shard's read buffer and 4 MiB bounds the
 // keys and names of a delivery, one per ring slot however the rings grow;
 // the rings themselves are arena memory.

@@ -12,22 +12,23 @@ import (
 
 // unit is what a shard of a container format knows besides its object:
 // its sample count and how to decode it, from the dataset's metadata (an
-// MDS index.json). Tar and raw shards have none.
+// MDS index.json, a Parquet footer). Tar and raw shards have none.
 type unit struct {
 	// samples is the shard's sample count, as the metadata says; first is
 	// the global index of its first sample (an MDS key).
 	samples int
 	first   int64
 	// mem is what the shard takes in memory once decoded (a compressed
-	// MDS shard's raw bytes): what the cache holds and the read-ahead
-	// budget is charged.
+	// MDS shard's raw bytes, a Parquet row group rewritten uncompressed):
+	// what the cache holds and the read-ahead budget is charged.
 	mem int64
-	// object and off: a part of an object, read as Size bytes at off of
-	// object. object is "" for a whole object.
+	// object and off: a part of an object (a Parquet row group), read as
+	// Size bytes at off of object. object is "" for a whole object.
 	object string
 	off    int64
 
 	mds *mdsShard
+	pq  *pqRowGroup
 }
 
 // objectName is the object a shard's bytes are read from.
@@ -62,6 +63,8 @@ func (sh *Shard) decoded() bool {
 	switch {
 	case sh.unit == nil:
 		return false
+	case sh.unit.pq != nil:
+		return true
 	case sh.unit.mds != nil:
 		return sh.unit.mds.codec != ""
 	}
@@ -78,8 +81,9 @@ func (sh *Shard) knownCount() (int, bool) {
 
 // listDataset lists the shards of the dataset under prefix in format f,
 // telling the format when f is Auto: a folder holding .tar objects is
-// WebDataset (as it always was), else one with an MDS index.json is MDS.
-func listDataset(ctx context.Context, b storage.Backend, prefix string, f Format, budget int64) ([]Shard, Format, error) {
+// WebDataset (as it always was), else one with an MDS index.json is MDS,
+// else one holding .parquet objects is Parquet.
+func listDataset(ctx context.Context, b storage.Backend, prefix string, f Format, budget int64, cache *Cache) ([]Shard, Format, error) {
 	switch f {
 	case WebDataset, Raw:
 		shards, err := ListShards(ctx, b, prefix, f, budget)
@@ -87,11 +91,26 @@ func listDataset(ctx context.Context, b storage.Backend, prefix string, f Format
 	case MDS:
 		shards, err := listMDS(ctx, b, prefix, budget)
 		return shards, f, err
+	case Parquet:
+		objs, err := listObjects(ctx, b, prefix, budget, isParquet)
+		if err != nil {
+			return nil, f, err
+		}
+		shards, err := listParquet(ctx, b, prefix, objs, budget, cache)
+		return shards, f, err
 	}
-	// Auto: tar shards, else an MDS index.
-	tars, err := listObjects(ctx, b, prefix, budget, func(name string) bool { return strings.HasSuffix(name, ".tar") })
+	// Auto: one listing tells tar from Parquet; MDS by its index.
+	objs, err := listObjects(ctx, b, prefix, budget, func(name string) bool { return strings.HasSuffix(name, ".tar") || isParquet(name) })
 	if err != nil {
 		return nil, f, err
+	}
+	var tars, pqs []Shard
+	for _, o := range objs {
+		if isParquet(o.Name) {
+			pqs = append(pqs, o)
+		} else {
+			tars = append(tars, o)
+		}
 	}
 	if len(tars) > 0 {
 		return tars, WebDataset, nil
@@ -102,8 +121,11 @@ func listDataset(ctx context.Context, b storage.Backend, prefix string, f Format
 		return shards, MDS, nil
 	case !errors.Is(err, errNoIndex):
 		return nil, MDS, err
+	case len(pqs) > 0:
+		shards, err := listParquet(ctx, b, prefix, pqs, budget, cache)
+		return shards, Parquet, err
 	}
-	return nil, f, fmt.Errorf("%w: %s has no .tar shards and no MDS index.json under prefix %q; "+
+	return nil, f, fmt.Errorf("%w: %s has no .tar shards, no MDS index.json and no .parquet files under prefix %q; "+
 		"name the format (raw reads every object as a sample)", ErrInvalid, b.Location(), printable(prefix))
 }
 
@@ -166,14 +188,17 @@ func readSmall(ctx context.Context, b storage.Backend, name string, size, limit 
 }
 
 // decodeShard turns the bytes of a shard read whole into what is parsed
-// and cached: an MDS shard checked against its hashes and decompressed.
-// Plain shards pass as they are.
+// and cached: an MDS shard checked against its hashes and decompressed, a
+// Parquet row group rewritten with its pages uncompressed. Plain shards
+// pass as they are.
 func decodeShard(sh Shard, data shardBytes) (shardBytes, error) {
 	switch {
 	case sh.unit == nil:
 		return data, nil
 	case sh.unit.mds != nil:
 		return decodeMDS(sh, data)
+	case sh.unit.pq != nil:
+		return decodePQ(sh, data)
 	}
 	return data, nil
 }
@@ -186,12 +211,14 @@ func (sh *Shard) memSize() int64 {
 	return sh.Size
 }
 
-// streams says the shard can be parsed as it is read (all but
-// snappy-compressed MDS shards, which are decoded whole).
+// streams says the shard can be parsed as it is read (all but Parquet row
+// groups and snappy-compressed MDS shards, which are decoded whole).
 func (sh *Shard) streams() bool {
 	switch {
 	case sh.unit == nil:
 		return true
+	case sh.unit.pq != nil:
+		return false
 	case sh.unit.mds != nil:
 		return mdsStreams(sh.unit.mds)
 	}
@@ -212,6 +239,8 @@ func streamed(sh Shard, opts Options) (bool, error) {
 		return false, nil
 	}
 	return false, fmt.Errorf("%w: shard %s takes %d bytes to read and decode whole, more than the %d bytes "+
-		"--read-ahead-bytes (%d) leaves for shards read ahead; raise it, or write smaller shards",
+		"--read-ahead-bytes (%d) leaves for shards read ahead; raise it, or write smaller shards (Parquet row groups)",
 		ErrTooLarge, printable(sh.Name), sh.weight(), opts.readAhead(), opts.ReadAheadBytes)
 }
+
+func isParquet(name string) bool { return strings.HasSuffix(name, ".parquet") }

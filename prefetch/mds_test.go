@@ -70,7 +70,14 @@ func epochSamples(t *testing.T, b storage.Backend, prefix string, c *Cache, spec
 
 func expectedMDS(t *testing.T, dir string) []map[string][]byte {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join(dir, "expected.json"))
+	return expectedFields(t, filepath.Join(dir, "expected.json"))
+}
+
+// expectedFields reads a testdata expected.json: samples as {field:
+// base64 of its bytes}.
+func expectedFields(t *testing.T, path string) []map[string][]byte {
+	t.Helper()
+	data, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}

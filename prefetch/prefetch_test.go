@@ -274,7 +274,7 @@ func TestBadSpecs(t *testing.T) {
 		{Spec{BatchSize: 0, WorldSize: 1}, "batch_size"},
 		{Spec{BatchSize: 1, WorldSize: 2, Rank: 2}, "rank 2 out of range"},
 		{Spec{BatchSize: 1, WorldSize: 0}, "world_size"},
-		{Spec{BatchSize: 1, WorldSize: 1, Format: "parquet"}, "unknown format"},
+		{Spec{BatchSize: 1, WorldSize: 1, Format: "lance"}, "unknown format"},
 		{Spec{BatchSize: 1, WorldSize: 1, Start: -1}, "negative"},
 	} {
 		_, err := Open(context.Background(), b, "train/", newCache(t, 0), tc.spec, Options{})

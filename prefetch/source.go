@@ -18,7 +18,8 @@ type Format string
 const (
 	WebDataset Format = "webdataset"
 	Raw        Format = "raw"
-	MDS        Format = "mds" // Mosaic streaming's index.json and shard.*.mds files
+	MDS        Format = "mds"     // Mosaic streaming's index.json and shard.*.mds files
+	Parquet    Format = "parquet" // .parquet files, a row group a shard, a column a field
 	Auto       Format = "auto"
 )
 
@@ -36,20 +37,20 @@ var ErrOverBudget = errors.New("dataset budget used up")
 // ParseFormat checks a format name.
 func ParseFormat(s string) (Format, error) {
 	switch f := Format(s); f {
-	case WebDataset, Raw, MDS, Auto:
+	case WebDataset, Raw, MDS, Parquet, Auto:
 		return f, nil
 	case "":
 		return Auto, nil
 	}
-	return "", fmt.Errorf("%w: unknown format %q (want auto, webdataset, mds or raw)", ErrInvalid, s)
+	return "", fmt.Errorf("%w: unknown format %q (want auto, webdataset, mds, parquet or raw)", ErrInvalid, s)
 }
 
 // Shard is one object of a dataset.
 type Shard struct {
-	Name    string // full object name in the backend
+	Name    string // full object name in the backend; object#n for row group n of a Parquet file
 	Size    int64  // bytes read from the backend
 	ModTime time.Time
-	unit    *unit // what the format's metadata says of it (MDS); nil for tar and raw
+	unit    *unit // what the format's metadata says of it (MDS, Parquet); nil for tar and raw
 }
 
 // ListShards lists a dataset's shards under prefix, in name order: .tar
