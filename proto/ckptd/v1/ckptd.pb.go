@@ -1394,7 +1394,10 @@ type BeginRestoreRequest struct {
 	// When not empty, restore only these tensors of the shard, back to back
 	// in this order (the header's table says where each is); only their
 	// chunks are read.
-	Tensors       []string `protobuf:"bytes,5,rep,name=tensors,proto3" json:"tensors,omitempty"`
+	Tensors []string `protobuf:"bytes,5,rep,name=tensors,proto3" json:"tensors,omitempty"`
+	// With latest: the newest committed step whose tensors hold no NaN or
+	// Inf (as the drain counted them), passing over newer ones that do.
+	Finite        bool `protobuf:"varint,6,opt,name=finite,proto3" json:"finite,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1464,6 +1467,13 @@ func (x *BeginRestoreRequest) GetTensors() []string {
 	return nil
 }
 
+func (x *BeginRestoreRequest) GetFinite() bool {
+	if x != nil {
+		return x.Finite
+	}
+	return false
+}
+
 type RestoreHeader struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Step      int64                  `protobuf:"varint,1,opt,name=step,proto3" json:"step,omitempty"`
@@ -1481,9 +1491,12 @@ type RestoreHeader struct {
 	// For latest: a newer step that exists only in memory but is missing
 	// ranks in every tier (their nodes were lost), so that this older step
 	// was restored instead; 0 when none.
-	SkippedStep   int64 `protobuf:"varint,8,opt,name=skipped_step,json=skippedStep,proto3" json:"skipped_step,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	SkippedStep int64 `protobuf:"varint,8,opt,name=skipped_step,json=skippedStep,proto3" json:"skipped_step,omitempty"`
+	// For latest with finite: the newer committed steps passed over because
+	// their tensors hold NaN or Inf, newest first.
+	SkippedNonfinite []int64 `protobuf:"varint,9,rep,packed,name=skipped_nonfinite,json=skippedNonfinite,proto3" json:"skipped_nonfinite,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *RestoreHeader) Reset() {
@@ -1570,6 +1583,13 @@ func (x *RestoreHeader) GetSkippedStep() int64 {
 		return x.SkippedStep
 	}
 	return 0
+}
+
+func (x *RestoreHeader) GetSkippedNonfinite() []int64 {
+	if x != nil {
+		return x.SkippedNonfinite
+	}
+	return nil
 }
 
 type BeginRestoreResponse struct {
@@ -1790,9 +1810,10 @@ type OpenDatasetRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// A folder path, file:///path or s3://bucket/prefix.
 	Source string `protobuf:"bytes,1,opt,name=source,proto3" json:"source,omitempty"`
-	// "webdataset", "mds" (Mosaic streaming's index.json and shards), "raw",
-	// or "auto" (the default, also ""): .tar objects make it webdataset,
-	// else an MDS index.json makes it mds.
+	// "webdataset", "mds" (Mosaic streaming's index.json and shards),
+	// "parquet" (a row group a shard), "raw", or "auto" (the default, also
+	// ""): .tar objects make it webdataset, else an MDS index.json mds,
+	// else .parquet objects parquet.
 	Format    string `protobuf:"bytes,2,opt,name=format,proto3" json:"format,omitempty"`
 	BatchSize int32  `protobuf:"varint,3,opt,name=batch_size,json=batchSize,proto3" json:"batch_size,omitempty"`
 	Rank      int32  `protobuf:"varint,4,opt,name=rank,proto3" json:"rank,omitempty"`
@@ -3851,13 +3872,14 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\n" +
 	"ranks_held\x18\t \x01(\x05R\tranksHeld\"=\n" +
 	"\x11ListStepsResponse\x12(\n" +
-	"\x05steps\x18\x01 \x03(\v2\x12.ckptd.v1.StepInfoR\x05steps\"\x81\x01\n" +
+	"\x05steps\x18\x01 \x03(\v2\x12.ckptd.v1.StepInfoR\x05steps\"\x99\x01\n" +
 	"\x13BeginRestoreRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x16\n" +
 	"\x06latest\x18\x03 \x01(\bR\x06latest\x12\x12\n" +
 	"\x04rank\x18\x04 \x01(\x05R\x04rank\x12\x18\n" +
-	"\atensors\x18\x05 \x03(\tR\atensors\"\xef\x01\n" +
+	"\atensors\x18\x05 \x03(\tR\atensors\x12\x16\n" +
+	"\x06finite\x18\x06 \x01(\bR\x06finite\"\x9c\x02\n" +
 	"\rRestoreHeader\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x1d\n" +
 	"\n" +
@@ -3867,7 +3889,8 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x04size\x18\x05 \x01(\x04R\x04size\x12\x18\n" +
 	"\aattempt\x18\x06 \x01(\tR\aattempt\x12\x12\n" +
 	"\x04tier\x18\a \x01(\tR\x04tier\x12!\n" +
-	"\fskipped_step\x18\b \x01(\x03R\vskippedStep\"n\n" +
+	"\fskipped_step\x18\b \x01(\x03R\vskippedStep\x12+\n" +
+	"\x11skipped_nonfinite\x18\t \x03(\x03R\x10skippedNonfinite\"n\n" +
 	"\x14BeginRestoreResponse\x12%\n" +
 	"\x05lease\x18\x01 \x01(\v2\x0f.ckptd.v1.LeaseR\x05lease\x12/\n" +
 	"\x06header\x18\x02 \x01(\v2\x17.ckptd.v1.RestoreHeaderR\x06header\"g\n" +
