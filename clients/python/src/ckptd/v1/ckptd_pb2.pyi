@@ -257,21 +257,23 @@ class ListStepsResponse(_message.Message):
     def __init__(self, steps: _Optional[_Iterable[_Union[StepInfo, _Mapping]]] = ...) -> None: ...
 
 class BeginRestoreRequest(_message.Message):
-    __slots__ = ("job", "step", "latest", "rank", "tensors")
+    __slots__ = ("job", "step", "latest", "rank", "tensors", "finite")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FINITE_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     latest: bool
     rank: int
     tensors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
+    finite: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., finite: _Optional[bool] = ...) -> None: ...
 
 class RestoreHeader(_message.Message):
-    __slots__ = ("step", "world_size", "tensors", "metadata", "size", "attempt", "tier", "skipped_step")
+    __slots__ = ("step", "world_size", "tensors", "metadata", "size", "attempt", "tier", "skipped_step", "skipped_nonfinite")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +282,7 @@ class RestoreHeader(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_STEP_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -288,7 +291,8 @@ class RestoreHeader(_message.Message):
     attempt: str
     tier: str
     skipped_step: int
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metadata: _Optional[bytes] = ..., size: _Optional[int] = ..., attempt: _Optional[str] = ..., tier: _Optional[str] = ..., skipped_step: _Optional[int] = ...) -> None: ...
+    skipped_nonfinite: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metadata: _Optional[bytes] = ..., size: _Optional[int] = ..., attempt: _Optional[str] = ..., tier: _Optional[str] = ..., skipped_step: _Optional[int] = ..., skipped_nonfinite: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BeginRestoreResponse(_message.Message):
     __slots__ = ("lease", "header")
