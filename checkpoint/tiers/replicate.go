@@ -33,6 +33,9 @@ type Peers interface {
 	// address. Peers that do not answer within a short deadline are left
 	// out, and named in the error.
 	Inventory(ctx context.Context, job string) (map[string][]HeldShard, error)
+	// Candidates are the peers that may keep rank's replicas, in the order
+	// FetchManifest asks them when given none.
+	Candidates(rank int) []string
 }
 
 // replicateTimeout bounds sending one shard to its peers: a slow or dead

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/ckptd/ckptd/checkpoint"
 )
@@ -19,9 +20,13 @@ type Source struct {
 	// are no longer all held anywhere, passed over; 0 when none.
 	Skipped int64
 
-	data    []byte // the hot copy
-	hash    string // of M as its holder stores it (hot or peer): what commit records pin
-	fetch   func(ctx context.Context, dst []byte, progress func(int64)) error
+	data []byte // the hot copy
+	hash string // of M as its holder stores it (hot or peer): what commit records pin
+	// fetch reads the shard from a peer; holders are the peers to read it
+	// from, in turn, until one gives bytes that verify.
+	fetch   func(ctx context.Context, peer string, dst []byte, progress func(int64)) error
+	holders []string
+	log     func(msg string, args ...any)
 	release func()
 }
 
@@ -54,13 +59,15 @@ func (s Source) PinnedBy(rec *checkpoint.CommitRecord, rank int) bool {
 func (s Source) Fill(ctx context.Context, store *checkpoint.Store, sel checkpoint.Selection, dst []byte, opts checkpoint.ReadOptions) error {
 	switch {
 	case s.fetch != nil && sel.Whole:
-		return s.fetchVerified(ctx, dst)
+		return s.eachHolder(func(peer string) error { return s.fetchVerified(ctx, peer, dst) })
 	case s.fetch != nil:
 		data := make([]byte, s.M.DataSize)
-		if err := s.fetch(ctx, data, func(int64) {}); err != nil {
-			return err
-		}
-		return checkpoint.CopySelected(s.M, data, sel, dst, "replica from a peer")
+		return s.eachHolder(func(peer string) error {
+			if err := s.fetch(ctx, peer, data, func(int64) {}); err != nil {
+				return err
+			}
+			return checkpoint.CopySelected(s.M, data, sel, dst, "replica from a peer")
+		})
 	case s.data == nil:
 		return store.ReadSelected(ctx, s.M, sel, dst, opts)
 	case sel.Whole:
@@ -73,7 +80,7 @@ func (s Source) Fill(ctx context.Context, store *checkpoint.Store, sel checkpoin
 // fetchVerified reads a peer's replica into dst, checking each chunk
 // against its hash as soon as it has arrived, on a goroutine of its own:
 // the check overlaps the transfer.
-func (s Source) fetchVerified(ctx context.Context, dst []byte) error {
+func (s Source) fetchVerified(ctx context.Context, peer string, dst []byte) error {
 	m := s.M
 	if int64(len(dst)) < m.DataSize {
 		return fmt.Errorf("%w: a region of %d bytes for %d", checkpoint.ErrCorrupt, len(dst), m.DataSize)
@@ -81,9 +88,28 @@ func (s Source) fetchVerified(ctx context.Context, dst []byte) error {
 	arrived := make(chan int64, 64)
 	checked := make(chan error, 1)
 	go func() { checked <- checkpoint.VerifyArriving(m, dst, arrived, "replica from a peer") }()
-	err := s.fetch(ctx, dst[:m.DataSize], func(n int64) { arrived <- n })
+	err := s.fetch(ctx, peer, dst[:m.DataSize], func(n int64) { arrived <- n })
 	close(arrived)
 	return errors.Join(err, <-checked)
+}
+
+// eachHolder runs read with each holder of the shard in turn until one
+// succeeds: a copy that fails to verify, or a peer that fails, falls back
+// to the next holder before the restore fails. It returns the errors of
+// all when none succeeds.
+func (s Source) eachHolder(read func(peer string) error) error {
+	var errs []error
+	for i, peer := range s.holders {
+		err := read(peer)
+		if err == nil {
+			return nil
+		}
+		errs = append(errs, fmt.Errorf("peer %s: %w", peer, err))
+		if i+1 < len(s.holders) && s.log != nil {
+			s.log("a peer's copy failed; reading the next holder's", "peer", peer, "target", s.M.Target(), "err", err)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // Hot pins the hot tier's committed copy of rank's shard of step (by
@@ -113,6 +139,9 @@ func (t *Tiers) FromPeers(ctx context.Context, job string, step int64, rank int,
 	if t.cfg.Peers == nil {
 		return Source{}, false
 	}
+	if len(from) == 0 {
+		from = t.cfg.Peers.Candidates(rank)
+	}
 	select { // one shard from peers at a time (a partial restore buffers it: --hot-bytes at most, see the memory ceiling)
 	case t.fetching <- struct{}{}:
 	case <-ctx.Done():
@@ -135,8 +164,14 @@ func (t *Tiers) FromPeers(ctx context.Context, job string, step int64, rank int,
 		return Source{}, false
 	}
 	t.log.Info("restoring from a peer's replica", "target", m.Target(), "peer", peer)
-	fetch := func(ctx context.Context, dst []byte, progress func(int64)) error {
-		return t.cfg.Peers.FetchData(ctx, peer, m, dst, progress)
+	fetch := func(ctx context.Context, peer string, dst []byte, progress func(int64)) error {
+		return t.cfg.Peers.FetchData(ctx, peer, m, dst, progress) // it fails unless peer holds m exactly
 	}
-	return Source{M: m, Tier: "peer", hash: m.Hash(), fetch: fetch, release: done}, true
+	// The peers asked after the one that answered hold it too, or answer
+	// that they do not.
+	holders := []string{peer}
+	if i := slices.Index(from, peer); i >= 0 {
+		holders = append(holders, from[i+1:]...)
+	}
+	return Source{M: m, Tier: "peer", hash: m.Hash(), fetch: fetch, holders: holders, log: t.log.Warn, release: done}, true
 }

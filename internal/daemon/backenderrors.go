@@ -108,6 +108,8 @@ func (c countedPeers) Replicate(ctx context.Context, m *checkpoint.Manifest, dat
 	return c.count("replicate", c.p.Replicate(ctx, m, data, committed, memory))
 }
 
+func (c countedPeers) Candidates(rank int) []string { return c.p.Candidates(rank) }
+
 func (c countedPeers) FetchManifest(ctx context.Context, job string, step int64, rank int, attempt string, from []string) (*checkpoint.Manifest, string, error) {
 	return c.p.FetchManifest(ctx, job, step, rank, attempt, from)
 }

@@ -262,6 +262,13 @@ func sendPieces(hdr *pb.ReplicaHeader, manifest, data []byte, send func(*pb.Repl
 	return nil
 }
 
+// Candidates are the peers that may keep rank's replicas, this sidecar
+// aside.
+func (c *Client) Candidates(rank int) []string {
+	list, self := c.Members()
+	return candidates(list, self, rank, c.replicas)
+}
+
 // FetchManifest asks the peers in from, or the rank's holders, in turn
 // for a shard's manifest, and returns it with the peer that answered.
 func (c *Client) FetchManifest(ctx context.Context, job string, step int64, rank int, attempt string, from []string) (*checkpoint.Manifest, string, error) {
