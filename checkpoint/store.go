@@ -212,13 +212,26 @@ var errPassOver = errors.New("passed over")
 // (a record written before the count existed counts none). It also
 // returns the newer committed steps it passed over for holding some.
 func (s *Store) LatestWholeFinite(ctx context.Context) (*CommitRecord, []int64, error) {
+	return s.latestFinite(ctx, s.wholeCheck(ctx))
+}
+
+// LatestFinite is LatestWholeFinite for a reader of one rank, which reads
+// the commit records only.
+func (s *Store) LatestFinite(ctx context.Context) (*CommitRecord, []int64, error) {
+	return s.latestFinite(ctx, nil)
+}
+
+func (s *Store) latestFinite(ctx context.Context, check func(*CommitRecord) error) (*CommitRecord, []int64, error) {
 	var skipped []int64
 	rec, err := s.latestWhere(ctx, func(rec *CommitRecord) error {
 		if rec.NonFinite > 0 {
 			skipped = append(skipped, rec.Step)
 			return errPassOver
 		}
-		return s.wholeCheck(ctx)(rec)
+		if check == nil {
+			return nil
+		}
+		return check(rec)
 	})
 	if err != nil && len(skipped) > 0 {
 		err = fmt.Errorf("%w (steps %v hold NaN or Inf)", err, skipped)

@@ -282,6 +282,11 @@ func (mgr *Manager) recordDurable(t checkpoint.Target, m *checkpoint.Manifest, r
 	// One line per save, with stable keys (log shippers index them).
 	mgr.log.Info("save durable", "job", t.Job, "step", t.Step, "rank", t.Rank, "attempt", t.Attempt,
 		"bytes", m.DataSize, "stored", m.StoredSize, "duration", time.Since(start), "reused", reused)
+	if values, tensors := m.NonFinite(); tensors > 0 && !reused {
+		mgr.m.nonFinite(t.Job, tensors)
+		mgr.log.Warn("save holds NaN or Inf: the run may have diverged (restore --latest --finite passes over such steps)",
+			"target", t, "values", values, "tensors", tensors)
+	}
 }
 
 // commitSettled tries t's step's commit, as the drain that wrote t's

@@ -50,6 +50,10 @@ type Metrics struct {
 	// whose checkpoints stopped: time() - ckptd_last_commit_timestamp_seconds).
 	LastCommitted  *prometheus.GaugeVec
 	LastCommitTime *prometheus.GaugeVec
+	// NonFinite counts, by job, the tensors of drained saves that hold NaN
+	// or Inf: a run diverging. At most maxCommitJobs job labels; the rest
+	// count under "_other".
+	NonFinite *prometheus.CounterVec
 
 	mu     sync.Mutex
 	errors map[string]uint64 // Errors' counts, for ErrorCounts
@@ -58,6 +62,22 @@ type Metrics struct {
 	// save must not grow the metrics without bound): the longest idle
 	// goes first.
 	newest map[string]jobCommit
+	// nonFiniteJobs are NonFinite's job labels (at most maxCommitJobs).
+	nonFiniteJobs map[string]bool
+}
+
+// nonFinite counts n tensors holding NaN or Inf in a save of job.
+func (m *Metrics) nonFinite(job string, n int) {
+	m.mu.Lock()
+	if !m.nonFiniteJobs[job] {
+		if len(m.nonFiniteJobs) < maxCommitJobs {
+			m.nonFiniteJobs[job] = true
+		} else {
+			job = "_other"
+		}
+	}
+	m.mu.Unlock()
+	m.NonFinite.WithLabelValues(job).Add(float64(n))
 }
 
 // maxCommitJobs bounds the jobs the commit gauges keep.
@@ -112,11 +132,15 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "ckptd_last_committed_step", Help: "The newest step of the job this daemon's saves committed."}, []string{"job"}),
 		LastCommitTime: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "ckptd_last_commit_timestamp_seconds", Help: "When this daemon saw the job's newest step committed (Unix time)."}, []string{"job"}),
+		NonFinite: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ckptd_nonfinite_tensors_total", Help: "Tensors of drained saves that hold NaN or Inf, by job (a diverging run)."}, []string{"job"}),
+		nonFiniteJobs: map[string]bool{},
 	}
 	if reg != nil {
 		reg.MustRegister(m.StagedBytes, m.DrainedBytes, m.StoredBytes, m.Restored,
 			m.QueueDepth, m.ArenaUsed, m.SaveStall, m.DrainTime, m.Errors, m.CodecRaw, m.CodecStored,
-			m.TableBytes, m.LeasesReleased, m.Quarantined, m.Tiers, m.RestoreTiers, m.ReplicationFailures, m.LastCommitted, m.LastCommitTime)
+			m.TableBytes, m.LeasesReleased, m.Quarantined, m.Tiers, m.RestoreTiers, m.ReplicationFailures, m.LastCommitted, m.LastCommitTime,
+			m.NonFinite)
 	}
 	return m
 }

@@ -26,6 +26,9 @@ type RestoreHeader struct {
 	// ranks are no longer all held anywhere (their nodes were lost), so
 	// that this older step was restored instead; 0 when none.
 	SkippedStep int64
+	// SkippedNonFinite, for Finite, are the newer committed steps passed
+	// over for holding NaN or Inf, newest first.
+	SkippedNonFinite []int64
 }
 
 // RestoreRequest names what BeginRestore restores.
@@ -38,6 +41,11 @@ type RestoreRequest struct {
 	// back to back in this order (only their chunks are read): a reader
 	// that needs a few tensors of a large shard.
 	Tensors []string
+	// Finite, with Latest, restores the newest committed step whose
+	// tensors hold no NaN or Inf, as the drain counted them. Steps kept in
+	// memory only are not considered: their health is known rank by rank,
+	// on the nodes that hold them, not job-wide.
+	Finite bool
 }
 
 // BeginRestore fills a region of the arena with one rank's shard of a
@@ -55,6 +63,17 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 		defer func() { <-mgr.restores }()
 	case <-ctx.Done():
 		return LeaseInfo{}, nil, fmt.Errorf("waiting for one of the %d concurrent restores (--restores): %w", cap(mgr.restores), ctx.Err())
+	}
+	var skippedNonFinite []int64
+	if req.Finite {
+		if !latest {
+			return LeaseInfo{}, nil, fmt.Errorf("%w: finite picks among steps for latest; give latest, not a step", checkpoint.ErrInvalid)
+		}
+		rec, skipped, err := store.LatestFinite(ctx)
+		if err != nil {
+			return LeaseInfo{}, nil, err
+		}
+		step, latest, skippedNonFinite = rec.Step, false, skipped
 	}
 	src, err := mgr.restoreSource(ctx, store, step, latest, rank)
 	if err != nil {
@@ -104,7 +123,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 		return LeaseInfo{}, nil, err
 	}
 	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: sel.Table, Metadata: m.Metadata, Size: sel.Size,
-		Tier: src.Tier, SkippedStep: src.Skipped}
+		Tier: src.Tier, SkippedStep: src.Skipped, SkippedNonFinite: skippedNonFinite}
 	return l.info(), h, nil
 }
 

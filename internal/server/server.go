@@ -211,7 +211,8 @@ func (s *Checkpoint) ReleaseRegion(ctx context.Context, req *pb.ReleaseRegionReq
 var _ io.Reader = (*streamReader)(nil)
 
 func fromRestoreRequest(r *pb.BeginRestoreRequest) staging.RestoreRequest {
-	return staging.RestoreRequest{Job: r.GetJob(), Step: r.GetStep(), Latest: r.GetLatest(), Rank: int(r.GetRank()), Tensors: r.GetTensors()}
+	return staging.RestoreRequest{Job: r.GetJob(), Step: r.GetStep(), Latest: r.GetLatest(), Rank: int(r.GetRank()), Tensors: r.GetTensors(),
+		Finite: r.GetFinite()}
 }
 
 func fromTarget(t *pb.SaveTarget) checkpoint.Target {
@@ -256,7 +257,7 @@ func (s *Checkpoint) toLease(l staging.LeaseInfo) *pb.Lease {
 
 func toHeader(h *staging.RestoreHeader) *pb.RestoreHeader {
 	return &pb.RestoreHeader{Step: h.Step, WorldSize: int32(h.WorldSize), Attempt: h.Attempt, Tensors: toTensors(h.Tensors), Metadata: h.Metadata, Size: uint64(h.Size),
-		Tier: h.Tier, SkippedStep: h.SkippedStep}
+		Tier: h.Tier, SkippedStep: h.SkippedStep, SkippedNonfinite: h.SkippedNonFinite}
 }
 
 func toState(s staging.State) pb.SaveState {

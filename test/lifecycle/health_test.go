@@ -3,12 +3,16 @@ package lifecycle
 import (
 	"encoding/binary"
 	"encoding/json"
+	"fmt"
+	"io"
 	"math"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/ckptd/ckptd/clients/go/ckptd"
 	"github.com/ckptd/ckptd/test/daemontest"
 )
 
@@ -16,7 +20,8 @@ import (
 // as it drains: list shows it, and restore and export --latest --finite
 // pass over it, naming it, to the newest step that is whole and finite.
 func TestNonFiniteSteps(t *testing.T) {
-	d := daemontest.Start(t, "")
+	metrics := daemontest.ClosedAddr(t)
+	d := daemontest.Start(t, "", "--metrics-addr", metrics)
 	c := d.Client()
 	daemontest.SaveAndWait(t, c, daemontest.Shard(1, 0, 1))
 	diverged := daemontest.Shard(2, 0, 1)
@@ -58,5 +63,21 @@ func TestNonFiniteSteps(t *testing.T) {
 	// Without --finite the newest step is the newest step.
 	if _, _, err := daemontest.CLI(t, append([]string{"restore", "--latest", "--out", t.TempDir()}, store...)...); err != nil {
 		t.Errorf("restore --latest of a step holding NaN: %v", err)
+	}
+
+	// A trainer's load of latest, finite, through the daemon.
+	got, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Latest: true, Finite: true})
+	if err != nil || got.Step != 1 || fmt.Sprint(got.SkippedNonFinite) != "[2]" {
+		t.Fatalf("load latest finite: %v; step %d, passed over %v; want step 1, passing over [2]", err, got.Step, got.SkippedNonFinite)
+	}
+	daemontest.CheckShard(t, got, daemontest.Shard(1, 0, 1))
+	resp, err := http.Get("http://" + metrics + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	if !strings.Contains(string(body), `ckptd_nonfinite_tensors_total{job="e2e"} 1`) {
+		t.Errorf("/metrics does not count the tensor holding NaN and Inf:\n%s", body)
 	}
 }

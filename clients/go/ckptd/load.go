@@ -20,6 +20,9 @@ type LoadRequest struct {
 	// Tensors, when not empty, loads only these tensors (only their chunks
 	// are read).
 	Tensors []string
+	// Finite, with Latest, loads the newest committed step whose tensors
+	// hold no NaN or Inf.
+	Finite bool
 }
 
 // Shard is a restored shard. Tensor data is copied out of the arena, so it
@@ -35,12 +38,15 @@ type Shard struct {
 	// only and could not restore whole (nodes holding some of its ranks
 	// were lost); 0 when none.
 	SkippedStep int64
-	Tensors     []Tensor
-	Metadata    []byte
+	// SkippedNonFinite, for Latest with Finite, are the newer committed
+	// steps passed over for holding NaN or Inf, newest first.
+	SkippedNonFinite []int64
+	Tensors          []Tensor
+	Metadata         []byte
 }
 
 func (r *LoadRequest) pb() *pb.BeginRestoreRequest {
-	return &pb.BeginRestoreRequest{Job: r.Job, Step: r.Step, Latest: r.Latest, Rank: int32(r.Rank), Tensors: r.Tensors}
+	return &pb.BeginRestoreRequest{Job: r.Job, Step: r.Step, Latest: r.Latest, Rank: int32(r.Rank), Tensors: r.Tensors, Finite: r.Finite}
 }
 
 // Load restores one rank's shard through the arena.
@@ -105,7 +111,7 @@ func (c *Client) LoadStream(ctx context.Context, req *LoadRequest) (*Shard, erro
 // and a crafted one must be an error, not a panic or a huge allocation.
 func shardFrom(h *pb.RestoreHeader, region []byte) (*Shard, error) {
 	s := &Shard{Step: h.GetStep(), WorldSize: int(h.GetWorldSize()), Attempt: h.GetAttempt(), Metadata: h.GetMetadata(),
-		Tier: h.GetTier(), SkippedStep: h.GetSkippedStep()}
+		Tier: h.GetTier(), SkippedStep: h.GetSkippedStep(), SkippedNonFinite: h.GetSkippedNonfinite()}
 	size := uint64(len(region))
 	for _, t := range h.GetTensors() {
 		off, n := t.GetOffset(), t.GetLength()

@@ -311,6 +311,7 @@ class Client:
         device: Any = None,
         nested: bool = True,
         tensors: Sequence[str] | None = None,
+        finite: bool = False,
     ) -> LoadedState:
         """Restore one rank's shard of a committed step, or some of its tensors.
 
@@ -335,6 +336,11 @@ class Client:
             tensors: only these tensors, by their stored (flat) names: the
                 daemon reads only their chunks. An unknown name raises
                 InvalidArgumentError.
+            finite: with "latest", the newest committed step whose tensors
+                hold no NaN or Inf (the daemon counts them as it drains): a
+                run that diverged restarts from before it did. The steps
+                passed over are in the result's .skipped_nonfinite, and
+                logged. Steps kept in memory only are not considered.
 
         Where a numpy array comes back (as_torch=False, or None for a value
         saved from numpy), bfloat16 and float8 tensors, which numpy cannot
@@ -344,7 +350,8 @@ class Client:
         arrays there (ask as_torch=True for torch).
 
         Returns:
-            The state dict, with .step, .world_size and .metadata attributes.
+            The state dict, with .step, .world_size, .metadata and
+            .skipped_nonfinite attributes.
 
         Raises:
             ValueError: step is a str other than "latest"; rank not given
@@ -353,7 +360,7 @@ class Client:
             DataLossError: stored data failed verification.
         """
         rank = _ranks.rank(rank)
-        req = _load.restore_request(step, rank, job, tensors)
+        req = _load.restore_request(step, rank, job, tensors, finite)
         what = f"load {'latest step' if req.latest else f'step {step}'} rank {rank}"
         return _load.load(self._conn, req, what, as_torch, device, nested)
 

@@ -63,15 +63,23 @@ class LoadedState(dict):  # type: ignore[type-arg]
     # --persist-every) that could not be restored whole because nodes
     # holding some of its ranks were lost; 0 when none.
     skipped_step: int
+    # For "latest" with finite=True: the newer committed steps passed over
+    # because their tensors hold NaN or Inf, newest first.
+    skipped_nonfinite: list[int]
 
 
 def restore_request(
-    step: int | str, rank: int, job: str | None, tensors: Sequence[str] | None = None
+    step: int | str,
+    rank: int,
+    job: str | None,
+    tensors: Sequence[str] | None = None,
+    finite: bool = False,
 ) -> pb.BeginRestoreRequest:
     """The BeginRestore request; range checks beyond the protocol's are the daemon's.
 
     step is an int or "latest"; tensors, when given, the stored names to
-    restore (only their chunks are read).
+    restore (only their chunks are read); finite, with "latest", the newest
+    committed step whose tensors hold no NaN or Inf.
     """
     if isinstance(tensors, str):
         raise TypeError("tensors must be a sequence of names, not a str")
@@ -80,12 +88,19 @@ def restore_request(
         raise ValueError(f'step must be an int or "latest", not {step!r}')
     if step is None:
         raise TypeError('step must be an int or "latest", not None')
+    if finite and not latest:
+        raise ValueError('finite=True picks among steps for "latest": give step="latest"')
     rank = _limits.as_int("rank", rank)
     step = 0 if latest else _limits.as_int("step", step)
     if not _limits.within(rank, _limits.INT32) or not _limits.within(step, _limits.INT64):
         raise InvalidArgumentError(f"step {step} or rank {rank} is out of range")
     return pb.BeginRestoreRequest(
-        job=job or "", step=step, latest=latest, rank=rank, tensors=list(tensors or ())
+        job=job or "",
+        step=step,
+        latest=latest,
+        rank=rank,
+        tensors=list(tensors or ()),
+        finite=finite,
     )
 
 
@@ -124,6 +139,14 @@ def load(
         header.attempt,
     )
     result.tier, result.skipped_step = header.tier, header.skipped_step
+    result.skipped_nonfinite = list(header.skipped_nonfinite)
+    if result.skipped_nonfinite:
+        _LOG.warning(
+            "ckptd: %s: passed over steps %s, whose tensors hold NaN or Inf; restored step %d",
+            what,
+            result.skipped_nonfinite,
+            header.step,
+        )
     if header.skipped_step:
         _LOG.warning(
             "ckptd: %s: step %d was kept in memory only and some of its ranks were lost "
