@@ -10,7 +10,7 @@ import pytest
 import ckptd
 
 
-def test_latest_finite_passes_over_steps_holding_nan(daemon, caplog: pytest.LogCaptureFixture) -> None:
+def test_latest_finite_passes_over_nan(daemon, caplog: pytest.LogCaptureFixture) -> None:
     c = ckptd.Client(daemon.socket)
     good = {"w": np.arange(1000, dtype=np.float32), "step": np.array(1)}
     c.save(1, good, rank=0, world_size=1).wait()
