@@ -181,19 +181,19 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File, made *created
 		return nil, fmt.Errorf("arena: mmap %s (%d bytes): %w", path, size, err)
 	}
 	a = &Arena{
-		dir:      opts.Dir,
-		path:     path,
-		id:       id,
-		size:     size,
-		log:      log,
-		alloc:    newAllocator(size &^ (pageSize - 1)),
-		journal:  j,
-		writers:  w,
-		made:     *made,
-		reused:   !made.file,
+		dir:     opts.Dir,
+		path:    path,
+		id:      id,
+		size:    size,
+		log:     log,
+		alloc:   newAllocator(size &^ (pageSize - 1)),
+		journal: j,
+		writers: w,
+		made:    *made,
+		reused:  !made.file,
 		// A daemon that kept no record of its writers' regions left this
 		// arena: any of it may be being written, so all of it waits.
-		fence: fenceUntil(!made.file && !recorded, opts.Fence),
+		fence:    fenceUntil(!made.file && !recorded, opts.Fence),
 		mem:      mem,
 		lockFile: lf,
 	}
