@@ -1847,8 +1847,14 @@ type OpenDatasetRequest struct {
 	// position from the batches it consumed, in another process than the
 	// one reading them (DataLoader workers).
 	BatchDelivered bool `protobuf:"varint,13,opt,name=batch_delivered,json=batchDelivered,proto3" json:"batch_delivered,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// A mixture, instead of source and format: several sources read in one
+	// session, each a share of the epoch's shards set by its weight; every
+	// source epoch delivers each of its samples once, however its weight
+	// spreads it over the mixture's epochs. A sample's key is its source's
+	// place in this list, "/", and its key in the source.
+	Mixture       []*MixtureSource `protobuf:"bytes,14,rep,name=mixture,proto3" json:"mixture,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *OpenDatasetRequest) Reset() {
@@ -1972,6 +1978,76 @@ func (x *OpenDatasetRequest) GetBatchDelivered() bool {
 	return false
 }
 
+func (x *OpenDatasetRequest) GetMixture() []*MixtureSource {
+	if x != nil {
+		return x.Mixture
+	}
+	return nil
+}
+
+// One source of a mixture (OpenDatasetRequest.mixture).
+type MixtureSource struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// As OpenDatasetRequest.source and format.
+	Source string `protobuf:"bytes,1,opt,name=source,proto3" json:"source,omitempty"`
+	Format string `protobuf:"bytes,2,opt,name=format,proto3" json:"format,omitempty"`
+	// Its share of the mixture, relative to the others' (positive).
+	Weight        float64 `protobuf:"fixed64,3,opt,name=weight,proto3" json:"weight,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MixtureSource) Reset() {
+	*x = MixtureSource{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MixtureSource) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MixtureSource) ProtoMessage() {}
+
+func (x *MixtureSource) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MixtureSource.ProtoReflect.Descriptor instead.
+func (*MixtureSource) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *MixtureSource) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
+func (x *MixtureSource) GetFormat() string {
+	if x != nil {
+		return x.Format
+	}
+	return ""
+}
+
+func (x *MixtureSource) GetWeight() float64 {
+	if x != nil {
+		return x.Weight
+	}
+	return 0
+}
+
 type OpenDatasetResponse struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Session string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
@@ -1983,7 +2059,7 @@ type OpenDatasetResponse struct {
 
 func (x *OpenDatasetResponse) Reset() {
 	*x = OpenDatasetResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1995,7 +2071,7 @@ func (x *OpenDatasetResponse) String() string {
 func (*OpenDatasetResponse) ProtoMessage() {}
 
 func (x *OpenDatasetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2008,7 +2084,7 @@ func (x *OpenDatasetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenDatasetResponse.ProtoReflect.Descriptor instead.
 func (*OpenDatasetResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{25}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *OpenDatasetResponse) GetSession() string {
@@ -2035,7 +2111,7 @@ type NextBatchRequest struct {
 
 func (x *NextBatchRequest) Reset() {
 	*x = NextBatchRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2047,7 +2123,7 @@ func (x *NextBatchRequest) String() string {
 func (*NextBatchRequest) ProtoMessage() {}
 
 func (x *NextBatchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2060,7 +2136,7 @@ func (x *NextBatchRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NextBatchRequest.ProtoReflect.Descriptor instead.
 func (*NextBatchRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{26}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *NextBatchRequest) GetSession() string {
@@ -2090,7 +2166,7 @@ type SampleField struct {
 
 func (x *SampleField) Reset() {
 	*x = SampleField{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2102,7 +2178,7 @@ func (x *SampleField) String() string {
 func (*SampleField) ProtoMessage() {}
 
 func (x *SampleField) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2115,7 +2191,7 @@ func (x *SampleField) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SampleField.ProtoReflect.Descriptor instead.
 func (*SampleField) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{27}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *SampleField) GetName() string {
@@ -2149,7 +2225,7 @@ type Sample struct {
 
 func (x *Sample) Reset() {
 	*x = Sample{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2161,7 +2237,7 @@ func (x *Sample) String() string {
 func (*Sample) ProtoMessage() {}
 
 func (x *Sample) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2174,7 +2250,7 @@ func (x *Sample) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sample.ProtoReflect.Descriptor instead.
 func (*Sample) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{28}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *Sample) GetKey() string {
@@ -2210,7 +2286,7 @@ type PrefetchStats struct {
 
 func (x *PrefetchStats) Reset() {
 	*x = PrefetchStats{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2222,7 +2298,7 @@ func (x *PrefetchStats) String() string {
 func (*PrefetchStats) ProtoMessage() {}
 
 func (x *PrefetchStats) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2235,7 +2311,7 @@ func (x *PrefetchStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrefetchStats.ProtoReflect.Descriptor instead.
 func (*PrefetchStats) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{29}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *PrefetchStats) GetWaitStorageNs() int64 {
@@ -2316,7 +2392,7 @@ type NextBatchResponse struct {
 
 func (x *NextBatchResponse) Reset() {
 	*x = NextBatchResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2328,7 +2404,7 @@ func (x *NextBatchResponse) String() string {
 func (*NextBatchResponse) ProtoMessage() {}
 
 func (x *NextBatchResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2341,7 +2417,7 @@ func (x *NextBatchResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NextBatchResponse.ProtoReflect.Descriptor instead.
 func (*NextBatchResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{30}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *NextBatchResponse) GetLease() *Lease {
@@ -2395,7 +2471,7 @@ type CloseDatasetRequest struct {
 
 func (x *CloseDatasetRequest) Reset() {
 	*x = CloseDatasetRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2407,7 +2483,7 @@ func (x *CloseDatasetRequest) String() string {
 func (*CloseDatasetRequest) ProtoMessage() {}
 
 func (x *CloseDatasetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2420,7 +2496,7 @@ func (x *CloseDatasetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseDatasetRequest.ProtoReflect.Descriptor instead.
 func (*CloseDatasetRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{31}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *CloseDatasetRequest) GetSession() string {
@@ -2438,7 +2514,7 @@ type CloseDatasetResponse struct {
 
 func (x *CloseDatasetResponse) Reset() {
 	*x = CloseDatasetResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2450,7 +2526,7 @@ func (x *CloseDatasetResponse) String() string {
 func (*CloseDatasetResponse) ProtoMessage() {}
 
 func (x *CloseDatasetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2463,7 +2539,7 @@ func (x *CloseDatasetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseDatasetResponse.ProtoReflect.Descriptor instead.
 func (*CloseDatasetResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{32}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{33}
 }
 
 type DatasetPositionRequest struct {
@@ -2476,7 +2552,7 @@ type DatasetPositionRequest struct {
 
 func (x *DatasetPositionRequest) Reset() {
 	*x = DatasetPositionRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2488,7 +2564,7 @@ func (x *DatasetPositionRequest) String() string {
 func (*DatasetPositionRequest) ProtoMessage() {}
 
 func (x *DatasetPositionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2501,7 +2577,7 @@ func (x *DatasetPositionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetPositionRequest.ProtoReflect.Descriptor instead.
 func (*DatasetPositionRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{33}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *DatasetPositionRequest) GetSession() string {
@@ -2529,7 +2605,7 @@ type DatasetPositionResponse struct {
 
 func (x *DatasetPositionResponse) Reset() {
 	*x = DatasetPositionResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2541,7 +2617,7 @@ func (x *DatasetPositionResponse) String() string {
 func (*DatasetPositionResponse) ProtoMessage() {}
 
 func (x *DatasetPositionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2554,7 +2630,7 @@ func (x *DatasetPositionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetPositionResponse.ProtoReflect.Descriptor instead.
 func (*DatasetPositionResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{34}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *DatasetPositionResponse) GetDelivered() []byte {
@@ -2579,7 +2655,7 @@ type GetStatusRequest struct {
 
 func (x *GetStatusRequest) Reset() {
 	*x = GetStatusRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2591,7 +2667,7 @@ func (x *GetStatusRequest) String() string {
 func (*GetStatusRequest) ProtoMessage() {}
 
 func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2604,7 +2680,7 @@ func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatusRequest.ProtoReflect.Descriptor instead.
 func (*GetStatusRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
 }
 
 type DaemonStatus struct {
@@ -2633,7 +2709,7 @@ type DaemonStatus struct {
 
 func (x *DaemonStatus) Reset() {
 	*x = DaemonStatus{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2645,7 +2721,7 @@ func (x *DaemonStatus) String() string {
 func (*DaemonStatus) ProtoMessage() {}
 
 func (x *DaemonStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2658,7 +2734,7 @@ func (x *DaemonStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DaemonStatus.ProtoReflect.Descriptor instead.
 func (*DaemonStatus) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *DaemonStatus) GetVersion() string {
@@ -2765,7 +2841,7 @@ type HotTier struct {
 
 func (x *HotTier) Reset() {
 	*x = HotTier{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2777,7 +2853,7 @@ func (x *HotTier) String() string {
 func (*HotTier) ProtoMessage() {}
 
 func (x *HotTier) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2790,7 +2866,7 @@ func (x *HotTier) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HotTier.ProtoReflect.Descriptor instead.
 func (*HotTier) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *HotTier) GetBytes() uint64 {
@@ -2830,7 +2906,7 @@ type ArenaUsage struct {
 
 func (x *ArenaUsage) Reset() {
 	*x = ArenaUsage{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2842,7 +2918,7 @@ func (x *ArenaUsage) String() string {
 func (*ArenaUsage) ProtoMessage() {}
 
 func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2855,7 +2931,7 @@ func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ArenaUsage.ProtoReflect.Descriptor instead.
 func (*ArenaUsage) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *ArenaUsage) GetSize() uint64 {
@@ -2920,7 +2996,7 @@ type SaveActivity struct {
 
 func (x *SaveActivity) Reset() {
 	*x = SaveActivity{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2932,7 +3008,7 @@ func (x *SaveActivity) String() string {
 func (*SaveActivity) ProtoMessage() {}
 
 func (x *SaveActivity) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2945,7 +3021,7 @@ func (x *SaveActivity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveActivity.ProtoReflect.Descriptor instead.
 func (*SaveActivity) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{39}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *SaveActivity) GetTarget() *SaveTarget {
@@ -2999,7 +3075,7 @@ type LeaseState struct {
 
 func (x *LeaseState) Reset() {
 	*x = LeaseState{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3011,7 +3087,7 @@ func (x *LeaseState) String() string {
 func (*LeaseState) ProtoMessage() {}
 
 func (x *LeaseState) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3024,7 +3100,7 @@ func (x *LeaseState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaseState.ProtoReflect.Descriptor instead.
 func (*LeaseState) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{40}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *LeaseState) GetIdPrefix() string {
@@ -3105,7 +3181,7 @@ type DatasetState struct {
 
 func (x *DatasetState) Reset() {
 	*x = DatasetState{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3117,7 +3193,7 @@ func (x *DatasetState) String() string {
 func (*DatasetState) ProtoMessage() {}
 
 func (x *DatasetState) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3130,7 +3206,7 @@ func (x *DatasetState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetState.ProtoReflect.Descriptor instead.
 func (*DatasetState) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{41}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *DatasetState) GetPeer() string {
@@ -3221,7 +3297,7 @@ type PersistRequest struct {
 
 func (x *PersistRequest) Reset() {
 	*x = PersistRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3233,7 +3309,7 @@ func (x *PersistRequest) String() string {
 func (*PersistRequest) ProtoMessage() {}
 
 func (x *PersistRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3246,7 +3322,7 @@ func (x *PersistRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PersistRequest.ProtoReflect.Descriptor instead.
 func (*PersistRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *PersistRequest) GetJob() string {
@@ -3278,7 +3354,7 @@ type PersistResponse struct {
 
 func (x *PersistResponse) Reset() {
 	*x = PersistResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3290,7 +3366,7 @@ func (x *PersistResponse) String() string {
 func (*PersistResponse) ProtoMessage() {}
 
 func (x *PersistResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3303,7 +3379,7 @@ func (x *PersistResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PersistResponse.ProtoReflect.Descriptor instead.
 func (*PersistResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
 }
 
 type InventoryRequest struct {
@@ -3315,7 +3391,7 @@ type InventoryRequest struct {
 
 func (x *InventoryRequest) Reset() {
 	*x = InventoryRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3327,7 +3403,7 @@ func (x *InventoryRequest) String() string {
 func (*InventoryRequest) ProtoMessage() {}
 
 func (x *InventoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3340,7 +3416,7 @@ func (x *InventoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InventoryRequest.ProtoReflect.Descriptor instead.
 func (*InventoryRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *InventoryRequest) GetJob() string {
@@ -3370,7 +3446,7 @@ type HeldShard struct {
 
 func (x *HeldShard) Reset() {
 	*x = HeldShard{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3382,7 +3458,7 @@ func (x *HeldShard) String() string {
 func (*HeldShard) ProtoMessage() {}
 
 func (x *HeldShard) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3395,7 +3471,7 @@ func (x *HeldShard) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeldShard.ProtoReflect.Descriptor instead.
 func (*HeldShard) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *HeldShard) GetStep() int64 {
@@ -3463,7 +3539,7 @@ type InventoryResponse struct {
 
 func (x *InventoryResponse) Reset() {
 	*x = InventoryResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3475,7 +3551,7 @@ func (x *InventoryResponse) String() string {
 func (*InventoryResponse) ProtoMessage() {}
 
 func (x *InventoryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3488,7 +3564,7 @@ func (x *InventoryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InventoryResponse.ProtoReflect.Descriptor instead.
 func (*InventoryResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{46}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *InventoryResponse) GetShards() []*HeldShard {
@@ -3521,7 +3597,7 @@ type ReplicaHeader struct {
 
 func (x *ReplicaHeader) Reset() {
 	*x = ReplicaHeader{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3533,7 +3609,7 @@ func (x *ReplicaHeader) String() string {
 func (*ReplicaHeader) ProtoMessage() {}
 
 func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3546,7 +3622,7 @@ func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaHeader.ProtoReflect.Descriptor instead.
 func (*ReplicaHeader) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{47}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *ReplicaHeader) GetManifestSize() uint64 {
@@ -3629,7 +3705,7 @@ type ReplicaPiece struct {
 
 func (x *ReplicaPiece) Reset() {
 	*x = ReplicaPiece{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3641,7 +3717,7 @@ func (x *ReplicaPiece) String() string {
 func (*ReplicaPiece) ProtoMessage() {}
 
 func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3654,7 +3730,7 @@ func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaPiece.ProtoReflect.Descriptor instead.
 func (*ReplicaPiece) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{48}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *ReplicaPiece) GetHeader() *ReplicaHeader {
@@ -3679,7 +3755,7 @@ type PutReplicaResponse struct {
 
 func (x *PutReplicaResponse) Reset() {
 	*x = PutReplicaResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3691,7 +3767,7 @@ func (x *PutReplicaResponse) String() string {
 func (*PutReplicaResponse) ProtoMessage() {}
 
 func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3704,7 +3780,7 @@ func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutReplicaResponse.ProtoReflect.Descriptor instead.
 func (*PutReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{49}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{50}
 }
 
 type GetReplicaRequest struct {
@@ -3723,7 +3799,7 @@ type GetReplicaRequest struct {
 
 func (x *GetReplicaRequest) Reset() {
 	*x = GetReplicaRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3735,7 +3811,7 @@ func (x *GetReplicaRequest) String() string {
 func (*GetReplicaRequest) ProtoMessage() {}
 
 func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3748,7 +3824,7 @@ func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReplicaRequest.ProtoReflect.Descriptor instead.
 func (*GetReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{50}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *GetReplicaRequest) GetJob() string {
@@ -3900,7 +3976,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x03msg\"1\n" +
 	"\x14ReleaseRegionRequest\x12\x19\n" +
 	"\blease_id\x18\x01 \x01(\tR\aleaseId\"\x17\n" +
-	"\x15ReleaseRegionResponse\"\xfb\x02\n" +
+	"\x15ReleaseRegionResponse\"\xae\x03\n" +
 	"\x12OpenDatasetRequest\x12\x16\n" +
 	"\x06source\x18\x01 \x01(\tR\x06source\x12\x16\n" +
 	"\x06format\x18\x02 \x01(\tR\x06format\x12\x1d\n" +
@@ -3917,7 +3993,12 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	" \x01(\bR\vskipCorrupt\x12\x1c\n" +
 	"\tdelivered\x18\v \x03(\fR\tdelivered\x12\x12\n" +
 	"\x04even\x18\f \x01(\tR\x04even\x12'\n" +
-	"\x0fbatch_delivered\x18\r \x01(\bR\x0ebatchDelivered\"G\n" +
+	"\x0fbatch_delivered\x18\r \x01(\bR\x0ebatchDelivered\x121\n" +
+	"\amixture\x18\x0e \x03(\v2\x17.ckptd.v1.MixtureSourceR\amixture\"W\n" +
+	"\rMixtureSource\x12\x16\n" +
+	"\x06source\x18\x01 \x01(\tR\x06source\x12\x16\n" +
+	"\x06format\x18\x02 \x01(\tR\x06format\x12\x16\n" +
+	"\x06weight\x18\x03 \x01(\x01R\x06weight\"G\n" +
 	"\x13OpenDatasetResponse\x12\x18\n" +
 	"\asession\x18\x01 \x01(\tR\asession\x12\x16\n" +
 	"\x06shards\x18\x02 \x01(\x03R\x06shards\"F\n" +
@@ -4146,7 +4227,7 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 }
 
 var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 54)
+var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 55)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(ErrorReason)(0),                // 0: ckptd.v1.ErrorReason
 	(SaveState)(0),                  // 1: ckptd.v1.SaveState
@@ -4175,35 +4256,36 @@ var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(*ReleaseRegionRequest)(nil),    // 24: ckptd.v1.ReleaseRegionRequest
 	(*ReleaseRegionResponse)(nil),   // 25: ckptd.v1.ReleaseRegionResponse
 	(*OpenDatasetRequest)(nil),      // 26: ckptd.v1.OpenDatasetRequest
-	(*OpenDatasetResponse)(nil),     // 27: ckptd.v1.OpenDatasetResponse
-	(*NextBatchRequest)(nil),        // 28: ckptd.v1.NextBatchRequest
-	(*SampleField)(nil),             // 29: ckptd.v1.SampleField
-	(*Sample)(nil),                  // 30: ckptd.v1.Sample
-	(*PrefetchStats)(nil),           // 31: ckptd.v1.PrefetchStats
-	(*NextBatchResponse)(nil),       // 32: ckptd.v1.NextBatchResponse
-	(*CloseDatasetRequest)(nil),     // 33: ckptd.v1.CloseDatasetRequest
-	(*CloseDatasetResponse)(nil),    // 34: ckptd.v1.CloseDatasetResponse
-	(*DatasetPositionRequest)(nil),  // 35: ckptd.v1.DatasetPositionRequest
-	(*DatasetPositionResponse)(nil), // 36: ckptd.v1.DatasetPositionResponse
-	(*GetStatusRequest)(nil),        // 37: ckptd.v1.GetStatusRequest
-	(*DaemonStatus)(nil),            // 38: ckptd.v1.DaemonStatus
-	(*HotTier)(nil),                 // 39: ckptd.v1.HotTier
-	(*ArenaUsage)(nil),              // 40: ckptd.v1.ArenaUsage
-	(*SaveActivity)(nil),            // 41: ckptd.v1.SaveActivity
-	(*LeaseState)(nil),              // 42: ckptd.v1.LeaseState
-	(*DatasetState)(nil),            // 43: ckptd.v1.DatasetState
-	(*PersistRequest)(nil),          // 44: ckptd.v1.PersistRequest
-	(*PersistResponse)(nil),         // 45: ckptd.v1.PersistResponse
-	(*InventoryRequest)(nil),        // 46: ckptd.v1.InventoryRequest
-	(*HeldShard)(nil),               // 47: ckptd.v1.HeldShard
-	(*InventoryResponse)(nil),       // 48: ckptd.v1.InventoryResponse
-	(*ReplicaHeader)(nil),           // 49: ckptd.v1.ReplicaHeader
-	(*ReplicaPiece)(nil),            // 50: ckptd.v1.ReplicaPiece
-	(*PutReplicaResponse)(nil),      // 51: ckptd.v1.PutReplicaResponse
-	(*GetReplicaRequest)(nil),       // 52: ckptd.v1.GetReplicaRequest
-	nil,                             // 53: ckptd.v1.WaitSaveResponse.MetadataEntry
-	nil,                             // 54: ckptd.v1.DaemonStatus.ErrorsEntry
-	nil,                             // 55: ckptd.v1.DaemonStatus.BackendErrorsEntry
+	(*MixtureSource)(nil),           // 27: ckptd.v1.MixtureSource
+	(*OpenDatasetResponse)(nil),     // 28: ckptd.v1.OpenDatasetResponse
+	(*NextBatchRequest)(nil),        // 29: ckptd.v1.NextBatchRequest
+	(*SampleField)(nil),             // 30: ckptd.v1.SampleField
+	(*Sample)(nil),                  // 31: ckptd.v1.Sample
+	(*PrefetchStats)(nil),           // 32: ckptd.v1.PrefetchStats
+	(*NextBatchResponse)(nil),       // 33: ckptd.v1.NextBatchResponse
+	(*CloseDatasetRequest)(nil),     // 34: ckptd.v1.CloseDatasetRequest
+	(*CloseDatasetResponse)(nil),    // 35: ckptd.v1.CloseDatasetResponse
+	(*DatasetPositionRequest)(nil),  // 36: ckptd.v1.DatasetPositionRequest
+	(*DatasetPositionResponse)(nil), // 37: ckptd.v1.DatasetPositionResponse
+	(*GetStatusRequest)(nil),        // 38: ckptd.v1.GetStatusRequest
+	(*DaemonStatus)(nil),            // 39: ckptd.v1.DaemonStatus
+	(*HotTier)(nil),                 // 40: ckptd.v1.HotTier
+	(*ArenaUsage)(nil),              // 41: ckptd.v1.ArenaUsage
+	(*SaveActivity)(nil),            // 42: ckptd.v1.SaveActivity
+	(*LeaseState)(nil),              // 43: ckptd.v1.LeaseState
+	(*DatasetState)(nil),            // 44: ckptd.v1.DatasetState
+	(*PersistRequest)(nil),          // 45: ckptd.v1.PersistRequest
+	(*PersistResponse)(nil),         // 46: ckptd.v1.PersistResponse
+	(*InventoryRequest)(nil),        // 47: ckptd.v1.InventoryRequest
+	(*HeldShard)(nil),               // 48: ckptd.v1.HeldShard
+	(*InventoryResponse)(nil),       // 49: ckptd.v1.InventoryResponse
+	(*ReplicaHeader)(nil),           // 50: ckptd.v1.ReplicaHeader
+	(*ReplicaPiece)(nil),            // 51: ckptd.v1.ReplicaPiece
+	(*PutReplicaResponse)(nil),      // 52: ckptd.v1.PutReplicaResponse
+	(*GetReplicaRequest)(nil),       // 53: ckptd.v1.GetReplicaRequest
+	nil,                             // 54: ckptd.v1.WaitSaveResponse.MetadataEntry
+	nil,                             // 55: ckptd.v1.DaemonStatus.ErrorsEntry
+	nil,                             // 56: ckptd.v1.DaemonStatus.BackendErrorsEntry
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	5,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
@@ -4214,71 +4296,72 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	4,  // 5: ckptd.v1.SaveStreamHeader.tensors:type_name -> ckptd.v1.Tensor
 	13, // 6: ckptd.v1.SaveStreamRequest.header:type_name -> ckptd.v1.SaveStreamHeader
 	1,  // 7: ckptd.v1.WaitSaveResponse.state:type_name -> ckptd.v1.SaveState
-	53, // 8: ckptd.v1.WaitSaveResponse.metadata:type_name -> ckptd.v1.WaitSaveResponse.MetadataEntry
+	54, // 8: ckptd.v1.WaitSaveResponse.metadata:type_name -> ckptd.v1.WaitSaveResponse.MetadataEntry
 	18, // 9: ckptd.v1.ListStepsResponse.steps:type_name -> ckptd.v1.StepInfo
 	4,  // 10: ckptd.v1.RestoreHeader.tensors:type_name -> ckptd.v1.Tensor
 	7,  // 11: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
 	21, // 12: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
 	21, // 13: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
-	29, // 14: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
-	7,  // 15: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
-	30, // 16: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
-	31, // 17: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
-	40, // 18: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
-	41, // 19: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
-	42, // 20: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
-	43, // 21: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
-	54, // 22: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
-	39, // 23: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
-	55, // 24: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
-	5,  // 25: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
-	5,  // 26: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
-	31, // 27: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
-	47, // 28: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
-	49, // 29: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
-	2,  // 30: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
-	6,  // 31: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
-	9,  // 32: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
-	11, // 33: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
-	14, // 34: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
-	15, // 35: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
-	17, // 36: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
-	20, // 37: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
-	20, // 38: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
-	24, // 39: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
-	26, // 40: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
-	28, // 41: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
-	33, // 42: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
-	35, // 43: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
-	37, // 44: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
-	50, // 45: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
-	52, // 46: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
-	46, // 47: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
-	44, // 48: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
-	3,  // 49: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	8,  // 50: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	10, // 51: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	12, // 52: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	10, // 53: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	16, // 54: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	19, // 55: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	22, // 56: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	23, // 57: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	25, // 58: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	27, // 59: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	32, // 60: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	34, // 61: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	36, // 62: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
-	38, // 63: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
-	51, // 64: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
-	50, // 65: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
-	48, // 66: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
-	45, // 67: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
-	49, // [49:68] is the sub-list for method output_type
-	30, // [30:49] is the sub-list for method input_type
-	30, // [30:30] is the sub-list for extension type_name
-	30, // [30:30] is the sub-list for extension extendee
-	0,  // [0:30] is the sub-list for field type_name
+	27, // 14: ckptd.v1.OpenDatasetRequest.mixture:type_name -> ckptd.v1.MixtureSource
+	30, // 15: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
+	7,  // 16: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
+	31, // 17: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
+	32, // 18: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
+	41, // 19: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
+	42, // 20: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
+	43, // 21: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
+	44, // 22: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
+	55, // 23: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	40, // 24: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
+	56, // 25: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
+	5,  // 26: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
+	5,  // 27: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
+	32, // 28: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
+	48, // 29: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
+	50, // 30: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
+	2,  // 31: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
+	6,  // 32: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
+	9,  // 33: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
+	11, // 34: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
+	14, // 35: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
+	15, // 36: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
+	17, // 37: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
+	20, // 38: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
+	20, // 39: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
+	24, // 40: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
+	26, // 41: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
+	29, // 42: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
+	34, // 43: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
+	36, // 44: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
+	38, // 45: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
+	51, // 46: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
+	53, // 47: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
+	47, // 48: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
+	45, // 49: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
+	3,  // 50: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	8,  // 51: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	10, // 52: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	12, // 53: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	10, // 54: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	16, // 55: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	19, // 56: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	22, // 57: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	23, // 58: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	25, // 59: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	28, // 60: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	33, // 61: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	35, // 62: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	37, // 63: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
+	39, // 64: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	52, // 65: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
+	51, // 66: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
+	49, // 67: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
+	46, // 68: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
+	50, // [50:69] is the sub-list for method output_type
+	31, // [31:50] is the sub-list for method input_type
+	31, // [31:31] is the sub-list for extension type_name
+	31, // [31:31] is the sub-list for extension extendee
+	0,  // [0:31] is the sub-list for field type_name
 }
 
 func init() { file_ckptd_v1_ckptd_proto_init() }
@@ -4300,7 +4383,7 @@ func file_ckptd_v1_ckptd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   54,
+			NumMessages:   55,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

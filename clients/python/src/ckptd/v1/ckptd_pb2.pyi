@@ -321,7 +321,7 @@ class ReleaseRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenDatasetRequest(_message.Message):
-    __slots__ = ("source", "format", "batch_size", "rank", "world_size", "seed", "epoch", "start", "shuffle_window", "skip_corrupt", "delivered", "even", "batch_delivered")
+    __slots__ = ("source", "format", "batch_size", "rank", "world_size", "seed", "epoch", "start", "shuffle_window", "skip_corrupt", "delivered", "even", "batch_delivered", "mixture")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +335,7 @@ class OpenDatasetRequest(_message.Message):
     DELIVERED_FIELD_NUMBER: _ClassVar[int]
     EVEN_FIELD_NUMBER: _ClassVar[int]
     BATCH_DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    MIXTURE_FIELD_NUMBER: _ClassVar[int]
     source: str
     format: str
     batch_size: int
@@ -348,7 +349,18 @@ class OpenDatasetRequest(_message.Message):
     delivered: _containers.RepeatedScalarFieldContainer[bytes]
     even: str
     batch_delivered: bool
-    def __init__(self, source: _Optional[str] = ..., format: _Optional[str] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., shuffle_window: _Optional[int] = ..., skip_corrupt: _Optional[bool] = ..., delivered: _Optional[_Iterable[bytes]] = ..., even: _Optional[str] = ..., batch_delivered: _Optional[bool] = ...) -> None: ...
+    mixture: _containers.RepeatedCompositeFieldContainer[MixtureSource]
+    def __init__(self, source: _Optional[str] = ..., format: _Optional[str] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., shuffle_window: _Optional[int] = ..., skip_corrupt: _Optional[bool] = ..., delivered: _Optional[_Iterable[bytes]] = ..., even: _Optional[str] = ..., batch_delivered: _Optional[bool] = ..., mixture: _Optional[_Iterable[_Union[MixtureSource, _Mapping]]] = ...) -> None: ...
+
+class MixtureSource(_message.Message):
+    __slots__ = ("source", "format", "weight")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    format: str
+    weight: float
+    def __init__(self, source: _Optional[str] = ..., format: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class OpenDatasetResponse(_message.Message):
     __slots__ = ("session", "shards")
