@@ -73,14 +73,14 @@ func (s *Store) mayDelete(si *StepInventory, others []*StepInventory, force bool
 	}
 	switch {
 	case si.Damaged != nil:
-		return fmt.Errorf("%w: step %d's commit record is damaged (%v); `ckptd verify` names the damage; --force deletes it anyway",
+		return fmt.Errorf("%w: step %d's commit record is damaged (%v); `ckptd verify` names the damage",
 			ErrNeedsForce, si.Step, si.Damaged)
 	case si.Commit == nil:
 		return fmt.Errorf("%w: step %d is not committed, so a save may still be writing it; `ckptd prune` removes it once "+
-			"nothing was written to it for --gc-grace, or --force deletes it now", ErrNeedsForce, si.Step)
+			"nothing was written to it for its grace", ErrNeedsForce, si.Step)
 	case !slices.ContainsFunc(others, func(o *StepInventory) bool { return o.Step > si.Step }):
-		return fmt.Errorf("%w: step %d is job %q's newest committed step, which a restart of the job (--latest) restores; "+
-			"--force deletes it, and --latest then falls back to the step before", ErrNeedsForce, si.Step, s.job)
+		return fmt.Errorf("%w: step %d is job %q's newest committed step, which a restart of the job restores "+
+			"(after it is deleted, latest is the step before)", ErrNeedsForce, si.Step, s.job)
 	}
 	return nil
 }
@@ -106,8 +106,8 @@ func (s *Store) DeleteJob(ctx context.Context, opts DeleteOptions) (*PruneReport
 		return nil, fmt.Errorf("list job %q: %w", s.job, err)
 	}
 	if len(commits) > 0 && !opts.Force {
-		return nil, fmt.Errorf("%w: job %q holds %d committed steps, the newest of which a restart of the job restores; "+
-			"--force deletes the job", ErrNeedsForce, s.job, len(commits))
+		return nil, fmt.Errorf("%w: job %q holds %d committed steps, the newest of which a restart of the job restores",
+			ErrNeedsForce, s.job, len(commits))
 	}
 	p := &pruner{s: s, dryRun: opts.DryRun, rep: rep}
 	if err := p.deleteAll(ctx, commits); err != nil {

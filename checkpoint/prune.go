@@ -114,11 +114,9 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 }
 
 func (o PruneOptions) check() error {
-	switch {
-	case o.KeepEvery < 0:
-		return fmt.Errorf("%w: --keep-every must be positive, got %d", ErrInvalid, o.KeepEvery)
-	case o.KeepLast < 0 || o.KeepLast == 0 && o.KeepEvery == 0:
-		return fmt.Errorf("%w: --keep-last must be at least 1 (or 0 together with --keep-every), got %d", ErrInvalid, o.KeepLast)
+	if o.KeepEvery < 0 || o.KeepLast < 0 || o.KeepLast == 0 && o.KeepEvery == 0 {
+		return fmt.Errorf("%w: prune keeps the newest KeepLast steps (%d) and those KeepEvery divides (%d): "+
+			"neither may be negative, and one must keep steps", ErrInvalid, o.KeepLast, o.KeepEvery)
 	}
 	return nil
 }

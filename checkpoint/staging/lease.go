@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -351,8 +352,8 @@ func (t *leaseTable) journaled() int {
 // charge books n bytes of the budget for l.
 func (t *leaseTable) charge(l *lease, n int64) error {
 	if t.tables+n > t.budget {
-		return fmt.Errorf("%w: the tensor tables and metadata of open saves, and the open restores, would hold %d bytes, more than --tensor-table-bytes (%d); "+
-			"wait for saves to drain, release restores, save fewer tensors at once, or raise the budget", ErrOverBudget, t.tables+n, t.budget)
+		return budget.Wrap(fmt.Errorf("%w: the tensor tables and metadata of open saves, and the open restores, would hold %d bytes, more than their budget (%d); "+
+			"wait for saves to drain, release restores, save fewer tensors at once, or raise the budget", ErrOverBudget, t.tables+n, t.budget), budget.TensorTables)
 	}
 	t.tables += n
 	l.cost += n

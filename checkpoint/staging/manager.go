@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/tiers"
 	"github.com/ckptd/ckptd/storage"
@@ -247,7 +248,7 @@ func (mgr *Manager) allocWith(ctx context.Context, n int64, alloc func(context.C
 	defer cancel()
 	r, err := alloc(ctx, n)
 	if errors.Is(err, ErrArenaTooLarge) {
-		err = fmt.Errorf("%w; the shard must fit the staging arena: restart the daemon with --staging-bytes of at least %d", err, n)
+		err = budget.Wrap(fmt.Errorf("%w; the shard must fit the staging arena: restart the daemon with an arena of at least %d bytes", err, n), budget.StagingArena)
 	}
 	if s := mgr.stalled.Load(); s != nil && errors.Is(err, ErrArenaFull) {
 		err = fmt.Errorf("%w; the arena is held by staged saves whose drains have been retrying for %s because storage does not answer: %v",

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/dtype"
 	"github.com/ckptd/ckptd/internal/arena"
@@ -427,7 +429,7 @@ func TestRestoresBounded(t *testing.T) {
 	eventually(t, "the first restore reads", func() bool { return slow.Hits() > 0 })
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
-	if _, _, err := mgr.BeginRestore(ctx, Owner{}, RestoreRequest{Job: "job", Step: 1}); !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "--restores") {
+	if _, _, err := mgr.BeginRestore(ctx, Owner{}, RestoreRequest{Job: "job", Step: 1}); !errors.Is(err, context.DeadlineExceeded) || !slices.Contains(budget.Of(err), budget.Restores) {
 		t.Fatalf("a second restore while the only slot is taken: %v", err)
 	}
 	if err := <-first; err != nil {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/tiers"
 	"github.com/ckptd/ckptd/storage"
@@ -62,7 +63,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	case mgr.restores <- struct{}{}:
 		defer func() { <-mgr.restores }()
 	case <-ctx.Done():
-		return LeaseInfo{}, nil, fmt.Errorf("waiting for one of the %d concurrent restores (--restores): %w", cap(mgr.restores), ctx.Err())
+		return LeaseInfo{}, nil, budget.Wrap(fmt.Errorf("waiting for one of the %d restores allowed at once: %w", cap(mgr.restores), ctx.Err()), budget.Restores)
 	}
 	var skippedNonFinite []int64
 	if req.Finite {
@@ -134,7 +135,7 @@ const restoreLeaseCost = 1 << 10
 // restoreSource resolves the step and finds rank's shard: in the hot tier
 // when it holds the committed attempt's copy (no storage read but the
 // commit record's), else at a peer, else in storage. A step kept in memory
-// only (--persist-every, --persist-interval) is found through the sidecars' inventories, and
+// only (the persistence policy) is found through the sidecars' inventories, and
 // is latest when it is newer than every committed step and whole. When
 // storage does not answer, the hot tier's copy of the step (or, for
 // latest, of its newest committed step) is served alone.
@@ -153,8 +154,8 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *checkpoint.Store, 
 			return src, merr
 		}
 		if skipped = src.Skipped; skipped > 0 && !latest {
-			return tiers.Source{}, fmt.Errorf("%w: step %d of job %q was kept in memory only (--persist-every, --persist-interval) and some of its ranks are held by no sidecar now; "+
-				"restore a persisted step (ckptd list)", checkpoint.ErrStepNotFound, step, store.Job())
+			return tiers.Source{}, budget.Wrap(fmt.Errorf("%w: step %d of job %q was kept in memory only (the persistence policy) and some of its ranks are held by no sidecar now; "+
+				"restore a persisted step (ckptd list)", checkpoint.ErrStepNotFound, step, store.Job()), budget.PersistPolicy)
 		}
 		if skipped > 0 {
 			mgr.log.Warn("a newer step was kept in memory only and some of its ranks are held nowhere now; restoring the last persisted step",

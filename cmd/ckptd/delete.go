@@ -66,7 +66,7 @@ func runDelete(ctx context.Context, o *deleteOptions, oneStep bool, out io.Write
 		rep, err = store.DeleteJob(ctx, opts)
 	}
 	if errors.Is(err, checkpoint.ErrNeedsForce) {
-		return usageError{err}
+		return usageError{fmt.Errorf("%w; --force deletes it anyway", err)}
 	}
 	if rep != nil {
 		verb := "deleted"

@@ -58,8 +58,13 @@ func runPrune(ctx context.Context, o *pruneOptions, out io.Writer) error {
 		return err
 	}
 	defer closeStore()
-	if o.GCGrace <= 0 {
+	switch {
+	case o.GCGrace <= 0:
 		return usageError{fmt.Errorf("--gc-grace must be positive, got %s", o.GCGrace)}
+	case o.KeepEvery < 0:
+		return usageError{fmt.Errorf("--keep-every must be positive, got %d", o.KeepEvery)}
+	case o.KeepLast < 0 || o.KeepLast == 0 && o.KeepEvery == 0:
+		return usageError{fmt.Errorf("--keep-last must be at least 1 (or 0 together with --keep-every), got %d", o.KeepLast)}
 	}
 	rep, err := store.Prune(ctx, checkpoint.PruneOptions{KeepLast: o.KeepLast, KeepEvery: o.KeepEvery, GCGrace: o.GCGrace, DryRun: o.DryRun})
 	if errors.Is(err, checkpoint.ErrInvalid) {

@@ -75,7 +75,7 @@ func toStatus(err error) error {
 		return err // already a status (the stream's own errors)
 	}
 	code, reason, meta := classify(err)
-	return withInfo(code, err.Error(), reason, meta)
+	return withInfo(code, Explain(err), reason, meta)
 }
 
 // classify returns the gRPC code, ErrorInfo reason and metadata of a core

@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/staging"
 	"github.com/ckptd/ckptd/internal/arena"
@@ -62,5 +64,18 @@ func TestToStatus(t *testing.T) {
 				t.Errorf("%v: metadata %v, want %s=%s", tc.err, info.GetMetadata(), k, v)
 			}
 		}
+	}
+}
+
+// A core error that ran into budgets is shown with the flags that set
+// them; the core's own message names none.
+func TestExplainNamesTheFlags(t *testing.T) {
+	err := budget.Wrap(fmt.Errorf("%w: the datasets' share is full", prefetch.ErrOverBudget), budget.DatasetShare, budget.StagingArena)
+	st, _ := status.FromError(toStatus(err))
+	if want := "the datasets' share is full (set by ckptd serve --dataset-arena-bytes, --staging-bytes)"; !strings.HasSuffix(st.Message(), want) {
+		t.Errorf("message %q, want it to end %q", st.Message(), want)
+	}
+	if got := Explain(errors.New("plain")); got != "plain" {
+		t.Errorf("Explain of an error without budgets = %q", got)
 	}
 }
