@@ -49,8 +49,13 @@ func (s *Store) TryCommitRank(ctx context.Context, t Target) (rec *CommitRecord,
 	if err != nil || names == nil {
 		return nil, false, err
 	}
-	// The step looks whole. Another rank completing it at the same time
-	// may have committed it already: one read saves reading every manifest.
+	return s.commitWhole(ctx, t, names)
+}
+
+// commitWhole commits t's step, whose manifests names are all there,
+// unless another rank completing it at the same time did already: one
+// read saves reading every manifest.
+func (s *Store) commitWhole(ctx context.Context, t Target, names []string) (*CommitRecord, bool, error) {
 	if rec, err := s.ReadCommit(ctx, t.Step); !errors.Is(err, storage.ErrNotFound) {
 		s.notePoll(t.Step, rec)
 		return rec, false, err
@@ -112,12 +117,12 @@ func ranksIn(names []string, lo, hi int) int {
 // Waiting ranks normally commit nothing: the drain of the step's last rank
 // does (TryCommitRank), and retries until it succeeds. If that drain
 // stops for good (its node lost with its journal), nobody else would ever
-// commit the step, so a waiter tries TryCommitRank itself, but only once
-// the step has been waited for longer than a healthy commit takes
-// (fallbackGrace), at a random moment spread over fallbackSpread, and at
-// most once per fallbackSpread in this process after that: the ranks of
-// a large job, spread over many nodes, do not all list and read every
-// manifest at the same moment.
+// commit the step, so waiters check for that: from fallbackStart after
+// this process's first look, at most once per fallbackSpread (at random
+// moments), one of them climbs the groups as TryCommitRank does, and
+// commits the step once it has found it whole for fallbackGrace without a
+// commit record. A healthy commit, even one slowed by throttling, is not
+// raced by the waiters of every node reading every manifest again.
 func (s *Store) PollCommit(ctx context.Context, t Target) (rec *CommitRecord, won bool, err error) {
 	if err := t.Validate(); err != nil {
 		return nil, false, err
@@ -137,18 +142,22 @@ func (s *Store) PollCommit(ctx context.Context, t Target) (rec *CommitRecord, wo
 	case <-ctx.Done():
 		return nil, false, ctx.Err()
 	}
-	try, err := p.look(ctx, s, t)
-	<-p.turn // the other waiters need not wait for this one's try
-	if err != nil || !try {
+	check, err := p.look(ctx, s, t)
+	<-p.turn // the other waiters need not wait for this one's check
+	if err != nil || !check {
 		return p.seen(t.WorldSize), false, err
 	}
-	return s.TryCommitRank(ctx, t)
+	names, err := s.wholeAround(ctx, t)
+	if err != nil || names == nil || !p.wholeFor(fallbackGrace(t.WorldSize)) {
+		return nil, false, err
+	}
+	return s.commitWhole(ctx, t, names)
 }
 
 // look is a waiter's look, holding the turn: it reads the commit record
 // unless a look younger than pollShare found none, and reports whether
-// this waiter is to try the commit itself.
-func (p *commitPoll) look(ctx context.Context, s *Store, t Target) (try bool, err error) {
+// this waiter is to check whether the step is stuck.
+func (p *commitPoll) look(ctx context.Context, s *Store, t Target) (check bool, err error) {
 	now := time.Now()
 	if p.seen(t.WorldSize) == nil && now.Sub(p.readAt) >= pollShare(t.WorldSize) {
 		rec, err := s.ReadCommit(ctx, t.Step)
@@ -161,11 +170,19 @@ func (p *commitPoll) look(ctx context.Context, s *Store, t Target) (try bool, er
 		}
 		p.readAt = time.Now()
 	}
-	if p.seen(t.WorldSize) != nil || now.Before(p.fallbackAt) {
+	if p.seen(t.WorldSize) != nil || now.Before(p.checkAt) {
 		return false, nil
 	}
-	p.fallbackAt = now.Add(randomIn(fallbackSpread(t.WorldSize)))
+	p.checkAt = now.Add(randomIn(fallbackSpread(t.WorldSize)))
 	return true, nil
+}
+
+// wholeFor reports whether this process has found the step whole, and
+// uncommitted, for at least d, counting from now if it never had.
+func (p *commitPoll) wholeFor(d time.Duration) bool {
+	now := time.Now().UnixNano()
+	p.wholeSince.CompareAndSwap(0, now)
+	return time.Duration(now-p.wholeSince.Load()) >= d
 }
 
 // pollShare is how long a look at a step's commit record is shared by its
@@ -177,20 +194,27 @@ func pollShare(worldSize int) time.Duration {
 	return min(max(time.Duration(worldSize)*250*time.Microsecond, 250*time.Millisecond), 2*time.Second)
 }
 
-// fallbackGrace is how long a step is waited for before a waiter tries
-// to commit it itself: longer than the commit of a healthy step takes
-// once its last rank is written, which reads every manifest (5 s, plus 1
-// ms per rank).
-var fallbackGrace = func(worldSize int) time.Duration {
-	return 5*time.Second + time.Duration(worldSize)*time.Millisecond
+// fallbackStart is how long after a process's first look at a step its
+// waiters start checking whether the step is stuck: longer than a step
+// of a healthy job takes to commit once its ranks are written.
+var fallbackStart = func(worldSize int) time.Duration {
+	return 10*time.Second + time.Duration(worldSize)*time.Millisecond
 }
 
-// fallbackSpread is the window over which the waiters of a process
-// spread their tries (10 ms per rank, at least 5 s): with 8 ranks per node
-// the nodes of a job try about 12 times a second in all, whatever its
-// size.
+// fallbackSpread is the window over which a process spreads its checks,
+// one per window (10 ms per rank, at least 5 s): with 8 ranks per node
+// the nodes of a job check about 12 times a second in all, whatever its
+// size. A check lists a page, more when the step is whole.
 var fallbackSpread = func(worldSize int) time.Duration {
 	return max(5*time.Second, time.Duration(worldSize)*10*time.Millisecond)
+}
+
+// fallbackGrace is how long a step must have been found whole without a
+// commit record before a waiter commits it: far longer than its last
+// rank's drain takes to read every manifest and commit, even throttled (30
+// s, plus 10 ms per rank).
+var fallbackGrace = func(worldSize int) time.Duration {
+	return 30*time.Second + time.Duration(worldSize)*10*time.Millisecond
 }
 
 func randomIn(d time.Duration) time.Duration { return rand.N(d) }
@@ -199,11 +223,12 @@ func randomIn(d time.Duration) time.Duration { return rand.N(d) }
 type commitPoll struct {
 	rec atomic.Pointer[seenRecord] // the step's commit record, once seen
 	// turn is held by the waiter looking (the others wait for its
-	// answer); it guards readAt and fallbackAt.
+	// answer); it guards readAt and checkAt.
 	turn       chan struct{}
-	readAt     time.Time // of the last look that found no record
-	fallbackAt time.Time // when a look next tries the commit itself
-	used       time.Time // guarded by commitPolls' lock
+	readAt     time.Time    // of the last look that found no record
+	checkAt    time.Time    // when a look next checks whether the step is stuck
+	wholeSince atomic.Int64 // when a check first found it whole (UnixNano; 0: never)
+	used       time.Time    // guarded by commitPolls' lock
 }
 
 // seenRecord is a commit record and when it was seen. It is given to
@@ -264,7 +289,7 @@ func (s *Store) poll(t Target) *commitPoll {
 	p := commitPolls.m[k]
 	if p == nil {
 		p = &commitPoll{turn: make(chan struct{}, 1),
-			fallbackAt: now.Add(fallbackGrace(t.WorldSize) + randomIn(fallbackSpread(t.WorldSize)))}
+			checkAt: now.Add(fallbackStart(t.WorldSize) + randomIn(fallbackSpread(t.WorldSize)))}
 		commitPolls.m[k] = p
 	}
 	p.used = now

@@ -159,13 +159,14 @@ func TestTryCommitRankMixedWorldSizes(t *testing.T) {
 	}
 }
 
-// shortFallback makes PollCommit try the commit itself at once, and
-// again 10ms after each try, for the test.
-func shortFallback(t *testing.T) {
-	grace, spread := fallbackGrace, fallbackSpread
-	fallbackGrace = func(int) time.Duration { return 0 }
+// shortFallback makes PollCommit check for a stuck step at once, and
+// again 10ms after each check, and commit one found whole for grace.
+func shortFallback(t *testing.T, grace time.Duration) {
+	start, spread, g := fallbackStart, fallbackSpread, fallbackGrace
+	fallbackStart = func(int) time.Duration { return 0 }
 	fallbackSpread = func(int) time.Duration { return 10 * time.Millisecond }
-	t.Cleanup(func() { fallbackGrace, fallbackSpread = grace, spread })
+	fallbackGrace = func(int) time.Duration { return grace }
+	t.Cleanup(func() { fallbackStart, fallbackSpread, fallbackGrace = start, spread, g })
 }
 
 // The waiters of a step share their looks at its commit record: many
@@ -212,10 +213,12 @@ func TestPollCommitShared(t *testing.T) {
 }
 
 // A step whose ranks are all written but that nobody committed (the last
-// rank's node was lost after writing it) is committed by a waiter.
+// rank's node was lost after writing it) is committed by a waiter, once
+// it has been found whole for the grace; before, a waiter only looks.
 func TestPollCommitFallback(t *testing.T) {
-	shortFallback(t)
-	_, s, w := countedStore(t)
+	const grace = 300 * time.Millisecond
+	shortFallback(t, grace)
+	c, s, w := countedStore(t)
 	ctx := context.Background()
 	for rank := range 3 {
 		if _, err := w.WriteShard(ctx, tinyShard(testAttempt, 8, rank, 3)); err != nil {
@@ -223,22 +226,56 @@ func TestPollCommitFallback(t *testing.T) {
 		}
 	}
 	waiter := tinyShard(testAttempt, 8, 0, 3).Target
-	deadline := time.Now().Add(time.Minute)
+	start := time.Now()
+	deadline := start.Add(time.Minute)
 	for {
-		rec, _, err := s.PollCommit(ctx, waiter)
+		before := c.Calls()
+		rec, won, err := s.PollCommit(ctx, waiter)
 		if err != nil {
 			t.Fatal(err)
 		}
 		if rec != nil {
-			if rec.WorldSize != 3 || rec.Attempt != testAttempt {
-				t.Fatalf("committed %+v", rec)
+			if rec.WorldSize != 3 || rec.Attempt != testAttempt || !won {
+				t.Fatalf("committed %+v (won %v)", rec, won)
+			}
+			if time.Since(start) < grace {
+				t.Fatalf("committed after %v, before the grace of %v", time.Since(start), grace)
 			}
 			return
+		}
+		if n := callsSince(c, before, counted.OpPutIfAbsent); n != 0 {
+			t.Fatal("a look that found no record wrote one")
 		}
 		if time.Now().After(deadline) {
 			t.Fatal("no waiter committed the whole step")
 		}
 		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A slow commit (its last rank's drain reading every manifest through
+// throttling) is not raced by waiters before the grace.
+func TestPollCommitGraceHoldsOff(t *testing.T) {
+	shortFallback(t, time.Hour)
+	c, s, w := countedStore(t)
+	ctx := context.Background()
+	for rank := range 3 {
+		if _, err := w.WriteShard(ctx, tinyShard(testAttempt, 11, rank, 3)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := c.Calls()
+	for range 20 {
+		if rec, _, err := s.PollCommit(ctx, tinyShard(testAttempt, 11, 1, 3).Target); rec != nil || err != nil {
+			t.Fatalf("look: %+v, %v", rec, err)
+		}
+		time.Sleep(15 * time.Millisecond)
+	}
+	if n := callsSince(c, before, counted.OpList); n == 0 {
+		t.Error("the waiters never checked whether the step was stuck")
+	}
+	if n := callsSince(c, before, counted.OpGet); n > 20 {
+		t.Errorf("the waiters read %d objects; a check must not read the manifests before the grace", n)
 	}
 }
 
