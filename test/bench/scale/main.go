@@ -26,11 +26,13 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sync/errgroup"
@@ -50,6 +52,7 @@ type config struct {
 	throttle  float64
 	timeout   time.Duration
 	serveArgs []string
+	keep      bool
 }
 
 const bucket = "scale"
@@ -66,6 +69,7 @@ func main() {
 	flag.Float64Var(&cfg.throttle, "throttle", 0, "S3 only: answer 503 SlowDown past this many requests per second per prefix (0: never)")
 	flag.DurationVar(&cfg.timeout, "step-timeout", 10*time.Minute, "give up on a step (or a command) after this long")
 	serveArgs := flag.String("serve-args", "", "more arguments for ckptd serve, space-separated")
+	flag.BoolVar(&cfg.keep, "keep", false, "keep the work folder (the daemons' logs, the stores)")
 	flag.Parse()
 	for _, s := range strings.Split(*ranks, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(s))
@@ -89,6 +93,7 @@ func fail(err error) {
 // env is what a run needs besides its config: the work folder, and for S3
 // the MinIO server and the proxy in front of it.
 type env struct {
+	ctx  context.Context // ends on SIGINT or SIGTERM: the run stops, and cleans up
 	cfg  config
 	work string
 	srv  *miniotest.Server
@@ -106,7 +111,11 @@ func run(cfg config) error {
 	if work, err = filepath.Abs(work); err != nil {
 		return err
 	}
-	defer os.RemoveAll(work)
+	if cfg.keep {
+		fmt.Fprintln(os.Stderr, "work folder:", work)
+	} else {
+		defer os.RemoveAll(work)
+	}
 	if cfg.bin == "" {
 		cfg.bin = filepath.Join(work, "ckptd")
 		build := exec.Command("go", "build", "-o", cfg.bin, "./cmd/ckptd")
@@ -115,7 +124,9 @@ func run(cfg config) error {
 			return fmt.Errorf("build ckptd (run from the repository root, or give -ckptd): %w", err)
 		}
 	}
-	e := &env{cfg: cfg, work: work}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	e := &env{ctx: ctx, cfg: cfg, work: work}
 	if slices.Contains(cfg.backends, "s3") {
 		bin, err := miniotest.Binary()
 		if err != nil {
@@ -125,7 +136,7 @@ func run(cfg config) error {
 			return err
 		}
 		defer e.srv.Close()
-		if err := e.srv.CreateBucket(context.Background(), bucket); err != nil {
+		if err := e.srv.CreateBucket(ctx, bucket); err != nil {
 			return err
 		}
 		if e.px, err = startProxy(e.srv.Endpoint(), bucket); err != nil {
@@ -223,6 +234,9 @@ func (e *env) runScale(backend string, n int) (*result, error) {
 			return nil, fmt.Errorf("step %d: %w", step, err)
 		}
 		res.steps = append(res.steps, sr)
+		fmt.Fprintf(os.Stderr, "  %s %d ranks, step %d: manifest→COMMIT %v, save→COMMIT %v, save→all waits %v; %s\n",
+			backend, n, step, sr.commit.Sub(sr.lastManifest).Round(time.Millisecond), sr.commit.Sub(sr.lastSave).Round(time.Millisecond),
+			sr.allWaits.Sub(sr.lastSave).Round(time.Millisecond), byKind(sr.counts))
 	}
 	for _, d := range ds {
 		cur, peak := d.rss()
@@ -253,7 +267,7 @@ func (e *env) runScale(backend string, n int) (*result, error) {
 
 // runStep has every rank save step and wait for its commit.
 func (e *env) runStep(backend, storage string, clients []*ckptd.Client, job, attempt string, step int64, data []byte) (stepResult, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.timeout)
+	ctx, cancel := context.WithTimeout(e.ctx, e.cfg.timeout)
 	defer cancel()
 	var sr stepResult
 	before := e.snapshot()
@@ -320,7 +334,7 @@ func (e *env) snapshot() counts {
 // command runs `ckptd <args> --storage storage --job job` and counts its
 // requests.
 func (e *env) command(name, storage, job string, senv, args []string) (cliResult, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), e.cfg.timeout)
+	ctx, cancel := context.WithTimeout(e.ctx, e.cfg.timeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, e.cfg.bin, append(args, "--storage", storage, "--job", job)...)
 	cmd.Env = append(cleanEnv(), senv...)

@@ -95,7 +95,7 @@ func startProxy(target, bucket string) (*proxy, error) {
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	tr.MaxIdleConnsPerHost = 256
 	p.rp.Transport = tr
-	p.rp.ErrorLog = nil
+	p.rp.ErrorHandler = p.proxyError
 	p.srv = &http.Server{Handler: p, ReadHeaderTimeout: time.Minute}
 	go func() { _ = p.srv.Serve(ln) }()
 	return p, nil
@@ -165,6 +165,21 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// proxyError answers a request MinIO did not answer, or whose client
+// went away, and counts it ("gone: <kind>:<object>" when the client gave
+// up, "error: ..." otherwise) instead of logging a line each.
+func (p *proxy) proxyError(w http.ResponseWriter, r *http.Request, err error) {
+	kind, key := p.classify(r)
+	what := "error: "
+	if r.Context().Err() != nil {
+		what = "gone: "
+	}
+	p.mu.Lock()
+	p.counts[what+kind+":"+objectKind(key)]++
+	p.mu.Unlock()
+	w.WriteHeader(http.StatusBadGateway)
+}
+
 // noteWrite records the time of a completed object write, for the
 // manifests' and commit records' times.
 func (p *proxy) noteWrite(key string, now time.Time) {
@@ -214,8 +229,8 @@ func (p *proxy) classify(r *http.Request) (string, string) {
 			return kindGet, key
 		case q.Has("location"):
 			return kindOther, ""
-		default: // ListObjectsV2, ListMultipartUploads: a page each
-			return kindList, ""
+		default: // ListObjectsV2, ListMultipartUploads: a page each, throttled as its prefix
+			return kindList, q.Get("prefix")
 		}
 	case http.MethodPut:
 		return kindPut, key

@@ -118,6 +118,11 @@ func byKind(c counts) string {
 			parts = append(parts, fmt.Sprintf("%s %d", k, c[k]))
 		}
 	}
+	for k, v := range c {
+		if strings.HasPrefix(k, "gone: ") || strings.HasPrefix(k, "error: ") {
+			parts = append(parts, fmt.Sprintf("%s %d", k, v))
+		}
+	}
 	return strings.Join(parts, ", ")
 }
 
