@@ -309,11 +309,12 @@ func (d *Daemon) startPeers(ctx context.Context) error {
 	d.stopPeer = stop
 	list, self := d.peers.Members()
 	d.log.Info("peers: serving replicas", "listen", addr, "peers", list, "self", self, "replicas", d.o.Peers.Replicas, "tls", d.peerCreds.Protocol())
+	wctx, stopWatch := context.WithCancel(context.Background())
+	go d.peers.Probe(wctx, d.log) // stopped when serving ends
 	if d.o.Peers.discovery.Enabled() {
-		wctx, stopWatch := context.WithCancel(context.Background())
-		go d.peers.Watch(wctx, d.o.Peers.discovery, d.log) // stopped when serving ends
-		d.closers = append([]func(){stopWatch}, d.closers...)
+		go d.peers.Watch(wctx, d.o.Peers.discovery, d.log)
 	}
+	d.closers = append([]func(){stopWatch}, d.closers...)
 	return nil
 }
 

@@ -155,3 +155,22 @@ func TestPlaintextPeersOffLoopback(t *testing.T) {
 		t.Errorf("plaintext off loopback is not logged:\n%s", d.Logs())
 	}
 }
+
+// At start, a sidecar makes the TLS handshake with each of its peers: a
+// peer whose certificate another CA signed (or that refuses this one's)
+// is named in an error, with what to do, rather than found out by every
+// replica failing.
+func TestPeerProbeNamesTheProblem(t *testing.T) {
+	addrs := []string{daemontest.ClosedAddr(t), daemontest.ClosedAddr(t)}
+	args := func(n int, c certs) []string {
+		return append([]string{"--hot-bytes", "1MiB", "--shutdown-grace", "1s", "--peers", strings.Join(addrs, ","), "--peer-listen", addrs[n]}, c.args()...)
+	}
+	daemontest.Start(t, "", args(1, recipeCerts(t, "localhost", "127.0.0.1", nil))...) // another CA
+	d := daemontest.Start(t, "", args(0, recipeCerts(t, "localhost", "127.0.0.1", nil))...)
+	daemontest.WaitUntil(t, "the handshake with the peer of another CA is reported", func() bool {
+		return strings.Contains(d.Logs(), "the TLS handshake with a peer fails") && strings.Contains(d.Logs(), addrs[1])
+	})
+	if !strings.Contains(d.Logs(), "not signed by this sidecar's --peer-ca") {
+		t.Errorf("the report does not say what is wrong:\n%s", d.Logs())
+	}
+}
