@@ -53,7 +53,7 @@ type ReadOptions struct {
 // fails to decode or mismatches its hash yields an ErrCorrupt error naming
 // the step, rank and chunk.
 func (s *Store) ReadShard(ctx context.Context, m *Manifest, sink Sink, opts ReadOptions) error {
-	return s.readChunks(ctx, m, 0, len(m.Chunks), sink, opts)
+	return s.readChunks(ctx, m, []readRange{{0, len(m.Chunks)}}, sink, opts)
 }
 
 // ReadRange is ReadShard for the chunks that hold data-space bytes [off,
@@ -64,6 +64,11 @@ func (s *Store) ReadRange(ctx context.Context, m *Manifest, off, n int64, sink S
 	if off < 0 || n < 0 || off > m.DataSize || n > m.DataSize-off {
 		return fmt.Errorf("%w: range [%d, +%d) outside the shard's %d bytes", ErrInvalid, off, n, m.DataSize)
 	}
+	return s.readChunks(ctx, m, []readRange{chunksOf(m, off, n)}, sink, opts)
+}
+
+// chunksOf returns the chunks of m that hold data-space bytes [off, off+n).
+func chunksOf(m *Manifest, off, n int64) readRange {
 	first, _ := slices.BinarySearchFunc(m.Chunks, off, func(c Chunk, off int64) int {
 		return cmp.Compare(c.RawOffset+c.Raw, off+1) // the first chunk ending past off
 	})
@@ -71,7 +76,7 @@ func (s *Store) ReadRange(ctx context.Context, m *Manifest, off, n int64, sink S
 	for last < len(m.Chunks) && m.Chunks[last].RawOffset < off+n {
 		last++
 	}
-	return s.readChunks(ctx, m, first, last, sink, opts)
+	return readRange{first, last}
 }
 
 // ReadTensor returns the bytes of one of m's tensors, reading and
@@ -85,8 +90,9 @@ func (s *Store) ReadTensor(ctx context.Context, m *Manifest, t Tensor, opts Read
 	return out, nil
 }
 
-// readChunks reads chunks [first, last) of m.
-func (s *Store) readChunks(ctx context.Context, m *Manifest, first, last int, sink Sink, opts ReadOptions) error {
+// readChunks reads the chunks of m that spans name (sorted, disjoint), all
+// of them concurrently.
+func (s *Store) readChunks(ctx context.Context, m *Manifest, spans []readRange, sink Sink, opts ReadOptions) error {
 	if opts.Concurrency <= 0 {
 		opts.Concurrency = 8
 	}
@@ -97,13 +103,18 @@ func (s *Store) readChunks(ctx context.Context, m *Manifest, first, last int, si
 		return fmt.Errorf("restore buffer of %d bytes is smaller than the shard's %d", len(b), m.DataSize)
 	}
 	var pool sync.Pool
+	var reads []readRange
+	for _, span := range spans {
+		for _, sp := range readRanges(m.Chunks[span.first:span.last], opts.SpanBytes) {
+			reads = append(reads, readRange{sp.first + span.first, sp.last + span.first})
+		}
+	}
 	g, gctx := errgroup.WithContext(ctx)
 	g.SetLimit(opts.Concurrency)
-	for _, sp := range readRanges(m.Chunks[first:last], opts.SpanBytes) {
+	for _, sp := range reads {
 		if gctx.Err() != nil {
 			break
 		}
-		sp.first, sp.last = sp.first+first, sp.last+first
 		g.Go(func() error {
 			buf, _ := pool.Get().(*[]byte)
 			if buf == nil {
@@ -200,11 +211,30 @@ func (e *ChunkError) Unwrap() error { return e.Err }
 // Is makes a ChunkError about the data match ErrCorrupt.
 func (e *ChunkError) Is(target error) bool { return target == ErrCorrupt && e.corrupt() }
 
+// inPlace is a Sink that can take a chunk's bytes where they belong, so
+// that the chunk is read and decoded straight into them.
+type inPlace interface {
+	Sink
+	// target returns where data-space bytes [off, off+n) go, or nil
+	// when they do not go to one place.
+	target(off, n int64) []byte
+}
+
+func (b BufferSink) target(off, n int64) []byte {
+	if off < 0 || n < 0 || off+n > int64(len(b)) {
+		return nil
+	}
+	return b[off : off+n]
+}
+
 // readChunk reads chunk i's stored bytes from r, decodes and verifies them,
 // and hands them to sink. buf is scratch space.
 func (s *Store) readChunk(m *Manifest, i int, r io.Reader, sink Sink, buf *[]byte) error {
 	c := m.Chunks[i]
-	direct, _ := sink.(BufferSink)
+	var direct []byte
+	if p, ok := sink.(inPlace); ok {
+		direct = p.target(c.RawOffset, c.Raw)
+	}
 	stored, dst := s.buffers(c, direct, buf)
 	if _, err := io.ReadFull(r, stored); err != nil {
 		if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
@@ -223,7 +253,7 @@ func (s *Store) readChunk(m *Manifest, i int, r io.Reader, sink Sink, buf *[]byt
 	if got := codec.Hash(raw); got != want {
 		return s.chunkErr(m, i, fmt.Errorf("hash %s, manifest says %s", codec.FormatHash(got), c.Hash))
 	}
-	if sink == nil || direct != nil && sameStart(raw, direct[c.RawOffset:]) {
+	if sink == nil || direct != nil && sameStart(raw, direct) {
 		return nil
 	}
 	_, err := sink.WriteAt(raw, c.RawOffset)
@@ -231,14 +261,14 @@ func (s *Store) readChunk(m *Manifest, i int, r io.Reader, sink Sink, buf *[]byt
 }
 
 // buffers picks where chunk c's stored bytes are read to and where they
-// decode to: straight into a memory sink when it has one, else into
-// scratch space in *buf.
-func (s *Store) buffers(c Chunk, direct BufferSink, buf *[]byte) (stored, dst []byte) {
+// decode to: straight into direct, the chunk's place in the sink, when
+// it has one, else into scratch space in *buf.
+func (s *Store) buffers(c Chunk, direct []byte, buf *[]byte) (stored, dst []byte) {
 	switch {
 	case direct != nil && c.Codec == codec.None:
-		return direct[c.RawOffset : c.RawOffset+c.Raw], nil
+		return direct, nil
 	case direct != nil:
-		return grow(buf, int(c.Stored)), direct[c.RawOffset : c.RawOffset : c.RawOffset+c.Raw]
+		return grow(buf, int(c.Stored)), direct[:0:len(direct)]
 	}
 	all := grow(buf, int(c.Stored+c.Raw))
 	return all[:c.Stored], all[c.Stored:c.Stored:len(all)]

@@ -77,18 +77,25 @@ func (s Selection) ranges() []dataRange {
 }
 
 // ReadSelected reads sel of the shard m describes from storage into dst
-// (sel.Size bytes), verifying every chunk it reads.
+// (sel.Size bytes), verifying every chunk it reads. The chunks of all its
+// ranges are read concurrently, and a chunk that lies within one
+// selected tensor is read (and decoded) straight into its place in dst.
 func (s *Store) ReadSelected(ctx context.Context, m *Manifest, sel Selection, dst []byte, opts ReadOptions) error {
 	if sel.Whole {
 		return s.ReadShard(ctx, m, BufferSink(dst), opts)
 	}
-	sink := &scatterSink{parts: sel.parts, dst: dst}
+	var spans []readRange
 	for _, r := range sel.ranges() {
-		if err := s.ReadRange(ctx, m, r.off, r.n, sink, opts); err != nil {
-			return err
+		c := chunksOf(m, r.off, r.n)
+		if k := len(spans) - 1; k >= 0 && c.first <= spans[k].last {
+			spans[k].last = max(spans[k].last, c.last) // ranges that share a chunk
+			continue
+		}
+		if c.first < c.last {
+			spans = append(spans, c)
 		}
 	}
-	return nil
+	return s.readChunks(ctx, m, spans, &scatterSink{parts: sel.parts, dst: dst}, opts)
 }
 
 // scatterSink writes what falls in its parts' sources to their
@@ -97,6 +104,17 @@ func (s *Store) ReadSelected(ctx context.Context, m *Manifest, sel Selection, ds
 type scatterSink struct {
 	parts []part // sorted by src
 	dst   []byte
+}
+
+// target is where data-space bytes [off, off+n) go when one part holds
+// them all.
+func (s *scatterSink) target(off, n int64) []byte {
+	i := sort.Search(len(s.parts), func(i int) bool { return s.parts[i].src+s.parts[i].n > off })
+	if i == len(s.parts) || s.parts[i].src > off || s.parts[i].src+s.parts[i].n < off+n {
+		return nil
+	}
+	pt := s.parts[i]
+	return s.dst[pt.dst+off-pt.src : pt.dst+off-pt.src+n]
 }
 
 func (s *scatterSink) WriteAt(p []byte, at int64) (int, error) {
