@@ -345,7 +345,7 @@ def test_names_that_are_not_utf8_are_refused_not_leaked(make_daemon, tmp_path):
         ({"epoch": -1}, "must not be negative"),
         ({"start": -1}, "must not be negative"),
         ({"shuffle_window": -1}, "shuffle window must not be negative"),
-        ({"format": "parquet"}, 'unknown format "parquet"'),
+        ({"format": "lance"}, 'unknown format "lance"'),
         ({"batch_size": 1 << 40}, "batch_size .* out of range"),
         ({"seed": -1}, "seed -1 is out of range"),
     ],
