@@ -20,14 +20,14 @@ var ErrTooLarge = errors.New("larger than the dataset read-ahead budget")
 
 // assemble turns fetched shards into samples, shuffles them, drops the
 // first spec.Start, and sends batches. It closes it.batches.
-func (it *Iterator) assemble(ctx context.Context, b storage.Backend, prefix string, queue <-chan *pendingShard, opts Options) {
+func (it *Iterator) assemble(ctx context.Context, queue <-chan *pendingShard, opts Options) {
 	defer close(it.batches)
 	a := &assembler{
 		it: it, ctx: ctx, spec: &it.spec, shuf: newShuffler(&it.spec), opts: opts,
-		mem: it.samplesMem, window: opts.window(), batchLimit: opts.batches(), b: b, prefix: prefix,
+		mem: it.samplesMem, window: opts.window(), batchLimit: opts.batches(),
 	}
 	for p := range queue {
-		err := a.shard(p, b, prefix)
+		err := a.shard(p)
 		p.release()
 		if errors.Is(err, errEnough) {
 			a.last()
@@ -95,8 +95,6 @@ type assembler struct {
 	batchCost int64
 	batchMeta int64
 
-	b       storage.Backend
-	prefix  string
 	padding bool // reading shards again to pad the epoch (EvenPad)
 }
 
@@ -104,7 +102,8 @@ type assembler struct {
 // its samples through. A shard whose bytes are damaged delivers the
 // samples before the damage; then it fails the epoch, or with
 // skip_corrupt is counted and left.
-func (a *assembler) shard(p *pendingShard, b storage.Backend, prefix string) error {
+func (a *assembler) shard(p *pendingShard) error {
+	src := p.shard.src
 	a.it.state.Store(stateCache)
 	if p.miss.Load() || p.stream {
 		a.it.state.Store(stateStorage)
@@ -127,17 +126,17 @@ func (a *assembler) shard(p *pendingShard, b storage.Backend, prefix string) err
 	a.ord = 0
 	var err error
 	if p.stream {
-		err = a.stream(b, p.shard, prefix)
+		err = a.stream(p.shard)
 	} else {
 		a.it.state.Store(stateWork)
-		if err = a.whole(p, prefix); errors.Is(err, ErrShardChanged) {
-			a.it.cache.forget(b, p.shard) // so that the next read maps it again
+		if err = a.whole(p); errors.Is(err, ErrShardChanged) {
+			a.it.cache.forget(src.b, p.shard) // so that the next read maps it again
 		}
 	}
 	a.it.state.Store(stateWork)
 	if err == nil {
-		a.it.shardTotal(p.shard.Name, a.ord)
-		a.it.cache.counts.learn(b, p.shard, a.ord) // what countSamples would say: counted for free
+		a.it.shardTotal(p.shard.ID(), a.ord)
+		a.it.cache.counts.learn(src.b, p.shard, a.ord) // what countSamples would say: counted for free
 		return a.endSample()
 	}
 	a.dropSample()
@@ -155,20 +154,20 @@ func (a *assembler) shard(p *pendingShard, b storage.Backend, prefix string) err
 // whole parses a shard read whole. Samples alias the bytes the cache
 // holds; of a shard it does not, they are copied out, so that no sample
 // keeps a whole shard alive.
-func (a *assembler) whole(p *pendingShard, prefix string) error {
+func (a *assembler) whole(p *pendingShard) error {
 	if p.data.m == nil {
-		return a.walk(p, prefix)
+		return a.walk(p)
 	}
 	if p.held {
 		a.keep = p.data.m // samples alias the mapped shard: they keep the mapping
 		defer func() { a.keep = nil }()
 	}
-	return readMapped(func() error { return a.walk(p, prefix) })
+	return readMapped(func() error { return a.walk(p) })
 }
 
 // walk cuts the samples out of a shard read whole.
-func (a *assembler) walk(p *pendingShard, prefix string) error {
-	data := p.data.b
+func (a *assembler) walk(p *pendingShard) error {
+	data, src := p.data.b, p.shard.src
 	own := func(field []byte) []byte {
 		if p.held {
 			return field
@@ -176,8 +175,8 @@ func (a *assembler) walk(p *pendingShard, prefix string) error {
 		return bytes.Clone(field)
 	}
 	switch u := p.shard.unit; {
-	case a.spec.Format == Raw:
-		key, ext := rawKey(p.shard.Name, prefix)
+	case src.format == Raw:
+		key, ext := rawKey(p.shard.Name, src.prefix)
 		return a.member(p.shard, p.shard.Name, key, ext, int64(len(data)), func() ([]byte, error) {
 			return data, nil // the object is the sample: ours, or the cache's
 		})
@@ -205,8 +204,8 @@ const streamBuffer = 256 << 10
 
 // stream parses a shard as it reads it (archive/tar over a ranged read),
 // holding no more of it than the sample being read.
-func (a *assembler) stream(b storage.Backend, sh Shard, prefix string) error {
-	r := &rangeReader{ctx: a.ctx, b: b, name: sh.objectName(), size: sh.Size}
+func (a *assembler) stream(sh Shard) error {
+	r := &rangeReader{ctx: a.ctx, b: sh.src.b, name: sh.objectName(), size: sh.Size}
 	defer r.Close()
 	read := func(n int64, from io.Reader) func() ([]byte, error) {
 		return func() ([]byte, error) {
@@ -215,8 +214,8 @@ func (a *assembler) stream(b storage.Backend, sh Shard, prefix string) error {
 			return buf, err
 		}
 	}
-	if a.spec.Format == Raw {
-		key, ext := rawKey(sh.Name, prefix)
+	if sh.src.format == Raw {
+		key, ext := rawKey(sh.Name, sh.src.prefix)
 		return a.member(sh, sh.Name, key, ext, sh.Size, read(sh.Size, r))
 	}
 	if sh.unit != nil && sh.unit.mds != nil {
@@ -233,6 +232,9 @@ func (a *assembler) stream(b storage.Backend, sh Shard, prefix string) error {
 // the next sample. get returns the member's bytes; it is called once they
 // are charged.
 func (a *assembler) member(sh Shard, name, key, ext string, size int64, get func() ([]byte, error)) error {
+	if sh.src != nil {
+		key = sh.src.keyPrefix + key
+	}
 	if a.cur != nil && key != a.cur.Key {
 		if err := a.endSample(); err != nil {
 			return err
@@ -240,8 +242,8 @@ func (a *assembler) member(sh Shard, name, key, ext string, size int64, get func
 	}
 	cost := size + int64(len(ext)) + fieldOverhead
 	if a.cur == nil {
-		a.cur = &Sample{Key: strings.Clone(key), shard: sh.Name, ord: a.ord, keep: a.keep}
-		a.cur.skip = !a.padding && a.spec.Delivered != nil && a.spec.Delivered.Has(sh.Name, a.ord)
+		a.cur = &Sample{Key: strings.Clone(key), shard: sh.ID(), ord: a.ord, keep: a.keep}
+		a.cur.skip = !a.padding && a.spec.Delivered != nil && a.spec.Delivered.Has(sh.ID(), a.ord)
 		a.cur.pad = a.padding
 		a.ord++
 		cost += int64(len(key)) + sampleOverhead
@@ -292,11 +294,12 @@ func (a *assembler) member(sh Shard, name, key, ext string, size int64, get func
 // emptySample adds a sample with no fields (a Parquet row whose every
 // column is null), charged its key, as member charges a first field.
 func (a *assembler) emptySample(sh Shard, key string) error {
+	key = sh.src.keyPrefix + key
 	if err := a.endSample(); err != nil {
 		return err
 	}
-	a.cur = &Sample{Key: strings.Clone(key), shard: sh.Name, ord: a.ord, keep: a.keep}
-	a.cur.skip = !a.padding && a.spec.Delivered != nil && a.spec.Delivered.Has(sh.Name, a.ord)
+	a.cur = &Sample{Key: strings.Clone(key), shard: sh.ID(), ord: a.ord, keep: a.keep}
+	a.cur.skip = !a.padding && a.spec.Delivered != nil && a.spec.Delivered.Has(sh.ID(), a.ord)
 	a.cur.pad = a.padding
 	a.ord++
 	if a.cur.skip {
@@ -483,10 +486,10 @@ func (a *assembler) padShard(sh Shard) error {
 			return err
 		}
 		p.release = func() { a.it.shardsMem.Release(w) }
-		p.data, p.held, p.how, p.err = a.it.cache.get(a.ctx, a.b, a.prefix, sh, readAt{}, func() { p.miss.Store(true) })
+		p.data, p.held, p.how, p.err = a.it.cache.get(a.ctx, sh.src.b, sh.src.prefix, sh, readAt{}, func() { p.miss.Store(true) })
 	}
 	defer p.release()
-	return a.shard(p, a.b, a.prefix)
+	return a.shard(p)
 }
 
 func (a *assembler) send(r result) bool {

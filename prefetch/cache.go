@@ -196,17 +196,21 @@ func shardKey(b storage.Backend, sh Shard) string {
 	return fmt.Sprintf("%s\x00%s\x00%d\x00%d", b.Location(), sh.Name, sh.Size, sh.ModTime.UnixNano())
 }
 
-// plan registers the shards an iteration will read from b, in order (see
+// plan registers the shards an iteration will read, in order (see
 // lookahead); Get is told readAt{p, i} for its i-th read, and done says
 // it ended.
-func (c *Cache) plan(b storage.Backend, shards []Shard) (p *plan, done func()) {
+func (c *Cache) plan(shards []Shard) (p *plan, done func()) {
 	keys := make([]string, len(shards))
-	known := map[string]string{} // one key string per shard, however many epochs ahead
+	type id struct {
+		src  *shardSource
+		name string
+	}
+	known := map[id]string{} // one key string per shard, however many epochs ahead
 	for i, sh := range shards {
-		k, ok := known[sh.Name]
+		k, ok := known[id{sh.src, sh.Name}]
 		if !ok {
-			k = shardKey(b, sh)
-			known[sh.Name] = k
+			k = shardKey(sh.src.b, sh)
+			known[id{sh.src, sh.Name}] = k
 		}
 		keys[i] = k
 	}

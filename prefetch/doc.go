@@ -42,6 +42,15 @@
 // another --read-ahead-bytes may shuffle windows of large samples
 // differently.
 //
+// # Mixtures
+//
+// OpenMixture reads several sources in one iteration (mixture.go): each
+// shard carries its source (shardSource: backend, prefix, format), an
+// epoch's order interleaves the sources' shares of the reads (an epochFunc
+// in place of epochOrder), each source continuing its own epochs, and the
+// rest (dealing, window, resume, even epochs, cache) is a single
+// source's. A shard's ID (source:source-epoch/name) names it in positions.
+//
 // # Formats
 //
 // WebDataset: shards are .tar files; a sample is a run of consecutive

@@ -49,7 +49,7 @@ func epochOrder(shards []Shard, seed uint64, epoch int64, delivered *Delivered) 
 	perm := shardPerm(len(shards), seed, epoch)
 	left := make([]Shard, 0, len(shards))
 	for _, i := range perm {
-		if delivered == nil || !delivered.Done(shards[i].Name) {
+		if delivered == nil || !delivered.Done(shards[i].ID()) {
 			left = append(left, shards[i])
 		}
 	}
@@ -87,13 +87,13 @@ const countWorkers = 4
 // newEvenTarget counts the samples of the shards of left (the epoch's
 // order, dealt round-robin to worldSize ranks) in the background, less
 // those delivered holds, and sets the target from them.
-func newEvenTarget(ctx context.Context, mode Even, b storage.Backend, prefix string, f Format, cache *Cache, left []Shard, worldSize int, delivered *Delivered) *evenTarget {
+func newEvenTarget(ctx context.Context, mode Even, cache *Cache, left []Shard, worldSize int, delivered *Delivered) *evenTarget {
 	e := &evenTarget{mode: mode, changed: make(chan struct{}), target: -1}
-	go e.count(ctx, b, prefix, f, cache, left, worldSize, delivered)
+	go e.count(ctx, cache, left, worldSize, delivered)
 	return e
 }
 
-func (e *evenTarget) count(ctx context.Context, b storage.Backend, prefix string, f Format, cache *Cache, left []Shard, worldSize int, delivered *Delivered) {
+func (e *evenTarget) count(ctx context.Context, cache *Cache, left []Shard, worldSize int, delivered *Delivered) {
 	partial := make([]int64, worldSize) // samples counted so far, by rank
 	missing := make([]int, worldSize)   // shards not counted yet, by rank
 	for i := range left {
@@ -109,7 +109,8 @@ func (e *evenTarget) count(ctx context.Context, b storage.Backend, prefix string
 	for range min(countWorkers, len(left)) {
 		go func() {
 			for i := range jobs {
-				n, err := cache.counts.count(ctx, b, prefix, f, left[i])
+				src := left[i].src
+				n, err := cache.counts.count(ctx, src.b, src.prefix, src.format, left[i])
 				select {
 				case results <- counted{i, n, err}:
 				case <-ctx.Done():
@@ -141,7 +142,7 @@ func (e *evenTarget) count(ctx context.Context, b storage.Backend, prefix string
 			return
 		}
 		rank := r.i % worldSize
-		partial[rank] += int64(r.n - delivered.countBelow(left[r.i].Name, r.n))
+		partial[rank] += int64(r.n - delivered.countBelow(left[r.i].ID(), r.n))
 		missing[rank]--
 		e.set(lowerBound(partial), nil)
 	}

@@ -198,25 +198,59 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 		return nil, err
 	}
 	spec.Format = format
-	left := epochOrder(all, spec.Seed, spec.Epoch, spec.Delivered)
+	src := &shardSource{b: b, prefix: prefix, format: format}
+	for i := range all {
+		all[i].src = src
+	}
+	order := func(epoch int64, delivered *Delivered) []Shard { return epochOrder(all, spec.Seed, epoch, delivered) }
+	return start(ctx, []*shardSource{src}, order, cache, spec, opts)
+}
+
+// shardSource is where an iteration's shard comes from: its source's
+// backend, prefix and format (a mixture reads several).
+type shardSource struct {
+	b      storage.Backend
+	prefix string
+	format Format
+	// keyPrefix comes before the keys of its samples: in a mixture, the
+	// source's place and "/", so that keys stay apart.
+	keyPrefix string
+}
+
+// epochFunc is a dataset's shard order of an epoch, without the shards
+// delivered holds whole.
+type epochFunc func(epoch int64, delivered *Delivered) []Shard
+
+// start starts an iteration over the shards order gives, every one of
+// them from one of srcs.
+func start(ctx context.Context, srcs []*shardSource, order epochFunc, cache *Cache, spec Spec, opts Options) (*Iterator, error) {
+	left := order(spec.Epoch, spec.Delivered)
 	if spec.Even == EvenDrop && spec.WorldSize > len(left) && spec.Delivered == nil {
 		return nil, fmt.Errorf("%w: even drop: %d shards for %d ranks: a rank without a shard delivers nothing, so every rank would; "+
 			"give the dataset at least as many shards as ranks (DataLoader workers multiply them), or pad", ErrInvalid, len(left), spec.WorldSize)
 	}
 	mine := deal(left, spec.Rank, spec.WorldSize)
-	plan, unplan := cache.plan(b, future(all, mine, spec))
+	plan, unplan := cache.plan(future(order, mine, spec))
+	var unpins []func()
+	for _, src := range srcs {
+		unpins = append(unpins, cache.pin(src.b, src.prefix)) // samples may alias the dataset's cached shards
+	}
 	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	it := &Iterator{
 		spec: spec, batches: make(chan result, opts.BatchesAhead),
 		cancel: cancel, done: make(chan struct{}),
-		unpin:  cache.pin(b, prefix), // samples may alias the dataset's cached shards
+		unpin: func() {
+			for _, u := range unpins {
+				u()
+			}
+		},
 		unplan: unplan, plan: plan, cache: cache,
 		shardsMem: newMeter(opts.readAhead()), samplesMem: newMeter(opts.samples()),
 		pace: newPacer(opts.readAhead()),
 	}
 	it.stats.Shards = len(mine)
 	if spec.Even != EvenOff && spec.WorldSize > 1 {
-		it.even = newEvenTarget(ctx, spec.Even, b, prefix, spec.Format, cache, left, spec.WorldSize, spec.Delivered)
+		it.even = newEvenTarget(ctx, spec.Even, cache, left, spec.WorldSize, spec.Delivered)
 		it.left = left
 	}
 	it.delivered, it.totals, it.folded = NewDelivered(), map[string]int{}, spec.Start
@@ -224,10 +258,10 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 		it.delivered = spec.Delivered.Clone()
 	}
 	queue := make(chan *pendingShard, opts.MaxReads)
-	go it.fetchAll(ctx, b, prefix, cache, mine, opts, queue)
+	go it.fetchAll(ctx, cache, mine, opts, queue)
 	go func() {
 		defer close(it.done)
-		it.assemble(ctx, b, prefix, queue, opts)
+		it.assemble(ctx, queue, opts)
 	}()
 	return it, nil
 }
@@ -244,10 +278,10 @@ const (
 
 // future is the reads the cache looks ahead at: mine, then the rank's
 // next epochs' shards.
-func future(all, mine []Shard, spec Spec) []Shard {
+func future(order epochFunc, mine []Shard, spec Spec) []Shard {
 	out := slices.Clone(mine)
 	for e := int64(1); e <= planEpochs && len(out) < maxPlanReads && spec.Epoch <= math.MaxInt64-e; e++ {
-		out = append(out, ShardsForRank(all, spec.Seed, spec.Epoch+e, spec.Rank, spec.WorldSize)...)
+		out = append(out, deal(order(spec.Epoch+e, nil), spec.Rank, spec.WorldSize)...)
 	}
 	return out[:min(len(out), maxPlanReads)]
 }
@@ -326,7 +360,7 @@ func (it *Iterator) count(f func(*Stats)) {
 // concurrent reads, and queues them for assemble, which returns each
 // shard's weight when done with it. Shards larger than streamAbove are
 // queued to be streamed, not read. It closes queue.
-func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix string, cache *Cache, shards []Shard, opts Options, queue chan<- *pendingShard) {
+func (it *Iterator) fetchAll(ctx context.Context, cache *Cache, shards []Shard, opts Options, queue chan<- *pendingShard) {
 	defer close(queue)
 	budget := it.shardsMem
 	for i, sh := range shards {
@@ -355,7 +389,7 @@ func (it *Iterator) fetchAll(ctx context.Context, b storage.Backend, prefix stri
 			go func() {
 				defer close(p.done)
 				start := time.Now()
-				p.data, p.held, p.how, p.err = cache.get(ctx, b, prefix, sh, readAt{it.plan, i}, func() { p.miss.Store(true) })
+				p.data, p.held, p.how, p.err = cache.get(ctx, sh.src.b, sh.src.prefix, sh, readAt{it.plan, i}, func() { p.miss.Store(true) })
 				if p.how != fromCache && p.err == nil {
 					it.pace.fetched(time.Since(start))
 				}

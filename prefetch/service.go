@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -228,43 +229,91 @@ func (s *Service) Close() {
 // OpenSession starts one rank's iteration over one epoch of source for
 // owner, and returns the session's id.
 func (s *Service) OpenSession(ctx context.Context, owner Owner, source string, spec Spec) (string, Stats, error) {
+	return s.open(ctx, owner, []MixtureSource{{Source: source, Format: spec.Format, Weight: 1}}, spec, false)
+}
+
+// MixtureSource is one source of a mixture, as a client names it.
+type MixtureSource struct {
+	Source string
+	Format Format
+	Weight float64
+}
+
+// OpenMixture starts one rank's iteration over one epoch of a mixture of
+// sources (see OpenMixture) for owner, and returns the session's id.
+func (s *Service) OpenMixture(ctx context.Context, owner Owner, sources []MixtureSource, spec Spec) (string, Stats, error) {
+	if len(sources) == 0 || len(sources) > MaxMixSources {
+		return "", Stats{}, fmt.Errorf("%w: a mixture of %d sources: give 1 to %d", ErrInvalid, len(sources), MaxMixSources)
+	}
+	return s.open(ctx, owner, sources, spec, true)
+}
+
+// open opens a session over sources: one source's dataset, or a mixture.
+func (s *Service) open(ctx context.Context, owner Owner, sources []MixtureSource, spec Spec, mixture bool) (string, Stats, error) {
 	if s.cfg.Off {
 		return "", Stats{}, fmt.Errorf("%w: datasets are off: this daemon gives them no share of its arena (--dataset-arena-bytes 0)", ErrOverBudget)
 	}
-	src, err := s.allow.resolve(source)
-	if err != nil {
-		return "", Stats{}, err
-	}
-	br, err := s.backends.acquire(ctx, src.key, func(ctx context.Context) (storage.Backend, error) {
-		b, err := s.openSource(ctx, src, source)
-		if err == nil && s.cfg.WrapSource != nil {
-			b = s.cfg.WrapSource(b)
+	var refs []*backendRef
+	release := func() {
+		for _, br := range refs {
+			s.backends.release(br)
 		}
-		return b, err
-	})
-	if err != nil {
-		return "", Stats{}, err
+	}
+	for _, ms := range sources {
+		src, err := s.allow.resolve(ms.Source)
+		if err != nil {
+			release()
+			return "", Stats{}, err
+		}
+		br, err := s.backends.acquire(ctx, src.key, func(ctx context.Context) (storage.Backend, error) {
+			b, err := s.openSource(ctx, src, ms.Source)
+			if err == nil && s.cfg.WrapSource != nil {
+				b = s.cfg.WrapSource(b)
+			}
+			return b, err
+		})
+		if err != nil {
+			release()
+			return "", Stats{}, err
+		}
+		refs = append(refs, br)
 	}
 	if err := spec.Validate(); err != nil {
-		s.backends.release(br)
+		release()
 		return "", Stats{}, err
 	}
 	// The ring first: the arena's share bounds the sessions open at once,
 	// and so the listings and reads ahead that opening starts.
 	ring, err := newRing(ctx, s.arena, s.budget, s.cfg.Slots, s.cfg.MaxSlots, s.cfg.SlotBytes, s.cfg.AllocWait)
 	if err != nil {
-		s.backends.release(br)
+		release()
 		return "", Stats{}, err
 	}
-	it, err := Open(ctx, br.b, "", s.cache, spec, s.cfg.Options)
+	var it *Iterator
+	if mixture {
+		mix := make([]MixSource, len(sources))
+		for i, ms := range sources {
+			mix[i] = MixSource{Backend: refs[i].b, Format: ms.Format, Weight: ms.Weight}
+		}
+		it, err = OpenMixture(ctx, mix, s.cache, spec, s.cfg.Options)
+	} else {
+		it, err = Open(ctx, refs[0].b, "", s.cache, spec, s.cfg.Options)
+	}
 	if err != nil {
 		ring.Close()
-		s.backends.release(br)
+		release()
 		return "", Stats{}, err
 	}
 	ss := newSession(newID(), owner.ID, it, ring, s.cfg.Metrics, s.primeTimer)
-	ss.onClose = func() { s.backends.release(br) }
-	ss.peer, ss.source, ss.spec = owner.Peer, source, spec
+	ss.onClose = release
+	ss.peer, ss.source, ss.spec = owner.Peer, sources[0].Source, spec
+	if mixture {
+		names := make([]string, len(sources))
+		for i, ms := range sources {
+			names[i] = redact(ms.Source)
+		}
+		ss.source = "mixture of " + strings.Join(names, ", ")
+	}
 	if err := s.insert(owner, ss); err != nil {
 		ss.close()
 		return "", Stats{}, err

@@ -51,6 +51,18 @@ type Shard struct {
 	Size    int64  // bytes read from the backend
 	ModTime time.Time
 	unit    *unit // what the format's metadata says of it (MDS, Parquet); nil for tar and raw
+	// An iteration's: where it is read from, and (in a mixture) its id.
+	src *shardSource
+	id  string
+}
+
+// ID is what names the shard in positions (Delivered): its name, or in a
+// mixture its source, that source's epoch and its name.
+func (sh *Shard) ID() string {
+	if sh.id != "" {
+		return sh.id
+	}
+	return sh.Name
 }
 
 // ListShards lists a dataset's shards under prefix, in name order: .tar

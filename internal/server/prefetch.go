@@ -48,7 +48,11 @@ func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) 
 		Epoch: req.GetEpoch(), Start: req.GetStart(), ShuffleWindow: int(req.GetShuffleWindow()),
 		SkipCorrupt: req.GetSkipCorrupt(), Even: prefetch.Even(req.GetEven()), BatchDelivered: req.GetBatchDelivered(),
 	}
-	if req.GetSource() == "" {
+	mix := req.GetMixture()
+	switch {
+	case len(mix) > 0 && req.GetSource() != "":
+		return nil, status.Error(codes.InvalidArgument, "a dataset names a source or a mixture, not both")
+	case len(mix) == 0 && req.GetSource() == "":
 		return nil, status.Error(codes.InvalidArgument, "dataset source is empty")
 	}
 	for _, blob := range req.GetDelivered() {
@@ -62,7 +66,21 @@ func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) 
 		spec.Delivered.Union(d)
 	}
 	start, o := time.Now(), pfOwner(ctx)
-	id, st, err := p.svc.OpenSession(ctx, o, req.GetSource(), spec)
+	var id string
+	var st prefetch.Stats
+	var err error
+	if len(mix) > 0 {
+		sources := make([]prefetch.MixtureSource, len(mix))
+		for i, m := range mix {
+			if m.GetSource() == "" {
+				return nil, status.Errorf(codes.InvalidArgument, "mixture source %d is empty", i)
+			}
+			sources[i] = prefetch.MixtureSource{Source: m.GetSource(), Format: prefetch.Format(m.GetFormat()), Weight: m.GetWeight()}
+		}
+		id, st, err = p.svc.OpenMixture(ctx, o, sources, spec)
+	} else {
+		id, st, err = p.svc.OpenSession(ctx, o, req.GetSource(), spec)
+	}
 	if err != nil {
 		return nil, toStatus(err)
 	}

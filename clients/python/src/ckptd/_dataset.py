@@ -26,9 +26,9 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import KW_ONLY, asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import grpc
 
@@ -63,7 +63,18 @@ class DatasetSpec:
     Args:
         source: a folder or path-like (relative paths are made absolute
             here, against this process's cwd, not the daemon's),
-            ``file:///path`` or ``s3://bucket/prefix``.
+            ``file:///path`` or ``s3://bucket/prefix``; or a mixture, as
+            Mosaic's streams with proportions and litdata's combined
+            datasets with weights: a sequence of ``(source, weight)`` or
+            ``(source, weight, format)`` (format "auto" when not given),
+            read in one session, each source a share of every epoch's
+            shards set by its weight. Every epoch of a source delivers each
+            of its samples exactly once, however its weight spreads it over
+            the mixture's epochs (a source weighted above its size repeats
+            within an epoch, one below spreads over several); a sample's
+            key is its source's place in the list, "/", and its key there.
+            Resume and elastic resume work as for one source, with the same
+            mixture. ``format`` is then not used.
         format: "webdataset" (the default: ``.tar`` shards; a sample is
             the run of members sharing a key, a field per extension),
             "mds" (Mosaic streaming's shards as its MDSWriter wrote them,
@@ -119,7 +130,7 @@ class DatasetSpec:
         ValueError: rank or world_size not given and not determinable.
     """
 
-    source: str | os.PathLike[str]
+    source: str | os.PathLike[str] | Sequence[Any]
     _: KW_ONLY
     format: str = "webdataset"
     batch_size: int = 32
@@ -159,7 +170,17 @@ class DatasetSpec:
         ints["rank"], ints["world_size"] = _ranks.resolve(ints["rank"], ints["world_size"])
         for name, v in ints.items():
             object.__setattr__(self, name, v)  # plain ints, whatever __index__ gave them
-        object.__setattr__(self, "source", resolve_source(self.source))
+        if isinstance(self.source, (str, os.PathLike)):
+            object.__setattr__(self, "source", resolve_source(self.source))
+        else:
+            object.__setattr__(self, "source", resolve_mixture(self.source))
+
+    @property
+    def mixture(self) -> tuple[MixtureSource, ...]:
+        """The sources of a mixture, as (source, weight, format); () for one source."""
+        if isinstance(self.source, (str, os.PathLike)):
+            return ()
+        return cast("tuple[MixtureSource, ...]", tuple(self.source))
 
     def as_dict(self) -> dict[str, Any]:
         """The spec's fields as a dict of JSON-safe values (delivered as base64 str)."""
@@ -167,8 +188,10 @@ class DatasetSpec:
 
     def request(self) -> pb.OpenDatasetRequest:
         """The OpenDataset request for this spec."""
+        mixture = [pb.MixtureSource(source=s, weight=w, format=f) for s, w, f in self.mixture]
         return pb.OpenDatasetRequest(
-            source=os.fspath(self.source),
+            source="" if mixture else os.fspath(cast("str", self.source)),
+            mixture=mixture,
             format=self.format,
             batch_size=self.batch_size,
             rank=self.rank,
@@ -241,6 +264,40 @@ def _checked_int(name: str, v: Any) -> int:
     if not low <= v < high:
         raise InvalidArgumentError(f"{name} {v} is out of range [{low}, {high})")
     return int(v)
+
+
+MixtureSource: TypeAlias = tuple[str, float, str]
+"""One source of a mixture: its source, weight and format."""
+
+
+def resolve_mixture(given: Any) -> tuple[MixtureSource, ...]:
+    """A mixture's sources as (source, weight, format), sources resolved.
+
+    Each is a (source, weight) or (source, weight, format) sequence, or a
+    mapping with those keys (format "auto" when not given).
+    """
+    if isinstance(given, (bytes, bytearray)) or not isinstance(given, Sequence):
+        raise TypeError(
+            "source must be a str, a path, or a mixture: a sequence of (source, weight[, format])"
+        )
+    if not given:
+        raise InvalidArgumentError("a mixture needs at least one source")
+    out = []
+    for i, entry in enumerate(given):
+        if isinstance(entry, Mapping):
+            src, weight, fmt = entry.get("source"), entry.get("weight"), entry.get("format", "auto")
+        elif isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) in (2, 3):
+            src, weight, fmt = entry[0], entry[1], entry[2] if len(entry) == 3 else "auto"
+        else:
+            raise TypeError(f"mixture source {i}: give (source, weight[, format]), not {entry!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise TypeError(f"mixture source {i}: the weight must be a number, not {weight!r}")
+        if not isinstance(fmt, str):
+            raise TypeError(f"mixture source {i}: the format must be a str, not {fmt!r}")
+        if not isinstance(src, (str, os.PathLike)):
+            raise TypeError(f"mixture source {i}: the source must be a str or a path, not {src!r}")
+        out.append((resolve_source(src), float(weight), fmt))
+    return tuple(out)
 
 
 def resolve_source(source: str | os.PathLike[str]) -> str:
