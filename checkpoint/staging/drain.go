@@ -23,6 +23,24 @@ func (q *drainQueue) push(l *lease) {
 	q.signal()
 }
 
+// pushFront puts a save back at the head of the queue.
+func (q *drainQueue) pushFront(l *lease) {
+	q.saves = append([]*lease{l}, q.saves...)
+	q.signal()
+}
+
+// takeInArena takes the oldest queued save that is in the arena off the
+// queue, or returns nil.
+func (q *drainQueue) takeInArena() *lease {
+	for i, l := range q.saves {
+		if l.region.Length > 0 {
+			q.saves = append(q.saves[:i:i], q.saves[i+1:]...)
+			return l
+		}
+	}
+	return nil
+}
+
 // pop takes the oldest save off the queue, or returns nil.
 func (q *drainQueue) pop() *lease {
 	if len(q.saves) == 0 {
@@ -97,7 +115,7 @@ func (mgr *Manager) drain(l *lease) {
 	start := time.Now()
 	sh := &checkpoint.Shard{
 		Target: l.target, Layout: l.layout, Metadata: l.metadata,
-		Data: mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size],
+		Data: mgr.bytesOf(l),
 	}
 	m, reused, err := mgr.writeRetrying(sh)
 	switch {
@@ -230,7 +248,9 @@ func (mgr *Manager) writeShard(sh *checkpoint.Shard) (m *checkpoint.Manifest, re
 // endDrain forgets a drained save: its journal entry, lease and region go,
 // and its state becomes state unless it is final already.
 func (mgr *Manager) endDrain(l *lease, state State, err error) {
-	if jerr := mgr.arena.Journal().Delete(l.id); jerr != nil {
+	if l.unmap != nil {
+		mgr.dropSpilled(l)
+	} else if jerr := mgr.arena.Journal().Delete(l.id); jerr != nil {
 		mgr.log.Error("journal delete failed", "lease", l.id, "err", jerr)
 	}
 	mgr.mu.Lock()
@@ -255,8 +275,7 @@ func (mgr *Manager) finishDrain(l *lease, m *checkpoint.Manifest, reused bool, s
 	}
 	// After the commit, so as not to delay it: the copy takes a while for a
 	// large shard. It is kept committed if the commit record pins it.
-	region := mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size]
-	data, release, _ := mgr.tiers.Keep(m, l.layout, region)
+	data, release, _ := mgr.tiers.Keep(m, l.layout, mgr.bytesOf(l))
 	res, _, _ := mgr.saves.status(&saveKey{t.Job, t.Step, t.Rank, t.Attempt})
 	if mgr.tiers.HasPeers() && data != nil {
 		mgr.tiers.Replicate(m, data, res.State == StateCommitted, release)

@@ -65,11 +65,16 @@ type lease struct {
 	layout    *checkpoint.Layout
 	metadata  []byte
 	committed bool
-	recovered bool      // replayed from an earlier process's journal
-	check     *precheck // a save's look at storage for its step's commit record
-	cost      int64     // charged to TableBudget
-	begun     time.Time
-	expires   time.Time
+	recovered bool // replayed from an earlier process's journal
+	// A save moved to the spill folder: its bytes mapped from there
+	// (unmap undoes it) and what it books of the folder's budget.
+	spilled    []byte
+	unmap      func()
+	spillBytes int64
+	check      *precheck // a save's look at storage for its step's commit record
+	cost       int64     // charged to TableBudget
+	begun      time.Time
+	expires    time.Time
 }
 
 // LeaseInfo is what a client needs to use a region.

@@ -55,6 +55,13 @@ type ManagerConfig struct {
 	// DrainDelay delays every drain; tests use it to crash the daemon
 	// while a save is accepted but not yet durable.
 	DrainDelay time.Duration
+	// SpillDir, when set, is a local-disk folder that staged saves waiting
+	// to drain move to when the arena has no room for a new save (storage
+	// does not take bytes, or not as fast as saves come; see spill), at
+	// most SpillBytes of them (0: as much as the disk takes). A save then
+	// fails for room only when the spill is full too.
+	SpillDir   string
+	SpillBytes int64
 }
 
 // The ManagerConfig defaults; the daemon's flags default to them too.
@@ -126,6 +133,9 @@ type Manager struct {
 	wg       sync.WaitGroup // drains and the reaper
 	checks   sync.WaitGroup // saves' looks at storage (precheck), stopped by cancel
 	watchers sync.WaitGroup // watchOwner goroutines, stopped by cancel
+
+	spill    *spill     // nil without ManagerConfig.SpillDir
+	spilling sync.Mutex // one spiller at a time
 }
 
 // NewManager starts the checkpoint core on an open arena: it re-queues the
@@ -150,6 +160,13 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 	mgr.m.followArena(a)
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())
 	mgr.tiers = tiers.New(tc)
+	if cfg.SpillDir != "" {
+		if mgr.spill, err = openSpill(cfg.SpillDir, cfg.SpillBytes); err != nil {
+			mgr.tiers.Close()
+			return nil, err
+		}
+		mgr.m.Spilled.Set(float64(mgr.spill.usedBytes()))
+	}
 	if err := mgr.recover(); err != nil {
 		mgr.tiers.Close()
 		return nil, err
@@ -227,9 +244,26 @@ func (mgr *Manager) alloc(ctx context.Context, n int64) (Region, error) {
 	return mgr.allocWith(ctx, n, mgr.arena.Alloc)
 }
 
-// allocWriter allocates a region a client writes into: a save's.
+// allocWriter allocates a region a client writes into: a save's. A save
+// that finds no room at once, when there is a spill folder, moves saves
+// waiting to drain there to make it: storage does not take bytes, or not
+// as fast as the trainer saves (a drain that retries through an outage
+// takes minutes to give up on a request), and the trainer goes on.
 func (mgr *Manager) allocWriter(ctx context.Context, n int64) (Region, error) {
-	return mgr.allocWith(ctx, n, mgr.arena.AllocWriter)
+	if mgr.spill == nil {
+		return mgr.allocWith(ctx, n, mgr.arena.AllocWriter)
+	}
+	return mgr.allocWith(ctx, n, func(ctx context.Context, n int64) (Region, error) {
+		for {
+			qctx, cancel := context.WithTimeout(ctx, spillAfter)
+			r, err := mgr.arena.AllocWriter(qctx, n)
+			cancel()
+			if err == nil || !errors.Is(err, ErrArenaFull) || ctx.Err() != nil {
+				return r, err
+			}
+			mgr.spillSome(n) // the saves waiting to drain, if any
+		}
+	})
 }
 
 func (mgr *Manager) allocWith(ctx context.Context, n int64, alloc func(context.Context, int64) (Region, error)) (Region, error) {

@@ -1,6 +1,7 @@
 package staging
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -484,4 +485,64 @@ func TestArenaFullNamesTheOutage(t *testing.T) {
 	if mgr.stalled.Load() != nil {
 		t.Fatal("the outage is still remembered after a drain succeeded")
 	}
+}
+
+// While storage does not take bytes, saves that the arena cannot hold
+// move queued saves to the spill folder instead of failing; a crash with
+// saves spilled loses none, and once storage is back every save drains,
+// the spilled first, byte for byte.
+func TestSpillDuringOutage(t *testing.T) {
+	pb, _ := newBackend(t)
+	b := faulty.New(pb)
+	spillDir := t.TempDir()
+	cfg := ManagerConfig{SpillDir: spillDir, StagingWait: testtime.Scale(time.Minute)}
+	mgr, a := newManagerOn(t, b, cfg)
+	outage := b.Outage(faulty.OpAll)
+	want := map[int64][]byte{}
+	for step := int64(1); step <= 8; step++ { // 16 MiB through an 8 MiB arena
+		data := bytes.Repeat([]byte{byte(step)}, 2<<20)
+		want[step] = data
+		saveBytes(t, mgr, a, target(step), data)
+	}
+	spilled := func() int {
+		des, _ := os.ReadDir(spillDir)
+		return len(des)
+	}
+	if spilled() == 0 || testutil.ToFloat64(mgr.m.Spilled) == 0 {
+		t.Fatalf("8 saves of 2 MiB through an 8 MiB arena with storage away: nothing spilled (%d files)", spilled())
+	}
+
+	// A crash: the next Manager finds the arena's saves and the spilled ones.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second) // the drains retry for as long as the daemon runs
+	defer cancel()
+	if n := mgr.Close(ctx); n != 8 {
+		t.Fatalf("closing with storage away left %d saves journaled or spilled, want 8", n)
+	}
+	outage.Remove()
+	a.Close()
+	a2, err := arena.Open(arena.Options{Dir: a.Path()[:len(a.Path())-len("/arena")], Size: 8 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a2.Close() })
+	cfg.DefaultJob = "job"
+	mgr2, err := NewManager(shmArena{a2}, b, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { mgr2.Close(context.Background()) })
+	for step, data := range want {
+		if res := settled(t, mgr2, target(step)); res.State != StateCommitted {
+			t.Fatalf("step %d after the outage: %v (%v)", step, res.State, res.Err)
+		}
+		lease, h, err := mgr2.BeginRestore(context.Background(), Owner{}, RestoreRequest{Step: step})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := a2.Bytes()[lease.Offset : lease.Offset+h.Size]; !bytes.Equal(got, data) {
+			t.Fatalf("step %d restored other bytes", step)
+		}
+		_ = mgr2.Release(Owner{}, lease.ID)
+	}
+	eventually(t, "the spill folder to empty", func() bool { return spilled() == 0 })
 }

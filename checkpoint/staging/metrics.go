@@ -54,6 +54,9 @@ type Metrics struct {
 	// or Inf: a run diverging. At most maxCommitJobs job labels; the rest
 	// count under "_other".
 	NonFinite *prometheus.CounterVec
+	// Spilled is what the spill folder holds: staged saves moved out of
+	// the arena while storage did not take bytes.
+	Spilled prometheus.Gauge
 
 	mu     sync.Mutex
 	errors map[string]uint64 // Errors' counts, for ErrorCounts
@@ -135,12 +138,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		NonFinite: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ckptd_nonfinite_tensors_total", Help: "Tensors of drained saves that hold NaN or Inf, by job (a diverging run)."}, []string{"job"}),
 		nonFiniteJobs: map[string]bool{},
+		Spilled: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "ckptd_spilled_bytes", Help: "Bytes of staged saves in the spill folder (moved out of the arena while storage did not take bytes)."}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.StagedBytes, m.DrainedBytes, m.StoredBytes, m.Restored,
 			m.QueueDepth, m.ArenaUsed, m.SaveStall, m.DrainTime, m.Errors, m.CodecRaw, m.CodecStored,
 			m.TableBytes, m.LeasesReleased, m.Quarantined, m.Tiers, m.RestoreTiers, m.ReplicationFailures, m.LastCommitted, m.LastCommitTime,
-			m.NonFinite)
+			m.NonFinite, m.Spilled)
 	}
 	return m
 }

@@ -291,11 +291,24 @@ type journalEntry struct {
 	StagedAt time.Time           `json:"staged_at"`
 }
 
-func (mgr *Manager) journal(l *lease) error {
-	b, err := json.Marshal(journalEntry{ // the entry's id is the lease id
+// journalEntry encodes l's journal entry.
+func (mgr *Manager) journalEntry(l *lease) ([]byte, error) {
+	return json.Marshal(journalEntry{ // the entry's id is the lease id
 		Lease: l.id, Offset: l.region.Offset, Length: l.region.Length, Target: l.target,
-		Tensors: l.layout.Region, Metadata: l.metadata, StagedAt: time.Now().UTC(),
+		Tensors: l.layout.Region, Metadata: l.metadata, StagedAt: l.begun.UTC(),
 	})
+}
+
+// bytesOf is a staged save's bytes: its arena region, or its spilled copy.
+func (mgr *Manager) bytesOf(l *lease) []byte {
+	if l.unmap != nil {
+		return l.spilled
+	}
+	return mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size]
+}
+
+func (mgr *Manager) journal(l *lease) error {
+	b, err := mgr.journalEntry(l)
 	if err != nil {
 		return err
 	}
@@ -312,8 +325,15 @@ func (mgr *Manager) recover() error {
 	if err != nil {
 		return fmt.Errorf("read staging journal: %w", err)
 	}
+	journaled := make(map[string]bool, len(entries))
 	for _, e := range entries {
-		l, err := mgr.leaseFromJournal(e.Data)
+		journaled[e.ID] = true
+	}
+	if err := mgr.recoverSpilled(journaled); err != nil { // older than the arena's: they drain first
+		return err
+	}
+	for _, e := range entries {
+		l, err := mgr.leaseFromEntry(e.Data, true)
 		if err != nil {
 			mgr.quarantine(e.ID, err)
 			continue
@@ -329,7 +349,10 @@ func (mgr *Manager) recover() error {
 	return nil
 }
 
-func (mgr *Manager) leaseFromJournal(data []byte) (*lease, error) {
+// leaseFromEntry rebuilds a journaled save from its entry; reserve takes
+// its region in the arena again (not for a spilled save, whose bytes are
+// elsewhere).
+func (mgr *Manager) leaseFromEntry(data []byte, reserve bool) (*lease, error) {
 	var e journalEntry
 	if err := json.Unmarshal(data, &e); err != nil {
 		return nil, err
@@ -354,6 +377,10 @@ func (mgr *Manager) leaseFromJournal(data []byte) (*lease, error) {
 	l.region.Offset, l.region.Length, l.size = e.Offset, e.Length, layout.RegionSize
 	if err := layout.CheckRegion(l.region.Length); err != nil {
 		return nil, err
+	}
+	if !reserve {
+		l.region = Region{}
+		return l, nil
 	}
 	if l.region.Offset < 0 || l.region.Length < 0 || l.region.Length > mgr.arena.Size()-l.region.Offset || l.region.Offset > mgr.arena.Size() {
 		return nil, fmt.Errorf("region [%d, +%d) is outside the %d-byte arena", l.region.Offset, l.region.Length, mgr.arena.Size())

@@ -24,8 +24,7 @@ import (
 func (mgr *Manager) keepInMemory(l *lease) bool {
 	t := l.target
 	start := time.Now()
-	region := mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size]
-	m, data, release, err := mgr.tiers.HoldInMemory(t, l.layout, region, l.metadata, mgr.w.Options().ChunkSize)
+	m, data, release, err := mgr.tiers.HoldInMemory(t, l.layout, mgr.bytesOf(l), l.metadata, mgr.w.Options().ChunkSize)
 	if err != nil {
 		mgr.log.Warn(err.Error()+"; persisting a step the policy (--persist-every, --persist-interval) would keep in memory, with its other ranks", "target", t)
 		mgr.tiers.PersistInstead(t)

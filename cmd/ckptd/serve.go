@@ -43,6 +43,8 @@ func newServeCmd() *cobra.Command {
 	fs.DurationVar(&o.RestartWait, "restart-wait", 30*time.Second, "how long to wait for a previous daemon that is exiting (killed a moment ago: unmapping a large arena takes seconds) to release the socket and the arena; a running one fails the start at once")
 	fs.Var((*byteSize)(&o.StagingBytes), "staging-bytes", "size of the shared-memory staging arena (e.g. 8GiB)")
 	fs.DurationVar(&o.StagingWait, "staging-wait", staging.DefaultStagingWait, "how long a save waits for arena space before failing")
+	fs.StringVar(&o.SpillDir, "spill-dir", "", "a local-disk folder that saves waiting to drain move to when the arena has no room for a new one (storage does not take bytes, or not as fast as saves come), so that new saves are still accepted (journaled and fsynced there; drained first when storage is back)")
+	fs.Var((*byteSize)(&o.SpillBytes), "spill-bytes", "the most --spill-dir may hold (0: what the disk takes)")
 	fs.DurationVar(&o.ReuseFence, "crash-fence", staging.DefaultReuseFence, "after a crash, how long the save regions the dead daemon's clients may still be copying into stay unused (the rest of the arena is free at once); also how long a gone client's save region is kept when its process cannot be seen")
 	fs.DurationVar(&o.LeaseTimeout, "lease-timeout", staging.DefaultLeaseTimeout, "end saves never committed and restores never released after this (a client that disconnects frees them at once)")
 	fs.Var((*byteSize)(&o.TableBytes), "tensor-table-bytes", "memory for the tensor tables and metadata of open saves, and 1 KiB per open restore; a save or restore that would exceed it fails with RESOURCE_EXHAUSTED")
@@ -75,7 +77,7 @@ func newServeCmd() *cobra.Command {
 	inGroup(fs, "storage", "storage", "job", "s3-endpoint", "s3-region", "s3-retry-deadline", "s3-stall-timeout", "file-mode", "storage-wait",
 		"codec", "chunk-size", "workers", "drains")
 	inGroup(fs, "staging", "staging-bytes", "staging-wait", "tensor-table-bytes", "lease-timeout", "crash-fence", "restores",
-		"arena-dir", "restart-wait")
+		"arena-dir", "restart-wait", "spill-dir", "spill-bytes")
 	inGroup(fs, "tiers", "hot-bytes", "hot-steps", "persist-every", "persist-interval")
 	inGroup(fs, "peers", "peers", "peers-file", "peers-dns", "peer-listen", "peer-advertise", "replicas", "peer-cert", "peer-key",
 		"peer-ca", "peer-server-name", "peer-insecure", "peer-insecure-network")

@@ -88,6 +88,9 @@ type Options struct {
 	// StallWritesAfter stalls each write to the checkpoint store after
 	// that many bytes (0: never); crash tests kill the daemon there.
 	StallWritesAfter int64
+	// SpillDir and SpillBytes: see staging.ManagerConfig.
+	SpillDir   string
+	SpillBytes int64
 }
 
 // UsageError is a setting the daemon cannot start with: the command
@@ -281,7 +284,7 @@ func (d *Daemon) startManager(context.Context) error {
 	}
 	mgr, err := staging.NewManager(server.CheckpointArena(d.a), d.b, staging.ManagerConfig{
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: o.TableBytes, ReuseFence: o.ReuseFence,
-		Drains: o.Drains, Restores: o.Restores, DrainDelay: o.DrainDelay, Logger: d.log, Metrics: staging.NewMetrics(d.reg),
+		Drains: o.Drains, Restores: o.Restores, DrainDelay: o.DrainDelay, SpillDir: o.SpillDir, SpillBytes: o.SpillBytes, Logger: d.log, Metrics: staging.NewMetrics(d.reg),
 		Tiers:  tiers.Config{HotBytes: o.HotBytes, HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, PersistInterval: o.PersistInterval, Peers: replicas},
 		Writer: checkpoint.WriterOptions{ChunkSize: o.ChunkSize, Codec: d.codec, Workers: o.Workers},
 	})
@@ -432,6 +435,9 @@ func (o *Options) check() (codec.Codec, int, error) {
 	}
 	if o.StagingBytes < 4096 {
 		return "", 0, fmt.Errorf("--staging-bytes %d is less than one 4096-byte page", o.StagingBytes)
+	}
+	if o.SpillBytes < 0 || o.SpillBytes > 0 && o.SpillDir == "" {
+		return "", 0, fmt.Errorf("--spill-bytes %d: want 0 (what the disk takes), or more with --spill-dir", o.SpillBytes)
 	}
 	// The writer's own checks (--chunk-size) without storage: it touches
 	// its backend only when it drains.
