@@ -30,14 +30,15 @@ import (
 // copy on a live node).
 //
 // CKPTD_CHAOS_DURATION runs it that long (make chaos: 10 minutes);
-// without it, until 3 nodes were lost (a minute or two).
+// without it, until 3 nodes were lost and 200 saves made (about a
+// minute).
 func TestChaos(t *testing.T) {
 	const (
 		nodes, perNode = 3, 2
 		world          = nodes * perNode
 		maxDrift       = 3
 	)
-	duration, losses := time.Duration(0), 3
+	duration, losses, minSaves := time.Duration(0), 3, 200
 	if d := os.Getenv("CKPTD_CHAOS_DURATION"); d != "" {
 		var err error
 		if duration, err = time.ParseDuration(d); err != nil {
@@ -90,7 +91,7 @@ func TestChaos(t *testing.T) {
 	}
 	pending := map[*ckptd.SaveHandle]int{} // persisted saves not committed yet, by rank
 	start, saves, lost, restoredAt := time.Now(), 0, 0, int64(0)
-	for duration > 0 && time.Since(start) < duration || duration == 0 && lost < losses {
+	for duration > 0 && time.Since(start) < duration || duration == 0 && (lost < losses || saves < minSaves) {
 		// A rank not too far ahead of the slowest saves its next step.
 		slowest := slices.Min(progress)
 		var ready []int
