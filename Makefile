@@ -80,7 +80,7 @@ fuzz:
 	FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
 
 # The memory tiers' chaos test (test/tiers TestChaos) for 10 minutes: ranks
-# drifting apart, nodes lost. `make test` runs it until 3 nodes are lost.
+# drifting apart, nodes lost. `make test` runs it for about a minute.
 chaos: build
 	$(GO) build -race -o bin/ckptd-race ./cmd/ckptd
 	CKPTD_CHAOS_DURATION=10m CKPTD_TEST_RACE_BIN=$(CURDIR)/bin/ckptd-race CKPTD_TEST_BIN=$(CURDIR)/bin/ckptd \
