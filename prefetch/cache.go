@@ -30,6 +30,10 @@ type Cache struct {
 
 	counts  *sampleCounts // shards' sample counts, for even epochs
 	footers *footerCache  // Parquet files' footers, for listings
+	// disk is the disk tier of remote sources' shards (nil: none);
+	// diskHits counts the shards it served.
+	disk     *diskCache
+	diskHits atomic.Int64
 
 	// Get holds life shared and Close whole, so that the ristretto cache is
 	// closed after every Get and every fill is over (a fill outlives the
@@ -156,10 +160,10 @@ func (c *Cache) get(ctx context.Context, b storage.Backend, dataset string, sh S
 // fill reads a shard and caches it if admission lets it.
 func (c *Cache) fill(ctx context.Context, f *fill, key, group string, b storage.Backend, sh Shard, at readAt) {
 	defer f.cancel()
+	var later func()                   // the disk tier's write, once the readers have the shard
 	if data, ok := c.rc.Get(key); ok { // filled since the caller looked
 		f.data, f.held = data, true
-	} else if f.data, f.err = readShard(ctx, b, sh); f.err == nil {
-		c.reads.Add(1)
+	} else if f.data, later, f.err = c.read(ctx, b, sh, key, at); f.err == nil {
 		f.held = c.store(key, group, f.data, at)
 	}
 	c.mu.Lock()
@@ -168,6 +172,9 @@ func (c *Cache) fill(ctx context.Context, f *fill, key, group string, b storage.
 	}
 	c.mu.Unlock()
 	close(f.done)
+	if later != nil && f.err == nil {
+		later()
+	}
 }
 
 // leave ends a caller's wait on f; the last to leave a read still running
@@ -292,6 +299,39 @@ func localOf(b storage.Backend) (*localBackend, bool) {
 		b = u.Unwrap()
 	}
 }
+
+// read reads a whole shard for the cache (key) and decodes it: from the
+// disk tier when it holds a remote source's shard, else from storage,
+// giving the disk tier what storage gave.
+// It returns the disk tier's write to run once the shard's readers have
+// it, if any.
+func (c *Cache) read(ctx context.Context, b storage.Backend, sh Shard, key string, at readAt) (shardBytes, func(), error) {
+	if _, local := localOf(b); c.disk == nil || local {
+		data, err := readShard(ctx, b, sh)
+		if err == nil {
+			c.reads.Add(1)
+		}
+		return data, nil, err
+	}
+	var write func()
+	stored, ok := c.disk.load(key, sh.Size)
+	if ok {
+		c.diskHits.Add(1)
+	} else {
+		var err error
+		if stored, err = readStored(ctx, b, sh); err != nil {
+			return shardBytes{}, nil, err
+		}
+		c.reads.Add(1)
+		next, mine := c.ahead.distances(at, key)
+		write = c.disk.store(key, stored.b, next, mine)
+	}
+	data, err := decodeShard(sh, stored)
+	return data, write, err
+}
+
+// DiskHits is how many shards the disk tier served.
+func (c *Cache) DiskHits() int64 { return c.diskHits.Load() }
 
 // readShard reads a whole shard and decodes it (decodeShard).
 func readShard(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, error) {

@@ -180,6 +180,10 @@
 // and prefix) nobody has read for DefaultStaleAfter give way to new ones
 // when no iteration is open. Each shard is filled under a per-key lock, so
 // ranks asking for the same shard at once read it from storage once.
+// Behind the memory cache, a disk tier (disk.go, ServiceConfig.DiskCacheDir)
+// keeps remote sources' shards as files, written whole and renamed into
+// place, checked against a trailer when mapped, evicted by the same
+// lookahead.
 //
 // This package knows nothing of gRPC; the daemon's server adapts it.
 package prefetch

@@ -27,6 +27,11 @@ type OpenFunc func(ctx context.Context, url string) (storage.Backend, error)
 type ServiceConfig struct {
 	// CacheBytes is the shard cache budget shared by all sessions.
 	CacheBytes int64
+	// DiskCacheDir and DiskCacheBytes are the disk tier (serve's
+	// --disk-cache-dir, --disk-cache-bytes): the shards of remote sources
+	// kept on a local disk (see diskCache); no dir, no tier.
+	DiskCacheDir   string
+	DiskCacheBytes int64
 	// NoLookahead makes a full cache keep what it holds instead of
 	// following the open sessions' known orders (Belady's rule): the
 	// policy the lookahead replaced, kept to compare against.
@@ -161,6 +166,16 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	if cfg.NoLookahead {
 		c.ahead = nil
 	}
+	switch {
+	case cfg.DiskCacheDir == "" && cfg.DiskCacheBytes > 0:
+		c.Close()
+		return nil, fmt.Errorf("%w: --disk-cache-bytes needs --disk-cache-dir, the folder of the disk tier", ErrInvalid)
+	case cfg.DiskCacheDir != "" && !cfg.off():
+		if c.disk, err = newDiskCache(cfg.DiskCacheDir, cfg.DiskCacheBytes, cfg.Logger); err != nil {
+			c.Close()
+			return nil, err
+		}
+	}
 	s := &Service{
 		cfg: cfg, allow: allow, arena: a, budget: newArenaBudget(cfg.ArenaBytes), cache: c, stop: make(chan struct{}),
 		backends: newBackendPool(cfg.MaxBackends, cfg.BackendIdle),
@@ -168,6 +183,7 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	}
 	s.wg.Go(s.reapLoop)
 	cfg.Logger.Info("dataset service", "allow", cfg.Allow, "cache_bytes", cfg.CacheBytes,
+		"disk_cache_dir", cfg.DiskCacheDir, "disk_cache_bytes", cfg.DiskCacheBytes,
 		"read_ahead_bytes", s.cfg.Options.ReadAheadBytes, "arena_bytes", cfg.ArenaBytes,
 		"max_sessions", s.MaxSessions(), "memory_ceiling", s.MemoryCeiling())
 	return s, nil

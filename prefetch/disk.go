@@ -1,0 +1,308 @@
+package prefetch
+
+import (
+	"cmp"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/zeebo/xxh3"
+)
+
+// diskCache is the disk tier (serve's --disk-cache-dir, --disk-cache-bytes):
+// the shards read whole from remote sources (S3), kept as files on a local
+// disk within a byte budget, so that a dataset larger than memory is read
+// from the store once per node rather than once per epoch. A shard found
+// there is mapped, as a local source's shards are.
+//
+// A file is written under a temporary name, synced and renamed into
+// place, so no file of the tier's names is ever incomplete: a crash
+// leaves at most a temporary, removed at the next start. Its name is a
+// hash of the shard's cache key, which holds the store, the object's
+// name, size and modification time (what the listing says): a shard
+// rewritten in the store is another file, never the old bytes. The file
+// ends with a trailer (the shard's size and xxh3) that is checked each
+// time it is mapped, so a file damaged or cut on the disk is dropped and
+// read from the store again, never served.
+//
+// Eviction follows the memory cache's rule over the open sessions' known
+// orders: when the tier is full, the shard read farthest in the future
+// goes (one no session plans to read first, then the least recently
+// used), and a shard whose next read comes later than every kept one's is
+// not written.
+type diskCache struct {
+	dir    string
+	budget int64
+	log    *slog.Logger
+
+	mu    sync.Mutex
+	used  int64
+	files map[string]*diskFile // by file name
+}
+
+type diskFile struct {
+	key     string // the shard's cache key ("" for a file of an earlier run)
+	size    int64  // bytes on disk, trailer included
+	used    time.Time
+	writing bool // not in place yet
+}
+
+const (
+	diskSuffix  = ".shard"
+	diskTemp    = ".tmp"
+	diskTrailer = 16 // uint64 size, uint64 xxh3 of the shard
+)
+
+// newDiskCache opens the tier in dir (made if missing), removing what a
+// crash left half written and counting the files of earlier runs, which
+// are served again, and evicted first when room is needed.
+func newDiskCache(dir string, budget int64, log *slog.Logger) (*diskCache, error) {
+	if budget <= 0 {
+		return nil, fmt.Errorf("%w: --disk-cache-bytes %d: give the tier a positive budget", ErrInvalid, budget)
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("%w: --disk-cache-dir %s: %w", ErrInvalid, dir, err)
+	}
+	d := &diskCache{dir: dir, budget: budget, log: log, files: map[string]*diskFile{}}
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("%w: --disk-cache-dir %s: %w", ErrInvalid, dir, err)
+	}
+	for _, e := range entries {
+		name := e.Name()
+		switch {
+		case strings.HasSuffix(name, diskTemp):
+			_ = os.Remove(filepath.Join(dir, name)) // a write a crash cut short
+		case strings.HasSuffix(name, diskSuffix) && e.Type().IsRegular():
+			fi, err := e.Info()
+			if err != nil {
+				continue
+			}
+			d.files[name] = &diskFile{size: fi.Size(), used: fi.ModTime()}
+			d.used += fi.Size()
+		}
+	}
+	var victims []string
+	for _, v := range d.ranked(nil) { // the budget shrank since
+		if d.used <= d.budget {
+			break
+		}
+		victims = append(victims, v)
+		d.drop(v)
+	}
+	d.remove(victims)
+	return d, nil
+}
+
+// fileName is a shard's file in the tier.
+func diskName(key string) string {
+	sum := sha256.Sum256([]byte(key))
+	return hex.EncodeToString(sum[:]) + diskSuffix
+}
+
+// load maps the shard of key, size bytes, when the tier holds it whole.
+func (d *diskCache) load(key string, size int64) (shardBytes, bool) {
+	name := diskName(key)
+	d.mu.Lock()
+	f := d.files[name]
+	if f != nil && !f.writing {
+		f.used, f.key = time.Now(), key
+	}
+	d.mu.Unlock()
+	if f == nil || f.writing {
+		return shardBytes{}, false
+	}
+	m, err := d.mapFile(name, size)
+	if err != nil {
+		if !errors.Is(err, errNoMapping) {
+			d.log.Warn("dropped a shard of the disk cache", "file", name, "err", err)
+			d.remove([]string{name})
+		}
+		return shardBytes{}, false
+	}
+	return shardBytes{b: m.data[:size:size], m: m}, true
+}
+
+// mapFile maps a tier file and checks its trailer against the shard.
+func (d *diskCache) mapFile(name string, size int64) (*mapping, error) {
+	fh, err := os.Open(filepath.Join(d.dir, name))
+	if err != nil {
+		return nil, err
+	}
+	defer fh.Close()
+	fi, err := fh.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if fi.Size() != size+diskTrailer {
+		return nil, fmt.Errorf("%d bytes on disk for a shard of %d", fi.Size(), size)
+	}
+	m, err := mapFile(fh, fi.Size())
+	if err != nil {
+		return nil, err
+	}
+	err = readMapped(func() error {
+		t := m.data[size:]
+		if n := int64(binary.LittleEndian.Uint64(t)); n != size {
+			return fmt.Errorf("its trailer says %d bytes, the shard has %d", n, size)
+		}
+		if sum := binary.LittleEndian.Uint64(t[8:]); sum != xxh3.Hash(m.data[:size]) {
+			return errors.New("its bytes differ from their checksum")
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// store returns the write of a shard read from the store into the tier,
+// or nil when the eviction rule does not admit it (next: how far each kept
+// shard's next read is, nil when no session plans any; mine: this one's)
+// or the tier has it. The caller runs the write once the shard's readers
+// have it (a fill, after it is done); data must not change until then.
+func (d *diskCache) store(key string, data []byte, next func(string) int, mine int) func() {
+	name := diskName(key)
+	size := int64(len(data)) + diskTrailer
+	if size > d.budget {
+		return nil
+	}
+	d.mu.Lock()
+	if d.files[name] != nil {
+		d.mu.Unlock()
+		return nil
+	}
+	var victims []string
+	free := d.budget - d.used
+	for _, v := range d.ranked(next) {
+		if free >= size {
+			break
+		}
+		if f := d.files[v]; next != nil && f.key != "" && next(f.key) <= mine {
+			break // every shard left is read again before this one: it is not kept
+		}
+		victims = append(victims, v)
+		free += d.files[v].size
+	}
+	if free < size {
+		d.mu.Unlock()
+		return nil
+	}
+	for _, v := range victims {
+		d.drop(v)
+	}
+	f := &diskFile{key: key, size: size, used: time.Now(), writing: true}
+	d.files[name] = f
+	d.used += size
+	d.mu.Unlock()
+	d.remove(victims)
+	return func() {
+		err := d.write(name, data)
+		d.mu.Lock()
+		f.writing = false
+		d.mu.Unlock()
+		if err != nil {
+			d.log.Warn("could not write a shard to the disk cache", "dir", d.dir, "err", err)
+			d.remove([]string{name})
+		}
+	}
+}
+
+// write writes data and its trailer to name through a temporary file,
+// synced before it is renamed into place.
+func (d *diskCache) write(name string, data []byte) error {
+	tmp, err := os.CreateTemp(d.dir, "*"+diskTemp)
+	if err != nil {
+		return err
+	}
+	var trailer [diskTrailer]byte
+	binary.LittleEndian.PutUint64(trailer[:], uint64(len(data)))
+	binary.LittleEndian.PutUint64(trailer[8:], xxh3.Hash(data))
+	_, err = tmp.Write(data)
+	if err == nil {
+		_, err = tmp.Write(trailer[:])
+	}
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp.Name(), filepath.Join(d.dir, name))
+	}
+	if err != nil {
+		_ = os.Remove(tmp.Name())
+		return err
+	}
+	if dir, err := os.Open(d.dir); err == nil {
+		_ = dir.Sync()
+		dir.Close()
+	}
+	return nil
+}
+
+// ranked is the files in the order they go when room is needed: those
+// read farthest ahead first (never read: first of all), the least recently
+// used among equals; files being written are not among them. Call with mu.
+func (d *diskCache) ranked(next func(string) int) []string {
+	type cand struct {
+		name string
+		next int
+		used time.Time
+	}
+	var cs []cand
+	for name, f := range d.files {
+		if f.writing {
+			continue
+		}
+		n := math.MaxInt
+		if next != nil && f.key != "" {
+			n = next(f.key)
+		}
+		cs = append(cs, cand{name, n, f.used})
+	}
+	slices.SortFunc(cs, func(a, b cand) int {
+		if a.next != b.next {
+			return cmp.Compare(b.next, a.next)
+		}
+		return a.used.Compare(b.used)
+	})
+	out := make([]string, len(cs))
+	for i, c := range cs {
+		out[i] = c.name
+	}
+	return out
+}
+
+func (d *diskCache) drop(name string) {
+	if f := d.files[name]; f != nil {
+		d.used -= f.size
+		delete(d.files, name)
+	}
+}
+
+// remove deletes files taken out of the books (a mapping of one stays
+// valid until it is unmapped).
+func (d *diskCache) remove(names []string) {
+	for _, n := range names {
+		d.mu.Lock()
+		d.drop(n)
+		d.mu.Unlock()
+		if err := os.Remove(filepath.Join(d.dir, n)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			d.log.Warn("could not remove a shard of the disk cache", "file", n, "err", err)
+		}
+	}
+}

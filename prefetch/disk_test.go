@@ -1,0 +1,192 @@
+package prefetch
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ckptd/ckptd/internal/miniotest"
+	"github.com/ckptd/ckptd/storage"
+	"github.com/ckptd/ckptd/storage/s3"
+)
+
+// diskFiles lists the tier's files and its temporaries.
+func diskFiles(t *testing.T, dir string) (shards, temps []string) {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		switch {
+		case strings.HasSuffix(e.Name(), diskSuffix):
+			shards = append(shards, filepath.Join(dir, e.Name()))
+		case strings.HasSuffix(e.Name(), diskTemp):
+			temps = append(temps, filepath.Join(dir, e.Name()))
+		}
+	}
+	slices.Sort(shards)
+	return shards, temps
+}
+
+// withDisk is a cache of no memory over the disk tier in dir, as a daemon
+// started on it would have.
+func withDisk(t *testing.T, dir string, budget int64) *Cache {
+	t.Helper()
+	c, err := NewCache(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.disk, err = newDiskCache(dir, budget, slog.Default()); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// Shards read from a store that is not local are kept on disk and read
+// from there by the next daemon (a restart: the memory cache is empty); a
+// file cut or damaged on the disk, or left half written by a crash, is
+// never served: the shard is read from the store again.
+func TestDiskTierServesWhatTheStoreGave(t *testing.T) {
+	b := dataset(t, 6, 10, 2000) // a posix.Backend: not a local source, so "remote"
+	dir := t.TempDir()
+	spec := Spec{BatchSize: 7, WorldSize: 1, Seed: 1, ShuffleWindow: 1}
+
+	c := withDisk(t, dir, 64<<20)
+	want, _ := keys(t, b, c, spec)
+	c.Close() // waits for the writes
+	files, _ := diskFiles(t, dir)
+	if c.StorageReads() != 6 || c.DiskHits() != 0 || len(files) != 6 {
+		t.Fatalf("first epoch: %d storage reads, %d disk hits, %d files; want 6, 0, 6", c.StorageReads(), c.DiskHits(), len(files))
+	}
+
+	c = withDisk(t, dir, 64<<20)
+	got, _ := keys(t, b, c, spec)
+	c.Close()
+	if !slices.Equal(got, want) || c.StorageReads() != 0 || c.DiskHits() != 6 {
+		t.Fatalf("after a restart: %d storage reads, %d disk hits (same samples: %v); want all from disk", c.StorageReads(), c.DiskHits(), slices.Equal(got, want))
+	}
+
+	// A crash's temporary, a file cut short, a file whose bytes changed.
+	writeFile(t, filepath.Join(dir, "123"+diskTemp), []byte("half a shard"))
+	data, err := os.ReadFile(files[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeFile(t, files[0], data[:len(data)-3])
+	data, err = os.ReadFile(files[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	data[100] ^= 1
+	writeFile(t, files[1], data)
+	c = withDisk(t, dir, 64<<20)
+	if _, temps := diskFiles(t, dir); len(temps) != 0 {
+		t.Fatalf("a crash's temporaries are left: %v", temps)
+	}
+	got, _ = keys(t, b, c, spec)
+	c.Close()
+	if !slices.Equal(got, want) || c.StorageReads() != 2 || c.DiskHits() != 4 {
+		t.Fatalf("with 2 damaged files: %d storage reads, %d disk hits; want 2 and 4", c.StorageReads(), c.DiskHits())
+	}
+
+	// A shard rewritten in the store (another size or time) is another
+	// file: its old bytes are not served.
+	shard := filepath.Join(b.Location()[len("file://"):], "train", "shard-000.tar")
+	if err := os.Chtimes(shard, time.Now(), time.Now().Add(time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	c = withDisk(t, dir, 64<<20)
+	keys(t, b, c, spec)
+	c.Close()
+	if c.StorageReads() != 1 || c.DiskHits() != 5 {
+		t.Fatalf("one shard rewritten: %d storage reads, %d disk hits; want 1 and 5", c.StorageReads(), c.DiskHits())
+	}
+}
+
+// The tier holds no more than its budget; what it keeps is what the open
+// sessions read soonest.
+func TestDiskTierBudget(t *testing.T) {
+	b := dataset(t, 8, 10, 2000)
+	dir := t.TempDir()
+	size := shardSize(t, b) + diskTrailer
+	c := withDisk(t, dir, 3*size)
+	keys(t, b, c, Spec{BatchSize: 7, WorldSize: 1, Seed: 1})
+	c.Close()
+	files, _ := diskFiles(t, dir)
+	var total int64
+	for _, f := range files {
+		fi, err := os.Stat(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		total += fi.Size()
+	}
+	if len(files) == 0 || total > 3*size {
+		t.Fatalf("%d files of %d bytes in a tier of %d", len(files), total, 3*size)
+	}
+	if _, err := newDiskCache(dir, size, slog.Default()); err != nil { // a smaller budget at the next start
+		t.Fatal(err)
+	}
+	if files, _ = diskFiles(t, dir); len(files) > 1 {
+		t.Fatalf("%d files kept in a tier of one shard", len(files))
+	}
+}
+
+// getCounter counts a backend's reads of objects.
+type getCounter struct {
+	storage.Backend
+	gets atomic.Int64
+}
+
+func (g *getCounter) Get(ctx context.Context, name string, off, n int64) (io.ReadCloser, error) {
+	g.gets.Add(1)
+	return g.Backend.Get(ctx, name, off, n)
+}
+
+// From a real S3 (MinIO), a daemon restarted on its disk tier lists the
+// dataset but reads no shard from the store.
+func TestDiskTierWithS3(t *testing.T) {
+	srv := miniotest.Start(t)
+	bucket := srv.NewBucket(t)
+	b, err := s3.New(t.Context(), s3.Config{
+		Bucket: bucket, Endpoint: srv.Endpoint(), Region: miniotest.Region, Credentials: srv.Credentials(),
+		Retry: s3.RetryPolicy{Deadline: 30 * time.Second},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	for s := range 4 {
+		name := fmt.Sprintf("shard-%03d", s)
+		data := makeTar(t, name, 10, 3000)
+		if err := b.Put(t.Context(), "train/"+name+".tar", bytes.NewReader(data), int64(len(data))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	counted := &getCounter{Backend: b}
+	dir := t.TempDir()
+	spec := Spec{BatchSize: 6, WorldSize: 1, Seed: 3}
+	c := withDisk(t, dir, 64<<20)
+	want, _ := keys(t, counted, c, spec)
+	c.Close()
+	if counted.gets.Load() != 4 {
+		t.Fatalf("first epoch: %d reads from S3, want 4", counted.gets.Load())
+	}
+	counted.gets.Store(0)
+	c = withDisk(t, dir, 64<<20)
+	got, _ := keys(t, counted, c, spec)
+	c.Close()
+	if !slices.Equal(got, want) || counted.gets.Load() != 0 || c.DiskHits() != 4 {
+		t.Fatalf("after a restart: %d reads from S3, %d disk hits; want every shard from disk", counted.gets.Load(), c.DiskHits())
+	}
+}
