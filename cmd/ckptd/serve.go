@@ -66,6 +66,8 @@ func newServeCmd() *cobra.Command {
 	_ = fs.MarkHidden("debug-stall-writes-after")
 	fs.Var((*byteSize)(&o.CacheBytes), "cache-bytes", "dataset shard cache budget, shared by every rank on the node (0 disables it)")
 	fs.IntVar(&o.Nice, "nice", 10, "run the daemon this many nice levels (0-19) below the priority it starts with, so that the trainer beside it wins a contended core; 0 keeps it. It orders the daemon against processes of its own cgroup only: give a sidecar container a small CPU request instead")
+	fs.StringVar(&o.DiskCacheDir, "disk-cache-dir", "", "a folder on a local disk (NVMe) that keeps the shards read whole from S3 sources, so a dataset larger than memory is read from the store once per node; a file cut or damaged there is read from the store again")
+	fs.Var((*byteSize)(&o.DiskCacheBytes), "disk-cache-bytes", "what --disk-cache-dir may hold; when full it drops the shard the open sessions read farthest in the future")
 	fs.BoolVar(&o.CacheLookahead, "cache-lookahead", true, "when the cache is full, evict the shard the open sessions read farthest in the future (false: keep what the cache holds)")
 	fs.IntVar(&o.RingSlots, "ring-slots", prefetch.DefaultSlots, "batches each dataset session delivers ahead of the trainer")
 	fs.IntVar(&o.RingSlotsMax, "ring-slots-max", 0, "slots a session's ring may grow to when its trainer catches up with a full ring, in room of --dataset-arena-bytes that leaves a whole ring free (default 2 x --ring-slots; --ring-slots: never grow)")
@@ -81,7 +83,7 @@ func newServeCmd() *cobra.Command {
 	inGroup(fs, "tiers", "hot-bytes", "hot-steps", "persist-every", "persist-interval")
 	inGroup(fs, "peers", "peers", "peers-file", "peers-dns", "peer-listen", "peer-advertise", "replicas", "peer-cert", "peer-key",
 		"peer-ca", "peer-server-name", "peer-insecure", "peer-insecure-network")
-	inGroup(fs, "datasets", "dataset-allow", "dataset-arena-bytes", "cache-bytes", "cache-lookahead", "ring-slots", "ring-slots-max",
+	inGroup(fs, "datasets", "dataset-allow", "dataset-arena-bytes", "cache-bytes", "cache-lookahead", "disk-cache-dir", "disk-cache-bytes", "ring-slots", "ring-slots-max",
 		"slot-bytes", "read-ahead-bytes", "dataset-list-bytes")
 	inGroup(fs, "security", "socket", "socket-group")
 	inGroup(fs, "operations", "metrics-addr", "shutdown-grace", "nice", "print-memory")

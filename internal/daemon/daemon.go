@@ -69,6 +69,8 @@ type Options struct {
 	DrainDelay      time.Duration
 	CacheBytes      int64
 	CacheLookahead  bool
+	DiskCacheDir    string // --disk-cache-dir: the disk tier of remote sources' shards
+	DiskCacheBytes  int64
 	Nice            int
 	RingSlots       int
 	RingSlotsMax    int

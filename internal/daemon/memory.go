@@ -45,6 +45,7 @@ func (o *Options) prefetchConfig() prefetch.ServiceConfig {
 	return prefetch.ServiceConfig{
 		CacheBytes: int64(o.CacheBytes), NoLookahead: !o.CacheLookahead, Slots: o.RingSlots, MaxSlots: o.RingSlotsMax, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
 		ArenaBytes: int64(o.DatasetArena), Allow: o.DatasetAllow, Off: o.DatasetsOff,
+		DiskCacheDir: o.DiskCacheDir, DiskCacheBytes: o.DiskCacheBytes,
 		Options: prefetch.Options{ReadAheadBytes: int64(o.ReadAhead), ListBytes: int64(o.ListBytes)},
 	}
 }
