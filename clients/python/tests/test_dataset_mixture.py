@@ -84,3 +84,17 @@ def test_bad_mixtures_are_refused(dc, sources):
         ckptd.DatasetSpec([(sources / "a", "1")])
     with pytest.raises(TypeError, match="mixture"):
         ckptd.DatasetSpec([sources / "a"])
+
+
+def test_mixture_through_a_dataloader(dataset_daemon, sources):
+    from torch.utils.data import DataLoader
+
+    from ckptd.torch import CkptdIterableDataset
+
+    mix = [(sources / "a", 1), (sources / "m", 1, "mds")]  # 4 + 4 shards: each its own count
+    ds = CkptdIterableDataset(
+        ckptd.DatasetSpec(mix, batch_size=5, seed=2), socket=dataset_daemon.socket
+    )
+    got = [s["__key__"] for b in DataLoader(ds, batch_size=None, num_workers=2) for s in b]
+    assert len(got) == len(set(got)) == 40 + 30
+    assert Counter(k.split("/", 1)[0] for k in got) == Counter({"0": 40, "1": 30})
