@@ -79,6 +79,10 @@ FORMATS = (1, 2)
 # A Hugging Face model's config.json, saved with it so that `ckptd export`
 # writes a folder from_pretrained loads.
 HF_CONFIG = "hf.config.json"
+# The skeleton's key naming the rank whose shard holds the model and
+# optimizer of a replicated (data-parallel) save: the other ranks store
+# neither.
+REPLICATED = "replicated_from"
 
 
 def save_state_dict(
@@ -93,6 +97,7 @@ def save_state_dict(
     metadata: bytes = b"",
     job: str | None = None,
     attempt: str | None = None,
+    replicated: bool | None = None,
 ) -> SaveHandle:
     """Stage a model, optimizer and extra state as one shard; see Client.save.
 
@@ -111,6 +116,12 @@ def save_state_dict(
         metadata: as Client.save.
         job: as Client.save.
         attempt: as Client.save; see below.
+        replicated: the model and optimizer are the same on every rank (data
+            parallel: DDP). Rank 0 then stores them and the other ranks
+            store only their extra, so a step takes the room of one rank's
+            state, not of world_size's; every rank loads them from rank 0's
+            shard. None (default): true for a DistributedDataParallel
+            module saved at a world size above 1, else false.
 
     Without an attempt given (attempt=, Client(attempt=...) or
     $CKPTD_ATTEMPT), a save whose world_size is torch.distributed's world
@@ -129,6 +140,8 @@ def save_state_dict(
         The save's handle; wait() on it for durability.
     """
     rank, world_size = _ranks.resolve(rank, world_size)
+    if replicated is None:
+        replicated = world_size > 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel)
     packer = _Packer()
     model_sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
     optim_sd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
@@ -141,8 +154,19 @@ def save_state_dict(
         "extra": packer.encode(extra, ("extra",)),
     }
     if packer.pieces:
+        if replicated:
+            raise ValueError(
+                "replicated=True with DTensors: a sharded state is not the same on every rank"
+            )
         skeleton["format"] = FORMAT
         packer.tree[_sharding.TENSOR] = _sharding.encode(packer.description(rank == 0))
+    if replicated and world_size > 1:
+        # Rank 0's shard holds the model and optimizer for every rank; the
+        # skeleton still describes them, for a load to find them there.
+        skeleton[REPLICATED] = 0
+        if rank != 0:
+            packer.tree.pop("model", None)
+            packer.tree.pop("optimizer", None)
     blob = json.dumps(skeleton, separators=(",", ":")).encode()
     packer.tree[SKELETON] = np.frombuffer(blob, dtype=np.uint8)
     hf_config = _hf_config(model)
@@ -183,6 +207,10 @@ def load_state_dict(
         rank: which rank's shard (default: this process's, as Client.load).
         job: as Client.load.
 
+    A replicated save (save_state_dict's replicated) loads its model and
+    optimizer from the rank that stored them, at any world size; a rank
+    beyond the saved world size gets rank 0's extra.
+
     A step saved with DTensors loads at any world size: each DTensor of
     the model's (and optimizer's) current state dict gets its local region,
     read from this rank's shard when it holds exactly that piece, else
@@ -201,6 +229,12 @@ def load_state_dict(
     source = _Source(client, step, rank, job)
     state = source.state
     skeleton = _skeleton(state)
+    holder = skeleton.get(REPLICATED)
+    if holder is not None and holder != source.rank:
+        shared = client.load(state.step, rank=holder, job=job, as_torch=True)
+        for group in ("model", "optimizer"):
+            if group in shared:
+                state[group] = shared[group]
     unpacker = _Unpacker(state, source)
     if model is not None:
         sd = unpacker.decode(skeleton["model"], model.state_dict())
@@ -419,7 +453,7 @@ class _Source:
                 state = client.load(step, rank=0, job=job, as_torch=True)
             except (NotFoundError, InvalidArgumentError):
                 raise missing from None
-            if _sharding.TENSOR not in state:
+            if _sharding.TENSOR not in state and REPLICATED not in _skeleton(state):
                 raise
             self.state, self.rank = state, 0
         own = self.state.get(_sharding.TENSOR)
