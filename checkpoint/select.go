@@ -29,26 +29,78 @@ func SelectTensors(m *Manifest, names []string) (Selection, error) {
 	if len(names) > MaxTensors {
 		return Selection{}, fmt.Errorf("%w: %d tensors asked for, more than %d", ErrInvalid, len(names), MaxTensors)
 	}
+	want := make([]Slice, len(names))
+	seen := make(map[string]bool, len(names))
+	for i, name := range names {
+		if seen[name] {
+			return Selection{}, fmt.Errorf("%w: tensor %q is asked for twice", ErrInvalid, name)
+		}
+		seen[name] = true
+		want[i].Name = name
+	}
+	return selectSlices(m, want, true)
+}
+
+// Slice is a byte range of one of a shard's tensors.
+type Slice struct {
+	Name           string
+	Offset, Length int64 // bytes from the tensor's first byte
+}
+
+// SelectSlices selects byte ranges of m's tensors, packed back to back in
+// order. The table has an entry per slice: the tensor's name, dtype and
+// shape, and where the slice's bytes lie in the restored bytes (Offset,
+// Length). Slices of one tensor may not overlap.
+func SelectSlices(m *Manifest, want []Slice) (Selection, error) {
+	if len(want) > MaxTensors {
+		return Selection{}, fmt.Errorf("%w: %d slices asked for, more than %d", ErrInvalid, len(want), MaxTensors)
+	}
+	return selectSlices(m, want, false)
+}
+
+// selectSlices selects want of m: each slice whole (the tensor, whatever
+// its Offset and Length say) or as it says.
+func selectSlices(m *Manifest, want []Slice, whole bool) (Selection, error) {
 	byName := make(map[string]int, len(m.Tensors))
 	for i, t := range m.Tensors {
 		byName[t.Name] = i
 	}
 	var sel Selection
-	seen := make(map[string]bool, len(names))
-	for _, name := range names {
-		i, ok := byName[name]
-		if !ok || seen[name] {
-			return Selection{}, fmt.Errorf("%w: step %d rank %d has no tensor %q (or it is asked for twice)", ErrInvalid, m.Step, m.Rank, name)
+	for _, sl := range want {
+		i, ok := byName[sl.Name]
+		if !ok {
+			return Selection{}, fmt.Errorf("%w: step %d rank %d has no tensor %q", ErrInvalid, m.Step, m.Rank, sl.Name)
 		}
-		seen[name] = true
 		t := m.Tensors[i]
-		sel.parts = append(sel.parts, part{src: t.Offset, n: t.Length, dst: sel.Size})
-		t.Offset = sel.Size
+		if whole {
+			sl.Offset, sl.Length = 0, t.Length
+		}
+		if sl.Offset < 0 || sl.Length < 0 || sl.Offset > t.Length || sl.Length > t.Length-sl.Offset {
+			return Selection{}, fmt.Errorf("%w: bytes [%d, +%d) of tensor %q, which has %d", ErrInvalid, sl.Offset, sl.Length, sl.Name, t.Length)
+		}
+		sel.parts = sel.add(part{src: t.Offset + sl.Offset, n: sl.Length, dst: sel.Size})
+		t.Offset, t.Length = sel.Size, sl.Length
 		sel.Table = append(sel.Table, t)
-		sel.Size += t.Length
+		sel.Size += sl.Length
 	}
 	slices.SortFunc(sel.parts, func(a, b part) int { return cmp.Compare(a.src, b.src) })
+	for i := 1; i < len(sel.parts); i++ {
+		if a, b := sel.parts[i-1], sel.parts[i]; b.src < a.src+a.n {
+			return Selection{}, fmt.Errorf("%w: step %d rank %d: slices of tensor bytes [%d, +%d) and [%d, +%d) of the shard overlap", ErrInvalid, m.Step, m.Rank, a.src, a.n, b.src, b.n)
+		}
+	}
 	return sel, nil
+}
+
+// add returns the parts with p, unless it is empty: an empty part copies
+// nothing, and left out it cannot break the order of the parts' ends that
+// finding a chunk's parts relies on (an empty tensor may start where
+// another does).
+func (s Selection) add(p part) []part {
+	if p.n == 0 {
+		return s.parts
+	}
+	return append(s.parts, p)
 }
 
 // readRange is a span of data space to fetch.

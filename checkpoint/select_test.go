@@ -3,17 +3,39 @@ package checkpoint
 import (
 	"bytes"
 	"context"
+	"errors"
 	"testing"
 
 	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/checkpoint/dtype"
 )
 
-// ReadSelected brings back exactly the selected tensors, packed in the
-// order asked, whatever the codec and however the tensors and chunks
-// overlap: chunks within one tensor are read into place, chunks shared by
-// several are scattered, and ranges that share a chunk read it once.
-func TestReadSelected(t *testing.T) {
+// selectTestShard saves a shard of tensors that share chunks and span
+// several, with codec c, and returns its store and manifest.
+func selectTestShard(t *testing.T, c codec.Codec) (*Store, *Manifest) {
+	t.Helper()
+	b, _ := newBackend(t)
+	w, err := NewWriter(b, WriterOptions{ChunkSize: 64 << 10, Codec: c, Workers: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sh := &Shard{Target: Target{Job: "job", Step: 1, WorldSize: 1, Attempt: testAttempt}, Layout: selectLayout, Data: selectData}
+	if _, err := w.WriteShard(context.Background(), sh); err != nil {
+		t.Fatal(err)
+	}
+	store, _ := NewStore(b, "job")
+	rec, _, err := store.TryCommit(context.Background(), 1, testAttempt, 1)
+	if err != nil || rec == nil {
+		t.Fatalf("commit: %v, %v", rec, err)
+	}
+	m, err := store.Manifest(context.Background(), rec, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return store, m
+}
+
+var selectLayout, selectData = func() (*Layout, []byte) {
 	var ts []Tensor
 	var data []byte
 	add := func(name string, b []byte) {
@@ -24,52 +46,46 @@ func TestReadSelected(t *testing.T) {
 	add("tiny", []byte{1, 2, 3})     // shares a chunk with its neighbours
 	add("mid", floats(20<<10, 2))    // 80 KiB: across two chunks
 	add("tiny2", []byte{4, 5, 6, 7}) // shares a chunk with mid and last
+	add("none", nil)                 // starts where last does
 	add("last", floats(70<<10, 3))
 	l, err := NewLayout(ts)
 	if err != nil {
-		t.Fatal(err)
+		panic(err)
 	}
+	return l, data
+}()
+
+// tensorBytes returns the saved bytes of the tensor name.
+func tensorBytes(name string) []byte {
+	for _, tn := range selectLayout.Packed {
+		if tn.Name == name {
+			return selectData[tn.Offset : tn.Offset+tn.Length]
+		}
+	}
+	panic(name)
+}
+
+// ReadSelected brings back exactly the selected tensors, packed in the
+// order asked, whatever the codec and however the tensors and chunks
+// overlap: chunks within one tensor are read into place, chunks shared by
+// several are scattered, and ranges that share a chunk read it once.
+func TestReadSelected(t *testing.T) {
 	for _, c := range []codec.Codec{codec.None, codec.Zstd} {
 		t.Run(string(c), func(t *testing.T) {
-			b, _ := newBackend(t)
-			w, err := NewWriter(b, WriterOptions{ChunkSize: 64 << 10, Codec: c, Workers: 2})
-			if err != nil {
-				t.Fatal(err)
-			}
-			sh := &Shard{Target: Target{Job: "job", Step: 1, WorldSize: 1, Attempt: testAttempt}, Layout: l, Data: data}
-			if _, err := w.WriteShard(context.Background(), sh); err != nil {
-				t.Fatal(err)
-			}
-			store, _ := NewStore(b, "job")
-			rec, _, err := store.TryCommit(context.Background(), 1, testAttempt, 1)
-			if err != nil || rec == nil {
-				t.Fatalf("commit: %v, %v", rec, err)
-			}
-			m, err := store.Manifest(context.Background(), rec, 0)
-			if err != nil {
-				t.Fatal(err)
-			}
+			store, m := selectTestShard(t, c)
 			for _, names := range [][]string{
 				{"big"}, {"tiny"}, {"mid", "tiny"}, {"last", "tiny2", "big"}, {"tiny", "tiny2"},
-				{"tiny2", "mid", "last", "tiny", "big"},
+				{"tiny2", "mid", "none", "last", "tiny", "big"}, {"none"},
 			} {
 				sel, err := SelectTensors(m, names)
 				if err != nil {
 					t.Fatal(err)
 				}
-				dst := bytes.Repeat([]byte{0xee}, int(sel.Size))
-				if err := store.ReadSelected(context.Background(), m, sel, dst, ReadOptions{Concurrency: 3, SpanBytes: 100 << 10}); err != nil {
-					t.Fatal(err)
-				}
 				var want []byte
 				for _, name := range names {
-					for _, tn := range ts {
-						if tn.Name == name {
-							want = append(want, data[tn.Offset:tn.Offset+tn.Length]...)
-						}
-					}
+					want = append(want, tensorBytes(name)...)
 				}
-				if !bytes.Equal(dst, want) {
+				if got := readSelected(t, store, m, sel); !bytes.Equal(got, want) {
 					t.Fatalf("%v: wrong bytes", names)
 				}
 				for i, tn := range sel.Table {
@@ -79,5 +95,52 @@ func TestReadSelected(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+func readSelected(t *testing.T, store *Store, m *Manifest, sel Selection) []byte {
+	t.Helper()
+	dst := bytes.Repeat([]byte{0xee}, int(sel.Size))
+	if err := store.ReadSelected(context.Background(), m, sel, dst, ReadOptions{Concurrency: 3, SpanBytes: 100 << 10}); err != nil {
+		t.Fatal(err)
+	}
+	return dst
+}
+
+// SelectSlices restores byte ranges of tensors, in the order asked, each
+// in the table under its tensor's name; slices that overlap, or reach
+// past their tensor, are refused.
+func TestSelectSlices(t *testing.T) {
+	store, m := selectTestShard(t, codec.Zstd)
+	slices := []Slice{
+		{"mid", 1000, 70000}, {"big", 0, 5}, {"big", 300 << 10, 100 << 10}, {"tiny2", 1, 2},
+		{"mid", 0, 1000}, {"last", 10, 0}, {"none", 0, 0},
+	}
+	sel, err := SelectSlices(m, slices)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want []byte
+	for i, sl := range slices {
+		if tn := sel.Table[i]; tn.Name != sl.Name || tn.Offset != int64(len(want)) || tn.Length != sl.Length {
+			t.Fatalf("slice %d: table entry %+v", i, tn)
+		}
+		want = append(want, tensorBytes(sl.Name)[sl.Offset:sl.Offset+sl.Length]...)
+	}
+	if sel.Size != int64(len(want)) {
+		t.Fatalf("size %d, want %d", sel.Size, len(want))
+	}
+	if got := readSelected(t, store, m, sel); !bytes.Equal(got, want) {
+		t.Fatal("wrong bytes")
+	}
+	for _, bad := range [][]Slice{
+		{{"mid", 0, 100}, {"mid", 99, 2}},
+		{{"mid", 1, 80 << 10}},
+		{{"mid", -1, 2}},
+		{{"nope", 0, 1}},
+	} {
+		if _, err := SelectSlices(m, bad); !errors.Is(err, ErrInvalid) {
+			t.Fatalf("%v: %v", bad, err)
+		}
 	}
 }

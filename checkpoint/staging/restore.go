@@ -42,6 +42,14 @@ type RestoreRequest struct {
 	// back to back in this order (only their chunks are read): a reader
 	// that needs a few tensors of a large shard.
 	Tensors []string
+	// Slices, when not empty (Tensors empty), restores only these byte
+	// ranges of the shard's tensors, back to back in this order (only the
+	// chunks holding them are read): a resharding reader's part of a
+	// tensor.
+	Slices []checkpoint.Slice
+	// HeaderOnly restores no tensor, and reads none: the header alone,
+	// for the step's metadata.
+	HeaderOnly bool
 	// Finite, with Latest, restores the newest committed step whose
 	// tensors hold no NaN or Inf, as the drain counted them. Steps kept in
 	// memory only are not considered: their health is known rank by rank,
@@ -82,7 +90,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	}
 	defer src.Release()
 	m := src.M
-	sel, err := checkpoint.SelectTensors(m, req.Tensors)
+	sel, err := selection(m, req)
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
@@ -96,7 +104,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	if err != nil {
 		return LeaseInfo{}, nil, fmt.Errorf("restore step %d rank %d: %w", m.Step, rank, err)
 	}
-	if err := src.Fill(ctx, store, sel, mgr.arena.Bytes()[region.Offset:region.Offset+sel.Size], mgr.cfg.Read); err != nil {
+	if err := mgr.fill(ctx, src, store, sel, region); err != nil {
 		mgr.m.failed("restore")
 		mgr.mu.Lock()
 		mgr.freeRegion(region)
@@ -126,6 +134,31 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: sel.Table, Metadata: m.Metadata, Size: sel.Size,
 		Tier: src.Tier, SkippedStep: src.Skipped, SkippedNonFinite: skippedNonFinite}
 	return l.info(), h, nil
+}
+
+// fill restores sel of src into region. A selection of no bytes reads
+// nothing (a peer's copy would be fetched whole to select nothing).
+func (mgr *Manager) fill(ctx context.Context, src tiers.Source, store *checkpoint.Store, sel checkpoint.Selection, region Region) error {
+	if !sel.Whole && sel.Size == 0 {
+		return nil
+	}
+	return src.Fill(ctx, store, sel, mgr.arena.Bytes()[region.Offset:region.Offset+sel.Size], mgr.cfg.Read)
+}
+
+// selection is what of m req restores: the whole shard, some tensors,
+// slices of them, or nothing.
+func selection(m *checkpoint.Manifest, req RestoreRequest) (checkpoint.Selection, error) {
+	switch n := len(req.Tensors); {
+	case req.HeaderOnly && (n > 0 || len(req.Slices) > 0):
+		return checkpoint.Selection{}, fmt.Errorf("%w: a header-only restore names no tensors and no slices", checkpoint.ErrInvalid)
+	case req.HeaderOnly:
+		return checkpoint.Selection{}, nil
+	case n > 0 && len(req.Slices) > 0:
+		return checkpoint.Selection{}, fmt.Errorf("%w: a restore names tensors or slices of them, not both", checkpoint.ErrInvalid)
+	case len(req.Slices) > 0:
+		return checkpoint.SelectSlices(m, req.Slices)
+	}
+	return checkpoint.SelectTensors(m, req.Tensors)
 }
 
 // restoreLeaseCost is what a restore lease books of the table budget: the

@@ -211,8 +211,12 @@ func (s *Checkpoint) ReleaseRegion(ctx context.Context, req *pb.ReleaseRegionReq
 var _ io.Reader = (*streamReader)(nil)
 
 func fromRestoreRequest(r *pb.BeginRestoreRequest) staging.RestoreRequest {
+	var slices []checkpoint.Slice
+	for _, sl := range r.GetSlices() {
+		slices = append(slices, checkpoint.Slice{Name: sl.GetName(), Offset: clampInt64(sl.GetOffset()), Length: clampInt64(sl.GetLength())})
+	}
 	return staging.RestoreRequest{Job: r.GetJob(), Step: r.GetStep(), Latest: r.GetLatest(), Rank: int(r.GetRank()), Tensors: r.GetTensors(),
-		Finite: r.GetFinite()}
+		Finite: r.GetFinite(), Slices: slices, HeaderOnly: r.GetHeaderOnly()}
 }
 
 func fromTarget(t *pb.SaveTarget) checkpoint.Target {

@@ -1397,7 +1397,16 @@ type BeginRestoreRequest struct {
 	Tensors []string `protobuf:"bytes,5,rep,name=tensors,proto3" json:"tensors,omitempty"`
 	// With latest: the newest committed step whose tensors hold no NaN or
 	// Inf (as the drain counted them), passing over newer ones that do.
-	Finite        bool `protobuf:"varint,6,opt,name=finite,proto3" json:"finite,omitempty"`
+	Finite bool `protobuf:"varint,6,opt,name=finite,proto3" json:"finite,omitempty"`
+	// When not empty (tensors empty), restore only these byte ranges of the
+	// shard's tensors, back to back in this order; only the chunks holding
+	// them are read. The header's table has an entry per slice: the
+	// tensor's name, dtype and shape, and the slice's offset in the region
+	// and length. Slices of one tensor may not overlap.
+	Slices []*TensorSlice `protobuf:"bytes,7,rep,name=slices,proto3" json:"slices,omitempty"`
+	// Restore no tensor: the header alone (step, world size, metadata),
+	// with an empty table and no bytes. Nothing of the shard's data is read.
+	HeaderOnly    bool `protobuf:"varint,8,opt,name=header_only,json=headerOnly,proto3" json:"header_only,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1474,6 +1483,82 @@ func (x *BeginRestoreRequest) GetFinite() bool {
 	return false
 }
 
+func (x *BeginRestoreRequest) GetSlices() []*TensorSlice {
+	if x != nil {
+		return x.Slices
+	}
+	return nil
+}
+
+func (x *BeginRestoreRequest) GetHeaderOnly() bool {
+	if x != nil {
+		return x.HeaderOnly
+	}
+	return false
+}
+
+// A byte range of one of a shard's tensors.
+type TensorSlice struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Bytes from the tensor's first byte.
+	Offset        uint64 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
+	Length        uint64 `protobuf:"varint,3,opt,name=length,proto3" json:"length,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TensorSlice) Reset() {
+	*x = TensorSlice{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TensorSlice) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TensorSlice) ProtoMessage() {}
+
+func (x *TensorSlice) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TensorSlice.ProtoReflect.Descriptor instead.
+func (*TensorSlice) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *TensorSlice) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *TensorSlice) GetOffset() uint64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
+func (x *TensorSlice) GetLength() uint64 {
+	if x != nil {
+		return x.Length
+	}
+	return 0
+}
+
 type RestoreHeader struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Step      int64                  `protobuf:"varint,1,opt,name=step,proto3" json:"step,omitempty"`
@@ -1501,7 +1586,7 @@ type RestoreHeader struct {
 
 func (x *RestoreHeader) Reset() {
 	*x = RestoreHeader{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[19]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1513,7 +1598,7 @@ func (x *RestoreHeader) String() string {
 func (*RestoreHeader) ProtoMessage() {}
 
 func (x *RestoreHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[19]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1526,7 +1611,7 @@ func (x *RestoreHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreHeader.ProtoReflect.Descriptor instead.
 func (*RestoreHeader) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{19}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *RestoreHeader) GetStep() int64 {
@@ -1602,7 +1687,7 @@ type BeginRestoreResponse struct {
 
 func (x *BeginRestoreResponse) Reset() {
 	*x = BeginRestoreResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[20]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1614,7 +1699,7 @@ func (x *BeginRestoreResponse) String() string {
 func (*BeginRestoreResponse) ProtoMessage() {}
 
 func (x *BeginRestoreResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[20]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1627,7 +1712,7 @@ func (x *BeginRestoreResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BeginRestoreResponse.ProtoReflect.Descriptor instead.
 func (*BeginRestoreResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{20}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *BeginRestoreResponse) GetLease() *Lease {
@@ -1657,7 +1742,7 @@ type RestoreStreamResponse struct {
 
 func (x *RestoreStreamResponse) Reset() {
 	*x = RestoreStreamResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[21]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1669,7 +1754,7 @@ func (x *RestoreStreamResponse) String() string {
 func (*RestoreStreamResponse) ProtoMessage() {}
 
 func (x *RestoreStreamResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[21]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1682,7 +1767,7 @@ func (x *RestoreStreamResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreStreamResponse.ProtoReflect.Descriptor instead.
 func (*RestoreStreamResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{21}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *RestoreStreamResponse) GetMsg() isRestoreStreamResponse_Msg {
@@ -1735,7 +1820,7 @@ type ReleaseRegionRequest struct {
 
 func (x *ReleaseRegionRequest) Reset() {
 	*x = ReleaseRegionRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[22]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1747,7 +1832,7 @@ func (x *ReleaseRegionRequest) String() string {
 func (*ReleaseRegionRequest) ProtoMessage() {}
 
 func (x *ReleaseRegionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[22]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1760,7 +1845,7 @@ func (x *ReleaseRegionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRegionRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRegionRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{22}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ReleaseRegionRequest) GetLeaseId() string {
@@ -1778,7 +1863,7 @@ type ReleaseRegionResponse struct {
 
 func (x *ReleaseRegionResponse) Reset() {
 	*x = ReleaseRegionResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[23]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1790,7 +1875,7 @@ func (x *ReleaseRegionResponse) String() string {
 func (*ReleaseRegionResponse) ProtoMessage() {}
 
 func (x *ReleaseRegionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[23]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1803,7 +1888,7 @@ func (x *ReleaseRegionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRegionResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseRegionResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{23}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{24}
 }
 
 type OpenDatasetRequest struct {
@@ -1859,7 +1944,7 @@ type OpenDatasetRequest struct {
 
 func (x *OpenDatasetRequest) Reset() {
 	*x = OpenDatasetRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1871,7 +1956,7 @@ func (x *OpenDatasetRequest) String() string {
 func (*OpenDatasetRequest) ProtoMessage() {}
 
 func (x *OpenDatasetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1884,7 +1969,7 @@ func (x *OpenDatasetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenDatasetRequest.ProtoReflect.Descriptor instead.
 func (*OpenDatasetRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{24}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *OpenDatasetRequest) GetSource() string {
@@ -1999,7 +2084,7 @@ type MixtureSource struct {
 
 func (x *MixtureSource) Reset() {
 	*x = MixtureSource{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2011,7 +2096,7 @@ func (x *MixtureSource) String() string {
 func (*MixtureSource) ProtoMessage() {}
 
 func (x *MixtureSource) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2024,7 +2109,7 @@ func (x *MixtureSource) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MixtureSource.ProtoReflect.Descriptor instead.
 func (*MixtureSource) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{25}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *MixtureSource) GetSource() string {
@@ -2059,7 +2144,7 @@ type OpenDatasetResponse struct {
 
 func (x *OpenDatasetResponse) Reset() {
 	*x = OpenDatasetResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2071,7 +2156,7 @@ func (x *OpenDatasetResponse) String() string {
 func (*OpenDatasetResponse) ProtoMessage() {}
 
 func (x *OpenDatasetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2084,7 +2169,7 @@ func (x *OpenDatasetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenDatasetResponse.ProtoReflect.Descriptor instead.
 func (*OpenDatasetResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{26}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *OpenDatasetResponse) GetSession() string {
@@ -2111,7 +2196,7 @@ type NextBatchRequest struct {
 
 func (x *NextBatchRequest) Reset() {
 	*x = NextBatchRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2123,7 +2208,7 @@ func (x *NextBatchRequest) String() string {
 func (*NextBatchRequest) ProtoMessage() {}
 
 func (x *NextBatchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2136,7 +2221,7 @@ func (x *NextBatchRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NextBatchRequest.ProtoReflect.Descriptor instead.
 func (*NextBatchRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{27}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *NextBatchRequest) GetSession() string {
@@ -2166,7 +2251,7 @@ type SampleField struct {
 
 func (x *SampleField) Reset() {
 	*x = SampleField{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2178,7 +2263,7 @@ func (x *SampleField) String() string {
 func (*SampleField) ProtoMessage() {}
 
 func (x *SampleField) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2191,7 +2276,7 @@ func (x *SampleField) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SampleField.ProtoReflect.Descriptor instead.
 func (*SampleField) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{28}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *SampleField) GetName() string {
@@ -2225,7 +2310,7 @@ type Sample struct {
 
 func (x *Sample) Reset() {
 	*x = Sample{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2237,7 +2322,7 @@ func (x *Sample) String() string {
 func (*Sample) ProtoMessage() {}
 
 func (x *Sample) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2250,7 +2335,7 @@ func (x *Sample) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sample.ProtoReflect.Descriptor instead.
 func (*Sample) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{29}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *Sample) GetKey() string {
@@ -2286,7 +2371,7 @@ type PrefetchStats struct {
 
 func (x *PrefetchStats) Reset() {
 	*x = PrefetchStats{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2298,7 +2383,7 @@ func (x *PrefetchStats) String() string {
 func (*PrefetchStats) ProtoMessage() {}
 
 func (x *PrefetchStats) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2311,7 +2396,7 @@ func (x *PrefetchStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrefetchStats.ProtoReflect.Descriptor instead.
 func (*PrefetchStats) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{30}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *PrefetchStats) GetWaitStorageNs() int64 {
@@ -2392,7 +2477,7 @@ type NextBatchResponse struct {
 
 func (x *NextBatchResponse) Reset() {
 	*x = NextBatchResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2404,7 +2489,7 @@ func (x *NextBatchResponse) String() string {
 func (*NextBatchResponse) ProtoMessage() {}
 
 func (x *NextBatchResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2417,7 +2502,7 @@ func (x *NextBatchResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NextBatchResponse.ProtoReflect.Descriptor instead.
 func (*NextBatchResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{31}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *NextBatchResponse) GetLease() *Lease {
@@ -2471,7 +2556,7 @@ type CloseDatasetRequest struct {
 
 func (x *CloseDatasetRequest) Reset() {
 	*x = CloseDatasetRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2483,7 +2568,7 @@ func (x *CloseDatasetRequest) String() string {
 func (*CloseDatasetRequest) ProtoMessage() {}
 
 func (x *CloseDatasetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2496,7 +2581,7 @@ func (x *CloseDatasetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseDatasetRequest.ProtoReflect.Descriptor instead.
 func (*CloseDatasetRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{32}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *CloseDatasetRequest) GetSession() string {
@@ -2514,7 +2599,7 @@ type CloseDatasetResponse struct {
 
 func (x *CloseDatasetResponse) Reset() {
 	*x = CloseDatasetResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2526,7 +2611,7 @@ func (x *CloseDatasetResponse) String() string {
 func (*CloseDatasetResponse) ProtoMessage() {}
 
 func (x *CloseDatasetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2539,7 +2624,7 @@ func (x *CloseDatasetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseDatasetResponse.ProtoReflect.Descriptor instead.
 func (*CloseDatasetResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{33}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{34}
 }
 
 type DatasetPositionRequest struct {
@@ -2552,7 +2637,7 @@ type DatasetPositionRequest struct {
 
 func (x *DatasetPositionRequest) Reset() {
 	*x = DatasetPositionRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2564,7 +2649,7 @@ func (x *DatasetPositionRequest) String() string {
 func (*DatasetPositionRequest) ProtoMessage() {}
 
 func (x *DatasetPositionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2577,7 +2662,7 @@ func (x *DatasetPositionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetPositionRequest.ProtoReflect.Descriptor instead.
 func (*DatasetPositionRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{34}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *DatasetPositionRequest) GetSession() string {
@@ -2605,7 +2690,7 @@ type DatasetPositionResponse struct {
 
 func (x *DatasetPositionResponse) Reset() {
 	*x = DatasetPositionResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2617,7 +2702,7 @@ func (x *DatasetPositionResponse) String() string {
 func (*DatasetPositionResponse) ProtoMessage() {}
 
 func (x *DatasetPositionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2630,7 +2715,7 @@ func (x *DatasetPositionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetPositionResponse.ProtoReflect.Descriptor instead.
 func (*DatasetPositionResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *DatasetPositionResponse) GetDelivered() []byte {
@@ -2655,7 +2740,7 @@ type GetStatusRequest struct {
 
 func (x *GetStatusRequest) Reset() {
 	*x = GetStatusRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2667,7 +2752,7 @@ func (x *GetStatusRequest) String() string {
 func (*GetStatusRequest) ProtoMessage() {}
 
 func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2680,7 +2765,7 @@ func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatusRequest.ProtoReflect.Descriptor instead.
 func (*GetStatusRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
 }
 
 type DaemonStatus struct {
@@ -2709,7 +2794,7 @@ type DaemonStatus struct {
 
 func (x *DaemonStatus) Reset() {
 	*x = DaemonStatus{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2721,7 +2806,7 @@ func (x *DaemonStatus) String() string {
 func (*DaemonStatus) ProtoMessage() {}
 
 func (x *DaemonStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2734,7 +2819,7 @@ func (x *DaemonStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DaemonStatus.ProtoReflect.Descriptor instead.
 func (*DaemonStatus) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *DaemonStatus) GetVersion() string {
@@ -2841,7 +2926,7 @@ type HotTier struct {
 
 func (x *HotTier) Reset() {
 	*x = HotTier{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2853,7 +2938,7 @@ func (x *HotTier) String() string {
 func (*HotTier) ProtoMessage() {}
 
 func (x *HotTier) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2866,7 +2951,7 @@ func (x *HotTier) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HotTier.ProtoReflect.Descriptor instead.
 func (*HotTier) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *HotTier) GetBytes() uint64 {
@@ -2906,7 +2991,7 @@ type ArenaUsage struct {
 
 func (x *ArenaUsage) Reset() {
 	*x = ArenaUsage{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2918,7 +3003,7 @@ func (x *ArenaUsage) String() string {
 func (*ArenaUsage) ProtoMessage() {}
 
 func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2931,7 +3016,7 @@ func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ArenaUsage.ProtoReflect.Descriptor instead.
 func (*ArenaUsage) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{39}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *ArenaUsage) GetSize() uint64 {
@@ -2996,7 +3081,7 @@ type SaveActivity struct {
 
 func (x *SaveActivity) Reset() {
 	*x = SaveActivity{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3008,7 +3093,7 @@ func (x *SaveActivity) String() string {
 func (*SaveActivity) ProtoMessage() {}
 
 func (x *SaveActivity) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3021,7 +3106,7 @@ func (x *SaveActivity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveActivity.ProtoReflect.Descriptor instead.
 func (*SaveActivity) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{40}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *SaveActivity) GetTarget() *SaveTarget {
@@ -3075,7 +3160,7 @@ type LeaseState struct {
 
 func (x *LeaseState) Reset() {
 	*x = LeaseState{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3087,7 +3172,7 @@ func (x *LeaseState) String() string {
 func (*LeaseState) ProtoMessage() {}
 
 func (x *LeaseState) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3100,7 +3185,7 @@ func (x *LeaseState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaseState.ProtoReflect.Descriptor instead.
 func (*LeaseState) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{41}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *LeaseState) GetIdPrefix() string {
@@ -3181,7 +3266,7 @@ type DatasetState struct {
 
 func (x *DatasetState) Reset() {
 	*x = DatasetState{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3193,7 +3278,7 @@ func (x *DatasetState) String() string {
 func (*DatasetState) ProtoMessage() {}
 
 func (x *DatasetState) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3206,7 +3291,7 @@ func (x *DatasetState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetState.ProtoReflect.Descriptor instead.
 func (*DatasetState) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *DatasetState) GetPeer() string {
@@ -3297,7 +3382,7 @@ type PersistRequest struct {
 
 func (x *PersistRequest) Reset() {
 	*x = PersistRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3309,7 +3394,7 @@ func (x *PersistRequest) String() string {
 func (*PersistRequest) ProtoMessage() {}
 
 func (x *PersistRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3322,7 +3407,7 @@ func (x *PersistRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PersistRequest.ProtoReflect.Descriptor instead.
 func (*PersistRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *PersistRequest) GetJob() string {
@@ -3354,7 +3439,7 @@ type PersistResponse struct {
 
 func (x *PersistResponse) Reset() {
 	*x = PersistResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3366,7 +3451,7 @@ func (x *PersistResponse) String() string {
 func (*PersistResponse) ProtoMessage() {}
 
 func (x *PersistResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3379,7 +3464,7 @@ func (x *PersistResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PersistResponse.ProtoReflect.Descriptor instead.
 func (*PersistResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
 }
 
 type InventoryRequest struct {
@@ -3391,7 +3476,7 @@ type InventoryRequest struct {
 
 func (x *InventoryRequest) Reset() {
 	*x = InventoryRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3403,7 +3488,7 @@ func (x *InventoryRequest) String() string {
 func (*InventoryRequest) ProtoMessage() {}
 
 func (x *InventoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3416,7 +3501,7 @@ func (x *InventoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InventoryRequest.ProtoReflect.Descriptor instead.
 func (*InventoryRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *InventoryRequest) GetJob() string {
@@ -3446,7 +3531,7 @@ type HeldShard struct {
 
 func (x *HeldShard) Reset() {
 	*x = HeldShard{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3458,7 +3543,7 @@ func (x *HeldShard) String() string {
 func (*HeldShard) ProtoMessage() {}
 
 func (x *HeldShard) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3471,7 +3556,7 @@ func (x *HeldShard) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeldShard.ProtoReflect.Descriptor instead.
 func (*HeldShard) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{46}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *HeldShard) GetStep() int64 {
@@ -3539,7 +3624,7 @@ type InventoryResponse struct {
 
 func (x *InventoryResponse) Reset() {
 	*x = InventoryResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3551,7 +3636,7 @@ func (x *InventoryResponse) String() string {
 func (*InventoryResponse) ProtoMessage() {}
 
 func (x *InventoryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3564,7 +3649,7 @@ func (x *InventoryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InventoryResponse.ProtoReflect.Descriptor instead.
 func (*InventoryResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{47}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *InventoryResponse) GetShards() []*HeldShard {
@@ -3597,7 +3682,7 @@ type ReplicaHeader struct {
 
 func (x *ReplicaHeader) Reset() {
 	*x = ReplicaHeader{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3609,7 +3694,7 @@ func (x *ReplicaHeader) String() string {
 func (*ReplicaHeader) ProtoMessage() {}
 
 func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3622,7 +3707,7 @@ func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaHeader.ProtoReflect.Descriptor instead.
 func (*ReplicaHeader) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{48}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *ReplicaHeader) GetManifestSize() uint64 {
@@ -3705,7 +3790,7 @@ type ReplicaPiece struct {
 
 func (x *ReplicaPiece) Reset() {
 	*x = ReplicaPiece{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3717,7 +3802,7 @@ func (x *ReplicaPiece) String() string {
 func (*ReplicaPiece) ProtoMessage() {}
 
 func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3730,7 +3815,7 @@ func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaPiece.ProtoReflect.Descriptor instead.
 func (*ReplicaPiece) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{49}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *ReplicaPiece) GetHeader() *ReplicaHeader {
@@ -3755,7 +3840,7 @@ type PutReplicaResponse struct {
 
 func (x *PutReplicaResponse) Reset() {
 	*x = PutReplicaResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3767,7 +3852,7 @@ func (x *PutReplicaResponse) String() string {
 func (*PutReplicaResponse) ProtoMessage() {}
 
 func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3780,7 +3865,7 @@ func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutReplicaResponse.ProtoReflect.Descriptor instead.
 func (*PutReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{50}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{51}
 }
 
 type GetReplicaRequest struct {
@@ -3799,7 +3884,7 @@ type GetReplicaRequest struct {
 
 func (x *GetReplicaRequest) Reset() {
 	*x = GetReplicaRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3811,7 +3896,7 @@ func (x *GetReplicaRequest) String() string {
 func (*GetReplicaRequest) ProtoMessage() {}
 
 func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3824,7 +3909,7 @@ func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReplicaRequest.ProtoReflect.Descriptor instead.
 func (*GetReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{51}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *GetReplicaRequest) GetJob() string {
@@ -3948,14 +4033,21 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\n" +
 	"ranks_held\x18\t \x01(\x05R\tranksHeld\"=\n" +
 	"\x11ListStepsResponse\x12(\n" +
-	"\x05steps\x18\x01 \x03(\v2\x12.ckptd.v1.StepInfoR\x05steps\"\x99\x01\n" +
+	"\x05steps\x18\x01 \x03(\v2\x12.ckptd.v1.StepInfoR\x05steps\"\xe9\x01\n" +
 	"\x13BeginRestoreRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x16\n" +
 	"\x06latest\x18\x03 \x01(\bR\x06latest\x12\x12\n" +
 	"\x04rank\x18\x04 \x01(\x05R\x04rank\x12\x18\n" +
 	"\atensors\x18\x05 \x03(\tR\atensors\x12\x16\n" +
-	"\x06finite\x18\x06 \x01(\bR\x06finite\"\x9c\x02\n" +
+	"\x06finite\x18\x06 \x01(\bR\x06finite\x12-\n" +
+	"\x06slices\x18\a \x03(\v2\x15.ckptd.v1.TensorSliceR\x06slices\x12\x1f\n" +
+	"\vheader_only\x18\b \x01(\bR\n" +
+	"headerOnly\"Q\n" +
+	"\vTensorSlice\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
+	"\x06offset\x18\x02 \x01(\x04R\x06offset\x12\x16\n" +
+	"\x06length\x18\x03 \x01(\x04R\x06length\"\x9c\x02\n" +
 	"\rRestoreHeader\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x1d\n" +
 	"\n" +
@@ -4227,7 +4319,7 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 }
 
 var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 55)
+var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 56)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(ErrorReason)(0),                // 0: ckptd.v1.ErrorReason
 	(SaveState)(0),                  // 1: ckptd.v1.SaveState
@@ -4250,42 +4342,43 @@ var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(*StepInfo)(nil),                // 18: ckptd.v1.StepInfo
 	(*ListStepsResponse)(nil),       // 19: ckptd.v1.ListStepsResponse
 	(*BeginRestoreRequest)(nil),     // 20: ckptd.v1.BeginRestoreRequest
-	(*RestoreHeader)(nil),           // 21: ckptd.v1.RestoreHeader
-	(*BeginRestoreResponse)(nil),    // 22: ckptd.v1.BeginRestoreResponse
-	(*RestoreStreamResponse)(nil),   // 23: ckptd.v1.RestoreStreamResponse
-	(*ReleaseRegionRequest)(nil),    // 24: ckptd.v1.ReleaseRegionRequest
-	(*ReleaseRegionResponse)(nil),   // 25: ckptd.v1.ReleaseRegionResponse
-	(*OpenDatasetRequest)(nil),      // 26: ckptd.v1.OpenDatasetRequest
-	(*MixtureSource)(nil),           // 27: ckptd.v1.MixtureSource
-	(*OpenDatasetResponse)(nil),     // 28: ckptd.v1.OpenDatasetResponse
-	(*NextBatchRequest)(nil),        // 29: ckptd.v1.NextBatchRequest
-	(*SampleField)(nil),             // 30: ckptd.v1.SampleField
-	(*Sample)(nil),                  // 31: ckptd.v1.Sample
-	(*PrefetchStats)(nil),           // 32: ckptd.v1.PrefetchStats
-	(*NextBatchResponse)(nil),       // 33: ckptd.v1.NextBatchResponse
-	(*CloseDatasetRequest)(nil),     // 34: ckptd.v1.CloseDatasetRequest
-	(*CloseDatasetResponse)(nil),    // 35: ckptd.v1.CloseDatasetResponse
-	(*DatasetPositionRequest)(nil),  // 36: ckptd.v1.DatasetPositionRequest
-	(*DatasetPositionResponse)(nil), // 37: ckptd.v1.DatasetPositionResponse
-	(*GetStatusRequest)(nil),        // 38: ckptd.v1.GetStatusRequest
-	(*DaemonStatus)(nil),            // 39: ckptd.v1.DaemonStatus
-	(*HotTier)(nil),                 // 40: ckptd.v1.HotTier
-	(*ArenaUsage)(nil),              // 41: ckptd.v1.ArenaUsage
-	(*SaveActivity)(nil),            // 42: ckptd.v1.SaveActivity
-	(*LeaseState)(nil),              // 43: ckptd.v1.LeaseState
-	(*DatasetState)(nil),            // 44: ckptd.v1.DatasetState
-	(*PersistRequest)(nil),          // 45: ckptd.v1.PersistRequest
-	(*PersistResponse)(nil),         // 46: ckptd.v1.PersistResponse
-	(*InventoryRequest)(nil),        // 47: ckptd.v1.InventoryRequest
-	(*HeldShard)(nil),               // 48: ckptd.v1.HeldShard
-	(*InventoryResponse)(nil),       // 49: ckptd.v1.InventoryResponse
-	(*ReplicaHeader)(nil),           // 50: ckptd.v1.ReplicaHeader
-	(*ReplicaPiece)(nil),            // 51: ckptd.v1.ReplicaPiece
-	(*PutReplicaResponse)(nil),      // 52: ckptd.v1.PutReplicaResponse
-	(*GetReplicaRequest)(nil),       // 53: ckptd.v1.GetReplicaRequest
-	nil,                             // 54: ckptd.v1.WaitSaveResponse.MetadataEntry
-	nil,                             // 55: ckptd.v1.DaemonStatus.ErrorsEntry
-	nil,                             // 56: ckptd.v1.DaemonStatus.BackendErrorsEntry
+	(*TensorSlice)(nil),             // 21: ckptd.v1.TensorSlice
+	(*RestoreHeader)(nil),           // 22: ckptd.v1.RestoreHeader
+	(*BeginRestoreResponse)(nil),    // 23: ckptd.v1.BeginRestoreResponse
+	(*RestoreStreamResponse)(nil),   // 24: ckptd.v1.RestoreStreamResponse
+	(*ReleaseRegionRequest)(nil),    // 25: ckptd.v1.ReleaseRegionRequest
+	(*ReleaseRegionResponse)(nil),   // 26: ckptd.v1.ReleaseRegionResponse
+	(*OpenDatasetRequest)(nil),      // 27: ckptd.v1.OpenDatasetRequest
+	(*MixtureSource)(nil),           // 28: ckptd.v1.MixtureSource
+	(*OpenDatasetResponse)(nil),     // 29: ckptd.v1.OpenDatasetResponse
+	(*NextBatchRequest)(nil),        // 30: ckptd.v1.NextBatchRequest
+	(*SampleField)(nil),             // 31: ckptd.v1.SampleField
+	(*Sample)(nil),                  // 32: ckptd.v1.Sample
+	(*PrefetchStats)(nil),           // 33: ckptd.v1.PrefetchStats
+	(*NextBatchResponse)(nil),       // 34: ckptd.v1.NextBatchResponse
+	(*CloseDatasetRequest)(nil),     // 35: ckptd.v1.CloseDatasetRequest
+	(*CloseDatasetResponse)(nil),    // 36: ckptd.v1.CloseDatasetResponse
+	(*DatasetPositionRequest)(nil),  // 37: ckptd.v1.DatasetPositionRequest
+	(*DatasetPositionResponse)(nil), // 38: ckptd.v1.DatasetPositionResponse
+	(*GetStatusRequest)(nil),        // 39: ckptd.v1.GetStatusRequest
+	(*DaemonStatus)(nil),            // 40: ckptd.v1.DaemonStatus
+	(*HotTier)(nil),                 // 41: ckptd.v1.HotTier
+	(*ArenaUsage)(nil),              // 42: ckptd.v1.ArenaUsage
+	(*SaveActivity)(nil),            // 43: ckptd.v1.SaveActivity
+	(*LeaseState)(nil),              // 44: ckptd.v1.LeaseState
+	(*DatasetState)(nil),            // 45: ckptd.v1.DatasetState
+	(*PersistRequest)(nil),          // 46: ckptd.v1.PersistRequest
+	(*PersistResponse)(nil),         // 47: ckptd.v1.PersistResponse
+	(*InventoryRequest)(nil),        // 48: ckptd.v1.InventoryRequest
+	(*HeldShard)(nil),               // 49: ckptd.v1.HeldShard
+	(*InventoryResponse)(nil),       // 50: ckptd.v1.InventoryResponse
+	(*ReplicaHeader)(nil),           // 51: ckptd.v1.ReplicaHeader
+	(*ReplicaPiece)(nil),            // 52: ckptd.v1.ReplicaPiece
+	(*PutReplicaResponse)(nil),      // 53: ckptd.v1.PutReplicaResponse
+	(*GetReplicaRequest)(nil),       // 54: ckptd.v1.GetReplicaRequest
+	nil,                             // 55: ckptd.v1.WaitSaveResponse.MetadataEntry
+	nil,                             // 56: ckptd.v1.DaemonStatus.ErrorsEntry
+	nil,                             // 57: ckptd.v1.DaemonStatus.BackendErrorsEntry
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	5,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
@@ -4296,72 +4389,73 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	4,  // 5: ckptd.v1.SaveStreamHeader.tensors:type_name -> ckptd.v1.Tensor
 	13, // 6: ckptd.v1.SaveStreamRequest.header:type_name -> ckptd.v1.SaveStreamHeader
 	1,  // 7: ckptd.v1.WaitSaveResponse.state:type_name -> ckptd.v1.SaveState
-	54, // 8: ckptd.v1.WaitSaveResponse.metadata:type_name -> ckptd.v1.WaitSaveResponse.MetadataEntry
+	55, // 8: ckptd.v1.WaitSaveResponse.metadata:type_name -> ckptd.v1.WaitSaveResponse.MetadataEntry
 	18, // 9: ckptd.v1.ListStepsResponse.steps:type_name -> ckptd.v1.StepInfo
-	4,  // 10: ckptd.v1.RestoreHeader.tensors:type_name -> ckptd.v1.Tensor
-	7,  // 11: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
-	21, // 12: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
-	21, // 13: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
-	27, // 14: ckptd.v1.OpenDatasetRequest.mixture:type_name -> ckptd.v1.MixtureSource
-	30, // 15: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
-	7,  // 16: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
-	31, // 17: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
-	32, // 18: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
-	41, // 19: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
-	42, // 20: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
-	43, // 21: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
-	44, // 22: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
-	55, // 23: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
-	40, // 24: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
-	56, // 25: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
-	5,  // 26: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
-	5,  // 27: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
-	32, // 28: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
-	48, // 29: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
-	50, // 30: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
-	2,  // 31: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
-	6,  // 32: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
-	9,  // 33: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
-	11, // 34: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
-	14, // 35: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
-	15, // 36: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
-	17, // 37: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
-	20, // 38: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
-	20, // 39: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
-	24, // 40: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
-	26, // 41: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
-	29, // 42: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
-	34, // 43: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
-	36, // 44: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
-	38, // 45: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
-	51, // 46: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
-	53, // 47: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
-	47, // 48: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
-	45, // 49: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
-	3,  // 50: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	8,  // 51: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	10, // 52: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	12, // 53: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	10, // 54: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	16, // 55: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	19, // 56: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	22, // 57: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	23, // 58: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	25, // 59: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	28, // 60: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	33, // 61: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	35, // 62: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	37, // 63: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
-	39, // 64: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
-	52, // 65: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
-	51, // 66: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
-	49, // 67: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
-	46, // 68: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
-	50, // [50:69] is the sub-list for method output_type
-	31, // [31:50] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	21, // 10: ckptd.v1.BeginRestoreRequest.slices:type_name -> ckptd.v1.TensorSlice
+	4,  // 11: ckptd.v1.RestoreHeader.tensors:type_name -> ckptd.v1.Tensor
+	7,  // 12: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
+	22, // 13: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
+	22, // 14: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
+	28, // 15: ckptd.v1.OpenDatasetRequest.mixture:type_name -> ckptd.v1.MixtureSource
+	31, // 16: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
+	7,  // 17: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
+	32, // 18: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
+	33, // 19: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
+	42, // 20: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
+	43, // 21: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
+	44, // 22: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
+	45, // 23: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
+	56, // 24: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	41, // 25: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
+	57, // 26: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
+	5,  // 27: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
+	5,  // 28: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
+	33, // 29: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
+	49, // 30: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
+	51, // 31: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
+	2,  // 32: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
+	6,  // 33: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
+	9,  // 34: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
+	11, // 35: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
+	14, // 36: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
+	15, // 37: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
+	17, // 38: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
+	20, // 39: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
+	20, // 40: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
+	25, // 41: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
+	27, // 42: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
+	30, // 43: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
+	35, // 44: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
+	37, // 45: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
+	39, // 46: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
+	52, // 47: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
+	54, // 48: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
+	48, // 49: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
+	46, // 50: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
+	3,  // 51: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	8,  // 52: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	10, // 53: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	12, // 54: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	10, // 55: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	16, // 56: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	19, // 57: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	23, // 58: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	24, // 59: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	26, // 60: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	29, // 61: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	34, // 62: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	36, // 63: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	38, // 64: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
+	40, // 65: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	53, // 66: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
+	52, // 67: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
+	50, // 68: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
+	47, // 69: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
+	51, // [51:70] is the sub-list for method output_type
+	32, // [32:51] is the sub-list for method input_type
+	32, // [32:32] is the sub-list for extension type_name
+	32, // [32:32] is the sub-list for extension extendee
+	0,  // [0:32] is the sub-list for field type_name
 }
 
 func init() { file_ckptd_v1_ckptd_proto_init() }
@@ -4373,7 +4467,7 @@ func file_ckptd_v1_ckptd_proto_init() {
 		(*SaveStreamRequest_Header)(nil),
 		(*SaveStreamRequest_Data)(nil),
 	}
-	file_ckptd_v1_ckptd_proto_msgTypes[21].OneofWrappers = []any{
+	file_ckptd_v1_ckptd_proto_msgTypes[22].OneofWrappers = []any{
 		(*RestoreStreamResponse_Header)(nil),
 		(*RestoreStreamResponse_Data)(nil),
 	}
@@ -4383,7 +4477,7 @@ func file_ckptd_v1_ckptd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   55,
+			NumMessages:   56,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

@@ -257,20 +257,34 @@ class ListStepsResponse(_message.Message):
     def __init__(self, steps: _Optional[_Iterable[_Union[StepInfo, _Mapping]]] = ...) -> None: ...
 
 class BeginRestoreRequest(_message.Message):
-    __slots__ = ("job", "step", "latest", "rank", "tensors", "finite")
+    __slots__ = ("job", "step", "latest", "rank", "tensors", "finite", "slices", "header_only")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     FINITE_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    HEADER_ONLY_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     latest: bool
     rank: int
     tensors: _containers.RepeatedScalarFieldContainer[str]
     finite: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., finite: _Optional[bool] = ...) -> None: ...
+    slices: _containers.RepeatedCompositeFieldContainer[TensorSlice]
+    header_only: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., finite: _Optional[bool] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ..., header_only: _Optional[bool] = ...) -> None: ...
+
+class TensorSlice(_message.Message):
+    __slots__ = ("name", "offset", "length")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    length: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class RestoreHeader(_message.Message):
     __slots__ = ("step", "world_size", "tensors", "metadata", "size", "attempt", "tier", "skipped_step", "skipped_nonfinite")
