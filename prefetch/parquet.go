@@ -768,9 +768,17 @@ func readPQRows(data []byte, rows, columns int, fn func(row int, fields [][]byte
 	defer rr.Close()
 	buf := make([]parquet.Row, 16)
 	fields, present := make([][]byte, columns), make([]bool, columns)
-	n := 0
+	n, idle := 0, 0
 	for {
 		k, err := rr.ReadRows(buf)
+		switch {
+		case k > 0:
+			idle = 0
+		case err == nil:
+			if idle++; idle > 100 { // the library goes nowhere on a malformed page
+				return fmt.Errorf("the reader stopped after %d rows", n)
+			}
+		}
 		for _, row := range buf[:k] {
 			if n >= rows {
 				return fmt.Errorf("more rows than the %d its metadata says", rows)
