@@ -93,8 +93,9 @@ func (c *mdsColumns) equal(names []string, sizes []int64) bool {
 
 // The index as JSON.
 type mdsIndexJSON struct {
-	Version int            `json:"version"`
-	Shards  []mdsShardJSON `json:"shards"`
+	Version int             `json:"version"`
+	Shards  []mdsShardJSON  `json:"shards"`
+	Chunks  json.RawMessage `json:"chunks"` // litdata's index has these instead
 }
 
 type mdsFileJSON struct {
@@ -204,6 +205,10 @@ func parseMDSIndex(data []byte, prefix string, budget int64) ([]Shard, error) {
 	var idx mdsIndexJSON
 	if err := json.Unmarshal(data, &idx); err != nil {
 		return nil, fmt.Errorf("not an MDS index: %w", err)
+	}
+	if len(idx.Chunks) > 0 && len(idx.Shards) == 0 {
+		return nil, errors.New("it is litdata's index (chunks, not shards), whose chunks ckptd does not read: " +
+			"convert the dataset to Parquet or tar (docs/datasets.md says why)")
 	}
 	if idx.Version != 2 {
 		return nil, fmt.Errorf("version %d (ckptd reads version 2, what Mosaic streaming writes)", idx.Version)

@@ -348,6 +348,7 @@ func TestMDSBadIndex(t *testing.T) {
 		{[]byte(`{"version": 1, "shards": []}`), "version 1"},
 		{[]byte(`[1, 2]`), "not an MDS index"},
 		{[]byte(`{"version": 2, "shards": []}`), "no shards"},
+		{[]byte(`{"chunks": [{"filename": "chunk-0-0.bin"}], "config": {}}`), "litdata's index"},
 		{shard(func(s map[string]any) { s["format"] = "json" }), `format "json"`},
 		{shard(func(s map[string]any) { s["raw_data"].(map[string]any)["basename"] = "../d/shard.00000.mds" }), "not a plain path"},
 		{shard(func(s map[string]any) { s["raw_data"].(map[string]any)["basename"] = "shard.00009.mds" }), "which is not there"},
