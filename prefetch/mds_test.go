@@ -27,7 +27,7 @@ import (
 // hashes; expected.json holds every sample's columns as MDS encodes them.
 var mdsTestdata = []string{"plain", "zstd", "gz", "bz2", "br", "snappy"}
 
-func testdataBackend(t *testing.T, dir string) storage.Backend {
+func testdataBackend(t testing.TB, dir string) storage.Backend {
 	t.Helper()
 	b, err := posix.New(dir)
 	if err != nil {
@@ -213,7 +213,7 @@ func mdsShardBytes(sizes []int64, samples [][][]byte) []byte {
 // writeMDS writes an MDS dataset of shards×per samples of two columns
 // ("n": 8 bytes, "text": payload bytes) into dir, zstd-compressed or not,
 // with sha1 hashes of the stored files; it returns the samples.
-func writeMDS(t *testing.T, dir string, shards, per, payload int, compress bool) [][][]byte {
+func writeMDS(t testing.TB, dir string, shards, per, payload int, compress bool) [][][]byte {
 	t.Helper()
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
