@@ -154,27 +154,66 @@ func (s *Store) PollCommit(ctx context.Context, t Target) (rec *CommitRecord, wo
 	return s.commitWhole(ctx, t, names)
 }
 
-// look is a waiter's look, holding the turn: it reads the commit record
-// unless a look younger than pollShare found none, and reports whether
-// this waiter is to check whether the step is stuck.
+// look is a waiter's look, holding the turn: it refreshes what the
+// process knows of the commit record, and reports whether this waiter is
+// to check whether the step is stuck.
 func (p *commitPoll) look(ctx context.Context, s *Store, t Target) (check bool, err error) {
 	now := time.Now()
-	if p.seen(t.WorldSize) == nil && now.Sub(p.readAt) >= pollShare(t.WorldSize) {
-		rec, err := s.ReadCommit(ctx, t.Step)
-		switch {
-		case err == nil:
-			p.note(rec)
-			return false, nil
-		case !errors.Is(err, storage.ErrNotFound):
-			return false, err
-		}
-		p.readAt = time.Now()
-	}
-	if p.seen(t.WorldSize) != nil || now.Before(p.checkAt) {
-		return false, nil
+	if err := p.refresh(ctx, s, t); err != nil || p.seen(t.WorldSize) != nil || now.Before(p.checkAt) {
+		return false, err
 	}
 	p.checkAt = now.Add(randomIn(fallbackSpread(t.WorldSize)))
 	return true, nil
+}
+
+// refresh reads the step's commit record, holding the turn, unless a
+// look younger than pollShare found it, or found none.
+func (p *commitPoll) refresh(ctx context.Context, s *Store, t Target) error {
+	if p.seen(t.WorldSize) != nil || time.Since(p.readAt) < pollShare(t.WorldSize) {
+		return nil
+	}
+	rec, err := s.ReadCommit(ctx, t.Step)
+	switch {
+	case err == nil:
+		p.note(rec)
+	case errors.Is(err, storage.ErrNotFound):
+		p.readAt = time.Now()
+	default:
+		return err
+	}
+	return nil
+}
+
+// ReadCommitShared is ReadCommit of t's step through the table the
+// step's waiters in this process share (see PollCommit): a look younger
+// than pollShare answers for storage. A drain about to write t's rank
+// asks it whether the step is committed: the ranks of a node, saving the
+// same step at once, then ask storage about once, where a commit record
+// every rank of a large job asks for at the same moment would be
+// throttled. What it answers is as old as pollShare at most, as a read is
+// by the time its answer is acted on.
+func (s *Store) ReadCommitShared(ctx context.Context, t Target) (*CommitRecord, error) {
+	p := s.poll(t)
+	if p == nil {
+		return s.ReadCommit(ctx, t.Step)
+	}
+	if rec := p.seen(t.WorldSize); rec != nil {
+		return rec, nil
+	}
+	select {
+	case p.turn <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	err := p.refresh(ctx, s, t)
+	<-p.turn
+	if err != nil {
+		return nil, err
+	}
+	if rec := p.seen(t.WorldSize); rec != nil {
+		return rec, nil
+	}
+	return nil, fmt.Errorf("%s: %w", commitName(s.job, t.Step), storage.ErrNotFound)
 }
 
 // wholeFor reports whether this process has found the step whole, and

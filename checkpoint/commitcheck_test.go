@@ -279,6 +279,42 @@ func TestPollCommitGraceHoldsOff(t *testing.T) {
 	}
 }
 
+// The drains of a node's ranks share one read of a step's commit record,
+// and know a commit this process made without reading it.
+func TestReadCommitShared(t *testing.T) {
+	c, s, w := countedStore(t)
+	ctx := context.Background()
+	before := c.Calls()
+	start := time.Now()
+	var wg sync.WaitGroup
+	for rank := range 20 {
+		wg.Go(func() {
+			if rec, err := s.ReadCommitShared(ctx, tinyShard(testAttempt, 12, rank, 20).Target); rec != nil || !errors.Is(err, storage.ErrNotFound) {
+				t.Errorf("read of an uncommitted step: %+v, %v", rec, err)
+			}
+		})
+	}
+	wg.Wait()
+	if n := callsSince(c, before, counted.OpGet); time.Since(start) < pollShare(20) && n != 1 {
+		t.Fatalf("20 reads within %v read storage %d times; want once", time.Since(start), n)
+	}
+	for rank := range 20 {
+		if _, err := w.WriteShard(ctx, tinyShard(testAttempt, 12, rank, 20)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if rec, won, err := s.TryCommit(ctx, 12, testAttempt, 20); rec == nil || !won || err != nil {
+		t.Fatalf("commit: %+v, %v, %v", rec, won, err)
+	}
+	before = c.Calls()
+	if rec, err := s.ReadCommitShared(ctx, tinyShard(testAttempt, 12, 3, 20).Target); err != nil || rec == nil || rec.Attempt != testAttempt {
+		t.Fatalf("read after the commit: %+v, %v", rec, err)
+	}
+	if n := callsSince(c, before, counted.OpGet); n != 0 {
+		t.Errorf("the read after this process's commit asked storage %d times", n)
+	}
+}
+
 // A damaged commit record is an error for the waiter (which fails the
 // save), not a step to wait for forever.
 func TestPollCommitDamaged(t *testing.T) {
@@ -289,6 +325,9 @@ func TestPollCommitDamaged(t *testing.T) {
 	}
 	if _, _, err := s.PollCommit(ctx, tinyShard(testAttempt, 9, 0, 2).Target); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("look at a damaged record: %v", err)
+	}
+	if _, err := s.ReadCommitShared(ctx, tinyShard(testAttempt, 9, 1, 2).Target); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("shared read of a damaged record: %v", err)
 	}
 }
 

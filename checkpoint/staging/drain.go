@@ -217,7 +217,7 @@ func (mgr *Manager) writeShard(sh *checkpoint.Shard) (m *checkpoint.Manifest, re
 	if err != nil {
 		return nil, false, err
 	}
-	rec, err := s.ReadCommit(mgr.ctx, t.Step)
+	rec, err := s.ReadCommitShared(mgr.ctx, t) // one read for the node's ranks of the step
 	if errors.Is(err, checkpoint.ErrCorrupt) { // a step is committed, but the record is unreadable: nothing can join it
 		return nil, false, fmt.Errorf("step %d cannot take this save: %w (see ckptd verify)", t.Step, err)
 	}
