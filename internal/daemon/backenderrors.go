@@ -28,6 +28,7 @@ const (
 // outside system failed it.
 type backendErrors struct {
 	total *prometheus.CounterVec
+	read  *prometheus.CounterVec // bytes read by backend
 
 	mu     sync.Mutex
 	counts map[string]uint64 // by backend
@@ -39,12 +40,16 @@ func newBackendErrors(reg prometheus.Registerer, backends ...string) *backendErr
 			Name: "ckptd_backend_errors_total",
 			Help: "Failed operations by backend (store, dataset, peers) and operation; answers such as not found are not failures.",
 		}, []string{"backend", "op"}),
+		read: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ckptd_backend_read_bytes_total",
+			Help: "Bytes read from each backend (store, dataset): restores, verifies and dataset shards, as stored (compressed).",
+		}, []string{"backend"}),
 		counts: map[string]uint64{},
 	}
 	for _, b := range backends {
 		e.counts[b] = 0 // shown as 0, not left out
 	}
-	reg.MustRegister(e.total)
+	reg.MustRegister(e.total, e.read)
 	return e
 }
 
@@ -66,9 +71,10 @@ func (e *backendErrors) Counts() map[string]uint64 {
 	return maps.Clone(e.counts)
 }
 
-// countStore counts b's failures as backend's.
+// countStore counts b's failures, and the bytes read from it, as backend's.
 func (e *backendErrors) countStore(b storage.Backend, backend string) storage.Backend {
-	return counted.New(b, e.failed(backend))
+	read := e.read.WithLabelValues(backend)
+	return counted.New(b, e.failed(backend)).OnRead(func(n int64) { read.Add(float64(n)) })
 }
 
 // countOpen counts a backend that failed to open (an S3 source looks for

@@ -3,7 +3,8 @@
 // ckptd serve counts the failures of its checkpoint store and of its
 // dataset sources this way (ckptd status, ckptd_backend_errors_total).
 // It also counts every call by operation (Calls), which tests use to
-// bound what an algorithm asks of the store.
+// bound what an algorithm asks of the store, and the bytes its Gets
+// returned (ReadBytes; OnRead reports them as they are read).
 //
 // An operation failed when the store did not do what was asked. Answers
 // are not failures: ErrNotFound (Stat, Get), ErrExists (PutIfAbsent); nor
@@ -44,6 +45,8 @@ type Backend struct {
 	b      storage.Backend
 	failed func(op string)
 	calls  [len(ops)]atomic.Int64
+	read   atomic.Int64
+	onRead func(n int64)
 }
 
 // New wraps b; failed (nil: none) is called (from any goroutine) once per
@@ -54,6 +57,17 @@ func New(b storage.Backend, failed func(op string)) *Backend {
 	}
 	return &Backend{b: b, failed: failed}
 }
+
+// OnRead sets a function (nil: none) called, from any goroutine, with
+// the bytes of each read of a Get's body; it returns c. Set it before c
+// is used.
+func (c *Backend) OnRead(f func(n int64)) *Backend {
+	c.onRead = f
+	return c
+}
+
+// ReadBytes returns the bytes the bodies of c's Gets returned so far.
+func (c *Backend) ReadBytes() int64 { return c.read.Load() }
 
 // Calls returns how many times each operation was called so far, failed
 // or not, by the names above (those never called are left out). A call
@@ -169,6 +183,12 @@ type body struct {
 
 func (b *body) Read(p []byte) (int, error) {
 	n, err := b.ReadCloser.Read(p)
+	if n > 0 {
+		b.c.read.Add(int64(n))
+		if b.c.onRead != nil {
+			b.c.onRead(int64(n))
+		}
+	}
 	if err != nil && !errors.Is(err, io.EOF) && Failure(err) {
 		b.once.Do(func() { b.c.failed(OpGet) })
 	}

@@ -7,6 +7,7 @@ import (
 	"io"
 	"maps"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/ckptd/ckptd/storage"
@@ -153,6 +154,30 @@ func TestBrokenBodyCounted(t *testing.T) {
 	}
 	if got := n.counts(); !maps.Equal(got, map[string]int{counted.OpGet: 1}) {
 		t.Fatalf("counted %v, want one get", got)
+	}
+}
+
+// The bytes Gets' bodies return are counted, as they are read.
+func TestReadBytesCounted(t *testing.T) {
+	c, _, _ := store(t)
+	var seen atomic.Int64
+	c.OnRead(func(n int64) { seen.Add(n) })
+	ctx := t.Context()
+	if err := put(ctx, c, "a/obj", "0123456789"); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range [][2]int64{{0, -1}, {2, 3}} {
+		rc, err := c.Get(ctx, "a/obj", r[0], r[1])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadAll(rc); err != nil {
+			t.Fatal(err)
+		}
+		rc.Close()
+	}
+	if c.ReadBytes() != 13 || seen.Load() != 13 {
+		t.Fatalf("read %d bytes, reported %d; want 13", c.ReadBytes(), seen.Load())
 	}
 }
 
