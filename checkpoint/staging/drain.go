@@ -303,7 +303,7 @@ func (mgr *Manager) recordDurable(t checkpoint.Target, m *checkpoint.Manifest, r
 		"bytes", m.DataSize, "stored", m.StoredSize, "duration", time.Since(start), "reused", reused)
 	if values, tensors := m.NonFinite(); tensors > 0 && !reused {
 		mgr.m.nonFinite(t.Job, tensors)
-		mgr.log.Warn("save holds NaN or Inf: the run may have diverged (restore --latest --finite passes over such steps)",
+		mgr.log.Warn("save holds NaN or Inf: the run may have diverged (a finite load of latest passes over such steps)",
 			"target", t, "values", values, "tensors", tensors)
 	}
 }

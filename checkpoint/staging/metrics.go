@@ -130,7 +130,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		RestoreTiers: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ckptd_restores_total", Help: "Restores by the tier that served them (hot, peer, storage)."}, []string{"tier"}),
 		ReplicationFailures: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "ckptd_replication_failures_total", Help: "Saves kept in memory only that did not reach their --replicas peers (they ended hot: one node's memory)."}),
+			Name: "ckptd_replication_failures_total", Help: "Saves kept in memory only that did not reach all the peers they are sent to (they ended hot: one node's memory)."}),
 		LastCommitted: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "ckptd_last_committed_step", Help: "The newest step of the job this daemon's saves committed."}, []string{"job"}),
 		LastCommitTime: prometheus.NewGaugeVec(prometheus.GaugeOpts{

@@ -26,7 +26,7 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 	start := time.Now()
 	m, data, release, err := mgr.tiers.HoldInMemory(t, l.layout, mgr.bytesOf(l), l.metadata, mgr.w.Options().ChunkSize)
 	if err != nil {
-		mgr.log.Warn(err.Error()+"; persisting a step the policy (--persist-every, --persist-interval) would keep in memory, with its other ranks", "target", t)
+		mgr.log.Warn(err.Error()+"; persisting a step the persistence policy would keep in memory, with its other ranks", "target", t)
 		mgr.tiers.PersistInstead(t)
 		return false
 	}

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/checkpoint"
 )
 
@@ -147,8 +148,8 @@ func (t *Tiers) heldShard(ctx context.Context, job string, s *heldStep, rank int
 			return src, nil
 		}
 	}
-	return Source{}, fmt.Errorf("%w: step %d of job %q is kept in memory only (--persist-every, --persist-interval) and rank %d's copy went away while restoring",
-		checkpoint.ErrStepNotFound, s.step, job, rank)
+	return Source{}, budget.Wrap(fmt.Errorf("%w: step %d of job %q is kept in memory only (the persistence policy) and rank %d's copy went away while restoring",
+		checkpoint.ErrStepNotFound, s.step, job, rank), budget.PersistPolicy)
 }
 
 // StepTiers is a step as `ckptd list --tiers` shows it: committed in

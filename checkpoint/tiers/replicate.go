@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/checkpoint"
 )
 
@@ -191,7 +192,7 @@ func (t *Tiers) replicate(r replica) {
 func (t *Tiers) AcceptReplica(want checkpoint.Target, manifest, data []byte, memory bool) error {
 	if !t.hot.enabled() {
 		t.hot.giveBack(data)
-		return fmt.Errorf("%w: this sidecar keeps no replicas (--hot-bytes is 0)", ErrNoRoom)
+		return budget.Wrap(fmt.Errorf("%w: this sidecar keeps no replicas (its hot tier is off)", ErrNoRoom), budget.HotTier)
 	}
 	m, err := checkpoint.ParseManifest(manifest)
 	if err != nil {
@@ -226,7 +227,7 @@ func (t *Tiers) Holds(target checkpoint.Target) bool {
 func (t *Tiers) ReplicaBuffer(n int64) ([]byte, error) {
 	b, ok := t.hot.buffer(hotKey{step: -1}, n)
 	if !ok {
-		return nil, fmt.Errorf("%w for a replica of %d bytes (--hot-bytes)", ErrNoRoom, n)
+		return nil, budget.Wrap(fmt.Errorf("%w in the hot tier for a replica of %d bytes", ErrNoRoom, n), budget.HotTier)
 	}
 	return b, nil
 }

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/storage"
 )
@@ -260,11 +261,11 @@ func (t *Tiers) persistHeld(job string, step int64, attempt string) {
 // comes pinned: call release when done with data.
 func (t *Tiers) HoldInMemory(target checkpoint.Target, layout *checkpoint.Layout, region, metadata []byte, chunkSize int64) (m *checkpoint.Manifest, data []byte, release func(), err error) {
 	if layout.DataSize > t.cfg.HotBytes {
-		return nil, nil, nil, fmt.Errorf("%w: the shard is larger than the hot tier (--hot-bytes)", ErrNoRoom)
+		return nil, nil, nil, budget.Wrap(fmt.Errorf("%w: the shard is larger than the hot tier", ErrNoRoom), budget.HotTier)
 	}
 	data, ok := t.hot.buffer(hotKey{target.Job, target.Step, target.Rank, target.Attempt}, layout.DataSize)
 	if !ok {
-		return nil, nil, nil, fmt.Errorf("%w: what it holds is being read, or is the only copy of newer steps kept in memory (--hot-bytes)", ErrNoRoom)
+		return nil, nil, nil, budget.Wrap(fmt.Errorf("%w: what the hot tier holds is being read, or is the only copy of newer steps kept in memory", ErrNoRoom), budget.HotTier)
 	}
 	layout.Pack(region, data)
 	m = checkpoint.MemoryManifest(target, layout, metadata, data, chunkSize)
