@@ -25,8 +25,10 @@ func memoryCeiling(o *Options, prefetchCeiling int64) int64 {
 	s3Parts := int64(o.Drains) * 8 * (16 << 20)
 	restores := int64(o.Restores) * (restoreReads*2*int64(o.ChunkSize) + restoreManifest)
 	hot := int64(o.HotBytes)
-	if len(o.Peers.Peers) > 0 || o.Peers.PeersFile != "" || o.Peers.PeersDNS != "" { // one replica being received and one being fetched, each up to --hot-bytes
-		hot *= 3
+	if len(o.Peers.Peers) > 0 || o.Peers.PeersFile != "" || o.Peers.PeersDNS != "" {
+		// A shard being fetched from a peer for a restore, up to
+		// --hot-bytes; replicas being received count inside the hot tier.
+		hot *= 2
 	}
 	return int64(o.TableBytes) + drainBuffers + s3Parts + restores + hot + prefetchCeiling + memoryHeadroom
 }
