@@ -317,6 +317,9 @@ func (c *Cache) read(ctx context.Context, b storage.Backend, sh Shard, key strin
 	stored, ok := c.disk.load(key, sh.Size)
 	if ok {
 		c.diskHits.Add(1)
+		if c.disk.hit != nil {
+			c.disk.hit()
+		}
 	} else {
 		var err error
 		if stored, err = readStored(ctx, b, sh); err != nil {

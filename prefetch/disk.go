@@ -49,6 +49,9 @@ type diskCache struct {
 	mu    sync.Mutex
 	used  int64
 	files map[string]*diskFile // by file name
+	// hit and usage report the tier's hits and bytes (metrics; may be nil).
+	hit   func()
+	usage func(int64)
 }
 
 type diskFile struct {
@@ -206,6 +209,7 @@ func (d *diskCache) store(key string, data []byte, next func(string) int, mine i
 	f := &diskFile{key: key, size: size, used: time.Now(), writing: true}
 	d.files[name] = f
 	d.used += size
+	d.report()
 	d.mu.Unlock()
 	d.remove(victims)
 	return func() {
@@ -291,6 +295,14 @@ func (d *diskCache) drop(name string) {
 	if f := d.files[name]; f != nil {
 		d.used -= f.size
 		delete(d.files, name)
+		d.report()
+	}
+}
+
+// report tells the metrics what the tier holds. Call with mu.
+func (d *diskCache) report() {
+	if d.usage != nil {
+		d.usage(d.used)
 	}
 }
 

@@ -3,6 +3,7 @@ package prefetch
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -14,6 +15,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/miniotest"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/s3"
@@ -188,5 +192,52 @@ func TestDiskTierWithS3(t *testing.T) {
 	c.Close()
 	if !slices.Equal(got, want) || counted.gets.Load() != 0 || c.DiskHits() != 4 {
 		t.Fatalf("after a restart: %d reads from S3, %d disk hits; want every shard from disk", counted.gets.Load(), c.DiskHits())
+	}
+}
+
+// A daemon's service with --disk-cache-dir: a restarted one serves a
+// remote source's shards from the disk, and its metrics say so.
+func TestDiskTierMetrics(t *testing.T) {
+	b := posixDataset(t, 3, 10, 2000) // not a local source: "remote"
+	dir := t.TempDir()
+	epoch := func() *Metrics {
+		m := NewMetrics(nil)
+		s := newService(t, b, ServiceConfig{DiskCacheDir: dir, DiskCacheBytes: 64 << 20, Metrics: m})
+		owner, _ := connection("trainer")
+		id, _, err := s.OpenSession(context.Background(), owner, src, Spec{BatchSize: 8, WorldSize: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var release []string
+		for {
+			_, lease, _, err := s.Next(context.Background(), owner, id, release)
+			if errors.Is(err, io.EOF) {
+				break
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			release = []string{lease}
+		}
+		if err := s.CloseSession(owner, id); err != nil && !errors.Is(err, ErrUnknownSession) {
+			t.Fatal(err)
+		}
+		s.cache.Close() // waits for the tier's writes (the service's Close, at the test's end, closes it again)
+		return m
+	}
+	first := epoch()
+	if hits := testutil.ToFloat64(first.DiskHits); hits != 0 || testutil.ToFloat64(first.DiskBytes) == 0 {
+		t.Fatalf("first run: %v disk hits, %v bytes on disk", hits, testutil.ToFloat64(first.DiskBytes))
+	}
+	if hits := testutil.ToFloat64(epoch().DiskHits); hits != 3 {
+		t.Fatalf("restarted: %v disk hits, want the 3 shards", hits)
+	}
+	a, err := arena.Open(arena.Options{Dir: t.TempDir(), Size: 64 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	if _, err := NewService(shmArena{a}, ServiceConfig{DiskCacheBytes: 1 << 20, Allow: []string{"s3://x"}}); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("--disk-cache-bytes without a dir: %v", err)
 	}
 }

@@ -13,6 +13,9 @@ type Metrics struct {
 	Corrupt     prometheus.Counter
 	Sessions    prometheus.Gauge
 	RingGrown   prometheus.Counter
+	// The disk tier (--disk-cache-dir): shards it served, bytes it holds.
+	DiskHits  prometheus.Counter
+	DiskBytes prometheus.Gauge
 }
 
 // NewMetrics creates the prefetch metrics and registers them with reg
@@ -34,9 +37,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "ckptd_prefetch_sessions", Help: "Open dataset sessions."}),
 		RingGrown: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ckptd_prefetch_ring_slots_grown_total", Help: "Ring slots added to sessions whose trainer caught up with a full ring."}),
+		DiskHits: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_prefetch_disk_hits_total", Help: "Shards of remote sources served from the disk tier (--disk-cache-dir)."}),
+		DiskBytes: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "ckptd_prefetch_disk_bytes", Help: "Bytes the disk tier (--disk-cache-dir) holds, its files' trailers included."}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.Wait, m.Samples, m.CacheHits, m.CacheMisses, m.Corrupt, m.Sessions, m.RingGrown)
+		reg.MustRegister(m.Wait, m.Samples, m.CacheHits, m.CacheMisses, m.Corrupt, m.Sessions, m.RingGrown, m.DiskHits, m.DiskBytes)
 	}
 	return m
 }

@@ -175,6 +175,8 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 			c.Close()
 			return nil, err
 		}
+		c.disk.hit, c.disk.usage = cfg.Metrics.DiskHits.Inc, func(n int64) { cfg.Metrics.DiskBytes.Set(float64(n)) }
+		cfg.Metrics.DiskBytes.Set(float64(c.disk.used)) // what earlier runs left
 	}
 	s := &Service{
 		cfg: cfg, allow: allow, arena: a, budget: newArenaBudget(cfg.ArenaBytes), cache: c, stop: make(chan struct{}),
