@@ -436,33 +436,42 @@ func FuzzMDSIndex(f *testing.F) {
 }
 
 // FuzzMDSShard: any bytes as a shard of known columns (and as each
-// compression's output) are parsed or refused, never a panic, and never
-// held beyond what the index says of them.
+// compression's output, claiming any size) are parsed or refused, never a
+// panic, and never held beyond what the index says of them.
 func FuzzMDSShard(f *testing.F) {
-	sizes := []int64{8, -1, 2}
-	f.Add(mdsShardBytes(sizes, [][][]byte{{make([]byte, 8), []byte("x"), {1, 2}}, {make([]byte, 8), nil, {3, 4}}}), uint8(2), uint8(0))
-	for _, name := range mdsTestdata {
-		if data, err := os.ReadFile(filepath.Join("testdata/mds", name, "shard.00000.mds")); err == nil {
-			f.Add(data, uint8(10), uint8(0))
-		}
-		matches, _ := filepath.Glob(filepath.Join("testdata/mds", name, "shard.00000.mds.*"))
-		for _, p := range matches {
-			if data, err := os.ReadFile(p); err == nil {
-				f.Add(data, uint8(10), uint8(1+slices.Index([]string{"zstd", "gz", "bz2", "br", "snappy"}, filepath.Ext(p)[1:])))
-			}
-		}
-	}
+	// The columns of the testdata (MDSWriter's, sorted by name).
+	sizes := []int64{-1, 8, 1, -1, 12}
 	codecs := []string{"", "zstd", "gz", "bz2", "br", "snappy"}
-	f.Fuzz(func(t *testing.T, data []byte, n, codec uint8) {
-		cols := &mdsColumns{names: []string{"a", "b", "c"}, sizes: sizes, vars: 1}
+	f.Add(mdsShardBytes(sizes, [][][]byte{
+		{[]byte("x"), make([]byte, 8), {1}, nil, make([]byte, 12)},
+		{nil, make([]byte, 8), {2}, []byte("yz"), make([]byte, 12)},
+	}), uint8(2), uint8(0), uint16(0))
+	for _, name := range mdsTestdata {
+		dir := filepath.Join("testdata/mds", name)
+		idx, err := os.ReadFile(filepath.Join(dir, "index.json"))
+		if err != nil {
+			f.Fatal(err)
+		}
+		shards, err := parseMDSIndex(idx, "", 1<<20)
+		if err != nil {
+			f.Fatal(err)
+		}
+		m := shards[0].unit.mds
+		data, err := os.ReadFile(filepath.Join(dir, shards[0].Name))
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(data, uint8(shards[0].unit.samples), uint8(slices.Index(codecs, m.codec)), uint16(m.raw))
+	}
+	f.Fuzz(func(t *testing.T, data []byte, n, codec uint8, claim uint16) {
+		cols := &mdsColumns{names: []string{"blob", "id", "label", "text", "vec"}, sizes: sizes, vars: 2}
 		raw := data
 		if c := codecs[int(codec)%len(codecs)]; c != "" {
-			const claim = 64 << 10
-			out, err := decompressMDS(c, data, claim)
+			out, err := decompressMDS(c, data, int64(claim))
 			if err != nil {
 				return
 			}
-			if len(out) != claim {
+			if len(out) != int(claim) {
 				t.Fatalf("%s: %d bytes, claimed %d", c, len(out), claim)
 			}
 			raw = out
