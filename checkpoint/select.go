@@ -103,23 +103,17 @@ func (s Selection) add(p part) []part {
 	return append(s.parts, p)
 }
 
-// readRange is a span of data space to fetch.
+// dataRange is a span of data space to fetch.
 type dataRange struct{ off, n int64 }
 
-// mergeGap is how far apart two selected tensors may lie and still be
-// fetched in one range: chunks are at most this large, so a smaller gap
-// costs at most a chunk read for nothing, and saves a request.
-const mergeGap = 4 << 20
-
 // ranges returns the data-space ranges to fetch: the parts, merged where
-// they lie close.
+// they touch. Parts further apart are not merged: a gap holds whole
+// chunks no part needs, which reading would only waste (ReadSelected
+// fetches ranges whose chunks are adjacent in one read all the same).
 func (s Selection) ranges() []dataRange {
 	var out []dataRange
 	for _, p := range s.parts {
-		if p.n == 0 {
-			continue
-		}
-		if k := len(out) - 1; k >= 0 && p.src <= out[k].off+out[k].n+mergeGap {
+		if k := len(out) - 1; k >= 0 && p.src <= out[k].off+out[k].n {
 			out[k].n = max(out[k].n, p.src+p.n-out[k].off)
 			continue
 		}

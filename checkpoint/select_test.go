@@ -8,13 +8,15 @@ import (
 
 	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/checkpoint/dtype"
+	"github.com/ckptd/ckptd/storage/counted"
 )
 
 // selectTestShard saves a shard of tensors that share chunks and span
 // several, with codec c, and returns its store and manifest.
-func selectTestShard(t *testing.T, c codec.Codec) (*Store, *Manifest) {
+func selectTestShard(t *testing.T, c codec.Codec) (*Store, *Manifest, *counted.Backend) {
 	t.Helper()
-	b, _ := newBackend(t)
+	raw, _ := newBackend(t)
+	b := counted.New(raw, nil)
 	w, err := NewWriter(b, WriterOptions{ChunkSize: 64 << 10, Codec: c, Workers: 2})
 	if err != nil {
 		t.Fatal(err)
@@ -32,7 +34,7 @@ func selectTestShard(t *testing.T, c codec.Codec) (*Store, *Manifest) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return store, m
+	return store, m, b
 }
 
 var selectLayout, selectData = func() (*Layout, []byte) {
@@ -72,7 +74,7 @@ func tensorBytes(name string) []byte {
 func TestReadSelected(t *testing.T) {
 	for _, c := range []codec.Codec{codec.None, codec.Zstd} {
 		t.Run(string(c), func(t *testing.T) {
-			store, m := selectTestShard(t, c)
+			store, m, _ := selectTestShard(t, c)
 			for _, names := range [][]string{
 				{"big"}, {"tiny"}, {"mid", "tiny"}, {"last", "tiny2", "big"}, {"tiny", "tiny2"},
 				{"tiny2", "mid", "none", "last", "tiny", "big"}, {"none"},
@@ -111,7 +113,7 @@ func readSelected(t *testing.T, store *Store, m *Manifest, sel Selection) []byte
 // in the table under its tensor's name; slices that overlap, or reach
 // past their tensor, are refused.
 func TestSelectSlices(t *testing.T) {
-	store, m := selectTestShard(t, codec.Zstd)
+	store, m, _ := selectTestShard(t, codec.Zstd)
 	slices := []Slice{
 		{"mid", 1000, 70000}, {"big", 0, 5}, {"big", 300 << 10, 100 << 10}, {"tiny2", 1, 2},
 		{"mid", 0, 1000}, {"last", 10, 0}, {"none", 0, 0},
@@ -142,5 +144,20 @@ func TestSelectSlices(t *testing.T) {
 		if _, err := SelectSlices(m, bad); !errors.Is(err, ErrInvalid) {
 			t.Fatalf("%v: %v", bad, err)
 		}
+	}
+}
+
+// A selection reads the chunks holding what it selects, not those in
+// between: two slices far apart in a tensor read two chunks.
+func TestSelectionReadsOnlyItsChunks(t *testing.T) {
+	store, m, b := selectTestShard(t, codec.None)
+	sel, err := SelectSlices(m, []Slice{{"big", 10, 5}, {"big", 300 << 10, 10}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := b.ReadBytes()
+	readSelected(t, store, m, sel)
+	if got := b.ReadBytes() - before; got != 2*64<<10 {
+		t.Fatalf("read %d bytes for two slices within two 64 KiB chunks", got)
 	}
 }
