@@ -204,9 +204,10 @@ const streamBuffer = 256 << 10
 
 // stream parses a shard as it reads it (archive/tar over a ranged read),
 // holding no more of it than the sample being read.
-func (a *assembler) stream(sh Shard) error {
-	r := &rangeReader{ctx: a.ctx, b: sh.src.b, name: sh.objectName(), size: sh.Size}
+func (a *assembler) stream(sh Shard) (err error) {
+	r, done := a.it.cache.stream(a.ctx, sh)
 	defer r.Close()
+	defer func() { done(err == nil) }()
 	read := func(n int64, from io.Reader) func() ([]byte, error) {
 		return func() ([]byte, error) {
 			buf := make([]byte, n)

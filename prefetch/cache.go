@@ -333,6 +333,60 @@ func (c *Cache) read(ctx context.Context, b storage.Backend, sh Shard, key strin
 	return data, write, err
 }
 
+// stream opens a shard to be streamed (parsed as it is read, never held
+// whole): from the disk tier when it holds a remote source's shard, else
+// from storage, the bytes then written to the disk tier as they pass.
+// The caller calls done once it stops reading, ok when it parsed the
+// shard to its end without error: the rest is read through and the
+// disk's copy put in place (else dropped).
+func (c *Cache) stream(ctx context.Context, sh Shard) (r io.ReadCloser, done func(ok bool)) {
+	b := sh.src.b
+	rr := &rangeReader{ctx: ctx, b: b, name: sh.objectName(), size: sh.Size}
+	if _, local := localOf(b); c.disk == nil || local || sh.objectName() != sh.Name {
+		return rr, func(bool) {}
+	}
+	key := shardKey(b, sh)
+	if f, ok := c.disk.open(key, sh.Size); ok {
+		c.diskHits.Add(1)
+		if c.disk.hit != nil {
+			c.disk.hit()
+		}
+		return f, func(bool) {}
+	}
+	name, f := c.disk.reserve(key, sh.Size, nil, 0)
+	if f == nil {
+		return rr, func(bool) {}
+	}
+	w, err := c.disk.create(name, f)
+	if err != nil {
+		w.abort(err)
+		return rr, func(bool) {}
+	}
+	tee := &teeCloser{Reader: io.TeeReader(rr, w), c: rr}
+	return tee, func(ok bool) {
+		if ok {
+			_, err := io.Copy(io.Discard, tee) // what the parser left: padding, an end marker
+			if err == nil {
+				err = w.commit()
+			}
+			if err == nil {
+				return
+			}
+			w.abort(err)
+			return
+		}
+		w.abort(nil)
+	}
+}
+
+// teeCloser is a reader teed into the disk tier, closing its source.
+type teeCloser struct {
+	io.Reader
+	c io.Closer
+}
+
+func (t *teeCloser) Close() error { return t.c.Close() }
+
 // DiskHits is how many shards the disk tier served.
 func (c *Cache) DiskHits() int64 { return c.diskHits.Load() }
 

@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
 	"math"
@@ -21,10 +22,12 @@ import (
 )
 
 // diskCache is the disk tier (serve's --disk-cache-dir, --disk-cache-bytes):
-// the shards read whole from remote sources (S3), kept as files on a local
-// disk within a byte budget, so that a dataset larger than memory is read
-// from the store once per node rather than once per epoch. A shard found
-// there is mapped, as a local source's shards are.
+// the shards read from remote sources (S3), kept as files on a local disk
+// within a byte budget, so that a dataset larger than memory is read from
+// the store once per node rather than once per epoch. A shard read whole
+// is written once its readers have it, and mapped when found there, as a
+// local source's shards are; one streamed is written as it passes
+// (Cache.stream) and streamed from the file, checked first.
 //
 // A file is written under a temporary name, synced and renamed into
 // place, so no file of the tier's names is ever incomplete: a crash
@@ -177,15 +180,36 @@ func (d *diskCache) mapFile(name string, size int64) (*mapping, error) {
 // or the tier has it. The caller runs the write once the shard's readers
 // have it (a fill, after it is done); data must not change until then.
 func (d *diskCache) store(key string, data []byte, next func(string) int, mine int) func() {
-	name := diskName(key)
-	size := int64(len(data)) + diskTrailer
-	if size > d.budget {
+	name, f := d.reserve(key, int64(len(data)), next, mine)
+	if f == nil {
 		return nil
+	}
+	return func() {
+		w, err := d.create(name, f)
+		if err == nil {
+			if _, err = w.Write(data); err == nil {
+				err = w.commit()
+			}
+		}
+		if err != nil {
+			w.abort(err)
+		}
+	}
+}
+
+// reserve makes room for a shard of size bytes (and its trailer) in the
+// books, if the eviction rule admits it, and returns its file's name and
+// entry (nil: not kept).
+func (d *diskCache) reserve(key string, shard int64, next func(string) int, mine int) (string, *diskFile) {
+	name := diskName(key)
+	size := shard + diskTrailer
+	if size > d.budget {
+		return "", nil
 	}
 	d.mu.Lock()
 	if d.files[name] != nil {
 		d.mu.Unlock()
-		return nil
+		return "", nil
 	}
 	var victims []string
 	free := d.budget - d.used
@@ -201,7 +225,7 @@ func (d *diskCache) store(key string, data []byte, next func(string) int, mine i
 	}
 	if free < size {
 		d.mu.Unlock()
-		return nil
+		return "", nil
 	}
 	for _, v := range victims {
 		d.drop(v)
@@ -212,48 +236,128 @@ func (d *diskCache) store(key string, data []byte, next func(string) int, mine i
 	d.report()
 	d.mu.Unlock()
 	d.remove(victims)
-	return func() {
-		err := d.write(name, data)
-		d.mu.Lock()
-		f.writing = false
-		d.mu.Unlock()
-		if err != nil {
-			d.log.Warn("could not write a shard to the disk cache", "dir", d.dir, "err", err)
-			d.remove([]string{name})
-		}
-	}
+	return name, f
 }
 
-// write writes data and its trailer to name through a temporary file,
-// synced before it is renamed into place.
-func (d *diskCache) write(name string, data []byte) error {
+// diskWriter writes one shard into the tier: a temporary file, its bytes
+// hashed as they come, renamed into place by commit once they are all
+// there.
+type diskWriter struct {
+	d    *diskCache
+	name string
+	f    *diskFile
+	tmp  *os.File
+	h    *xxh3.Hasher
+	n    int64
+}
+
+// create starts the write of a reserved file.
+func (d *diskCache) create(name string, f *diskFile) (*diskWriter, error) {
+	w := &diskWriter{d: d, name: name, f: f, h: xxh3.New()}
 	tmp, err := os.CreateTemp(d.dir, "*"+diskTemp)
-	if err != nil {
-		return err
+	w.tmp = tmp
+	return w, err
+}
+
+func (w *diskWriter) Write(p []byte) (int, error) {
+	n, err := w.tmp.Write(p)
+	w.h.Write(p[:n])
+	w.n += int64(n)
+	return n, err
+}
+
+// commit ends the write: the trailer, a sync, the rename into place.
+func (w *diskWriter) commit() error {
+	if w.n+diskTrailer != w.f.size {
+		return fmt.Errorf("%d bytes written of a shard of %d", w.n, w.f.size-diskTrailer)
 	}
 	var trailer [diskTrailer]byte
-	binary.LittleEndian.PutUint64(trailer[:], uint64(len(data)))
-	binary.LittleEndian.PutUint64(trailer[8:], xxh3.Hash(data))
-	_, err = tmp.Write(data)
+	binary.LittleEndian.PutUint64(trailer[:], uint64(w.n))
+	binary.LittleEndian.PutUint64(trailer[8:], w.h.Sum64())
+	_, err := w.tmp.Write(trailer[:])
 	if err == nil {
-		_, err = tmp.Write(trailer[:])
+		err = w.tmp.Sync()
 	}
-	if err == nil {
-		err = tmp.Sync()
-	}
-	if cerr := tmp.Close(); err == nil {
+	if cerr := w.tmp.Close(); err == nil {
 		err = cerr
 	}
 	if err == nil {
-		err = os.Rename(tmp.Name(), filepath.Join(d.dir, name))
+		err = os.Rename(w.tmp.Name(), filepath.Join(w.d.dir, w.name))
 	}
 	if err != nil {
-		_ = os.Remove(tmp.Name())
 		return err
 	}
-	if dir, err := os.Open(d.dir); err == nil {
+	if dir, err := os.Open(w.d.dir); err == nil {
 		_ = dir.Sync()
 		dir.Close()
+	}
+	w.d.mu.Lock()
+	w.f.writing = false
+	w.d.mu.Unlock()
+	return nil
+}
+
+// abort gives up the write (err: why, nil when the shard was not read
+// whole) and its room.
+func (w *diskWriter) abort(err error) {
+	if w.tmp != nil {
+		w.tmp.Close()
+		_ = os.Remove(w.tmp.Name())
+	}
+	if err != nil {
+		w.d.log.Warn("could not write a shard to the disk cache", "dir", w.d.dir, "err", err)
+	}
+	w.d.remove([]string{w.name})
+}
+
+// open opens a shard of size bytes the tier holds, to stream: its whole
+// file is read once first to check its trailer, so that what is streamed
+// is what was written (a file cut or damaged is dropped).
+func (d *diskCache) open(key string, size int64) (io.ReadCloser, bool) {
+	name := diskName(key)
+	d.mu.Lock()
+	f := d.files[name]
+	if f != nil && !f.writing {
+		f.used, f.key = time.Now(), key
+	}
+	d.mu.Unlock()
+	if f == nil || f.writing {
+		return nil, false
+	}
+	fh, err := os.Open(filepath.Join(d.dir, name))
+	if err == nil {
+		err = checkTrailer(fh, size)
+	}
+	if err != nil {
+		if fh != nil {
+			fh.Close()
+		}
+		d.log.Warn("dropped a shard of the disk cache", "file", name, "err", err)
+		d.remove([]string{name})
+		return nil, false
+	}
+	return &sectionFile{io.NewSectionReader(fh, 0, size), fh}, true
+}
+
+// checkTrailer reads a tier file through and checks it against its trailer.
+func checkTrailer(fh *os.File, size int64) error {
+	fi, err := fh.Stat()
+	if err != nil {
+		return err
+	}
+	if fi.Size() != size+diskTrailer {
+		return fmt.Errorf("%d bytes on disk for a shard of %d", fi.Size(), size)
+	}
+	h := xxh3.New()
+	if _, err := io.Copy(h, io.NewSectionReader(fh, 0, size)); err != nil {
+		return err
+	}
+	var t [diskTrailer]byte
+	if _, err := fh.ReadAt(t[:], size); err != nil {
+		return err
+	}
+	if int64(binary.LittleEndian.Uint64(t[:])) != size || binary.LittleEndian.Uint64(t[8:]) != h.Sum64() {
+		return errors.New("its bytes differ from its trailer")
 	}
 	return nil
 }

@@ -241,3 +241,39 @@ func TestDiskTierMetrics(t *testing.T) {
 		t.Fatalf("--disk-cache-bytes without a dir: %v", err)
 	}
 }
+
+// Shards too large to be read whole are streamed; the disk tier keeps
+// them as they pass, and a restarted daemon streams them from the disk
+// (a file damaged there is dropped and read from the store again).
+func TestDiskTierStreamedShards(t *testing.T) {
+	counted := &getCounter{Backend: dataset(t, 3, 40, 8000)} // ~330 KiB shards
+	dir := t.TempDir()
+	spec := Spec{BatchSize: 16, WorldSize: 1, Seed: 5}
+	opts := Options{ReadAheadBytes: 1 << 20} // streams shards over 128 KiB
+	c := withDisk(t, dir, 64<<20)
+	want, _ := keysOpts(t, counted, c, spec, opts)
+	c.Close()
+	files, _ := diskFiles(t, dir)
+	if len(files) != 3 || counted.gets.Load() < 3 {
+		t.Fatalf("first epoch: %d files on disk, %d reads from the store", len(files), counted.gets.Load())
+	}
+	counted.gets.Store(0)
+	c = withDisk(t, dir, 64<<20)
+	got, _ := keysOpts(t, counted, c, spec, opts)
+	c.Close()
+	if !slices.Equal(got, want) || counted.gets.Load() != 0 || c.DiskHits() != 3 {
+		t.Fatalf("restarted: %d reads from the store, %d disk hits; want all 3 streamed from disk", counted.gets.Load(), c.DiskHits())
+	}
+	data, err := os.ReadFile(files[2])
+	if err != nil {
+		t.Fatal(err)
+	}
+	data[len(data)/2] ^= 1
+	writeFile(t, files[2], data)
+	c = withDisk(t, dir, 64<<20)
+	got, _ = keysOpts(t, counted, c, spec, opts)
+	c.Close()
+	if !slices.Equal(got, want) || c.DiskHits() != 2 || counted.gets.Load() == 0 {
+		t.Fatalf("a damaged file: %d disk hits, %d reads from the store; want 2 and the third from the store", c.DiskHits(), counted.gets.Load())
+	}
+}
