@@ -66,7 +66,7 @@ func newServeCmd() *cobra.Command {
 	_ = fs.MarkHidden("debug-stall-writes-after")
 	fs.Var((*byteSize)(&o.CacheBytes), "cache-bytes", "dataset shard cache budget, shared by every rank on the node (0 disables it)")
 	fs.IntVar(&o.Nice, "nice", 10, "run the daemon this many nice levels (0-19) below the priority it starts with, so that the trainer beside it wins a contended core; 0 keeps it. It orders the daemon against processes of its own cgroup only: give a sidecar container a small CPU request instead")
-	fs.StringVar(&o.DiskCacheDir, "disk-cache-dir", "", "a folder on a local disk (NVMe) that keeps the shards read whole from S3 sources, so a dataset larger than memory is read from the store once per node; a file cut or damaged there is read from the store again")
+	fs.StringVar(&o.DiskCacheDir, "disk-cache-dir", "", "a folder on a local disk (NVMe) that keeps the shards read from S3 sources, so a dataset larger than memory is read from the store once per node; a file cut or damaged there is read from the store again")
 	fs.Var((*byteSize)(&o.DiskCacheBytes), "disk-cache-bytes", "what --disk-cache-dir may hold; when full it drops the shard the open sessions read farthest in the future")
 	fs.BoolVar(&o.CacheLookahead, "cache-lookahead", true, "when the cache is full, evict the shard the open sessions read farthest in the future (false: keep what the cache holds)")
 	fs.IntVar(&o.RingSlots, "ring-slots", prefetch.DefaultSlots, "batches each dataset session delivers ahead of the trainer")
