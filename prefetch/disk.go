@@ -117,16 +117,24 @@ func diskName(key string) string {
 	return hex.EncodeToString(sum[:]) + diskSuffix
 }
 
-// load maps the shard of key, size bytes, when the tier holds it whole.
-func (d *diskCache) load(key string, size int64) (shardBytes, bool) {
+// lookup finds the file of key in the books, marking it used, unless it
+// is not there or still being written.
+func (d *diskCache) lookup(key string) (string, bool) {
 	name := diskName(key)
 	d.mu.Lock()
+	defer d.mu.Unlock()
 	f := d.files[name]
-	if f != nil && !f.writing {
-		f.used, f.key = time.Now(), key
-	}
-	d.mu.Unlock()
 	if f == nil || f.writing {
+		return "", false
+	}
+	f.used, f.key = time.Now(), key
+	return name, true
+}
+
+// load maps the shard of key, size bytes, when the tier holds it whole.
+func (d *diskCache) load(key string, size int64) (shardBytes, bool) {
+	name, ok := d.lookup(key)
+	if !ok {
 		return shardBytes{}, false
 	}
 	m, err := d.mapFile(name, size)
@@ -314,14 +322,8 @@ func (w *diskWriter) abort(err error) {
 // file is read once first to check its trailer, so that what is streamed
 // is what was written (a file cut or damaged is dropped).
 func (d *diskCache) open(key string, size int64) (io.ReadCloser, bool) {
-	name := diskName(key)
-	d.mu.Lock()
-	f := d.files[name]
-	if f != nil && !f.writing {
-		f.used, f.key = time.Now(), key
-	}
-	d.mu.Unlock()
-	if f == nil || f.writing {
+	name, ok := d.lookup(key)
+	if !ok {
 		return nil, false
 	}
 	fh, err := os.Open(filepath.Join(d.dir, name))
