@@ -12,6 +12,7 @@ import (
 	"github.com/ckptd/ckptd/checkpoint/dtype"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/counted"
+	"github.com/ckptd/ckptd/storage/faulty"
 	"github.com/ckptd/ckptd/storage/memstore"
 )
 
@@ -355,3 +356,43 @@ type valueBackend struct {
 }
 
 var _ storage.Backend = valueBackend{}
+
+// A store that fails transiently (throttling past the S3 client's
+// retries, an outage) fails the check, which its caller retries (the
+// drain with backoff, a waiter at its next look): the step still commits
+// once the store answers, and a failed look shares no stale answer.
+func TestCommitCheckThroughFailures(t *testing.T) {
+	f := faulty.New(memstore.New())
+	w, err := NewWriter(f, WriterOptions{ChunkSize: 64 << 10, Workers: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Store{backend: f, job: "job"}
+	ctx := context.Background()
+	for rank := range 3 {
+		if _, err := w.WriteShard(ctx, tinyShard(testAttempt, 13, rank, 3)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	last := tinyShard(testAttempt, 13, 2, 3).Target
+	lists := f.Inject(faulty.Fault{Kind: faulty.Fail, Ops: faulty.OpList, Times: 2})
+	for range 2 {
+		if rec, _, err := s.TryCommitRank(ctx, last); !errors.Is(err, storage.ErrUnavailable) || rec != nil {
+			t.Fatalf("check through a failing listing: %+v, %v", rec, err)
+		}
+	}
+	if lists.Hits() != 2 {
+		t.Fatalf("the listing failed %d times, want 2", lists.Hits())
+	}
+	f.Inject(faulty.Fault{Kind: faulty.Fail, Ops: faulty.OpGet, Name: "job/steps/*/COMMIT.json", Times: 1})
+	waiter := tinyShard(testAttempt, 13, 0, 3).Target
+	if _, _, err := s.PollCommit(ctx, waiter); !errors.Is(err, storage.ErrUnavailable) {
+		t.Fatalf("look through a failing read: %v", err)
+	}
+	if rec, won, err := s.TryCommitRank(ctx, last); rec == nil || !won || err != nil {
+		t.Fatalf("check once the store answers: %+v, %v, %v", rec, won, err)
+	}
+	if rec, _, err := s.PollCommit(ctx, waiter); rec == nil || err != nil {
+		t.Fatalf("look after the commit: %+v, %v", rec, err)
+	}
+}
