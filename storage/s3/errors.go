@@ -15,7 +15,7 @@ import (
 // the object (or bucket) and the endpoint, so a message always says where.
 func (b *Backend) opError(op, key string, err error) error {
 	where := fmt.Sprintf("s3://%s at %s", path(b.bucket, key), b.endpoint)
-	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+	if !transportTimeout(err) && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
 		return fmt.Errorf("s3: %s %s: %w", op, where, err)
 	}
 	if isTransient(err) { // still failing when the retries ran out

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"strings"
 	"syscall"
@@ -111,6 +113,8 @@ func TestIsTransient(t *testing.T) {
 		{context.Canceled, false},
 		{context.DeadlineExceeded, false},
 		{&url.Error{Op: "Get", URL: "http://x", Err: context.Canceled}, false},
+		{&url.Error{Op: "Get", URL: "http://x", Err: context.DeadlineExceeded}, false}, // the caller's deadline
+		{headerTimeout(t), true},                                                       // a frozen endpoint: no headers within the stall timeout
 		{errors.New("reader failed"), false},
 	}
 	for _, tt := range tests {
@@ -118,6 +122,27 @@ func TestIsTransient(t *testing.T) {
 			t.Errorf("isTransient(%v) = %v, want %v", tt.err, got, tt.want)
 		}
 	}
+}
+
+// headerTimeout is the error net/http gives a request whose response
+// headers do not come within ResponseHeaderTimeout, from a real server
+// that never answers.
+func headerTimeout(t *testing.T) error {
+	t.Helper()
+	release := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { <-release }))
+	defer srv.Close()
+	defer close(release)
+	c := &http.Client{Transport: &http.Transport{ResponseHeaderTimeout: 50 * time.Millisecond}}
+	resp, err := c.Get(srv.URL)
+	if err == nil {
+		resp.Body.Close()
+		t.Fatal("a server that never answers answered")
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("net/http's header timeout %v no longer matches context.DeadlineExceeded: the test needs another case", err)
+	}
+	return err
 }
 
 func TestBackoffDeadline(t *testing.T) {

@@ -231,11 +231,26 @@ var transientCodes = map[string]bool{
 	"OperationAborted":           true,
 }
 
+// transportTimeout reports a timeout of the HTTP transport itself: no
+// response headers within the stall timeout (ResponseHeaderTimeout), a
+// dial or TLS handshake that timed out. Such an error also matches
+// context.DeadlineExceeded (net/http says so of its header timeout), but
+// it is a frozen endpoint, not the caller's deadline, whose error is the
+// context's own.
+func transportTimeout(err error) bool {
+	var urlErr *url.Error
+	if !errors.As(err, &urlErr) || urlErr.Err == nil || urlErr.Err == context.DeadlineExceeded || urlErr.Err == context.Canceled {
+		return false
+	}
+	var t interface{ Timeout() bool }
+	return errors.As(urlErr.Err, &t) && t.Timeout()
+}
+
 // isTransient reports whether err is worth retrying: throttling, server
 // errors, and network failures, but not a certificate problem or a
 // cancellation by the caller.
 func isTransient(err error) bool {
-	if errors.Is(err, errStalled) {
+	if errors.Is(err, errStalled) || transportTimeout(err) {
 		return true
 	}
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
