@@ -24,6 +24,7 @@ const (
 	ReadAhead                      // memory a dataset session may hold
 	DatasetListing                 // memory a dataset's listing may take
 	DatasetSources                 // the sources datasets may be read from
+	DiskCache                      // the datasets' disk tier: its folder and size
 )
 
 // Error is a core error that ran into budgets. Its message names them by

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/posix"
 )
@@ -41,8 +42,6 @@ type allowList struct {
 
 type s3Prefix struct{ bucket, prefix string } // prefix without leading or trailing "/"; "" is the whole bucket
 
-const allowFlag = "--dataset-allow"
-
 // newAllowList parses the entries of --dataset-allow; exclude names folders
 // never allowed (they must exist).
 func newAllowList(entries, exclude []string) (*allowList, error) {
@@ -53,7 +52,7 @@ func newAllowList(entries, exclude []string) (*allowList, error) {
 		}
 		src, err := parseSource(e)
 		if err != nil {
-			return nil, fmt.Errorf("%s %q: %w", allowFlag, e, err)
+			return nil, budget.Wrap(fmt.Errorf("allowed dataset source %q: %w", e, err), budget.DatasetSources)
 		}
 		if src.path != "" {
 			l.local = append(l.local, src.path)
@@ -138,8 +137,8 @@ func (l *allowList) resolve(raw string) (resolved, error) {
 		return resolved{}, fmt.Errorf("dataset source %q: %w", redact(raw), err)
 	}
 	if len(l.local)+len(l.s3) == 0 {
-		return resolved{}, fmt.Errorf("%w: dataset source %q: the daemon allows no dataset sources; start ckptd serve with %s "+
-			"naming the folders and s3://bucket/prefix sources trainers may read", ErrNotAllowed, raw, allowFlag)
+		return resolved{}, budget.Wrap(fmt.Errorf("%w: dataset source %q: the daemon allows no dataset sources; its operator names "+
+			"the folders and s3://bucket/prefix sources trainers may read", ErrNotAllowed, raw), budget.DatasetSources)
 	}
 	if src.path == "" {
 		for _, a := range l.s3 {
@@ -197,8 +196,8 @@ func (l *allowList) refused(what, name, real string) error {
 	if real != "" && real != filepath.Clean(name) {
 		really = fmt.Sprintf(" (really %s)", printable(real))
 	}
-	return fmt.Errorf("%w: %s %q%s is not beneath any %s entry of the daemon; ask its operator to add it",
-		ErrNotAllowed, what, name, really, allowFlag)
+	return budget.Wrap(fmt.Errorf("%w: %s %q%s is not beneath any source the daemon allows; ask its operator to add it",
+		ErrNotAllowed, what, name, really), budget.DatasetSources)
 }
 
 // realOfMissing resolves the part of a missing path that exists.

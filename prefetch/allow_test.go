@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -66,7 +67,7 @@ func TestAllowedSources(t *testing.T) {
 		{filepath.Join(root, "link-to-data"), nil, ""}, // a link to an allowed folder: its real path counts
 		{"s3://bkt/train", nil, ""},
 		{"s3://bkt/train/part-1", nil, ""},
-		{filepath.Join(root, "outside"), ErrNotAllowed, "--dataset-allow"},
+		{filepath.Join(root, "outside"), ErrNotAllowed, "not beneath any source the daemon allows"},
 		{filepath.Join(root, "database"), ErrNotAllowed, "not beneath"}, // component-wise: /data does not allow /database
 		{data + "/../outside", ErrNotAllowed, "not beneath"},
 		{data + "/sub/../../outside", ErrNotAllowed, "not beneath"},
@@ -102,10 +103,10 @@ func TestAllowedSources(t *testing.T) {
 func TestNoSourcesAllowed(t *testing.T) {
 	s := newService(t, nil, ServiceConfig{Allow: []string{}})
 	err := openSrc(s, t.TempDir())
-	if !errors.Is(err, ErrNotAllowed) || !strings.Contains(err.Error(), "allows no dataset sources") || !strings.Contains(err.Error(), "--dataset-allow") {
+	if !errors.Is(err, ErrNotAllowed) || !strings.Contains(err.Error(), "allows no dataset sources") || !ranInto(err, budget.DatasetSources) {
 		t.Fatalf("with no --dataset-allow: %v", err)
 	}
-	if _, err := newAllowList([]string{"relative"}, nil); err == nil || !strings.Contains(err.Error(), "--dataset-allow") {
+	if _, err := newAllowList([]string{"relative"}, nil); err == nil || !ranInto(err, budget.DatasetSources) {
 		t.Fatalf("a relative --dataset-allow entry: %v", err)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"io"
 	"strings"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -260,7 +261,7 @@ func (a *assembler) member(sh Shard, name, key, ext string, size int64, get func
 	}
 	tooLarge := a.bad == "" && (a.cur.cost+cost > a.window || a.cur.cost+cost > a.batchLimit)
 	if tooLarge {
-		a.bad = fmt.Sprintf("it takes more than the %d bytes --read-ahead-bytes (%d) leaves for a sample",
+		a.bad = fmt.Sprintf("it takes more than the %d bytes the read-ahead budget (%d) leaves for a sample",
 			min(a.window, a.batchLimit), a.opts.ReadAheadBytes)
 	}
 	if a.bad != "" {
@@ -271,8 +272,8 @@ func (a *assembler) member(sh Shard, name, key, ext string, size int64, get func
 			a.cur.Fields, a.cur.cost = nil, 0
 			return nil
 		case tooLarge:
-			return fmt.Errorf("%w: sample %s of shard %s: %s; raise it, or skip_corrupt skips such samples",
-				ErrTooLarge, printable(key), printable(sh.Name), a.bad)
+			return budget.Wrap(fmt.Errorf("%w: sample %s of shard %s: %s; raise it, or skip_corrupt skips such samples",
+				ErrTooLarge, printable(key), printable(sh.Name), a.bad), budget.ReadAhead)
 		}
 		return corrupt(sh, "member %s: %s (skip_corrupt skips such samples)", printable(name), a.bad)
 	}
@@ -399,8 +400,8 @@ func (a *assembler) emit(s Sample) error {
 	a.pos = a.seen
 	switch {
 	case a.batchCost > a.batchLimit:
-		return fmt.Errorf("%w: a batch of %d samples takes more than the %d bytes --read-ahead-bytes (%d) leaves for a batch; "+
-			"lower batch_size or raise --read-ahead-bytes", ErrTooLarge, len(a.batch), a.batchLimit, a.opts.ReadAheadBytes)
+		return budget.Wrap(fmt.Errorf("%w: a batch of %d samples takes more than the %d bytes the read-ahead budget (%d) leaves for a batch; "+
+			"lower batch_size or raise the budget", ErrTooLarge, len(a.batch), a.batchLimit, a.opts.ReadAheadBytes), budget.ReadAhead)
 	case a.batchMeta > maxBatchMeta:
 		return fmt.Errorf("%w: the keys and field names of a batch of %d samples take more than %d bytes; lower batch_size",
 			ErrTooLarge, len(a.batch), maxBatchMeta)

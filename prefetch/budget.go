@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"golang.org/x/sync/semaphore"
+
+	"github.com/ckptd/ckptd/budget"
 )
 
 // arenaBudget is the datasets' share of the staging arena: every ring
@@ -28,7 +30,7 @@ func newArenaBudget(size int64) *arenaBudget {
 // or the caller's own ctx error when that ended first.
 func (b *arenaBudget) acquire(ctx context.Context, n int64, wait time.Duration, what string) error {
 	if n > b.size {
-		return fmt.Errorf("%w: %s needs %d bytes of the arena, more than the %d of --dataset-arena-bytes", ErrOverBudget, what, n, b.size)
+		return budget.Wrap(fmt.Errorf("%w: %s needs %d bytes of the arena, more than the datasets' share of %d", ErrOverBudget, what, n, b.size), budget.DatasetShare)
 	}
 	wctx, cancel, wait := roomWait(ctx, wait)
 	defer cancel()
@@ -36,8 +38,8 @@ func (b *arenaBudget) acquire(ctx context.Context, n int64, wait time.Duration, 
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		return fmt.Errorf("%w: %s needs %d bytes of the arena, and the other dataset sessions held the %d of --dataset-arena-bytes for %s; "+
-			"close datasets, or raise --dataset-arena-bytes (within --staging-bytes)", ErrOverBudget, what, n, b.size, wait)
+		return budget.Wrap(fmt.Errorf("%w: %s needs %d bytes of the arena, and the other dataset sessions held the datasets' share of %d for %s; "+
+			"close datasets, or raise the share (within the arena)", ErrOverBudget, what, n, b.size, wait), budget.DatasetShare, budget.StagingArena)
 	}
 	b.used.Add(n)
 	return nil

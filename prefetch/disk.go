@@ -19,6 +19,8 @@ import (
 	"time"
 
 	"github.com/zeebo/xxh3"
+
+	"github.com/ckptd/ckptd/budget"
 )
 
 // diskCache is the disk tier (serve's --disk-cache-dir, --disk-cache-bytes):
@@ -73,17 +75,17 @@ const (
 // newDiskCache opens the tier in dir (made if missing), removing what a
 // crash left half written and counting the files of earlier runs, which
 // are served again, and evicted first when room is needed.
-func newDiskCache(dir string, budget int64, log *slog.Logger) (*diskCache, error) {
-	if budget <= 0 {
-		return nil, fmt.Errorf("%w: --disk-cache-bytes %d: give the tier a positive budget", ErrInvalid, budget)
+func newDiskCache(dir string, limit int64, log *slog.Logger) (*diskCache, error) {
+	if limit <= 0 {
+		return nil, budget.Wrap(fmt.Errorf("%w: the disk tier's budget is %d bytes: give it a positive one", ErrInvalid, limit), budget.DiskCache)
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("%w: --disk-cache-dir %s: %w", ErrInvalid, dir, err)
+		return nil, budget.Wrap(fmt.Errorf("%w: the disk tier's folder %s: %w", ErrInvalid, dir, err), budget.DiskCache)
 	}
-	d := &diskCache{dir: dir, budget: budget, log: log, files: map[string]*diskFile{}}
+	d := &diskCache{dir: dir, budget: limit, log: log, files: map[string]*diskFile{}}
 	entries, err := os.ReadDir(dir)
 	if err != nil {
-		return nil, fmt.Errorf("%w: --disk-cache-dir %s: %w", ErrInvalid, dir, err)
+		return nil, budget.Wrap(fmt.Errorf("%w: the disk tier's folder %s: %w", ErrInvalid, dir, err), budget.DiskCache)
 	}
 	for _, e := range entries {
 		name := e.Name()

@@ -7,6 +7,7 @@ import (
 	"io"
 	"strings"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -132,17 +133,17 @@ func listDataset(ctx context.Context, b storage.Backend, prefix string, f Format
 // listObjects lists the objects under prefix that keep says to keep, in
 // the backend's (name) order, within budget: a listing that would cost an
 // iteration more fails (see ListShards).
-func listObjects(ctx context.Context, b storage.Backend, prefix string, budget int64, keep func(string) bool) ([]Shard, error) {
+func listObjects(ctx context.Context, b storage.Backend, prefix string, limit int64, keep func(string) bool) ([]Shard, error) {
 	var out []Shard
 	var cost int64
 	err := b.List(ctx, prefix, func(oi storage.ObjectInfo) error {
 		if !keep(oi.Name) {
 			return nil
 		}
-		if cost += listCost(oi.Name); cost > budget {
-			return fmt.Errorf("%w: dataset %s/%s lists more shards than --dataset-list-bytes %d allows "+
+		if cost += listCost(oi.Name); cost > limit {
+			return budget.Wrap(fmt.Errorf("%w: dataset %s/%s lists more shards than the listing budget (%d) allows "+
 				"(about %d shards of such names; each costs a session its name twice and ~%d bytes)",
-				ErrTooLarge, b.Location(), printable(prefix), budget, budget/listCost(oi.Name), listShardBytes)
+				ErrTooLarge, b.Location(), printable(prefix), limit, limit/listCost(oi.Name), listShardBytes), budget.DatasetListing)
 		}
 		out = append(out, Shard{Name: oi.Name, Size: oi.Size, ModTime: oi.ModTime})
 		return nil
@@ -169,8 +170,8 @@ func joinName(prefix, base string) string {
 // index.json): a larger one is refused before it is read.
 func readSmall(ctx context.Context, b storage.Backend, name string, size, limit int64, what string) ([]byte, error) {
 	if size > limit {
-		return nil, fmt.Errorf("%w: %s %s is %d bytes, more than the %d ckptd reads (--dataset-list-bytes)",
-			ErrTooLarge, what, printable(name), size, limit)
+		return nil, budget.Wrap(fmt.Errorf("%w: %s %s is %d bytes, more than the %d the listing budget reads",
+			ErrTooLarge, what, printable(name), size, limit), budget.DatasetListing)
 	}
 	rc, err := b.Get(ctx, name, 0, size)
 	if err != nil {
@@ -238,9 +239,9 @@ func streamed(sh Shard, opts Options) (bool, error) {
 	case sh.weight() <= opts.readAhead():
 		return false, nil
 	}
-	return false, fmt.Errorf("%w: shard %s takes %d bytes to read and decode whole, more than the %d bytes "+
-		"--read-ahead-bytes (%d) leaves for shards read ahead; raise it, or write smaller shards (Parquet row groups)",
-		ErrTooLarge, printable(sh.Name), sh.weight(), opts.readAhead(), opts.ReadAheadBytes)
+	return false, budget.Wrap(fmt.Errorf("%w: shard %s takes %d bytes to read and decode whole, more than the %d bytes "+
+		"the read-ahead budget (%d) leaves for shards read ahead; raise it, or write smaller shards (Parquet row groups)",
+		ErrTooLarge, printable(sh.Name), sh.weight(), opts.readAhead(), opts.ReadAheadBytes), budget.ReadAhead)
 }
 
 func isParquet(name string) bool { return strings.HasSuffix(name, ".parquet") }

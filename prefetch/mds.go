@@ -33,6 +33,7 @@ import (
 	"golang.org/x/crypto/blake2b"
 	"golang.org/x/crypto/blake2s"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -201,7 +202,7 @@ func listMDS(ctx context.Context, b storage.Backend, prefix string, budget int64
 // parseMDSIndex parses an index.json's bytes (untrusted: every count and
 // size it claims is checked before anything is sized by it) into shards
 // named beneath prefix, without their listed sizes.
-func parseMDSIndex(data []byte, prefix string, budget int64) ([]Shard, error) {
+func parseMDSIndex(data []byte, prefix string, limit int64) ([]Shard, error) {
 	var idx mdsIndexJSON
 	if err := json.Unmarshal(data, &idx); err != nil {
 		return nil, fmt.Errorf("not an MDS index: %w", err)
@@ -231,8 +232,8 @@ func parseMDSIndex(data []byte, prefix string, budget int64) ([]Shard, error) {
 			return nil, fmt.Errorf("shard %d: %s is listed twice", i, printable(name))
 		}
 		seen[name] = true
-		if cost += listCost(name) + mdsCost(m); cost > budget {
-			return nil, fmt.Errorf("%w: the MDS index lists more shards than --dataset-list-bytes %d allows", ErrTooLarge, budget)
+		if cost += listCost(name) + mdsCost(m); cost > limit {
+			return nil, budget.Wrap(fmt.Errorf("%w: the MDS index lists more shards than the listing budget (%d) allows", ErrTooLarge, limit), budget.DatasetListing)
 		}
 		u := &unit{samples: int(js.Samples), first: first, mds: m}
 		if m.codec != "" {
@@ -583,8 +584,8 @@ func (a *assembler) mdsSamples(sh Shard, r io.Reader, pos func() int64, raw int6
 	// samples' part of the budget, as a sample is.
 	table := 4 * int64(u.samples+1)
 	if table > a.window/2 {
-		return fmt.Errorf("%w: shard %s has %d samples, whose offsets take more than the %d bytes --read-ahead-bytes (%d) leaves for them; raise it",
-			ErrTooLarge, printable(sh.Name), u.samples, a.window/2, a.opts.ReadAheadBytes)
+		return budget.Wrap(fmt.Errorf("%w: shard %s has %d samples, whose offsets take more than the %d bytes the read-ahead budget (%d) leaves for them; raise it",
+			ErrTooLarge, printable(sh.Name), u.samples, a.window/2, a.opts.ReadAheadBytes), budget.ReadAhead)
 	}
 	if err := a.mem.Acquire(a.ctx, table); err != nil {
 		return err

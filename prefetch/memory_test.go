@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/internal/testtime"
 	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/posix"
@@ -199,7 +200,7 @@ func TestSampleLargerThanTheBudget(t *testing.T) {
 	b, _ = posix.New(dir)
 	opts := Options{ReadAheadBytes: minReadAhead} // 256 KiB for a batch
 	_, _, _, err := epochOf(t, b, newCache(t, 0), Spec{BatchSize: 1, WorldSize: 1}, opts)
-	if !errors.Is(err, ErrTooLarge) || !strings.Contains(err.Error(), "x/1") || !strings.Contains(err.Error(), "--read-ahead-bytes") {
+	if !errors.Is(err, ErrTooLarge) || !strings.Contains(err.Error(), "x/1") || !ranInto(err, budget.ReadAhead) {
 		t.Fatalf("a 700 KiB sample with 256 KiB for a batch: %v", err)
 	}
 	ks, st, _, err := epochOf(t, b, newCache(t, 0), Spec{BatchSize: 1, WorldSize: 1, SkipCorrupt: true}, opts)

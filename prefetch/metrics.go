@@ -38,9 +38,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		RingGrown: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ckptd_prefetch_ring_slots_grown_total", Help: "Ring slots added to sessions whose trainer caught up with a full ring."}),
 		DiskHits: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "ckptd_prefetch_disk_hits_total", Help: "Shards of remote sources served from the disk tier (--disk-cache-dir)."}),
+			Name: "ckptd_prefetch_disk_hits_total", Help: "Shards of remote sources served from the datasets' disk tier."}),
 		DiskBytes: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "ckptd_prefetch_disk_bytes", Help: "Bytes the disk tier (--disk-cache-dir) holds, its files' trailers included."}),
+			Name: "ckptd_prefetch_disk_bytes", Help: "Bytes the datasets' disk tier holds, its files' trailers included."}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.Wait, m.Samples, m.CacheHits, m.CacheMisses, m.Corrupt, m.Sessions, m.RingGrown, m.DiskHits, m.DiskBytes)

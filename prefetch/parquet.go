@@ -22,6 +22,7 @@ import (
 	"github.com/parquet-go/parquet-go/format"
 	"github.com/pierrec/lz4/v4"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -76,7 +77,7 @@ type pqRowGroup struct {
 // listParquet lists the row groups of the .parquet objects objs, in order:
 // a shard each. Each file's footer is read once per daemon while the
 // cache's footer budget holds it.
-func listParquet(ctx context.Context, b storage.Backend, prefix string, objs []Shard, budget int64, cache *Cache) ([]Shard, error) {
+func listParquet(ctx context.Context, b storage.Backend, prefix string, objs []Shard, limit int64, cache *Cache) ([]Shard, error) {
 	if len(objs) == 0 {
 		return nil, fmt.Errorf("%w: %s has no .parquet files under prefix %q", ErrInvalid, b.Location(), printable(prefix))
 	}
@@ -87,9 +88,9 @@ func listParquet(ctx context.Context, b storage.Backend, prefix string, objs []S
 		if err != nil {
 			return nil, err
 		}
-		if cost += f.cost; cost > budget {
-			return nil, fmt.Errorf("%w: the Parquet footers under %s/%s take more than --dataset-list-bytes %d allows",
-				ErrTooLarge, b.Location(), printable(prefix), budget)
+		if cost += f.cost; cost > limit {
+			return nil, budget.Wrap(fmt.Errorf("%w: the Parquet footers under %s/%s take more than the listing budget (%d) allows",
+				ErrTooLarge, b.Location(), printable(prefix), limit), budget.DatasetListing)
 		}
 		key := strings.TrimSuffix(strings.TrimPrefix(strings.TrimPrefix(o.Name, prefix), "/"), ".parquet")
 		var first int64
@@ -99,9 +100,9 @@ func listParquet(ctx context.Context, b storage.Backend, prefix string, objs []S
 				return nil, fmt.Errorf("%w: Parquet file %s/%s: row group %d: %w", ErrInvalid, b.Location(), printable(o.Name), i, err)
 			}
 			name := o.Name + "#" + strconv.Itoa(i)
-			if cost += listCost(name); cost > budget {
-				return nil, fmt.Errorf("%w: dataset %s/%s lists more row groups than --dataset-list-bytes %d allows",
-					ErrTooLarge, b.Location(), printable(prefix), budget)
+			if cost += listCost(name); cost > limit {
+				return nil, budget.Wrap(fmt.Errorf("%w: dataset %s/%s lists more row groups than the listing budget (%d) allows",
+					ErrTooLarge, b.Location(), printable(prefix), limit), budget.DatasetListing)
 			}
 			shards = append(shards, Shard{Name: name, Size: end - start, ModTime: o.ModTime, unit: &unit{
 				samples: int(rg.NumRows), first: first, mem: mem, object: o.Name, off: start,

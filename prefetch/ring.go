@@ -7,6 +7,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/ckptd/ckptd/budget"
 )
 
 // FieldRef locates one field of a delivered sample in its region.
@@ -65,22 +67,23 @@ type Ring struct {
 // newRing charges n slots of slotSize bytes to budget and allocates them
 // from a, waiting up to wait for room (for an oversized batch too). The
 // ring may grow to most slots (most < n means n).
-func newRing(ctx context.Context, a Arena, budget *arenaBudget, n, most int, slotSize int64, wait time.Duration) (*Ring, error) {
+func newRing(ctx context.Context, a Arena, share *arenaBudget, n, most int, slotSize int64, wait time.Duration) (*Ring, error) {
 	if n <= 0 || slotSize <= 0 {
 		return nil, fmt.Errorf("%w: ring of %d slots of %d bytes", ErrInvalid, n, slotSize)
 	}
 	most = max(most, n)
 	size := int64(n) * slotSize
-	if err := budget.acquire(ctx, size, wait, fmt.Sprintf("a dataset session's ring (--ring-slots %d × --slot-bytes %d)", n, slotSize)); err != nil {
-		if errors.Is(err, ErrOverBudget) && size <= budget.size {
+	if err := share.acquire(ctx, size, wait, fmt.Sprintf("a dataset session's ring (%d slots × %d bytes)", n, slotSize)); err != nil {
+		if errors.Is(err, ErrOverBudget) && size <= share.size {
 			// It could fit once others close: say how many sessions fit at
 			// once, which a DataLoader's worker count easily passes.
 			err = fmt.Errorf("%w; that share holds %d such rings, one per open session, and every DataLoader worker "+
-				"of every rank on this node opens its own", err, budget.size/size)
+				"of every rank on this node opens its own", err, share.size/size)
 		}
+		err = budget.Wrap(err, budget.RingSlots, budget.SlotBytes)
 		return nil, err
 	}
-	r := &Ring{a: a, budget: budget, wait: wait, slotSize: slotSize, base: n, free: make(chan Region, most), turns: make(chan struct{}, most)}
+	r := &Ring{a: a, budget: share, wait: wait, slotSize: slotSize, base: n, free: make(chan Region, most), turns: make(chan struct{}, most)}
 	for range most - n {
 		r.turns <- struct{}{}
 	}
@@ -163,9 +166,9 @@ func (r *Ring) fill(ctx context.Context, b *Batch) (*Delivery, error) {
 	if size <= r.slotSize {
 		d.Region, d.slot = <-r.free, true // a turn leaves a slot free: each delivery holds one turn, at most one slot
 	} else {
-		what := fmt.Sprintf("a batch of %d bytes (larger than a %d-byte --slot-bytes slot)", size, r.slotSize)
+		what := fmt.Sprintf("a batch of %d bytes (larger than a %d-byte slot)", size, r.slotSize)
 		if err := r.budget.acquire(ctx, size, r.wait, what); err != nil {
-			return nil, err
+			return nil, budget.Wrap(err, budget.SlotBytes)
 		}
 		actx, cancel := context.WithTimeout(ctx, r.wait)
 		defer cancel()

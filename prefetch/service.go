@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/storage"
 )
 
@@ -141,7 +142,8 @@ func (cfg *ServiceConfig) setDefaults(arenaSize int64) {
 func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	cfg.setDefaults(a.Size())
 	if cfg.ArenaBytes > a.Size() {
-		return nil, fmt.Errorf("%w: --dataset-arena-bytes %d exceeds the arena's %d bytes (--staging-bytes)", ErrInvalid, cfg.ArenaBytes, a.Size())
+		return nil, budget.Wrap(fmt.Errorf("%w: the datasets' share of the arena, %d bytes, exceeds the arena's %d", ErrInvalid, cfg.ArenaBytes, a.Size()),
+			budget.DatasetShare, budget.StagingArena)
 	}
 	if cfg.ArenaDir == "" {
 		cfg.ArenaDir = filepath.Dir(a.Path())
@@ -152,9 +154,9 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	}
 	switch {
 	case cfg.Off:
-		cfg.Logger.Info("datasets are off (--dataset-arena-bytes 0)")
+		cfg.Logger.Info("datasets are off: they have no share of the arena")
 	case len(cfg.Allow) == 0:
-		cfg.Logger.Info("no dataset sources are allowed: datasets are off until --dataset-allow names some")
+		cfg.Logger.Info("no dataset sources are allowed: datasets are off until some are")
 	}
 	if cfg.off() {
 		cfg.CacheBytes = 0 // nothing to cache: the memory ceiling counts none
@@ -169,7 +171,7 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	switch {
 	case cfg.DiskCacheDir == "" && cfg.DiskCacheBytes > 0:
 		c.Close()
-		return nil, fmt.Errorf("%w: --disk-cache-bytes needs --disk-cache-dir, the folder of the disk tier", ErrInvalid)
+		return nil, budget.Wrap(fmt.Errorf("%w: the disk tier has a size but no folder", ErrInvalid), budget.DiskCache)
 	case cfg.DiskCacheDir != "" && !cfg.off():
 		if c.disk, err = newDiskCache(cfg.DiskCacheDir, cfg.DiskCacheBytes, cfg.Logger); err != nil {
 			c.Close()
@@ -269,7 +271,7 @@ func (s *Service) OpenMixture(ctx context.Context, owner Owner, sources []Mixtur
 // open opens a session over sources: one source's dataset, or a mixture.
 func (s *Service) open(ctx context.Context, owner Owner, sources []MixtureSource, spec Spec, mixture bool) (string, Stats, error) {
 	if s.cfg.Off {
-		return "", Stats{}, fmt.Errorf("%w: datasets are off: this daemon gives them no share of its arena (--dataset-arena-bytes 0)", ErrOverBudget)
+		return "", Stats{}, budget.Wrap(fmt.Errorf("%w: datasets are off: this daemon gives them no share of its arena", ErrOverBudget), budget.DatasetShare)
 	}
 	var refs []*backendRef
 	release := func() {

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ckptd/ckptd/budget"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/internal/testtime"
 	"github.com/ckptd/ckptd/storage"
@@ -278,7 +279,7 @@ func TestDatasetShareOfTheArena(t *testing.T) {
 		ids = append(ids, id)
 	}
 	_, _, err := s.OpenSession(ctx, Owner{}, src, small)
-	if !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "--dataset-arena-bytes") ||
+	if !errors.Is(err, ErrOverBudget) || !ranInto(err, budget.DatasetShare) ||
 		!strings.Contains(err.Error(), "holds 2 such rings") {
 		t.Fatalf("a third ring in a share that holds two: %v", err)
 	}
@@ -302,7 +303,7 @@ func TestDatasetShareOfTheArena(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, _, _, err = s.Next(ctx, Owner{}, big, nil)
-	if !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "--dataset-arena-bytes") {
+	if !errors.Is(err, ErrOverBudget) || !ranInto(err, budget.DatasetShare) {
 		t.Fatalf("an oversized batch beyond the share: %v", err)
 	}
 	_ = s.CloseSession(Owner{}, fill)
@@ -430,7 +431,7 @@ func TestTimedOutCallsLoseNothing(t *testing.T) {
 func TestDatasetsOff(t *testing.T) {
 	s := newService(t, memstore.New(), ServiceConfig{Off: true})
 	_, _, err := s.OpenSession(context.Background(), Owner{}, "s3://test", Spec{BatchSize: 1, WorldSize: 1})
-	if !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "--dataset-arena-bytes 0") {
+	if !errors.Is(err, ErrOverBudget) || !strings.Contains(err.Error(), "datasets are off") || !ranInto(err, budget.DatasetShare) {
 		t.Fatalf("a session with datasets off: %v", err)
 	}
 	for _, cfg := range []ServiceConfig{{Off: true, Allow: []string{"/data"}}, {}} {
@@ -442,3 +443,6 @@ func TestDatasetsOff(t *testing.T) {
 		t.Error("no ceiling with datasets on")
 	}
 }
+
+// ranInto reports whether err names budget n (the daemon adds its flag).
+func ranInto(err error, n budget.Name) bool { return slices.Contains(budget.Of(err), n) }

@@ -95,6 +95,13 @@ type Options struct {
 	SpillBytes int64
 }
 
+// explained is a start's error shown with the flags of the budgets it ran
+// into (server.Explain): the core names a budget, not its flag.
+type explained struct{ err error }
+
+func (e explained) Error() string { return server.Explain(e.err) }
+func (e explained) Unwrap() error { return e.err }
+
 // UsageError is a setting the daemon cannot start with: the command
 // exits 2 (bad usage) on one.
 type UsageError struct{ Err error }
@@ -184,7 +191,7 @@ func New(ctx context.Context, o *Options) (*Daemon, error) {
 	for _, step := range []func(context.Context) error{d.openPeers, d.openStorage, d.openArena, d.startManager, d.startPeers, d.startPrefetch, d.listen} {
 		if err := step(ctx); err != nil {
 			d.Close()
-			return nil, err
+			return nil, explained{err}
 		}
 	}
 	return d, nil

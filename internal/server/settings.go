@@ -22,6 +22,7 @@ var serveFlags = map[budget.Name][]string{
 	budget.ReadAhead:      {"--read-ahead-bytes"},
 	budget.DatasetListing: {"--dataset-list-bytes"},
 	budget.DatasetSources: {"--dataset-allow"},
+	budget.DiskCache:      {"--disk-cache-dir", "--disk-cache-bytes"},
 }
 
 // Explain is err's message, followed by the ckptd serve flags that set the

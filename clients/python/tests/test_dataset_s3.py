@@ -100,6 +100,6 @@ def test_s3_corrupt_shard_and_empty_prefix(minio, s3_daemon):
         assert sorted(set(got) - set(cut)) == sorted(want)
         with pytest.raises(ckptd.InvalidArgumentError, match=r"no \.tar shards"):
             c.dataset(ckptd.DatasetSpec("s3://bad/nothing-here", batch_size=BATCH))
-        with pytest.raises(ckptd.CkptdError, match="not beneath any --dataset-allow") as e:
+        with pytest.raises(ckptd.CkptdError, match="not beneath any source") as e:
             c.dataset(ckptd.DatasetSpec("s3://unlisted/train", batch_size=BATCH))
         assert e.value.code == "PERMISSION_DENIED"
