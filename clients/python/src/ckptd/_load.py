@@ -12,14 +12,15 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
 from . import _kinds, _limits, _names, _tensors
+from ._arena import Arena
 from ._errors import (
     CkptdError,
     ClientClosedError,
@@ -31,6 +32,7 @@ from ._transport import Connection, LeaseLost, Outage
 from .v1 import ckptd_pb2 as pb
 
 _LOG = logging.getLogger("ckptd")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,16 @@ def restore_request(
     job: str | None,
     tensors: Sequence[str] | None = None,
     finite: bool = False,
+    *,
+    slices: Sequence[tuple[str, int, int]] = (),
+    header_only: bool = False,
 ) -> pb.BeginRestoreRequest:
     """The BeginRestore request; range checks beyond the protocol's are the daemon's.
 
     step is an int or "latest"; tensors, when given, the stored names to
-    restore (only their chunks are read); finite, with "latest", the newest
+    restore (only their chunks are read); slices, instead, byte ranges of
+    them, (name, offset, length) each; header_only restores none (the
+    header, for its metadata); finite, with "latest", the newest
     committed step whose tensors hold no NaN or Inf.
     """
     if isinstance(tensors, str):
@@ -101,6 +108,8 @@ def restore_request(
         rank=rank,
         tensors=list(tensors or ()),
         finite=finite,
+        slices=[pb.TensorSlice(name=n, offset=o, length=k) for n, o, k in slices],
+        header_only=header_only,
     )
 
 
@@ -118,19 +127,13 @@ def load(
     a load whose region may have been handed on meanwhile is made again.
     """
     out = _Outputs(True if device is not None else as_torch, device)
-    outage = Outage(conn, what)
-    while True:
-        try:
-            arena = conn.mapping(refresh=outage.active)
-            if arena is None:
-                header, items = _load_stream(conn, req, out, what)
-            else:
-                header, items = _load_shm(conn, req, out, what)
-            break
-        except DaemonUnavailableError as e:
-            outage.pause(e)
-        except LeaseLost as e:
-            outage.pause(e.error)
+
+    def build(header: pb.RestoreHeader, data: np.ndarray, arena: Arena | None) -> Any:
+        if arena is not None and out.needs_pin:
+            out.pinned = arena.pin()
+        return out.build(header, data)
+
+    header, items = restore(conn, req, what, build)
     result = LoadedState(_names.unflatten(items) if nested else dict(items))
     result.step, result.world_size, result.metadata, result.attempt = (
         header.step,
@@ -158,18 +161,47 @@ def load(
     return result
 
 
+def restore(
+    conn: Connection,
+    req: pb.BeginRestoreRequest,
+    what: str,
+    use: Callable[[pb.RestoreHeader, np.ndarray, Arena | None], _T],
+) -> tuple[pb.RestoreHeader, _T]:
+    """Restore req's shard (or its tensors) and return use(header, data, arena) on the bytes.
+
+    data is the restored region of the arena (arena: its mapping), held
+    only while use runs: use copies out what it keeps. A client that
+    streams gets the bytes in memory (arena None). A daemon that goes away
+    is waited for (conn's reconnect_timeout), and a restore whose region
+    may have been handed on while use copied it is made again: use may run
+    more than once, each time on all of the bytes.
+    """
+    outage = Outage(conn, what)
+    while True:
+        try:
+            arena = conn.mapping(refresh=outage.active)
+            if arena is None:
+                return _load_stream(conn, req, use, what)
+            return _load_shm(conn, req, use, what)
+        except DaemonUnavailableError as e:
+            outage.pause(e)
+        except LeaseLost as e:
+            outage.pause(e.error)
+
+
 def _load_shm(
-    conn: Connection, req: pb.BeginRestoreRequest, out: _Outputs, what: str
-) -> tuple[pb.RestoreHeader, list[tuple[str, Any]]]:
+    conn: Connection,
+    req: pb.BeginRestoreRequest,
+    use: Callable[[pb.RestoreHeader, np.ndarray, Arena | None], _T],
+    what: str,
+) -> tuple[pb.RestoreHeader, _T]:
     resp = conn.call("BeginRestore", req, what)
     release = pb.ReleaseRegionRequest(lease_id=resp.lease.id)
     try:
         header = resp.header
         arena = conn.lease_mapping(resp.lease.arena_id)
         region = arena.region(resp.lease.offset, header.size)
-        if out.needs_pin:
-            out.pinned = arena.pin()
-        items = out.build(header, region)
+        result = use(header, region, arena)
     except BaseException:
         # On failure the daemon reclaims the region after --lease-timeout.
         with contextlib.suppress(CkptdError):
@@ -183,12 +215,15 @@ def _load_shm(
         if e.reason not in (None, "UNKNOWN_LEASE"):
             raise
         raise LeaseLost(e) from None
-    return header, items
+    return header, result
 
 
 def _load_stream(
-    conn: Connection, req: pb.BeginRestoreRequest, out: _Outputs, what: str
-) -> tuple[pb.RestoreHeader, list[tuple[str, Any]]]:
+    conn: Connection,
+    req: pb.BeginRestoreRequest,
+    use: Callable[[pb.RestoreHeader, np.ndarray, Arena | None], _T],
+    what: str,
+) -> tuple[pb.RestoreHeader, _T]:
     if conn.closed:
         raise ClientClosedError(f"{what}: the client is closed")
     conn.ensure_trusted(what)
@@ -212,7 +247,7 @@ def _load_stream(
         raise conn.error(e, what) from None
     if n != data.size:
         raise CkptdError(f"{what}: the stream ended after {n} of {data.size} bytes")
-    return header, out.build(header, data)
+    return header, use(header, data, None)
 
 
 def steps(conn: Connection, job: str | None) -> list[StepInfo]:

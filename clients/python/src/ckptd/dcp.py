@@ -101,10 +101,16 @@ stored (finish raises if its plan has an item stage() did not store).
 A background save that fails before finish leaves rank 0's region leased
 until its connection closes or the daemon's --lease-timeout.
 
-Reading: every rank reads rank 0's save for the metadata (restoring only
-its small ckptd.sharding tensor, or the ``dcp.metadata`` one), then of
-each shard its reads need only those tensors, each shard once, releasing
-each after use.
+Reading: every rank reads the metadata from rank 0's save with a restore
+of no tensor (nothing of the step's data is read; the ``dcp.metadata``
+tensor when it was too large), then, of each shard its reads need, only
+what they read: the whole shard when they read all of it, else the
+tensors they read whole and, of a tensor they read part of (a resharded
+load), the bytes from the first element read to the last. The daemon
+reads only the chunks holding those. Up to READERS restores run at once
+(each at most a READERS-th of the arena), and items are copied from the
+shared-memory region straight into the planner's tensors, releasing each
+region after use.
 """
 
 from __future__ import annotations
@@ -120,15 +126,20 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Mapping, Sequence, Set
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import _storage_utils, state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -145,21 +156,25 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from . import _limits, _save, _sharding, _tensors
+from . import _limits, _load, _save, _sharding, _tensors
 from ._client import Client
 from ._errors import AlreadyExistsError, CkptdError, InvalidArgumentError
 from ._handle import SaveHandle
 from ._load import LoadedState
 from .torch import _run_attempt
+from .v1 import ckptd_pb2 as pb
 
 __all__ = ["METADATA", "CheckpointId", "Reader", "Writer", "parse_checkpoint_id"]
 
 _LOG = logging.getLogger("ckptd")
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 METADATA = "dcp.metadata"  # rank 0's pickled DCP Metadata, when too large for a save's
 BYTES = "dcp.bytes"  # top-level key of the torch.save'd non-tensor items
 DCP_VERSION = "1.0.0"  # Metadata.version, as DCP's FileSystemWriter writes it
+READERS = 4  # restores a Reader's read_data runs at once
+STREAMED_BATCH = 256 << 20  # the most one such restore brings, streamed (no arena)
 
 # storage_data of the stored Metadata: MetadataIndex -> (rank, tensor name),
 # plain tuples so the pickle names no ckptd class.
@@ -740,8 +755,9 @@ class Reader(StorageReader):
             daemon's).
 
     Loading reshards freely: the process group may have another size than
-    the one that saved. Each rank loads rank 0's shard (for the metadata)
-    and each shard its reads need, once, and keeps none after dcp.load.
+    the one that saved. Each rank restores what its reads need of each
+    shard (see the module), copies it into the state dict's tensors, and
+    keeps nothing after dcp.load.
     """
 
     def __init__(
@@ -767,6 +783,8 @@ class Reader(StorageReader):
         self.checkpoint_id: str | os.PathLike[str] | None = None
         self._resolved: int | None = None
         self._where: dict[MetadataIndex, Where] = {}
+        self._layout = _Layout()
+        self._extra_in_0 = False  # rank 0's shard also holds the dcp.metadata tensor
 
     @property
     def _step(self) -> int | Literal["latest"]:
@@ -815,6 +833,7 @@ class Reader(StorageReader):
             self._id, self.checkpoint_id, self._id_fresh = named, checkpoint_id, True
         self._resolved = None
         self._where = {}
+        self._layout = _Layout()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -824,9 +843,10 @@ class Reader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Unpickle DCP's Metadata from rank 0's save of the step.
 
-        It is the save's metadata (restored with the small ckptd.sharding
-        tensor only), or, when it was too large for that, the shard's
-        ``dcp.metadata`` tensor (the daemon reads only that tensor's chunks).
+        It is the save's metadata, which a restore of no tensor brings (no
+        data of the step is read), or, when it was too large for that, the
+        shard's ``dcp.metadata`` tensor (the daemon reads only that
+        tensor's chunks).
 
         Raises:
             NotFoundError: no such committed step (or, for "latest", none).
@@ -835,10 +855,21 @@ class Reader(StorageReader):
         if not self._id_fresh:
             self._id = None  # an earlier load's id: this one gave none
         self._id_fresh = False
-        shard = self._load_metadata(self._step, _sharding.TENSOR)
-        blob = shard.metadata
+        req = _load.restore_request(self._step, 0, self._job, header_only=True)
+        header, _ = _load.restore(
+            self._client._conn, req, "load the DCP metadata", lambda h, d, a: None
+        )
+        step, blob = header.step, header.metadata
+        self._extra_in_0 = not blob
         if not blob:
-            shard = self._load_metadata(shard.step, METADATA)
+            try:
+                shard = self._load(step, 0, [METADATA])
+            except InvalidArgumentError as e:  # the daemon names the tensor it lacks
+                raise CkptdError(
+                    f"step {step} was not saved by ckptd.dcp.Writer: rank 0's shard has no "
+                    f"metadata and no {METADATA!r} tensor (load it with ckptd.torch or "
+                    f"Client.load): {e}"
+                ) from None
             blob = shard.pop(METADATA).numpy().tobytes()
         # As DCP's own FileSystemReader: the metadata is a pickle. Load only
         # checkpoints you trust.
@@ -848,20 +879,11 @@ class Reader(StorageReader):
             md = None
         if not isinstance(md, Metadata):
             raise CkptdError(
-                f"step {shard.step} was not saved by ckptd.dcp.Writer: rank 0's save holds no "
+                f"step {step} was not saved by ckptd.dcp.Writer: rank 0's save holds no "
                 "DCP Metadata (load it with ckptd.torch or Client.load)"
             )
-        self._resolved = shard.step
+        self._resolved = step
         return md
-
-    def _load_metadata(self, step: int | Literal["latest"], name: str) -> LoadedState:
-        try:
-            return self._load(step, 0, [name])
-        except InvalidArgumentError as e:  # the daemon names the tensor it lacks
-            raise CkptdError(
-                f"the step was not saved by ckptd.dcp.Writer: rank 0's shard has no "
-                f"{name!r} tensor (load it with ckptd.torch or Client.load): {e}"
-            ) from None
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -875,6 +897,7 @@ class Reader(StorageReader):
                 "the checkpoint's DCP metadata does not map items to ckptd rank shards"
             )
         self._where = dict(where)
+        self._layout = _Layout.of(metadata, self._where, self._extra_in_0)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Nothing to add."""
@@ -885,10 +908,17 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Copy each read item out of its rank shard.
+        """Copy each read item out of its rank shard, straight into its destination.
 
-        Of each rank shard, one restore brings only the tensors this rank's
-        items need: the daemon reads only their chunks.
+        Of each rank shard, restores bring what this rank's items need and
+        nothing else: the tensors they read whole (the whole shard when
+        that is all of it), and of a tensor they read part of (a resharded
+        load), the bytes from the first element they read to the last; the
+        daemon reads only the chunks holding them. Items are copied from
+        the shared-memory region into the planner's tensors, with no copy
+        in between. Up to READERS restores run at once, each of at most a
+        READERS-th of the arena, so that the daemon fills one region
+        while this process copies out of another.
         """
         by_rank: dict[int, list[tuple[ReadItem, str]]] = {}
         for req in plan.items:
@@ -900,12 +930,64 @@ class Reader(StorageReader):
                 )
             by_rank.setdefault(where[0], []).append((req, where[1]))
         step = self._resolved if self._resolved is not None else self._step
-        for rank in sorted(by_rank):
-            names = list(dict.fromkeys(name for _, name in by_rank[rank]))
-            shard = self._load(step, rank, names)
-            _read(shard, by_rank[rank], planner, rank)
-            del shard
+        limit = self._batch_limit()
+        jobs = [
+            j for rank in sorted(by_rank) for j in self._layout.jobs(rank, by_rank[rank], limit)
+        ]
+        lock = threading.Lock()
+        if len(jobs) <= 1:
+            for job in jobs:
+                self._read_into(step, job, planner, lock)
+            return _done(None)
+        with ThreadPoolExecutor(min(len(jobs), READERS), thread_name_prefix="ckptd.dcp") as pool:
+            futures = [pool.submit(self._read_into, step, job, planner, lock) for job in jobs]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
         return _done(None)
+
+    def _batch_limit(self) -> int:
+        """The most tensor bytes one restore of read_data asks for.
+
+        READERS restores of this size fit the daemon's arena at once (as
+        the metadata's restore mapped it); a client that streams holds them
+        in its own memory.
+        """
+        arena = self._client._conn.arena
+        if arena is None:
+            return STREAMED_BATCH
+        return max(1, arena.size // READERS)
+
+    def _read_into(
+        self, step: int | Literal["latest"], job: _Job, planner: LoadPlanner, lock: threading.Lock
+    ) -> None:
+        """Make job's restore and copy its items out of it.
+
+        The planner learns of each item (commit_tensor, load_bytes) once the
+        copies are known good: the region stayed this restore's throughout.
+        """
+        req = _load.restore_request(
+            step,
+            job.rank,
+            self._job,
+            job.names,
+            slices=[(n, lo, hi - lo) for n, lo, hi in job.slices],
+        )
+        what = f"load step {step} rank {job.rank} for DCP"
+        _, (copied, blobs) = _load.restore(
+            self._client._conn,
+            req,
+            what,
+            lambda header, data, _arena: _copy_out(header, data, job, planner, lock),
+        )
+        with lock:
+            for r, dst in copied:
+                planner.commit_tensor(r, dst)
+            for r, blob in blobs:
+                planner.load_bytes(r, io.BytesIO(blob))
 
     def _load(self, step: int | Literal["latest"], rank: int, names: Sequence[str]) -> LoadedState:
         return self._client.load(
@@ -913,21 +995,181 @@ class Reader(StorageReader):
         )
 
 
-def _read(
-    shard: Mapping[str, torch.Tensor],
-    reqs: Sequence[tuple[ReadItem, str]],
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """One restore of read_data: of rank's shard, names (None: all of it) or slices.
+
+    slices: (tensor, first byte, end byte) each; items: the read items it
+    serves, with the stored tensor each reads.
+    """
+
+    rank: int
+    names: list[str] | None
+    slices: list[tuple[str, int, int]]
+    items: list[tuple[ReadItem, str]]
+
+    def start(self, name: str) -> int:
+        """The byte of the tensor name that the restored bytes of it begin with."""
+        return next((lo for n, lo, _ in self.slices if n == name), 0)
+
+
+@dataclasses.dataclass
+class _Layout:
+    """What the metadata says of the stored tensors a Reader may restore.
+
+    sizes: bytes of each stored tensor (bytes items: 0, unknown and small);
+    shapes and itemsizes: each stored tensor's (tensor items only);
+    order: each rank's tensors in the order the metadata lists them (the
+    order they were saved in, near enough); whole: each rank's shard's
+    tensors, when restoring all of it restores nothing else of size (rank
+    0's shard with a dcp.metadata tensor is never whole).
+    """
+
+    sizes: dict[str, int] = dataclasses.field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    itemsizes: dict[str, int] = dataclasses.field(default_factory=dict)
+    order: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
+    whole: dict[int, set[str]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, md: Metadata, where: Mapping[MetadataIndex, Where], extra_in_0: bool) -> _Layout:
+        lay = cls()
+        for idx, (rank, name) in where.items():
+            item = md.state_dict_metadata.get(idx.fqn)
+            if isinstance(item, TensorStorageMetadata):
+                chunk = next((c for c in item.chunks if c.offsets == idx.offset), None)
+                if chunk is not None:
+                    shape = tuple(int(d) for d in chunk.sizes)
+                    itemsize = item.properties.dtype.itemsize
+                    lay.shapes[name], lay.itemsizes[name] = shape, itemsize
+                    lay.sizes[name] = itemsize * _numel(shape)
+            lay.sizes.setdefault(name, 0)
+            order = lay.order.setdefault(rank, {})
+            order.setdefault(name, len(order))
+        lay.whole = {r: set(o) for r, o in lay.order.items() if not (r == 0 and extra_in_0)}
+        return lay
+
+    def jobs(self, rank: int, reqs: list[tuple[ReadItem, str]], limit: int) -> list[_Job]:
+        """The restores of rank's shard that reqs need, each of at most limit bytes.
+
+        A tensor that the items read part of is restored from the first
+        byte they read to the last (a slice); the others whole. Names are
+        kept in the shard's order and cut into runs of at most limit bytes
+        (one tensor larger than that is a run alone), so that each restore
+        reads adjacent chunks.
+        """
+        spans: dict[str, tuple[int, int] | None] = {}  # None: all of it
+        for req, name in reqs:
+            span = self._span(req, name)
+            if name in spans:
+                have = spans[name]
+                span = (
+                    None
+                    if have is None or span is None
+                    else (min(have[0], span[0]), max(have[1], span[1]))
+                )
+            spans[name] = span
+        order = self.order.get(rank, {})
+        names = sorted(spans, key=lambda n: order.get(n, -1))
+        whole = [n for n in names if spans[n] is None]
+        part = [(n, *span) for n in names if (span := spans[n]) is not None]
+        total = sum(self.sizes[n] for n in whole)
+        if not part and total <= limit and self.whole.get(rank) == set(whole):
+            return [_Job(rank, None, [], reqs)]
+        jobs = [_Job(rank, run, [], []) for run in _runs(whole, self.sizes.__getitem__, limit)]
+        jobs += [_Job(rank, None, run, []) for run in _runs(part, lambda s: s[2] - s[1], limit)]
+        of_name = {n: job for job in jobs for n in (job.names or [s[0] for s in job.slices])}
+        for req, name in reqs:
+            of_name[name].items.append((req, name))
+        return jobs
+
+    def _span(self, req: ReadItem, name: str) -> tuple[int, int] | None:
+        """The bytes of the stored tensor name that req reads, first to last; None: all."""
+        shape = self.shapes.get(name)
+        if req.type == LoadItemType.BYTE_IO or shape is None:
+            return None
+        itemsize = self.itemsizes[name]
+        lo, hi = _extent(shape, req.storage_offsets, req.lengths)
+        if (lo, hi) == (0, _numel(shape)):
+            return None
+        return lo * itemsize, hi * itemsize
+
+
+def _runs(things: Sequence[_R], size: Callable[[_R], int], limit: int) -> list[list[_R]]:
+    """Things cut into runs, in order, of at most limit bytes (a larger thing alone)."""
+    runs: list[list[_R]] = []
+    total = 0
+    for thing in things:
+        n = size(thing)
+        if not runs or (runs[-1] and total + n > limit):
+            runs.append([])
+            total = 0
+        runs[-1].append(thing)
+        total += n
+    return runs
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The element strides of a contiguous (row-major) tensor of shape."""
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
+    return tuple(out)
+
+
+def _extent(
+    shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]
+) -> tuple[int, int]:
+    """The elements of a contiguous tensor of shape from the block's first to past its last."""
+    if any(n == 0 for n in lengths):
+        return 0, 0
+    strides = _strides(shape)
+    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
+    return first, last + 1
+
+
+def _copy_out(
+    header: pb.RestoreHeader,
+    data: np.ndarray,
+    job: _Job,
     planner: LoadPlanner,
-    rank: int,
-) -> None:
-    for req, name in reqs:
-        t = shard.get(name)
+    lock: threading.Lock,
+) -> tuple[list[tuple[ReadItem, torch.Tensor]], list[tuple[ReadItem, bytes]]]:
+    """Copy each item of job from the restored bytes into the planner's tensor for it.
+
+    Returns the tensors copied into and the bytes items' bytes, for the
+    planner once the restore is known good.
+    """
+    table = {t.name: t for t in header.tensors}
+    if job.slices and header.size != sum(hi - lo for _, lo, hi in job.slices):
+        raise CkptdError(
+            f"the daemon restored {header.size} bytes for slices of "
+            f"{sum(hi - lo for _, lo, hi in job.slices)}: it predates slices (ckptd serve "
+            "older than this client)"
+        )
+    copied: list[tuple[ReadItem, torch.Tensor]] = []
+    blobs: list[tuple[ReadItem, bytes]] = []
+    for req, name in job.items:
+        t = table.get(name)
         if t is None:
-            raise CkptdError(f"rank {rank}'s shard has no tensor {name!r} the metadata names")
+            raise CkptdError(f"rank {job.rank}'s shard has no tensor {name!r} the metadata names")
+        if t.offset + t.length > data.size:
+            raise CkptdError(f"tensor {name!r} lies outside the restored region")
+        raw = data[t.offset : t.offset + t.length]
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(t.numpy().tobytes()))
+            blobs.append((req, raw.tobytes()))
             continue
-        src = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
-        dst = planner.resolve_tensor(req).detach()
+        src = _block(t, raw, job.start(name), req)
+        with lock:
+            dst = planner.resolve_tensor(req).detach()
         if dst.size() != src.size():
             raise CkptdError(
                 f"{req.storage_index.fqn!r}: the read needs {tuple(dst.size())} elements, "
@@ -937,7 +1179,35 @@ def _read(
             _tensors.bits(torch, dst).copy_(_tensors.bits(torch, src))
         else:
             dst.copy_(src)
-        planner.commit_tensor(req, dst)
+        copied.append((req, dst))
+    return copied, blobs
+
+
+def _block(t: pb.Tensor, raw: np.ndarray, start: int, req: ReadItem) -> torch.Tensor:
+    """The block req reads of stored tensor t, whose bytes from start are raw: a view, no copy.
+
+    Bytes not aligned for the dtype (restored tensors are packed back to
+    back) are copied first.
+    """
+    dt = _tensors.BY_NAME.get(t.dtype)
+    if dt is None:
+        raise CkptdError(f"tensor {t.name!r} has dtype {t.dtype}, unknown to this client")
+    td = _tensors.torch_dtype(torch, dt)
+    shape = tuple(int(d) for d in t.shape)
+    offsets, lengths = tuple(req.storage_offsets), tuple(int(n) for n in req.lengths)
+    lo, hi = _extent(shape, offsets, lengths)
+    if lo == hi:
+        return torch.empty(lengths, dtype=td)
+    size = td.itemsize
+    if start % size or lo * size < start or hi * size > start + raw.size:
+        raise CkptdError(
+            f"the restored bytes [{start}, +{raw.size}) of {t.name!r} do not hold elements "
+            f"[{lo}, {hi}) that the read needs"
+        )
+    if raw.ctypes.data % size:
+        raw = raw.copy()  # numpy allocates aligned for every element size
+    flat = torch.from_numpy(raw).view(td)
+    return flat.as_strided(lengths, _strides(shape), lo - start // size)
 
 
 def _done(value: Any) -> Future[Any]:
