@@ -90,7 +90,7 @@ func runExport(ctx context.Context, o *exportOptions, stdout, stderr io.Writer) 
 	if err != nil {
 		return err
 	}
-	store, rec, closeStore, err := o.openStep(ctx, o.stepChoice, stderr)
+	store, rec, closeStore, err := o.openStep(ctx, o.stepChoice, true, stderr)
 	if err != nil {
 		return err
 	}

@@ -127,21 +127,31 @@ func (c *stepChoice) check(fs *pflag.FlagSet) error {
 
 // openStep opens the job's Store and resolves the chosen committed step in
 // it, saying on warn which steps --finite passed over; close closes the
-// store.
-func (o *storageOptions) openStep(ctx context.Context, c stepChoice, warn io.Writer) (*checkpoint.Store, *checkpoint.CommitRecord, func(), error) {
+// store. For every rank (whole), latest is the newest step whose every
+// rank reads; for one rank it is the newest committed step, read from its
+// commit record alone, as a trainer's load of latest is: a job of
+// thousands of ranks does not read them all to restore one.
+func (o *storageOptions) openStep(ctx context.Context, c stepChoice, whole bool, warn io.Writer) (*checkpoint.Store, *checkpoint.CommitRecord, func(), error) {
 	store, closeStore, err := o.openStore(ctx)
 	if err != nil {
 		return nil, nil, nil, err
 	}
 	var rec *checkpoint.CommitRecord
-	if c.Finite {
+	switch {
+	case c.Finite:
 		var skipped []int64
-		rec, skipped, err = store.LatestWholeFinite(ctx)
+		if whole {
+			rec, skipped, err = store.LatestWholeFinite(ctx)
+		} else {
+			rec, skipped, err = store.LatestFinite(ctx)
+		}
 		if err == nil && len(skipped) > 0 {
 			fmt.Fprintf(warn, "ckptd: passed over steps %v, whose tensors hold NaN or Inf; using step %d\n", skipped, rec.Step)
 		}
-	} else {
+	case whole:
 		rec, err = store.ResolveWhole(ctx, c.Step, c.Latest)
+	default:
+		rec, err = store.Resolve(ctx, c.Step, c.Latest)
 	}
 	if err != nil {
 		closeStore()

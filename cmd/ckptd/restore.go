@@ -78,7 +78,7 @@ type stepMeta struct {
 }
 
 func runRestore(ctx context.Context, o *restoreOptions, stdout io.Writer) error {
-	store, rec, closeStore, err := o.openStep(ctx, o.stepChoice, os.Stderr)
+	store, rec, closeStore, err := o.openStep(ctx, o.stepChoice, o.Rank < 0, os.Stderr)
 	if err != nil {
 		return err
 	}

@@ -388,6 +388,20 @@ func TestDamagedManifest(t *testing.T) {
 	if meta, err := os.ReadFile(filepath.Join(out, "metadata.json")); err != nil || !strings.Contains(string(meta), `"step": 2`) {
 		t.Fatalf("restore --latest restored %s, %v; want step 2", meta, err)
 	}
+	// One rank, as a trainer loads it: the newest step from its commit
+	// record and that rank's manifest alone, which a job of thousands of
+	// ranks needs; the damaged rank says so instead of falling back.
+	one := t.TempDir()
+	if _, stderr, err := daemontest.CLI(t, "restore", "--storage", h.Storage, "--job", "e2e", "--latest", "--rank", "0", "--out", one); err != nil {
+		t.Fatalf("restore --latest --rank 0 past another rank's damaged manifest: %v\n%s", err, stderr)
+	}
+	if meta, err := os.ReadFile(filepath.Join(one, "metadata.json")); err != nil || !strings.Contains(string(meta), `"step": 3`) {
+		t.Fatalf("restore --latest --rank 0 restored %s, %v; want step 3", meta, err)
+	}
+	if _, stderr, err := daemontest.CLI(t, "restore", "--storage", h.Storage, "--job", "e2e", "--latest", "--rank", "1", "--out", t.TempDir()); err == nil ||
+		!strings.Contains(stderr, "corrupt") {
+		t.Fatalf("restore --latest --rank 1 of the damaged manifest: %v\n%s", err, stderr)
+	}
 	stdout, stderr, err := daemontest.CLI(t, "prune", "--storage", h.Storage, "--job", "e2e", "--keep-last", "3")
 	if err != nil || !strings.Contains(stdout, "left alone: steps [3]") {
 		t.Fatalf("prune with a damaged kept manifest: %v\n%s%s", err, stdout, stderr)
