@@ -30,9 +30,14 @@ Per method, run REPEAT times (each rank's median counts, then the slowest
 rank's): the trainer's blocking time (async_save or save returning), the
 time until durable (the future's result; for dcp.save the same), and the
 bytes it wrote. Then dcp.load of the saved
-checkpoints by WORLD and by WORLD/2 processes (resharding), FileSystemReader
-against ckptd.dcp.Reader. Prints a table of ratios to the memcpy (saves)
-and to dcp.load (loads). Absolute numbers on a shared machine are noise.
+checkpoints by WORLD, WORLD/2 and 1 processes (resharding), FileSystemReader
+against ckptd.dcp.Reader, the latter from storage (a daemon started after
+the saves, whose memory holds none of them: its chunks come from the page
+cache, as DCP's files do) and from the hot tier (the daemon that saved,
+with --hot-bytes). Prints a table of ratios to the memcpy (saves) and to
+dcp.load (loads). Absolute numbers on a shared machine are noise.
+--loads-only saves once each way (what the loads read) and times only the
+loads.
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-process", action="store_true", help="skip the process-based checkpointer")
     p.add_argument("--repeat", type=int, default=5, help="runs of each method (the median counts)")
     p.add_argument("--no-titan", action="store_true", help="skip torchtitan's checkpoint managers")
+    p.add_argument("--loads-only", action="store_true", help="save once each way; time the loads")
+    p.add_argument(
+        "--load-worlds", default=None, help="processes that load, comma-separated (WORLD,WORLD/2,1)"
+    )
     p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # mode rank world init out
     return p.parse_args()
 
@@ -121,11 +130,31 @@ def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def timed(res: dict[str, Any], repeat: int, name: str, start: Any, finish: Any = None) -> None:
+    """Run start (then finish) repeat times between barriers; res[name]: the medians."""
+    import torch.distributed as dist
+
+    runs: list[tuple[float, float]] = []
+    for i in range(repeat):
+        dist.barrier()
+        t0 = time.perf_counter()
+        handle = start(i)
+        t1 = time.perf_counter()
+        if finish is not None:
+            finish(handle)
+        t2 = time.perf_counter()
+        dist.barrier()
+        runs.append((t1 - t0, t2 - t0))
+    res[name] = {
+        "block": statistics.median(b for b, _ in runs),
+        "durable": statistics.median(d for _, d in runs),
+    }
+
+
 def worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
     """One rank: time every method (mode save) or every load (mode load)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     import ckptd
     import ckptd.dcp
@@ -139,73 +168,81 @@ def worker(mode: str, rank: int, world: int, init: str, out: str) -> None:
     disk = Path(cfg["dir"])
     res: dict[str, Any] = {"bytes": local_bytes(sd)}
     client = ckptd.Client(cfg["socket"])
-
-    def timed(name: str, start: Any, finish: Any = None) -> None:
-        runs: list[tuple[float, float]] = []
-        for i in range(cfg["repeat"]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            handle = start(i)
-            t1 = time.perf_counter()
-            if finish is not None:
-                finish(handle)
-            t2 = time.perf_counter()
-            dist.barrier()
-            runs.append((t1 - t0, t2 - t0))
-        res[name] = {
-            "block": statistics.median(b for b, _ in runs),
-            "durable": statistics.median(d for _, d in runs),
-        }
-
-    if mode == "save":
-        copies = {}
-
-        def memcpy(i: int) -> None:
-            copies.clear()
-            for k, t in sd["model"].items():
-                copies[k] = t.to_local().clone()
-                for s in ("exp_avg", "exp_avg_sq"):
-                    copies[k + s] = sd["optim"]["state"][k][s].to_local().clone()
-
-        timed("memcpy", memcpy)
-        copies.clear()
-        timed(
-            "dcp async",
-            lambda i: dcp.async_save(sd, checkpoint_id=str(disk / f"dcp_async{i}")),
-            lambda f: f.result(),
-        )
-        if not cfg["no_process"]:
-            timed(
-                "dcp async proc",
-                lambda i: dcp.async_save(
-                    sd,
-                    checkpoint_id=str(disk / f"dcp_async_proc{i}"),
-                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                ),
-                lambda f: f.result(),
-            )
-        timed(
-            "ckptd.dcp async",
-            lambda i: dcp.async_save(sd, storage_writer=ckptd.dcp.Writer(client, 100 + i)),
-            lambda f: f.result(),
-        )
-        timed("dcp save", lambda i: dcp.save(sd, checkpoint_id=str(disk / f"dcp_sync{i}")))
-        timed(
-            "ckptd.dcp save",
-            lambda i: dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, 200 + i)),
-        )
+    if mode == "prep":  # only what the loads read
+        dcp.save(sd, checkpoint_id=str(disk / "dcp_sync0"))
+        dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, 200))
+    elif mode == "save":
+        time_saves(res, cfg, sd, client)
     else:
-        for name, reader in (
-            ("dcp load", lambda: dcp.FileSystemReader(str(disk / "dcp_sync0"))),
-            ("ckptd.dcp load", lambda: ckptd.dcp.Reader(client, 200)),
-        ):
-            timed(name, lambda i, r=reader: dcp.load(sd, storage_reader=r()))
+        cold = ckptd.Client(cfg["cold_socket"])
+        readers = {
+            "dcp load": lambda: dcp.FileSystemReader(str(disk / "dcp_sync0")),
+            "ckptd.dcp load": lambda: ckptd.dcp.Reader(cold, cfg["load_step"]),
+            "ckptd.dcp load hot": lambda: ckptd.dcp.Reader(client, cfg["load_step"]),
+        }
+        for name, reader in readers.items():
+            timed(res, cfg["repeat"], name, lambda i, r=reader: dcp.load(sd, storage_reader=r()))
+        cold.close()
     every: list[Any] = [None] * world
     dist.all_gather_object(every, res)
     if rank == 0:
         Path(out, f"{mode}-{world}.json").write_text(json.dumps(every))
     client.close()
     dist.destroy_process_group()
+
+
+def time_saves(res: dict[str, Any], cfg: dict[str, Any], sd: dict[str, Any], client: Any) -> None:
+    """One rank's part of every save method."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    import ckptd.dcp
+
+    disk, repeat = Path(cfg["dir"]), cfg["repeat"]
+    copies = {}
+
+    def memcpy(i: int) -> None:
+        copies.clear()
+        for k, t in sd["model"].items():
+            copies[k] = t.to_local().clone()
+            for s in ("exp_avg", "exp_avg_sq"):
+                copies[k + s] = sd["optim"]["state"][k][s].to_local().clone()
+
+    timed(res, repeat, "memcpy", memcpy)
+    copies.clear()
+    timed(
+        res,
+        repeat,
+        "dcp async",
+        lambda i: dcp.async_save(sd, checkpoint_id=str(disk / f"dcp_async{i}")),
+        lambda f: f.result(),
+    )
+    if not cfg["no_process"]:
+        timed(
+            res,
+            repeat,
+            "dcp async proc",
+            lambda i: dcp.async_save(
+                sd,
+                checkpoint_id=str(disk / f"dcp_async_proc{i}"),
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            ),
+            lambda f: f.result(),
+        )
+    timed(
+        res,
+        repeat,
+        "ckptd.dcp async",
+        lambda i: dcp.async_save(sd, storage_writer=ckptd.dcp.Writer(client, 100 + i)),
+        lambda f: f.result(),
+    )
+    timed(res, repeat, "dcp save", lambda i: dcp.save(sd, checkpoint_id=str(disk / f"dcp_sync{i}")))
+    timed(
+        res,
+        repeat,
+        "ckptd.dcp save",
+        lambda i: dcp.save(sd, storage_writer=ckptd.dcp.Writer(client, 200 + i)),
+    )
 
 
 def titan(rank: int, world: int, cfg: dict[str, Any], out: str) -> None:
@@ -295,22 +332,22 @@ def launch(mode: str, world: int, out: Path) -> list[dict[str, Any]]:
     return result
 
 
-def table(
+def worst(runs: list[dict[str, Any]], name: str, key: str) -> float:
+    """The slowest rank's median of a method."""
+    return max(r[name][key] for r in runs)
+
+
+def save_table(
     saves: list[dict[str, Any]],
     written: dict[str, int],
-    loads: dict[int, Any],
     titan: list[dict[str, Any]] | str | None,
-) -> str:
-    """The report: slowest rank per method, ratios to memcpy and to dcp.load.
+) -> list[str]:
+    """The saves: slowest rank per method, ratios to memcpy.
 
     titan: torchtitan's rows per rank (merged into saves), or why there are none.
     """
     if isinstance(titan, list):
         saves = [{**s, **t} for s, t in zip(saves, titan, strict=True)]
-
-    def worst(runs: list[dict[str, Any]], name: str, key: str) -> float:
-        return max(r[name][key] for r in runs)
-
     base = worst(saves, "memcpy", "block")
     total = sum(r["bytes"] for r in saves)
     lines = [
@@ -351,13 +388,48 @@ def table(
             "titan pinned not run: torchtitan's async_with_pinned_mem stages with DCP's "
             "DefaultStager, whose non-blocking copy needs an accelerator"
         )
-    lines += ["", f"{'load':<22}{'time':>10}{'x dcp.load':>12}"]
+    return lines
+
+
+def load_table(loads: dict[int, Any]) -> list[str]:
+    """The loads: slowest rank per reader, ratios to dcp.load at the same world size."""
+    lines = [f"{'load':<26}{'time':>10}{'x dcp.load':>12}"]
     for world, runs in loads.items():
         ref = worst(runs, "dcp load", "durable")
-        for name in ("dcp load", "ckptd.dcp load"):
+        for name in ("dcp load", "ckptd.dcp load", "ckptd.dcp load hot"):
             t = worst(runs, name, "durable")
-            lines.append(f"{f'{name} at {world}':<22}{t * 1e3:>8.0f}ms{t / ref:>12.2f}")
-    return "\n".join(lines)
+            lines.append(f"{f'{name} at {world}':<26}{t * 1e3:>8.0f}ms{t / ref:>12.2f}")
+    lines.append(
+        "ckptd.dcp load: a daemon that did not save the step (storage, page-cached); "
+        "hot: the one that saved it (--hot-bytes)"
+    )
+    return lines
+
+
+def run_saves(args: argparse.Namespace, out: Path, sock: str, disk: Path) -> list[str]:
+    """Time the saves (and torchtitan's); their table."""
+    import ckptd
+
+    saves = launch("save", args.world, out)
+    with ckptd.Client(sock) as c:
+        stored = {s.step: s.stored_bytes for s in c.steps("bench")}
+    written = {
+        "dcp async": du(disk / "dcp_async0"),
+        "dcp save": du(disk / "dcp_sync0"),
+        "ckptd.dcp async": stored.get(100, 0),
+        "ckptd.dcp save": stored.get(200, 0),
+    }
+    if not args.no_process:
+        written["dcp async proc"] = du(disk / "dcp_async_proc0")
+    titan: list[dict[str, Any]] | str | None = "skipped (--no-titan)"
+    if not args.no_titan:
+        try:
+            import torchtitan  # noqa: F401
+        except ImportError:
+            titan = "not installed (pip install 'ckptd[torchtitan]')"
+        else:
+            titan = launch("titan", args.world, out)
+    return save_table(saves, written, titan)
 
 
 def main() -> None:
@@ -370,8 +442,6 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from _serve import serve
 
-    import ckptd
-
     disk = Path(args.dir)
     shutil.rmtree(disk, ignore_errors=True)
     disk.mkdir(parents=True)
@@ -381,32 +451,30 @@ def main() -> None:
         binary = str(out / "ckptd")
         subprocess.run(["go", "build", "-o", binary, "./cmd/ckptd"], cwd=REPO, check=True)
     staging = f"{args.size_mib * 3 // 2 + 64}MiB"
+    hot = f"{args.size_mib * 2 + 256}MiB"  # the two newest steps (--hot-steps 2)
     store = disk / "ckptd"
-    with serve(binary, "dcp", "--storage", str(store), "--staging-bytes", staging) as sock:
+    worlds = [args.world, max(1, args.world // 2), 1]
+    if args.load_worlds:
+        worlds = [int(w) for w in args.load_worlds.split(",")]
+    worlds = list(dict.fromkeys(worlds))
+    lines: list[str] = []
+    daemon = ("--storage", str(store), "--staging-bytes", staging)
+    with serve(binary, "dcp", *daemon, "--hot-bytes", hot) as sock:
+        repeat = max(1, args.repeat)
         cfg = {"size_mib": args.size_mib, "dir": str(disk), "socket": sock}
-        cfg["no_process"], cfg["repeat"] = args.no_process, max(1, args.repeat)
+        cfg["no_process"], cfg["repeat"] = args.no_process, repeat
         (out / "config.json").write_text(json.dumps(cfg))
-        saves = launch("save", args.world, out)
-        with ckptd.Client(sock) as c:
-            stored = {s.step: s.stored_bytes for s in c.steps("bench")}
-        written = {
-            "dcp async": du(disk / "dcp_async0"),
-            "dcp save": du(disk / "dcp_sync0"),
-            "ckptd.dcp async": stored.get(100, 0),
-            "ckptd.dcp save": stored.get(200, 0),
-        }
-        if not args.no_process:
-            written["dcp async proc"] = du(disk / "dcp_async_proc0")
-        loads = {w: launch("load", w, out) for w in (args.world, max(1, args.world // 2))}
-        titan: list[dict[str, Any]] | str | None = "skipped (--no-titan)"
-        if not args.no_titan:
-            try:
-                import torchtitan  # noqa: F401
-            except ImportError:
-                titan = "not installed (pip install 'ckptd[torchtitan]')"
-            else:
-                titan = launch("titan", args.world, out)
-    print(table(saves, written, loads, titan))
+        if args.loads_only:
+            launch("prep", args.world, out)
+        else:
+            lines += [*run_saves(args, out, sock, disk), ""]
+        # The loads read the newest ckptd.dcp save, which the hot tier keeps.
+        cfg["load_step"] = 200 if args.loads_only else 200 + repeat - 1
+        with serve(binary, "dcp-cold", *daemon) as cold:
+            cfg["cold_socket"] = cold
+            (out / "config.json").write_text(json.dumps(cfg))
+            loads = {w: launch("load", w, out) for w in worlds}
+    print("\n".join(lines + load_table(loads)))
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(disk, ignore_errors=True)
 
