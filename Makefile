@@ -100,6 +100,7 @@ bench-python:
 	.venv/bin/python clients/python/bench/bench_save.py $(PYBENCHFLAGS)
 	.venv/bin/python clients/python/bench/bench_dataset.py $(PYDSBENCHFLAGS)
 	.venv/bin/python clients/python/bench/bench_dcp.py $(PYDCPBENCHFLAGS)
+	.venv/bin/python clients/python/bench/bench_resume.py $(PYRESUMEBENCHFLAGS)
 	.venv/bin/python clients/python/bench/bench_frameworks.py $(PYFWBENCHFLAGS)
 
 # The chunk codecs (float-aware, zstd, lz4) and zipnn on the weights and Adam
