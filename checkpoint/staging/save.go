@@ -141,7 +141,9 @@ func (mgr *Manager) startPrecheck(t checkpoint.Target) *precheck {
 			c.err = err
 			return
 		}
-		rec, err := store.ReadCommit(ctx, t.Step)
+		// Shared with the node's other ranks saving this step at once: a
+		// job's every rank asking storage at the same moment is throttled.
+		rec, err := store.ReadCommitShared(ctx, t)
 		switch {
 		case err == nil:
 			mgr.storageDown.Store(false)
