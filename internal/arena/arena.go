@@ -204,7 +204,11 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File, made *created
 	if wait := time.Until(a.fence); wait > 0 {
 		log.Info("arena kept from a crashed daemon: new regions wait until its clients' copies have ended", "for", wait.Round(time.Millisecond))
 	}
-	if a.reused && recorded {
+	if !a.reused {
+		// A new file: what an earlier daemon's clients wrote into went
+		// with the old one, and so does its record of them.
+		w.clear()
+	} else if recorded {
 		n, err := w.fenceLeft(a.alloc, opts.Fence)
 		if err != nil {
 			unix.Munmap(mem)
@@ -437,7 +441,7 @@ func (a *Arena) Free(r Region) error {
 // Reserve marks a specific region as used; on restart the daemon reserves
 // the regions its journal names before handing out new ones.
 func (a *Arena) Reserve(r Region) error {
-	if a.writers.adopt(r) {
+	if a.writers.adopt(a.alloc, r) {
 		return nil
 	}
 	return a.alloc.reserve(r)

@@ -143,20 +143,48 @@ func (w *writers) release(alloc *allocator, r Region) {
 
 // adopt takes r out of the fence when it is a fenced region exactly: a
 // save journaled just before the crash, whose record was not yet dropped,
-// is the journal's to hold now.
-func (w *writers) adopt(r Region) bool {
+// is the journal's to hold now. A fenced region that overlaps r without
+// being it is given back first: the journal names acknowledged saves, and
+// its regions come before any record of a writer.
+func (w *writers) adopt(alloc *allocator, r Region) bool {
 	w.mu.Lock()
-	t, ok := w.fenced[r.Offset]
-	ok = ok && w.regions[r.Offset] == r.Length
-	if ok {
+	var exact bool
+	var overlap []Region
+	for off, t := range w.fenced {
+		f := Region{Offset: off, Length: w.regions[off]}
+		if off >= r.Offset+r.Length || r.Offset >= off+alignUp(f.Length, pageSize) {
+			continue
+		}
 		t.Stop()
-		delete(w.fenced, r.Offset)
+		delete(w.fenced, off)
+		if f == r {
+			exact = true
+		} else {
+			overlap = append(overlap, f)
+		}
 	}
 	w.mu.Unlock()
-	if ok {
+	for _, f := range overlap {
+		w.log.Warn("arena: a writer's record overlaps a journaled save; the save wins", "record", f, "save", r)
+		w.forget(f)
+		_ = alloc.freeRegion(f)
+	}
+	if exact {
 		w.forget(r)
 	}
-	return ok
+	return exact
+}
+
+// clear removes every record: they name regions of an arena file that is
+// gone.
+func (w *writers) clear() {
+	des, err := os.ReadDir(w.dir)
+	if err != nil {
+		return
+	}
+	for _, de := range des {
+		_ = os.Remove(filepath.Join(w.dir, de.Name()))
+	}
 }
 
 // close stops the fences' timers; what they hold goes with the arena.

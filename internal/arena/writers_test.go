@@ -116,3 +116,42 @@ func TestCrashFenceRegions(t *testing.T) {
 		t.Errorf("records %v after the fence ended", got)
 	}
 }
+
+// A new arena file drops the record of the old one's writers, and a
+// journaled save always gets its region back even where a writer's record
+// overlaps it: the journal names acknowledged saves.
+func TestWritersRecordOfAnOldFile(t *testing.T) {
+	dir := t.TempDir()
+	a := mustOpen(t, Options{Dir: dir, Size: 8 * mib, Fence: time.Hour})
+	if _, err := a.AllocWriter(context.Background(), 2*mib); err != nil { // a client mid-copy at a stop
+		t.Fatal(err)
+	}
+	a.Close() // nothing journaled: the next start makes a new file
+	b := mustOpen(t, Options{Dir: dir, Size: 8 * mib, Fence: time.Hour})
+	if got := markers(t, dir); len(got) != 0 {
+		t.Fatalf("records %v of the old file's writers survive a new file", got)
+	}
+	if _, err := b.Alloc(context.Background(), 64<<10); err != nil { // shifts what comes next
+		t.Fatal(err)
+	}
+	saved, err := b.AllocWriter(context.Background(), 3*mib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Journal().Put("save-1", []byte("{}")); err != nil {
+		t.Fatal(err)
+	}
+	b.Close() // a crash with the save journaled, its record not yet dropped
+	// A stray record overlapping the journaled region, as an older daemon could leave.
+	stray := Region{Offset: saved.Offset + 1*mib, Length: 2 * mib}
+	if err := os.WriteFile(filepath.Join(dir, writersDir, markerName(stray)), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c := mustOpen(t, Options{Dir: dir, Size: 8 * mib, Fence: time.Hour})
+	if err := c.Reserve(saved); err != nil {
+		t.Fatalf("the journaled save's region, with a writer's record overlapping it: %v", err)
+	}
+	if got := markers(t, dir); len(got) != 0 {
+		t.Errorf("records %v left after recovery took their regions", got)
+	}
+}
