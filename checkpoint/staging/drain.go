@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/ckptd/ckptd/checkpoint"
@@ -23,9 +24,15 @@ func (q *drainQueue) push(l *lease) {
 	q.signal()
 }
 
-// pushFront puts a save back at the head of the queue.
-func (q *drainQueue) pushFront(l *lease) {
-	q.saves = append([]*lease{l}, q.saves...)
+// insertSpilled puts a save at the head of the queue, behind those there
+// already moved to the spill folder, which are older: the queue stays
+// oldest first.
+func (q *drainQueue) insertSpilled(l *lease) {
+	i := 0
+	for i < len(q.saves) && q.saves[i].unmap != nil && !q.saves[i].begun.After(l.begun) {
+		i++
+	}
+	q.saves = slices.Insert(q.saves, i, l)
 	q.signal()
 }
 

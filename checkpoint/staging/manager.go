@@ -134,8 +134,9 @@ type Manager struct {
 	checks   sync.WaitGroup // saves' looks at storage (precheck), stopped by cancel
 	watchers sync.WaitGroup // watchOwner goroutines, stopped by cancel
 
-	spill    *spill     // nil without ManagerConfig.SpillDir
-	spilling sync.Mutex // one spiller at a time
+	spill       *spill       // nil without ManagerConfig.SpillDir
+	spilling    sync.Mutex   // one spiller at a time
+	spillLogged atomic.Int64 // when a failed spill was last logged (UnixNano)
 }
 
 // NewManager starts the checkpoint core on an open arena: it re-queues the
@@ -169,6 +170,9 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 	}
 	if err := mgr.recover(); err != nil {
 		mgr.tiers.Close()
+		if mgr.spill != nil {
+			mgr.spill.close()
+		}
 		return nil, err
 	}
 	for range cfg.Drains {
@@ -226,6 +230,9 @@ func (mgr *Manager) Close(ctx context.Context) int {
 	mgr.tiers.Close()
 	mgr.watchers.Wait()
 	mgr.checks.Wait()
+	if mgr.spill != nil {
+		mgr.spill.close()
+	}
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
 	return mgr.leases.journaled()

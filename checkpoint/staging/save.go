@@ -327,19 +327,21 @@ func (mgr *Manager) recover() error {
 	if err != nil {
 		return fmt.Errorf("read staging journal: %w", err)
 	}
-	journaled := make(map[string]bool, len(entries))
-	for _, e := range entries {
-		journaled[e.ID] = true
-	}
-	if err := mgr.recoverSpilled(journaled); err != nil { // older than the arena's: they drain first
-		return err
-	}
+	recovered := make(map[string]bool, len(entries))
 	for _, e := range entries {
 		l, err := mgr.leaseFromEntry(e.Data, true)
+		if err != nil && mgr.spill != nil && mgr.spill.has(e.ID) {
+			// Its spilled copy is whole (written before the arena's entry
+			// was to go): recoverSpilled replays that one.
+			mgr.log.Warn("journal entry unusable, but the save is in the spill folder: replaying that copy", "entry", e.ID, "err", err)
+			_ = mgr.arena.Journal().Delete(e.ID)
+			continue
+		}
 		if err != nil {
 			mgr.quarantine(e.ID, err)
 			continue
 		}
+		recovered[e.ID] = true
 		l.id = e.ID
 		l.recovered = true
 		mgr.leases.add(l, "")
@@ -348,7 +350,7 @@ func (mgr *Manager) recover() error {
 		mgr.enqueue(l)
 		mgr.log.Info("recovered staged save", "target", l.target, "bytes", l.layout.DataSize)
 	}
-	return nil
+	return mgr.recoverSpilled(recovered) // older than the arena's: they go to the front of the queue
 }
 
 // leaseFromEntry rebuilds a journaled save from its entry; reserve takes

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -23,7 +24,8 @@ import (
 // the arena's journal, and a node's reboot survived besides.
 type spill struct {
 	dir   string
-	limit int64 // bytes the folder may hold; 0: what the disk takes
+	limit int64    // bytes the folder may hold; 0: what the disk takes
+	lock  *os.File // flocked while this process uses the folder
 
 	mu   sync.Mutex
 	used int64
@@ -32,17 +34,31 @@ type spill struct {
 const (
 	spillData  = ".data"
 	spillEntry = ".json"
+	spillLock  = ".lock"
 )
 
-// openSpill makes dir (private to the daemon's user) and counts what it
-// holds already.
+// close lets another process use the folder; what it holds stays.
+func (s *spill) close() { s.lock.Close() }
+
+// openSpill makes dir (private to the daemon's user), locks it for this
+// process (two daemons would each replay the other's saves) and counts
+// what it holds already.
 func openSpill(dir string, limit int64) (*spill, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("spill folder: %w", err)
 	}
-	s := &spill{dir: dir, limit: limit}
+	lock, err := os.OpenFile(filepath.Join(dir, spillLock), os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("spill folder: %w", err)
+	}
+	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		lock.Close()
+		return nil, fmt.Errorf("spill folder %s: another daemon uses it (%w); give each daemon a folder of its own", dir, err)
+	}
+	s := &spill{dir: dir, limit: limit, lock: lock}
 	des, err := os.ReadDir(dir)
 	if err != nil {
+		lock.Close()
 		return nil, fmt.Errorf("spill folder: %w", err)
 	}
 	for _, de := range des {
@@ -228,9 +244,9 @@ func (mgr *Manager) spillSome(n int64) {
 		}
 		size := l.region.Length
 		if err := mgr.spillLease(l); err != nil {
-			mgr.log.Error("could not move a staged save to the spill folder; it stays in the arena", "target", l.target, "err", err)
+			mgr.spillFailed(l, err)
 			mgr.mu.Lock()
-			mgr.queue.pushFront(l)
+			mgr.queue.insertSpilled(l) // back where it was: the oldest in the arena
 			mgr.mu.Unlock()
 			return
 		}
@@ -258,18 +274,32 @@ func (mgr *Manager) spillLease(l *lease) error {
 		return err
 	}
 	if err := mgr.arena.Journal().Delete(l.id); err != nil {
-		mgr.log.Error("journal delete of a spilled save failed; the next start drains the arena's copy", "lease", l.id, "err", err)
+		// The arena's entry still names the region: keep the save there,
+		// so that nothing else is written over what a restart would drain.
+		unmap()
+		mgr.spill.remove(l.id, booked)
+		return fmt.Errorf("drop the arena's journal entry of a spilled save: %w", err)
 	}
 	mgr.mu.Lock()
 	region := l.region
 	l.region, l.spilled, l.unmap, l.spillBytes = Region{}, mapped, unmap, booked
 	mgr.freeRegion(region)
-	mgr.queue.pushFront(l)
+	mgr.queue.insertSpilled(l)
 	mgr.mu.Unlock()
 	mgr.m.Spilled.Set(float64(mgr.spill.usedBytes()))
 	mgr.log.Warn("storage does not take bytes and the arena is full: moved a staged save to the spill folder",
 		"target", l.target, "bytes", l.size, "spill", mgr.spill.dir)
 	return nil
+}
+
+// spillFailed says a save could not be moved to the spill folder, at most
+// once a minute: every waiting save tries every 100 ms while it is full.
+func (mgr *Manager) spillFailed(l *lease, err error) {
+	now := time.Now().UnixNano()
+	if last := mgr.spillLogged.Load(); now-last < int64(time.Minute) || !mgr.spillLogged.CompareAndSwap(last, now) {
+		return
+	}
+	mgr.log.Error("could not move a staged save to the spill folder; it stays in the arena, and saves wait for room", "target", l.target, "err", err)
 }
 
 // dropSpilled forgets l's spilled copy once it is durable in storage.
@@ -279,10 +309,11 @@ func (mgr *Manager) dropSpilled(l *lease) {
 	mgr.m.Spilled.Set(float64(mgr.spill.usedBytes()))
 }
 
-// recoverSpilled re-queues the saves an earlier process moved to the
-// spill folder; a save the arena's journal holds too (a crash in the
-// middle of moving it) is the arena's.
-func (mgr *Manager) recoverSpilled(journaled map[string]bool) error {
+// recoverSpilled queues the saves an earlier process moved to the spill
+// folder, oldest first, ahead of the arena's; a save the arena's journal
+// held too and recovered (a crash in the middle of moving it) is the
+// arena's, and its spilled copy goes.
+func (mgr *Manager) recoverSpilled(recovered map[string]bool) error {
 	if mgr.spill == nil {
 		return nil
 	}
@@ -290,9 +321,10 @@ func (mgr *Manager) recoverSpilled(journaled map[string]bool) error {
 	if err != nil {
 		return err
 	}
+	var leases []*lease
 	for _, sp := range saves {
 		booked := int64(len(sp.entry)) + sp.size
-		if journaled[sp.id] {
+		if recovered[sp.id] {
 			mgr.spill.remove(sp.id, booked)
 			continue
 		}
@@ -309,12 +341,23 @@ func (mgr *Manager) recoverSpilled(journaled map[string]bool) error {
 			continue
 		}
 		l.id, l.recovered, l.spillBytes = sp.id, true, booked
+		leases = append(leases, l)
+	}
+	slices.SortStableFunc(leases, func(a, b *lease) int { return a.begun.Compare(b.begun) })
+	for _, l := range leases {
 		mgr.leases.add(l, "")
 		mgr.leases.book(l)
 		mgr.saves.setWorld(keyOf(l.target), StateStaged, nil, l.target.WorldSize)
-		mgr.enqueue(l)
+		mgr.queue.insertSpilled(l)
+		mgr.m.QueueDepth.Inc()
 		mgr.log.Info("recovered spilled save", "target", l.target, "bytes", l.layout.DataSize)
 	}
 	mgr.m.Spilled.Set(float64(mgr.spill.usedBytes()))
 	return nil
+}
+
+// has reports whether save id is in the folder, whole (its entry written).
+func (s *spill) has(id string) bool {
+	_, err := os.Stat(s.path(id, spillEntry))
+	return err == nil
 }
