@@ -216,7 +216,14 @@ func (c *Client) Replicate(ctx context.Context, m *checkpoint.Manifest, data []b
 	var errs []error
 	hdr := &pb.ReplicaHeader{ManifestSize: uint64(len(manifest)), DataSize: uint64(len(data)), Committed: committed, MemoryOnly: memory,
 		Job: m.Job, Step: m.Step, Rank: int32(m.Rank), WorldSize: int32(m.WorldSize), Attempt: m.Attempt}
-	for _, addr := range Holders(list, self, m.Rank, c.replicas) {
+	holders := Holders(list, self, m.Rank, c.replicas)
+	if len(holders) < c.replicas {
+		// A discovered list of fewer sidecars than --replicas asks (pods
+		// still starting, a node lost): the copies that are missing are
+		// not made, and the save must not be told it reached them.
+		errs = append(errs, fmt.Errorf("the peer list %v holds %d other sidecars, fewer than the %d replicas asked", list, len(holders), c.replicas))
+	}
+	for _, addr := range holders {
 		err := c.putRaw(ctx, addr, hdr, manifest, data)
 		if err != nil && !errors.Is(err, errRefused) { // a peer from before the raw path, or a broken connection
 			c.log.Debug("peers: the raw data path failed; sending through gRPC", "peer", addr, "err", err)

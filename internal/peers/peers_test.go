@@ -11,6 +11,7 @@ import (
 
 	"google.golang.org/grpc"
 
+	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/internal/peers/peertest"
 	"github.com/ckptd/ckptd/internal/testtime"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
@@ -110,5 +111,16 @@ func TestMutualTLS(t *testing.T) {
 	}
 	if _, _, err := (TLS{}).Credentials(); err == nil || !strings.Contains(err.Error(), "--peer-insecure") {
 		t.Fatalf("no TLS and no --peer-insecure: %v", err)
+	}
+}
+
+// A sidecar alone in its peer list (a discovered list while pods start)
+// makes no copy, and says so: a save must not end replicated.
+func TestReplicateAloneIsAnError(t *testing.T) {
+	c := NewClient([]string{"127.0.0.1:1"}, "127.0.0.1:1", 1, Creds{}, slog.New(slog.DiscardHandler))
+	m := &checkpoint.Manifest{Job: "j", Step: 1, Rank: 0, WorldSize: 1, Attempt: "a"}
+	err := c.Replicate(t.Context(), m, nil, false, true)
+	if err == nil || !strings.Contains(err.Error(), "fewer than the 1 replicas") {
+		t.Fatalf("replicating with no other sidecar: %v", err)
 	}
 }
