@@ -362,7 +362,7 @@ func (c *Cache) stream(ctx context.Context, sh Shard) (r io.ReadCloser, done fun
 		w.abort(err)
 		return rr, func(bool) {}
 	}
-	tee := &teeCloser{Reader: io.TeeReader(rr, w), c: rr}
+	tee := &teeCloser{Reader: io.TeeReader(rr, w), c: rr} // w never fails a read: see diskWriter.Write
 	return tee, func(ok bool) {
 		if ok {
 			_, err := io.Copy(io.Discard, tee) // what the parser left: padding, an end marker

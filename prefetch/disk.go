@@ -259,6 +259,7 @@ type diskWriter struct {
 	tmp  *os.File
 	h    *xxh3.Hasher
 	n    int64
+	err  error // the first write error: later writes are dropped
 }
 
 // create starts the write of a reserved file.
@@ -269,15 +270,25 @@ func (d *diskCache) create(name string, f *diskFile) (*diskWriter, error) {
 	return w, err
 }
 
+// Write copies p into the file. It never fails: a shard streamed from
+// storage is teed into it, and a full or broken disk must not pass for
+// a broken shard. The first error is kept for commit, which gives up.
 func (w *diskWriter) Write(p []byte) (int, error) {
+	if w.err != nil {
+		return len(p), nil
+	}
 	n, err := w.tmp.Write(p)
 	w.h.Write(p[:n])
 	w.n += int64(n)
-	return n, err
+	w.err = err
+	return len(p), nil
 }
 
 // commit ends the write: the trailer, a sync, the rename into place.
 func (w *diskWriter) commit() error {
+	if w.err != nil {
+		return w.err
+	}
 	if w.n+diskTrailer != w.f.size {
 		return fmt.Errorf("%d bytes written of a shard of %d", w.n, w.f.size-diskTrailer)
 	}

@@ -277,3 +277,28 @@ func TestDiskTierStreamedShards(t *testing.T) {
 		t.Fatalf("a damaged file: %d disk hits, %d reads from the store; want 2 and the third from the store", c.DiskHits(), counted.gets.Load())
 	}
 }
+
+// A disk that fails a write (full, broken) fails the tier's copy only:
+// the shard teed into it reads on, and commit gives the copy up.
+func TestDiskWriteErrorIsTheTiers(t *testing.T) {
+	d, err := newDiskCache(t.TempDir(), 1<<20, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	name, f := d.reserve("k", 8, nil, 0)
+	if f == nil {
+		t.Fatal("no room reserved")
+	}
+	w, err := d.create(name, f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.tmp.Close() // every write fails from now on
+	if n, err := w.Write([]byte("shard!!!")); n != 8 || err != nil {
+		t.Fatalf("a failed disk write = %d, %v; want 8, nil", n, err)
+	}
+	if err := w.commit(); err == nil {
+		t.Fatal("commit after a failed write succeeded")
+	}
+	w.abort(err)
+}
