@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/ckptd/ckptd/storage"
 )
@@ -85,9 +86,14 @@ func (s *Store) mayDelete(si *StepInventory, others []*StepInventory, force bool
 	return nil
 }
 
+// inFlight is how recent a write must be for DeleteJob to take its step
+// for one a save may still be writing: prune's default grace.
+const inFlight = time.Hour
+
 // DeleteJob removes every object of the job: its commit records first,
 // then everything else, then what writers left mid-write. A job holding a
-// committed step needs opts.Force.
+// committed step, or an object written within inFlight (a save may still
+// be writing it), needs opts.Force.
 func (s *Store) DeleteJob(ctx context.Context, opts DeleteOptions) (*PruneReport, error) {
 	rep := &PruneReport{}
 	var commits, rest []storage.ObjectInfo
@@ -105,9 +111,14 @@ func (s *Store) DeleteJob(ctx context.Context, opts DeleteOptions) (*PruneReport
 	if err != nil {
 		return nil, fmt.Errorf("list job %q: %w", s.job, err)
 	}
-	if len(commits) > 0 && !opts.Force {
+	switch {
+	case opts.Force:
+	case len(commits) > 0:
 		return nil, fmt.Errorf("%w: job %q holds %d committed steps, the newest of which a restart of the job restores",
 			ErrNeedsForce, s.job, len(commits))
+	case slices.ContainsFunc(rest, func(oi storage.ObjectInfo) bool { return time.Since(oi.ModTime) < inFlight }):
+		return nil, fmt.Errorf("%w: job %q has objects written within the last %s: a save may still be writing them",
+			ErrNeedsForce, s.job, inFlight)
 	}
 	p := &pruner{s: s, dryRun: opts.DryRun, rep: rep}
 	if err := p.deleteAll(ctx, commits); err != nil {

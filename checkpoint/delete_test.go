@@ -111,8 +111,11 @@ func TestDeleteJob(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dir, "job2/steps/000000000001/keep")); err != nil {
 		t.Errorf("deleting job removed job2's object: %v", err)
 	}
-	if _, err := other.DeleteJob(ctx, DeleteOptions{}); err != nil {
-		t.Errorf("DeleteJob of a job without committed steps needs no force: %v", err)
+	if _, err := other.DeleteJob(ctx, DeleteOptions{}); !errors.Is(err, ErrNeedsForce) {
+		t.Errorf("DeleteJob of a job a save may still be writing, not forced = %v, want ErrNeedsForce", err)
+	}
+	if _, err := other.DeleteJob(ctx, DeleteOptions{Force: true}); err != nil {
+		t.Errorf("forced DeleteJob of a job a save may still be writing: %v", err)
 	}
 }
 

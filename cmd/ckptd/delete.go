@@ -32,7 +32,7 @@ Without --force it refuses what a slip would cost a job its restart point:
 the job's newest committed step (what --latest restores), a step not yet
 committed (a save may still be writing it; prune removes those once idle for
 --gc-grace), a step whose commit record is damaged, and a job that holds
-committed steps. It works on storage only: a daemon's hot tier or peers may
+committed steps or objects written in the last hour. It works on storage only: a daemon's hot tier or peers may
 still hold a copy of a deleted step in memory until they evict it.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -45,7 +45,7 @@ still hold a copy of a deleted step in memory until they evict it.`,
 	}
 	o.storageOptions.registerInteractive(cmd.Flags())
 	cmd.Flags().Int64Var(&o.Step, "step", 0, "the step to delete (without it, the whole --job)")
-	cmd.Flags().BoolVar(&o.Force, "force", false, "also delete the newest committed step, an uncommitted or damaged step, or a job with committed steps")
+	cmd.Flags().BoolVar(&o.Force, "force", false, "also delete the newest committed step, an uncommitted or damaged step, or a job with committed steps or objects written in the last hour")
 	cmd.Flags().BoolVar(&o.DryRun, "dry-run", false, "print what would be deleted, delete nothing")
 	return cmd
 }
@@ -73,7 +73,7 @@ func runDelete(ctx context.Context, o *deleteOptions, oneStep bool, out io.Write
 		if o.DryRun {
 			verb = "would delete"
 		}
-		fmt.Fprintf(out, "%s %s: committed steps %v, %d objects and %d temporaries, %s\n",
+		fmt.Fprintf(out, "%s %s: steps %v, %d objects and %d temporaries, %s\n",
 			verb, what, rep.Removed, rep.Objects-len(rep.Temporaries), len(rep.Temporaries), human(rep.Bytes))
 		if len(rep.Damaged) > 0 {
 			fmt.Fprintf(out, "kept every object another step might reference, but the manifests of steps %v are damaged, "+
