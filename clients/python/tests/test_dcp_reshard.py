@@ -27,6 +27,8 @@ import pytest
 from launch import launch as run_workers
 from slow import scaled
 
+import ckptd.dcp
+
 WORKER = Path(__file__).with_name("dcp_reshard_worker.py")
 STATE = 3 * 4 * 96 * 1024 * 4  # the worker's tensor bytes, all ranks
 
@@ -73,3 +75,15 @@ def test_a_resharding_load_reads_what_it_needs(saved, world):
     # What the ranks received: their pieces, and little else (plain values).
     assert loaded <= restored <= loaded * 1.01 + 4096, (restored, loaded)
     assert stored <= 1.1 * restored, (stored, restored)
+
+
+def test_small_values_ride_in_the_metadata(saved):
+    """The plain values (step counts, the learning rate) ride in the metadata: no restore."""
+    d, _, _ = saved
+    with d.client() as c:
+        md = ckptd.dcp.Reader(c, 1, job="reshard").read_metadata()
+    _, inline = md.storage_data[ckptd.dcp.INLINE]
+    fqns = {idx.fqn for idx in inline}
+    steps = {f"optim.state.layers.{i}.weight.step" for i in range(4)}
+    assert fqns == steps | {"optim.param_groups.0.lr"}, fqns
+    assert all(len(b) <= ckptd.dcp.INLINE_ITEM for b in inline.values())

@@ -54,7 +54,10 @@ In a rank's shard:
   as DCP's FileSystemWriter pickles it, as the save's metadata (or, when
   larger than a request to the daemon takes, 8 MiB, as a uint8 tensor
   ``dcp.metadata`` of its shard, which older versions always wrote). Its
-  storage_data maps every MetadataIndex to ``(rank, tensor name)``.
+  storage_data maps every MetadataIndex to ``(rank, tensor name)``, and
+  INLINE to ``(-1, {MetadataIndex: bytes})``: the stored bytes of small
+  items (a step count, a learning rate), which a load then takes from the
+  metadata instead of a restore of another rank's shard.
 
 Where the metadata is written. DCP knows the global Metadata only on the
 coordinator, after planning, and a rank's shard is one save. So rank 0
@@ -174,6 +177,18 @@ METADATA = "dcp.metadata"  # rank 0's pickled DCP Metadata, when too large for a
 BYTES = "dcp.bytes"  # top-level key of the torch.save'd non-tensor items
 DCP_VERSION = "1.0.0"  # Metadata.version, as DCP's FileSystemWriter writes it
 READERS = 4  # restores a Reader's read_data runs at once
+# Small items' bytes ride in the metadata too, so that a load needs no
+# restore for them: an item of at most INLINE_ITEM bytes, while the step's
+# total stays within INLINE_TOTAL (the lowest ranks' items first).
+INLINE_ITEM = 4 << 10
+INLINE_TOTAL = 256 << 10
+# storage_data's key for them: a (-1, {MetadataIndex: bytes}) pair, which a
+# Reader that knows nothing of it never looks up.
+INLINE = MetadataIndex("ckptd.inline")
+_INLINE_DTYPES = frozenset(
+    (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+     torch.int16, torch.int8, torch.uint8, torch.bool)
+)  # fmt: skip
 STREAMED_BATCH = 256 << 20  # the most one such restore brings, streamed (no arena)
 
 # storage_data of the stored Metadata: MetadataIndex -> (rank, tensor name),
@@ -785,6 +800,8 @@ class Reader(StorageReader):
         self._where: dict[MetadataIndex, Where] = {}
         self._layout = _Layout()
         self._extra_in_0 = False  # rank 0's shard also holds the dcp.metadata tensor
+        self._inline: dict[MetadataIndex, bytes] = {}  # small items' bytes (INLINE)
+        self._metadata: Metadata | None = None
 
     @property
     def _step(self) -> int | Literal["latest"]:
@@ -897,7 +914,10 @@ class Reader(StorageReader):
                 "the checkpoint's DCP metadata does not map items to ckptd rank shards"
             )
         self._where = dict(where)
-        self._layout = _Layout.of(metadata, self._where, self._extra_in_0)
+        _, inline = self._where.pop(INLINE, (-1, {}))
+        self._inline = inline if isinstance(inline, dict) else {}
+        self._metadata = metadata
+        self._layout = _Layout.of(metadata, self._where, self._extra_in_0, set(self._inline))
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Nothing to add."""
@@ -922,6 +942,10 @@ class Reader(StorageReader):
         """
         by_rank: dict[int, list[tuple[ReadItem, str]]] = {}
         for req in plan.items:
+            blob = self._inline.get(req.storage_index)
+            if blob is not None:
+                self._read_inline(req, blob, planner)
+                continue
             where = self._where.get(req.storage_index)
             if where is None:
                 raise CkptdError(
@@ -948,6 +972,24 @@ class Reader(StorageReader):
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
         return _done(None)
+
+    def _read_inline(self, req: ReadItem, blob: bytes, planner: LoadPlanner) -> None:
+        """Load an item whose bytes the metadata holds (see INLINE)."""
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(blob))
+            return
+        idx = req.storage_index
+        item = self._metadata.state_dict_metadata.get(idx.fqn) if self._metadata else None
+        chunk = None
+        if isinstance(item, TensorStorageMetadata):
+            chunk = next((c for c in item.chunks if c.offsets == idx.offset), None)
+        if chunk is None or not isinstance(item, TensorStorageMetadata):
+            raise CkptdError(f"the checkpoint's metadata describes no {idx.fqn!r} at {idx.offset}")
+        td, shape = item.properties.dtype, tuple(int(d) for d in chunk.sizes)
+        if len(blob) != td.itemsize * _numel(shape):
+            raise CkptdError(f"{idx.fqn!r}: the metadata holds {len(blob)} bytes of it")
+        flat = torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(td) if blob else None
+        _copy_into(planner, req, _block_of(flat, td, shape, 0, req, idx.fqn))
 
     def _batch_limit(self) -> int:
         """The most tensor bytes one restore of read_data asks for.
@@ -1020,9 +1062,10 @@ class _Layout:
     sizes: bytes of each stored tensor (bytes items: 0, unknown and small);
     shapes and itemsizes: each stored tensor's (tensor items only);
     order: each rank's tensors in the order the metadata lists them (the
-    order they were saved in, near enough); whole: each rank's shard's
-    tensors, when restoring all of it restores nothing else of size (rank
-    0's shard with a dcp.metadata tensor is never whole).
+    order they were saved in, near enough), less the small ones the
+    metadata holds; whole: each rank's shard's tensors, when restoring all
+    of it restores nothing else of size (rank 0's shard with a dcp.metadata
+    tensor is never whole).
     """
 
     sizes: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -1032,9 +1075,17 @@ class _Layout:
     whole: dict[int, set[str]] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, md: Metadata, where: Mapping[MetadataIndex, Where], extra_in_0: bool) -> _Layout:
+    def of(
+        cls,
+        md: Metadata,
+        where: Mapping[MetadataIndex, Where],
+        extra_in_0: bool,
+        inline: Set[MetadataIndex],
+    ) -> _Layout:
         lay = cls()
         for idx, (rank, name) in where.items():
+            if idx in inline:
+                continue  # read from the metadata: a whole restore brings it too, small
             item = md.state_dict_metadata.get(idx.fqn)
             if isinstance(item, TensorStorageMetadata):
                 chunk = next((c for c in item.chunks if c.offsets == idx.offset), None)
@@ -1170,17 +1221,29 @@ def _copy_out(
         src = _block(t, raw, job.start(name), req)
         with lock:
             dst = planner.resolve_tensor(req).detach()
-        if dst.size() != src.size():
-            raise CkptdError(
-                f"{req.storage_index.fqn!r}: the read needs {tuple(dst.size())} elements, "
-                f"the stored piece {name!r} gives {tuple(src.size())}"
-            )
-        if dst.dtype == src.dtype:  # bit for bit, also dtypes torch cannot copy itself
-            _tensors.bits(torch, dst).copy_(_tensors.bits(torch, src))
-        else:
-            dst.copy_(src)
+        _copy_block(req, dst, src, name)
         copied.append((req, dst))
     return copied, blobs
+
+
+def _copy_block(req: ReadItem, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    """Copy src, the block req reads of stored tensor name, into dst, its destination."""
+    if dst.size() != src.size():
+        raise CkptdError(
+            f"{req.storage_index.fqn!r}: the read needs {tuple(dst.size())} elements, "
+            f"the stored piece {name!r} gives {tuple(src.size())}"
+        )
+    if dst.dtype == src.dtype:  # bit for bit, also dtypes torch cannot copy itself
+        _tensors.bits(torch, dst).copy_(_tensors.bits(torch, src))
+    else:
+        dst.copy_(src)
+
+
+def _copy_into(planner: LoadPlanner, req: ReadItem, src: torch.Tensor) -> None:
+    """Copy src into the planner's tensor for req, and commit it."""
+    dst = planner.resolve_tensor(req).detach()
+    _copy_block(req, dst, src, req.storage_index.fqn)
+    planner.commit_tensor(req, dst)
 
 
 def _block(t: pb.Tensor, raw: np.ndarray, start: int, req: ReadItem) -> torch.Tensor:
@@ -1193,20 +1256,32 @@ def _block(t: pb.Tensor, raw: np.ndarray, start: int, req: ReadItem) -> torch.Te
     if dt is None:
         raise CkptdError(f"tensor {t.name!r} has dtype {t.dtype}, unknown to this client")
     td = _tensors.torch_dtype(torch, dt)
-    shape = tuple(int(d) for d in t.shape)
+    if raw.size and raw.ctypes.data % td.itemsize:
+        raw = raw.copy()  # numpy allocates aligned for every element size
+    flat = torch.from_numpy(raw).view(td) if raw.size else None
+    return _block_of(flat, td, tuple(int(d) for d in t.shape), start, req, t.name)
+
+
+def _block_of(
+    flat: torch.Tensor | None,
+    td: torch.dtype,
+    shape: tuple[int, ...],
+    start: int,
+    req: ReadItem,
+    name: str,
+) -> torch.Tensor:
+    """The block req reads of a stored tensor of shape whose bytes from start are flat."""
     offsets, lengths = tuple(req.storage_offsets), tuple(int(n) for n in req.lengths)
     lo, hi = _extent(shape, offsets, lengths)
     if lo == hi:
         return torch.empty(lengths, dtype=td)
     size = td.itemsize
-    if start % size or lo * size < start or hi * size > start + raw.size:
+    have = 0 if flat is None else flat.numel() * size
+    if flat is None or start % size or lo * size < start or hi * size > start + have:
         raise CkptdError(
-            f"the restored bytes [{start}, +{raw.size}) of {t.name!r} do not hold elements "
+            f"the restored bytes [{start}, +{have}) of {name!r} do not hold elements "
             f"[{lo}, {hi}) that the read needs"
         )
-    if raw.ctypes.data % size:
-        raw = raw.copy()  # numpy allocates aligned for every element size
-    flat = torch.from_numpy(raw).view(td)
     return flat.as_strided(lengths, _strides(shape), lo - start // size)
 
 
@@ -1288,11 +1363,24 @@ def _shard(
             if item.index not in skip:
                 pieces[slot.name] = slot.piece
         tree.setdefault(slot.path[0], {})[slot.path[1]] = value
-        results.append(
-            WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=(rank, slot.name))
-        )
+        stored: tuple[Any, ...] = (rank, slot.name)
+        if nbytes <= INLINE_ITEM:
+            blob = _small_bytes(value)
+            if blob is not None:
+                stored = (rank, slot.name, blob)
+        results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=stored))
     tree[_sharding.TENSOR] = _sharding.encode(pieces)
     return tree, results
+
+
+def _small_bytes(value: Any) -> bytes | None:
+    """A small item's stored bytes, for the metadata; None for a dtype kept out of it."""
+    if isinstance(value, np.ndarray):
+        return value.tobytes()
+    if value.dtype not in _INLINE_DTYPES:
+        return None
+    flat = value.detach().cpu().contiguous().reshape(-1)
+    return bytes(flat.view(torch.uint8).numpy().tobytes()) if flat.numel() else b""
 
 
 def _own_items(plan: SavePlan, flat: Mapping[str, Any]) -> SavePlan:
@@ -1314,7 +1402,7 @@ def _own_items(plan: SavePlan, flat: Mapping[str, Any]) -> SavePlan:
 
 
 def _where(md: Metadata, results: Sequence[Sequence[WriteResult]]) -> dict[MetadataIndex, Any]:
-    """The stored place of each item of md: the lowest rank's copy of it.
+    """The stored place of each item of md: the lowest rank's copy of it; INLINE's too.
 
     Raises CkptdError when no rank stored one (a planner that plans other
     items than DCP's default one, which stage() uses).
@@ -1323,7 +1411,9 @@ def _where(md: Metadata, results: Sequence[Sequence[WriteResult]]) -> dict[Metad
     for rank_results in results:  # in rank order
         for wr in rank_results:
             stored.setdefault(wr.index, wr.storage_data)
-    where = {}
+    where: dict[MetadataIndex, Any] = {}
+    inline: dict[MetadataIndex, bytes] = {}
+    room = INLINE_TOTAL
     for fqn, item in md.state_dict_metadata.items():
         if isinstance(item, BytesStorageMetadata):
             wanted = [MetadataIndex(fqn)]
@@ -1336,7 +1426,13 @@ def _where(md: Metadata, results: Sequence[Sequence[WriteResult]]) -> dict[Metad
                     "ckptd.dcp.Writer stored: async_save through ckptd.dcp stages with "
                     "DCP's default planner; pass no other planner"
                 )
-            where[idx] = stored[idx]
+            rank, name, *blob = stored[idx]
+            where[idx] = (rank, name)
+            if blob and len(blob[0]) <= room:
+                inline[idx] = blob[0]
+                room -= len(blob[0])
+    if inline:
+        where[INLINE] = (-1, inline)
     return where
 
 
