@@ -58,6 +58,17 @@ def _sweep_dead_arenas() -> None:
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    # A module skipped as it is collected (pytest.importorskip at its top)
+    # reports no test at all: under CI that is a failure too.
+    outcome = yield
+    rep = outcome.get_result()
+    if os.environ.get("CI") and rep.outcome == "skipped":
+        rep.outcome = "failed"
+        rep.longrepr = f"skipped at collection under CI, which must run every test: {rep.longrepr}"
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
