@@ -74,6 +74,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--ckptd", default=None, help="a ckptd binary (default: go build one)")
     p.add_argument("--only", default="", help="paths to run, comma-separated (default: all)")
+    p.add_argument("--codec", default=None, help="the daemons' --codec (default: theirs, auto)")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # mode rank config
     return p.parse_args()
 
@@ -304,11 +305,14 @@ def wait_files(names: list[Path], procs: list[subprocess.Popen[bytes]], what: st
 
 @contextlib.contextmanager
 def daemons(
-    binary: str, path: Way, tmp: Path, store: Path, size_mib: int
+    binary: str, path: Way, tmp: Path, store: Path, args: argparse.Namespace
 ) -> Iterator[list[Daemon]]:
     """The daemons path needs: the trainers' node's first."""
+    size_mib = args.size_mib
     staging = f"{size_mib * 3 // 2 + 64}MiB"
     common = ["--storage", str(store), "--staging-bytes", staging]
+    if args.codec:
+        common += ["--codec", args.codec]
     hot = ["--hot-bytes", f"{size_mib * 2 + 256}MiB"]
     started: list[Daemon] = []
     try:
@@ -335,7 +339,7 @@ def run(binary: str, path: Way, args: argparse.Namespace, tmp: Path, i: int) -> 
     out.mkdir()
     disk = Path(args.dir) / out.name
     disk.mkdir(parents=True)
-    with daemons(binary, path, tmp / out.name, disk / "ckptd", args.size_mib) as ds:
+    with daemons(binary, path, tmp / out.name, disk / "ckptd", args) as ds:
         cfg = {"world": args.world, "size_mib": args.size_mib, "out": str(out), "path": path.kind,
                "socket": ds[0].socket if ds else "",
                "dcp_dir": str(disk / "dcp" / "step-1")}  # fmt: skip
@@ -387,7 +391,7 @@ def run(binary: str, path: Way, args: argparse.Namespace, tmp: Path, i: int) -> 
     }
 
 
-def table(results: dict[str, list[dict[str, Any]]], world: int) -> str:
+def table(results: dict[str, list[dict[str, Any]]], world: int, codec: str) -> str:
     """The report: medians of each path's runs, ratios to dcp's and to the memcpy."""
 
     def med(name: str, key: str) -> float:
@@ -398,7 +402,8 @@ def table(results: dict[str, list[dict[str, Any]]], world: int) -> str:
     total = any_runs[0]["bytes"]
     lines = [
         f"time to resume: {world} ranks, {total / MiB:.0f} MiB of state "
-        f"({total / world / MiB:.0f} MiB a rank); memcpy of a rank's bytes {memcpy * 1e3:.0f} ms",
+        f"({total / world / MiB:.0f} MiB a rank), ckptd --codec {codec}; memcpy of a rank's "
+        f"bytes {memcpy * 1e3:.0f} ms",
         "",
         f"{'path':<32}{'start':>8}{'load':>8}{'step':>8}{'total':>8}{'daemon':>8}"
         f"{'x dcp':>7}{'load x dcp':>12}{'load x memcpy':>15}  restored from",
@@ -449,7 +454,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(args.dir, ignore_errors=True)
-    print(table(results, args.world))
+    print(table(results, args.world, args.codec or "auto (the default)"))
 
 
 if __name__ == "__main__":
