@@ -144,7 +144,7 @@ func (s *Server) maySend(who caller, hdr *pb.ReplicaHeader) (checkpoint.Target, 
 		return t, status.Errorf(codes.PermissionDenied, "peer %s (%v in the peer list) does not send rank %d's replicas to this sidecar", who, from, t.Rank)
 	}
 	if s.local.Holds(t) {
-		return t, status.Errorf(codes.AlreadyExists, "%s is held here already: a replica never replaces it", t)
+		return t, status.Errorf(codes.AlreadyExists, "a replica of %s is refused: it is held here already, and a replica never replaces it", t)
 	}
 	return t, nil
 }
