@@ -81,12 +81,13 @@ class MinIO:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"minio exited ({self.proc.returncode}): {self.log.read_text()}")
+            # An authenticated request, not /minio/health/ready: MinIO
+            # answers ready before it takes requests (503
+            # XMinioServerNotInitialized), as the Go suite's waitReady knows.
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", "/minio/health/ready")
-                if conn.getresponse().status == 200:
-                    return
-            except OSError:
+                self.request("GET", "/", timeout=2)
+                return
+            except (OSError, RuntimeError):
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"minio not ready after 60s: {self.log.read_text()}")
@@ -99,11 +100,11 @@ class MinIO:
             self.proc.kill()
             self.proc.wait()
 
-    def request(self, method: str, path: str, body: bytes = b"") -> None:
+    def request(self, method: str, path: str, body: bytes = b"", timeout: float = 30) -> None:
         """One signed request; raises on a status other than 2xx."""
         headers = sign(method, f"127.0.0.1:{self.port}", path, body, self.access_key,
                        self.secret_key)  # fmt: skip
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         conn.request(method, urllib.parse.quote(path), body=body, headers=headers)
         resp = conn.getresponse()
         text = resp.read()
