@@ -102,14 +102,15 @@ func newDiskCache(dir string, limit int64, log *slog.Logger) (*diskCache, error)
 		}
 	}
 	var victims []string
-	for _, v := range d.ranked(nil) { // the budget shrank since
-		if d.used <= d.budget {
+	over := d.used - d.budget // the budget shrank since
+	for _, v := range d.ranked(nil) {
+		if over <= 0 {
 			break
 		}
 		victims = append(victims, v)
-		d.drop(v)
+		over -= d.files[v].size
 	}
-	d.remove(victims)
+	d.unlink(d.evict(victims))
 	return d, nil
 }
 
@@ -121,21 +122,21 @@ func diskName(key string) string {
 
 // lookup finds the file of key in the books, marking it used, unless it
 // is not there or still being written.
-func (d *diskCache) lookup(key string) (string, bool) {
+func (d *diskCache) lookup(key string) (string, *diskFile, bool) {
 	name := diskName(key)
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	f := d.files[name]
 	if f == nil || f.writing {
-		return "", false
+		return "", nil, false
 	}
 	f.used, f.key = time.Now(), key
-	return name, true
+	return name, f, true
 }
 
 // load maps the shard of key, size bytes, when the tier holds it whole.
 func (d *diskCache) load(key string, size int64) (shardBytes, bool) {
-	name, ok := d.lookup(key)
+	name, f, ok := d.lookup(key)
 	if !ok {
 		return shardBytes{}, false
 	}
@@ -143,7 +144,7 @@ func (d *diskCache) load(key string, size int64) (shardBytes, bool) {
 	if err != nil {
 		if !errors.Is(err, errNoMapping) {
 			d.log.Warn("dropped a shard of the disk cache", "file", name, "err", err)
-			d.remove([]string{name})
+			d.discard(name, f)
 		}
 		return shardBytes{}, false
 	}
@@ -237,15 +238,13 @@ func (d *diskCache) reserve(key string, shard int64, next func(string) int, mine
 		d.mu.Unlock()
 		return "", nil
 	}
-	for _, v := range victims {
-		d.drop(v)
-	}
+	doomed := d.evict(victims)
 	f := &diskFile{key: key, size: size, used: time.Now(), writing: true}
 	d.files[name] = f
 	d.used += size
 	d.report()
 	d.mu.Unlock()
-	d.remove(victims)
+	d.unlink(doomed)
 	return name, f
 }
 
@@ -328,14 +327,20 @@ func (w *diskWriter) abort(err error) {
 	if err != nil {
 		w.d.log.Warn("could not write a shard to the disk cache", "dir", w.d.dir, "err", err)
 	}
-	w.d.remove([]string{w.name})
+	// Nothing is under the reserved name yet (commit renames last): only
+	// the reservation goes, and only this one.
+	w.d.mu.Lock()
+	if w.d.files[w.name] == w.f {
+		w.d.drop(w.name)
+	}
+	w.d.mu.Unlock()
 }
 
 // open opens a shard of size bytes the tier holds, to stream: its whole
 // file is read once first to check its trailer, so that what is streamed
 // is what was written (a file cut or damaged is dropped).
 func (d *diskCache) open(key string, size int64) (io.ReadCloser, bool) {
-	name, ok := d.lookup(key)
+	name, f, ok := d.lookup(key)
 	if !ok {
 		return nil, false
 	}
@@ -348,7 +353,7 @@ func (d *diskCache) open(key string, size int64) (io.ReadCloser, bool) {
 			fh.Close()
 		}
 		d.log.Warn("dropped a shard of the disk cache", "file", name, "err", err)
-		d.remove([]string{name})
+		d.discard(name, f)
 		return nil, false
 	}
 	return &sectionFile{io.NewSectionReader(fh, 0, size), fh}, true
@@ -425,15 +430,46 @@ func (d *diskCache) report() {
 	}
 }
 
-// remove deletes files taken out of the books (a mapping of one stays
-// valid until it is unmapped).
-func (d *diskCache) remove(names []string) {
+// discard evicts the file found as f under name, if the books still hold
+// that one: a shard dropped and reserved again since is another's.
+func (d *diskCache) discard(name string, f *diskFile) {
+	d.mu.Lock()
+	var doomed []string
+	if d.files[name] == f {
+		doomed = d.evict([]string{name})
+	}
+	d.mu.Unlock()
+	d.unlink(doomed)
+}
+
+// evict takes files out of the books and moves each out of its name, to
+// a temporary one it returns for unlink. Call with mu: a name is free for
+// a new reservation only once its old file has left it, else that write's
+// rename could land first and be the file removed. Unlinking, which frees
+// a large file's blocks, waits until mu is released.
+func (d *diskCache) evict(names []string) []string {
+	var doomed []string
 	for _, n := range names {
-		d.mu.Lock()
 		d.drop(n)
-		d.mu.Unlock()
-		if err := os.Remove(filepath.Join(d.dir, n)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			d.log.Warn("could not remove a shard of the disk cache", "file", n, "err", err)
+		from := filepath.Join(d.dir, n)
+		to := from + ".evicted" + diskTemp // a crash leaves it to the next start
+		if err := os.Rename(from, to); err != nil {
+			if !errors.Is(err, fs.ErrNotExist) {
+				d.log.Warn("could not remove a shard of the disk cache", "file", n, "err", err)
+			}
+			continue
+		}
+		doomed = append(doomed, to)
+	}
+	return doomed
+}
+
+// unlink deletes what evict moved aside (a mapping of one stays valid
+// until it is unmapped).
+func (d *diskCache) unlink(paths []string) {
+	for _, p := range paths {
+		if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			d.log.Warn("could not remove a shard of the disk cache", "file", filepath.Base(p), "err", err)
 		}
 	}
 }

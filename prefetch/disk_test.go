@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -301,4 +302,53 @@ func TestDiskWriteErrorIsTheTiers(t *testing.T) {
 		t.Fatal("commit after a failed write succeeded")
 	}
 	w.abort(err)
+}
+
+// Shards stored, loaded and evicted at once from many goroutines leave
+// the books and the folder agreeing: every file kept is in the books at
+// its size, none in the books is missing, and the budget holds. An
+// eviction freed a name before its file, once, so a shard reserved again
+// meanwhile lost its file or its entry.
+func TestDiskBooksMatchTheFolder(t *testing.T) {
+	dir := t.TempDir()
+	const shard, keys = 4 << 10, 6
+	d, err := newDiskCache(dir, 2*(shard+diskTrailer), slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			data := bytes.Repeat([]byte{byte(g)}, shard)
+			for i := range 300 {
+				key := fmt.Sprint("k", (g*7+i)%keys)
+				if _, ok := d.load(key, shard); ok {
+					continue
+				}
+				if write := d.store(key, data, nil, 0); write != nil {
+					write()
+				}
+			}
+		})
+	}
+	wg.Wait()
+	shards, temps := diskFiles(t, dir)
+	if len(temps) != 0 {
+		t.Errorf("temporaries left: %v", temps)
+	}
+	var onDisk int64
+	for _, p := range shards {
+		fi, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := d.files[filepath.Base(p)]
+		if f == nil || f.size != fi.Size() || f.writing {
+			t.Errorf("file %s (%d bytes) is not in the books as kept: %+v", filepath.Base(p), fi.Size(), f)
+		}
+		onDisk += fi.Size()
+	}
+	if len(shards) != len(d.files) || onDisk != d.used || d.used > d.budget {
+		t.Errorf("%d files of %d bytes on disk; books: %d files, %d bytes, budget %d", len(shards), onDisk, len(d.files), d.used, d.budget)
+	}
 }
