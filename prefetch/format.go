@@ -130,6 +130,26 @@ func listDataset(ctx context.Context, b storage.Backend, prefix string, f Format
 		"name the format (raw reads every object as a sample)", ErrInvalid, b.Location(), printable(prefix))
 }
 
+// listedCost is what listDataset charged the listing budget for shards:
+// listCost each, an MDS shard's hashes, a Parquet file's footer once. A
+// mixture lists its sources within one budget, the rest of it each.
+func listedCost(shards []Shard) int64 {
+	var n int64
+	footers := map[*pqFile]bool{}
+	for _, sh := range shards {
+		n += listCost(sh.Name)
+		switch u := sh.unit; {
+		case u == nil:
+		case u.mds != nil:
+			n += mdsCost(u.mds)
+		case u.pq != nil && !footers[u.pq.file]:
+			footers[u.pq.file] = true
+			n += u.pq.file.cost
+		}
+	}
+	return n
+}
+
 // listObjects lists the objects under prefix that keep says to keep, in
 // the backend's (name) order, within budget: a listing that would cost an
 // iteration more fails (see ListShards).

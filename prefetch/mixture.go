@@ -76,9 +76,7 @@ func OpenMixture(ctx context.Context, sources []MixSource, cache *Cache, spec Sp
 		if err != nil {
 			return nil, fmt.Errorf("mixture source %d: %w", i, err)
 		}
-		for _, sh := range all {
-			budget -= listCost(sh.Name)
-		}
+		budget -= listedCost(all)
 		src := &shardSource{b: s.Backend, prefix: s.Prefix, format: format, keyPrefix: strconv.Itoa(i) + "/"}
 		for j := range all {
 			all[j].src = src

@@ -172,3 +172,46 @@ func TestMixtureOfFormats(t *testing.T) {
 		}
 	}
 }
+
+// A mixture's sources share one listing budget, charged for what each
+// listing holds (an MDS shard's hashes, a Parquet file's footer), not
+// only for the shards' names: the second source has what the first's
+// shards left, to the byte.
+func TestMixtureListingBudget(t *testing.T) {
+	b := testdataBackend(t, "testdata")
+	c := newCache(t, 64<<20)
+	for _, tc := range []struct {
+		prefix string
+		format Format
+	}{{"mds/zstd/", MDS}, {"parquet/", Parquet}} {
+		one, _, err := listDataset(context.Background(), b, tc.prefix, tc.format, 1<<30, c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held := listedCost(one)
+		if names := int64(len(one)) * listCost(one[0].Name); held <= names {
+			t.Fatalf("%s: listed cost %d, no more than its names' %d", tc.prefix, held, names)
+		}
+		// lo: the smallest budget one source is listed in (the listing
+		// of its objects may take more than what is kept of it).
+		lo, hi := int64(1), int64(1<<20)
+		for lo < hi {
+			mid := (lo + hi) / 2
+			if _, _, err := listDataset(context.Background(), b, tc.prefix, tc.format, mid, c); err == nil {
+				hi = mid
+			} else {
+				lo = mid + 1
+			}
+		}
+		srcs := []MixSource{{Backend: b, Prefix: tc.prefix, Format: tc.format, Weight: 1}, {Backend: b, Prefix: tc.prefix, Format: tc.format, Weight: 1}}
+		spec := Spec{BatchSize: 1, WorldSize: 1}
+		if _, err := OpenMixture(context.Background(), srcs, c, spec, Options{ListBytes: lo + held - 1}); !errors.Is(err, ErrTooLarge) {
+			t.Errorf("%s twice in %d bytes of listing budget: %v, want ErrTooLarge", tc.prefix, lo+held-1, err)
+		}
+		it, err := OpenMixture(context.Background(), srcs, c, spec, Options{ListBytes: lo + held})
+		if err != nil {
+			t.Fatalf("%s twice in %d bytes: %v", tc.prefix, lo+held, err)
+		}
+		it.Close()
+	}
+}
