@@ -316,10 +316,7 @@ func (c *Cache) read(ctx context.Context, b storage.Backend, sh Shard, key strin
 	var write func()
 	stored, ok := c.disk.load(key, sh.Size)
 	if ok {
-		c.diskHits.Add(1)
-		if c.disk.hit != nil {
-			c.disk.hit()
-		}
+		c.diskHit()
 	} else {
 		var err error
 		if stored, err = readStored(ctx, b, sh); err != nil {
@@ -347,10 +344,7 @@ func (c *Cache) stream(ctx context.Context, sh Shard) (r io.ReadCloser, done fun
 	}
 	key := shardKey(b, sh)
 	if f, ok := c.disk.open(key, sh.Size); ok {
-		c.diskHits.Add(1)
-		if c.disk.hit != nil {
-			c.disk.hit()
-		}
+		c.diskHit()
 		return f, func(bool) {}
 	}
 	name, f := c.disk.reserve(key, sh.Size, nil, 0)
@@ -389,6 +383,14 @@ func (t *teeCloser) Close() error { return t.c.Close() }
 
 // DiskHits is how many shards the disk tier served.
 func (c *Cache) DiskHits() int64 { return c.diskHits.Load() }
+
+// diskHit counts a shard the disk tier served, here and in the metrics.
+func (c *Cache) diskHit() {
+	c.diskHits.Add(1)
+	if c.disk.hit != nil {
+		c.disk.hit()
+	}
+}
 
 // readShard reads a whole shard and decodes it (decodeShard).
 func readShard(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, error) {

@@ -59,9 +59,10 @@ A step saved with Client.save(model.state_dict()) names its tensors by the
 state dict's keys, with no "model:" group: --plain exports those.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := o.stepChoice.check(cmd.Flags()); err != nil {
+				return err
+			}
 			switch {
-			case o.stepChoice.check(cmd.Flags()) != nil:
-				return o.stepChoice.check(cmd.Flags())
 			case o.Out == "":
 				return usageError{errors.New("--out DIR is required")}
 			case o.Format != "safetensors":

@@ -569,9 +569,6 @@ func serveMetrics(addr string, reg *prometheus.Registry, ready *readiness) func(
 	return func() { _ = hs.Close() }
 }
 
-// buildInfo is ckptd_build_info: 1, labelled with the daemon's version and
-// the Go it was built with, so that a dashboard can tell which nodes run
-// what.
 // arenaLocked is ckptd_arena_locked: whether the arena is locked in memory,
 // which a container needs IPC_LOCK or a large RLIMIT_MEMLOCK for; unlocked,
 // it may be swapped and CUDA pins it slowly.
@@ -584,6 +581,9 @@ func arenaLocked(locked bool) prometheus.Collector {
 	return g
 }
 
+// buildInfo is ckptd_build_info: 1, labelled with the daemon's version and
+// the Go it was built with, so that a dashboard can tell which nodes run
+// what.
 func buildInfo(version string) prometheus.Collector {
 	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "ckptd_build_info",
 		Help: "1, labelled with the daemon's version and Go version."}, []string{"version", "goversion"})
