@@ -88,6 +88,9 @@ func memoryOnly(byPeer map[string][]HeldShard) []*heldStep {
 	}
 	out := make([]*heldStep, 0, len(steps))
 	for _, s := range steps {
+		for _, hs := range s.holders { // this sidecar ("") first: a restore reads its own memory before a peer's
+			slices.SortFunc(hs, func(a, b holder) int { return cmp.Compare(a.addr, b.addr) })
+		}
 		out = append(out, s)
 	}
 	slices.SortFunc(out, func(a, b *heldStep) int {
