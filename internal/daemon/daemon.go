@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/user"
 	"runtime"
+	"slices"
 	"strconv"
 	"time"
 
@@ -369,13 +370,15 @@ func (d *Daemon) Serve(ctx context.Context) error {
 		}
 	}()
 	o, log, b, a := d.o, d.log, d.b, d.a
-	srv := grpc.NewServer(append(server.Interceptors(), serverOptions()...)...)
-	server.Register(srv, d.mgr, a)
-	server.RegisterPrefetch(srv, d.pf, a)
+	intake := server.NewIntake(server.DefaultIntake)
+	srv := grpc.NewServer(slices.Concat(server.Interceptors(), serverOptions(), intake.ServerOptions())...)
+	reg := intake.Registrar(srv)
+	server.Register(reg, d.mgr, a)
+	server.RegisterPrefetch(reg, d.pf, a)
 	hs := health.NewServer()
-	healthpb.RegisterHealthServer(srv, hs)
+	healthpb.RegisterHealthServer(reg, hs)
 	ready := newReadiness(b, o.Job, hs, log)
-	server.RegisterDaemon(srv, d.mgr, d.pf, server.StatusConfig{Version: o.Version, Started: time.Now(), Storage: ready.check, BackendErrors: d.berrs.Counts})
+	server.RegisterDaemon(reg, d.mgr, d.pf, server.StatusConfig{Version: o.Version, Started: time.Now(), Storage: ready.check, BackendErrors: d.berrs.Counts})
 	readyCtx, stopReady := context.WithCancel(context.Background())
 	defer stopReady()
 	go ready.run(readyCtx)
@@ -384,7 +387,7 @@ func (d *Daemon) Serve(ctx context.Context) error {
 		"arena", a.Path(), "staging_bytes", a.Size(), "locked", a.Locked(), "codec", d.codec)
 	errc := make(chan error, 1)
 	go func() {
-		errc <- srv.Serve(peercred.NewListener(d.lis.(peercred.UnixListener), peercred.Policy{UID: os.Geteuid(), GID: d.gid}, nil, log))
+		errc <- srv.Serve(intake.Listener(peercred.NewListener(d.lis.(peercred.UnixListener), peercred.Policy{UID: os.Geteuid(), GID: d.gid}, nil, log)))
 	}()
 	var err error
 	select {
@@ -456,17 +459,17 @@ func (o *Options) check() (codec.Codec, int, error) {
 	return c, gid, nil
 }
 
-// serverOptions bound what one client connection can hold in the daemon.
+// serverOptions bound what one client connection can hold in the daemon
+// (server.Intake bounds all of them together).
 func serverOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		// A request is buffered whole before its handler runs. Tensor bytes
 		// travel through the arena; 16 MiB is ample for a tensor table or
 		// one message of a stream.
 		grpc.MaxRecvMsgSize(pb.MaxMessageBytes),
-		// Each stream is a goroutine and up to one buffered request, so this
-		// bounds one connection at 128 x 16 MiB. A trainer's saves, waits
-		// and dataset sessions need far fewer at once; a client past the
-		// limit queues, it does not fail.
+		// Each stream is a goroutine and up to one request being read. A
+		// trainer's saves, waits and dataset sessions need far fewer at
+		// once; a client past the limit queues, it does not fail.
 		grpc.MaxConcurrentStreams(128),
 		// A peer that stops answering pings (a frozen process; a forked
 		// DataLoader worker that inherited the connection of a trainer that

@@ -8,11 +8,13 @@ import (
 	"runtime"
 	"runtime/debug"
 
+	"github.com/ckptd/ckptd/internal/server"
 	"github.com/ckptd/ckptd/prefetch"
 )
 
-// memoryHeadroom is what the daemon needs beyond its configured budgets:
-// the Go runtime, gRPC's buffers and the requests being received.
+// memoryHeadroom is what the daemon needs beyond its configured budgets
+// and what its socket takes in (server.IntakeLimits): the Go runtime and
+// the peers' gRPC buffers.
 const memoryHeadroom = 256 << 20
 
 // memoryCeiling is what the daemon's heap may hold whatever clients send
@@ -30,7 +32,7 @@ func memoryCeiling(o *Options, prefetchCeiling int64) int64 {
 		// --hot-bytes; replicas being received count inside the hot tier.
 		hot *= 2
 	}
-	return int64(o.TableBytes) + drainBuffers + s3Parts + restores + hot + prefetchCeiling + memoryHeadroom
+	return int64(o.TableBytes) + drainBuffers + s3Parts + restores + hot + prefetchCeiling + server.DefaultIntake.Bytes() + memoryHeadroom
 }
 
 // restoreReads is checkpoint.ReadOptions.Concurrency's default, the
@@ -59,6 +61,9 @@ type memoryNeeds struct {
 	TotalBytes   int64 `json:"total_bytes"`        // what a container's memory limit must cover
 	Workers      int   `json:"workers"`            // the --workers the ceiling assumes
 	DatasetBytes int64 `json:"dataset_ceiling_bytes"`
+	// SocketBytes is what the socket may hold of requests being received
+	// (connections, calls, requests; see server.IntakeLimits), in the heap.
+	SocketBytes int64 `json:"socket_receive_bytes"`
 }
 
 // PrintMemory checks the options and prints the memory they need,
@@ -76,7 +81,7 @@ func PrintMemory(o *Options, out io.Writer) error {
 	enc := json.NewEncoder(out)
 	enc.SetIndent("", "  ")
 	return enc.Encode(memoryNeeds{ArenaBytes: int64(o.StagingBytes), HeapCeiling: heap,
-		TotalBytes: int64(o.StagingBytes) + heap, Workers: o.Workers, DatasetBytes: ds})
+		TotalBytes: int64(o.StagingBytes) + heap, Workers: o.Workers, DatasetBytes: ds, SocketBytes: server.DefaultIntake.Bytes()})
 }
 
 // setMemoryLimit makes the garbage collector keep the heap under the

@@ -26,7 +26,7 @@ type Prefetch struct {
 
 // RegisterPrefetch adds the prefetch service for svc to s; a is the arena
 // its batches are delivered in (PrefetchArena(a)).
-func RegisterPrefetch(s *grpc.Server, svc *prefetch.Service, a *arena.Arena) {
+func RegisterPrefetch(s grpc.ServiceRegistrar, svc *prefetch.Service, a *arena.Arena) {
 	pb.RegisterPrefetchServer(s, &Prefetch{svc: svc, arena: a})
 }
 

@@ -29,7 +29,7 @@ type Checkpoint struct {
 
 // Register adds the checkpoint service for mgr to s; a is mgr's arena
 // (CheckpointArena(a)), which clients map.
-func Register(s *grpc.Server, mgr *staging.Manager, a *arena.Arena) {
+func Register(s grpc.ServiceRegistrar, mgr *staging.Manager, a *arena.Arena) {
 	pb.RegisterCheckpointServer(s, &Checkpoint{mgr: mgr, arena: a})
 }
 

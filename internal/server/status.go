@@ -35,7 +35,7 @@ type Daemon struct {
 }
 
 // RegisterDaemon registers the Daemon service on s.
-func RegisterDaemon(s *grpc.Server, mgr *staging.Manager, pf *prefetch.Service, cfg StatusConfig) {
+func RegisterDaemon(s grpc.ServiceRegistrar, mgr *staging.Manager, pf *prefetch.Service, cfg StatusConfig) {
 	pb.RegisterDaemonServer(s, &Daemon{mgr: mgr, pf: pf, cfg: cfg})
 }
 

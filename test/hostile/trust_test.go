@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -37,6 +38,18 @@ const (
 // supplementary groups and returns its one-line report.
 func actAsOther(t *testing.T, groups []uint32, env ...string) string {
 	t.Helper()
+	cmd := otherCommand(t, groups, env...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("helper as uid %d: %v\n%s", otherUID, err, out)
+	}
+	return strings.TrimSpace(string(out))
+}
+
+// otherCommand is the test binary as uid 65534 with groups, to run a
+// helper action (CKPTD_TEST_ACT in env).
+func otherCommand(t *testing.T, groups []uint32, env ...string) *exec.Cmd {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		if os.Getenv("CI") != "" {
 			t.Fatal("the trust tests need root (to play another user) and CI runs as root")
@@ -46,11 +59,7 @@ func actAsOther(t *testing.T, groups []uint32, env ...string) string {
 	cmd := daemontest.Command(otherBinary(t), "-test.run=^$")
 	cmd.Env = append(os.Environ(), env...)
 	cmd.SysProcAttr.Credential = &syscall.Credential{Uid: otherUID, Gid: otherUID, Groups: groups}
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		t.Fatalf("helper as uid %d: %v\n%s", otherUID, err, out)
-	}
-	return strings.TrimSpace(string(out))
+	return cmd
 }
 
 // otherBinary is a copy of the test binary that the other user can run.
@@ -127,6 +136,8 @@ func runAct(act string) {
 		}
 	case "next-other", "position-other", "close-other", "release-in-own", "commit-other", "abort-other":
 		err = othersObjectAct(ctx, act)
+	case "flood":
+		floodAct(ctx)
 	default:
 		err = holdAct(ctx, c, act)
 	}
