@@ -82,7 +82,7 @@ func newServeCmd() *cobra.Command {
 		"arena-dir", "restart-wait", "spill-dir", "spill-bytes")
 	inGroup(fs, "tiers", "hot-bytes", "hot-steps", "persist-every", "persist-interval")
 	inGroup(fs, "peers", "peers", "peers-file", "peers-dns", "peer-listen", "peer-advertise", "replicas", "peer-cert", "peer-key",
-		"peer-ca", "peer-server-name", "peer-insecure", "peer-insecure-network")
+		"peer-ca", "peer-server-name", "peer-insecure", "peer-insecure-network", "peer-require")
 	inGroup(fs, "datasets", "dataset-allow", "dataset-arena-bytes", "cache-bytes", "cache-lookahead", "disk-cache-dir", "disk-cache-bytes", "ring-slots", "ring-slots-max",
 		"slot-bytes", "read-ahead-bytes", "dataset-list-bytes")
 	inGroup(fs, "security", "socket", "socket-group")
@@ -104,6 +104,7 @@ func registerPeerFlags(fs *pflag.FlagSet, p *daemon.PeerOptions) {
 	fs.StringVar(&p.TLS.CAFile, "peer-ca", "", "the CA (PEM) that signs every peer's certificate; others are refused")
 	fs.StringVar(&p.TLS.ServerName, "peer-server-name", "", "the name every peer's certificate carries, checked instead of the address dialled (peers found by --peers-dns are dialled by IP, which no certificate made in advance names)")
 	fs.BoolVar(&p.TLS.Insecure, "peer-insecure", false, "send checkpoints to peers in plaintext, without TLS: anyone who reaches the peer port reads and writes replicas (loopback only, unless --peer-insecure-network)")
+	fs.BoolVar(&p.Require, "peer-require", false, "at start, wait (up to 2m) until every listed peer answers and accepts this sidecar's certificate, and fail to start otherwise (without it: a warning in the log)")
 	fs.BoolVar(&p.InsecureNetwork, "peer-insecure-network", false, "let --peer-insecure listen and reach peers off loopback, where anyone on the network reads and writes replicas")
 }
 

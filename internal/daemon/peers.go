@@ -22,7 +22,10 @@ type PeerOptions struct {
 	TLS       peers.TLS
 	// InsecureNetwork lets --peer-insecure reach peers off loopback.
 	InsecureNetwork bool
-	discovery       peers.Discovery // set by setup when the list is discovered
+	// Require makes serve fail to start unless every peer listed at start
+	// answers (and, with TLS, accepts the handshake both ways).
+	Require   bool
+	discovery peers.Discovery // set by setup when the list is discovered
 }
 
 // setup checks the flags and returns the peers' client and the server's

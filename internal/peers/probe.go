@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/x509"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"time"
@@ -17,17 +18,15 @@ const (
 )
 
 // Probe checks, once at start, that this sidecar can reach each of its
-// peers' TLS endpoints as it will to replicate: it dials each one and
-// makes the handshake. A peer that refuses its certificate, or whose
+// peers' endpoints as it will to replicate: it dials each one and, with
+// TLS, makes the handshake. A peer that refuses its certificate, or whose
 // certificate this sidecar refuses (another CA, no name for the address
 // dialled, expired), is logged as an error naming the peer and what is
 // wrong: every replica between them would fail. A peer that does not
-// answer is tried again for probeFor, then logged as a warning. It ends
-// when ctx does.
-func (c *Client) Probe(ctx context.Context, log *slog.Logger) {
-	if c.creds.TLS == nil {
-		return
-	}
+// answer is tried again for probeFor, then logged as a warning. It
+// returns what it logged, joined (nil when every peer answered), when
+// done or when ctx ends.
+func (c *Client) Probe(ctx context.Context, log *slog.Logger) error {
 	deadline := time.Now().Add(probeFor)
 	list, self := c.Members()
 	pending := map[string]bool{}
@@ -36,6 +35,7 @@ func (c *Client) Probe(ctx context.Context, log *slog.Logger) {
 			pending[p] = true
 		}
 	}
+	var problems []error
 	t := time.NewTicker(probeEvery)
 	defer t.Stop()
 	for len(pending) > 0 {
@@ -44,25 +44,32 @@ func (c *Client) Probe(ctx context.Context, log *slog.Logger) {
 			var unreachable *net.OpError
 			switch {
 			case ctx.Err() != nil:
-				return
+				return ctx.Err()
 			case err == nil:
 				delete(pending, p)
 			case errors.As(err, &unreachable) && unreachable.Op == "dial" && time.Now().Before(deadline):
 			case errors.As(err, &unreachable) && unreachable.Op == "dial":
 				log.Warn("peers: a peer does not answer; replicas sent to it fail until it does", "peer", p, "err", err)
+				problems = append(problems, fmt.Errorf("peer %s does not answer after %v: %w", p, probeFor, err))
 				delete(pending, p)
 			default:
+				hint := tlsHint(err)
 				log.Error("peers: the TLS handshake with a peer fails: every replica between the two will", "peer", p, "err", err,
-					"hint", tlsHint(err))
+					"hint", hint)
+				problems = append(problems, fmt.Errorf("the TLS handshake with peer %s fails (%s): %w", p, hint, err))
 				delete(pending, p)
 			}
 		}
+		if len(pending) == 0 {
+			break
+		}
 		select {
 		case <-ctx.Done():
-			return
+			return ctx.Err()
 		case <-t.C:
 		}
 	}
+	return errors.Join(problems...)
 }
 
 // probe dials peer's raw path and makes the TLS handshake, as a transfer

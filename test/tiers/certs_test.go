@@ -174,3 +174,23 @@ func TestPeerProbeNamesTheProblem(t *testing.T) {
 		t.Errorf("the report does not say what is wrong:\n%s", d.Logs())
 	}
 }
+
+// With --peer-require, a peer whose handshake fails stops serve at
+// start, with the peer and the fix, rather than a line in its log.
+func TestPeerRequire(t *testing.T) {
+	addrs := []string{daemontest.ClosedAddr(t), daemontest.ClosedAddr(t)}
+	args := func(n int, c certs) []string {
+		return append([]string{"--hot-bytes", "1MiB", "--shutdown-grace", "1s", "--peers", strings.Join(addrs, ","), "--peer-listen", addrs[n]}, c.args()...)
+	}
+	daemontest.Start(t, "", args(1, recipeCerts(t, "localhost", "127.0.0.1", nil))...) // another CA
+	code, out := serveRefused(t, append(args(0, recipeCerts(t, "localhost", "127.0.0.1", nil)), "--peer-require")...)
+	if code == 0 || !strings.Contains(out, "--peer-require: the TLS handshake with peer "+addrs[1]) ||
+		!strings.Contains(out, "not signed by this sidecar's --peer-ca") {
+		t.Fatalf("serve --peer-require with a peer of another CA: exit %d\n%s", code, out)
+	}
+	// Peers of the same CA: it starts.
+	c := recipeCerts(t, "localhost", "127.0.0.1", nil)
+	addrs = []string{daemontest.ClosedAddr(t), daemontest.ClosedAddr(t)}
+	daemontest.Start(t, "", args(1, c)...)
+	daemontest.Start(t, "", append(args(0, c), "--peer-require")...)
+}
