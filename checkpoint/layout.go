@@ -145,3 +145,12 @@ func (l *Layout) regionSpans(off, n int64) ([]span, bool) {
 	}
 	return out, true
 }
+
+// Pack copies a staged shard's tensors from region, laid out as the save
+// leased them, into data, its data space.
+func (l *Layout) Pack(region, data []byte) {
+	for i, p := range l.Packed {
+		r := l.Region[i]
+		copy(data[p.Offset:p.Offset+p.Length], region[r.Offset:r.Offset+r.Length])
+	}
+}

@@ -130,6 +130,36 @@ func (m *Manifest) Encode() ([]byte, error) {
 	return json.MarshalIndent(m, "", " ")
 }
 
+// Hash is the hash of m as stored: what a commit record pins.
+func (m *Manifest) Hash() string {
+	b, err := m.Encode()
+	if err != nil {
+		return ""
+	}
+	return codec.FormatHash(codec.Hash(b))
+}
+
+// Holds reports whether m describes exactly sh: same target, tensors and
+// metadata, and every chunk's hash that of sh's bytes.
+func (m *Manifest) Holds(sh *Shard) bool {
+	if m.Target() != sh.Target || m.DataSize != sh.Layout.DataSize || !bytes.Equal(m.Metadata, sh.Metadata) ||
+		!slices.EqualFunc(m.Tensors, sh.Layout.Packed, Tensor.equal) {
+		return false
+	}
+	var buf []byte
+	for _, c := range m.Chunks {
+		spans, ok := sh.Layout.regionSpans(c.RawOffset, c.Raw)
+		if !ok {
+			return false
+		}
+		raw := gather(sh.Data, chunkPlan{spans: spans}, &buf)
+		if codec.FormatHash(codec.Hash(raw)) != c.Hash {
+			return false
+		}
+	}
+	return true
+}
+
 // ParseManifest decodes and fully validates a manifest from untrusted
 // bytes: every later step (restore, verify, prune) relies on the checks
 // here to stay within bounds.
@@ -400,6 +430,15 @@ func (c *CommitRecord) manifestObject(rank int) (object, hash string) {
 	}
 	ref := c.Manifests[rank]
 	return ref.Object, ref.Hash
+}
+
+// Pins reports whether the record names, for rank, the manifest whose
+// Hash is hash (records before attempts pin none): a copy held in memory,
+// a peer's above all, is served only when it is exactly what the step
+// committed.
+func (c *CommitRecord) Pins(rank int, hash string) bool {
+	_, want := c.manifestObject(rank)
+	return want == "" || want == hash
 }
 
 // readAll reads a whole small object, refusing one larger than limit.

@@ -1,10 +1,8 @@
 package checkpoint
 
 import (
-	"bytes"
 	"fmt"
 	"runtime"
-	"slices"
 	"time"
 
 	"golang.org/x/sync/errgroup"
@@ -16,15 +14,6 @@ import (
 // data space (the bytes a restore hands out: the tensors packed back to
 // back, raw) with a manifest whose chunk hashes verify it whenever it is
 // served, exactly as a shard read back from storage is verified.
-
-// Pack copies a staged shard's tensors from region, laid out as the save
-// leased them, into data, its data space.
-func (l *Layout) Pack(region, data []byte) {
-	for i, p := range l.Packed {
-		r := l.Region[i]
-		copy(data[p.Offset:p.Offset+p.Length], region[r.Offset:r.Offset+r.Length])
-	}
-}
 
 // MemoryManifest describes a shard kept in memory: its chunks as the
 // writer would cut them, stored raw at their data-space offsets in the
@@ -63,45 +52,6 @@ func MemoryManifest(t Target, layout *Layout, metadata, data []byte, chunkSize i
 	}
 	m.setNonFinite(nonFinite)
 	return m
-}
-
-// Hash is the hash of m as stored: what a commit record pins.
-func (m *Manifest) Hash() string {
-	b, err := m.Encode()
-	if err != nil {
-		return ""
-	}
-	return codec.FormatHash(codec.Hash(b))
-}
-
-// Pins reports whether the record names, for rank, the manifest whose
-// Hash is hash (records before attempts pin none): a copy held in memory,
-// a peer's above all, is served only when it is exactly what the step
-// committed.
-func (c *CommitRecord) Pins(rank int, hash string) bool {
-	_, want := c.manifestObject(rank)
-	return want == "" || want == hash
-}
-
-// Holds reports whether m describes exactly sh: same target, tensors and
-// metadata, and every chunk's hash that of sh's bytes.
-func (m *Manifest) Holds(sh *Shard) bool {
-	if m.Target() != sh.Target || m.DataSize != sh.Layout.DataSize || !bytes.Equal(m.Metadata, sh.Metadata) ||
-		!slices.EqualFunc(m.Tensors, sh.Layout.Packed, Tensor.equal) {
-		return false
-	}
-	var buf []byte
-	for _, c := range m.Chunks {
-		spans, ok := sh.Layout.regionSpans(c.RawOffset, c.Raw)
-		if !ok {
-			return false
-		}
-		raw := gather(sh.Data, chunkPlan{spans: spans}, &buf)
-		if codec.FormatHash(codec.Hash(raw)) != c.Hash {
-			return false
-		}
-	}
-	return true
 }
 
 // VerifyChunk checks chunk i of m in data, m's data space held in memory
