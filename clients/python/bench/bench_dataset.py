@@ -43,6 +43,11 @@ whole dataset and for one node of a two-node job (rank 0 of 2: another
 half each epoch), with the lookahead and with the policy it replaced
 (keep what the cache holds: `serve --cache-lookahead=false`).
 
+The stall is measured again, at the same demand, with the trainer pinned
+to CPU 0 and the loader (the daemon's threads, DataLoader's workers) to
+the others, and with a busy loop on every CPU: a figure that holds on a
+busy node, or shows what it costs there.
+
 Targets: stall <= 1% at 0.9x the backend's bandwidth, >= 1.5x the
 samples/s of DataLoader + webdataset, first batch after a restart <= 1 s,
 and the lookahead reading no more than keeping what is held. Absolute numbers on a
@@ -64,7 +69,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,7 +242,10 @@ def cold_raw(paths: list[Path], cpu: list[float] | None = None) -> float:
 
 
 def wds_run(paths: list[Path], batch: int, step: float, nominal: float, warm: bool = False) -> Run:
-    """One epoch of DataLoader + webdataset, from evicted files or the page cache."""
+    """One epoch of DataLoader + webdataset, from evicted files or the page cache.
+
+    Its workers run on LOADER_CPUS when set (pinned()).
+    """
     if warm:
         raw_read(paths)  # into the page cache
     else:
@@ -263,7 +271,61 @@ def wds_loader(paths: list[Path], batch: int) -> Iterable[list]:
         .shuffle(1000)
         .batched(batch, collation_fn=None)
     )
-    return DataLoader(ds, batch_size=None, num_workers=2)
+    return DataLoader(ds, batch_size=None, num_workers=2, worker_init_fn=_pin_worker)
+
+
+def _pin_worker(_: int) -> None:
+    if LOADER_CPUS:
+        os.sched_setaffinity(0, LOADER_CPUS)
+
+
+# ---- conditions: pinned, and under a CPU hog ---------------------------------------
+
+# The CPUs the loader's processes (ckptd's daemon, DataLoader's workers)
+# run on while pinned() holds; empty: anywhere.
+LOADER_CPUS: set[int] = set()
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of pid (a Go daemon runs many) to cpus."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+@contextlib.contextmanager
+def pinned() -> Iterator[None]:
+    """The consumer (the trainer) on CPU 0, the loader on the others.
+
+    As a node that gives the data loader cores of its own does.
+    """
+    before = os.sched_getaffinity(0)
+    cpus = sorted(before)
+    os.sched_setaffinity(0, {cpus[0]})
+    LOADER_CPUS.update(cpus[1:])
+    try:
+        yield
+    finally:
+        LOADER_CPUS.clear()
+        os.sched_setaffinity(0, before)
+
+
+@contextlib.contextmanager
+def hogged() -> Iterator[None]:
+    """A busy loop per CPU, at the benchmark's priority.
+
+    As another job on a busy node would run.
+    """
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(len(os.sched_getaffinity(0)))
+    ]
+    try:
+        yield
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
 
 
 def daemon(
@@ -322,6 +384,8 @@ def ckptd_epochs(
     """
     evict(paths)
     with daemon(binary, work) as sock:
+        if LOADER_CPUS:
+            pin_process(pid_of(sock), LOADER_CPUS)
         with ckptd.Client(sock) as c:
             runs = []
             for epoch in (0, 1):
@@ -437,6 +501,11 @@ def run(args: argparse.Namespace, work: Path, paths: list[Path], binary: str) ->
         runs = [p[0] for p in stall_runs(demand)]
         sweep[demand] = (median_by(runs, lambda r: r.stall), [r.stall for r in runs])
 
+    conditions = stalls_by_condition(
+        lambda: stall_runs(args.demand),
+        lambda: [wds_run(paths, args.batch, *paced(args.demand)) for _ in range(args.runs)],
+    )
+
     print(
         f"\nckptd dataset: {args.shards} shards, {samples} samples of {per_sample / 1024:.0f} KiB "
         f"({total / MiB:.0f} MiB), batch {args.batch}, median of {args.runs}, on {work}\n"
@@ -453,6 +522,7 @@ def run(args: argparse.Namespace, work: Path, paths: list[Path], binary: str) ->
          _vs(zc.rate, wds_max.rate, "") + f"; {zc.rate / wds_hot.rate:.2f}x warm"),
     ])  # fmt: skip
     stall_table(args, step, per_sample, [s_cold, s_warm, z_cold, z_warm, wds_step], sweep)
+    condition_table(conditions)
     cpu_table(total, cpu_raw, [
         ("DataLoader(num_workers=2) + webdataset", wds_max),
         ("ckptd epoch 0 (from storage), copy=True", cold),
@@ -529,6 +599,35 @@ def stall_table(
         each = " ".join(f"{x:.2%}" for x in all_runs)
         stall, in_next = f"{r.stall:.2%}", f"{r.in_next:.2%}"
         print(f"  {demand:.2f}x the backend: stall {stall} ({each}), in next() {in_next}")
+
+
+def stalls_by_condition(
+    ckptd_runs: Callable[[], list[tuple[Run, Run, float]]], loader_runs: Callable[[], list[Run]]
+) -> dict[str, tuple[Run, Run, Run]]:
+    """Median stalls of ckptd's epochs 0 and 1 and of DataLoader, pinned and hogged."""
+    out: dict[str, tuple[Run, Run, Run]] = {}
+    if len(os.sched_getaffinity(0)) < 2:
+        return out
+    for name, cond in (("pinned: trainer on CPU 0, loader on the rest", pinned),
+                       ("every CPU kept busy by another process", hogged)):  # fmt: skip
+        print(f"ckptd and DataLoader, {name}...", file=sys.stderr)
+        with cond():
+            ck, dl = ckptd_runs(), loader_runs()
+        cold, warm = (sorted((p[i] for p in ck), key=lambda r: r.stall) for i in (0, 1))
+        dl.sort(key=lambda r: r.stall)
+        out[name] = (cold[len(cold) // 2], warm[len(warm) // 2], dl[len(dl) // 2])
+    return out
+
+
+def condition_table(conditions: dict[str, tuple[Run, Run, Run]]) -> None:
+    """The stall at the same demand on a node set up otherwise (median of the runs)."""
+    if not conditions:
+        print("\n(one CPU: no pinned or busy-node figures)")
+        return
+    print("\nstall at the same demand, the node set up otherwise:")
+    print(f"  {'condition':<46} {'ckptd epoch 0':>14} {'ckptd epoch 1':>14} {'DataLoader':>11}")
+    for name, (cold, warm, dl) in conditions.items():
+        print(f"  {name:<46} {cold.stall:>14.2%} {warm.stall:>14.2%} {dl.stall:>11.2%}")
 
 
 def hit_table(binary: str, work: Path, paths: list[Path], batch: int, total: int) -> None:
