@@ -5,7 +5,7 @@ FUZZTIME ?= 50000x
 # What `ckptd --version` says: the commit, or the tag on it.
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
-.PHONY: all build run test test-busy lint test-go test-python test-deploy fuzz chaos bench bench-python bench-codec bench-scale proto docs tools clean
+.PHONY: all build run test test-busy lint test-go test-python test-deploy fuzz chaos outage bench bench-python bench-codec bench-scale proto docs tools clean
 
 all: build
 
@@ -81,6 +81,13 @@ fuzz:
 
 # The memory tiers' chaos test (test/tiers TestChaos) for 10 minutes: ranks
 # drifting apart, nodes lost. `make test` runs it for about a minute.
+# A 2-minute storage outage with a save every 5 s through a 32 MiB arena
+# and a spill folder, then kill -9: every acknowledged save commits.
+outage: build
+	scripts/minio.sh >/dev/null
+	CKPTD_OUTAGE_DURATION=2m CKPTD_TEST_BIN=$(CURDIR)/bin/ckptd \
+	  $(GO) test -count=1 -timeout 20m -run '^TestS3SpillDuringOutage$$' -v ./test/s3
+
 chaos: build
 	$(GO) build -race -o bin/ckptd-race ./cmd/ckptd
 	CKPTD_CHAOS_DURATION=10m CKPTD_TEST_RACE_BIN=$(CURDIR)/bin/ckptd-race CKPTD_TEST_BIN=$(CURDIR)/bin/ckptd \
