@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"bytes"
 	"errors"
 	"testing"
 
@@ -235,4 +236,38 @@ func TestMemoryOnlyStepsProtected(t *testing.T) {
 		release()
 	}
 	checkBudget(t, h)
+}
+
+// A tier with room for one replica takes the replica of a job's next
+// step in place of the one before: the buffer to receive it into is made
+// room for as an insert of that step would be (it once was asked for no
+// step, and a job's only shard, its newest, was never dropped for it).
+func TestReplicaOfNextStepTakesThePlace(t *testing.T) {
+	tr := New(Config{HotBytes: 1 << 20})
+	defer tr.Close()
+	const n = 900_000
+	layout, err := checkpoint.NewLayout([]checkpoint.Tensor{{Name: "w", DType: dtype.U8, Shape: []int64{n}, Length: n}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for step := int64(1); step <= 3; step++ {
+		data := bytes.Repeat([]byte{byte(step)}, n)
+		m := checkpoint.MemoryManifest(checkpoint.Target{Job: "job", Step: step, WorldSize: 1, Attempt: "a"}, layout, nil, data, 1<<20)
+		manifest, err := m.Encode()
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := tr.ReplicaBuffer(m.Target(), m.DataSize)
+		if err != nil {
+			t.Fatalf("step %d: %v", step, err)
+		}
+		copy(b, data)
+		if err := tr.AcceptReplica(m.Target(), manifest, b, false); err != nil {
+			t.Fatalf("step %d: %v", step, err)
+		}
+		if !tr.Holds(m.Target()) {
+			t.Fatalf("step %d not held", step)
+		}
+	}
+	checkBudget(t, tr.hot)
 }

@@ -220,14 +220,15 @@ func (t *Tiers) Holds(target checkpoint.Target) bool {
 	return t.hot.holds(hotKey{target.Job, target.Step, target.Rank, target.Attempt})
 }
 
-// ReplicaBuffer returns n bytes to receive a peer's replica into, charged
-// to the hot tier from now on: a spare of the hot tier when one fits
-// (see hotTier), room made for it as an insert would. Give it to
-// AcceptReplica, or back with ReturnBuffer.
-func (t *Tiers) ReplicaBuffer(n int64) ([]byte, error) {
-	b, ok := t.hot.buffer(hotKey{step: -1}, n)
+// ReplicaBuffer returns n bytes to receive a peer's replica of want into,
+// charged to the hot tier from now on: a spare of the hot tier when one
+// fits (see hotTier), room made for it as an insert of want would (so
+// that a replica of a job's newer step takes the place of its older
+// ones). Give it to AcceptReplica, or back with ReturnBuffer.
+func (t *Tiers) ReplicaBuffer(want checkpoint.Target, n int64) ([]byte, error) {
+	b, ok := t.hot.buffer(hotKey{want.Job, want.Step, want.Rank, want.Attempt}, n)
 	if !ok {
-		return nil, budget.Wrap(fmt.Errorf("%w in the hot tier for a replica of %d bytes", ErrNoRoom, n), budget.HotTier)
+		return nil, budget.Wrap(fmt.Errorf("%w for a replica of %d bytes", ErrNoRoom, n), budget.HotTier)
 	}
 	return b, nil
 }

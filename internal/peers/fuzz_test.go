@@ -70,8 +70,9 @@ func FuzzReceiveReplica(f *testing.F) {
 		host, _, _ := net.SplitHostPort(sender)
 		who := caller{ip: net.ParseIP(host)}
 		checked := false
-		check := func(h *pb.ReplicaHeader) error {
-			_, err := s.maySend(who, h)
+		var want checkpoint.Target
+		check := func(h *pb.ReplicaHeader) (err error) {
+			want, err = s.maySend(who, h)
 			checked = err == nil
 			return err
 		}
@@ -80,7 +81,7 @@ func FuzzReceiveReplica(f *testing.F) {
 			if !checked {
 				t.Fatal("memory charged before the sender's right to the shard was checked")
 			}
-			b, err := local.ReplicaBuffer(n)
+			b, err := local.ReplicaBuffer(want, n)
 			if err == nil {
 				taken++
 			}

@@ -562,11 +562,11 @@ func receive(recv func() (*pb.ReplicaPiece, error), maxData int64, check func(*p
 type Local interface {
 	// AcceptReplica keeps a peer's shard, want (its manifest must say
 	// so), whose data is in a buffer ReplicaBuffer handed out (kept or
-	// given back); ReplicaBuffer is room to receive one of n bytes into,
+	// given back); ReplicaBuffer is room to receive want's n bytes into,
 	// charged to the hot tier until given to AcceptReplica or back to
 	// ReturnBuffer. Holds reports whether a shard is held already.
 	AcceptReplica(want checkpoint.Target, manifest, data []byte, memory bool) error
-	ReplicaBuffer(n int64) ([]byte, error)
+	ReplicaBuffer(want checkpoint.Target, n int64) ([]byte, error)
 	ReturnBuffer(b []byte)
 	Holds(t checkpoint.Target) bool
 	// Replica is a shard held for a peer, and the func to call once sent.
@@ -650,7 +650,7 @@ func (s *Server) PutReplica(stream grpc.ClientStreamingServer[pb.ReplicaPiece, p
 		return err
 	}
 	got, abandoned := make(chan received), make(chan struct{})
-	alloc := func(n int64) ([]byte, error) { return s.local.ReplicaBuffer(n) }
+	alloc := func(n int64) ([]byte, error) { return s.local.ReplicaBuffer(want, n) } // after check set want
 	giveBack := func(b []byte) { s.local.ReturnBuffer(b) }
 	// Owned by this call: it ends when the stream does, which returning
 	// (at the deadline) ends; what it received then goes back.

@@ -225,13 +225,13 @@ func (s *Server) serveRawPut(c net.Conn) {
 	}
 	defer done()
 	_ = c.SetDeadline(time.Now().Add(sendDeadline(hdr.GetManifestSize() + hdr.GetDataSize())))
-	manifest, err := s.local.ReplicaBuffer(int64(hdr.GetManifestSize()))
+	manifest, err := s.local.ReplicaBuffer(want, int64(hdr.GetManifestSize()))
 	if err != nil {
 		answer(err)
 		return
 	}
 	defer s.local.ReturnBuffer(manifest)
-	data, err := s.local.ReplicaBuffer(int64(hdr.GetDataSize()))
+	data, err := s.local.ReplicaBuffer(want, int64(hdr.GetDataSize()))
 	if err != nil {
 		answer(err)
 		return

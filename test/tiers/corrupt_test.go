@@ -29,9 +29,11 @@ func (e *evilHolder) AcceptReplica(want checkpoint.Target, manifest, data []byte
 	e.held[want] = [2][]byte{manifest, bad}
 	return nil
 }
-func (e *evilHolder) ReplicaBuffer(n int64) ([]byte, error) { return make([]byte, n), nil }
-func (e *evilHolder) ReturnBuffer([]byte)                   {}
-func (e *evilHolder) Holds(checkpoint.Target) bool          { return false }
+func (e *evilHolder) ReplicaBuffer(_ checkpoint.Target, n int64) ([]byte, error) {
+	return make([]byte, n), nil
+}
+func (e *evilHolder) ReturnBuffer([]byte)          {}
+func (e *evilHolder) Holds(checkpoint.Target) bool { return false }
 func (e *evilHolder) Inventory(string) ([]tiers.HeldShard, error) {
 	return nil, nil
 }
