@@ -193,7 +193,7 @@ type WaitResult struct {
 // it is safe.
 func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int, attempt string) (WaitResult, error) {
 	k := saveKey{mgr.job(job), step, rank, attempt}
-	poll := 50 * time.Millisecond
+	poll, durable := 50*time.Millisecond, false
 	for {
 		res, changed, known := mgr.saves.status(&k)
 		if known && res.final {
@@ -211,12 +211,16 @@ func (mgr *Manager) Wait(ctx context.Context, job string, step int64, rank int, 
 		case StateDurable:
 			// Other ranks commit the step, maybe on other nodes: poll storage,
 			// committing ourselves if the last manifest appeared without one.
+			// A commit here (this daemon's drain of the step's last rank)
+			// still wakes the waiter at once, through changed.
 			if ws := mgr.saves.worldSize(k); ws > 0 {
 				if done, _ := mgr.tryCommit(ctx, checkpoint.Target{Job: k.job, Step: k.step, Rank: k.rank, WorldSize: ws, Attempt: k.attempt}); done {
 					continue // the outcome is recorded: committed, or failed
 				}
 			}
-			changed = nil
+			if !durable { // storage is polled from now on, backing off from 50 ms
+				durable, poll = true, 50*time.Millisecond
+			}
 		}
 		select {
 		case <-ctx.Done():
