@@ -378,7 +378,7 @@ func (d *Daemon) Serve(ctx context.Context) error {
 		}
 	}()
 	o, log, b, a := d.o, d.log, d.b, d.a
-	intake := server.NewIntake(server.DefaultIntake)
+	intake := newIntake(d.reg)
 	srv := grpc.NewServer(slices.Concat(server.Interceptors(), serverOptions(), intake.ServerOptions())...)
 	reg := intake.Registrar(srv)
 	server.Register(reg, d.mgr, a)
@@ -600,4 +600,23 @@ func buildInfo(version string) prometheus.Collector {
 		Help: "1, labelled with the daemon's version and Go version."}, []string{"version", "goversion"})
 	g.WithLabelValues(version, runtime.Version()).Set(1)
 	return g
+}
+
+// newIntake bounds what the socket takes in (server.DefaultIntake) and
+// counts it: ckptd_socket_connections and ckptd_socket_calls held now,
+// ckptd_socket_refused_total{bound} refused past a bound.
+func newIntake(reg prometheus.Registerer) *server.Intake {
+	in := server.NewIntake(server.DefaultIntake)
+	refused := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ckptd_socket_refused_total",
+		Help: "Connections and calls the socket refused past its bounds, by bound (connections, calls)."}, []string{"bound"})
+	for _, b := range []string{"connections", "calls"} {
+		refused.WithLabelValues(b) // present at 0, so that an alert on its rate has a series
+	}
+	in.Refused = func(bound string) { refused.WithLabelValues(bound).Inc() }
+	reg.MustRegister(refused,
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ckptd_socket_connections", Help: "Client connections open on the socket."},
+			func() float64 { c, _ := in.Held(); return float64(c) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "ckptd_socket_calls", Help: "Calls in progress on the socket."},
+			func() float64 { _, c := in.Held(); return float64(c) }))
+	return in
 }

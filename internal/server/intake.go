@@ -59,6 +59,10 @@ func uidShare(n int) int { return max(1, n*3/4) }
 // call's deadline still applies): reading takes microseconds, and a burst
 // of requests queues rather than fails.
 type Intake struct {
+	// Refused, when set, is told each connection or call refused and the
+	// bound it hit ("connections", "calls"): the daemon counts them.
+	Refused func(bound string)
+
 	lim     IntakeLimits
 	mu      sync.Mutex
 	conns   tally
@@ -144,9 +148,11 @@ func (in *Intake) tap(ctx context.Context, _ *tap.Info) (context.Context, error)
 	in.mu.Lock()
 	defer in.mu.Unlock()
 	if info != nil && in.over[info.ID] {
+		in.refused("connections")
 		return nil, exhausted("connections", in.lim.Conns, &in.conns, uid)
 	}
 	if !in.calls.take(uid, in.lim.Calls) {
+		in.refused("calls")
 		return nil, exhausted("calls", in.lim.Calls, &in.calls, uid)
 	}
 	context.AfterFunc(ctx, func() {
@@ -155,6 +161,19 @@ func (in *Intake) tap(ctx context.Context, _ *tap.Info) (context.Context, error)
 		in.calls.give(uid)
 	})
 	return ctx, nil
+}
+
+func (in *Intake) refused(bound string) {
+	if in.Refused != nil {
+		in.Refused(bound)
+	}
+}
+
+// Held returns the connections and calls held now.
+func (in *Intake) Held() (conns, calls int) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return in.conns.total, in.calls.total
 }
 
 // read holds a reading slot (within the uid's share) while fn reads a
@@ -259,6 +278,7 @@ func (in *Intake) admit(c net.Conn, info *peercred.Info) net.Conn {
 	defer in.mu.Unlock()
 	if !in.conns.take(info.UID, in.lim.Conns) {
 		if in.conns.total >= 2*in.lim.Conns {
+			in.refused("connections")
 			c.Close()
 			return nil
 		}

@@ -4,7 +4,10 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -24,7 +27,8 @@ import (
 // bound, the daemon's heap stays within what --print-memory counts for
 // the socket, and the daemon's own user still saves and restores.
 func TestSocketFlood(t *testing.T) {
-	d := startOpenDaemon(t, "--socket-group", strconv.Itoa(shareGID))
+	metrics := daemontest.ClosedAddr(t)
+	d := startOpenDaemon(t, "--socket-group", strconv.Itoa(shareGID), "--metrics-addr", metrics)
 	good := saveGood(t, d, 50)
 	_, before := rssAnon(t, d.Cmd.Process.Pid)
 
@@ -40,6 +44,20 @@ func TestSocketFlood(t *testing.T) {
 	}
 	if err != nil {
 		t.Fatalf("the owner's save during the flood: %v", err)
+	}
+	// The operator sees it too: the refusal counted, the connections held.
+	resp, err := http.Get("http://" + metrics + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	held := 0
+	if m := regexp.MustCompile(`(?m)^ckptd_socket_connections (\d+)$`).FindSubmatch(body); m != nil {
+		held, _ = strconv.Atoi(string(m[1]))
+	}
+	if !strings.Contains(string(body), `ckptd_socket_refused_total{bound="connections"} 1`) || held < share+1 {
+		t.Errorf("the metrics do not show the flood:\n%s", grepLines(string(body), "ckptd_socket_"))
 	}
 	_, peak := rssAnon(t, d.Cmd.Process.Pid)
 	t.Logf("%s; the daemon's heap grew %d MiB (peak)", line, (peak-before)>>20)
@@ -93,4 +111,15 @@ func floodAct(ctx context.Context) {
 	}
 	fmt.Printf("held %d connections; then: %s %v\n", len(held), ckptd.Reason(refusal), refusal)
 	time.Sleep(time.Hour)
+}
+
+// grepLines is the lines of s that hold sub.
+func grepLines(s, sub string) string {
+	var out strings.Builder
+	for line := range strings.Lines(s) {
+		if strings.Contains(line, sub) {
+			out.WriteString(line)
+		}
+	}
+	return out.String()
 }
