@@ -379,7 +379,7 @@ func (d *Daemon) Serve(ctx context.Context) error {
 	}()
 	o, log, b, a := d.o, d.log, d.b, d.a
 	intake := newIntake(d.reg)
-	srv := grpc.NewServer(slices.Concat(server.Interceptors(), serverOptions(), intake.ServerOptions())...)
+	srv := grpc.NewServer(slices.Concat(serverOptions(), intake.ServerOptions())...)
 	reg := intake.Registrar(srv)
 	server.Register(reg, d.mgr, a)
 	server.RegisterPrefetch(reg, d.pf, a)
@@ -395,7 +395,7 @@ func (d *Daemon) Serve(ctx context.Context) error {
 		"arena", a.Path(), "staging_bytes", a.Size(), "locked", a.Locked(), "codec", d.codec)
 	errc := make(chan error, 1)
 	go func() {
-		errc <- srv.Serve(intake.Listener(peercred.NewListener(d.lis.(peercred.UnixListener), peercred.Policy{UID: os.Geteuid(), GID: d.gid}, nil, log)))
+		errc <- srv.Serve(intake.Listener(peercred.NewListener(d.lis.(peercred.UnixListener), peercred.Policy{UID: os.Geteuid(), GID: d.gid}, intake.Closed, log)))
 	}()
 	var err error
 	select {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"strconv"
 
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 
 	"github.com/ckptd/ckptd/checkpoint/staging"
@@ -12,27 +11,11 @@ import (
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
-// Interceptors refuse every call of a peer the socket's policy does not
-// allow (see peercred), with PERMISSION_DENIED naming its uid and the fix.
+// allowed refuses a call of a peer the socket's policy does not allow
+// (see peercred), with PERMISSION_DENIED naming its uid and the fix; the
+// intake's tap asks it of every call before anything of it is read.
 // Calls that did not come through a peercred listener (in-process tests)
 // pass.
-func Interceptors() []grpc.ServerOption {
-	return []grpc.ServerOption{
-		grpc.ChainUnaryInterceptor(func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-			if err := allowed(ctx); err != nil {
-				return nil, err
-			}
-			return h(ctx, req)
-		}),
-		grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-			if err := allowed(ss.Context()); err != nil {
-				return err
-			}
-			return h(srv, ss)
-		}),
-	}
-}
-
 func allowed(ctx context.Context) error {
 	info, ok := peercred.FromContext(ctx)
 	if !ok || info.Allowed() {

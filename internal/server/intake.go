@@ -51,8 +51,10 @@ func (l IntakeLimits) Bytes() int64 {
 // uidShare is what one uid may hold of a bound of n.
 func uidShare(n int) int { return max(1, n*3/4) }
 
-// Intake enforces IntakeLimits: its listener counts connections, its tap
-// handle counts calls before gRPC reads anything of them, and its
+// Intake enforces IntakeLimits: its listener counts connections (Closed,
+// given to peercred.NewListener, counts them out), its tap handle refuses
+// peers the socket's policy does not allow and counts calls before gRPC
+// reads anything of them, and its
 // registrar makes every request wait for a reading slot before its bytes
 // are read. Past the connection or call bound a call fails with
 // RESOURCE_EXHAUSTED naming the bound; a request waits for its slot (the
@@ -69,7 +71,8 @@ type Intake struct {
 	calls   tally
 	over    map[string]bool // connections past the bound, by peercred id: their calls are refused
 	reading tally           // reading slots held
-	freed   chan struct{}   // closed and replaced when a reading slot frees
+	waiting int             // requests waiting for a slot
+	freed   chan struct{}   // closed and replaced when a slot frees while some wait
 }
 
 // tally counts what is held, in total and by uid.
@@ -180,30 +183,37 @@ func (in *Intake) Held() (conns, calls int) {
 // request.
 func (in *Intake) read(ctx context.Context, fn func() error) error {
 	uid, _ := uidOf(ctx)
-	for {
-		in.mu.Lock()
-		ok, freed := in.reading.take(uid, in.lim.Requests), in.freed
+	in.mu.Lock()
+	for !in.reading.take(uid, in.lim.Requests) {
+		in.waiting++
+		freed := in.freed
 		in.mu.Unlock()
-		if ok {
-			break
-		}
 		select {
 		case <-freed:
 		case <-ctx.Done():
+			in.mu.Lock()
+			in.waiting--
+			in.mu.Unlock()
 			return status.FromContextError(ctx.Err()).Err()
 		}
+		in.mu.Lock()
+		in.waiting--
 	}
+	in.mu.Unlock()
 	defer in.doneReading(uid)
 	return fn()
 }
 
-// doneReading frees uid's slot and wakes the requests waiting for one.
+// doneReading frees uid's slot and wakes the requests waiting for one, if
+// any.
 func (in *Intake) doneReading(uid int) {
 	in.mu.Lock()
 	defer in.mu.Unlock()
 	in.reading.give(uid)
-	close(in.freed)
-	in.freed = make(chan struct{})
+	if in.waiting > 0 {
+		close(in.freed)
+		in.freed = make(chan struct{})
+	}
 }
 
 // streamInterceptor reads each message of a stream through a slot.
@@ -247,7 +257,8 @@ func (r registrar) RegisterService(desc *grpc.ServiceDesc, impl any) {
 
 // Listener counts the connections l accepts: past the bound (in total or
 // for the uid) a connection's calls are refused with RESOURCE_EXHAUSTED,
-// and past twice the bound it is closed at once.
+// and past twice the bound it is closed at once. l is a peercred
+// listener made with Closed as its onClose, which counts them out.
 func (in *Intake) Listener(l net.Listener) net.Listener { return &intakeListener{Listener: l, in: in} }
 
 type intakeListener struct {
@@ -262,44 +273,36 @@ func (l *intakeListener) Accept() (net.Conn, error) {
 			return nil, err
 		}
 		a, ok := c.RemoteAddr().(peercred.Addr)
-		if !ok {
+		if !ok || l.in.admit(a.Info) {
 			return c, nil
 		}
-		if c := l.in.admit(c, a.Info); c != nil {
-			return c, nil
-		}
+		c.Close() // Closed counts it out
 	}
 }
 
-// admit counts c in; it returns nil, having closed c, past twice the
-// bound.
-func (in *Intake) admit(c net.Conn, info *peercred.Info) net.Conn {
+// admit counts a connection in, even past the bound (Closed counts every
+// one out); it reports false past twice the bound, where the connection
+// is to be closed at once.
+func (in *Intake) admit(info *peercred.Info) bool {
 	in.mu.Lock()
 	defer in.mu.Unlock()
-	if !in.conns.take(info.UID, in.lim.Conns) {
-		if in.conns.total >= 2*in.lim.Conns {
-			in.refused("connections")
-			c.Close()
-			return nil
-		}
-		in.over[info.ID] = true
-		in.conns.force(info.UID)
+	if in.conns.take(info.UID, in.lim.Conns) {
+		return true
 	}
-	return &countedConn{Conn: c, release: sync.OnceFunc(func() {
-		in.mu.Lock()
-		defer in.mu.Unlock()
-		in.conns.give(info.UID)
-		delete(in.over, info.ID)
-	})}
+	in.conns.force(info.UID)
+	if in.conns.total > 2*in.lim.Conns {
+		in.refused("connections")
+		return false
+	}
+	in.over[info.ID] = true
+	return true
 }
 
-type countedConn struct {
-	net.Conn
-	release func()
-}
-
-func (c *countedConn) Close() error {
-	err := c.Conn.Close()
-	c.release()
-	return err
+// Closed counts out a connection the listener admitted: give it to
+// peercred.NewListener as its onClose.
+func (in *Intake) Closed(info *peercred.Info) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	in.conns.give(info.UID)
+	delete(in.over, info.ID)
 }

@@ -59,9 +59,9 @@ func serveIntake(t *testing.T, lim IntakeLimits) string {
 		t.Fatal(err)
 	}
 	in := NewIntake(lim)
-	srv := grpc.NewServer(append(Interceptors(), in.ServerOptions()...)...)
+	srv := grpc.NewServer(in.ServerOptions()...)
 	in.Registrar(srv).RegisterService(&sinkDesc, struct{}{})
-	go srv.Serve(in.Listener(peercred.NewListener(l, peercred.Policy{UID: os.Geteuid(), GID: -1}, nil, nil)))
+	go srv.Serve(in.Listener(peercred.NewListener(l, peercred.Policy{UID: os.Geteuid(), GID: -1}, in.Closed, nil)))
 	t.Cleanup(srv.Stop)
 	return sock
 }
