@@ -31,6 +31,7 @@ import io
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +62,13 @@ def build(world: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer
     return fsdp2(model, world), torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def fsdp2(model: torch.nn.Sequential, world: int) -> torch.nn.Sequential:
-    """Shard model with FSDP2 over a CPU mesh of world ranks, each Linear its own unit."""
-    mesh = init_device_mesh("cpu", (world,))
+def fsdp2(model: torch.nn.Sequential, world: int, mesh: Any = None) -> torch.nn.Sequential:
+    """Shard model with FSDP2, each Linear its own unit, over mesh.
+
+    The default mesh is 1-D over world ranks; a 2-D (replicate, shard) mesh
+    makes it hybrid (HSDP).
+    """
+    mesh = mesh or init_device_mesh("cpu", (world,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -180,12 +185,16 @@ def load(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> No
         (out / f"load_{world}.json").write_text(json.dumps(report))
 
 
-def main() -> None:
+Mode = Callable[[int, int, ckptd.Client, str, Path], None]
+
+
+def main(modes: dict[str, Mode] | None = None) -> None:
+    """Run this rank's mode (argv: MODE RANK WORLD INIT_FILE SOCKET JOB OUT_DIR)."""
     mode, rank, world, init, sock, job, out = sys.argv[1:8]
     rank, world = int(rank), int(world)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     with ckptd.Client(sock) as client:
-        (save if mode == "save" else load)(rank, world, client, job, Path(out))
+        (modes or {"save": save, "load": load})[mode](rank, world, client, job, Path(out))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -16,16 +16,13 @@ with full.pt bit for bit and writes OUT_DIR/load_<WORLD>.json.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from dcp_worker import diff, full, sharded, train
+from dcp_worker import diff, fsdp2, full, main, sharded, train
 from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import ckptd
 import ckptd.dcp
@@ -38,15 +35,12 @@ def build(world: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1280)
     )
-    if world == 4:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hybrid = (
+        init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        if world == 4
+        else None
+    )
+    return fsdp2(model, world, hybrid), torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def save(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> None:
@@ -70,15 +64,5 @@ def load(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> No
         (out / f"load_{world}.json").write_text(json.dumps({"diff": diff(want, got)}))
 
 
-def main() -> None:
-    mode, rank, world, init, sock, job, out = sys.argv[1:8]
-    rank, world = int(rank), int(world)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    with ckptd.Client(sock) as client:
-        (save if mode == "save" else load)(rank, world, client, job, Path(out))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    main({"save": save, "load": load})
