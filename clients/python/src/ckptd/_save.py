@@ -19,7 +19,7 @@ from typing import Any, Literal
 import grpc
 import numpy as np
 
-from . import _limits, _names, _tensors
+from . import _copy, _limits, _names, _tensors
 from ._arena import Arena
 from ._errors import (
     AlreadyExistsError,
@@ -452,9 +452,16 @@ def _flatten(state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
 def _copy_leaves(leaves: list[_tensors.Leaf], region: np.ndarray, pin: Any) -> None:
     """Copy every leaf into its place in region, then wait for device copies."""
     devices = set()
-    for leaf in leaves:
-        if _tensors.copy_in(leaf, region[leaf.offset : leaf.offset + leaf.nbytes], pin):
+    host = []
+    for leaf in leaves:  # device copies first: they run on the DMA engine meanwhile
+        dst = region[leaf.offset : leaf.offset + leaf.nbytes]
+        if leaf.nbytes == 0:
+            continue
+        if not _tensors.on_device(leaf):
+            host.append(_tensors.host_pair(leaf, dst))
+        elif _tensors.copy_in(leaf, dst, pin):
             devices.add(leaf.value.device)
+    _copy.copy(host)
     if devices:
         torch = _tensors.loaded_torch()
         for d in devices:

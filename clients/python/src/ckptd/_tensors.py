@@ -239,21 +239,34 @@ def layout(leaves: list[Leaf]) -> int:
 def copy_in(leaf: Leaf, dst: np.ndarray, pin: Callable[[], bool]) -> bool:
     """Copy a leaf's elements into dst, a uint8 buffer of exactly leaf.nbytes.
 
-    Host data is copied by numpy: one single-threaded, strided-aware pass
-    (no temporary for non-contiguous sources), which is the memcpy the
-    stall is measured against and does not stall on a busy core the way a
-    multi-threaded copy does. A CUDA tensor is copied by torch with
+    Host data is copied by numpy: one strided-aware pass on this thread (no
+    temporary for non-contiguous sources); a save's many leaves go through
+    _copy.copy instead, which spreads them over a few threads. A CUDA tensor is copied by torch with
     non_blocking=True when pin() says the destination is registered with
     CUDA; the caller must then synchronize before handing the bytes on, and
     the return value says so.
     """
     if leaf.nbytes == 0:
         return False
-    if leaf.kind == "torch" and leaf.value.device.type != "cpu":
+    if on_device(leaf):
         return _copy_from_device(leaf, dst, pin)
-    src = leaf.value if leaf.kind == "numpy" else _host_numpy(leaf.value, leaf.dtype)
-    np.copyto(dst.view(src.dtype.newbyteorder("<")).reshape(leaf.shape), src, casting="equiv")
+    np.copyto(*host_pair(leaf, dst), casting="equiv")
     return False
+
+
+def on_device(leaf: Leaf) -> bool:
+    """Whether leaf's elements are in a device's memory, not the host's."""
+    return leaf.kind == "torch" and leaf.value.device.type != "cpu"
+
+
+def host_pair(leaf: Leaf, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (destination, source) arrays whose np.copyto copies host leaf into dst.
+
+    dst is a uint8 buffer of exactly leaf.nbytes; the source is a view of
+    the leaf's own elements (no copy).
+    """
+    src = leaf.value if leaf.kind == "numpy" else _host_numpy(leaf.value, leaf.dtype)
+    return dst.view(src.dtype.newbyteorder("<")).reshape(leaf.shape), src
 
 
 def _host_numpy(t: torch.Tensor, dt: DType) -> np.ndarray:
