@@ -348,7 +348,7 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump(obj, f, separators=(",", ":"))
+        f.write(json.dumps(obj, separators=(",", ":")))  # dumps: C encoder, dump: Python
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, target)

@@ -23,6 +23,7 @@ key of that name is refused. The format takes every other string.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -33,21 +34,21 @@ SEP = ":"
 RESERVED = frozenset({"__metadata__"})
 
 
-def _needs_escape(c: str) -> bool:
-    return c in "%:/" or ord(c) < 0x20 or ord(c) == 0x7F
+# What escape_key escapes: "%", ":", "/", control characters, and a "."
+# followed by another (so no segment holds ".."). One regex: names are
+# escaped for every tensor of every save.
+_ESCAPED = re.compile(r"[%:/\x00-\x1f\x7f]|\.(?=\.)")
+
+
+def _percent(m: re.Match[str]) -> str:
+    return f"%{ord(m.group()):02X}"
 
 
 def escape_key(key: str) -> str:
     """Escape one dict key so it can be one segment of a tensor name."""
     if key == ".":
         return "%2E"
-    out = []
-    for i, c in enumerate(key):
-        if _needs_escape(c) or (c == "." and key[i + 1 : i + 2] == "."):
-            out.append(f"%{ord(c):02X}")
-        else:
-            out.append(c)
-    return "".join(out)
+    return _ESCAPED.sub(_percent, key)
 
 
 def unescape_key(segment: str) -> str:
