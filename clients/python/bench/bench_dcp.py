@@ -322,7 +322,9 @@ def titan(rank: int, world: int, cfg: dict[str, Any], out: str) -> None:
 def launch(mode: str, world: int, out: Path) -> list[dict[str, Any]]:
     """Run world ranks of this script in mode; their results."""
     init = out / f"init-{mode}-{world}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # As torchrun sets them: one OpenMP thread a rank, and how many ranks
+    # share the node (ckptd's copy threads take their share of the CPUs).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world)}
     env.pop("CKPTD_ATTEMPT", None)
     procs = [
         subprocess.Popen(

@@ -284,7 +284,10 @@ PATHS = [
 
 def spawn(mode: str, world: int, config: Path) -> list[subprocess.Popen[bytes]]:
     """Start world trainers of this script in mode."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    # torchrun's OMP_NUM_THREADS and LOCAL_WORLD_SIZE (ckptd's copy threads
+    # take the rank's share of the CPUs).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(world)}
+    env["PYTHONPATH"] = str(Path(__file__).parent)
     env.pop("CKPTD_ATTEMPT", None)
     return [
         subprocess.Popen([sys.executable, __file__, "--worker", mode, str(r), str(config)], env=env)
