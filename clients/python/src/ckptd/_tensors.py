@@ -10,6 +10,7 @@ seconds.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from dataclasses import dataclass
@@ -203,6 +204,7 @@ def _torch_leaf(torch: Any, name: str, t: torch.Tensor) -> Leaf:
     return Leaf(name, dt, tuple(int(d) for d in t.shape), t.detach(), "torch")
 
 
+@functools.cache  # one torch per process: built once, not once per tensor
 def _torch_dtypes(torch: Any) -> dict[Any, DType]:
     """Map torch dtypes to ours; dtypes missing from an older torch are skipped."""
     out = {}
