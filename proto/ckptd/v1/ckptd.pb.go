@@ -60,7 +60,8 @@ const (
 	// than a session's read-ahead budget.
 	ErrorReason_TOO_LARGE ErrorReason = 8
 	// A budget of the daemon's is used up (--tensor-table-bytes, the
-	// datasets' share of the arena).
+	// datasets' share of the arena), or a bound on what the socket takes in
+	// at once (connections, calls in progress, for all and for one uid).
 	ErrorReason_OVER_BUDGET ErrorReason = 9
 	// The storage is full.
 	ErrorReason_STORAGE_FULL ErrorReason = 10
