@@ -322,14 +322,14 @@ func (d *Daemon) startPeers(ctx context.Context) error {
 	d.stopPeer = stop
 	list, self := d.peers.Members()
 	d.log.Info("peers: serving replicas", "listen", addr, "peers", list, "self", self, "replicas", d.o.Peers.Replicas, "tls", d.peerCreds.Protocol())
+	wctx, stopWatch := context.WithCancel(context.Background())
 	if d.o.Peers.Require {
 		d.log.Info("peers: --peer-require: waiting for every peer to answer", "peers", len(list)-1)
 		if err := d.peers.Probe(ctx, d.log); err != nil {
+			stopWatch()
 			return fmt.Errorf("--peer-require: %w", err)
 		}
-	}
-	wctx, stopWatch := context.WithCancel(context.Background())
-	if !d.o.Peers.Require {
+	} else {
 		go func() { _ = d.peers.Probe(wctx, d.log) }() // stopped when serving ends; it logs what it finds
 	}
 	if d.o.Peers.discovery.Enabled() {
