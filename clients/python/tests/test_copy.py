@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -54,8 +55,36 @@ def test_torch_views_copy_bit_for_bit():
 def test_an_error_in_any_piece_is_raised():
     good = np.ones(4 << 20, np.uint8)
     bad = (np.zeros(10, np.float32), np.ones(10, np.float64))  # casting="equiv" refuses it
+    out = np.zeros_like(good)
     with pytest.raises(TypeError):
-        _copy.copy([(np.zeros_like(good), good), bad])
+        _copy.copy([(out, good), bad])
+    seen = out.copy()  # the daemon may lease this memory again once copy() has returned
+    time.sleep(0.05)
+    np.testing.assert_array_equal(out, seen)
+
+
+@pytest.mark.usefixtures("three_threads")
+def test_an_interrupted_caller_returns_only_once_helpers_stopped(monkeypatch):
+    """Ctrl-C in the caller's piece: no helper writes after copy() raised."""
+    copyto, raised = np.copyto, []
+
+    def interrupted(dst, src, casting):
+        if threading.current_thread() is threading.main_thread() and not raised:
+            raised.append(1)
+            raise KeyboardInterrupt
+        time.sleep(0.002)  # helpers slower than the caller: some are mid-piece
+        copyto(dst, src, casting=casting)
+
+    src = np.ones(8 << 20, np.uint8)
+    out = np.zeros_like(src)
+    monkeypatch.setattr(_copy.np, "copyto", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _copy.copy([(out, src)])
+    monkeypatch.undo()
+    seen = out.copy()
+    time.sleep(0.05)
+    np.testing.assert_array_equal(out, seen)
+    assert int(seen.sum()) < src.size  # the caller stopped the copy
 
 
 @pytest.mark.usefixtures("three_threads")

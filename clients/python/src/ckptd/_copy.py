@@ -114,34 +114,46 @@ def _pieces(pairs: Sequence[Pair]) -> Iterator[Pair]:
 
 
 class _Copy:
-    """One copy's pieces, taken one at a time by whichever thread is free."""
+    """One copy's pieces, taken one at a time by whichever thread is free.
+
+    When run returns, by an error or an interrupt too, no helper writes to
+    a destination any more: the caller may give the memory back at once.
+    Only helpers' pieces are counted: the caller's own copy has stopped by
+    the time it can wait for theirs.
+    """
 
     def __init__(self, pieces: Iterator[Pair]) -> None:
         self._pieces = pieces
         self._cond = threading.Condition()
-        self._busy = 0  # pieces taken and not yet copied
-        self._error: BaseException | None = None
+        self._busy = 0  # pieces helpers are copying
+        self._stopped = False
+        self._error: BaseException | None = None  # the first a helper hit
 
     def run(self, pool: ThreadPoolExecutor, helpers: int) -> None:
-        for _ in range(helpers):
-            pool.submit(self._work)
-        self._work()
-        with self._cond:
-            self._cond.wait_for(lambda: self._busy == 0)
-            if self._error is not None:
-                raise self._error
+        try:
+            for _ in range(helpers):
+                try:
+                    pool.submit(self._help)
+                except RuntimeError:  # the pool was replaced meanwhile: fewer helpers
+                    break
+            while (piece := self._take(helper=False)) is not None:
+                np.copyto(piece[0], piece[1], casting="equiv")
+        finally:
+            self._settle()
+        if self._error is not None:
+            raise self._error
 
-    def _take(self) -> Pair | None:
+    def _take(self, *, helper: bool) -> Pair | None:
         with self._cond:
-            if self._error is not None:
+            if self._stopped or self._error is not None:
                 return None
             piece = next(self._pieces, None)
-            if piece is not None:
+            if piece is not None and helper:
                 self._busy += 1
             return piece
 
-    def _work(self) -> None:
-        while (piece := self._take()) is not None:
+    def _help(self) -> None:
+        while (piece := self._take(helper=True)) is not None:
             try:
                 np.copyto(piece[0], piece[1], casting="equiv")
             except BaseException as e:  # handed to the caller, which raises it
@@ -151,3 +163,16 @@ class _Copy:
                 with self._cond:
                     self._busy -= 1
                     self._cond.notify_all()
+
+    def _settle(self) -> None:
+        """Hand out no more pieces and wait for the helpers' (an interrupt waits too)."""
+        interrupted: BaseException | None = None
+        with self._cond:
+            self._stopped = True
+            while self._busy:
+                try:
+                    self._cond.wait()
+                except BaseException as e:  # a piece takes milliseconds: finish, then raise
+                    interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
