@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from . import _kinds, _limits, _names, _tensors
+from . import _copy, _kinds, _limits, _names, _tensors
 from ._arena import Arena
 from ._errors import (
     CkptdError,
@@ -308,6 +308,7 @@ class _Outputs:
 
     def build(self, header: pb.RestoreHeader, data: np.ndarray) -> list[tuple[str, Any]]:
         items = []
+        later: list[_copy.Pair] = []  # host copies, made together on a few threads
         default, others = self._kinds(header)
         for t in header.tensors:
             if _kinds.is_record(t.name):
@@ -320,14 +321,13 @@ class _Outputs:
             src = data[t.offset : t.offset + t.length]
             shape = tuple(t.shape)
             if self.torch is None or default == (t.name in others):
-                items.append((t.name, _tensors.default_out(dt, shape, src)))
+                items.append((t.name, _tensors.default_out(dt, shape, src, later)))
             else:
-                items.append(
-                    (
-                        t.name,
-                        _tensors.torch_out(self.torch, dt, shape, src, self.device, self.pinned),
-                    )
+                out = _tensors.torch_out(
+                    self.torch, dt, shape, src, self.device, self.pinned, later
                 )
+                items.append((t.name, out))
+        _copy.copy(later)
         if self.pinned:
             _tensors.loaded_torch().cuda.current_stream(self.device).synchronize()
         return items

@@ -299,45 +299,62 @@ def _copy_from_device(leaf: Leaf, dst: np.ndarray, pin: Callable[[], bool]) -> b
     return asynchronous
 
 
-def numpy_out(dt: DType, shape: tuple[int, ...], src: np.ndarray) -> np.ndarray:
+def numpy_out(
+    dt: DType, shape: tuple[int, ...], src: np.ndarray, later: list[Any] | None = None
+) -> np.ndarray:
     """Copy src (the tensor's bytes, maybe unaligned) into a new array.
 
     The result owns its memory: the region it came from is released as soon
-    as load returns.
+    as load returns. With later, the copy is not made but appended to it as
+    a (destination, source) pair, for the caller to make (all of a load's
+    together, on a few threads) before it releases the region.
     """
     if src.size == 0:
         return np.zeros(shape, dt.raw)
     out = np.empty(src.size, np.uint8)
-    np.copyto(out, src)
+    if later is None:
+        np.copyto(out, src)
+    else:
+        later.append((out, src))
     return out.view(dt.raw).reshape(shape)
 
 
 def torch_out(
-    torch: Any, dt: DType, shape: tuple[int, ...], src: np.ndarray, device: Any, pinned: bool
+    torch: Any,
+    dt: DType,
+    shape: tuple[int, ...],
+    src: np.ndarray,
+    device: Any,
+    pinned: bool,
+    later: list[Any] | None = None,
 ) -> Any:
     """Copy src into a new torch tensor on device (torch is the module, passed in).
 
     Bytes are copied as uint8 and reinterpreted on arrival, because restored
     tensors are packed back to back and may be unaligned for their dtype.
+    later: as numpy_out's, for a tensor on the CPU.
     """
     td = torch_dtype(torch, dt)
     if src.size == 0:
         return torch.empty(shape, dtype=td, device=device)  # zeros cannot fill every dtype
     if device.type == "cpu":
-        return torch.from_numpy(numpy_out(BY_NAME["U8"], (src.size,), src)).view(td).view(shape)
+        flat = numpy_out(BY_NAME["U8"], (src.size,), src, later)
+        return torch.from_numpy(flat).view(td).view(shape)
     out = torch.empty(src.size, dtype=torch.uint8, device=device)
     out.copy_(torch.from_numpy(src), non_blocking=pinned)
     return out.view(td).view(shape)
 
 
-def default_out(dt: DType, shape: tuple[int, ...], src: np.ndarray) -> Any:
-    """A restored tensor for load's default (numpy) mode.
+def default_out(
+    dt: DType, shape: tuple[int, ...], src: np.ndarray, later: list[Any] | None = None
+) -> Any:
+    """A restored tensor for load's default (numpy) mode (later: as numpy_out's).
 
     numpy has no bfloat16, float8, float4, complex32 or torch's bit and
     sub-byte types: those come back as torch tensors when torch is
     installed, else as their raw bits (unsigned integer arrays).
     """
-    arr = numpy_out(dt, shape, src)
+    arr = numpy_out(dt, shape, src, later)
     if dt.numpy_native:
         return arr
     torch = torch_module()
