@@ -104,6 +104,7 @@ bench:
 # own writers and reader, 4 processes (a few minutes).
 bench-python:
 	scripts/tools.sh
+	scripts/minio.sh >/dev/null
 	.venv/bin/python clients/python/bench/bench_save.py $(PYBENCHFLAGS)
 	.venv/bin/python clients/python/bench/bench_dataset.py $(PYDSBENCHFLAGS)
 	.venv/bin/python clients/python/bench/bench_dcp.py $(PYDCPBENCHFLAGS)
