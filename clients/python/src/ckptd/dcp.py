@@ -159,7 +159,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from . import _copy, _limits, _load, _save, _sharding, _tensors
+from . import _limits, _load, _save, _sharding, _tensors
 from ._client import Client
 from ._errors import AlreadyExistsError, CkptdError, InvalidArgumentError
 from ._handle import SaveHandle
@@ -1208,7 +1208,6 @@ def _copy_out(
         )
     copied: list[tuple[ReadItem, torch.Tensor]] = []
     blobs: list[tuple[ReadItem, bytes]] = []
-    host: list[_copy.Pair] = []  # copied together at the end, on a few threads
     for req, name in job.items:
         t = table.get(name)
         if t is None:
@@ -1222,44 +1221,18 @@ def _copy_out(
         src = _block(t, raw, job.start(name), req)
         with lock:
             dst = planner.resolve_tensor(req).detach()
-        pair = _host_pair(dst, src)
-        if pair is None:
-            _copy_block(req, dst, src, name)
-        else:
-            _check_size(req, dst, src, name)
-            host.append(pair)
+        _copy_block(req, dst, src, name)
         copied.append((req, dst))
-    _copy.copy(host)
     return copied, blobs
 
 
-def _host_pair(dst: torch.Tensor, src: torch.Tensor) -> _copy.Pair | None:
-    """The numpy arrays of dst's and src's bits, when both are in host memory, else None.
-
-    None also where numpy cannot see the bits (a conjugated view, a
-    different dtype): torch copies those.
-    """
-    if dst.device.type != "cpu" or src.device.type != "cpu" or dst.dtype != src.dtype:
-        return None
-    if dst.size() != src.size():
-        return None  # _copy_block says what is wrong
-    try:
-        return _tensors.bits(torch, dst).numpy(), _tensors.bits(torch, src).numpy()
-    except (RuntimeError, TypeError):
-        return None
-
-
-def _check_size(req: ReadItem, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+def _copy_block(req: ReadItem, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    """Copy src, the block req reads of stored tensor name, into dst, its destination."""
     if dst.size() != src.size():
         raise CkptdError(
             f"{req.storage_index.fqn!r}: the read needs {tuple(dst.size())} elements, "
             f"the stored piece {name!r} gives {tuple(src.size())}"
         )
-
-
-def _copy_block(req: ReadItem, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    """Copy src, the block req reads of stored tensor name, into dst, its destination."""
-    _check_size(req, dst, src, name)
     if dst.dtype == src.dtype:  # bit for bit, also dtypes torch cannot copy itself
         _tensors.bits(torch, dst).copy_(_tensors.bits(torch, src))
     else:
