@@ -454,9 +454,9 @@ def _copy_leaves(leaves: list[_tensors.Leaf], region: np.ndarray, pin: Any) -> N
     devices = set()
     host = []
     for leaf in leaves:  # device copies first: they run on the DMA engine meanwhile
-        dst = region[leaf.offset : leaf.offset + leaf.nbytes]
         if leaf.nbytes == 0:
             continue
+        dst = region[leaf.offset : leaf.offset + leaf.nbytes]
         if not _tensors.on_device(leaf):
             host.append(_tensors.host_pair(leaf, dst))
         elif _tensors.copy_in(leaf, dst, pin):

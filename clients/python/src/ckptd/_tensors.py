@@ -242,11 +242,11 @@ def copy_in(leaf: Leaf, dst: np.ndarray, pin: Callable[[], bool]) -> bool:
     """Copy a leaf's elements into dst, a uint8 buffer of exactly leaf.nbytes.
 
     Host data is copied by numpy: one strided-aware pass on this thread (no
-    temporary for non-contiguous sources); a save's many leaves go through
-    _copy.copy instead, which spreads them over a few threads. A CUDA tensor is copied by torch with
-    non_blocking=True when pin() says the destination is registered with
-    CUDA; the caller must then synchronize before handing the bytes on, and
-    the return value says so.
+    temporary for non-contiguous sources); a save's leaves go through
+    _copy.copy instead (host_pair), which spreads them over a few threads.
+    A CUDA tensor is copied by torch with non_blocking=True when pin() says
+    the destination is registered with CUDA; the caller must then
+    synchronize before handing the bytes on, and the return value says so.
     """
     if leaf.nbytes == 0:
         return False
