@@ -178,3 +178,84 @@ def test_device_round_trip(client, job, device):
     assert client._conn.arena.pin() is torch.cuda.is_available()
     if not torch.cuda.is_available():
         assert _arena._cuda_host_register(0, 4096) is False
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_into_fills_existing_tensors(client, job, device):
+    """Client.load(into=...) copies into the tensors given where they fit, else makes new ones."""
+    src = {
+        "f": torch.randn(4, 5, device=device),
+        "bf": torch.randn(7, device=device).to(torch.bfloat16),
+        "i": torch.arange(6, device=device),
+        "c": torch.randn(3, dtype=torch.complex64, device=device),
+        "z": torch.empty(0, 3, device=device),
+        "odd_dtype": torch.ones(3, device=device),
+        "strided": torch.ones(4, 4, device=device),
+        "grad": torch.ones(2, device=device),
+        "n": np.arange(5, dtype=np.float64),
+        "n_bad": np.arange(4, dtype=np.int32),
+    }
+    client.save(1, src, job=job).wait(30)
+    into = {
+        "f": torch.zeros(4, 5, device=device),
+        "bf": torch.zeros(7, dtype=torch.bfloat16, device=device),
+        "i": torch.zeros(6, dtype=torch.int64, device=device),
+        "c": torch.zeros(3, dtype=torch.complex64, device=device),
+        "z": torch.empty(0, 3, device=device),
+        "odd_dtype": torch.zeros(3, dtype=torch.float64, device=device),  # not the saved dtype
+        "strided": torch.zeros(4, 8, device=device)[:, ::2],  # not dense
+        "grad": torch.zeros(2, device=device, requires_grad=True),
+        "n": np.zeros(5),
+        "n_bad": np.zeros(4, dtype=np.int64),
+        "absent": torch.zeros(1),  # names no saved tensor: ignored
+    }
+    got = client.load(1, job=job, into=into, as_torch=True)
+    for name in ("f", "bf", "i", "c", "z", "n"):
+        assert got[name] is into[name], name
+    for name in ("f", "bf", "i", "c", "z"):
+        assert torch.equal(into[name], src[name]), name
+    assert np.array_equal(into["n"], src["n"])
+    for name in ("odd_dtype", "strided", "grad"):  # left alone, a new tensor returned
+        assert got[name] is not into[name] and not into[name].detach().any(), name
+        assert torch.equal(got[name].to(device), src[name]), name
+    assert not into["n_bad"].any() and got["n_bad"] is not into["n_bad"]
+    assert "absent" not in got
+
+
+def test_load_state_dict_copies_once_into_the_model(client, job, monkeypatch):
+    """The model's parameters and buffers get the saved bytes in place: no second copy.
+
+    Tied weights stay tied; a model of another dtype still loads (cast by
+    torch from new tensors), as before.
+    """
+    torch.manual_seed(0)
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 6)
+            self.norm = torch.nn.BatchNorm1d(6)
+            self.head = torch.nn.Linear(6, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    model.norm.running_mean.uniform_()
+    ct.save_state_dict(client, 1, model, job=job).wait(30)
+
+    loaded = []
+    real_load = client.load
+    monkeypatch.setattr(
+        client, "load", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1]
+    )
+    model2 = Tied()
+    params = {k: v.data_ptr() for k, v in model2.state_dict().items()}
+    ct.load_state_dict(client, 1, model2, job=job)
+    assert_same_state(model.state_dict(), model2.state_dict())
+    assert model2.head.weight is model2.emb.weight
+    shard = loaded[0]["model"]
+    assert {k: v.data_ptr() for k, v in shard.items()} == params  # the model's own memory
+
+    model3 = Tied().to(torch.float64)
+    ct.load_state_dict(client, 1, model3, job=job)
+    for k, v in model.state_dict().items():
+        assert torch.equal(model3.state_dict()[k], v.to(model3.state_dict()[k].dtype)), k

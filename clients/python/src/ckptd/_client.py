@@ -312,6 +312,7 @@ class Client:
         nested: bool = True,
         tensors: Sequence[str] | None = None,
         finite: bool = False,
+        into: Mapping[str, Any] | None = None,
     ) -> LoadedState:
         """Restore one rank's shard of a committed step, or some of its tensors.
 
@@ -341,6 +342,16 @@ class Client:
                 run that diverged restarts from before it did. The steps
                 passed over are in the result's .skipped_nonfinite, and
                 logged. Steps kept in memory only are not considered.
+            into: existing tensors to load straight into, by stored (flat)
+                name: a model's parameters, say, so that no second copy of
+                the state is made. Each one of the saved dtype and shape,
+                dense and writable (a contiguous torch tensor on the CPU or
+                a CUDA device that does not require grad, or a C-contiguous
+                numpy array) gets the saved bytes in place and is returned
+                as itself; any other is left alone and a new tensor
+                returned for its name, as without into. Should the load
+                fail after the copies began, into's tensors may hold some
+                of the saved bytes.
 
         Where a numpy array comes back (as_torch=False, or None for a value
         saved from numpy), bfloat16 and float8 tensors, which numpy cannot
@@ -362,7 +373,7 @@ class Client:
         rank = _ranks.rank(rank)
         req = _load.restore_request(step, rank, job, tensors, finite)
         what = f"load {'latest step' if req.latest else f'step {step}'} rank {rank}"
-        return _load.load(self._conn, req, what, as_torch, device, nested)
+        return _load.load(self._conn, req, what, as_torch, device, nested, into)
 
     # ---- listing -------------------------------------------------------
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import logging
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -120,13 +121,14 @@ def load(
     as_torch: bool | None,
     device: Any,
     nested: bool,
+    into: Mapping[str, Any] | None = None,
 ) -> LoadedState:
     """Restore req's shard; see Client.load.
 
     A daemon that goes away is waited for (conn's reconnect_timeout), and
     a load whose region may have been handed on meanwhile is made again.
     """
-    out = _Outputs(True if device is not None else as_torch, device)
+    out = _Outputs(True if device is not None else as_torch, device, into)
 
     def build(header: pb.RestoreHeader, data: np.ndarray, arena: Arena | None) -> Any:
         if arena is not None and out.needs_pin:
@@ -283,13 +285,21 @@ class _Outputs:
     see _kinds; numpy without one).
     """
 
-    def __init__(self, as_torch: bool | None, device: Any) -> None:
+    def __init__(
+        self, as_torch: bool | None, device: Any, into: Mapping[str, Any] | None = None
+    ) -> None:
         self.as_torch = as_torch
         self.torch = _tensors.torch_module() if as_torch else None
         if as_torch and self.torch is None:
             raise ImportError("load(as_torch=True) or load(device=...) needs torch installed")
         self.device = self.torch.device(device or "cpu") if self.torch is not None else None
-        self.needs_pin = self.device is not None and self.device.type == "cuda"
+        self.into = dict(into or {})
+        # The CUDA devices of into's tensors: copies to them from pinned
+        # memory are asynchronous, and waited for before the region goes.
+        self.into_devices = {t.device for t in self.into.values() if getattr(t, "is_cuda", False)}
+        self.needs_pin = bool(self.into_devices) or (
+            self.device is not None and self.device.type == "cuda"
+        )
         self.pinned = False
 
     def _kinds(self, header: pb.RestoreHeader) -> tuple[bool, set[str]]:
@@ -320,7 +330,12 @@ class _Outputs:
                 raise CkptdError(f"tensor {t.name!r} lies outside the restored region")
             src = data[t.offset : t.offset + t.length]
             shape = tuple(t.shape)
-            if self.torch is None or default == (t.name in others):
+            dest = self.into.get(t.name)
+            if dest is not None and _tensors.into_out(
+                sys.modules.get("torch"), dt, shape, src, dest, self.pinned, later
+            ):
+                items.append((t.name, dest))
+            elif self.torch is None or default == (t.name in others):
                 items.append((t.name, _tensors.default_out(dt, shape, src, later)))
             else:
                 out = _tensors.torch_out(
@@ -329,5 +344,10 @@ class _Outputs:
                 items.append((t.name, out))
         _copy.copy(later)
         if self.pinned:
-            _tensors.loaded_torch().cuda.current_stream(self.device).synchronize()
+            torch = _tensors.loaded_torch()
+            devices = set(self.into_devices)
+            if self.device is not None and self.device.type == "cuda":
+                devices.add(self.device)
+            for d in devices:
+                torch.cuda.current_stream(d).synchronize()
         return items

@@ -345,6 +345,63 @@ def torch_out(
     return out.view(td).view(shape)
 
 
+def into_out(
+    torch: Any,
+    dt: DType,
+    shape: tuple[int, ...],
+    src: np.ndarray,
+    dest: Any,
+    pinned: bool,
+    later: list[Any],
+) -> bool:
+    """Copy src into dest, an existing tensor or array, if it is one of dt and shape.
+
+    dest must be dense and writable: a C-contiguous numpy array of dt
+    (numpy's own types only), or a contiguous torch tensor of dt on the CPU
+    or a CUDA device that is neither a view of another dtype's nor needs
+    grad recorded. Its bytes are replaced in place: a host destination's
+    copy is appended to later (as numpy_out's); a CUDA one is copied from
+    src, asynchronously when pinned (the caller synchronizes). False, and
+    nothing copied, when dest is not such a destination: the caller makes
+    a new tensor instead.
+    """
+    if isinstance(dest, np.ndarray):
+        if not (
+            dt.numpy_native
+            and dest.dtype == dt.raw
+            and dest.shape == shape
+            and dest.flags.c_contiguous
+            and dest.flags.writeable
+            and dest.nbytes == src.size
+        ):
+            return False
+        if src.size:
+            later.append((dest.reshape(-1).view(np.uint8), src))
+        return True
+    if torch is None or not isinstance(dest, torch.Tensor):
+        return False
+    if (
+        dest.dtype != torch_dtype(torch, dt)
+        or tuple(dest.shape) != shape
+        or not dest.is_contiguous()
+        or dest.requires_grad
+        or dest.device.type not in ("cpu", "cuda")
+        or type(dest) is not torch.Tensor  # a DTensor or another subclass
+        or dest.is_conj()
+        or dest.is_neg()
+        or dest.numel() * dest.element_size() != src.size
+    ):
+        return False
+    if src.size == 0:
+        return True
+    flat = dest.view(-1).view(torch.uint8)
+    if dest.device.type == "cpu":
+        later.append((flat.numpy(), src))
+    else:
+        flat.copy_(torch.from_numpy(src), non_blocking=pinned)
+    return True
+
+
 def default_out(
     dt: DType, shape: tuple[int, ...], src: np.ndarray, later: list[Any] | None = None
 ) -> Any:

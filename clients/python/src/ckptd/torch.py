@@ -219,6 +219,14 @@ def load_state_dict(
     size reads the skeleton and plain tensors of rank 0's shard. Optimizer
     state the optimizer does not have yet is sharded as its parameter is.
 
+    The model's plain parameters and buffers of the saved dtype and shape
+    are filled in place as the shard is read (Client.load's into), so the
+    model is copied once and no second copy of it is held; others are
+    loaded as new tensors and copied (or cast) by Module.load_state_dict.
+    Should loading fail after the shard was read (a strict key mismatch,
+    a step saved without save_state_dict), the model may hold the saved
+    values of the tensors it shares with the step.
+
     Returns:
         extra, as saved. Its tensors are on the CPU (RNG states must be).
 
@@ -226,12 +234,13 @@ def load_state_dict(
         CkptdError: the step was not saved by save_state_dict.
         ValueError: an optimizer was given but the checkpoint has none.
     """
-    source = _Source(client, step, rank, job)
+    into = None if model is None else _in_place(model)
+    source = _Source(client, step, rank, job, into)
     state = source.state
     skeleton = _skeleton(state)
     holder = skeleton.get(REPLICATED)
     if holder is not None and holder != source.rank:
-        shared = client.load(state.step, rank=holder, job=job, as_torch=True)
+        shared = client.load(state.step, rank=holder, job=job, as_torch=True, into=into)
         for group in ("model", "optimizer"):
             if group in shared:
                 state[group] = shared[group]
@@ -247,6 +256,30 @@ def load_state_dict(
             raise ValueError(f"step {state.step} was saved without an optimizer state")
         optimizer.load_state_dict(unpacker.decode(skeleton["optimizer"], _optim_like(optimizer)))
     return unpacker.decode(skeleton["extra"])
+
+
+def _in_place(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's own tensors by stored name, for a load to copy straight into.
+
+    Only a state dict entry that is one of the model's parameters or
+    buffers (its memory, laid out the same) is taken: load_state_dict's
+    copy of it onto that parameter is then no copy at all, so the model's
+    state is copied once, not into new tensors first and then again. An
+    entry a state dict hook made, a DTensor, or one of a dtype or shape
+    other than the saved one is loaded as a new tensor, as before.
+    """
+    own = {
+        (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride())
+        for t in (*model.parameters(), *model.buffers())
+        if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() > 0
+    }
+    plain = {
+        k: v
+        for k, v in model.state_dict().items()
+        if type(v) is torch.Tensor
+        and (v.data_ptr(), v.dtype, v.device, tuple(v.shape), v.stride()) in own
+    }
+    return dict(_names.flatten({"model": plain})) if plain else {}
 
 
 def _skeleton(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -440,17 +473,22 @@ class _Source:
     """The shards a load reads: this rank's (or rank 0's), and the others' on demand."""
 
     def __init__(
-        self, client: Client, step: int | Literal["latest"], rank: int | None, job: str | None
+        self,
+        client: Client,
+        step: int | Literal["latest"],
+        rank: int | None,
+        job: str | None,
+        into: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.client, self.job = client, job
         self.rank = _ranks.rank(rank)  # whose shard state is
         try:
-            self.state = client.load(step, rank=self.rank, job=job, as_torch=True)
+            self.state = client.load(step, rank=self.rank, job=job, as_torch=True, into=into)
         except (NotFoundError, InvalidArgumentError) as missing:
             # A rank the step does not have (out of its world size): a
             # sharded step loads from rank 0's shard.
             try:
-                state = client.load(step, rank=0, job=job, as_torch=True)
+                state = client.load(step, rank=0, job=job, as_torch=True, into=into)
             except (NotFoundError, InvalidArgumentError):
                 raise missing from None
             if _sharding.TENSOR not in state and REPLICATED not in _skeleton(state):
