@@ -16,6 +16,16 @@ weights) in the same process:
                      storage, returning (page cache) and with fsync (durable,
                      which is what ckptd gives once the save is committed)
 
+and, loading the same state back into a module that holds it as buffers:
+
+    load_state_dict  ckptd.torch.load_state_dict, which copies the saved
+                     bytes straight into the module's tensors
+    load + copy      Client.load into new tensors, then the module's
+                     load_state_dict copying them in (a second copy of the
+                     state, as ckptd.torch did before)
+    torch.load       torch.load of the file above (page cache) + the
+                     module's load_state_dict
+
 and prints a table of ratios. Absolute numbers on a shared machine are
 noise; the ratios are the point (target: save() stall <= 1.3x the numpy
 copy on as many threads as save() copies with). `make bench` runs it.
@@ -42,6 +52,7 @@ import torch
 from _serve import serve
 
 import ckptd
+import ckptd.torch as ct
 from ckptd import _copy
 
 REPO = Path(__file__).resolve().parents[3]
@@ -139,6 +150,29 @@ def build(binary: str | None, tmp: Path) -> str:
     return str(out)
 
 
+def as_module(state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module holding state's tensors as its buffers (state dict keys unchanged)."""
+    module = torch.nn.Module()
+    for k, v in state.items():
+        module.register_buffer(k.replace(".", "_"), v)
+    return module
+
+
+def time_loads(
+    c: ckptd.Client, state: dict[str, torch.Tensor], step: int, runs: int
+) -> tuple[float, float]:
+    """Median seconds of ckptd.torch's load into a module, and of load + copy."""
+    ct.save_state_dict(c, step, as_module(state)).wait()
+    target = as_module({k: torch.empty_like(v) for k, v in state.items()})
+
+    def load_and_copy() -> None:
+        target.load_state_dict(c.load(step, as_torch=True)["model"])
+
+    into = statistics.median(timed(lambda: ct.load_state_dict(c, step, target), runs))
+    two = statistics.median(timed(load_and_copy, runs))
+    return into, two
+
+
 def torch_save(state: dict[str, torch.Tensor], path: Path, fsync: bool) -> None:
     """torch.save to path, optionally made durable as ckptd's commit is."""
     with open(path, "wb") as f:
@@ -203,8 +237,18 @@ def run(args: argparse.Namespace, size: int, work: Path, storage: Path, binary: 
                 t_np.append(base)
                 pairs[kind].append((save(c, st), base))
         t_par = statistics.median(timed(lambda: numpy_copy_threads(arrays, mem, pool), args.runs))
+        loads = time_loads(c, state, next(step), args.runs)
     t_ts = statistics.median(timed(lambda: torch_save(state, work / "torch.pt", False), args.runs))
     t_tsf = statistics.median(timed(lambda: torch_save(state, work / "torch.pt", True), args.runs))
+    target_module = as_module({k: torch.empty_like(v) for k, v in state.items()})
+    t_tl = statistics.median(
+        timed(
+            lambda: target_module.load_state_dict(
+                {k.replace(".", "_"): v for k, v in torch.load(work / "torch.pt").items()}
+            ),
+            args.runs,
+        )
+    )
 
     def stall(kind: str) -> tuple[float, float]:
         return (
@@ -224,6 +268,9 @@ def run(args: argparse.Namespace, size: int, work: Path, storage: Path, binary: 
         ("torch.save, same state, same disk", t_ts, f"{t_ts / t_torch:.1f}x the save() stall"),
         ("torch.save + fsync", t_tsf, f"{t_tsf / t_torch:.1f}x the save() stall"),
         ("save() returned -> committed (drain)", statistics.median(drains), "in the background"),
+        ("torch.load + load_state_dict", t_tl, "1.00x (load baseline)"),
+        ("ckptd.torch.load_state_dict", loads[0], f"{loads[0] / t_tl:.2f}x torch.load"),
+        ("Client.load + load_state_dict", loads[1], f"{loads[1] / t_tl:.2f}x torch.load"),
     ]
     print(
         f"\nckptd Python client, {nbytes / GiB:.2f} GiB state ({args.tensors} bf16 tensors), "
