@@ -187,8 +187,8 @@ func (mgr *Manager) restoreSource(ctx context.Context, store *checkpoint.Store, 
 			return src, merr
 		}
 		if skipped = src.Skipped; skipped > 0 && !latest {
-			return tiers.Source{}, budget.Wrap(fmt.Errorf("%w: step %d of job %q was kept in memory only (the persistence policy) and some of its ranks are held by no sidecar now; "+
-				"restore a persisted step (ckptd list)", checkpoint.ErrStepNotFound, step, store.Job()), budget.PersistPolicy)
+			return tiers.Source{}, budget.Wrap(fmt.Errorf("%w: step %d of job %q was kept in memory only (the persistence policy) and some of its ranks are held by no sidecar now "+
+				"(or only by sidecars that list differing copies of them: the log names them); restore a persisted step (ckptd list)", checkpoint.ErrStepNotFound, step, store.Job()), budget.PersistPolicy)
 		}
 		if skipped > 0 {
 			mgr.log.Warn("a newer step was kept in memory only and some of its ranks are held nowhere now; restoring the last persisted step",

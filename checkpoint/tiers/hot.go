@@ -455,6 +455,9 @@ type HeldShard struct {
 	// ManifestHash is the hash of its manifest as stored ("" from peers
 	// that do not say).
 	ManifestHash string
+	// Original: the holder's trainer saved it (a replica's holder says
+	// false); what the copies of a memory-only step are pinned to.
+	Original bool
 }
 
 // inventory lists the shards of job the tier holds.
@@ -468,7 +471,7 @@ func (h *hotTier) inventory(job string) []HeldShard {
 	for k, e := range h.entries {
 		if k.job == job {
 			out = append(out, HeldShard{Step: k.step, Rank: k.rank, WorldSize: e.m.WorldSize, Attempt: k.attempt,
-				Committed: e.committed, MemoryOnly: e.memory, Created: e.m.Created, ManifestHash: e.hash})
+				Committed: e.committed, MemoryOnly: e.memory, Created: e.m.Created, ManifestHash: e.hash, Original: e.origin})
 		}
 	}
 	return out

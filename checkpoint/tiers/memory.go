@@ -26,13 +26,58 @@ type heldStep struct {
 	attempt   string
 	worldSize int
 	created   time.Time        // the newest of its shards'
-	holders   map[int][]holder // by rank: the sidecars holding it
+	holders   map[int][]holder // by rank: the sidecars holding a copy pinned to the original
+	contested []int            // ranks whose copies could not be pinned (see pinned)
+	differing int              // copies left out for differing from their rank's original
 }
 
 // holder is a sidecar holding a rank of a heldStep: its address ("" for
-// this sidecar) and the hash of the manifest it lists ("" if it does not
-// say).
-type holder struct{ addr, hash string }
+// this sidecar), the hash of the manifest it lists ("" if it does not
+// say) and whether it says it holds the original.
+type holder struct {
+	addr, hash string
+	original   bool
+}
+
+// pinned keeps the copies of a rank of a memory-only step that are its
+// original, as no commit record pins them: with one sidecar listing the
+// original, the copies of its hash; with none (its node is lost), all
+// copies when they list one hash. A rank whose copies cannot be told
+// apart that way (two originals, or holders that differ and no original)
+// is contested and kept nowhere: a lying peer can make a step
+// unrestorable from memory (an older one is restored), never have bytes
+// other than the original's restored while the original's sidecar is up.
+// This sidecar's own original is known for one, whatever peers claim.
+// dropped is how many copies differed from the original.
+func pinned(hs []holder) (kept []holder, dropped int, contested bool) {
+	var origin *holder
+	for i := range hs {
+		switch {
+		case !hs[i].original:
+		case hs[i].addr == "":
+			origin = &hs[i]
+		case origin != nil && origin.addr == "":
+		case origin != nil && *origin != hs[i]:
+			contested = true
+		default:
+			origin = &hs[i]
+		}
+	}
+	if contested && origin.addr != "" {
+		return nil, 0, true
+	}
+	if origin == nil {
+		for _, h := range hs[1:] {
+			if h.hash != hs[0].hash {
+				return nil, 0, true
+			}
+		}
+		return hs, 0, false
+	}
+	want := origin.hash
+	kept = slices.DeleteFunc(slices.Clone(hs), func(h holder) bool { return h.hash != want })
+	return kept, len(hs) - len(kept), false
+}
 
 func (s *heldStep) whole() bool { return len(s.holders) == s.worldSize }
 
@@ -80,7 +125,7 @@ func memoryOnly(byPeer map[string][]HeldShard) []*heldStep {
 			if h.WorldSize != s.worldSize {
 				continue // another world size under the same attempt: not this step's rank
 			}
-			s.holders[h.Rank] = append(s.holders[h.Rank], holder{addr, h.ManifestHash})
+			s.holders[h.Rank] = append(s.holders[h.Rank], holder{addr, h.ManifestHash, h.Original})
 			if h.Created.After(s.created) {
 				s.created = h.Created
 			}
@@ -88,9 +133,19 @@ func memoryOnly(byPeer map[string][]HeldShard) []*heldStep {
 	}
 	out := make([]*heldStep, 0, len(steps))
 	for _, s := range steps {
-		for _, hs := range s.holders { // this sidecar ("") first: a restore reads its own memory before a peer's
-			slices.SortFunc(hs, func(a, b holder) int { return cmp.Compare(a.addr, b.addr) })
+		for rank, hs := range s.holders {
+			kept, dropped, contested := pinned(hs)
+			s.differing += dropped
+			if contested {
+				delete(s.holders, rank)
+				s.contested = append(s.contested, rank)
+				continue
+			}
+			// This sidecar ("") first: a restore reads its own memory before a peer's.
+			slices.SortFunc(kept, func(a, b holder) int { return cmp.Compare(a.addr, b.addr) })
+			s.holders[rank] = kept
 		}
+		slices.Sort(s.contested)
 		out = append(out, s)
 	}
 	slices.SortFunc(out, func(a, b *heldStep) int {
@@ -112,8 +167,17 @@ func (t *Tiers) FromMemory(ctx context.Context, job string, step int64, latest b
 			continue
 		}
 		if !s.whole() {
+			if len(s.contested) > 0 {
+				t.log.Warn("sidecars list differing copies of some ranks of a step kept in memory only (two originals, or replicas "+
+					"that differ with the original's sidecar gone): those ranks are not restored from memory",
+					"job", job, "step", s.step, "ranks", s.contested)
+			}
 			skipped = max(skipped, s.step)
 			continue
+		}
+		if s.differing > 0 {
+			t.log.Warn("sidecars list copies of a step kept in memory only that differ from their rank's original; left out",
+				"job", job, "step", s.step, "copies", s.differing)
 		}
 		if rank < 0 || rank >= s.worldSize {
 			return Source{}, true, fmt.Errorf("%w: rank %d of step %d, saved at a world size of %d", checkpoint.ErrInvalid, rank, s.step, s.worldSize)

@@ -480,7 +480,7 @@ func parseInventory(resp *pb.InventoryResponse) (held []tiers.HeldShard, dropped
 			continue
 		}
 		held = append(held, tiers.HeldShard{Step: t.Step, Rank: t.Rank, WorldSize: t.WorldSize, Attempt: t.Attempt, Committed: h.GetCommitted(),
-			MemoryOnly: h.GetMemoryOnly(), Created: time.Unix(0, h.GetCreatedUnixNano()), ManifestHash: h.GetManifestHash()})
+			MemoryOnly: h.GetMemoryOnly(), Created: time.Unix(0, h.GetCreatedUnixNano()), ManifestHash: h.GetManifestHash(), Original: h.GetOriginal()})
 	}
 	return held, dropped, nil
 }
@@ -716,7 +716,8 @@ func (s *Server) Inventory(_ context.Context, req *pb.InventoryRequest) (*pb.Inv
 	resp := &pb.InventoryResponse{Shards: make([]*pb.HeldShard, 0, len(held))}
 	for _, h := range held {
 		resp.Shards = append(resp.Shards, &pb.HeldShard{Step: h.Step, Rank: int32(h.Rank), WorldSize: int32(h.WorldSize), Attempt: h.Attempt,
-			Committed: h.Committed, MemoryOnly: h.MemoryOnly, CreatedUnixNano: h.Created.UnixNano(), ManifestHash: h.ManifestHash})
+			Committed: h.Committed, MemoryOnly: h.MemoryOnly, CreatedUnixNano: h.Created.UnixNano(), ManifestHash: h.ManifestHash,
+			Original: h.Original})
 	}
 	return resp, nil
 }

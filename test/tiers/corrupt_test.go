@@ -17,6 +17,7 @@ import (
 // job's CA) that keeps the replicas it is sent and serves them with one
 // byte of their data changed, claiming their steps committed.
 type evilHolder struct {
+	quietPeer
 	mu   sync.Mutex
 	held map[checkpoint.Target][2][]byte // manifest, data
 }
@@ -29,15 +30,19 @@ func (e *evilHolder) AcceptReplica(want checkpoint.Target, manifest, data []byte
 	e.held[want] = [2][]byte{manifest, bad}
 	return nil
 }
-func (e *evilHolder) ReplicaBuffer(_ checkpoint.Target, n int64) ([]byte, error) {
-	return make([]byte, n), nil
-}
-func (e *evilHolder) ReturnBuffer([]byte)          {}
-func (e *evilHolder) Holds(checkpoint.Target) bool { return false }
 func (e *evilHolder) Inventory(string) ([]tiers.HeldShard, error) {
 	return nil, nil
 }
-func (e *evilHolder) PersistStep(string, int64, string) error { return nil }
+
+// quietPeer is the part of peers.Local a fake peer does nothing with.
+type quietPeer struct{}
+
+func (quietPeer) ReplicaBuffer(_ checkpoint.Target, n int64) ([]byte, error) {
+	return make([]byte, n), nil
+}
+func (quietPeer) ReturnBuffer([]byte)                     {}
+func (quietPeer) Holds(checkpoint.Target) bool            { return false }
+func (quietPeer) PersistStep(string, int64, string) error { return nil }
 func (e *evilHolder) Replica(job string, step int64, rank int, _ string) ([]byte, []byte, bool, func(), error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -47,6 +52,23 @@ func (e *evilHolder) Replica(job string, step int64, rank int, _ string) ([]byte
 		}
 	}
 	return nil, nil, false, nil, checkpoint.ErrStepNotFound
+}
+
+// fakePeer serves local (an attacker's code) as the peer at self of
+// addrs, with the job's certificates c, until the test ends.
+func fakePeer(t *testing.T, c certs, addrs []string, self string, replicas int, local peers.Local) {
+	t.Helper()
+	server, client, err := peers.TLS{CertFile: c.cert, KeyFile: c.key, CAFile: c.ca}.Credentials()
+	if err != nil {
+		t.Fatal(err)
+	}
+	members := peers.NewClient(addrs, self, replicas, client, nil)
+	t.Cleanup(members.Close)
+	_, stop, err := peers.Listen(self, server, peers.NewServer(local, 64<<20).Members(members))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(stop)
 }
 
 // A holder serving a corrupt copy (here a peer that changes one byte of
@@ -69,17 +91,7 @@ func TestCorruptReplicaFallsBack(t *testing.T) {
 			"--peers", addrs[0] + "," + addrs[1] + "," + addrs[2] + "," + addrs[3], "--peer-listen", addr}, c.args()...)...)
 	}
 	evil := &evilHolder{held: map[checkpoint.Target][2][]byte{}}
-	server, client, err := peers.TLS{CertFile: c.cert, KeyFile: c.key, CAFile: c.ca}.Credentials()
-	if err != nil {
-		t.Fatal(err)
-	}
-	members := peers.NewClient(addrs, evilAddr, 2, client, nil)
-	defer members.Close()
-	_, stop, err := peers.Listen(evilAddr, server, peers.NewServer(evil, 64<<20).Members(members))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer stop()
+	fakePeer(t, c, addrs, evilAddr, 2, evil)
 	ds := []*daemontest.Daemon{sidecar(saver), sidecar(good), sidecar(restorer)}
 	want := daemontest.Shard(1, 0, 1)
 	if err := daemontest.Save(t, ds[0].Client(), want).Wait(daemontest.Ctx(t)); err != nil {

@@ -3525,7 +3525,12 @@ type HeldShard struct {
 	// When the shard was saved, Unix nanoseconds (its manifest's created).
 	CreatedUnixNano int64 `protobuf:"varint,7,opt,name=created_unix_nano,json=createdUnixNano,proto3" json:"created_unix_nano,omitempty"`
 	// The hash of its manifest as stored (what a commit record pins).
-	ManifestHash  string `protobuf:"bytes,8,opt,name=manifest_hash,json=manifestHash,proto3" json:"manifest_hash,omitempty"`
+	ManifestHash string `protobuf:"bytes,8,opt,name=manifest_hash,json=manifestHash,proto3" json:"manifest_hash,omitempty"`
+	// The sidecar holds the rank's original (its trainer saved through it),
+	// not a replica: a restore of a step kept in memory only takes only
+	// copies whose hash is the original's, and none of a rank two
+	// sidecars claim the original of.
+	Original      bool `protobuf:"varint,9,opt,name=original,proto3" json:"original,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3614,6 +3619,13 @@ func (x *HeldShard) GetManifestHash() string {
 		return x.ManifestHash
 	}
 	return ""
+}
+
+func (x *HeldShard) GetOriginal() bool {
+	if x != nil {
+		return x.Original
+	}
+	return false
 }
 
 type InventoryResponse struct {
@@ -4208,7 +4220,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\aattempt\x18\x03 \x01(\tR\aattempt\"\x11\n" +
 	"\x0fPersistResponse\"$\n" +
 	"\x10InventoryRequest\x12\x10\n" +
-	"\x03job\x18\x01 \x01(\tR\x03job\"\xfc\x01\n" +
+	"\x03job\x18\x01 \x01(\tR\x03job\"\x98\x02\n" +
 	"\tHeldShard\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x12\n" +
 	"\x04rank\x18\x02 \x01(\x05R\x04rank\x12\x1d\n" +
@@ -4219,7 +4231,8 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\vmemory_only\x18\x06 \x01(\bR\n" +
 	"memoryOnly\x12*\n" +
 	"\x11created_unix_nano\x18\a \x01(\x03R\x0fcreatedUnixNano\x12#\n" +
-	"\rmanifest_hash\x18\b \x01(\tR\fmanifestHash\"@\n" +
+	"\rmanifest_hash\x18\b \x01(\tR\fmanifestHash\x12\x1a\n" +
+	"\boriginal\x18\t \x01(\bR\boriginal\"@\n" +
 	"\x11InventoryResponse\x12+\n" +
 	"\x06shards\x18\x01 \x03(\v2\x13.ckptd.v1.HeldShardR\x06shards\"\x99\x02\n" +
 	"\rReplicaHeader\x12#\n" +

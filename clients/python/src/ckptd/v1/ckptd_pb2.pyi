@@ -629,7 +629,7 @@ class InventoryRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class HeldShard(_message.Message):
-    __slots__ = ("step", "rank", "world_size", "attempt", "committed", "memory_only", "created_unix_nano", "manifest_hash")
+    __slots__ = ("step", "rank", "world_size", "attempt", "committed", "memory_only", "created_unix_nano", "manifest_hash", "original")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -638,6 +638,7 @@ class HeldShard(_message.Message):
     MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    ORIGINAL_FIELD_NUMBER: _ClassVar[int]
     step: int
     rank: int
     world_size: int
@@ -646,7 +647,8 @@ class HeldShard(_message.Message):
     memory_only: bool
     created_unix_nano: int
     manifest_hash: str
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., attempt: _Optional[str] = ..., committed: _Optional[bool] = ..., memory_only: _Optional[bool] = ..., created_unix_nano: _Optional[int] = ..., manifest_hash: _Optional[str] = ...) -> None: ...
+    original: bool
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., attempt: _Optional[str] = ..., committed: _Optional[bool] = ..., memory_only: _Optional[bool] = ..., created_unix_nano: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., original: _Optional[bool] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
     __slots__ = ("shards",)
