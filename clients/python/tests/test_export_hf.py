@@ -123,3 +123,28 @@ def test_export_of_a_state_dict_saved_through_ckptd_torch(client, daemon, ckptd_
     )
     assert ok.returncode == 0, ok.stderr
     same_outputs(model, tmp_path / "b")
+
+
+def test_tied_weights_export_loads_with_from_pretrained(client, daemon, ckptd_bin, job, tmp_path):
+    """A model with tied embeddings stores them once; the export loads, tied again."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ct.save_state_dict(client, 1, model, job=job).wait(120)
+    names = set(client.load(1, job=job, nested=False))
+    assert "model:transformer.wte.weight" in names and "model:lm_head.weight" not in names
+
+    out = tmp_path / "export"
+    run = subprocess.run(
+        [str(ckptd_bin), "export", "--storage", str(daemon.storage), "--job", job, "--step", "1",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=scaled(300),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(out))
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    ids = torch.randint(0, 500, (2, 16))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -253,9 +253,52 @@ def test_load_state_dict_copies_once_into_the_model(client, job, monkeypatch):
     assert_same_state(model.state_dict(), model2.state_dict())
     assert model2.head.weight is model2.emb.weight
     shard = loaded[0]["model"]
-    assert {k: v.data_ptr() for k, v in shard.items()} == params  # the model's own memory
+    assert "head.weight" not in shard  # tied: stored once, as emb.weight
+    assert {k: v.data_ptr() for k, v in shard.items()} == {
+        k: p for k, p in params.items() if k != "head.weight"
+    }  # the model's own memory
 
     model3 = Tied().to(torch.float64)
     ct.load_state_dict(client, 1, model3, job=job)
     for k, v in model.state_dict().items():
         assert torch.equal(model3.state_dict()[k], v.to(model3.state_dict()[k].dtype)), k
+
+
+def test_tied_weights_stored_once(client, job):
+    """Entries that are one tensor (tied weights) are stored once; both load, tied or not."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(64, 32)
+    tied = torch.nn.ModuleDict({"emb": emb, "head": torch.nn.Linear(32, 64, bias=False)})
+    tied["head"].weight = emb.weight
+    opt = torch.optim.SGD(tied.parameters(), lr=0.1, momentum=0.9)
+    tied["head"](tied["emb"](torch.arange(4))).sum().backward()
+    opt.step()
+    ct.save_state_dict(client, 1, tied, optimizer=opt, extra={"again": emb.weight}, job=job).wait(
+        30
+    )
+    names = set(client.load(1, job=job, nested=False))
+    assert "model:emb.weight" in names and "model:head.weight" not in names
+    assert "extra:again" not in names  # the same tensor, wherever it appears
+    step = client.steps(job)[-1]
+    assert step.bytes < 2 * emb.weight.nbytes + 4096  # model once, momentum once, skeleton
+
+    untied = torch.nn.ModuleDict(
+        {"emb": torch.nn.Embedding(64, 32), "head": torch.nn.Linear(32, 64, bias=False)}
+    )
+    extra = ct.load_state_dict(client, 1, untied, job=job)
+    assert torch.equal(untied["emb"].weight, emb.weight)
+    assert torch.equal(untied["head"].weight, emb.weight)
+    assert torch.equal(extra["again"], emb.weight)
+    retied = torch.nn.ModuleDict({"emb": torch.nn.Embedding(64, 32)})
+    retied["head"] = torch.nn.Linear(32, 64, bias=False)
+    retied["head"].weight = retied["emb"].weight
+    opt2 = torch.optim.SGD(retied.parameters(), lr=0.1, momentum=0.9)
+    ct.load_state_dict(client, 1, retied, optimizer=opt2, job=job)
+    assert (
+        torch.equal(retied["emb"].weight, emb.weight)
+        and retied["head"].weight is retied["emb"].weight
+    )
+    assert torch.equal(
+        opt2.state_dict()["state"][0]["momentum_buffer"],
+        opt.state_dict()["state"][0]["momentum_buffer"],
+    )

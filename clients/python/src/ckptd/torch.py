@@ -329,6 +329,17 @@ def _local_box(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(int(d) for d in shape), tuple(int(o) for o in offsets)
 
 
+def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors the same elements: memory, dtype and layout (None: never shared).
+
+    Tied weights (an embedding and the output layer sharing one matrix)
+    come out of a state dict as two tensors over one memory.
+    """
+    if t.numel() == 0 or t.is_meta or t.is_conj() or t.is_neg() or t.layout != torch.strided:
+        return None
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
 class _Packer:
     """Splits a structure into a tensor tree and a JSON-able skeleton.
 
@@ -342,6 +353,10 @@ class _Packer:
         self._used: dict[tuple[str, ...], set[str]] = {}
         self.pieces: dict[str, _sharding.Piece] = {}
         self._plain: list[tuple[tuple[str, ...], torch.Tensor]] = []
+        # Tensors placed, by their memory and layout: another entry that is
+        # the same tensor (tied weights) refers to it instead of storing it
+        # again.
+        self._placed: dict[tuple[Any, ...], list[str]] = {}
 
     def _segment(self, parent: tuple[str, ...], key: Any) -> tuple[str, ...]:
         """A path segment for key, unique within its parent (1 and "1" differ)."""
@@ -368,8 +383,14 @@ class _Packer:
         if _is_dtensor(obj):
             return self._dtensor(obj, path)
         if isinstance(obj, torch.Tensor):
+            same = _alias_key(obj)
+            if same in self._placed:
+                return {"T": "tensor", "p": self._placed[same]}
             self._plain.append((path, obj))
-            return {"T": "tensor", "p": self._place(path, obj)}
+            where = self._place(path, obj)
+            if same is not None:
+                self._placed[same] = where
+            return {"T": "tensor", "p": where}
         if isinstance(obj, np.ndarray):
             return {"T": "ndarray", "p": self._place(path, obj)}
         if isinstance(obj, np.generic):
