@@ -51,6 +51,12 @@ func (s *Store) commitFrom(ctx context.Context, t Target, names []string) (*Comm
 	if err != nil {
 		return nil, false, err
 	}
+	return s.writeCommit(ctx, t, rec)
+}
+
+// writeCommit creates t's step's COMMIT.json as rec if absent, and
+// returns the step's record, whoever wrote it, and whether this call did.
+func (s *Store) writeCommit(ctx context.Context, t Target, rec *CommitRecord) (*CommitRecord, bool, error) {
 	data, err := json.MarshalIndent(rec, "", " ")
 	if err != nil {
 		return nil, false, err
@@ -100,32 +106,49 @@ const summarizeConcurrency = 32
 // a time), checks that they describe ranks 0..worldSize-1 of it, and
 // builds the commit record.
 func (s *Store) summarize(ctx context.Context, t Target, names []string) (*CommitRecord, error) {
-	rec := &CommitRecord{
-		Format: CommitFormat, Version: CommitVersion, Job: t.Job, Step: t.Step, Attempt: t.Attempt,
-		WorldSize: t.WorldSize, CommittedAt: time.Now().UTC(), Manifests: make([]ManifestRef, t.WorldSize),
+	rec := newRecord(t)
+	err := s.readEach(ctx, names, maxManifestBytes, func(name string, data []byte) (func() error, error) {
+		m, err := ParseManifest(data)
+		return func() error { return rec.add(t, name, m, data) }, err
+	})
+	if err != nil {
+		return nil, err
 	}
+	return rec, nil
+}
+
+// readEach reads the objects names (limit bytes at most each),
+// summarizeConcurrency at a time, and has parse take each one's bytes (at
+// the same time) into what it returns: a func that counts them, run by
+// one reader at a time. The first error stops it.
+func (s *Store) readEach(ctx context.Context, names []string, limit int64, parse func(name string, data []byte) (func() error, error)) error {
 	var mu sync.Mutex
 	g, gctx := errgroup.WithContext(ctx)
 	g.SetLimit(summarizeConcurrency)
 	for _, name := range names {
 		g.Go(func() error {
-			data, err := s.readObject(gctx, name, maxManifestBytes)
+			data, err := s.readObject(gctx, name, limit)
 			if err != nil {
 				return err
 			}
-			m, err := ParseManifest(data)
+			count, err := parse(name, data)
 			if err != nil {
 				return fmt.Errorf("%s: %w", name, err)
 			}
 			mu.Lock()
 			defer mu.Unlock()
-			return rec.add(t, name, m, data)
+			return count()
 		})
 	}
-	if err := g.Wait(); err != nil {
-		return nil, err
+	return g.Wait()
+}
+
+// newRecord is t's step's commit record with no rank counted yet.
+func newRecord(t Target) *CommitRecord {
+	return &CommitRecord{
+		Format: CommitFormat, Version: CommitVersion, Job: t.Job, Step: t.Step, Attempt: t.Attempt,
+		WorldSize: t.WorldSize, CommittedAt: time.Now().UTC(), Manifests: make([]ManifestRef, t.WorldSize),
 	}
-	return rec, nil
 }
 
 // add counts the manifest m, read from name as data, in the record of t's

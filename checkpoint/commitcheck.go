@@ -28,15 +28,14 @@ var rankGroups = [...]struct{ size, digits int }{{100, 3}, {1000, 2}, {10000, 1}
 // manifests of t's attempt are there, and returns the same as TryCommit.
 //
 // Unlike TryCommit it does not list the whole attempt: it lists the group
-// of 100 ranks around t.Rank, and only when that group is whole the group
-// of 1,000 around it, and so on up to every rank of the step. Whichever
-// rank's manifest completes a group is followed by a listing that sees the
-// group whole (storage lists what was written before), so the rank that
-// completes the last group climbs to the top and commits: still no
+// of 100 ranks around t.Rank. Whichever rank's manifest completes a group
+// is followed by a listing that sees the group whole (storage lists what
+// was written before): in a step of up to 100 ranks that rank reads the
+// manifests and commits; in a larger one it writes the group's summary
+// and commits once every group's is there (group.go). Still no
 // coordinator, and each rank makes one listing of one page, where a
 // listing of the whole attempt costs a page per 500 ranks. Only the few
-// ranks that complete a group list more, and only the one (or the few
-// racing) that completes the step reads every manifest.
+// ranks that complete a group list and read more.
 //
 // It does not read the commit record until the step looks whole: a save
 // whose step another attempt committed is told so when it waits (see
@@ -44,6 +43,9 @@ var rankGroups = [...]struct{ size, digits int }{{100, 3}, {1000, 2}, {10000, 1}
 func (s *Store) TryCommitRank(ctx context.Context, t Target) (rec *CommitRecord, won bool, err error) {
 	if err := t.Validate(); err != nil {
 		return nil, false, err
+	}
+	if t.WorldSize > groupRanks.size {
+		return s.commitByGroups(ctx, t)
 	}
 	names, err := s.wholeAround(ctx, t)
 	if err != nil || names == nil {
@@ -66,6 +68,7 @@ func (s *Store) commitWhole(ctx context.Context, t Target, names []string) (*Com
 // wholeAround lists the groups of ranks around t.Rank (rankGroups),
 // smallest first, and returns every manifest of t's attempt once all its
 // world_size ranks have one; nil while the group it reached lacks one.
+// (The waiters' fallback climbs so at any size: it needs no summary.)
 func (s *Store) wholeAround(ctx context.Context, t Target) ([]string, error) {
 	dir := inJob(s.job, attemptDir(t.Step, t.Attempt))
 	for _, g := range rankGroups {
@@ -91,15 +94,21 @@ func (s *Store) wholeAround(ctx context.Context, t Target) ([]string, error) {
 func ranksIn(names []string, lo, hi int) int {
 	n := 0
 	for _, name := range names {
-		digits, ok := strings.CutPrefix(path.Base(name), "rank-")
-		if !ok {
-			continue
-		}
-		if r, err := strconv.Atoi(strings.TrimSuffix(digits, manifestSuffix)); err == nil && r >= lo && r < hi {
+		if r, ok := rankOfManifest(name); ok && r >= lo && r < hi {
 			n++
 		}
 	}
 	return n
+}
+
+// rankOfManifest is the rank whose manifest name is, if it is one.
+func rankOfManifest(name string) (int, bool) {
+	digits, ok := strings.CutPrefix(path.Base(name), "rank-")
+	if !ok {
+		return 0, false
+	}
+	r, err := strconv.Atoi(strings.TrimSuffix(digits, manifestSuffix))
+	return r, err == nil
 }
 
 // PollCommit is a waiting rank's look at its step: the step's commit

@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"math/rand/v2"
 	"sync"
@@ -44,7 +45,9 @@ func callsSince(c *counted.Backend, before map[string]int64, op string) int64 {
 // Ranks written one at a time, in any order, each followed by its drain's
 // check: only the last one commits, each check lists one group of 100
 // ranks, and only the checks that complete a group list more. Every
-// manifest is read once, by the rank that commits.
+// manifest is read once: by the rank that commits, or in a step of more
+// than 100 ranks by the rank that completes its group, which writes the
+// group's summary; the rank that commits then reads the summaries.
 func TestTryCommitRankClimbsGroups(t *testing.T) {
 	for _, world := range []int{1, 7, 100, 101, 250, 1203} {
 		c, s, w := countedStore(t)
@@ -65,17 +68,18 @@ func TestTryCommitRankClimbsGroups(t *testing.T) {
 				t.Fatalf("world %d: check after rank %d (%d of %d written) = %v, %v, %v", world, rank, i+1, world, rec, won, err)
 			}
 		}
-		// One listing per rank, one more per group of 100 completed, one
-		// per group of 1000, and the step's.
-		groups := (world+99)/100 + (world+999)/1000 + 1
+		// One listing per rank, and one of the summaries per group of 100
+		// completed.
+		groups := (world + 99) / 100
 		if world <= 100 {
 			groups = 0
 		}
-		if lists > int64(world+groups) {
-			t.Errorf("world %d: %d listings, want at most %d", world, lists, world+groups)
+		if lists != int64(world+groups) {
+			t.Errorf("world %d: %d listings, want %d", world, lists, world+groups)
 		}
-		if gets != int64(world)+1 { // every manifest, and the commit record looked for first
-			t.Errorf("world %d: %d reads, want %d", world, gets, world+1)
+		// Every manifest, every summary, and the commit record looked for first.
+		if gets != int64(world+groups)+1 {
+			t.Errorf("world %d: %d reads, want %d", world, gets, world+groups+1)
 		}
 		rec, err := s.Resolve(ctx, 3, false)
 		if err != nil || rec.WorldSize != world || rec.Attempt != testAttempt {
@@ -87,6 +91,79 @@ func TestTryCommitRankClimbsGroups(t *testing.T) {
 			}
 		}
 	}
+}
+
+// A step of more than 100 ranks commits from its groups' summaries: one
+// that does not match the group's manifests' step, attempt or ranks stops
+// the commit (corrupt, nothing written), and a group whose completing rank
+// died before writing its summary leaves the step to the waiters'
+// fallback, which reads every manifest.
+func TestCommitByGroupsGuards(t *testing.T) {
+	const world = 150
+	ctx := context.Background()
+	write := func(w *Writer, step int64, skip int) *Shard {
+		var last *Shard
+		for rank := range world {
+			if rank == skip {
+				continue
+			}
+			last = tinyShard(testAttempt, step, rank, world)
+			if _, err := w.WriteShard(ctx, last); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return last
+	}
+	t.Run("forged summary", func(t *testing.T) {
+		c, s, w := countedStore(t)
+		forged, _ := json.Marshal(groupSummary{Format: GroupFormat, Version: GroupVersion, Job: "job", Step: 9, Attempt: testAttempt,
+			WorldSize: world, FirstRank: 0, Manifests: []ManifestRef{{Object: manifestObject(9, testAttempt, 0), Hash: "xxh3:0123456789abcdef"}}})
+		if err := c.PutIfAbsent(ctx, inJob("job", groupObject(9, testAttempt, 0)), forged); err != nil {
+			t.Fatal(err)
+		}
+		last := write(w, 9, -1)
+		rec, _, err := s.TryCommitRank(ctx, last.Target)
+		if !errors.Is(err, ErrCorrupt) || rec != nil {
+			t.Fatalf("commit over a forged summary: %+v, %v; want corrupt", rec, err)
+		}
+		if _, err := s.ReadCommit(ctx, 9); !errors.Is(err, storage.ErrNotFound) {
+			t.Fatalf("a commit record was written: %v", err)
+		}
+	})
+	t.Run("completer lost", func(t *testing.T) {
+		shortFallback(t, 50*time.Millisecond)
+		_, s, w := countedStore(t)
+		for rank := range world { // rank 99, which completes group 0, never checks
+			sh := tinyShard(testAttempt, 10, rank, world)
+			if _, err := w.WriteShard(ctx, sh); err != nil {
+				t.Fatal(err)
+			}
+			if rank == 99 {
+				continue
+			}
+			if rec, _, err := s.TryCommitRank(ctx, sh.Target); err != nil || rec != nil {
+				t.Fatalf("rank %d's check: %+v, %v", rank, rec, err)
+			}
+		}
+		waiter := tinyShard(testAttempt, 10, 0, world).Target
+		deadline := time.Now().Add(time.Minute)
+		for {
+			rec, _, err := s.PollCommit(ctx, waiter)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rec != nil {
+				if rec.WorldSize != world || len(rec.Manifests) != world {
+					t.Fatalf("committed %+v", rec)
+				}
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("no waiter committed the step")
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	})
 }
 
 // Ranks written at once, each checking after its write: the step commits

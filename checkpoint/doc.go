@@ -15,6 +15,7 @@
 //
 //	<job>/steps/<step, 12 digits>/<attempt>/rank-<rank, 5 digits>.data   chunk data
 //	<job>/steps/<step>/<attempt>/rank-<rank>.manifest.json               per-rank manifest
+//	<job>/steps/<step>/<attempt>/group-<first rank, 5 digits>.json       group summary (over 100 ranks)
 //	<job>/steps/<step>/COMMIT.json                                       written last
 //
 // Steps written before attempts existed (format 1) keep their rank objects
@@ -82,10 +83,15 @@
 //
 // After writing a rank's data and manifest, a sidecar lists the manifests
 // of the rank's group of 100 in its attempt's folder of the step (names
-// sharing "rank-NNN"), and while the group it listed is whole, the group
-// of 1,000 around it, of 10,000, then every rank (Store.TryCommitRank);
+// sharing "rank-NNN"; Store.TryCommitRank). In a step of up to 100 ranks,
 // once world_size manifests of that attempt are there it creates
-// COMMIT.json with storage.Backend.PutIfAbsent. Manifests of other
+// COMMIT.json with storage.Backend.PutIfAbsent. In a larger one, the
+// sidecar that finds its group whole writes the group's summary
+// ("ckptd.group", JSON: job, step, attempt, world_size, first_rank, the
+// group's manifests as the commit record names them, their bytes,
+// stored_bytes and non-finite counts), then lists the summaries and,
+// finding every group's, commits the step from them (group.go). Waiters
+// that commit a stuck step (below) read every manifest instead. Manifests of other
 // attempts never count, whatever their world size. Several sidecars
 // sharing one store commit a step exactly once with no coordinator: the
 // manifest that completes a group is always followed by a listing that

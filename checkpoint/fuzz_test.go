@@ -68,6 +68,45 @@ func FuzzNewLayout(f *testing.F) {
 	})
 }
 
+// FuzzParseGroup: a group summary that parses is of the step, attempt and
+// world size asked for, lists exactly its group's ranks by their canonical
+// manifests, and adds no negative count.
+func FuzzParseGroup(f *testing.F) {
+	want := Target{Job: "j", Step: 1, WorldSize: 102, Attempt: "a"}
+	refs := []ManifestRef{{Object: manifestObject(1, "a", 100), Hash: "xxh3:0123456789abcdef"},
+		{Object: manifestObject(1, "a", 101), Hash: "xxh3:0123456789abcdef"}}
+	good, _ := json.Marshal(groupSummary{Format: GroupFormat, Version: GroupVersion, Job: "j", Step: 1, Attempt: "a",
+		WorldSize: 102, FirstRank: 100, Manifests: refs, Bytes: 8, StoredBytes: 8})
+	f.Add(good, 100)
+	f.Add([]byte(`{"format":"ckptd.group","version":1,"job":"j","step":1,"attempt":"a","world_size":102,"first_rank":0,"manifests":[]}`), 0)
+	f.Add([]byte(`{"format":"ckptd.group","version":1,"bytes":-1}`), 100)
+	f.Fuzz(func(t *testing.T, data []byte, first int) {
+		if first < 0 || first >= want.WorldSize || first%groupRanks.size != 0 {
+			return
+		}
+		g, err := parseGroup(data, want, first)
+		if err != nil {
+			return
+		}
+		_, end := groupOf(first, want.WorldSize)
+		if g.Job != want.Job || g.Step != want.Step || g.Attempt != want.Attempt || len(g.Manifests) != end-first {
+			t.Fatalf("accepted %+v for ranks %d-%d of %+v", g, first, end-1, want)
+		}
+		for i, ref := range g.Manifests {
+			if ref.Object != manifestObject(want.Step, want.Attempt, first+i) {
+				t.Fatalf("rank %d's manifest %q is not the canonical name", first+i, ref.Object)
+			}
+		}
+		if g.Bytes < 0 || g.StoredBytes < 0 || g.NonFinite < 0 || g.NonFiniteTensors < 0 {
+			t.Fatalf("negative counts accepted: %+v", g)
+		}
+		rec := newRecord(want)
+		if err := rec.addGroup(g); err != nil || rec.Bytes != g.Bytes {
+			t.Fatalf("adding an accepted summary: %v", err)
+		}
+	})
+}
+
 // FuzzParseCommit: a commit record that parses names only canonical
 // manifests of its own attempt.
 func FuzzParseCommit(f *testing.F) {
