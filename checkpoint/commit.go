@@ -76,9 +76,10 @@ func (s *Store) writeCommit(ctx context.Context, t Target, rec *CommitRecord) (*
 
 // RemoveRank deletes what a drain of t wrote, best effort: the step was
 // committed by another attempt, so it is garbage (prune would remove it
-// later if this fails).
+// later if this fails). Its data object may be in either layout.
 func (s *Store) RemoveRank(ctx context.Context, t Target) {
-	for _, name := range []string{manifestName(t), inJob(t.Job, dataObject(t.Step, t.Attempt, t.Rank))} {
+	for _, name := range []string{manifestName(t), inJob(t.Job, dataObject(t.Step, t.Attempt, t.Rank)),
+		inJob(t.Job, spreadDataObject(t.Step, t.Attempt, t.Rank))} {
 		if err := s.backend.Delete(ctx, name); err != nil {
 			s.log().Warn("could not remove the objects of a save its step will never use; prune removes them", "object", name, "err", err)
 		}

@@ -16,6 +16,7 @@
 //	<job>/steps/<step, 12 digits>/<attempt>/rank-<rank, 5 digits>.data   chunk data
 //	<job>/steps/<step>/<attempt>/rank-<rank>.manifest.json               per-rank manifest
 //	<job>/steps/<step>/<attempt>/group-<first rank, 5 digits>.json       group summary (over 100 ranks)
+//	<job>/steps/spread-<hh>/<step>/<attempt>/rank-<rank>.data            chunk data instead (WriterOptions.SpreadData)
 //	<job>/steps/<step>/COMMIT.json                                       written last
 //
 // Steps written before attempts existed (format 1) keep their rank objects

@@ -3,6 +3,8 @@ package checkpoint
 import (
 	"context"
 	"errors"
+	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -50,12 +52,22 @@ func (s *Store) Inventory(ctx context.Context) ([]StepInventory, error) {
 	if err != nil {
 		return nil, err
 	}
+	spread, err := s.spreadObjects(ctx)
+	if err != nil {
+		return nil, err
+	}
+	for step := range spread { // a step whose data only was written
+		if _, found := slices.BinarySearch(steps, step); !found {
+			steps = append(steps, step)
+		}
+	}
+	slices.Sort(steps)
 	out := make([]StepInventory, len(steps))
 	g, gctx := errgroup.WithContext(ctx)
 	g.SetLimit(metaConcurrency)
 	for i, step := range steps {
 		g.Go(func() error {
-			inv, err := s.stepInventory(gctx, step)
+			inv, err := s.stepInventory(gctx, step, spread[step])
 			out[i] = inv
 			return err
 		})
@@ -63,7 +75,25 @@ func (s *Store) Inventory(ctx context.Context) ([]StepInventory, error) {
 	return out, g.Wait()
 }
 
-func (s *Store) stepInventory(ctx context.Context, step int64) (StepInventory, error) {
+// spreadObjects lists the job's spread data objects (WriterOptions.SpreadData)
+// by step: one listing of them all, as a step's are in 256 folders.
+func (s *Store) spreadObjects(ctx context.Context) (map[int64][]storage.ObjectInfo, error) {
+	out := map[int64][]storage.ObjectInfo{}
+	err := s.backend.List(ctx, stepsPrefix(s.job)+spreadPrefix, func(oi storage.ObjectInfo) error {
+		if step, _ := s.placeOf(oi.Name); step >= 0 {
+			out[step] = append(out[step], oi)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list the spread data of job %q in %s: %w", s.job, s.backend.Location(), err)
+	}
+	return out, nil
+}
+
+// stepInventory lists step's objects: those in its folder, and spread,
+// its spread data objects.
+func (s *Store) stepInventory(ctx context.Context, step int64, spread []storage.ObjectInfo) (StepInventory, error) {
 	inv := StepInventory{Step: step}
 	rec, err := s.ReadCommit(ctx, step)
 	switch {
@@ -76,16 +106,7 @@ func (s *Store) stepInventory(ctx context.Context, step int64) (StepInventory, e
 	}
 	byAttempt := map[string]*AttemptInfo{}
 	var order []string
-	dir := stepDir(s.job, step)
-	err = s.backend.List(ctx, dir, func(oi storage.ObjectInfo) error {
-		rel := strings.TrimPrefix(oi.Name, dir)
-		if rel == commitFile {
-			return nil
-		}
-		attempt, _, found := strings.Cut(rel, "/")
-		if !found {
-			attempt = "" // a format-1 object
-		}
+	add := func(attempt string, oi storage.ObjectInfo) {
 		a := byAttempt[attempt]
 		if a == nil {
 			a = &AttemptInfo{Attempt: attempt}
@@ -101,10 +122,26 @@ func (s *Store) stepInventory(ctx context.Context, step int64) (StepInventory, e
 		if strings.HasSuffix(oi.Name, manifestSuffix) {
 			a.Ranks++
 		}
+	}
+	dir := stepDir(s.job, step)
+	err = s.backend.List(ctx, dir, func(oi storage.ObjectInfo) error {
+		rel := strings.TrimPrefix(oi.Name, dir)
+		if rel == commitFile {
+			return nil
+		}
+		attempt, _, found := strings.Cut(rel, "/")
+		if !found {
+			attempt = "" // a format-1 object
+		}
+		add(attempt, oi)
 		return nil
 	})
 	if err != nil {
 		return inv, err
+	}
+	for _, oi := range spread {
+		_, attempt := s.placeOf(oi.Name)
+		add(attempt, oi)
 	}
 	for _, name := range order {
 		a := byAttempt[name]

@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"fmt"
+	"hash/crc32"
 	"log/slog"
 	"strings"
 	"unicode/utf8"
@@ -161,6 +162,24 @@ func dataObject(step int64, attempt string, rank int) string {
 	return fmt.Sprintf("%srank-%05d.data", attemptDir(step, attempt), rank)
 }
 
+// spreadDataObject is where a rank's chunk data goes, relative to the job,
+// when the writer spreads data over prefixes (WriterOptions.SpreadData):
+// steps/spread-<hh>/<step>/<attempt>/rank-<rank>.data, hh two hex digits
+// of a hash of the rank alone. A step's data objects then fall in 256 key
+// ranges, the same ones step after step, which S3 scales out under
+// sustained load; its manifests and COMMIT.json stay in the step folder,
+// and readers find the data through the manifests.
+func spreadDataObject(step int64, attempt string, rank int) string {
+	return fmt.Sprintf("steps/%s%02x/%srank-%05d.data", spreadPrefix, spreadOf(rank), attemptDir(step, attempt)[len("steps/"):], rank)
+}
+
+// spreadOf is rank's spread folder: the low byte of the CRC-32 (IEEE) of
+// its 5 digits. Nothing recomputes it (readers follow manifests, prune and
+// delete list): it only has to scatter ranks.
+func spreadOf(rank int) byte {
+	return byte(crc32.ChecksumIEEE(fmt.Appendf(nil, "%05d", rank)))
+}
+
 // manifestObject is a rank's manifest, relative to the job.
 func manifestObject(step int64, attempt string, rank int) string {
 	return fmt.Sprintf("%srank-%05d%s", attemptDir(step, attempt), rank, manifestSuffix)
@@ -178,6 +197,7 @@ func commitName(job string, step int64) string {
 const (
 	commitFile     = "COMMIT.json"
 	manifestSuffix = ".manifest.json"
+	spreadPrefix   = "spread-"
 )
 
 // inJob turns a job-relative object name into a store name.

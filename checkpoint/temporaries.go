@@ -43,11 +43,20 @@ func (s *Store) temporaries(ctx context.Context, prefix string) ([]TemporaryInfo
 }
 
 // placeOf reads the step and attempt from an object name of the job
-// ("job/steps/<12 digits>/<attempt>/..."); -1 when it is not one.
+// ("job/steps/<12 digits>/<attempt>/...", or a spread data object's
+// "job/steps/spread-<hh>/<12 digits>/<attempt>/..."); -1 when it is not
+// one.
 func (s *Store) placeOf(name string) (int64, string) {
 	rest, ok := strings.CutPrefix(name, stepsPrefix(s.job))
 	if !ok {
 		return -1, ""
+	}
+	if spread, ok := strings.CutPrefix(rest, spreadPrefix); ok {
+		hh, after, found := strings.Cut(spread, "/")
+		if !found || len(hh) != 2 || strings.Trim(hh, "0123456789abcdef") != "" || strings.Count(after, "/") < 2 {
+			return -1, "" // a spread data object is always in an attempt's folder
+		}
+		rest = after
 	}
 	seg, rest, _ := strings.Cut(rest, "/")
 	step, err := strconv.ParseInt(seg, 10, 64)
@@ -67,11 +76,15 @@ func (s *Store) placeOf(name string) (int64, string) {
 // there is the dead process's and can go at once, without waiting for
 // prune's grace.
 func (s *Store) RemoveRankTemporaries(ctx context.Context, t Target) {
-	prefix := inJob(t.Job, attemptDir(t.Step, t.Attempt)) + fmt.Sprintf("rank-%05d.", t.Rank)
-	temps, err := s.temporaries(ctx, prefix)
-	if err != nil {
-		s.log().Warn("could not list what an earlier write of a replayed save left; prune removes it", "target", t, "err", err)
-		return
+	var temps []TemporaryInfo
+	for _, prefix := range []string{inJob(t.Job, attemptDir(t.Step, t.Attempt)) + fmt.Sprintf("rank-%05d.", t.Rank),
+		inJob(t.Job, strings.TrimSuffix(spreadDataObject(t.Step, t.Attempt, t.Rank), "data"))} {
+		more, err := s.temporaries(ctx, prefix)
+		if err != nil {
+			s.log().Warn("could not list what an earlier write of a replayed save left; prune removes it", "target", t, "err", err)
+			return
+		}
+		temps = append(temps, more...)
 	}
 	for _, tmp := range temps {
 		if err := s.backend.DeleteTemporary(ctx, tmp.Temporary); err != nil {

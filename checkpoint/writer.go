@@ -29,6 +29,12 @@ type WriterOptions struct {
 	// InFlight is how many chunks may be compressed or waiting to be
 	// written at once across all shards (default 4 × Workers).
 	InFlight int
+	// SpreadData writes each rank's data object under one of 256 folders
+	// by a hash of the rank (spreadDataObject) instead of its step's
+	// attempt folder, for S3's request rate per prefix at thousands of
+	// ranks. Readers need no setting; prune, delete and the removal of a
+	// refused save find the objects either way.
+	SpreadData bool
 }
 
 // DefaultChunkSize is WriterOptions.ChunkSize's default (and --chunk-size's).
@@ -121,6 +127,9 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (*Manifest, error) {
 	}
 	if plan := planChunks(sh.Layout, w.opts.ChunkSize); len(plan) > 0 {
 		obj := dataObject(t.Step, t.Attempt, t.Rank)
+		if w.opts.SpreadData {
+			obj = spreadDataObject(t.Step, t.Attempt, t.Rank)
+		}
 		chunks, nonFinite, err := w.writeData(ctx, t.Job, obj, sh.Data, plan, sh.Layout.Packed)
 		if err != nil {
 			return nil, fmt.Errorf("write %s data: %w", t, err)

@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -26,9 +27,21 @@ import (
 
 // Save through `ckptd serve --storage s3://...`, then restore, list,
 // verify and prune with the CLI, as with a directory.
+// The same with --spread-data: the data objects go under
+// steps/spread-<hh>/, and restore, verify and prune find them there.
 func TestS3SaveRestore(t *testing.T) {
+	for _, spread := range []bool{false, true} {
+		t.Run(fmt.Sprintf("spread=%v", spread), func(t *testing.T) { s3SaveRestore(t, spread) })
+	}
+}
+
+func s3SaveRestore(t *testing.T, spread bool) {
 	srv, bucket, store := daemontest.S3Store(t)
-	d := daemontest.StartEnv(t, store, srv.Env(), "--chunk-size", "1MiB")
+	args := []string{"--chunk-size", "1MiB"}
+	if spread {
+		args = append(args, "--spread-data")
+	}
+	d := daemontest.StartEnv(t, store, srv.Env(), args...)
 	c := d.Client()
 	const world = 2
 	daemontest.SaveAll(t, c, []int64{100, 200}, world, false)
@@ -77,10 +90,25 @@ func TestS3SaveRestore(t *testing.T) {
 	for o := range srv.Client().ListObjects(t.Context(), bucket, minio.ListObjectsOptions{Recursive: true}) {
 		keys = append(keys, o.Key)
 	}
+	spreadData := regexp.MustCompile(`^ckpt/e2e/steps/spread-[0-9a-f]{2}/000000000300/[^/]+/rank-0000[01]\.data$`)
+	var data int
 	for _, k := range keys {
-		if !strings.HasPrefix(k, "ckpt/e2e/steps/000000000300/") {
+		switch {
+		case spreadData.MatchString(k):
+			data++
+		case strings.HasPrefix(k, "ckpt/e2e/steps/000000000300/"):
+			if strings.HasSuffix(k, ".data") {
+				data++
+				if spread {
+					t.Errorf("%s: data in the step's folder with --spread-data", k)
+				}
+			}
+		default:
 			t.Errorf("%s left after prune", k)
 		}
+	}
+	if data != world {
+		t.Errorf("%d data objects of the kept step, want %d: %v", data, world, keys)
 	}
 	srv.CheckNoUploads(t, bucket)
 }
