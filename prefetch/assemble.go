@@ -30,6 +30,9 @@ func (it *Iterator) assemble(ctx context.Context, queue <-chan *pendingShard, op
 	for p := range queue {
 		err := a.shard(p)
 		p.release()
+		if err == nil {
+			err = a.emitAll(a.shuf.endShard())
+		}
 		if errors.Is(err, errEnough) {
 			a.last()
 			return
@@ -412,6 +415,16 @@ func (a *assembler) emit(s Sample) error {
 	return a.sendBatch()
 }
 
+// emitAll emits samples in order.
+func (a *assembler) emitAll(samples []Sample) error {
+	for _, s := range samples {
+		if err := a.emit(s); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // sendBatch hands the batch over; its bytes stay charged until the
 // consumer releases it.
 func (a *assembler) sendBatch() error {
@@ -431,10 +444,8 @@ func (a *assembler) finish() error {
 	if err := a.endSample(); err != nil {
 		return err
 	}
-	for _, s := range a.shuf.flush() {
-		if err := a.emit(s); err != nil {
-			return err
-		}
+	if err := a.emitAll(a.shuf.flush()); err != nil {
+		return err
 	}
 	if err := a.pad(); err != nil {
 		return err

@@ -12,9 +12,11 @@
 // the shards at positions r, r+world_size, ... of it, so every sample is
 // delivered exactly once per epoch across the ranks; samples are shuffled
 // within a window of ShuffleWindow samples by a generator seeded by (seed,
-// epoch, rank). Resuming at (epoch, start) replays the same sequence and
-// drops its first start samples, so a data position of two integers fits
-// in checkpoint metadata.
+// epoch, rank), or, with ShuffleBlock, in blocks of that many of the
+// rank's shards, each read whole and then delivered permuted. Resuming at
+// (epoch, start) replays the same sequence and drops its first start
+// samples, so a data position of two integers fits in checkpoint
+// metadata.
 //
 // Shards are dealt whole, so ranks get as many samples as their shards
 // hold. Spec.Even evens that out (a job whose ranks step together, DDP,

@@ -18,6 +18,10 @@ type Spec struct {
 	// ShuffleWindow is the sample shuffle buffer (default 1000; 1 keeps
 	// the shard order).
 	ShuffleWindow int
+	// ShuffleBlock, when not 0, shuffles in blocks of this many of the
+	// rank's shards instead of the window: all samples of a block, then
+	// a permutation of them (see shuffler).
+	ShuffleBlock int
 	// SkipCorrupt skips (and counts) shards that fail to parse instead of
 	// failing the iteration.
 	SkipCorrupt bool
@@ -48,6 +52,8 @@ func (s *Spec) Validate() error {
 		return fmt.Errorf("%w: epoch and start must not be negative (got %d, %d)", ErrInvalid, s.Epoch, s.Start)
 	case s.ShuffleWindow < 0:
 		return fmt.Errorf("%w: shuffle window must not be negative, got %d", ErrInvalid, s.ShuffleWindow)
+	case s.ShuffleBlock < 0 || s.ShuffleBlock > MaxShuffleBlock:
+		return fmt.Errorf("%w: shuffle block must be 0 (off) to %d shards, got %d", ErrInvalid, MaxShuffleBlock, s.ShuffleBlock)
 	}
 	if s.ShuffleWindow == 0 {
 		s.ShuffleWindow = 1000
@@ -73,25 +79,36 @@ func shardPerm(n int, seed uint64, epoch int64) []int {
 	return rand.New(rand.NewPCG(seed, uint64(epoch))).Perm(n)
 }
 
+// MaxShuffleBlock bounds Spec.ShuffleBlock.
+const MaxShuffleBlock = 1 << 16
+
 // shuffler shuffles a stream of samples within a window: once the window
 // holds `initial` samples, each push emits a random one. The window then
 // grows by one every second push up to `size`, as WebDataset's does, so the
 // first batch needs a few samples, not a whole window. The assembler also
 // pops samples when the window's bytes reach their bound. The output is a
 // pure function of the input (samples and their sizes) and the seed.
+//
+// With a block (Spec.ShuffleBlock) push emits nothing: the assembler
+// flushes the window, a permutation of everything in it, after every
+// block of shards, as Mosaic's block shuffles permute the samples of
+// blocks of shards. Neighbours then come from any shard of the block,
+// where a window smaller than a shard draws most of them from one.
 type shuffler struct {
 	rng     *rand.Rand
 	window  []Sample
 	size    int
 	initial int
 	pushes  int
+	block   int // shards a block (0: the sliding window)
+	shards  int // shards ended in the current block
 }
 
 func newShuffler(spec *Spec) *shuffler {
 	seed2 := uint64(spec.Epoch)<<20 ^ uint64(spec.Rank)
 	return &shuffler{
 		rng:  rand.New(rand.NewPCG(spec.Seed^0x9e3779b97f4a7c15, seed2)),
-		size: spec.ShuffleWindow, initial: min(spec.ShuffleWindow, 100),
+		size: spec.ShuffleWindow, initial: min(spec.ShuffleWindow, 100), block: spec.ShuffleBlock,
 	}
 }
 
@@ -100,10 +117,23 @@ func (sh *shuffler) push(s Sample) (Sample, bool) {
 	sh.window = append(sh.window, s)
 	sh.pushes++
 	n := len(sh.window)
-	if n < sh.initial || n < sh.size && sh.pushes%2 == 1 {
+	if sh.block > 0 || n < sh.initial || n < sh.size && sh.pushes%2 == 1 {
 		return Sample{}, false
 	}
 	return sh.pop(), true
+}
+
+// endShard counts a shard read to its end; with a block, it returns the
+// block's samples, shuffled, when this shard ends the block.
+func (sh *shuffler) endShard() []Sample {
+	if sh.block == 0 {
+		return nil
+	}
+	if sh.shards++; sh.shards < sh.block {
+		return nil
+	}
+	sh.shards = 0
+	return sh.flush()
 }
 
 // pop takes a random sample out of the window, which must not be empty.

@@ -45,7 +45,7 @@ func (p *Prefetch) OpenDataset(ctx context.Context, req *pb.OpenDatasetRequest) 
 	spec := prefetch.Spec{
 		Format: prefetch.Format(req.GetFormat()), BatchSize: int(req.GetBatchSize()),
 		Rank: int(req.GetRank()), WorldSize: int(req.GetWorldSize()), Seed: req.GetSeed(),
-		Epoch: req.GetEpoch(), Start: req.GetStart(), ShuffleWindow: int(req.GetShuffleWindow()),
+		Epoch: req.GetEpoch(), Start: req.GetStart(), ShuffleWindow: int(req.GetShuffleWindow()), ShuffleBlock: int(req.GetShuffleBlock()),
 		SkipCorrupt: req.GetSkipCorrupt(), Even: prefetch.Even(req.GetEven()), BatchDelivered: req.GetBatchDelivered(),
 	}
 	mix := req.GetMixture()

@@ -20,7 +20,10 @@ type DatasetRequest struct {
 	Epoch         int64
 	Start         int64 // samples this rank already consumed this epoch
 	ShuffleWindow int
-	SkipCorrupt   bool
+	// ShuffleBlock shuffles in blocks of this many shards instead of the
+	// window (see OpenDatasetRequest.shuffle_block; 0: off).
+	ShuffleBlock int
+	SkipCorrupt  bool
 	// Even shares the epoch's samples out evenly among the ranks: "pad"
 	// (also ""), "drop" or "off" (see OpenDatasetRequest.even).
 	Even string
@@ -55,7 +58,7 @@ func (c *Client) Dataset(ctx context.Context, req *DatasetRequest) (*Dataset, er
 	resp, err := c.pf.OpenDataset(ctx, &pb.OpenDatasetRequest{
 		Source: req.Source, Format: req.Format, BatchSize: int32(req.BatchSize), Rank: int32(req.Rank),
 		WorldSize: int32(req.WorldSize), Seed: req.Seed, Epoch: req.Epoch, Start: req.Start,
-		ShuffleWindow: int32(req.ShuffleWindow), SkipCorrupt: req.SkipCorrupt, Even: req.Even,
+		ShuffleWindow: int32(req.ShuffleWindow), ShuffleBlock: int32(req.ShuffleBlock), SkipCorrupt: req.SkipCorrupt, Even: req.Even,
 	})
 	if err != nil {
 		return nil, c.wrap(err)

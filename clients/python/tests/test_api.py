@@ -72,6 +72,7 @@ def test_dataset_spec_defaults_and_checks(monkeypatch, tmp_path):
         "skip_corrupt": False,
         "delivered": [],  # positions as base64 text: the dict is JSON-safe
         "even": "pad",
+        "shuffle_block": 0,
     }
     assert ckptd.DatasetSpec(tmp_path).source == str(tmp_path)  # a path-like
     assert ckptd.DatasetSpec("s3://bucket/train/").source == "s3://bucket/train/"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import io
+import itertools
 import json
 import os
 import shutil
@@ -56,6 +57,35 @@ def test_samples_carry_every_field_of_the_shards(dc, data):
     # shuffle_window=1 keeps each shard's samples in order
     order = keys(batches)
     assert order[:PER] == sorted(order[:PER])
+
+
+def test_shuffle_block_mixes_shards_exactly_once(dc, tmp_path):
+    """shuffle_block: every sample once, a function of the spec, resumable, shards mixed.
+
+    With shards of 60 samples, a window of 20 gives neighbours from one
+    shard most of the time; blocks of 4 shards about a quarter of it.
+    """
+    folder = tmp_path / "blocks"
+    want = write_shards(folder, 8, 60)
+    spec = {"batch_size": 5, "seed": 2, "even": "off", "shuffle_block": 4}
+    per_rank = [keys(read(dc, folder, rank=r, world_size=2, **spec)) for r in range(2)]
+    flat = [k for ks in per_rank for k in ks]
+    assert len(flat) == len(set(flat)) == len(want)
+    assert keys(read(dc, folder, rank=0, world_size=2, **spec)) == per_rank[0]
+
+    def same_shard(order: list[str]) -> float:
+        pairs = list(itertools.pairwise(order))
+        return sum(a.split("/")[0] == b.split("/")[0] for a, b in pairs) / len(pairs)
+
+    window = keys(read(dc, folder, rank=0, world_size=2, seed=2, even="off", shuffle_window=20))
+    assert same_shard(per_rank[0]) < 0.35
+    assert same_shard(window) > 0.5
+
+    with dc.dataset(ckptd.DatasetSpec(folder, rank=0, world_size=2, **spec)) as ds:
+        first = [next(ds) for _ in range(7)]
+        state = ds.state()
+    assert state["shuffle_block"] == 4 and state["start"] == 35
+    assert keys(first) + keys(read(dc, **{**state, "source": folder})) == per_rank[0]
 
 
 def test_every_sample_exactly_once_across_ranks(dc, data):
@@ -345,6 +375,7 @@ def test_names_that_are_not_utf8_are_refused_not_leaked(make_daemon, tmp_path):
         ({"epoch": -1}, "must not be negative"),
         ({"start": -1}, "must not be negative"),
         ({"shuffle_window": -1}, "shuffle window must not be negative"),
+        ({"shuffle_block": 65537}, "shuffle block must be 0 .off. to 65536 shards"),
         ({"format": "lance"}, 'unknown format "lance"'),
         ({"batch_size": 1 << 40}, "batch_size .* out of range"),
         ({"seed": -1}, "seed -1 is out of range"),

@@ -1938,7 +1938,14 @@ type OpenDatasetRequest struct {
 	// source epoch delivers each of its samples once, however its weight
 	// spreads it over the mixture's epochs. A sample's key is its source's
 	// place in this list, "/", and its key in the source.
-	Mixture       []*MixtureSource `protobuf:"bytes,14,rep,name=mixture,proto3" json:"mixture,omitempty"`
+	Mixture []*MixtureSource `protobuf:"bytes,14,rep,name=mixture,proto3" json:"mixture,omitempty"`
+	// Shuffle in blocks of this many of the rank's shards instead of a
+	// sliding window (0: the window): every sample of a block's shards is
+	// read, then the block is delivered in a random order, so neighbouring
+	// samples come from any of its shards. It holds a block's samples at
+	// once, within the window's half of the read-ahead budget (past it,
+	// samples leave early, as from a full window). At most 65,536.
+	ShuffleBlock  int32 `protobuf:"varint,15,opt,name=shuffle_block,json=shuffleBlock,proto3" json:"shuffle_block,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2069,6 +2076,13 @@ func (x *OpenDatasetRequest) GetMixture() []*MixtureSource {
 		return x.Mixture
 	}
 	return nil
+}
+
+func (x *OpenDatasetRequest) GetShuffleBlock() int32 {
+	if x != nil {
+		return x.ShuffleBlock
+	}
+	return 0
 }
 
 // One source of a mixture (OpenDatasetRequest.mixture).
@@ -4081,7 +4095,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x03msg\"1\n" +
 	"\x14ReleaseRegionRequest\x12\x19\n" +
 	"\blease_id\x18\x01 \x01(\tR\aleaseId\"\x17\n" +
-	"\x15ReleaseRegionResponse\"\xae\x03\n" +
+	"\x15ReleaseRegionResponse\"\xd3\x03\n" +
 	"\x12OpenDatasetRequest\x12\x16\n" +
 	"\x06source\x18\x01 \x01(\tR\x06source\x12\x16\n" +
 	"\x06format\x18\x02 \x01(\tR\x06format\x12\x1d\n" +
@@ -4099,7 +4113,8 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\tdelivered\x18\v \x03(\fR\tdelivered\x12\x12\n" +
 	"\x04even\x18\f \x01(\tR\x04even\x12'\n" +
 	"\x0fbatch_delivered\x18\r \x01(\bR\x0ebatchDelivered\x121\n" +
-	"\amixture\x18\x0e \x03(\v2\x17.ckptd.v1.MixtureSourceR\amixture\"W\n" +
+	"\amixture\x18\x0e \x03(\v2\x17.ckptd.v1.MixtureSourceR\amixture\x12#\n" +
+	"\rshuffle_block\x18\x0f \x01(\x05R\fshuffleBlock\"W\n" +
 	"\rMixtureSource\x12\x16\n" +
 	"\x06source\x18\x01 \x01(\tR\x06source\x12\x16\n" +
 	"\x06format\x18\x02 \x01(\tR\x06format\x12\x16\n" +

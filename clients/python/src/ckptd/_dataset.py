@@ -52,9 +52,10 @@ class DatasetSpec:
 
     Given to ``Client.dataset(spec)`` and ``ckptd.torch.CkptdIterableDataset(spec)``.
     The sample order is a pure function of (source, format, seed, epoch,
-    rank, world_size, shuffle_window, even): shards are shuffled per epoch
-    and dealt round-robin to the ranks, so each sample comes exactly once
-    per epoch across all ranks, and samples are shuffled within a window;
+    rank, world_size, shuffle_window, shuffle_block, even): shards are
+    shuffled per epoch and dealt round-robin to the ranks, so each sample
+    comes exactly once per epoch across all ranks, and samples are shuffled
+    within a window (or in blocks of shards);
     ``even`` then gives every rank the same number of samples. ``start``
     counts the samples of that order already consumed, so
     ``Dataset.state()`` (a dict of these fields, JSON-safe) is what to
@@ -104,6 +105,15 @@ class DatasetSpec:
             then counts samples of that resumed order). Kept as bytes.
         shuffle_window: samples shuffled together (None: the daemon's
             default, 1000; 1: shard order, no shuffling).
+        shuffle_block: instead of the window, shuffle in blocks of this
+            many of the rank's shards (0, the default: the window): every
+            sample of a block is read, then the block is delivered in a
+            random order, so that neighbouring samples come from any of
+            its shards, where a window smaller than a shard draws most of
+            them from one (Mosaic streaming's block shuffles do the same).
+            A block's samples are held at once, within half the daemon's
+            --read-ahead-bytes (past it, samples leave early, as from a
+            full window). At most 65,536.
         skip_corrupt: skip shards that cannot be parsed, counting them in
             stats().corrupt_skipped, instead of raising.
         even: how the epoch's samples are shared out among the ranks, which
@@ -143,6 +153,7 @@ class DatasetSpec:
     skip_corrupt: bool = False
     delivered: tuple[bytes, ...] = ()
     even: str = "pad"
+    shuffle_block: int = 0
 
     def __post_init__(self) -> None:
         given: Any = self.delivered  # callers pass lists (JSON's), or by mistake one blob
@@ -162,6 +173,7 @@ class DatasetSpec:
             "epoch",
             "start",
             "shuffle_window",
+            "shuffle_block",
             "rank",
             "world_size",
         ):
@@ -200,6 +212,7 @@ class DatasetSpec:
             epoch=self.epoch,
             start=self.start,
             shuffle_window=self.shuffle_window or 0,
+            shuffle_block=self.shuffle_block,
             skip_corrupt=self.skip_corrupt,
             delivered=list(self.delivered),
             even=self.even,
@@ -654,7 +667,7 @@ class Dataset:
 
         A dict of plain values (JSON-serializable: ``json.dumps`` takes it
         as it is): source, format, batch_size, rank, world_size, seed,
-        epoch, shuffle_window, skip_corrupt, even, delivered and start, the
+        epoch, shuffle_window, shuffle_block, skip_corrupt, even, delivered and start, the
         samples consumed so far this epoch (batches fetched ahead by the
         prefetch thread do not count).
 

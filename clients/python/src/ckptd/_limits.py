@@ -29,7 +29,7 @@ STREAM_CHUNK = 1 << 20
 # The ranges [low, high) of the protocol's integer fields
 # (proto/ckptd/v1/ckptd.proto): what could not even be sent is refused here,
 # every other range rule is the daemon's.
-INT32 = (-(1 << 31), 1 << 31)  # rank, world_size, batch_size, shuffle_window
+INT32 = (-(1 << 31), 1 << 31)  # rank, world_size, batch_size, shuffle_window, shuffle_block
 INT64 = (-(1 << 63), 1 << 63)  # step, epoch, start
 UINT64 = (0, 1 << 64)  # seed
 

@@ -335,7 +335,7 @@ class ReleaseRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenDatasetRequest(_message.Message):
-    __slots__ = ("source", "format", "batch_size", "rank", "world_size", "seed", "epoch", "start", "shuffle_window", "skip_corrupt", "delivered", "even", "batch_delivered", "mixture")
+    __slots__ = ("source", "format", "batch_size", "rank", "world_size", "seed", "epoch", "start", "shuffle_window", "skip_corrupt", "delivered", "even", "batch_delivered", "mixture", "shuffle_block")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +350,7 @@ class OpenDatasetRequest(_message.Message):
     EVEN_FIELD_NUMBER: _ClassVar[int]
     BATCH_DELIVERED_FIELD_NUMBER: _ClassVar[int]
     MIXTURE_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_BLOCK_FIELD_NUMBER: _ClassVar[int]
     source: str
     format: str
     batch_size: int
@@ -364,7 +365,8 @@ class OpenDatasetRequest(_message.Message):
     even: str
     batch_delivered: bool
     mixture: _containers.RepeatedCompositeFieldContainer[MixtureSource]
-    def __init__(self, source: _Optional[str] = ..., format: _Optional[str] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., shuffle_window: _Optional[int] = ..., skip_corrupt: _Optional[bool] = ..., delivered: _Optional[_Iterable[bytes]] = ..., even: _Optional[str] = ..., batch_delivered: _Optional[bool] = ..., mixture: _Optional[_Iterable[_Union[MixtureSource, _Mapping]]] = ...) -> None: ...
+    shuffle_block: int
+    def __init__(self, source: _Optional[str] = ..., format: _Optional[str] = ..., batch_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., start: _Optional[int] = ..., shuffle_window: _Optional[int] = ..., skip_corrupt: _Optional[bool] = ..., delivered: _Optional[_Iterable[bytes]] = ..., even: _Optional[str] = ..., batch_delivered: _Optional[bool] = ..., mixture: _Optional[_Iterable[_Union[MixtureSource, _Mapping]]] = ..., shuffle_block: _Optional[int] = ...) -> None: ...
 
 class MixtureSource(_message.Message):
     __slots__ = ("source", "format", "weight")
