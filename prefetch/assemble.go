@@ -182,7 +182,13 @@ func (a *assembler) walk(p *pendingShard) error {
 	case src.format == Raw:
 		key, ext := rawKey(p.shard.Name, src.prefix)
 		return a.member(p.shard, p.shard.Name, key, ext, int64(len(data)), func() ([]byte, error) {
-			return data, nil // the object is the sample: ours, or the cache's
+			// The object is the sample: our buffer, or the cache's
+			// bytes (a mapping the sample keeps). A mapping the cache
+			// does not hold is copied: nothing would keep it mapped.
+			if p.data.m != nil && !p.held {
+				return bytes.Clone(data), nil
+			}
+			return data, nil
 		})
 	case u != nil && u.mds != nil:
 		br := bytes.NewReader(data)

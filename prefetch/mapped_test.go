@@ -1,11 +1,14 @@
 package prefetch
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
+	"runtime/debug"
 	"strings"
 	"testing"
 	"time"
@@ -229,5 +232,59 @@ func TestMappingCapFallsBackToReading(t *testing.T) {
 	liveMappings.Add(mappingCap())
 	if err != nil || got.m == nil {
 		t.Fatalf("under the cap: mapped %v, %v; want mapped", got.m != nil, err)
+	}
+}
+
+// A raw object's sample is the object itself: of a mapped shard the cache
+// does not hold (a cache too small for it), the sample gets its own copy,
+// as a tar member's does, since nothing keeps the mapping alive for it.
+func TestRawSampleOfUnheldMappedShard(t *testing.T) {
+	old := mapAbove
+	mapAbove = 1 << 10
+	t.Cleanup(func() { mapAbove = old })
+	dir, err := filepath.EvalSymlinks(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string][]byte{}
+	for i := range 4 {
+		data := []byte(strings.Repeat(string(rune('a'+i)), 64<<10))
+		want[fmt.Sprintf("obj%d", i)] = data
+		if err := os.MkdirAll(filepath.Join(dir, "raw"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, "raw", fmt.Sprintf("obj%d.bin", i)), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	allow, err := newAllowList([]string{dir}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := openLocal(dir, allow)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	c := newCache(t, 0) // holds nothing
+	it, err := Open(context.Background(), b, "raw/", c, Spec{Format: Raw, BatchSize: 4, WorldSize: 1, ShuffleWindow: 1}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	batch, err := it.Next(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	it.Close()
+	deadline := time.Now().Add(testtime.Scale(30 * time.Second))
+	for mapped(t, dir) > 0 && time.Now().Before(deadline) { // every mapping collected
+		runtime.GC()
+		time.Sleep(10 * time.Millisecond)
+	}
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	for _, s := range batch.Samples {
+		if got := s.Fields[0].Data; !bytes.Equal(got, want[s.Key]) {
+			t.Fatalf("sample %s: %d bytes, not the object's", s.Key, len(got))
+		}
 	}
 }
