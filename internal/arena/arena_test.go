@@ -485,3 +485,39 @@ func TestCrashFenceWhole(t *testing.T) {
 		t.Fatalf("a region on a crashed daemon's arena after %s, inside the fence", waited)
 	}
 }
+
+// populate maps a file with every page allocated, keeping the bytes of
+// pages already there (an arena kept from a crash), and fails, as a file
+// system too small for the arena does, when a page cannot be had (here:
+// pages beyond the end of the file, whose fault is the same SIGBUS).
+func TestPopulate(t *testing.T) {
+	f, err := os.CreateTemp("/dev/shm", "ckptd-populate-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.Remove(f.Name())
+	defer f.Close()
+	if _, err := f.Write([]byte("kept bytes")); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Truncate(4 * pageSize); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := populate(f, 4*pageSize)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(mem[:10]) != "kept bytes" {
+		t.Fatalf("populate changed the bytes there: %q", mem[:10])
+	}
+	unix.Munmap(mem)
+	if err := f.Truncate(pageSize); err != nil {
+		t.Fatal(err)
+	}
+	if mem, err := populate(f, 4*pageSize); err == nil || !strings.Contains(err.Error(), "big enough") {
+		if err == nil {
+			unix.Munmap(mem)
+		}
+		t.Fatalf("populate past what the file can hold: %v", err)
+	}
+}

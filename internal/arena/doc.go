@@ -8,7 +8,7 @@
 //	Dir/           mode 0700, owned by the daemon's user: only it may map the arena
 //	               (0750 and of group SharedGID when Options.Shared is set)
 //	Dir/lock       flock(LOCK_EX) held by the daemon that owns the arena; holds its pid
-//	Dir/arena      the staging memory, Size bytes, mode 0600 (0660 when shared), fallocated up front
+//	Dir/arena      the staging memory, Size bytes, mode 0600 (0660 when shared), every page allocated and mapped up front
 //	               and mapped MAP_SHARED by the daemon and by every client
 //	Dir/journal/   one file per staged-but-not-yet-durable save, named by its id,
 //	               content opaque to this package (the caller writes JSON);
@@ -37,5 +37,6 @@
 // down its memory, seconds for a large mlocked arena; Options.LockWait lets
 // its successor wait for a holder that is exiting instead of failing.
 //
-// The package is Linux-only (fallocate, MAP_POPULATE, flock).
+// The package is Linux-only (MADV_POPULATE_WRITE or fallocate and
+// MAP_POPULATE, flock).
 package arena
