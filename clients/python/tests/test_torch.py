@@ -302,3 +302,14 @@ def test_tied_weights_stored_once(client, job):
         opt2.state_dict()["state"][0]["momentum_buffer"],
         opt.state_dict()["state"][0]["momentum_buffer"],
     )
+
+
+def test_load_into_a_model_with_keys_no_shard_holds(client, job):
+    """A model entry no shard name can hold does not stop the in-place load of the rest."""
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(3, 2)
+    ct.save_state_dict(client, 1, saved, job=job).wait(30)
+    model = torch.nn.Linear(3, 2)
+    model.register_buffer("x" * 5000, torch.ones(1))  # longer than a tensor name may be
+    ct.load_state_dict(client, 1, model, job=job, strict=False)
+    assert torch.equal(model.weight, saved.weight) and torch.equal(model.bias, saved.bias)

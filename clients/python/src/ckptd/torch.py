@@ -279,7 +279,13 @@ def _in_place(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if type(v) is torch.Tensor
         and (v.data_ptr(), v.dtype, v.device, tuple(v.shape), v.stride()) in own
     }
-    return dict(_names.flatten({"model": plain})) if plain else {}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in plain.items():
+        try:
+            out.update(_names.flatten({"model": {k: v}}))
+        except (TypeError, ValueError):  # a key no shard name can hold: not in any step
+            continue
+    return out
 
 
 def _skeleton(state: Mapping[str, Any]) -> dict[str, Any]:
