@@ -11,6 +11,20 @@ from pathlib import Path
 from slow import scaled
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of a rank's process: this one's, without $CKPTD_ATTEMPT.
+
+    One thread for torch's CPU ops (the ranks share two cores), and
+    faulthandler on: a rank that dies of SIGABRT or SIGSEGV (a C++
+    terminate at exit, say) prints every Python thread's stack into the
+    output a failing test shows.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "CKPTD_ATTEMPT"}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"
+    return env
+
+
 def run_ranks(
     argv: Callable[[int], list[str]], world: int, what: str, timeout: float = 600
 ) -> None:
@@ -19,8 +33,7 @@ def run_ranks(
     Each must exit 0; a failure shows the rank's output. $CKPTD_ATTEMPT is
     not passed on: the ranks agree on an attempt themselves.
     """
-    env = {k: v for k, v in os.environ.items() if k != "CKPTD_ATTEMPT"}
-    env["OMP_NUM_THREADS"] = "1"
+    env = worker_env()
     procs = [
         subprocess.Popen(
             [sys.executable, *argv(r)],

@@ -14,7 +14,6 @@ state (weights, AdamW state, schedulers, data position) after every step.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from launch import worker_env
 from slow import scaled
 
 pytest.importorskip("torchtitan", reason="pip install 'ckptd[torchtitan]' (make test installs it)")
@@ -35,8 +35,7 @@ WORLD, STEPS = 2, 10
 def start(out: Path, **config: Any) -> list[subprocess.Popen[str]]:
     """Start WORLD ranks of the worker with a CheckpointManager.Config of config."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "CKPTD_ATTEMPT"}
-    env["OMP_NUM_THREADS"] = "1"
+    env = worker_env()
     cfg = json.dumps({"enable": True, "interval": 2, "last_save_model_only": False, **config})
     init = out / f"store-{time.monotonic_ns()}"
     return [
