@@ -22,14 +22,21 @@ import (
 // step folder) is still read, so stores written before attempts restore.
 // Manifest version 3 adds the tensors' counts of non-finite values; a
 // manifest with none is written as version 2, which older ckptd read.
+// Version 4 adds each chunk's content key: an incremental save
+// (WriterOptions.Incremental) writes it, so that later saves can find the
+// chunks they may reference.
 const (
 	ManifestFormat  = "ckptd.manifest"
 	ManifestVersion = 2
 	// ManifestVersionNonFinite is the version of a manifest with a
-	// tensor holding NaN or Inf, and the newest this build reads.
+	// tensor holding NaN or Inf.
 	ManifestVersionNonFinite = 3
-	CommitFormat             = "ckptd.commit"
-	CommitVersion            = 2
+	// ManifestVersionKeyed is the version of an incremental save's
+	// manifest, whose chunks carry content keys, and the newest this build
+	// reads.
+	ManifestVersionKeyed = 4
+	CommitFormat         = "ckptd.commit"
+	CommitVersion        = 2
 
 	// maxManifestBytes bounds what a reader accepts, so a corrupt or hostile
 	// object cannot make it allocate without limit.
@@ -69,6 +76,9 @@ type Chunk struct {
 	Raw       int64       `json:"raw"`
 	Codec     codec.Codec `json:"codec"`
 	Hash      string      `json:"hash"` // of the raw bytes
+	// Key is the content key of the raw bytes (codec.Key): manifest
+	// version 4, written by incremental saves.
+	Key string `json:"key,omitempty"`
 }
 
 // Manifest describes one rank's shard of one step.
@@ -111,7 +121,7 @@ func (m *Manifest) setNonFinite(counts []int64) {
 		m.Tensors[i].NonFinite = n
 	}
 	if values, _ := m.NonFinite(); values > 0 {
-		m.Version = ManifestVersionNonFinite
+		m.Version = max(m.Version, ManifestVersionNonFinite)
 	}
 }
 
@@ -174,7 +184,7 @@ func ParseManifest(b []byte) (*Manifest, error) {
 	if err := json.Unmarshal(b, &head); err != nil {
 		return nil, fmt.Errorf("%w: manifest is not valid JSON: %v", ErrCorrupt, err)
 	}
-	if err := checkFormat(head.Format, head.Version, ManifestFormat, 1, ManifestVersionNonFinite); err != nil {
+	if err := checkFormat(head.Format, head.Version, ManifestFormat, 1, ManifestVersionKeyed); err != nil {
 		return nil, err
 	}
 	var m Manifest
@@ -237,6 +247,16 @@ func (m *Manifest) validate() error {
 	stored, err := validateChunks(m.Chunks, m.DataSize)
 	if err != nil {
 		return err
+	}
+	for i, c := range m.Chunks {
+		switch {
+		case c.Key != "" && m.Version < ManifestVersionKeyed:
+			return fmt.Errorf("chunk %d: a content key in a version %d manifest", i, m.Version)
+		case c.Key != "":
+			if err := codec.ParseKey(c.Key); err != nil {
+				return fmt.Errorf("chunk %d: %w", i, err)
+			}
+		}
 	}
 	if stored != m.StoredSize {
 		return fmt.Errorf("chunks store %d bytes but stored_size is %d", stored, m.StoredSize)

@@ -45,7 +45,8 @@ func TestManifestRejects(t *testing.T) {
 	for _, tc := range []struct {
 		name, old, new, want string
 	}{
-		{"future version", `"version": 2`, `"version": 4`, "version 4 is not supported"},
+		{"future version", `"version": 2`, `"version": 5`, "version 5 is not supported"},
+		{"key before version 4", `"hash": "xxh3:`, `"key": "xxh3-128:00000000000000000000000000000000", "hash": "xxh3:`, "content key in a version 2"},
 		{"version 1 with an attempt", `"version": 2`, `"version": 1`, "version 1 has no attempt"},
 		{"no attempt", `"attempt": "run-1",`, ``, "names no attempt"},
 		{"bad attempt", `"attempt": "run-1"`, `"attempt": "../x"`, "attempt"},
@@ -77,6 +78,7 @@ func FuzzParseManifest(f *testing.F) {
 	f.Add([]byte(`{"format":"ckptd.manifest","version":1}`))
 	f.Add([]byte(`{"format":"ckptd.manifest","version":2,"attempt":"a","job":"j","world_size":1,"tensors":[{"name":"a","dtype":"U8","shape":[4611686018427387904],"offset":0,"length":4611686018427387904}],"chunks":[{"object":"steps/x","offset":9223372036854775000,"raw":4,"stored":4000,"codec":"none","hash":"xxh3:0000000000000000"}],"data_size":4,"stored_size":4}`))
 	f.Add([]byte(`{"format":"ckptd.manifest","version":1,"job":"j","world_size":1,"tensors":[{"name":"a","dtype":"F32","shape":[1],"offset":0,"length":4}],"chunks":[{"object":"steps/x","raw":4,"stored":4,"codec":"none","hash":"xxh3:0000000000000000"}],"data_size":4,"stored_size":4}`))
+	f.Add([]byte(`{"format":"ckptd.manifest","version":4,"attempt":"a","job":"j","world_size":1,"tensors":[{"name":"a","dtype":"F32","shape":[1],"offset":0,"length":4}],"chunks":[{"object":"steps/000000000001/a/rank-00000.data","raw":4,"stored":4,"codec":"none","hash":"xxh3:0000000000000000","key":"xxh3-128:0123456789abcdef0123456789abcdef"}],"data_size":4,"stored_size":4}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		m, err := ParseManifest(data)
 		if err != nil {

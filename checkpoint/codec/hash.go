@@ -1,8 +1,10 @@
 package codec
 
 import (
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/zeebo/xxh3"
 )
@@ -70,4 +72,28 @@ func ParseHash(s string) (uint64, error) {
 		h = h<<4 | uint64(d)
 	}
 	return h, nil
+}
+
+const keyPrefix = "xxh3-128:"
+
+// Key returns the content key of b: its XXH3-128 digest, as
+// "xxh3-128:" and 32 lowercase hex digits. Incremental saves reference an
+// earlier chunk whose key, raw length and Hash all equal a new chunk's:
+// 64 bits alone would make a false match possible over a store's
+// lifetime (a birthday bound near 2^32 chunks); 128 bits push it to 2^64.
+func Key(b []byte) string {
+	sum := xxh3.Hash128(b).Bytes()
+	return keyPrefix + hex.EncodeToString(sum[:])
+}
+
+// ParseKey checks that s is in the form Key writes (lowercase hex).
+func ParseKey(s string) error {
+	digits, ok := strings.CutPrefix(s, keyPrefix)
+	if !ok || len(digits) != 32 || strings.ToLower(digits) != digits {
+		return fmt.Errorf("%w: key %q (want %q and 32 lowercase hex digits)", ErrBadHash, s, keyPrefix)
+	}
+	if _, err := hex.DecodeString(digits); err != nil {
+		return fmt.Errorf("%w: key %q: %v", ErrBadHash, s, err)
+	}
+	return nil
 }
