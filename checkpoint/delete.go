@@ -36,6 +36,13 @@ func (s *Store) DeleteStep(ctx context.Context, step int64, opts DeleteOptions) 
 	if err := validateStep(step); err != nil {
 		return nil, err
 	}
+	// Announced, and the pins read, before the commit records: see
+	// incremental.go.
+	deadline, pinned, done, err := s.startPrune(ctx, time.Now().Add(-inFlight), opts.DryRun)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
 	inv, err := s.Inventory(ctx)
 	if err != nil {
 		return nil, err
@@ -45,6 +52,9 @@ func (s *Store) DeleteStep(ctx context.Context, step int64, opts DeleteOptions) 
 		return nil, fmt.Errorf("%w: job %q has no step %d in %s", ErrStepNotFound, s.job, step, s.backend.Location())
 	}
 	target := &inv[i]
+	if pinned[step] {
+		return nil, fmt.Errorf("%w: step %d; try again once the saves of the steps after it have committed", ErrPinned, step)
+	}
 	var others []*StepInventory
 	for j := range inv {
 		if j != i && inv[j].Commit != nil {
@@ -59,7 +69,7 @@ func (s *Store) DeleteStep(ctx context.Context, step int64, opts DeleteOptions) 
 	if err != nil {
 		return nil, err
 	}
-	p := &pruner{s: s, refs: refs, dryRun: opts.DryRun, rep: rep}
+	p := &pruner{s: s, refs: refs, dryRun: opts.DryRun, rep: rep, deadline: deadline}
 	rep.Removed = []int64{step}
 	if err := p.removeStep(ctx, target); err != nil {
 		return rep, err

@@ -18,6 +18,8 @@
 //	<job>/steps/<step>/<attempt>/group-<first rank, 5 digits>.json       group summary (over 100 ranks)
 //	<job>/steps/spread-<hh>/<step>/<attempt>/rank-<rank>.data            chunk data instead (WriterOptions.SpreadData)
 //	<job>/steps/<step>/COMMIT.json                                       written last
+//	<job>/pins/<base step>/<step>-<attempt>-<rank>                       an incremental save relies on base (empty)
+//	<job>/prune/<id>                                                     a prune or DeleteStep is running (empty)
 //
 // Steps written before attempts existed (format 1) keep their rank objects
 // in the step folder itself; they are read as before.
@@ -53,6 +55,14 @@
 // complex value). It is written only when some tensor holds any, so that
 // a manifest of finite tensors stays readable by a ckptd that knows
 // version 2 only.
+//
+// Version 4 is version 3 whose chunks carry "key": the content key of
+// their raw bytes (codec.Key, "xxh3-128:" and 32 hex digits). Incremental
+// saves (WriterOptions.Incremental) write it for every chunk, and a chunk
+// whose key, raw length and hash equal one of the base step's is the base's
+// chunk (its object, offset, stored length and codec) at the new raw
+// offset. The pins and prune markers that keep prune from taking a base a
+// save in flight relies on are described in incremental.go.
 //
 // # Commit record (format "ckptd.commit", version 2)
 //

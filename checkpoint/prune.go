@@ -1,6 +1,7 @@
 package checkpoint
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -39,6 +40,9 @@ type PruneReport struct {
 	Removed []int64      // committed steps removed
 	Garbage []AttemptRef // attempts removed that no commit record names
 	Damaged []int64      // steps with a damaged commit record or manifest: left alone
+	// Pinned are committed steps kept although the policy would remove
+	// them: incremental saves in flight reference them (in Kept too).
+	Pinned []int64
 	// Temporaries removed: what writers left mid-write, idle for GCGrace.
 	Temporaries []TemporaryInfo
 	Objects     int   // objects deleted
@@ -61,9 +65,12 @@ type PruneReport struct {
 // step's other ranks pruned, and then its step never commits.
 //
 // Deletion is reference-aware: a data object that a kept manifest points
-// to (an incremental checkpoint) is kept. A removed step's COMMIT.json goes
-// first, so a crash mid-prune leaves an uncommitted step, never a committed
-// one with missing data.
+// to (an incremental checkpoint) is kept, and so is every step an
+// incremental save in flight has pinned (incremental.go). A removed
+// step's COMMIT.json goes first, so a crash mid-prune leaves an
+// uncommitted step, never a committed one with missing data. A prune
+// deletes for at most pruneWindow (30 minutes), then stops with
+// ErrPruneWindow; running it again continues.
 func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, error) {
 	if err := opts.check(); err != nil {
 		return nil, err
@@ -74,6 +81,12 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 	if opts.Now.IsZero() {
 		opts.Now = time.Now()
 	}
+	cutoff := opts.Now.Add(-opts.GCGrace)
+	deadline, pinned, done, err := s.startPrune(ctx, cutoff, opts.DryRun)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
 	inv, err := s.Inventory(ctx)
 	if err != nil {
 		return nil, err
@@ -90,6 +103,7 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 		}
 	}
 	kept, removed := opts.split(committed)
+	kept, removed = keepPinned(kept, removed, pinned, rep)
 	for _, si := range kept {
 		rep.Kept = append(rep.Kept, si.Step)
 	}
@@ -97,20 +111,52 @@ func (s *Store) Prune(ctx context.Context, opts PruneOptions) (*PruneReport, err
 	if err != nil {
 		return nil, err
 	}
-	p := &pruner{s: s, refs: refs, dryRun: opts.DryRun, rep: rep}
+	p := &pruner{s: s, refs: refs, dryRun: opts.DryRun, rep: rep, deadline: deadline}
 	for _, si := range removed {
 		rep.Removed = append(rep.Removed, si.Step)
 		if err := p.removeStep(ctx, si); err != nil {
 			return rep, err
 		}
 	}
-	cutoff := opts.Now.Add(-opts.GCGrace)
 	for i := range inv {
 		if err := p.removeGarbage(ctx, &inv[i], cutoff); err != nil {
 			return rep, err
 		}
 	}
 	return rep, p.removeTemporaries(ctx, stepsPrefix(s.job), &cutoff)
+}
+
+// startPrune announces a prune or delete (unless dryRun) before it reads
+// the pins, and returns when it must stop deleting, the steps pinned, and
+// the function that ends the announcement.
+func (s *Store) startPrune(ctx context.Context, cutoff time.Time, dryRun bool) (deadline time.Time, pinned map[int64]bool, done func(), err error) {
+	done = func() {}
+	if !dryRun {
+		if done, err = s.announcePrune(ctx); err != nil {
+			return time.Time{}, nil, nil, err
+		}
+	}
+	deadline = time.Now().Add(pruneWindow)
+	if pinned, err = s.pinnedSteps(ctx, cutoff, dryRun); err != nil {
+		done()
+		return time.Time{}, nil, nil, err
+	}
+	return deadline, pinned, done, nil
+}
+
+// keepPinned moves the pinned steps from removed to kept, oldest first.
+func keepPinned(kept, removed []*StepInventory, pinned map[int64]bool, rep *PruneReport) (k, r []*StepInventory) {
+	for _, si := range removed {
+		if pinned[si.Step] {
+			rep.Pinned = append(rep.Pinned, si.Step)
+			k = append(k, si)
+		} else {
+			r = append(r, si)
+		}
+	}
+	k = append(k, kept...)
+	slices.SortFunc(k, func(a, b *StepInventory) int { return cmp.Compare(a.Step, b.Step) })
+	return k, r
 }
 
 func (o PruneOptions) check() error {
@@ -167,6 +213,9 @@ type pruner struct {
 	refs   map[string]bool
 	dryRun bool
 	rep    *PruneReport
+	// deadline is when deleting must stop (zero: never; DeleteJob, which
+	// no incremental save can race usefully).
+	deadline time.Time
 }
 
 // removeStep deletes a committed step: its commit record first, then every
@@ -257,6 +306,9 @@ func (p *pruner) deleteAll(ctx context.Context, objs []storage.ObjectInfo) error
 }
 
 func (p *pruner) delete(ctx context.Context, oi storage.ObjectInfo) error {
+	if !p.dryRun && !p.deadline.IsZero() && time.Now().After(p.deadline) {
+		return fmt.Errorf("%w (%s) after %d objects: run it again to go on", ErrPruneWindow, pruneWindow, p.rep.Objects)
+	}
 	if !p.dryRun {
 		if err := p.s.backend.Delete(ctx, oi.Name); err != nil { // a concurrent prune's delete is fine: Delete is idempotent
 			return err

@@ -35,6 +35,12 @@ type WriterOptions struct {
 	// ranks. Readers need no setting; prune, delete and the removal of a
 	// refused save find the objects either way.
 	SpreadData bool
+	// Incremental writes each chunk's content key in the manifest
+	// (version 4) and references, instead of writing, a chunk whose
+	// content the rank's shard of the job's newest committed step holds
+	// (see incremental.go). It costs a 128-bit hash of each chunk and a
+	// few small requests per save.
+	Incremental bool
 }
 
 // DefaultChunkSize is WriterOptions.ChunkSize's default (and --chunk-size's).
@@ -74,6 +80,7 @@ type Writer struct {
 	now   func() time.Time // for tests
 	sel   *codec.Selector  // the Auto policy
 	meter storageMeter     // feeds sel with how fast the backend takes bytes
+	pins  pins             // of incremental saves not yet committed
 }
 
 type chunkBuf struct{ gather, enc []byte }
@@ -110,8 +117,8 @@ type Shard struct {
 
 // WriteShard makes a shard durable: its chunks, then its manifest, in the
 // folder of its attempt. It does not commit the step (see Store.TryCommit). Data
-// is only read.
-func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (*Manifest, error) {
+// is only read. An incremental save's pin stays until Unpin.
+func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (_ *Manifest, err error) {
 	if err := sh.Target.Validate(); err != nil {
 		return nil, err
 	}
@@ -125,12 +132,24 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (*Manifest, error) {
 		Created: w.now().UTC(), DataSize: sh.Layout.DataSize,
 		Tensors: sh.Layout.Packed, Metadata: sh.Metadata,
 	}
+	var base *dedupBase
+	if w.opts.Incremental {
+		m.Version = ManifestVersionKeyed
+		defer func() {
+			if err != nil {
+				w.Unpin(context.WithoutCancel(ctx), t)
+			}
+		}()
+		if base, err = w.dedupBase(ctx, t); err != nil {
+			return nil, err
+		}
+	}
 	if plan := planChunks(sh.Layout, w.opts.ChunkSize); len(plan) > 0 {
 		obj := dataObject(t.Step, t.Attempt, t.Rank)
 		if w.opts.SpreadData {
 			obj = spreadDataObject(t.Step, t.Attempt, t.Rank)
 		}
-		chunks, nonFinite, err := w.writeData(ctx, t.Job, obj, sh.Data, plan, sh.Layout.Packed)
+		chunks, nonFinite, err := w.writeData(ctx, t.Job, obj, sh.Data, plan, sh.Layout.Packed, base)
 		if err != nil {
 			return nil, fmt.Errorf("write %s data: %w", t, err)
 		}
@@ -157,6 +176,7 @@ type pending struct {
 	buf       *chunkBuf
 	chunk     Chunk
 	out       []byte        // stored bytes: a slice of data or of buf
+	ref       bool          // chunk is an earlier step's: nothing to write
 	nonFinite []tensorCount // of the tensors the chunk holds, where not 0
 	done      chan struct{}
 }
@@ -178,12 +198,12 @@ type tensorCount struct {
 // It also counts each tensor's non-finite values (NaN, ±Inf) on the way,
 // while the chunk's bytes are in cache for the hash: nonFinite, by
 // tensor, is nil when there are none.
-func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, plan []chunkPlan, tensors []Tensor) ([]Chunk, []int64, error) {
+func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, plan []chunkPlan, tensors []Tensor, base *dedupBase) ([]Chunk, []int64, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	r := &chunkReader{w: w, obj: obj, want: len(plan), queue: make(chan *pending, cap(w.bufs)), tensors: len(tensors)}
 	go func() {
-		r.err = w.produce(ctx, data, plan, tensors, r.queue)
+		r.err = w.produce(ctx, data, plan, tensors, base, r.queue)
 		close(r.queue) // publishes r.err to the reader
 	}()
 	err := w.b.Put(ctx, inJob(job, obj), r, -1)
@@ -198,7 +218,7 @@ func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, pl
 
 // produce starts one compression per chunk, in order, as buffers and CPU
 // slots allow, and queues them for the reader.
-func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, tensors []Tensor, queue chan<- *pending) error {
+func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, tensors []Tensor, base *dedupBase, queue chan<- *pending) error {
 	for _, cp := range plan {
 		var buf *chunkBuf
 		select {
@@ -211,7 +231,7 @@ func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, ten
 		w.cpu <- struct{}{}
 		go func() {
 			defer func() { <-w.cpu; close(p.done) }()
-			w.encode(data, p, tensors)
+			w.encode(data, p, tensors, base)
 		}()
 	}
 	return nil
@@ -266,8 +286,10 @@ func (r *chunkReader) read(p []byte) (int, error) {
 		}
 		<-next.done
 		c := next.chunk
-		c.Object, c.Offset = r.obj, r.offset
-		r.offset += c.Stored
+		if !next.ref {
+			c.Object, c.Offset = r.obj, r.offset
+			r.offset += c.Stored
+		}
 		r.chunks = append(r.chunks, c)
 		for _, tc := range next.nonFinite {
 			if r.nonFinite == nil {
@@ -311,13 +333,21 @@ func (r *chunkReader) drain() {
 }
 
 // encode hashes and compresses one chunk into p.out; a chunk that does not
-// shrink is stored raw. With codec.Auto the Selector picks the codec and
-// learns from how long this took and how well it shrank.
-func (w *Writer) encode(data []byte, p *pending, tensors []Tensor) {
+// shrink is stored raw, and one that base holds is referenced (p.ref). With
+// codec.Auto the Selector picks the codec and learns from how long this
+// took and how well it shrank.
+func (w *Writer) encode(data []byte, p *pending, tensors []Tensor, base *dedupBase) {
 	start := time.Now()
 	raw := gather(data, p.plan, &p.buf.gather)
 	c := Chunk{RawOffset: p.plan.rawOffset, Raw: p.plan.raw, Hash: codec.FormatHash(codec.Hash(raw))}
 	p.nonFinite = countChunk(p.plan, raw, tensors)
+	if w.opts.Incremental {
+		c.Key = codec.Key(raw)
+		if found, ok := base.lookup(c); ok {
+			p.chunk, p.ref = found, true
+			return
+		}
+	}
 	hashed := time.Now()
 	p.out, c.Codec = raw, codec.None
 	use := w.opts.Codec
