@@ -15,6 +15,9 @@
 //	                loopback TCP transfer of the same bytes
 //	start           opening a fresh arena (what a daemon's start waits on)
 //	                vs a write of every page of a new shared-memory file
+//	incremental     --incremental: bytes a save of a model with 99% of its
+//	                weights frozen writes vs the first (full) save, and the
+//	                drain time of a save where nothing repeats vs without it
 package main
 
 import (
@@ -52,6 +55,8 @@ type config struct {
 	chunkSize int64
 	workers   int
 	only      string
+	// incremental starts daemons as serve --incremental does.
+	incremental bool
 }
 
 // runs reports whether the part named is to run (-only).
@@ -69,7 +74,7 @@ func main() {
 	flag.Int64Var(&cfg.chunkSize, "chunk-size", 4<<20, "chunk bytes")
 	flag.IntVar(&cfg.workers, "workers", runtime.GOMAXPROCS(0), "compression workers")
 	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile here")
-	flag.StringVar(&cfg.only, "only", "", "run only these parts, comma-separated: save (save stall and drain), restore (needs save), hot, peer, s3, start")
+	flag.StringVar(&cfg.only, "only", "", "run only these parts, comma-separated: save (save stall and drain), restore (needs save), hot, peer, s3, start, incremental")
 	flag.Parse()
 	if *cpuprofile != "" {
 		f, err := os.Create(*cpuprofile)
@@ -140,6 +145,7 @@ func run(cfg config) error {
 		{"peer", func() ([]row, error) { return benchPeers(cfg, data, work) }},
 		{"s3", func() ([]row, error) { return benchS3(cfg, data, work) }},
 		{"start", func() ([]row, error) { return benchStart(cfg) }},
+		{"incremental", func() ([]row, error) { return benchIncremental(cfg, data, work) }},
 	}
 	for _, p := range parts {
 		if !cfg.wants(p.name) {

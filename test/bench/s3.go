@@ -105,7 +105,7 @@ func startDaemonOn(cfg config, b storage.Backend, work, name string, hotBytes in
 	}
 	mgr, err := staging.NewManager(server.CheckpointArena(a), b, staging.ManagerConfig{
 		DefaultJob: "bench",
-		Writer:     checkpoint.WriterOptions{ChunkSize: cfg.chunkSize, Codec: cfg.codec, Workers: cfg.workers},
+		Writer:     checkpoint.WriterOptions{ChunkSize: cfg.chunkSize, Codec: cfg.codec, Workers: cfg.workers, Incremental: cfg.incremental},
 		Read:       checkpoint.ReadOptions{Concurrency: restoreStreams},
 		Tiers:      tiers.Config{HotBytes: hotBytes, Peers: p},
 	})
