@@ -298,8 +298,12 @@ func (mgr *Manager) recordDurable(t checkpoint.Target, m *checkpoint.Manifest, r
 	mgr.saves.set(keyOf(t), StateDurable, nil)
 	if !reused { // the drain metrics count what this drain wrote
 		mgr.m.DrainedBytes.Add(float64(m.DataSize))
-		mgr.m.StoredBytes.Add(float64(m.StoredSize))
 		for _, c := range m.Chunks {
+			if !m.Owns(c) {
+				mgr.m.ReferencedBytes.Add(float64(c.Raw))
+				continue
+			}
+			mgr.m.StoredBytes.Add(float64(c.Stored))
 			mgr.m.CodecRaw.WithLabelValues(string(c.Codec)).Add(float64(c.Raw))
 			mgr.m.CodecStored.WithLabelValues(string(c.Codec)).Add(float64(c.Stored))
 		}

@@ -16,12 +16,15 @@ type Metrics struct {
 	StagedBytes  prometheus.Counter
 	DrainedBytes prometheus.Counter
 	StoredBytes  prometheus.Counter
-	Restored     prometheus.Counter
-	QueueDepth   prometheus.Gauge
-	ArenaUsed    prometheus.Gauge
-	SaveStall    prometheus.Histogram
-	DrainTime    prometheus.Histogram
-	Errors       *prometheus.CounterVec
+	// ReferencedBytes counts the tensor bytes incremental saves referenced
+	// in earlier steps instead of writing them.
+	ReferencedBytes prometheus.Counter
+	Restored        prometheus.Counter
+	QueueDepth      prometheus.Gauge
+	ArenaUsed       prometheus.Gauge
+	SaveStall       prometheus.Histogram
+	DrainTime       prometheus.Histogram
+	Errors          *prometheus.CounterVec
 	// CodecRaw and CodecStored count chunk bytes by the codec they were
 	// stored with: what --codec auto chose, and what it saved.
 	CodecRaw    *prometheus.CounterVec
@@ -101,6 +104,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "ckptd_drained_bytes_total", Help: "Tensor bytes made durable in storage."}),
 		StoredBytes: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ckptd_stored_bytes_total", Help: "Bytes written to storage after compression."}),
+		ReferencedBytes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_referenced_bytes_total", Help: "Tensor bytes incremental saves referenced in an earlier step instead of writing them."}),
 		Restored: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ckptd_restored_bytes_total", Help: "Tensor bytes restored into the arena."}),
 		QueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -142,7 +147,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "ckptd_spilled_bytes", Help: "Bytes of staged saves in the spill folder (moved out of the arena while storage did not take bytes)."}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.StagedBytes, m.DrainedBytes, m.StoredBytes, m.Restored,
+		reg.MustRegister(m.StagedBytes, m.DrainedBytes, m.StoredBytes, m.ReferencedBytes, m.Restored,
 			m.QueueDepth, m.ArenaUsed, m.SaveStall, m.DrainTime, m.Errors, m.CodecRaw, m.CodecStored,
 			m.TableBytes, m.LeasesReleased, m.Quarantined, m.Tiers, m.RestoreTiers, m.ReplicationFailures, m.LastCommitted, m.LastCommitTime,
 			m.NonFinite, m.Spilled)

@@ -312,7 +312,18 @@ func (mgr *Manager) markDone(k saveKey, s State, err error) {
 	if mgr.saves.settle(k, s, err) && s != StateFailed {
 		mgr.m.Tiers.WithLabelValues(s.String()).Inc()
 	}
+	if s == StateCommitted || s == StateFailed {
+		// An incremental save's step is final: its manifest (or nothing)
+		// now keeps what it references.
+		ctx, cancel := context.WithTimeout(mgr.ctx, unpinTimeout)
+		defer cancel()
+		mgr.w.Unpin(ctx, checkpoint.Target{Job: k.job, Step: k.step, Rank: k.rank, Attempt: k.attempt})
+	}
 }
+
+// unpinTimeout bounds the removal of a pin, which a waiter waits for: a pin
+// left behind costs only storage, until prune's grace.
+const unpinTimeout = 5 * time.Second
 
 // settle is markDone's change: it reports whether it made one.
 func (r *saveStates) settle(k saveKey, s State, err error) bool {

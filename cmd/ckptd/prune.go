@@ -86,6 +86,9 @@ func runPrune(ctx context.Context, o *pruneOptions, out io.Writer) error {
 	if len(rep.Damaged) > 0 {
 		fmt.Fprintf(out, "left alone: steps %v, whose commit record or a manifest is damaged (see the warnings above)\n", rep.Damaged)
 	}
+	if len(rep.Pinned) > 0 {
+		fmt.Fprintf(out, "kept for now: steps %v, which incremental saves in flight reference (a later prune removes them)\n", rep.Pinned)
+	}
 	return nil
 }
 

@@ -53,6 +53,7 @@ func newServeCmd() *cobra.Command {
 	fs.IntVar(&o.Workers, "workers", 0, "chunks compressed at once (default: number of CPUs)")
 	fs.IntVar(&o.Drains, "drains", staging.DefaultDrains, "shards drained at once")
 	fs.BoolVar(&o.SpreadData, "spread-data", false, "write each rank's data under one of 256 prefixes by a hash of the rank (steps/spread-<hh>/...), not its step's folder: for S3's request rate per prefix at thousands of ranks (docs/scale.md); readers need nothing, and a ckptd older than this one's prune would leave such data behind")
+	fs.BoolVar(&o.Incremental, "incremental", false, "reference, instead of writing again, each chunk whose bytes the rank held in the job's newest committed step (a fine-tune's frozen weights): a 128-bit content key per chunk and a few small requests per save; prune keeps what kept steps reference (docs/checkpoints.md); a ckptd older than this one cannot read such steps")
 	fs.Var((*byteSize)(&o.HotBytes), "hot-bytes", "memory for the hot tier: the local ranks' shards of each job's newest --hot-steps steps, kept after they drain so that restoring them reads no storage (0: off)")
 	fs.IntVar(&o.HotSteps, "hot-steps", tiers.DefaultHotSteps, "steps per job the hot tier keeps")
 	fs.DurationVar(&o.PersistInterval, "persist-interval", 0, "drain a step to storage whenever this long has passed since the last one drained (e.g. 10m; with --persist-every, a step either picks is drained); the others stay in the hot tier and on the peers only (needs --hot-bytes)")
@@ -78,7 +79,7 @@ func newServeCmd() *cobra.Command {
 	fs.Var((*byteSize)(&o.ListBytes), "dataset-list-bytes", "memory a dataset session's listing may take, about 512 bytes and twice the name per shard: a larger dataset fails to open")
 	fs.Var(datasetShare{&o.DatasetArena, &o.DatasetsOff}, "dataset-arena-bytes", "the datasets' share of the arena, for ring slots and oversized batches (default: half of --staging-bytes; the rest stays for saves); 0 turns datasets off")
 	inGroup(fs, "storage", "storage", "job", "s3-endpoint", "s3-region", "s3-retry-deadline", "s3-stall-timeout", "file-mode", "storage-wait",
-		"codec", "chunk-size", "workers", "drains", "spread-data")
+		"codec", "chunk-size", "workers", "drains", "spread-data", "incremental")
 	inGroup(fs, "staging", "staging-bytes", "staging-wait", "tensor-table-bytes", "lease-timeout", "crash-fence", "restores",
 		"arena-dir", "restart-wait", "spill-dir", "spill-bytes")
 	inGroup(fs, "tiers", "hot-bytes", "hot-steps", "persist-every", "persist-interval")

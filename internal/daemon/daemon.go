@@ -63,6 +63,7 @@ type Options struct {
 	Codec           string
 	ChunkSize       int64
 	SpreadData      bool
+	Incremental     bool
 	Workers         int
 	Drains          int
 	Restores        int
@@ -297,7 +298,7 @@ func (d *Daemon) startManager(context.Context) error {
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: o.TableBytes, ReuseFence: o.ReuseFence,
 		Drains: o.Drains, Restores: o.Restores, DrainDelay: o.DrainDelay, SpillDir: o.SpillDir, SpillBytes: o.SpillBytes, Logger: d.log, Metrics: staging.NewMetrics(d.reg),
 		Tiers:  tiers.Config{HotBytes: o.HotBytes, HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, PersistInterval: o.PersistInterval, Peers: replicas},
-		Writer: checkpoint.WriterOptions{ChunkSize: o.ChunkSize, Codec: d.codec, Workers: o.Workers, SpreadData: o.SpreadData},
+		Writer: checkpoint.WriterOptions{ChunkSize: o.ChunkSize, Codec: d.codec, Workers: o.Workers, SpreadData: o.SpreadData, Incremental: o.Incremental},
 	})
 	if err != nil {
 		return err
