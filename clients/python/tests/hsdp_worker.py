@@ -11,6 +11,8 @@ load (WORLD 4: the same hybrid mesh; 2: plain FSDP over 2 ranks): a
 differently initialised model, trained a step, loaded from step 10 with
 dcp.load through ckptd.dcp.Reader; rank 0 compares the gathered full state
 with full.pt bit for bit and writes OUT_DIR/load_<WORLD>.json.
+torch_save / torch_load: the same through ckptd.torch.save_state_dict and
+load_state_dict (step 20; full_torch.pt, torch_load_<WORLD>.json).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import ckptd
 import ckptd.dcp
+import ckptd.torch
 
 STEP = 10
+TORCH_STEP = 20
 
 
 def build(world: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -64,5 +68,24 @@ def load(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> No
         (out / f"load_{world}.json").write_text(json.dumps({"diff": diff(want, got)}))
 
 
+def torch_save(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> None:
+    model, opt = build(world, seed=0)
+    train(model, opt, 2, seed=1)
+    ckptd.torch.save_state_dict(client, TORCH_STEP, model, optimizer=opt, job=job).wait()
+    f = full(model, opt)
+    if rank == 0:
+        torch.save(f, out / "full_torch.pt")
+
+
+def torch_load(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> None:
+    model, opt = build(world, seed=123)
+    train(model, opt, 1, seed=7)
+    ckptd.torch.load_state_dict(client, TORCH_STEP, model, optimizer=opt, job=job)
+    got = full(model, opt)
+    if rank == 0:
+        want = torch.load(out / "full_torch.pt", weights_only=False)
+        (out / f"torch_load_{world}.json").write_text(json.dumps({"diff": diff(want, got)}))
+
+
 if __name__ == "__main__":
-    main({"save": save, "load": load})
+    main({"save": save, "load": load, "torch_save": torch_save, "torch_load": torch_load})

@@ -4,7 +4,9 @@ Four real processes train a model with FSDP2's hybrid sharding (a 2 x 2
 CPU mesh, gloo: every shard held by two ranks) and save through
 ckptd.dcp; DCP's planner gives each replicated shard to one rank, so the
 step stores one copy of the state. Loading at 4 ranks (the same hybrid
-mesh) and at 2 (plain FSDP) gives the saved state bit for bit.
+mesh) and at 2 (plain FSDP) gives the saved state bit for bit. The same
+through ckptd.torch.save_state_dict: a replicated piece is stored by the
+replica at 0 of the replicate dimension, and the others read it there.
 """
 
 from __future__ import annotations
@@ -42,3 +44,16 @@ def test_hsdp_state_is_stored_once_and_reshards(daemon, job):
     for world in (4, 2):
         launch(WORKER, "load", world, daemon.socket, job, out)
         assert json.loads((out / f"load_{world}.json").read_text())["diff"] == [], world
+
+
+def test_hsdp_through_ckptd_torch_is_stored_once(daemon, job):
+    out = Path(tempfile.mkdtemp(prefix="ckptd-hsdp-"))
+    launch(WORKER, "torch_save", 4, daemon.socket, job, out)
+    one_copy = tensor_bytes(torch.load(out / "full_torch.pt", weights_only=False))
+    with ckptd.Client(daemon.socket) as c:
+        [step] = c.steps(job)
+    assert step.world_size == 4
+    assert one_copy <= step.bytes <= 1.05 * one_copy, (step.bytes, one_copy)
+    for world in (4, 2):
+        launch(WORKER, "torch_load", world, daemon.socket, job, out)
+        assert json.loads((out / f"torch_load_{world}.json").read_text())["diff"] == [], world

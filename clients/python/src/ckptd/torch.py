@@ -133,8 +133,11 @@ def save_state_dict(
     DTensors (an FSDP2 model and its optimizer state, distribute_tensor)
     are saved as this rank's local piece, with where it lies in the global
     tensor; every rank must then save (a step is sharded on all its ranks
-    or on none). Plain tensors beside them are taken to be replicated:
-    rank 0's are the ones ``ckptd export`` uses.
+    or on none). A piece that other ranks hold too (they differ only in the
+    DTensor's Replicate mesh dimensions: HSDP's replicas) is stored once, by
+    the rank at 0 in those dimensions; the others' skeletons name it, and
+    their load reads it from that rank's shard. Plain tensors beside them
+    are taken to be replicated: rank 0's are the ones ``ckptd export`` uses.
 
     Returns:
         The save's handle; wait() on it for durability.
@@ -142,7 +145,7 @@ def save_state_dict(
     rank, world_size = _ranks.resolve(rank, world_size)
     if replicated is None:
         replicated = world_size > 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    packer = _Packer()
+    packer = _Packer(rank if _group_rank(rank, world_size) else None)
     model_sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
     optim_sd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     skeleton = {
@@ -153,7 +156,7 @@ def save_state_dict(
         "optimizer": None if optim_sd is None else packer.encode(optim_sd, ("optimizer",)),
         "extra": packer.encode(extra, ("extra",)),
     }
-    if packer.pieces:
+    if packer.sharded:
         if replicated:
             raise ValueError(
                 "replicated=True with DTensors: a sharded state is not the same on every rank"
@@ -304,6 +307,19 @@ def _skeleton(state: Mapping[str, Any]) -> dict[str, Any]:
     return skeleton
 
 
+def _group_rank(rank: int, world_size: int) -> bool:
+    """Whether rank and world_size are the default process group's.
+
+    DTensor meshes name ranks in that group.
+    """
+    return (
+        _DISTRIBUTED
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_rank() == rank
+        and torch.distributed.get_world_size() == world_size
+    )
+
+
 def _hf_config(model: Any) -> bytes | None:
     """A transformers model's full config.json, or None for other models."""
     to_json = getattr(getattr(model, "config", None), "to_json_string", None)
@@ -335,6 +351,19 @@ def _local_box(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(int(d) for d in shape), tuple(int(o) for o in offsets)
 
 
+def _holder(t: Any) -> int | None:
+    """The rank that stores t's local piece (None: this rank is not in t's mesh).
+
+    Of the ranks holding the same piece (those differing only in t's
+    Replicate mesh dimensions, as HSDP's replicas do), the one at 0 in each.
+    """
+    coord = t.device_mesh.get_coordinate()
+    if coord is None:
+        return None
+    held = [0 if isinstance(p, Replicate) else c for p, c in zip(t.placements, coord, strict=True)]
+    return int(t.device_mesh.mesh[tuple(held)].item())
+
+
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     """What makes two tensors the same elements: memory, dtype and layout (None: never shared).
 
@@ -354,10 +383,18 @@ class _Packer:
     and pieces describes it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int | None = None) -> None:
+        """Start an empty tree.
+
+        rank: the saving rank, when it is the default process group's rank;
+        a replicated DTensor piece is then stored by one of the ranks
+        holding it only (None: every rank stores its pieces).
+        """
         self.tree: dict[str, Any] = {}
         self._used: dict[tuple[str, ...], set[str]] = {}
         self.pieces: dict[str, _sharding.Piece] = {}
+        self.sharded = False  # a DTensor was encoded
+        self._rank = rank
         self._plain: list[tuple[tuple[str, ...], torch.Tensor]] = []
         # Tensors placed, by their memory and layout: another entry that is
         # the same tensor (tied weights) refers to it instead of storing it
@@ -436,6 +473,7 @@ class _Packer:
         if len(path) < 2 or path[0] not in _sharding.GROUPS:
             raise TypeError(f"{':'.join(path)}: a DTensor must be inside model, optimizer or extra")
         group, fqn = path[0], ".".join(path[1:])
+        self.sharded = True
         shape, offsets = _local_box(t)
         local = t.to_local().detach()
         local = _tensors.bits(torch, local).contiguous().view(local.dtype)  # any dtype
@@ -453,17 +491,22 @@ class _Packer:
                     "another entry already has"
                 )
             used.add(where[1])
-        self._place(where, local)
-        self.pieces[_sharding.stored_name(where)] = _sharding.Piece(
-            group, fqn, tuple(int(d) for d in t.shape), offsets
-        )
-        return {
+        node: dict[str, Any] = {
             "T": "dtensor",
             "p": list(where),
             "s": [int(d) for d in t.shape],
             "pl": [repr(p) for p in t.placements],
             "m": [int(d) for d in t.device_mesh.shape],
         }
+        holder = _holder(t) if self._rank is not None else None
+        if holder is not None and holder != self._rank:
+            node["h"] = holder  # an identical piece: that rank stores it
+            return node
+        self._place(where, local)
+        self.pieces[_sharding.stored_name(where)] = _sharding.Piece(
+            group, fqn, tuple(int(d) for d in t.shape), offsets
+        )
+        return node
 
     def description(self, with_plain: bool) -> dict[str, _sharding.Piece]:
         """The ckptd.sharding description of the pieces placed.
@@ -525,6 +568,7 @@ class _Source:
         self.described = {} if own is None else _sharding.decode(own)
         self._flat: dict[str, Any] | None = None
         self._index: dict[tuple[str, str], list[tuple[_sharding.Piece, torch.Tensor]]] | None = None
+        self._held: dict[int, dict[str, tuple[_sharding.Piece, torch.Tensor]]] = {}
 
     def flat(self) -> dict[str, Any]:
         """The loaded shard's tensors by stored name."""
@@ -536,6 +580,26 @@ class _Source:
         """The piece stored as name in the loaded shard, if described."""
         piece = self.described.get(name)
         return None if piece is None else (piece, self.flat()[name])
+
+    def held(self, holder: int, name: str) -> tuple[_sharding.Piece, torch.Tensor] | None:
+        """The piece stored as name by holder, which this rank's save left it to.
+
+        Reads, once per holder, only the pieces this rank's skeleton leaves
+        to it.
+        """
+        if holder not in self._held:
+            names = sorted(_left_to(_skeleton(self.state), holder))
+            shard = self.client.load(
+                self.state.step,
+                rank=holder,
+                job=self.job,
+                as_torch=True,
+                nested=False,
+                tensors=[_sharding.TENSOR, *names],
+            )
+            described = _sharding.decode(shard[_sharding.TENSOR])
+            self._held[holder] = {n: (described[n], shard[n]) for n in names if n in described}
+        return self._held[holder].get(name)
 
     def pieces(self, group: str, fqn: str) -> list[tuple[_sharding.Piece, torch.Tensor]]:
         """Every saved piece of (group, fqn), from every rank's shard."""
@@ -560,9 +624,21 @@ class _Source:
             self._index = index
         return self._index.get((group, fqn), [])
 
-    def region(self, name: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """The box (offsets, shape) of the global tensor whose piece is stored as name here."""
+    def region(
+        self,
+        name: str,
+        offsets: tuple[int, ...],
+        shape: tuple[int, ...],
+        holder: int | None = None,
+    ) -> torch.Tensor:
+        """The box (offsets, shape) of the global tensor whose piece is name.
+
+        The piece is stored in the loaded shard, or by holder (a replica
+        saved once).
+        """
         mine = self.own(name)
+        if mine is None and holder is not None:
+            mine = self.held(holder, name)
         if mine is None:
             raise CkptdError(
                 f"{_sharding.TENSOR} does not describe {name!r}, which the skeleton names"
@@ -691,10 +767,22 @@ class _Unpacker:
             raise CkptdError("a DTensor in a skeleton that has no pieces")
         name = _sharding.stored_name(node["p"])
         shape = tuple(int(d) for d in node["s"])
+        holder = node.get("h")
         if _is_dtensor(like) and tuple(like.shape) == shape:
             local_shape, offsets = _local_box(like)
-            return _from_local(self.source.region(name, offsets, local_shape), like)
-        return self.source.region(name, (0,) * len(shape), shape)
+            return _from_local(self.source.region(name, offsets, local_shape, holder), like)
+        return self.source.region(name, (0,) * len(shape), shape, holder)
+
+
+def _left_to(node: Any, holder: int) -> set[str]:
+    """The stored names of the DTensor pieces a skeleton leaves to holder."""
+    if isinstance(node, list):
+        return set().union(*(_left_to(v, holder) for v in node))
+    if not isinstance(node, Mapping):
+        return set()
+    if node.get("T") == "dtensor":
+        return {_sharding.stored_name(node["p"])} if node.get("h") == holder else set()
+    return set().union(*(_left_to(v, holder) for v in node.values()))
 
 
 def _from_local(local: torch.Tensor, like: Any) -> torch.Tensor:
