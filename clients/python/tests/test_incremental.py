@@ -1,9 +1,11 @@
 """`ckptd serve --incremental`: a fine-tune's frozen weights are written once.
 
 A real daemon saves a state whose backbone never changes and whose adapter
-does: after the first step each step's folder holds the adapter's bytes,
-not the model's; every step loads exactly; verify, prune and a restarted
-daemon (which finds its base in storage) keep it so.
+does, 10 steps: after the first, each step's folder holds the adapter's
+bytes, not the model's. Deleting the step that holds the backbone, and
+pruning between saves, keep what later steps reference: every kept step
+loads exactly after each. verify, and a restarted daemon (which finds its
+base in storage), keep it so.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ def _check(c: ckptd.Client, step: int) -> None:
         np.testing.assert_array_equal(got[name], want)
 
 
+def _steps(binary, d) -> list[int]:
+    return [r["step"] for r in json.loads(_cli(binary, d, "list", "--json"))]
+
+
 def test_frozen_weights_written_once(make_daemon, ckptd_bin) -> None:
     d = make_daemon("--incremental", "--chunk-size", "64KiB")
     with d.client() as c:
@@ -63,16 +69,25 @@ def test_frozen_weights_written_once(make_daemon, ckptd_bin) -> None:
         assert full > 3 << 20  # float-aware compression takes some
         for step in (2, 3, 4):
             assert written[step] < full * 0.05, written  # the adapter and manifests
-            _check(c, step)
-        _check(c, 1)
+        # Step 1 holds the backbone every later step references: deleting
+        # it removes the step, not the chunks they need.
+        _cli(ckptd_bin, d, "delete", "--step", "1")
+        assert _steps(ckptd_bin, d) == [2, 3, 4]
+        for step in range(5, 11):
+            _save(c, step)
+            assert _written(ckptd_bin, d)[step] < full * 0.05
+            if step in (6, 8):  # prune between saves
+                _cli(ckptd_bin, d, "prune", "--keep-last", "3")
+            for kept in _steps(ckptd_bin, d):
+                _check(c, kept)
+        assert _steps(ckptd_bin, d) == [6, 7, 8, 9, 10]
     _cli(ckptd_bin, d, "verify", "--latest")
-    _cli(ckptd_bin, d, "verify", "--step", "2")
     _cli(ckptd_bin, d, "prune", "--keep-last", "1")
     d.kill9()  # a restarted daemon finds its base in storage
     d.start()
     with d.client() as c:
-        _check(c, 4)
-        _save(c, 5)
-        assert _written(ckptd_bin, d)[5] < full * 0.05
-        _check(c, 5)
+        _check(c, 10)
+        _save(c, 11)
+        assert _written(ckptd_bin, d)[11] < full * 0.05
+        _check(c, 11)
     _cli(ckptd_bin, d, "verify", "--latest")
