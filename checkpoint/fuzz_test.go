@@ -61,7 +61,7 @@ func FuzzNewLayout(f *testing.F) {
 			t.Fatalf("data size %d, tensors hold %d, region %d", l.DataSize, sum, l.RegionSize)
 		}
 		if l.RegionSize <= 64<<20 { // planning a huge region is the arena's to refuse
-			if n := len(planChunks(l, 4096)); int64(n) > l.DataSize/4096+int64(len(l.Region))+1 {
+			if n := len(planChunks(l, 4096, 0)); int64(n) > l.DataSize/4096+int64(len(l.Region))+1 {
 				t.Fatalf("%d chunks for %d bytes", n, l.DataSize)
 			}
 		}

@@ -86,7 +86,11 @@ type chunkPlan struct {
 // planChunks cuts the data space into chunks of at most size bytes that
 // never mix dtypes, so a float-aware codec sees one element type per chunk.
 // size must be a multiple of 8 so that splits fall on element boundaries.
-func planChunks(l *Layout, size int64) []chunkPlan {
+// A tensor of at least alone bytes (0: none) has chunks of its own, so
+// that a change to a small neighbour leaves them as they were: what an
+// incremental save needs to reference a frozen weight's chunks while the
+// adapters packed beside it train.
+func planChunks(l *Layout, size, alone int64) []chunkPlan {
 	var out []chunkPlan
 	var cur chunkPlan
 	flush := func() {
@@ -99,7 +103,8 @@ func planChunks(l *Layout, size int64) []chunkPlan {
 		if t.Length == 0 {
 			continue
 		}
-		if cur.raw > 0 && cur.dtype != t.DType {
+		own := alone > 0 && t.Length >= alone
+		if cur.raw > 0 && (cur.dtype != t.DType || own) {
 			flush()
 		}
 		cur.dtype = t.DType
@@ -112,6 +117,9 @@ func planChunks(l *Layout, size int64) []chunkPlan {
 				flush()
 				cur.dtype = t.DType
 			}
+		}
+		if own {
+			flush()
 		}
 	}
 	flush()

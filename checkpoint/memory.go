@@ -20,7 +20,7 @@ import (
 // data object a persisted save would have, each with its hash, so that it
 // is served and sent to peers verified like any other.
 func MemoryManifest(t Target, layout *Layout, metadata, data []byte, chunkSize int64) *Manifest {
-	plan := planChunks(layout, chunkSize)
+	plan := planChunks(layout, chunkSize, 0)
 	m := &Manifest{
 		Format: ManifestFormat, Version: ManifestVersion,
 		Job: t.Job, Step: t.Step, Rank: t.Rank, WorldSize: t.WorldSize, Attempt: t.Attempt,

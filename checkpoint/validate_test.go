@@ -2,6 +2,8 @@ package checkpoint
 
 import (
 	"errors"
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -95,7 +97,7 @@ func TestLayoutAndChunks(t *testing.T) {
 	if l.DataSize != 36016 || l.RegionSize != 44304 || l.Packed[1].Offset != 4000 || l.Packed[0].Name != "a" {
 		t.Fatalf("layout %+v", l)
 	}
-	plan := planChunks(l, 8192)
+	plan := planChunks(l, 8192, 0)
 	var raw int64
 	for i, c := range plan {
 		if c.rawOffset != raw || c.raw > 8192 {
@@ -118,5 +120,37 @@ func TestLayoutAndChunks(t *testing.T) {
 	}
 	if len(plan[0].spans) != 2 { // a, then the start of b across the gap
 		t.Errorf("chunk 0 spans %v", plan[0].spans)
+	}
+}
+
+// With a threshold, a large tensor has chunks of its own: the small
+// tensors between two large ones share theirs, and a change to them leaves
+// the large ones' chunks as they were.
+func TestChunksOfTheirOwn(t *testing.T) {
+	var ts []Tensor
+	var off int64
+	for _, n := range []int64{10000, 100, 100, 10000, 100} {
+		ts = append(ts, Tensor{Name: fmt.Sprintf("t%d", len(ts)), DType: dtype.F32, Shape: []int64{n / 4}, Offset: off, Length: n})
+		off += n
+	}
+	l, err := NewLayout(ts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		alone int64
+		want  []int64
+	}{
+		{0, []int64{4096, 4096, 4096, 4096, 3916}},
+		{1024, []int64{4096, 4096, 1808, 200, 4096, 4096, 1808, 100}},
+		{100000, []int64{4096, 4096, 4096, 4096, 3916}},
+	} {
+		var got []int64
+		for _, c := range planChunks(l, 4096, tc.alone) {
+			got = append(got, c.raw)
+		}
+		if !slices.Equal(got, tc.want) {
+			t.Errorf("alone %d: chunks %v, want %v", tc.alone, got, tc.want)
+		}
 	}
 }

@@ -104,6 +104,17 @@ func NewWriter(b storage.Backend, opts WriterOptions) (*Writer, error) {
 	return w, nil
 }
 
+// alone is planChunks' threshold for a tensor to have chunks of its own:
+// a quarter chunk in incremental saves, so that small tensors (adapters,
+// norms) that change do not share chunks with the frozen weights beside
+// them; none otherwise, which packs chunks fuller.
+func (w *Writer) alone() int64 {
+	if w.opts.Incremental {
+		return w.opts.ChunkSize / 4
+	}
+	return 0
+}
+
 // Options returns the effective options.
 func (w *Writer) Options() WriterOptions { return w.opts }
 
@@ -144,7 +155,7 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (_ *Manifest, err er
 			return nil, err
 		}
 	}
-	if plan := planChunks(sh.Layout, w.opts.ChunkSize); len(plan) > 0 {
+	if plan := planChunks(sh.Layout, w.opts.ChunkSize, w.alone()); len(plan) > 0 {
 		obj := dataObject(t.Step, t.Attempt, t.Rank)
 		if w.opts.SpreadData {
 			obj = spreadDataObject(t.Step, t.Attempt, t.Rank)

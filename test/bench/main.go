@@ -15,8 +15,8 @@
 //	                loopback TCP transfer of the same bytes
 //	start           opening a fresh arena (what a daemon's start waits on)
 //	                vs a write of every page of a new shared-memory file
-//	incremental     --incremental: bytes a save of a model with 99% of its
-//	                weights frozen writes vs the first (full) save, and the
+//	incremental     --incremental: bytes a save of a LoRA-like shard (1% of
+//	                it trains) writes vs the first (full) save, and the
 //	                drain time of a save where nothing repeats vs without it
 package main
 
