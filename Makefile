@@ -2,10 +2,13 @@
 # `make test`; CI runs .ci/run, which calls `make test`.
 GO       ?= go
 FUZZTIME ?= 50000x
+# bench-compare's litdata (what pip chose beside mosaicml-streaming 0.13.0
+# on 2026-12-04).
+LITDATA_VERSION ?= 0.2.76
 # What `ckptd --version` says: the commit, or the tag on it.
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
-.PHONY: all build run test test-busy lint test-go test-python test-deploy fuzz chaos outage bench bench-python bench-codec bench-scale proto docs tools clean
+.PHONY: all build run test test-busy lint test-go test-python test-deploy fuzz chaos outage bench bench-python bench-codec bench-compare bench-scale proto docs tools clean
 
 all: build
 
@@ -110,6 +113,16 @@ bench-python:
 	.venv/bin/python clients/python/bench/bench_dcp.py $(PYDCPBENCHFLAGS)
 	.venv/bin/python clients/python/bench/bench_resume.py $(PYRESUMEBENCHFLAGS)
 	.venv/bin/python clients/python/bench/bench_frameworks.py $(PYFWBENCHFLAGS)
+
+# Client.dataset against Mosaic streaming and litdata on their own formats,
+# from the local disk and from MinIO (a few minutes, and the first run installs
+# both, with torch, into a virtualenv of their own: they pin older numpy and
+# transformers than the project's).
+bench-compare:
+	scripts/minio.sh >/dev/null
+	test -x .bench/venv-compare/bin/python || python3 -m venv .bench/venv-compare
+	.bench/venv-compare/bin/pip install -q "mosaicml-streaming==0.13.0" "litdata==$(LITDATA_VERSION)" -e clients/python
+	.bench/venv-compare/bin/python clients/python/bench/bench_compare.py $(COMPAREFLAGS)
 
 # The chunk codecs (float-aware, zstd, lz4) and zipnn on the weights and Adam
 # states of a small transformer trained on the spot (torch, CPU, ~1 minute):
