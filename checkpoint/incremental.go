@@ -244,10 +244,10 @@ func (s *Store) pinnedSteps(ctx context.Context, cutoff time.Time, dryRun bool) 
 	var stale []string
 	prefix := inJob(s.job, pinsDir)
 	err := s.backend.List(ctx, prefix, func(oi storage.ObjectInfo) error {
-		seg, _, ok := strings.Cut(strings.TrimPrefix(oi.Name, prefix), "/")
-		step, err := parseStepSegment(seg)
+		seg, _, found := strings.Cut(strings.TrimPrefix(oi.Name, prefix), "/")
+		step, ok := parseStepSegment(seg)
 		switch {
-		case !ok || err != nil:
+		case !found || !ok:
 			return nil // not a pin: left alone
 		case oi.ModTime.Before(cutoff):
 			stale = append(stale, oi.Name)
@@ -277,13 +277,4 @@ func (s *Store) pinnedSteps(ctx context.Context, cutoff time.Time, dryRun bool) 
 		}
 	}
 	return pinned, nil
-}
-
-// parseStepSegment reads a step folder's name (12 digits).
-func parseStepSegment(seg string) (int64, error) {
-	var step int64
-	if _, err := fmt.Sscanf(seg, "%d", &step); err != nil || stepSegment(step) != seg {
-		return 0, fmt.Errorf("%q is not a step folder", seg)
-	}
-	return step, nil
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"log/slog"
+	"strconv"
 	"strings"
 	"unicode/utf8"
 
@@ -145,6 +146,16 @@ func stepDir(job string, step int64) string {
 // stepSegment is a step's folder name: 12 digits, so that lexical order is
 // numeric order.
 func stepSegment(step int64) string { return fmt.Sprintf("%012d", step) }
+
+// parseStepSegment reads a step's folder name, exactly as stepSegment
+// writes it; false for anything else.
+func parseStepSegment(seg string) (int64, bool) {
+	step, err := strconv.ParseInt(seg, 10, 64)
+	if err != nil || validateStep(step) != nil || stepSegment(step) != seg {
+		return -1, false
+	}
+	return step, true
+}
 
 func stepsPrefix(job string) string { return job + "/steps/" }
 

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
-	"strconv"
 
 	"golang.org/x/sync/errgroup"
 
@@ -104,7 +103,7 @@ func (s *Store) commitRecords(ctx context.Context, steps []int64) ([]*CommitReco
 func (s *Store) allSteps(ctx context.Context) ([]int64, error) {
 	var steps []int64
 	err := s.backend.ListDirs(ctx, stepsPrefix(s.job), func(seg string) error {
-		if step, err := strconv.ParseInt(seg, 10, 64); err == nil && step >= 0 && stepSegment(step) == seg {
+		if step, ok := parseStepSegment(seg); ok {
 			steps = append(steps, step)
 		}
 		return nil

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"sort"
-	"strconv"
 	"strings"
 
 	"github.com/ckptd/ckptd/storage"
@@ -59,8 +58,8 @@ func (s *Store) placeOf(name string) (int64, string) {
 		rest = after
 	}
 	seg, rest, _ := strings.Cut(rest, "/")
-	step, err := strconv.ParseInt(seg, 10, 64)
-	if err != nil || len(seg) != len(stepSegment(0)) || validateStep(step) != nil {
+	step, ok := parseStepSegment(seg)
+	if !ok {
 		return -1, ""
 	}
 	attempt, _, found := strings.Cut(rest, "/")

@@ -312,7 +312,7 @@ func (mgr *Manager) markDone(k saveKey, s State, err error) {
 	if mgr.saves.settle(k, s, err) && s != StateFailed {
 		mgr.m.Tiers.WithLabelValues(s.String()).Inc()
 	}
-	if s == StateCommitted || s == StateFailed {
+	if (s == StateCommitted || s == StateFailed) && mgr.cfg.Writer.Incremental {
 		// An incremental save's step is final: its manifest (or nothing)
 		// now keeps what it references.
 		ctx, cancel := context.WithTimeout(mgr.ctx, unpinTimeout)
