@@ -2,6 +2,7 @@ package daemontest
 
 import (
 	"context"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -176,4 +177,32 @@ func UnwrapStatus(err error) error {
 		e = u.Unwrap()
 	}
 	return err
+}
+
+// CommittedAsSaved waits for each request's step to commit and checks that
+// it loads as saved (rank 0 of each).
+func CommittedAsSaved(t *testing.T, d *Daemon, c *ckptd.Client, saved []*ckptd.SaveRequest) {
+	t.Helper()
+	for _, req := range saved {
+		if err := WaitStep(t, c, req.Step, 0); err != nil {
+			t.Fatalf("step %d: %v\n%s", req.Step, err, d.Logs())
+		}
+		got, err := c.Load(Ctx(t), &ckptd.LoadRequest{Step: req.Step})
+		if err != nil {
+			t.Fatal(err)
+		}
+		CheckShard(t, got, req)
+	}
+}
+
+// Spilled counts the saves' files in a --spill-dir folder (not its lock).
+func Spilled(dir string) int {
+	des, _ := os.ReadDir(dir)
+	n := 0
+	for _, de := range des {
+		if de.Name() != ".lock" {
+			n++
+		}
+	}
+	return n
 }

@@ -28,7 +28,7 @@ func TestFullStoreSpills(t *testing.T) {
 		}
 		saved = append(saved, req)
 	}
-	if spilledFiles(spill) == 0 {
+	if daemontest.Spilled(spill) == 0 {
 		t.Fatalf("60 MiB through a 32 MiB arena into a 16 MiB store, and nothing spilled:\n%s", d.Logs())
 	}
 	daemontest.WaitUntil(t, "a drain to find the store full", func() bool {
@@ -37,17 +37,8 @@ func TestFullStoreSpills(t *testing.T) {
 	if err := syscall.Mount("tmpfs", store, "tmpfs", syscall.MS_REMOUNT, "size=256m"); err != nil {
 		t.Fatal(err)
 	}
-	for _, req := range saved {
-		if err := daemontest.WaitStep(t, c, req.Step, 0); err != nil {
-			t.Fatalf("step %d once the store has room: %v\n%s", req.Step, err, d.Logs())
-		}
-		got, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: req.Step})
-		if err != nil {
-			t.Fatal(err)
-		}
-		daemontest.CheckShard(t, got, req)
-	}
-	daemontest.WaitUntil(t, "the spill folder to empty", func() bool { return spilledFiles(spill) == 0 })
+	daemontest.CommittedAsSaved(t, d, c, saved) // once the store has room
+	daemontest.WaitUntil(t, "the spill folder to empty", func() bool { return daemontest.Spilled(spill) == 0 })
 }
 
 // mountTmpfs mounts a tmpfs of these options on a new folder until the
@@ -67,16 +58,4 @@ func mountTmpfs(t *testing.T, options string) string {
 		}
 	})
 	return dir
-}
-
-// spilledFiles counts the saves' files in a spill folder (not its lock).
-func spilledFiles(dir string) int {
-	des, _ := os.ReadDir(dir)
-	n := 0
-	for _, de := range des {
-		if de.Name() != ".lock" {
-			n++
-		}
-	}
-	return n
 }

@@ -35,10 +35,10 @@ func TestS3SpillDuringOutage(t *testing.T) {
 		saved = append(saved, req)
 		time.Sleep(every)
 	}
-	if spilled(spill) == 0 {
+	if daemontest.Spilled(spill) == 0 {
 		t.Fatalf("%d MiB through a 32 MiB arena with MinIO down, and nothing spilled:\n%s", 6*saves, d.Logs())
 	}
-	t.Logf("%d saves acknowledged with MinIO down; %d files (a save and its journal entry each) in the spill folder when the daemon is killed", saves, spilled(spill))
+	t.Logf("%d saves acknowledged with MinIO down; %d files (a save and its journal entry each) in the spill folder when the daemon is killed", saves, daemontest.Spilled(spill))
 	d.Kill9()
 
 	if err := srv.Restart(); err != nil {
@@ -46,17 +46,8 @@ func TestS3SpillDuringOutage(t *testing.T) {
 	}
 	d.Start()
 	c = d.Client()
-	for _, req := range saved {
-		if err := daemontest.WaitStep(t, c, req.Step, 0); err != nil {
-			t.Fatalf("step %d after the outage and the crash: %v\n%s", req.Step, err, d.Logs())
-		}
-		got, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: req.Step})
-		if err != nil {
-			t.Fatal(err)
-		}
-		daemontest.CheckShard(t, got, req)
-	}
-	daemontest.WaitUntil(t, "the spill folder to empty", func() bool { return spilled(spill) == 0 })
+	daemontest.CommittedAsSaved(t, d, c, saved) // after the outage and the crash
+	daemontest.WaitUntil(t, "the spill folder to empty", func() bool { return daemontest.Spilled(spill) == 0 })
 	srv.CheckNoUploads(t, bucket)
 }
 
@@ -72,16 +63,4 @@ func outage(t *testing.T) (saves int64, every time.Duration) {
 		t.Fatalf("CKPTD_OUTAGE_DURATION=%q: want a duration of 5s or more", v)
 	}
 	return int64(d / (5 * time.Second)), 5 * time.Second
-}
-
-// spilled counts the saves' files in a spill folder (not its lock).
-func spilled(dir string) int {
-	des, _ := os.ReadDir(dir)
-	n := 0
-	for _, de := range des {
-		if de.Name() != ".lock" {
-			n++
-		}
-	}
-	return n
 }

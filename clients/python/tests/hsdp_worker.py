@@ -12,7 +12,7 @@ differently initialised model, trained a step, loaded from step 10 with
 dcp.load through ckptd.dcp.Reader; rank 0 compares the gathered full state
 with full.pt bit for bit and writes OUT_DIR/load_<WORLD>.json.
 torch_save / torch_load: the same through ckptd.torch.save_state_dict and
-load_state_dict (step 20; full_torch.pt, torch_load_<WORLD>.json).
+load_state_dict (step 20; torch_full.pt, torch_load_<WORLD>.json).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def torch_save(rank: int, world: int, client: ckptd.Client, job: str, out: Path)
     ckptd.torch.save_state_dict(client, TORCH_STEP, model, optimizer=opt, job=job).wait()
     f = full(model, opt)
     if rank == 0:
-        torch.save(f, out / "full_torch.pt")
+        torch.save(f, out / "torch_full.pt")
 
 
 def torch_load(rank: int, world: int, client: ckptd.Client, job: str, out: Path) -> None:
@@ -83,7 +83,7 @@ def torch_load(rank: int, world: int, client: ckptd.Client, job: str, out: Path)
     ckptd.torch.load_state_dict(client, TORCH_STEP, model, optimizer=opt, job=job)
     got = full(model, opt)
     if rank == 0:
-        want = torch.load(out / "full_torch.pt", weights_only=False)
+        want = torch.load(out / "torch_full.pt", weights_only=False)
         (out / f"torch_load_{world}.json").write_text(json.dumps({"diff": diff(want, got)}))
 
 

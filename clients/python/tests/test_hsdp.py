@@ -15,6 +15,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from launch import launch
 
@@ -33,27 +34,20 @@ def tensor_bytes(tree: object) -> int:
     return 0
 
 
-def test_hsdp_state_is_stored_once_and_reshards(daemon, job):
+@pytest.mark.parametrize(
+    ("save", "load", "prefix"),
+    [("save", "load", ""), ("torch_save", "torch_load", "torch_")],
+    ids=["ckptd.dcp", "ckptd.torch"],
+)
+def test_hsdp_state_is_stored_once_and_reshards(daemon, job, save, load, prefix):
     out = Path(tempfile.mkdtemp(prefix="ckptd-hsdp-"))
-    launch(WORKER, "save", 4, daemon.socket, job, out)
-    one_copy = tensor_bytes(torch.load(out / "full.pt", weights_only=False))
+    launch(WORKER, save, 4, daemon.socket, job, out)
+    one_copy = tensor_bytes(torch.load(out / f"{prefix}full.pt", weights_only=False))
     with ckptd.Client(daemon.socket) as c:
         [step] = c.steps(job)
     assert step.world_size == 4
     assert one_copy <= step.bytes <= 1.05 * one_copy, (step.bytes, one_copy)
     for world in (4, 2):
-        launch(WORKER, "load", world, daemon.socket, job, out)
-        assert json.loads((out / f"load_{world}.json").read_text())["diff"] == [], world
-
-
-def test_hsdp_through_ckptd_torch_is_stored_once(daemon, job):
-    out = Path(tempfile.mkdtemp(prefix="ckptd-hsdp-"))
-    launch(WORKER, "torch_save", 4, daemon.socket, job, out)
-    one_copy = tensor_bytes(torch.load(out / "full_torch.pt", weights_only=False))
-    with ckptd.Client(daemon.socket) as c:
-        [step] = c.steps(job)
-    assert step.world_size == 4
-    assert one_copy <= step.bytes <= 1.05 * one_copy, (step.bytes, one_copy)
-    for world in (4, 2):
-        launch(WORKER, "torch_load", world, daemon.socket, job, out)
-        assert json.loads((out / f"torch_load_{world}.json").read_text())["diff"] == [], world
+        launch(WORKER, load, world, daemon.socket, job, out)
+        report = out / f"{prefix}load_{world}.json"
+        assert json.loads(report.read_text())["diff"] == [], world
