@@ -150,11 +150,16 @@ func (m *Manifest) Hash() string {
 }
 
 // Holds reports whether m describes exactly sh: same target, tensors and
-// metadata, and every chunk's hash that of sh's bytes.
+// metadata, and every chunk's hash that of sh's bytes (or, with a
+// CopyCheck, the client's hash of them: the staged bytes may have been
+// rewritten by another user since).
 func (m *Manifest) Holds(sh *Shard) bool {
 	if m.Target() != sh.Target || m.DataSize != sh.Layout.DataSize || !bytes.Equal(m.Metadata, sh.Metadata) ||
 		!slices.EqualFunc(m.Tensors, sh.Layout.Packed, Tensor.equal) {
 		return false
+	}
+	if sh.Check != nil {
+		return sh.Check.holds(m.Chunks)
 	}
 	var buf []byte
 	for _, c := range m.Chunks {
@@ -162,7 +167,7 @@ func (m *Manifest) Holds(sh *Shard) bool {
 		if !ok {
 			return false
 		}
-		raw := gather(sh.Data, chunkPlan{spans: spans}, &buf)
+		raw := gather(sh.Data, chunkPlan{spans: spans}, &buf, false)
 		if codec.FormatHash(codec.Hash(raw)) != c.Hash {
 			return false
 		}

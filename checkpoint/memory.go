@@ -20,7 +20,24 @@ import (
 // data object a persisted save would have, each with its hash, so that it
 // is served and sent to peers verified like any other.
 func MemoryManifest(t Target, layout *Layout, metadata, data []byte, chunkSize int64) *Manifest {
-	plan := planChunks(layout, chunkSize, 0)
+	return memoryManifest(t, layout, metadata, data, planChunks(layout, chunkSize, 0))
+}
+
+// CheckedMemoryManifest is MemoryManifest with chunks cut at check's ends,
+// failing (ErrStagedChanged) unless data, the daemon's own copy of the
+// staged bytes, hashes as its client said it copied them.
+func CheckedMemoryManifest(t Target, layout *Layout, metadata, data []byte, check *CopyCheck) (*Manifest, error) {
+	if err := check.Validate(layout, true); err != nil {
+		return nil, err
+	}
+	m := memoryManifest(t, layout, metadata, data, planEnds(layout, check.Ends))
+	if err := check.verify(m.Chunks); err != nil {
+		return nil, fmt.Errorf("%s: %w", t, err)
+	}
+	return m, nil
+}
+
+func memoryManifest(t Target, layout *Layout, metadata, data []byte, plan []chunkPlan) *Manifest {
 	m := &Manifest{
 		Format: ManifestFormat, Version: ManifestVersion,
 		Job: t.Job, Step: t.Step, Rank: t.Rank, WorldSize: t.WorldSize, Attempt: t.Attempt,

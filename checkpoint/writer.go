@@ -115,6 +115,10 @@ func (w *Writer) alone() int64 {
 	return 0
 }
 
+// CheckEnds are the data-space ends of the chunks a save of l is cut into,
+// which a client hashes for a CopyCheck.
+func (w *Writer) CheckEnds(l *Layout) []int64 { return l.checkEnds(w.opts.ChunkSize, w.alone()) }
+
 // Options returns the effective options.
 func (w *Writer) Options() WriterOptions { return w.opts }
 
@@ -124,6 +128,10 @@ type Shard struct {
 	Layout   *Layout
 	Data     []byte // the staging region; Layout.Region offsets index it
 	Metadata []byte
+	// Check, when set, is what the client said it copied: chunks are cut
+	// at its ends and copied out of Data before they are hashed and
+	// compressed, and the shard is not stored unless every hash matches.
+	Check *CopyCheck
 }
 
 // WriteShard makes a shard durable: its chunks, then its manifest, in the
@@ -155,14 +163,23 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (_ *Manifest, err er
 			return nil, err
 		}
 	}
-	if plan := planChunks(sh.Layout, w.opts.ChunkSize, w.alone()); len(plan) > 0 {
+	plan, err := w.plan(sh)
+	if err != nil {
+		return nil, err
+	}
+	if len(plan) > 0 {
 		obj := dataObject(t.Step, t.Attempt, t.Rank)
 		if w.opts.SpreadData {
 			obj = spreadDataObject(t.Step, t.Attempt, t.Rank)
 		}
-		chunks, nonFinite, err := w.writeData(ctx, t.Job, obj, sh.Data, plan, sh.Layout.Packed, base)
+		chunks, nonFinite, err := w.writeData(ctx, t.Job, obj, sh.Data, plan, sh.Layout.Packed, base, sh.Check != nil)
 		if err != nil {
 			return nil, fmt.Errorf("write %s data: %w", t, err)
+		}
+		if sh.Check != nil { // before the manifest: without it nothing commits the data
+			if err := sh.Check.verify(chunks); err != nil {
+				return nil, fmt.Errorf("%s: %w", t, err)
+			}
 		}
 		m.Chunks = chunks
 		for _, c := range chunks {
@@ -179,6 +196,18 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (_ *Manifest, err er
 		return nil, fmt.Errorf("write %s manifest: %w", t, err)
 	}
 	return m, nil
+}
+
+// plan cuts sh into chunks: at its CopyCheck's ends if it has one (the
+// chunks its client hashed), else by the writer's options.
+func (w *Writer) plan(sh *Shard) ([]chunkPlan, error) {
+	if sh.Check == nil {
+		return planChunks(sh.Layout, w.opts.ChunkSize, w.alone()), nil
+	}
+	if err := sh.Check.Validate(sh.Layout, true); err != nil {
+		return nil, err
+	}
+	return planEnds(sh.Layout, sh.Check.Ends), nil
 }
 
 // pending is a chunk being compressed; done receives once it is ready.
@@ -209,12 +238,16 @@ type tensorCount struct {
 // It also counts each tensor's non-finite values (NaN, ±Inf) on the way,
 // while the chunk's bytes are in cache for the hash: nonFinite, by
 // tensor, is nil when there are none.
-func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, plan []chunkPlan, tensors []Tensor, base *dedupBase) ([]Chunk, []int64, error) {
+//
+// private copies each chunk out of data before it is hashed and
+// compressed, so that what is hashed is what is stored even if another
+// process rewrites data meanwhile (a shared arena).
+func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, plan []chunkPlan, tensors []Tensor, base *dedupBase, private bool) ([]Chunk, []int64, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	r := &chunkReader{w: w, obj: obj, want: len(plan), queue: make(chan *pending, cap(w.bufs)), tensors: len(tensors)}
 	go func() {
-		r.err = w.produce(ctx, data, plan, tensors, base, r.queue)
+		r.err = w.produce(ctx, data, plan, tensors, base, private, r.queue)
 		close(r.queue) // publishes r.err to the reader
 	}()
 	err := w.b.Put(ctx, inJob(job, obj), r, -1)
@@ -229,7 +262,7 @@ func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, pl
 
 // produce starts one compression per chunk, in order, as buffers and CPU
 // slots allow, and queues them for the reader.
-func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, tensors []Tensor, base *dedupBase, queue chan<- *pending) error {
+func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, tensors []Tensor, base *dedupBase, private bool, queue chan<- *pending) error {
 	for _, cp := range plan {
 		var buf *chunkBuf
 		select {
@@ -242,7 +275,7 @@ func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, ten
 		w.cpu <- struct{}{}
 		go func() {
 			defer func() { <-w.cpu; close(p.done) }()
-			w.encode(data, p, tensors, base)
+			w.encode(data, p, tensors, base, private)
 		}()
 	}
 	return nil
@@ -347,9 +380,9 @@ func (r *chunkReader) drain() {
 // shrink is stored raw, and one that base holds is referenced (p.ref). With
 // codec.Auto the Selector picks the codec and learns from how long this
 // took and how well it shrank.
-func (w *Writer) encode(data []byte, p *pending, tensors []Tensor, base *dedupBase) {
+func (w *Writer) encode(data []byte, p *pending, tensors []Tensor, base *dedupBase, private bool) {
 	start := time.Now()
-	raw := gather(data, p.plan, &p.buf.gather)
+	raw := gather(data, p.plan, &p.buf.gather, private)
 	c := Chunk{RawOffset: p.plan.rawOffset, Raw: p.plan.raw, Hash: codec.FormatHash(codec.Hash(raw))}
 	p.nonFinite = countChunk(p.plan, raw, tensors)
 	if w.opts.Incremental {
@@ -414,9 +447,9 @@ func (m *storageMeter) stop() {
 }
 
 // gather returns the chunk's bytes: a slice of data when they are
-// contiguous (the usual case), else a copy into *buf.
-func gather(data []byte, cp chunkPlan, buf *[]byte) []byte {
-	if len(cp.spans) == 1 {
+// contiguous (the usual case) and not private, else a copy into *buf.
+func gather(data []byte, cp chunkPlan, buf *[]byte, private bool) []byte {
+	if len(cp.spans) == 1 && !private {
 		s := cp.spans[0]
 		return data[s.off : s.off+s.n]
 	}

@@ -23,21 +23,39 @@ func Hash(b []byte) uint64 { return xxh3.Hash(b) }
 const copyBlock = 128 << 10
 
 // CopyHash copies src into dst (which must be as long) and returns the
-// XXH3-64 digest of src, as Hash would: one pass over memory for what a
-// Hash then a copy read twice.
+// XXH3-64 digest of what it copied, read back from dst while it is in
+// cache: one pass over memory for what a Hash then a copy read twice. The
+// digest describes dst even if src changes meanwhile (another process
+// writing shared memory), so a copy can be trusted by its hash.
 func CopyHash(dst, src []byte) uint64 {
 	if len(src) <= copyBlock {
 		copy(dst, src)
-		return xxh3.Hash(src)
+		return xxh3.Hash(dst[:len(src)])
 	}
 	h := xxh3.New()
 	for off := 0; off < len(src); off += copyBlock {
-		b := src[off:min(off+copyBlock, len(src))]
-		_, _ = h.Write(b)
-		copy(dst[off:], b)
+		end := min(off+copyBlock, len(src))
+		copy(dst[off:end], src[off:end])
+		_, _ = h.Write(dst[off:end])
 	}
 	return h.Sum64()
 }
+
+// Hasher is a streaming XXH3-64, whose Sum64 equals Hash of what it was
+// written.
+type Hasher struct{ h *xxh3.Hasher }
+
+// NewHasher returns an empty Hasher.
+func NewHasher() *Hasher { return &Hasher{h: xxh3.New()} }
+
+// Write adds b.
+func (h *Hasher) Write(b []byte) { _, _ = h.h.Write(b) }
+
+// Sum64 is the digest of what was written.
+func (h *Hasher) Sum64() uint64 { return h.h.Sum64() }
+
+// Reset empties h.
+func (h *Hasher) Reset() { h.h.Reset() }
 
 // FormatHash writes h in the manifest form "xxh3:" + 16 lowercase hex digits.
 func FormatHash(h uint64) string {

@@ -1,0 +1,94 @@
+package checkpoint
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"reflect"
+	"testing"
+
+	"github.com/ckptd/ckptd/checkpoint/codec"
+	"github.com/ckptd/ckptd/checkpoint/dtype"
+)
+
+// randomLayout is a table of tensors of mixed dtypes and sizes (some
+// empty) with gaps between them, and a region holding a byte pattern.
+func randomLayout(t *testing.T, r *rand.Rand) (*Layout, []byte) {
+	t.Helper()
+	var ts []Tensor
+	var off int64
+	for i := range 1 + r.IntN(20) {
+		dt := []dtype.DType{dtype.F32, dtype.BF16, dtype.U8}[r.IntN(3)]
+		n := int64(r.IntN(3)) * int64(r.IntN(30000)) // a third empty
+		n -= n % int64(dt.Size())
+		ts = append(ts, Tensor{Name: fmt.Sprintf("t%d", i), DType: dt, Shape: []int64{n / int64(dt.Size())}, Offset: off, Length: n})
+		off += n + int64(r.IntN(3))*8
+	}
+	l, err := NewLayout(ts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	region := make([]byte, l.RegionSize)
+	for i := range region {
+		region[i] = byte(r.Uint32())
+	}
+	return l, region
+}
+
+// The chunks a CopyCheck's ends describe are the writer's chunks, and a
+// RegionHasher fed the region in pieces of any size hashes each chunk of
+// the data space as a client does.
+func TestCopyCheckChunks(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	for i := range 200 {
+		l, region := randomLayout(t, r)
+		alone := []int64{0, 1024}[i%2]
+		ends := l.checkEnds(4096, alone)
+		if p, q := planEnds(l, ends), planChunks(l, 4096, alone); len(p)+len(q) > 0 && !reflect.DeepEqual(p, q) {
+			t.Fatalf("layout %d: planEnds differs from planChunks:\n%+v\n%+v", i, p, q)
+		}
+		data := make([]byte, l.DataSize)
+		l.Pack(region, data)
+		var want []uint64
+		var start int64
+		for _, e := range ends {
+			want = append(want, codec.Hash(data[start:e]))
+			start = e
+		}
+		h := NewRegionHasher(l, ends)
+		for rest := region; len(rest) > 0; {
+			n := min(len(rest), 1+r.IntN(9000))
+			_, _ = h.Write(rest[:n])
+			rest = rest[n:]
+		}
+		got, err := h.Sums()
+		if err != nil || !reflect.DeepEqual(got, want) && len(want) > 0 {
+			t.Fatalf("layout %d: region hashes %v, %v; want %v", i, got, err, want)
+		}
+		c := &CopyCheck{Ends: ends, Hashes: want}
+		if err := c.Validate(l, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// Ends that do not cut the data space into chunks, and hashes that do not
+// fit them, are refused.
+func TestCopyCheckValidate(t *testing.T) {
+	l, err := NewLayout([]Tensor{{Name: "a", DType: dtype.U8, Shape: []int64{10000}, Length: 10000}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		ends   []int64
+		hashes int
+	}{
+		{nil, 0}, {[]int64{5000}, 1}, {[]int64{5000, 5000, 10000}, 3}, {[]int64{-1, 10000}, 2},
+		{[]int64{10000, 20000}, 2}, {[]int64{10000}, 0}, {[]int64{10000}, 2},
+	} {
+		c := &CopyCheck{Ends: tc.ends, Hashes: make([]uint64, tc.hashes)}
+		if err := c.Validate(l, true); !errors.Is(err, ErrInvalid) {
+			t.Errorf("ends %v with %d hashes: %v", tc.ends, tc.hashes, err)
+		}
+	}
+}
