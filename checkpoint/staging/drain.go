@@ -122,7 +122,7 @@ func (mgr *Manager) drain(l *lease) {
 	start := time.Now()
 	sh := &checkpoint.Shard{
 		Target: l.target, Layout: l.layout, Metadata: l.metadata,
-		Data: mgr.bytesOf(l),
+		Data: mgr.bytesOf(l), Check: l.copyCheck,
 	}
 	m, reused, err := mgr.writeRetrying(sh)
 	switch {
@@ -131,9 +131,17 @@ func (mgr *Manager) drain(l *lease) {
 	case errors.Is(err, errAbandoned):
 		mgr.log.Warn("drain abandoned at shutdown; save stays journaled", "target", l.target)
 	default:
-		mgr.log.Error("save refused", "target", l.target, "err", err)
-		mgr.endDrain(l, StateFailed, err)
+		mgr.refuse(l, err)
 	}
+}
+
+// refuse ends a save that can never be stored.
+func (mgr *Manager) refuse(l *lease, err error) {
+	mgr.log.Error("save refused", "target", l.target, "err", err)
+	if errors.Is(err, checkpoint.ErrStagedChanged) {
+		mgr.m.failed("copy_check")
+	}
+	mgr.endDrain(l, StateFailed, err)
 }
 
 // removeTemporaries removes what the dead process's write of a replayed

@@ -134,7 +134,7 @@ func TestPartialRestore(t *testing.T) {
 			data[i] = byte(i * 7)
 		}
 		want := bytes.Clone(data)
-		if _, _, err := mgr.CommitSave(Owner{}, info.ID, nil); err != nil {
+		if _, _, err := mgr.CommitSave(Owner{}, info.ID, nil, nil); err != nil {
 			t.Fatal(err)
 		}
 		settled(t, mgr, tg)

@@ -72,7 +72,8 @@ type lease struct {
 	unmap      func()
 	spillBytes int64
 	check      *precheck // a save's look at storage for its step's commit record
-	cost       int64     // charged to TableBudget
+	copyCheck  *checkpoint.CopyCheck
+	cost       int64 // charged to TableBudget
 	begun      time.Time
 	expires    time.Time
 }
@@ -82,10 +83,17 @@ type LeaseInfo struct {
 	ID     string
 	Offset int64
 	Length int64
+	// CheckEnds, for a save when the Manager checks copies, are the
+	// data-space ends of the chunks whose hashes CommitSave needs.
+	CheckEnds []int64
 }
 
 func (l *lease) info() LeaseInfo {
-	return LeaseInfo{ID: l.id, Offset: l.region.Offset, Length: l.size}
+	i := LeaseInfo{ID: l.id, Offset: l.region.Offset, Length: l.size}
+	if l.copyCheck != nil {
+		i.CheckEnds = l.copyCheck.Ends
+	}
+	return i
 }
 
 // newLeaseID returns 128 random bits: a lease id is a capability, so it
@@ -369,7 +377,7 @@ func (t *leaseTable) charge(l *lease, n int64) error {
 // book charges l's table and metadata whatever the budget: l is a save
 // recovered from the journal, acknowledged already.
 func (t *leaseTable) book(l *lease) {
-	l.cost = tableCost(l.layout) + int64(len(l.metadata))
+	l.cost = tableCost(l) + int64(len(l.metadata))
 	t.tables += l.cost
 	t.gauge.Set(float64(t.tables))
 }

@@ -62,6 +62,12 @@ type ManagerConfig struct {
 	// fails for room only when the spill is full too.
 	SpillDir   string
 	SpillBytes int64
+	// CheckCopies asks every client that copies into the arena for the
+	// hashes of what it copied (checkpoint.CopyCheck), and stores a save
+	// only if its bytes still hash the same when they drain: set when other
+	// users may write the arena (the daemon's --socket-group), so that one
+	// cannot forge another's save.
+	CheckCopies bool
 }
 
 // The ManagerConfig defaults; the daemon's flags default to them too.

@@ -129,7 +129,7 @@ func saveBytesTo(t *testing.T, mgr *Manager, a arenaBytes, tg checkpoint.Target,
 		t.Fatal(err)
 	}
 	copy(a.Bytes()[info.Offset:], data)
-	if _, _, err := mgr.CommitSave(Owner{}, info.ID, nil); err != nil {
+	if _, _, err := mgr.CommitSave(Owner{}, info.ID, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -186,13 +186,13 @@ func TestOwnerGoneReleases(t *testing.T) {
 	if err != nil {
 		t.Fatalf("re-save after the dead client's lease was released: %v", err)
 	}
-	if _, _, err := mgr.CommitSave(o, info.ID, nil); !errors.Is(err, ErrUnknownLease) {
+	if _, _, err := mgr.CommitSave(o, info.ID, nil, nil); !errors.Is(err, ErrUnknownLease) {
 		t.Fatalf("commit of another connection's lease: %v", err)
 	}
 	if err := mgr.AbortSave(Owner{}, info.ID); !errors.Is(err, ErrUnknownLease) {
 		t.Fatalf("abort of another connection's lease: %v", err)
 	}
-	if _, _, err := mgr.CommitSave(other, info.ID, nil); err != nil {
+	if _, _, err := mgr.CommitSave(other, info.ID, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	// A lease granted to an owner already gone is dropped at once.
@@ -216,7 +216,7 @@ func TestExpiredLeaseFenced(t *testing.T) {
 		defer mgr.mu.Unlock()
 		return mgr.leases.byID[info.ID] == nil
 	})
-	if _, _, err := mgr.CommitSave(o, info.ID, nil); !errors.Is(err, ErrUnknownLease) {
+	if _, _, err := mgr.CommitSave(o, info.ID, nil, nil); !errors.Is(err, ErrUnknownLease) {
 		t.Fatalf("commit of an expired lease: %v", err)
 	}
 	if mgr.arena.Used() == 0 {

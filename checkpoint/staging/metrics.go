@@ -193,7 +193,8 @@ func (m *Metrics) failed(op string) {
 }
 
 // ErrorCounts returns the errors counted so far by operation (drain,
-// commit, restore, alloc, journal), as ckptd_errors_total has them.
+// commit, restore, alloc, journal, copy_check), as ckptd_errors_total has
+// them.
 func (m *Metrics) ErrorCounts() map[string]uint64 {
 	m.mu.Lock()
 	defer m.mu.Unlock()

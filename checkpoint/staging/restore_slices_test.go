@@ -48,7 +48,7 @@ func TestSliceAndHeaderRestore(t *testing.T) {
 			data[i] = byte(i * 7)
 		}
 		want := bytes.Clone(data)
-		if _, _, err := mgr.CommitSave(Owner{}, info.ID, []byte("md")); err != nil {
+		if _, _, err := mgr.CommitSave(Owner{}, info.ID, []byte("md"), nil); err != nil {
 			t.Fatal(err)
 		}
 		settled(t, mgr, tg)

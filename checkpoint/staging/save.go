@@ -30,6 +30,9 @@ func (mgr *Manager) BeginSave(ctx context.Context, o Owner, t checkpoint.Target,
 		return LeaseInfo{}, err
 	}
 	l := &lease{id: newLeaseID(), kind: saveLease, size: layout.RegionSize, target: t, layout: layout, begun: start}
+	if mgr.cfg.CheckCopies {
+		l.copyCheck = &checkpoint.CopyCheck{Ends: mgr.w.CheckEnds(layout)}
+	}
 	if err := mgr.seenCommitted(t); err != nil {
 		return LeaseInfo{}, err
 	}
@@ -93,7 +96,7 @@ func (mgr *Manager) reserveSave(l *lease) error {
 	if state, ok := mgr.saves.unsettled(k); ok {
 		return &InProgressError{Target: t, State: state}
 	}
-	if err := mgr.leases.charge(l, tableCost(l.layout)); err != nil {
+	if err := mgr.leases.charge(l, tableCost(l)); err != nil {
 		return err
 	}
 	mgr.saves.setWorld(k, StateStaging, nil, t.WorldSize)
@@ -102,11 +105,15 @@ func (mgr *Manager) reserveSave(l *lease) error {
 
 // tableCost estimates the memory a lease's tensor table holds while the
 // save is open: the region and packed tables (which share names and
-// shapes), and the journal entry in shared memory.
-func tableCost(l *checkpoint.Layout) int64 {
+// shapes), its copy check, and the journal entry in shared memory.
+func tableCost(ls *lease) int64 {
+	l := ls.layout
 	n := int64(512)
 	for _, t := range l.Region {
 		n += 256 + 2*int64(len(t.Name)) + 24*int64(len(t.Shape))
+	}
+	if ls.copyCheck != nil { // ends and hashes, in memory and as JSON
+		n += 64 * int64(len(ls.copyCheck.Ends))
 	}
 	return n
 }
@@ -185,8 +192,9 @@ func (mgr *Manager) precheckResult(c *precheck) error {
 
 // CommitSave accepts a filled region: once it returns, the save is
 // journaled in shared memory and will become durable even if the daemon
-// crashes.
-func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (checkpoint.Target, int64, error) {
+// crashes. hashes are the client's hashes of the chunks it copied, one
+// per LeaseInfo.CheckEnds: required when the lease has them, else unused.
+func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte, hashes []uint64) (checkpoint.Target, int64, error) {
 	if len(metadata) > MaxMetadata {
 		return checkpoint.Target{}, 0, fmt.Errorf("%w: metadata is %d bytes, more than %d", checkpoint.ErrInvalid, len(metadata), MaxMetadata)
 	}
@@ -211,6 +219,10 @@ func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (checkpoint.
 	if mgr.leases.lookup(id, o) != l || l.committed {
 		mgr.mu.Unlock()
 		return checkpoint.Target{}, 0, unknown
+	}
+	if err := l.checkHashes(hashes); err != nil {
+		mgr.mu.Unlock()
+		return checkpoint.Target{}, 0, err
 	}
 	if err := mgr.leases.charge(l, int64(len(metadata))); err != nil {
 		mgr.mu.Unlock()
@@ -242,6 +254,19 @@ func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte) (checkpoint.
 	return l.target, l.layout.DataSize, nil
 }
 
+// checkHashes takes the client's copy check hashes for l, if it needs them.
+func (l *lease) checkHashes(hashes []uint64) error {
+	if l.copyCheck == nil {
+		return nil
+	}
+	c := &checkpoint.CopyCheck{Ends: l.copyCheck.Ends, Hashes: hashes}
+	if err := c.Validate(l.layout, true); err != nil {
+		return err
+	}
+	l.copyCheck = c
+	return nil
+}
+
 // AbortSave gives back an uncommitted save lease.
 func (mgr *Manager) AbortSave(o Owner, id string) error {
 	mgr.mu.Lock()
@@ -263,11 +288,17 @@ func (mgr *Manager) SaveFrom(ctx context.Context, o Owner, t checkpoint.Target, 
 		return checkpoint.Target{}, 0, err
 	}
 	region := mgr.arena.Bytes()[info.Offset : info.Offset+info.Length]
-	if err := readExactly(r, region); err != nil {
+	var hashes []uint64
+	if info.CheckEnds == nil {
+		err = readExactly(r, region)
+	} else {
+		hashes, err = readHashing(r, region, tensors, info.CheckEnds)
+	}
+	if err != nil {
 		_ = mgr.AbortSave(o, info.ID)
 		return checkpoint.Target{}, 0, err
 	}
-	return mgr.CommitSave(o, info.ID, metadata)
+	return mgr.CommitSave(o, info.ID, metadata, hashes)
 }
 
 // readExactly fills dst from r and requires r to end there.
@@ -275,9 +306,38 @@ func readExactly(r io.Reader, dst []byte) error {
 	if _, err := io.ReadFull(r, dst); err != nil {
 		return fmt.Errorf("%w: stream ended before the %d bytes the tensor table needs: %v", checkpoint.ErrInvalid, len(dst), err)
 	}
+	return readEnd(r, len(dst))
+}
+
+// readHashing is readExactly into a shared region for a save whose copy is
+// checked: the daemon is the client that copies, so it hashes the stream
+// on its way in (through a buffer of its own), never the shared region.
+func readHashing(r io.Reader, dst []byte, tensors []checkpoint.Tensor, ends []int64) ([]uint64, error) {
+	layout, err := checkpoint.NewLayout(tensors)
+	if err != nil {
+		return nil, err
+	}
+	h := checkpoint.NewRegionHasher(layout, ends)
+	buf := make([]byte, min(len(dst), 1<<20))
+	for off := 0; off < len(dst); {
+		n, err := io.ReadFull(r, buf[:min(len(buf), len(dst)-off)])
+		if err != nil {
+			return nil, fmt.Errorf("%w: stream ended before the %d bytes the tensor table needs: %v", checkpoint.ErrInvalid, len(dst), err)
+		}
+		_, _ = h.Write(buf[:n])
+		off += copy(dst[off:], buf[:n])
+	}
+	if err := readEnd(r, len(dst)); err != nil {
+		return nil, err
+	}
+	return h.Sums()
+}
+
+// readEnd requires r to end after the n bytes read.
+func readEnd(r io.Reader, n int) error {
 	var one [1]byte
-	if n, _ := r.Read(one[:]); n > 0 {
-		return fmt.Errorf("%w: stream is longer than the %d bytes the tensor table needs", checkpoint.ErrInvalid, len(dst))
+	if got, _ := r.Read(one[:]); got > 0 {
+		return fmt.Errorf("%w: stream is longer than the %d bytes the tensor table needs", checkpoint.ErrInvalid, n)
 	}
 	return nil
 }
@@ -291,13 +351,15 @@ type journalEntry struct {
 	Tensors  []checkpoint.Tensor `json:"tensors"` // region-relative
 	Metadata []byte              `json:"metadata"`
 	StagedAt time.Time           `json:"staged_at"`
+	// Check is the client's copy check, when the daemon asked for one.
+	Check *checkpoint.CopyCheck `json:"copy_check,omitempty"`
 }
 
 // journalEntry encodes l's journal entry.
 func (mgr *Manager) journalEntry(l *lease) ([]byte, error) {
 	return json.Marshal(journalEntry{ // the entry's id is the lease id
 		Lease: l.id, Offset: l.region.Offset, Length: l.region.Length, Target: l.target,
-		Tensors: l.layout.Region, Metadata: l.metadata, StagedAt: l.begun.UTC(),
+		Tensors: l.layout.Region, Metadata: l.metadata, StagedAt: l.begun.UTC(), Check: l.copyCheck,
 	})
 }
 
@@ -374,9 +436,14 @@ func (mgr *Manager) leaseFromEntry(data []byte, reserve bool) (*lease, error) {
 	if err != nil {
 		return nil, err
 	}
+	if e.Check != nil {
+		if err := e.Check.Validate(layout, true); err != nil {
+			return nil, err
+		}
+	}
 	l := &lease{
 		id: e.Lease, kind: saveLease, target: e.Target, layout: layout,
-		metadata: e.Metadata, committed: true, begun: e.StagedAt,
+		metadata: e.Metadata, committed: true, begun: e.StagedAt, copyCheck: e.Check,
 	}
 	l.region.Offset, l.region.Length, l.size = e.Offset, e.Length, layout.RegionSize
 	if err := layout.CheckRegion(l.region.Length); err != nil {

@@ -2,6 +2,7 @@ package staging
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -24,7 +25,11 @@ import (
 func (mgr *Manager) keepInMemory(l *lease) bool {
 	t := l.target
 	start := time.Now()
-	m, data, release, err := mgr.tiers.HoldInMemory(t, l.layout, mgr.bytesOf(l), l.metadata, mgr.w.Options().ChunkSize)
+	m, data, release, err := mgr.tiers.HoldInMemory(t, l.layout, mgr.bytesOf(l), l.metadata, mgr.w.Options().ChunkSize, l.copyCheck)
+	if errors.Is(err, checkpoint.ErrStagedChanged) {
+		mgr.refuse(l, err)
+		return true
+	}
 	if err != nil {
 		mgr.log.Warn(err.Error()+"; persisting a step the persistence policy would keep in memory, with its other ranks", "target", t)
 		mgr.tiers.PersistInstead(t)

@@ -258,8 +258,10 @@ func (t *Tiers) persistHeld(job string, step int64, attempt string) {
 // tier: packed from its staging region, with a memory manifest (chunks of
 // chunkSize). It fails, leaving the save to the drain, when the hot tier
 // cannot hold it: such a save is persisted rather than lost. Held, it
-// comes pinned: call release when done with data.
-func (t *Tiers) HoldInMemory(target checkpoint.Target, layout *checkpoint.Layout, region, metadata []byte, chunkSize int64) (m *checkpoint.Manifest, data []byte, release func(), err error) {
+// comes pinned: call release when done with data. With a check (the
+// client's hashes of what it copied) it holds the save only if its copy
+// hashes the same, and fails with checkpoint.ErrStagedChanged otherwise.
+func (t *Tiers) HoldInMemory(target checkpoint.Target, layout *checkpoint.Layout, region, metadata []byte, chunkSize int64, check *checkpoint.CopyCheck) (m *checkpoint.Manifest, data []byte, release func(), err error) {
 	if layout.DataSize > t.cfg.HotBytes {
 		return nil, nil, nil, budget.Wrap(fmt.Errorf("%w: the shard is larger than the hot tier", ErrNoRoom), budget.HotTier)
 	}
@@ -268,7 +270,12 @@ func (t *Tiers) HoldInMemory(target checkpoint.Target, layout *checkpoint.Layout
 		return nil, nil, nil, budget.Wrap(fmt.Errorf("%w: what the hot tier holds is being read, or is the only copy of newer steps kept in memory", ErrNoRoom), budget.HotTier)
 	}
 	layout.Pack(region, data)
-	m = checkpoint.MemoryManifest(target, layout, metadata, data, chunkSize)
+	if check == nil {
+		m = checkpoint.MemoryManifest(target, layout, metadata, data, chunkSize)
+	} else if m, err = checkpoint.CheckedMemoryManifest(target, layout, metadata, data, check); err != nil {
+		t.hot.giveBack(data)
+		return nil, nil, nil, err
+	}
 	release, err = t.hot.insert(m, data, hotFlags{memory: true, origin: true})
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("%w: %s: %w", ErrNoRoom, keyOf(m), err)

@@ -297,8 +297,9 @@ func (d *Daemon) startManager(context.Context) error {
 	mgr, err := staging.NewManager(server.CheckpointArena(d.a), d.b, staging.ManagerConfig{
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: o.TableBytes, ReuseFence: o.ReuseFence,
 		Drains: o.Drains, Restores: o.Restores, DrainDelay: o.DrainDelay, SpillDir: o.SpillDir, SpillBytes: o.SpillBytes, Logger: d.log, Metrics: staging.NewMetrics(d.reg),
-		Tiers:  tiers.Config{HotBytes: o.HotBytes, HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, PersistInterval: o.PersistInterval, Peers: replicas},
-		Writer: checkpoint.WriterOptions{ChunkSize: o.ChunkSize, Codec: d.codec, Workers: o.Workers, SpreadData: o.SpreadData, Incremental: o.Incremental},
+		CheckCopies: o.SocketGroup != "", // other users can write the arena
+		Tiers:       tiers.Config{HotBytes: o.HotBytes, HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, PersistInterval: o.PersistInterval, Peers: replicas},
+		Writer:      checkpoint.WriterOptions{ChunkSize: o.ChunkSize, Codec: d.codec, Workers: o.Workers, SpreadData: o.SpreadData, Incremental: o.Incremental},
 	})
 	if err != nil {
 		return err

@@ -43,11 +43,19 @@ func (s *Checkpoint) BeginSave(ctx context.Context, req *pb.BeginSaveRequest) (*
 	if err != nil {
 		return nil, toStatus(err)
 	}
-	return &pb.BeginSaveResponse{Lease: s.toLease(lease)}, nil
+	resp := &pb.BeginSaveResponse{Lease: s.toLease(lease)}
+	if lease.CheckEnds != nil {
+		ends := make([]uint64, len(lease.CheckEnds))
+		for i, e := range lease.CheckEnds {
+			ends[i] = uint64(e)
+		}
+		resp.CopyCheck = &pb.CopyCheck{ChunkEnds: ends}
+	}
+	return resp, nil
 }
 
 func (s *Checkpoint) CommitSave(ctx context.Context, req *pb.CommitSaveRequest) (*pb.CommitSaveResponse, error) {
-	t, n, err := s.mgr.CommitSave(owner(ctx), req.GetLeaseId(), req.GetMetadata())
+	t, n, err := s.mgr.CommitSave(owner(ctx), req.GetLeaseId(), req.GetMetadata(), req.GetChunkHashes())
 	if err != nil {
 		return nil, toStatus(err)
 	}

@@ -7,6 +7,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/zeebo/xxh3"
+
 	"github.com/ckptd/ckptd/checkpoint/attempt"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
@@ -90,12 +92,55 @@ func (c *Client) save(ctx context.Context, req *SaveRequest) (*SaveHandle, error
 	for i, t := range req.Tensors {
 		copy(region[table[i].Offset:], t.Data)
 	}
-	cr, err := c.api.CommitSave(ctx, &pb.CommitSaveRequest{LeaseId: lease.GetId(), Metadata: req.Metadata})
+	commit := &pb.CommitSaveRequest{LeaseId: lease.GetId(), Metadata: req.Metadata}
+	if check := resp.GetCopyCheck(); check != nil {
+		commit.ChunkHashes, err = copyHashes(req.Tensors, check.GetChunkEnds())
+	}
+	var cr *pb.CommitSaveResponse
+	if err == nil {
+		cr, err = c.api.CommitSave(ctx, commit)
+		err = c.wrapIf(err)
+	}
 	if err != nil {
 		_, _ = c.api.AbortSave(context.WithoutCancel(ctx), &pb.AbortSaveRequest{LeaseId: lease.GetId()})
-		return nil, c.wrap(err)
+		return nil, err
 	}
 	return c.handle(cr.GetTarget()), nil
+}
+
+// wrapIf is wrap for an error that may be nil.
+func (c *Client) wrapIf(err error) error {
+	if err == nil {
+		return nil
+	}
+	return c.wrap(err)
+}
+
+// copyHashes answers a daemon that shares its arena with other users
+// (CopyCheck in the proto): the XXH3-64 of each chunk of the data space
+// that ends cuts, hashed from the caller's tensors, never from the shared
+// region that others could rewrite meanwhile.
+func copyHashes(ts []Tensor, ends []uint64) ([]uint64, error) {
+	out := make([]uint64, 0, len(ends))
+	h := xxh3.New()
+	var pos uint64 // data-space offset of ts[i].Data[j]
+	i, j := 0, 0
+	for _, end := range ends {
+		for pos < end {
+			for i < len(ts) && j == len(ts[i].Data) {
+				i, j = i+1, 0
+			}
+			if i == len(ts) {
+				return nil, fmt.Errorf("%w: the daemon's copy check covers %d bytes, more than the save's", ErrInvalid, end)
+			}
+			n := min(uint64(len(ts[i].Data)-j), end-pos)
+			_, _ = h.Write(ts[i].Data[j : j+int(n)])
+			j, pos = j+int(n), pos+n
+		}
+		out = append(out, h.Sum64())
+		h.Reset()
+	}
+	return out, nil
 }
 
 func (c *Client) handle(t *pb.SaveTarget) *SaveHandle {

@@ -634,8 +634,12 @@ func (x *Lease) GetArenaId() string {
 }
 
 type BeginSaveResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Lease         *Lease                 `protobuf:"bytes,1,opt,name=lease,proto3" json:"lease,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Lease *Lease                 `protobuf:"bytes,1,opt,name=lease,proto3" json:"lease,omitempty"`
+	// Set when the daemon's arena is shared with other users (serve
+	// --socket-group): the client must hash what it copies, and CommitSave
+	// carries the hashes. See CopyCheck.
+	CopyCheck     *CopyCheck `protobuf:"bytes,2,opt,name=copy_check,json=copyCheck,proto3" json:"copy_check,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -677,19 +681,79 @@ func (x *BeginSaveResponse) GetLease() *Lease {
 	return nil
 }
 
+func (x *BeginSaveResponse) GetCopyCheck() *CopyCheck {
+	if x != nil {
+		return x.CopyCheck
+	}
+	return nil
+}
+
+// CopyCheck cuts the save's data space (its tensors' bytes back to back,
+// in the order of their region offsets) into chunks: chunk i is the bytes
+// [chunk_ends[i-1], chunk_ends[i]), chunk 0 starting at 0. The client
+// hashes each chunk with XXH3-64 (seed 0) from its own memory, not from
+// the shared region, and sends the hashes in CommitSaveRequest. The daemon
+// stores the save only if the bytes it reads back at drain hash the same,
+// so no other user of the arena can forge the save.
+type CopyCheck struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ChunkEnds     []uint64               `protobuf:"varint,1,rep,packed,name=chunk_ends,json=chunkEnds,proto3" json:"chunk_ends,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CopyCheck) Reset() {
+	*x = CopyCheck{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CopyCheck) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CopyCheck) ProtoMessage() {}
+
+func (x *CopyCheck) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CopyCheck.ProtoReflect.Descriptor instead.
+func (*CopyCheck) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *CopyCheck) GetChunkEnds() []uint64 {
+	if x != nil {
+		return x.ChunkEnds
+	}
+	return nil
+}
+
 type CommitSaveRequest struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	LeaseId string                 `protobuf:"bytes,1,opt,name=lease_id,json=leaseId,proto3" json:"lease_id,omitempty"`
 	// Opaque trainer metadata (data-loader position, RNG state), stored in
 	// the manifest and returned by restore.
-	Metadata      []byte `protobuf:"bytes,2,opt,name=metadata,proto3" json:"metadata,omitempty"`
+	Metadata []byte `protobuf:"bytes,2,opt,name=metadata,proto3" json:"metadata,omitempty"`
+	// One XXH3-64 per chunk of BeginSaveResponse.copy_check, when it was set.
+	ChunkHashes   []uint64 `protobuf:"fixed64,3,rep,packed,name=chunk_hashes,json=chunkHashes,proto3" json:"chunk_hashes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *CommitSaveRequest) Reset() {
 	*x = CommitSaveRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[7]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -701,7 +765,7 @@ func (x *CommitSaveRequest) String() string {
 func (*CommitSaveRequest) ProtoMessage() {}
 
 func (x *CommitSaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[7]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -714,7 +778,7 @@ func (x *CommitSaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitSaveRequest.ProtoReflect.Descriptor instead.
 func (*CommitSaveRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{7}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CommitSaveRequest) GetLeaseId() string {
@@ -731,6 +795,13 @@ func (x *CommitSaveRequest) GetMetadata() []byte {
 	return nil
 }
 
+func (x *CommitSaveRequest) GetChunkHashes() []uint64 {
+	if x != nil {
+		return x.ChunkHashes
+	}
+	return nil
+}
+
 type CommitSaveResponse struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Target *SaveTarget            `protobuf:"bytes,1,opt,name=target,proto3" json:"target,omitempty"`
@@ -742,7 +813,7 @@ type CommitSaveResponse struct {
 
 func (x *CommitSaveResponse) Reset() {
 	*x = CommitSaveResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[8]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -754,7 +825,7 @@ func (x *CommitSaveResponse) String() string {
 func (*CommitSaveResponse) ProtoMessage() {}
 
 func (x *CommitSaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[8]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -767,7 +838,7 @@ func (x *CommitSaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitSaveResponse.ProtoReflect.Descriptor instead.
 func (*CommitSaveResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{8}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *CommitSaveResponse) GetTarget() *SaveTarget {
@@ -793,7 +864,7 @@ type AbortSaveRequest struct {
 
 func (x *AbortSaveRequest) Reset() {
 	*x = AbortSaveRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[9]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -805,7 +876,7 @@ func (x *AbortSaveRequest) String() string {
 func (*AbortSaveRequest) ProtoMessage() {}
 
 func (x *AbortSaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[9]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -818,7 +889,7 @@ func (x *AbortSaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortSaveRequest.ProtoReflect.Descriptor instead.
 func (*AbortSaveRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{9}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *AbortSaveRequest) GetLeaseId() string {
@@ -836,7 +907,7 @@ type AbortSaveResponse struct {
 
 func (x *AbortSaveResponse) Reset() {
 	*x = AbortSaveResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[10]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -848,7 +919,7 @@ func (x *AbortSaveResponse) String() string {
 func (*AbortSaveResponse) ProtoMessage() {}
 
 func (x *AbortSaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[10]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -861,7 +932,7 @@ func (x *AbortSaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortSaveResponse.ProtoReflect.Descriptor instead.
 func (*AbortSaveResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{10}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{11}
 }
 
 type SaveStreamHeader struct {
@@ -875,7 +946,7 @@ type SaveStreamHeader struct {
 
 func (x *SaveStreamHeader) Reset() {
 	*x = SaveStreamHeader{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[11]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -887,7 +958,7 @@ func (x *SaveStreamHeader) String() string {
 func (*SaveStreamHeader) ProtoMessage() {}
 
 func (x *SaveStreamHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[11]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -900,7 +971,7 @@ func (x *SaveStreamHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveStreamHeader.ProtoReflect.Descriptor instead.
 func (*SaveStreamHeader) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{11}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *SaveStreamHeader) GetTarget() *SaveTarget {
@@ -937,7 +1008,7 @@ type SaveStreamRequest struct {
 
 func (x *SaveStreamRequest) Reset() {
 	*x = SaveStreamRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[12]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -949,7 +1020,7 @@ func (x *SaveStreamRequest) String() string {
 func (*SaveStreamRequest) ProtoMessage() {}
 
 func (x *SaveStreamRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[12]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -962,7 +1033,7 @@ func (x *SaveStreamRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveStreamRequest.ProtoReflect.Descriptor instead.
 func (*SaveStreamRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{12}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *SaveStreamRequest) GetMsg() isSaveStreamRequest_Msg {
@@ -1022,7 +1093,7 @@ type WaitSaveRequest struct {
 
 func (x *WaitSaveRequest) Reset() {
 	*x = WaitSaveRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[13]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1034,7 +1105,7 @@ func (x *WaitSaveRequest) String() string {
 func (*WaitSaveRequest) ProtoMessage() {}
 
 func (x *WaitSaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[13]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1047,7 +1118,7 @@ func (x *WaitSaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WaitSaveRequest.ProtoReflect.Descriptor instead.
 func (*WaitSaveRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{13}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *WaitSaveRequest) GetJob() string {
@@ -1107,7 +1178,7 @@ type WaitSaveResponse struct {
 
 func (x *WaitSaveResponse) Reset() {
 	*x = WaitSaveResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[14]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1119,7 +1190,7 @@ func (x *WaitSaveResponse) String() string {
 func (*WaitSaveResponse) ProtoMessage() {}
 
 func (x *WaitSaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[14]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1132,7 +1203,7 @@ func (x *WaitSaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WaitSaveResponse.ProtoReflect.Descriptor instead.
 func (*WaitSaveResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{14}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *WaitSaveResponse) GetState() SaveState {
@@ -1182,7 +1253,7 @@ type ListStepsRequest struct {
 
 func (x *ListStepsRequest) Reset() {
 	*x = ListStepsRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[15]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1194,7 +1265,7 @@ func (x *ListStepsRequest) String() string {
 func (*ListStepsRequest) ProtoMessage() {}
 
 func (x *ListStepsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[15]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1207,7 +1278,7 @@ func (x *ListStepsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListStepsRequest.ProtoReflect.Descriptor instead.
 func (*ListStepsRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{15}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ListStepsRequest) GetJob() string {
@@ -1250,7 +1321,7 @@ type StepInfo struct {
 
 func (x *StepInfo) Reset() {
 	*x = StepInfo{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[16]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1262,7 +1333,7 @@ func (x *StepInfo) String() string {
 func (*StepInfo) ProtoMessage() {}
 
 func (x *StepInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[16]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1275,7 +1346,7 @@ func (x *StepInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepInfo.ProtoReflect.Descriptor instead.
 func (*StepInfo) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{16}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *StepInfo) GetStep() int64 {
@@ -1350,7 +1421,7 @@ type ListStepsResponse struct {
 
 func (x *ListStepsResponse) Reset() {
 	*x = ListStepsResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[17]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1362,7 +1433,7 @@ func (x *ListStepsResponse) String() string {
 func (*ListStepsResponse) ProtoMessage() {}
 
 func (x *ListStepsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[17]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1375,7 +1446,7 @@ func (x *ListStepsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListStepsResponse.ProtoReflect.Descriptor instead.
 func (*ListStepsResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{17}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ListStepsResponse) GetSteps() []*StepInfo {
@@ -1414,7 +1485,7 @@ type BeginRestoreRequest struct {
 
 func (x *BeginRestoreRequest) Reset() {
 	*x = BeginRestoreRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[18]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1426,7 +1497,7 @@ func (x *BeginRestoreRequest) String() string {
 func (*BeginRestoreRequest) ProtoMessage() {}
 
 func (x *BeginRestoreRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[18]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1439,7 +1510,7 @@ func (x *BeginRestoreRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BeginRestoreRequest.ProtoReflect.Descriptor instead.
 func (*BeginRestoreRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{18}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *BeginRestoreRequest) GetJob() string {
@@ -1511,7 +1582,7 @@ type TensorSlice struct {
 
 func (x *TensorSlice) Reset() {
 	*x = TensorSlice{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[19]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1523,7 +1594,7 @@ func (x *TensorSlice) String() string {
 func (*TensorSlice) ProtoMessage() {}
 
 func (x *TensorSlice) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[19]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1536,7 +1607,7 @@ func (x *TensorSlice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TensorSlice.ProtoReflect.Descriptor instead.
 func (*TensorSlice) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{19}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *TensorSlice) GetName() string {
@@ -1587,7 +1658,7 @@ type RestoreHeader struct {
 
 func (x *RestoreHeader) Reset() {
 	*x = RestoreHeader{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[20]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1599,7 +1670,7 @@ func (x *RestoreHeader) String() string {
 func (*RestoreHeader) ProtoMessage() {}
 
 func (x *RestoreHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[20]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1612,7 +1683,7 @@ func (x *RestoreHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreHeader.ProtoReflect.Descriptor instead.
 func (*RestoreHeader) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{20}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RestoreHeader) GetStep() int64 {
@@ -1688,7 +1759,7 @@ type BeginRestoreResponse struct {
 
 func (x *BeginRestoreResponse) Reset() {
 	*x = BeginRestoreResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[21]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1700,7 +1771,7 @@ func (x *BeginRestoreResponse) String() string {
 func (*BeginRestoreResponse) ProtoMessage() {}
 
 func (x *BeginRestoreResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[21]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1713,7 +1784,7 @@ func (x *BeginRestoreResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BeginRestoreResponse.ProtoReflect.Descriptor instead.
 func (*BeginRestoreResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{21}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *BeginRestoreResponse) GetLease() *Lease {
@@ -1743,7 +1814,7 @@ type RestoreStreamResponse struct {
 
 func (x *RestoreStreamResponse) Reset() {
 	*x = RestoreStreamResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[22]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1755,7 +1826,7 @@ func (x *RestoreStreamResponse) String() string {
 func (*RestoreStreamResponse) ProtoMessage() {}
 
 func (x *RestoreStreamResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[22]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1768,7 +1839,7 @@ func (x *RestoreStreamResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreStreamResponse.ProtoReflect.Descriptor instead.
 func (*RestoreStreamResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{22}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *RestoreStreamResponse) GetMsg() isRestoreStreamResponse_Msg {
@@ -1821,7 +1892,7 @@ type ReleaseRegionRequest struct {
 
 func (x *ReleaseRegionRequest) Reset() {
 	*x = ReleaseRegionRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[23]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1833,7 +1904,7 @@ func (x *ReleaseRegionRequest) String() string {
 func (*ReleaseRegionRequest) ProtoMessage() {}
 
 func (x *ReleaseRegionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[23]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1846,7 +1917,7 @@ func (x *ReleaseRegionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRegionRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRegionRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{23}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ReleaseRegionRequest) GetLeaseId() string {
@@ -1864,7 +1935,7 @@ type ReleaseRegionResponse struct {
 
 func (x *ReleaseRegionResponse) Reset() {
 	*x = ReleaseRegionResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1876,7 +1947,7 @@ func (x *ReleaseRegionResponse) String() string {
 func (*ReleaseRegionResponse) ProtoMessage() {}
 
 func (x *ReleaseRegionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1889,7 +1960,7 @@ func (x *ReleaseRegionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRegionResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseRegionResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{24}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{25}
 }
 
 type OpenDatasetRequest struct {
@@ -1952,7 +2023,7 @@ type OpenDatasetRequest struct {
 
 func (x *OpenDatasetRequest) Reset() {
 	*x = OpenDatasetRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1964,7 +2035,7 @@ func (x *OpenDatasetRequest) String() string {
 func (*OpenDatasetRequest) ProtoMessage() {}
 
 func (x *OpenDatasetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1977,7 +2048,7 @@ func (x *OpenDatasetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenDatasetRequest.ProtoReflect.Descriptor instead.
 func (*OpenDatasetRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{25}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *OpenDatasetRequest) GetSource() string {
@@ -2099,7 +2170,7 @@ type MixtureSource struct {
 
 func (x *MixtureSource) Reset() {
 	*x = MixtureSource{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2111,7 +2182,7 @@ func (x *MixtureSource) String() string {
 func (*MixtureSource) ProtoMessage() {}
 
 func (x *MixtureSource) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2124,7 +2195,7 @@ func (x *MixtureSource) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MixtureSource.ProtoReflect.Descriptor instead.
 func (*MixtureSource) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{26}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *MixtureSource) GetSource() string {
@@ -2159,7 +2230,7 @@ type OpenDatasetResponse struct {
 
 func (x *OpenDatasetResponse) Reset() {
 	*x = OpenDatasetResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2171,7 +2242,7 @@ func (x *OpenDatasetResponse) String() string {
 func (*OpenDatasetResponse) ProtoMessage() {}
 
 func (x *OpenDatasetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2184,7 +2255,7 @@ func (x *OpenDatasetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenDatasetResponse.ProtoReflect.Descriptor instead.
 func (*OpenDatasetResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{27}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *OpenDatasetResponse) GetSession() string {
@@ -2211,7 +2282,7 @@ type NextBatchRequest struct {
 
 func (x *NextBatchRequest) Reset() {
 	*x = NextBatchRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2223,7 +2294,7 @@ func (x *NextBatchRequest) String() string {
 func (*NextBatchRequest) ProtoMessage() {}
 
 func (x *NextBatchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2236,7 +2307,7 @@ func (x *NextBatchRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NextBatchRequest.ProtoReflect.Descriptor instead.
 func (*NextBatchRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{28}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *NextBatchRequest) GetSession() string {
@@ -2266,7 +2337,7 @@ type SampleField struct {
 
 func (x *SampleField) Reset() {
 	*x = SampleField{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2278,7 +2349,7 @@ func (x *SampleField) String() string {
 func (*SampleField) ProtoMessage() {}
 
 func (x *SampleField) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2291,7 +2362,7 @@ func (x *SampleField) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SampleField.ProtoReflect.Descriptor instead.
 func (*SampleField) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{29}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *SampleField) GetName() string {
@@ -2325,7 +2396,7 @@ type Sample struct {
 
 func (x *Sample) Reset() {
 	*x = Sample{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2337,7 +2408,7 @@ func (x *Sample) String() string {
 func (*Sample) ProtoMessage() {}
 
 func (x *Sample) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2350,7 +2421,7 @@ func (x *Sample) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sample.ProtoReflect.Descriptor instead.
 func (*Sample) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{30}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *Sample) GetKey() string {
@@ -2386,7 +2457,7 @@ type PrefetchStats struct {
 
 func (x *PrefetchStats) Reset() {
 	*x = PrefetchStats{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2398,7 +2469,7 @@ func (x *PrefetchStats) String() string {
 func (*PrefetchStats) ProtoMessage() {}
 
 func (x *PrefetchStats) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2411,7 +2482,7 @@ func (x *PrefetchStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrefetchStats.ProtoReflect.Descriptor instead.
 func (*PrefetchStats) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{31}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *PrefetchStats) GetWaitStorageNs() int64 {
@@ -2492,7 +2563,7 @@ type NextBatchResponse struct {
 
 func (x *NextBatchResponse) Reset() {
 	*x = NextBatchResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2504,7 +2575,7 @@ func (x *NextBatchResponse) String() string {
 func (*NextBatchResponse) ProtoMessage() {}
 
 func (x *NextBatchResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2517,7 +2588,7 @@ func (x *NextBatchResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NextBatchResponse.ProtoReflect.Descriptor instead.
 func (*NextBatchResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{32}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *NextBatchResponse) GetLease() *Lease {
@@ -2571,7 +2642,7 @@ type CloseDatasetRequest struct {
 
 func (x *CloseDatasetRequest) Reset() {
 	*x = CloseDatasetRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2583,7 +2654,7 @@ func (x *CloseDatasetRequest) String() string {
 func (*CloseDatasetRequest) ProtoMessage() {}
 
 func (x *CloseDatasetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2596,7 +2667,7 @@ func (x *CloseDatasetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseDatasetRequest.ProtoReflect.Descriptor instead.
 func (*CloseDatasetRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{33}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *CloseDatasetRequest) GetSession() string {
@@ -2614,7 +2685,7 @@ type CloseDatasetResponse struct {
 
 func (x *CloseDatasetResponse) Reset() {
 	*x = CloseDatasetResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2626,7 +2697,7 @@ func (x *CloseDatasetResponse) String() string {
 func (*CloseDatasetResponse) ProtoMessage() {}
 
 func (x *CloseDatasetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2639,7 +2710,7 @@ func (x *CloseDatasetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseDatasetResponse.ProtoReflect.Descriptor instead.
 func (*CloseDatasetResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{34}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
 }
 
 type DatasetPositionRequest struct {
@@ -2652,7 +2723,7 @@ type DatasetPositionRequest struct {
 
 func (x *DatasetPositionRequest) Reset() {
 	*x = DatasetPositionRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2664,7 +2735,7 @@ func (x *DatasetPositionRequest) String() string {
 func (*DatasetPositionRequest) ProtoMessage() {}
 
 func (x *DatasetPositionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2677,7 +2748,7 @@ func (x *DatasetPositionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetPositionRequest.ProtoReflect.Descriptor instead.
 func (*DatasetPositionRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *DatasetPositionRequest) GetSession() string {
@@ -2705,7 +2776,7 @@ type DatasetPositionResponse struct {
 
 func (x *DatasetPositionResponse) Reset() {
 	*x = DatasetPositionResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2717,7 +2788,7 @@ func (x *DatasetPositionResponse) String() string {
 func (*DatasetPositionResponse) ProtoMessage() {}
 
 func (x *DatasetPositionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2730,7 +2801,7 @@ func (x *DatasetPositionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetPositionResponse.ProtoReflect.Descriptor instead.
 func (*DatasetPositionResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *DatasetPositionResponse) GetDelivered() []byte {
@@ -2755,7 +2826,7 @@ type GetStatusRequest struct {
 
 func (x *GetStatusRequest) Reset() {
 	*x = GetStatusRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2767,7 +2838,7 @@ func (x *GetStatusRequest) String() string {
 func (*GetStatusRequest) ProtoMessage() {}
 
 func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2780,7 +2851,7 @@ func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatusRequest.ProtoReflect.Descriptor instead.
 func (*GetStatusRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
 }
 
 type DaemonStatus struct {
@@ -2809,7 +2880,7 @@ type DaemonStatus struct {
 
 func (x *DaemonStatus) Reset() {
 	*x = DaemonStatus{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2821,7 +2892,7 @@ func (x *DaemonStatus) String() string {
 func (*DaemonStatus) ProtoMessage() {}
 
 func (x *DaemonStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2834,7 +2905,7 @@ func (x *DaemonStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DaemonStatus.ProtoReflect.Descriptor instead.
 func (*DaemonStatus) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *DaemonStatus) GetVersion() string {
@@ -2941,7 +3012,7 @@ type HotTier struct {
 
 func (x *HotTier) Reset() {
 	*x = HotTier{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2953,7 +3024,7 @@ func (x *HotTier) String() string {
 func (*HotTier) ProtoMessage() {}
 
 func (x *HotTier) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2966,7 +3037,7 @@ func (x *HotTier) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HotTier.ProtoReflect.Descriptor instead.
 func (*HotTier) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{39}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *HotTier) GetBytes() uint64 {
@@ -3006,7 +3077,7 @@ type ArenaUsage struct {
 
 func (x *ArenaUsage) Reset() {
 	*x = ArenaUsage{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3018,7 +3089,7 @@ func (x *ArenaUsage) String() string {
 func (*ArenaUsage) ProtoMessage() {}
 
 func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3031,7 +3102,7 @@ func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ArenaUsage.ProtoReflect.Descriptor instead.
 func (*ArenaUsage) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{40}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *ArenaUsage) GetSize() uint64 {
@@ -3096,7 +3167,7 @@ type SaveActivity struct {
 
 func (x *SaveActivity) Reset() {
 	*x = SaveActivity{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3108,7 +3179,7 @@ func (x *SaveActivity) String() string {
 func (*SaveActivity) ProtoMessage() {}
 
 func (x *SaveActivity) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3121,7 +3192,7 @@ func (x *SaveActivity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveActivity.ProtoReflect.Descriptor instead.
 func (*SaveActivity) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{41}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *SaveActivity) GetTarget() *SaveTarget {
@@ -3175,7 +3246,7 @@ type LeaseState struct {
 
 func (x *LeaseState) Reset() {
 	*x = LeaseState{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3187,7 +3258,7 @@ func (x *LeaseState) String() string {
 func (*LeaseState) ProtoMessage() {}
 
 func (x *LeaseState) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3200,7 +3271,7 @@ func (x *LeaseState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaseState.ProtoReflect.Descriptor instead.
 func (*LeaseState) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *LeaseState) GetIdPrefix() string {
@@ -3281,7 +3352,7 @@ type DatasetState struct {
 
 func (x *DatasetState) Reset() {
 	*x = DatasetState{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3293,7 +3364,7 @@ func (x *DatasetState) String() string {
 func (*DatasetState) ProtoMessage() {}
 
 func (x *DatasetState) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3306,7 +3377,7 @@ func (x *DatasetState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetState.ProtoReflect.Descriptor instead.
 func (*DatasetState) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *DatasetState) GetPeer() string {
@@ -3397,7 +3468,7 @@ type PersistRequest struct {
 
 func (x *PersistRequest) Reset() {
 	*x = PersistRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3409,7 +3480,7 @@ func (x *PersistRequest) String() string {
 func (*PersistRequest) ProtoMessage() {}
 
 func (x *PersistRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3422,7 +3493,7 @@ func (x *PersistRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PersistRequest.ProtoReflect.Descriptor instead.
 func (*PersistRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *PersistRequest) GetJob() string {
@@ -3454,7 +3525,7 @@ type PersistResponse struct {
 
 func (x *PersistResponse) Reset() {
 	*x = PersistResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3466,7 +3537,7 @@ func (x *PersistResponse) String() string {
 func (*PersistResponse) ProtoMessage() {}
 
 func (x *PersistResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3479,7 +3550,7 @@ func (x *PersistResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PersistResponse.ProtoReflect.Descriptor instead.
 func (*PersistResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{46}
 }
 
 type InventoryRequest struct {
@@ -3491,7 +3562,7 @@ type InventoryRequest struct {
 
 func (x *InventoryRequest) Reset() {
 	*x = InventoryRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3503,7 +3574,7 @@ func (x *InventoryRequest) String() string {
 func (*InventoryRequest) ProtoMessage() {}
 
 func (x *InventoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3516,7 +3587,7 @@ func (x *InventoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InventoryRequest.ProtoReflect.Descriptor instead.
 func (*InventoryRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{46}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *InventoryRequest) GetJob() string {
@@ -3551,7 +3622,7 @@ type HeldShard struct {
 
 func (x *HeldShard) Reset() {
 	*x = HeldShard{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3563,7 +3634,7 @@ func (x *HeldShard) String() string {
 func (*HeldShard) ProtoMessage() {}
 
 func (x *HeldShard) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3576,7 +3647,7 @@ func (x *HeldShard) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeldShard.ProtoReflect.Descriptor instead.
 func (*HeldShard) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{47}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *HeldShard) GetStep() int64 {
@@ -3651,7 +3722,7 @@ type InventoryResponse struct {
 
 func (x *InventoryResponse) Reset() {
 	*x = InventoryResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3663,7 +3734,7 @@ func (x *InventoryResponse) String() string {
 func (*InventoryResponse) ProtoMessage() {}
 
 func (x *InventoryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3676,7 +3747,7 @@ func (x *InventoryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InventoryResponse.ProtoReflect.Descriptor instead.
 func (*InventoryResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{48}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *InventoryResponse) GetShards() []*HeldShard {
@@ -3709,7 +3780,7 @@ type ReplicaHeader struct {
 
 func (x *ReplicaHeader) Reset() {
 	*x = ReplicaHeader{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3721,7 +3792,7 @@ func (x *ReplicaHeader) String() string {
 func (*ReplicaHeader) ProtoMessage() {}
 
 func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3734,7 +3805,7 @@ func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaHeader.ProtoReflect.Descriptor instead.
 func (*ReplicaHeader) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{49}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *ReplicaHeader) GetManifestSize() uint64 {
@@ -3817,7 +3888,7 @@ type ReplicaPiece struct {
 
 func (x *ReplicaPiece) Reset() {
 	*x = ReplicaPiece{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3829,7 +3900,7 @@ func (x *ReplicaPiece) String() string {
 func (*ReplicaPiece) ProtoMessage() {}
 
 func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3842,7 +3913,7 @@ func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaPiece.ProtoReflect.Descriptor instead.
 func (*ReplicaPiece) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{50}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *ReplicaPiece) GetHeader() *ReplicaHeader {
@@ -3867,7 +3938,7 @@ type PutReplicaResponse struct {
 
 func (x *PutReplicaResponse) Reset() {
 	*x = PutReplicaResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3879,7 +3950,7 @@ func (x *PutReplicaResponse) String() string {
 func (*PutReplicaResponse) ProtoMessage() {}
 
 func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3892,7 +3963,7 @@ func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutReplicaResponse.ProtoReflect.Descriptor instead.
 func (*PutReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{51}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{52}
 }
 
 type GetReplicaRequest struct {
@@ -3911,7 +3982,7 @@ type GetReplicaRequest struct {
 
 func (x *GetReplicaRequest) Reset() {
 	*x = GetReplicaRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[52]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3923,7 +3994,7 @@ func (x *GetReplicaRequest) String() string {
 func (*GetReplicaRequest) ProtoMessage() {}
 
 func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[52]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3936,7 +4007,7 @@ func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReplicaRequest.ProtoReflect.Descriptor instead.
 func (*GetReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{52}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *GetReplicaRequest) GetJob() string {
@@ -4008,12 +4079,18 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x04R\x06offset\x12\x16\n" +
 	"\x06length\x18\x03 \x01(\x04R\x06length\x12\x19\n" +
-	"\barena_id\x18\x04 \x01(\tR\aarenaId\":\n" +
+	"\barena_id\x18\x04 \x01(\tR\aarenaId\"n\n" +
 	"\x11BeginSaveResponse\x12%\n" +
-	"\x05lease\x18\x01 \x01(\v2\x0f.ckptd.v1.LeaseR\x05lease\"J\n" +
+	"\x05lease\x18\x01 \x01(\v2\x0f.ckptd.v1.LeaseR\x05lease\x122\n" +
+	"\n" +
+	"copy_check\x18\x02 \x01(\v2\x13.ckptd.v1.CopyCheckR\tcopyCheck\"*\n" +
+	"\tCopyCheck\x12\x1d\n" +
+	"\n" +
+	"chunk_ends\x18\x01 \x03(\x04R\tchunkEnds\"m\n" +
 	"\x11CommitSaveRequest\x12\x19\n" +
 	"\blease_id\x18\x01 \x01(\tR\aleaseId\x12\x1a\n" +
-	"\bmetadata\x18\x02 \x01(\fR\bmetadata\"X\n" +
+	"\bmetadata\x18\x02 \x01(\fR\bmetadata\x12!\n" +
+	"\fchunk_hashes\x18\x03 \x03(\x06R\vchunkHashes\"X\n" +
 	"\x12CommitSaveResponse\x12,\n" +
 	"\x06target\x18\x01 \x01(\v2\x14.ckptd.v1.SaveTargetR\x06target\x12\x14\n" +
 	"\x05bytes\x18\x02 \x01(\x04R\x05bytes\"-\n" +
@@ -4348,7 +4425,7 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 }
 
 var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 56)
+var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 57)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(ErrorReason)(0),                // 0: ckptd.v1.ErrorReason
 	(SaveState)(0),                  // 1: ckptd.v1.SaveState
@@ -4359,132 +4436,134 @@ var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(*BeginSaveRequest)(nil),        // 6: ckptd.v1.BeginSaveRequest
 	(*Lease)(nil),                   // 7: ckptd.v1.Lease
 	(*BeginSaveResponse)(nil),       // 8: ckptd.v1.BeginSaveResponse
-	(*CommitSaveRequest)(nil),       // 9: ckptd.v1.CommitSaveRequest
-	(*CommitSaveResponse)(nil),      // 10: ckptd.v1.CommitSaveResponse
-	(*AbortSaveRequest)(nil),        // 11: ckptd.v1.AbortSaveRequest
-	(*AbortSaveResponse)(nil),       // 12: ckptd.v1.AbortSaveResponse
-	(*SaveStreamHeader)(nil),        // 13: ckptd.v1.SaveStreamHeader
-	(*SaveStreamRequest)(nil),       // 14: ckptd.v1.SaveStreamRequest
-	(*WaitSaveRequest)(nil),         // 15: ckptd.v1.WaitSaveRequest
-	(*WaitSaveResponse)(nil),        // 16: ckptd.v1.WaitSaveResponse
-	(*ListStepsRequest)(nil),        // 17: ckptd.v1.ListStepsRequest
-	(*StepInfo)(nil),                // 18: ckptd.v1.StepInfo
-	(*ListStepsResponse)(nil),       // 19: ckptd.v1.ListStepsResponse
-	(*BeginRestoreRequest)(nil),     // 20: ckptd.v1.BeginRestoreRequest
-	(*TensorSlice)(nil),             // 21: ckptd.v1.TensorSlice
-	(*RestoreHeader)(nil),           // 22: ckptd.v1.RestoreHeader
-	(*BeginRestoreResponse)(nil),    // 23: ckptd.v1.BeginRestoreResponse
-	(*RestoreStreamResponse)(nil),   // 24: ckptd.v1.RestoreStreamResponse
-	(*ReleaseRegionRequest)(nil),    // 25: ckptd.v1.ReleaseRegionRequest
-	(*ReleaseRegionResponse)(nil),   // 26: ckptd.v1.ReleaseRegionResponse
-	(*OpenDatasetRequest)(nil),      // 27: ckptd.v1.OpenDatasetRequest
-	(*MixtureSource)(nil),           // 28: ckptd.v1.MixtureSource
-	(*OpenDatasetResponse)(nil),     // 29: ckptd.v1.OpenDatasetResponse
-	(*NextBatchRequest)(nil),        // 30: ckptd.v1.NextBatchRequest
-	(*SampleField)(nil),             // 31: ckptd.v1.SampleField
-	(*Sample)(nil),                  // 32: ckptd.v1.Sample
-	(*PrefetchStats)(nil),           // 33: ckptd.v1.PrefetchStats
-	(*NextBatchResponse)(nil),       // 34: ckptd.v1.NextBatchResponse
-	(*CloseDatasetRequest)(nil),     // 35: ckptd.v1.CloseDatasetRequest
-	(*CloseDatasetResponse)(nil),    // 36: ckptd.v1.CloseDatasetResponse
-	(*DatasetPositionRequest)(nil),  // 37: ckptd.v1.DatasetPositionRequest
-	(*DatasetPositionResponse)(nil), // 38: ckptd.v1.DatasetPositionResponse
-	(*GetStatusRequest)(nil),        // 39: ckptd.v1.GetStatusRequest
-	(*DaemonStatus)(nil),            // 40: ckptd.v1.DaemonStatus
-	(*HotTier)(nil),                 // 41: ckptd.v1.HotTier
-	(*ArenaUsage)(nil),              // 42: ckptd.v1.ArenaUsage
-	(*SaveActivity)(nil),            // 43: ckptd.v1.SaveActivity
-	(*LeaseState)(nil),              // 44: ckptd.v1.LeaseState
-	(*DatasetState)(nil),            // 45: ckptd.v1.DatasetState
-	(*PersistRequest)(nil),          // 46: ckptd.v1.PersistRequest
-	(*PersistResponse)(nil),         // 47: ckptd.v1.PersistResponse
-	(*InventoryRequest)(nil),        // 48: ckptd.v1.InventoryRequest
-	(*HeldShard)(nil),               // 49: ckptd.v1.HeldShard
-	(*InventoryResponse)(nil),       // 50: ckptd.v1.InventoryResponse
-	(*ReplicaHeader)(nil),           // 51: ckptd.v1.ReplicaHeader
-	(*ReplicaPiece)(nil),            // 52: ckptd.v1.ReplicaPiece
-	(*PutReplicaResponse)(nil),      // 53: ckptd.v1.PutReplicaResponse
-	(*GetReplicaRequest)(nil),       // 54: ckptd.v1.GetReplicaRequest
-	nil,                             // 55: ckptd.v1.WaitSaveResponse.MetadataEntry
-	nil,                             // 56: ckptd.v1.DaemonStatus.ErrorsEntry
-	nil,                             // 57: ckptd.v1.DaemonStatus.BackendErrorsEntry
+	(*CopyCheck)(nil),               // 9: ckptd.v1.CopyCheck
+	(*CommitSaveRequest)(nil),       // 10: ckptd.v1.CommitSaveRequest
+	(*CommitSaveResponse)(nil),      // 11: ckptd.v1.CommitSaveResponse
+	(*AbortSaveRequest)(nil),        // 12: ckptd.v1.AbortSaveRequest
+	(*AbortSaveResponse)(nil),       // 13: ckptd.v1.AbortSaveResponse
+	(*SaveStreamHeader)(nil),        // 14: ckptd.v1.SaveStreamHeader
+	(*SaveStreamRequest)(nil),       // 15: ckptd.v1.SaveStreamRequest
+	(*WaitSaveRequest)(nil),         // 16: ckptd.v1.WaitSaveRequest
+	(*WaitSaveResponse)(nil),        // 17: ckptd.v1.WaitSaveResponse
+	(*ListStepsRequest)(nil),        // 18: ckptd.v1.ListStepsRequest
+	(*StepInfo)(nil),                // 19: ckptd.v1.StepInfo
+	(*ListStepsResponse)(nil),       // 20: ckptd.v1.ListStepsResponse
+	(*BeginRestoreRequest)(nil),     // 21: ckptd.v1.BeginRestoreRequest
+	(*TensorSlice)(nil),             // 22: ckptd.v1.TensorSlice
+	(*RestoreHeader)(nil),           // 23: ckptd.v1.RestoreHeader
+	(*BeginRestoreResponse)(nil),    // 24: ckptd.v1.BeginRestoreResponse
+	(*RestoreStreamResponse)(nil),   // 25: ckptd.v1.RestoreStreamResponse
+	(*ReleaseRegionRequest)(nil),    // 26: ckptd.v1.ReleaseRegionRequest
+	(*ReleaseRegionResponse)(nil),   // 27: ckptd.v1.ReleaseRegionResponse
+	(*OpenDatasetRequest)(nil),      // 28: ckptd.v1.OpenDatasetRequest
+	(*MixtureSource)(nil),           // 29: ckptd.v1.MixtureSource
+	(*OpenDatasetResponse)(nil),     // 30: ckptd.v1.OpenDatasetResponse
+	(*NextBatchRequest)(nil),        // 31: ckptd.v1.NextBatchRequest
+	(*SampleField)(nil),             // 32: ckptd.v1.SampleField
+	(*Sample)(nil),                  // 33: ckptd.v1.Sample
+	(*PrefetchStats)(nil),           // 34: ckptd.v1.PrefetchStats
+	(*NextBatchResponse)(nil),       // 35: ckptd.v1.NextBatchResponse
+	(*CloseDatasetRequest)(nil),     // 36: ckptd.v1.CloseDatasetRequest
+	(*CloseDatasetResponse)(nil),    // 37: ckptd.v1.CloseDatasetResponse
+	(*DatasetPositionRequest)(nil),  // 38: ckptd.v1.DatasetPositionRequest
+	(*DatasetPositionResponse)(nil), // 39: ckptd.v1.DatasetPositionResponse
+	(*GetStatusRequest)(nil),        // 40: ckptd.v1.GetStatusRequest
+	(*DaemonStatus)(nil),            // 41: ckptd.v1.DaemonStatus
+	(*HotTier)(nil),                 // 42: ckptd.v1.HotTier
+	(*ArenaUsage)(nil),              // 43: ckptd.v1.ArenaUsage
+	(*SaveActivity)(nil),            // 44: ckptd.v1.SaveActivity
+	(*LeaseState)(nil),              // 45: ckptd.v1.LeaseState
+	(*DatasetState)(nil),            // 46: ckptd.v1.DatasetState
+	(*PersistRequest)(nil),          // 47: ckptd.v1.PersistRequest
+	(*PersistResponse)(nil),         // 48: ckptd.v1.PersistResponse
+	(*InventoryRequest)(nil),        // 49: ckptd.v1.InventoryRequest
+	(*HeldShard)(nil),               // 50: ckptd.v1.HeldShard
+	(*InventoryResponse)(nil),       // 51: ckptd.v1.InventoryResponse
+	(*ReplicaHeader)(nil),           // 52: ckptd.v1.ReplicaHeader
+	(*ReplicaPiece)(nil),            // 53: ckptd.v1.ReplicaPiece
+	(*PutReplicaResponse)(nil),      // 54: ckptd.v1.PutReplicaResponse
+	(*GetReplicaRequest)(nil),       // 55: ckptd.v1.GetReplicaRequest
+	nil,                             // 56: ckptd.v1.WaitSaveResponse.MetadataEntry
+	nil,                             // 57: ckptd.v1.DaemonStatus.ErrorsEntry
+	nil,                             // 58: ckptd.v1.DaemonStatus.BackendErrorsEntry
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	5,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
 	4,  // 1: ckptd.v1.BeginSaveRequest.tensors:type_name -> ckptd.v1.Tensor
 	7,  // 2: ckptd.v1.BeginSaveResponse.lease:type_name -> ckptd.v1.Lease
-	5,  // 3: ckptd.v1.CommitSaveResponse.target:type_name -> ckptd.v1.SaveTarget
-	5,  // 4: ckptd.v1.SaveStreamHeader.target:type_name -> ckptd.v1.SaveTarget
-	4,  // 5: ckptd.v1.SaveStreamHeader.tensors:type_name -> ckptd.v1.Tensor
-	13, // 6: ckptd.v1.SaveStreamRequest.header:type_name -> ckptd.v1.SaveStreamHeader
-	1,  // 7: ckptd.v1.WaitSaveResponse.state:type_name -> ckptd.v1.SaveState
-	55, // 8: ckptd.v1.WaitSaveResponse.metadata:type_name -> ckptd.v1.WaitSaveResponse.MetadataEntry
-	18, // 9: ckptd.v1.ListStepsResponse.steps:type_name -> ckptd.v1.StepInfo
-	21, // 10: ckptd.v1.BeginRestoreRequest.slices:type_name -> ckptd.v1.TensorSlice
-	4,  // 11: ckptd.v1.RestoreHeader.tensors:type_name -> ckptd.v1.Tensor
-	7,  // 12: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
-	22, // 13: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
-	22, // 14: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
-	28, // 15: ckptd.v1.OpenDatasetRequest.mixture:type_name -> ckptd.v1.MixtureSource
-	31, // 16: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
-	7,  // 17: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
-	32, // 18: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
-	33, // 19: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
-	42, // 20: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
-	43, // 21: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
-	44, // 22: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
-	45, // 23: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
-	56, // 24: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
-	41, // 25: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
-	57, // 26: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
-	5,  // 27: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
-	5,  // 28: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
-	33, // 29: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
-	49, // 30: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
-	51, // 31: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
-	2,  // 32: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
-	6,  // 33: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
-	9,  // 34: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
-	11, // 35: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
-	14, // 36: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
-	15, // 37: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
-	17, // 38: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
-	20, // 39: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
-	20, // 40: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
-	25, // 41: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
-	27, // 42: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
-	30, // 43: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
-	35, // 44: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
-	37, // 45: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
-	39, // 46: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
-	52, // 47: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
-	54, // 48: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
-	48, // 49: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
-	46, // 50: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
-	3,  // 51: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	8,  // 52: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	10, // 53: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	12, // 54: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	10, // 55: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	16, // 56: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	19, // 57: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	23, // 58: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	24, // 59: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	26, // 60: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	29, // 61: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	34, // 62: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	36, // 63: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	38, // 64: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
-	40, // 65: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
-	53, // 66: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
-	52, // 67: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
-	50, // 68: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
-	47, // 69: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
-	51, // [51:70] is the sub-list for method output_type
-	32, // [32:51] is the sub-list for method input_type
-	32, // [32:32] is the sub-list for extension type_name
-	32, // [32:32] is the sub-list for extension extendee
-	0,  // [0:32] is the sub-list for field type_name
+	9,  // 3: ckptd.v1.BeginSaveResponse.copy_check:type_name -> ckptd.v1.CopyCheck
+	5,  // 4: ckptd.v1.CommitSaveResponse.target:type_name -> ckptd.v1.SaveTarget
+	5,  // 5: ckptd.v1.SaveStreamHeader.target:type_name -> ckptd.v1.SaveTarget
+	4,  // 6: ckptd.v1.SaveStreamHeader.tensors:type_name -> ckptd.v1.Tensor
+	14, // 7: ckptd.v1.SaveStreamRequest.header:type_name -> ckptd.v1.SaveStreamHeader
+	1,  // 8: ckptd.v1.WaitSaveResponse.state:type_name -> ckptd.v1.SaveState
+	56, // 9: ckptd.v1.WaitSaveResponse.metadata:type_name -> ckptd.v1.WaitSaveResponse.MetadataEntry
+	19, // 10: ckptd.v1.ListStepsResponse.steps:type_name -> ckptd.v1.StepInfo
+	22, // 11: ckptd.v1.BeginRestoreRequest.slices:type_name -> ckptd.v1.TensorSlice
+	4,  // 12: ckptd.v1.RestoreHeader.tensors:type_name -> ckptd.v1.Tensor
+	7,  // 13: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
+	23, // 14: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
+	23, // 15: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
+	29, // 16: ckptd.v1.OpenDatasetRequest.mixture:type_name -> ckptd.v1.MixtureSource
+	32, // 17: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
+	7,  // 18: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
+	33, // 19: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
+	34, // 20: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
+	43, // 21: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
+	44, // 22: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
+	45, // 23: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
+	46, // 24: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
+	57, // 25: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	42, // 26: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
+	58, // 27: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
+	5,  // 28: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
+	5,  // 29: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
+	34, // 30: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
+	50, // 31: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
+	52, // 32: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
+	2,  // 33: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
+	6,  // 34: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
+	10, // 35: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
+	12, // 36: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
+	15, // 37: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
+	16, // 38: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
+	18, // 39: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
+	21, // 40: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
+	21, // 41: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
+	26, // 42: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
+	28, // 43: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
+	31, // 44: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
+	36, // 45: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
+	38, // 46: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
+	40, // 47: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
+	53, // 48: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
+	55, // 49: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
+	49, // 50: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
+	47, // 51: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
+	3,  // 52: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	8,  // 53: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	11, // 54: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	13, // 55: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	11, // 56: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	17, // 57: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	20, // 58: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	24, // 59: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	25, // 60: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	27, // 61: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	30, // 62: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	35, // 63: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	37, // 64: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	39, // 65: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
+	41, // 66: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	54, // 67: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
+	53, // 68: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
+	51, // 69: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
+	48, // 70: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
+	52, // [52:71] is the sub-list for method output_type
+	33, // [33:52] is the sub-list for method input_type
+	33, // [33:33] is the sub-list for extension type_name
+	33, // [33:33] is the sub-list for extension extendee
+	0,  // [0:33] is the sub-list for field type_name
 }
 
 func init() { file_ckptd_v1_ckptd_proto_init() }
@@ -4492,11 +4571,11 @@ func file_ckptd_v1_ckptd_proto_init() {
 	if File_ckptd_v1_ckptd_proto != nil {
 		return
 	}
-	file_ckptd_v1_ckptd_proto_msgTypes[12].OneofWrappers = []any{
+	file_ckptd_v1_ckptd_proto_msgTypes[13].OneofWrappers = []any{
 		(*SaveStreamRequest_Header)(nil),
 		(*SaveStreamRequest_Data)(nil),
 	}
-	file_ckptd_v1_ckptd_proto_msgTypes[22].OneofWrappers = []any{
+	file_ckptd_v1_ckptd_proto_msgTypes[23].OneofWrappers = []any{
 		(*RestoreStreamResponse_Header)(nil),
 		(*RestoreStreamResponse_Data)(nil),
 	}
@@ -4506,7 +4585,7 @@ func file_ckptd_v1_ckptd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   56,
+			NumMessages:   57,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

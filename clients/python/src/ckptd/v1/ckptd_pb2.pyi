@@ -136,18 +136,28 @@ class Lease(_message.Message):
     def __init__(self, id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., arena_id: _Optional[str] = ...) -> None: ...
 
 class BeginSaveResponse(_message.Message):
-    __slots__ = ("lease",)
+    __slots__ = ("lease", "copy_check")
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    COPY_CHECK_FIELD_NUMBER: _ClassVar[int]
     lease: Lease
-    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+    copy_check: CopyCheck
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., copy_check: _Optional[_Union[CopyCheck, _Mapping]] = ...) -> None: ...
+
+class CopyCheck(_message.Message):
+    __slots__ = ("chunk_ends",)
+    CHUNK_ENDS_FIELD_NUMBER: _ClassVar[int]
+    chunk_ends: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, chunk_ends: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitSaveRequest(_message.Message):
-    __slots__ = ("lease_id", "metadata")
+    __slots__ = ("lease_id", "metadata", "chunk_hashes")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     metadata: bytes
-    def __init__(self, lease_id: _Optional[str] = ..., metadata: _Optional[bytes] = ...) -> None: ...
+    chunk_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., metadata: _Optional[bytes] = ..., chunk_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitSaveResponse(_message.Message):
     __slots__ = ("target", "bytes")
