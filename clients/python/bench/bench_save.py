@@ -15,6 +15,10 @@ weights) in the same process:
     torch.save       of the same state to a file on the same disk as ckptd's
                      storage, returning (page cache) and with fsync (durable,
                      which is what ckptd gives once the save is committed)
+    checked copy     save() to a daemon started with --socket-group, which
+                     shares its arena with a group and so has the client
+                     hash what it copies (docs/security.md): its stall and
+                     its drain, against the plain save's
 
 and, loading the same state back into a module that holds it as buffers:
 
@@ -136,9 +140,11 @@ def numpy_copy_threads(arrays: list[np.ndarray], mem: np.ndarray, pool: ThreadPo
     list(pool.map(lambda p: np.copyto(*p), pieces))
 
 
-def daemon(binary: str, storage: Path, staging: int) -> contextlib.AbstractContextManager[str]:
+def daemon(
+    binary: str, storage: Path, staging: int, *extra: str, name: str = "pybench"
+) -> contextlib.AbstractContextManager[str]:
     """A `ckptd serve` with a temporary socket and arena; yields the socket."""
-    return serve(binary, "pybench", "--storage", str(storage), "--staging-bytes", str(staging))
+    return serve(binary, name, "--storage", str(storage), "--staging-bytes", str(staging), *extra)
 
 
 def build(binary: str | None, tmp: Path) -> str:
@@ -238,6 +244,19 @@ def run(args: argparse.Namespace, size: int, work: Path, storage: Path, binary: 
                 pairs[kind].append((save(c, st), base))
         t_par = statistics.median(timed(lambda: numpy_copy_threads(arrays, mem, pool), args.runs))
         loads = time_loads(c, state, next(step), args.runs)
+        plain_drains = list(drains)
+        drains.clear()
+        shared = ("--socket-group", str(os.getgid()))
+        with (
+            daemon(binary, storage / "sh", nbytes + 256 * MiB, *shared, name="pybench-sh") as sock2,
+            ckptd.Client(sock2) as c2,
+        ):
+            save(c2, state)  # maps the arena
+            drains.clear()
+            for _ in range(args.runs):
+                (base,) = timed(lambda: numpy_copy(arrays, mem), 1)
+                pairs.setdefault("checked", []).append((save(c2, state), base))
+        checked_drains = list(drains)
     t_ts = statistics.median(timed(lambda: torch_save(state, work / "torch.pt", False), args.runs))
     t_tsf = statistics.median(timed(lambda: torch_save(state, work / "torch.pt", True), args.runs))
     target_module = as_module({k: torch.empty_like(v) for k, v in state.items()})
@@ -257,6 +276,8 @@ def run(args: argparse.Namespace, size: int, work: Path, storage: Path, binary: 
         )
 
     (t_torch, r_torch), (t_numpy, r_numpy) = stall("torch"), stall("numpy")
+    t_checked, r_checked = stall("checked")
+    d_plain, d_checked = statistics.median(plain_drains), statistics.median(checked_drains)
     base = statistics.median(t_np)
     target = f"  ({t_par / base:.2f}x on {threads} threads: target <= 1.30x that)"
     rows = [
@@ -265,9 +286,15 @@ def run(args: argparse.Namespace, size: int, work: Path, storage: Path, binary: 
         ("save() stall, torch tensors", t_torch, f"{r_torch:.2f}x numpy copy{target}"),
         ("save() stall, numpy arrays", t_numpy, f"{r_numpy:.2f}x numpy copy{target}"),
         ("first save() stall (maps the arena)", t_first, f"{t_first / base:.2f}x numpy copy"),
+        (
+            "save() stall, checked copy",
+            t_checked,
+            f"{r_checked:.2f}x numpy copy, {t_checked / t_torch:.2f}x the plain save()",
+        ),
         ("torch.save, same state, same disk", t_ts, f"{t_ts / t_torch:.1f}x the save() stall"),
         ("torch.save + fsync", t_tsf, f"{t_tsf / t_torch:.1f}x the save() stall"),
-        ("save() returned -> committed (drain)", statistics.median(drains), "in the background"),
+        ("save() returned -> committed (drain)", d_plain, "in the background"),
+        ("  the same, checked copy", d_checked, f"{d_checked / d_plain:.2f}x the plain drain"),
         ("torch.load + load_state_dict", t_tl, "1.00x (load baseline)"),
         ("ckptd.torch.load_state_dict", loads[0], f"{loads[0] / t_tl:.2f}x torch.load"),
         ("Client.load + load_state_dict", loads[1], f"{loads[1] / t_tl:.2f}x torch.load"),

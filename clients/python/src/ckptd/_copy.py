@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 
@@ -32,6 +33,7 @@ SERIAL_BELOW = 32 << 20  # a smaller copy is done by the caller alone
 MAX_DEFAULT_THREADS = 4
 
 Pair = tuple[np.ndarray, np.ndarray]  # (destination, source) of np.copyto
+T = TypeVar("T")
 
 
 def threads() -> int:
@@ -99,6 +101,17 @@ def copy(pairs: Sequence[Pair]) -> None:
             np.copyto(dst, src, casting="equiv")
         return
     _Copy(_pieces(pairs)).run(_helpers.pool(n - 1), n - 1)
+
+
+def map_threads(fn: Callable[[int], T], n: int, nbytes: int) -> list[T]:
+    """[fn(0), ..., fn(n - 1)], on the copy threads when the nbytes they read are many.
+
+    fn must release the GIL for its work to spread (numpy, xxhash do).
+    """
+    workers = threads()
+    if workers == 1 or n == 1 or nbytes < SERIAL_BELOW:
+        return [fn(i) for i in range(n)]
+    return list(_helpers.pool(workers).map(fn, range(n)))
 
 
 def _pieces(pairs: Sequence[Pair]) -> Iterator[Pair]:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import grpc
 import numpy as np
 
-from . import _copy, _limits, _names, _tensors
+from . import _copy, _copycheck, _limits, _names, _tensors
 from ._arena import Arena
 from ._errors import (
     AlreadyExistsError,
@@ -134,6 +134,7 @@ class Held:
         self._arena: Arena | None = None  # the mapping the region is in
         self._region: np.ndarray | None = None
         self._private: list[_tensors.Leaf] | None = None
+        self._hashes: list[int] = []  # of what was staged, when the daemon checks copies
         self._lost = False  # the lease failed at its commit
         outage = Outage(conn, self.shard.what)
         while True:
@@ -142,7 +143,7 @@ class Held:
                 if arena is None:
                     self._private = [_copy_leaf(x) for x in self.shard.leaves]
                 else:
-                    self._lease, self._arena, self._region = _stage(conn, self.shard)
+                    self._lease, self._arena, self._region, self._hashes = _stage(conn, self.shard)
                 return
             except DaemonUnavailableError as e:
                 outage.pause(e)
@@ -178,7 +179,7 @@ class Held:
         lease = self._lease
         if lease is not None and not extra:
             try:
-                resp = _commit(conn, lease, meta, self.what, doubt)
+                resp = _commit(conn, lease, meta, self.what, doubt, self._hashes)
             except DaemonUnavailableError as e:
                 self._lost = True
                 outage.pause(e)
@@ -363,30 +364,35 @@ def _accepted(conn: Connection, target: pb.SaveTarget) -> bool:
     return bool(state in _ACCEPTED)
 
 
-def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, Arena, np.ndarray]:
+def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, Arena, np.ndarray, list[int]]:
     """Lease a region for shard and copy its leaves in; the region goes back if that fails.
 
-    Returns the lease, the mapping its region is in, and the region.
+    Returns the lease, the mapping its region is in, the region, and the
+    hashes of what was copied when the daemon checks copies (else none).
     """
     what, size = shard.what, shard.size
     begin = pb.BeginSaveRequest(target=shard.target, tensors=shard.table)
-    lease = conn.call("BeginSave", begin, what).lease
+    resp = conn.call("BeginSave", begin, what)
+    lease = resp.lease
+    hashes: list[int] = []
     try:
         if lease.length < size:
             raise CkptdError(f"{what}: daemon leased {lease.length} bytes for a {size}-byte table")
         arena = conn.lease_mapping(lease.arena_id)  # the lease says which arena it is in
         region = arena.region(lease.offset, size)
         _copy_leaves(shard.leaves, region, arena.pin)
+        if resp.HasField("copy_check"):
+            hashes = _copycheck.hashes(shard.leaves, resp.copy_check.chunk_ends, region)
     except BaseException:
         _abort(conn, lease.id)
         raise
-    return lease, arena, region
+    return lease, arena, region, hashes
 
 
 def _save_shm(conn: Connection, shard: _Shard, doubt: _Doubt) -> pb.CommitSaveResponse:
-    lease, _, _ = _stage(conn, shard)
+    lease, _, _, hashes = _stage(conn, shard)
     try:
-        return _commit(conn, lease, shard.meta, shard.what, doubt)
+        return _commit(conn, lease, shard.meta, shard.what, doubt, hashes)
     except BaseException:
         # Give the region back at once rather than after --lease-timeout.
         # (A failed commit leaves nothing to abort; this then fails quietly.)
@@ -395,13 +401,17 @@ def _save_shm(conn: Connection, shard: _Shard, doubt: _Doubt) -> pb.CommitSaveRe
 
 
 def _commit(
-    conn: Connection, lease: pb.Lease, meta: bytes, what: str, doubt: _Doubt
+    conn: Connection,
+    lease: pb.Lease,
+    meta: bytes,
+    what: str,
+    doubt: _Doubt,
+    hashes: Sequence[int] = (),
 ) -> pb.CommitSaveResponse:
     """CommitSave; a lease the daemon no longer knows raises LeaseLost."""
+    req = pb.CommitSaveRequest(lease_id=lease.id, metadata=meta, chunk_hashes=hashes)
     try:
-        resp: pb.CommitSaveResponse = conn.call(
-            "CommitSave", pb.CommitSaveRequest(lease_id=lease.id, metadata=meta), what
-        )
+        resp: pb.CommitSaveResponse = conn.call("CommitSave", req, what)
     except DaemonUnavailableError as e:
         # Without a reason nobody said no: it may have been journaled.
         doubt.sent = doubt.sent or e.reason is None

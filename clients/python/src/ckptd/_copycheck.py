@@ -1,0 +1,74 @@
+"""Hashes of what a save copied, for a daemon whose arena other users share.
+
+A daemon started with ``--socket-group`` lets the group's members map its
+arena, so one of them could rewrite another's staged bytes between the
+copy and the drain. Such a daemon answers BeginSave with a CopyCheck: the
+ends of the chunks of the save's data space (the tensors' bytes back to
+back, in region order). The client hashes each chunk with XXH3-64 from its
+own memory, not from the shared region, and sends the hashes with
+CommitSave; the daemon stores the save only if the bytes it drains hash
+the same. A rewrite then fails the save instead of forging it.
+
+A tensor on a GPU is copied into the region by DMA and hashed from the
+region once the copy has finished: a rewrite in the milliseconds between
+the two is not caught (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from . import _copy, _tensors
+from ._errors import CkptdError
+
+
+def hashes(leaves: Sequence[_tensors.Leaf], ends: Sequence[int], region: np.ndarray) -> list[int]:
+    """XXH3-64 of each chunk of the data space that ends cuts, from the leaves' own bytes.
+
+    Call after the copy into region: a leaf on a device is hashed from there.
+    """
+    starts, views = _sources(leaves, region)
+    total = sum(v.size for v in views)
+    covered = ends[-1] if ends else 0
+    if covered != total:
+        raise CkptdError(f"the daemon's copy check covers {covered} bytes, the save {total}")
+
+    def one(i: int) -> int:
+        a, b = (ends[i - 1] if i else 0), ends[i]
+        h = xxhash.xxh3_64()
+        j = bisect.bisect_right(starts, a) - 1
+        while a < b:
+            lo = a - starts[j]
+            hi = min(b - starts[j], views[j].size)
+            h.update(views[j][lo:hi].data)
+            a, j = starts[j] + hi, j + 1
+        return h.intdigest()
+
+    return _copy.map_threads(one, len(ends), total)
+
+
+def _sources(
+    leaves: Sequence[_tensors.Leaf], region: np.ndarray
+) -> tuple[list[int], list[np.ndarray]]:
+    """Each non-empty leaf's data-space offset and its bytes as copied."""
+    starts: list[int] = []
+    views: list[np.ndarray] = []
+    pos = 0
+    for leaf in sorted(leaves, key=lambda x: x.offset):
+        if leaf.nbytes == 0:
+            continue
+        if _tensors.on_device(leaf):
+            v = region[leaf.offset : leaf.offset + leaf.nbytes]
+        else:
+            dst, src = _tensors.host_pair(leaf, region[leaf.offset : leaf.offset + leaf.nbytes])
+            # The bytes as stored: little-endian, back to back (a copy only
+            # for a strided or big-endian source).
+            v = np.ascontiguousarray(src, dtype=dst.dtype).reshape(-1).view(np.uint8)
+        starts.append(pos)
+        views.append(v)
+        pos += leaf.nbytes
+    return starts, views

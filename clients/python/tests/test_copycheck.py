@@ -1,0 +1,102 @@
+"""A daemon whose arena is shared with a group stores a save only as its client copied it.
+
+With --socket-group, the group's members map the arena read-write, so one
+could rewrite another user's staged bytes before they drain. The client
+hashes what it copies (from its own memory) and the daemon checks the
+hashes at drain: a rewrite fails the save, and nothing forged commits.
+These run real `ckptd serve` processes, and the attacker is a real process
+of another uid in the socket group.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import ckptd
+
+NOBODY = 65534
+
+
+def shared_daemon(make_daemon, *extra: str):
+    d = make_daemon("--socket-group", str(NOBODY), "--chunk-size", "1MiB", *extra)
+    os.chmod(d.dir, 0o755)
+    return d
+
+
+def awkward_state() -> dict[str, object]:
+    """Tensors whose bytes the client must hash as copied, not as held."""
+    rng = np.random.default_rng(3)
+    big = torch.from_numpy(rng.standard_normal((1024, 1100)).astype(np.float32))
+    return {
+        "big": big,  # several chunks
+        "strided": big.t()[:, ::3],  # a view: copied element by element
+        "bf16": torch.arange(70_000, dtype=torch.float32).to(torch.bfloat16),
+        "big_endian": np.arange(5000, dtype=">i4"),  # stored little-endian
+        "empty": np.zeros((0, 4), np.float32),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "flags": np.array([True, False, True]),
+        **{f"small.{i}": np.full(7 + i, i, np.int16) for i in range(300)},
+    }
+
+
+@pytest.mark.parametrize("transport", ["auto", "stream"])
+def test_checked_save_commits_and_restores(make_daemon, job, transport):
+    d = shared_daemon(make_daemon)
+    state = awkward_state()
+    with d.client(transport=transport) as c:
+        c.save(1, state, job=job).wait()
+        got = c.load(1, job=job)
+    for name, want in state.items():
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(torch.as_tensor(got[name]), want), name
+        else:
+            assert np.array_equal(np.asarray(got[name]), want), name
+
+
+ATTACK = r"""
+import mmap, sys
+import numpy as np
+path, victim, forged = sys.argv[1], np.float32(sys.argv[2]), np.float32(sys.argv[3])
+with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+    at = m.find(np.full(4096, victim).tobytes())
+    if at < 0:
+        sys.exit("the victim's bytes are not in the arena")
+    m[at : at + 16384] = np.full(4096, forged).tobytes()
+"""
+
+
+def attack_as_member(d, victim: float, forged: float) -> None:
+    """Rewrite the victim's staged bytes as uid 65534, a member of the socket group."""
+    drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    arena = d.arena_dir / "arena"
+    out = subprocess.run(
+        [*drop, sys.executable, "-c", ATTACK, str(arena), str(victim), str(forged)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_group_member_cannot_forge_a_staged_save(make_daemon, job, memory):
+    extra = ["--debug-drain-delay", "3s"]
+    if memory:  # the second step stays in memory: the hot tier checks too
+        extra += ["--hot-bytes", "64MiB", "--persist-every", "100"]
+    d = shared_daemon(make_daemon, *extra)
+    with d.client() as c:
+        if memory:
+            c.save(1, {"w": np.zeros(10, np.float32)}, job=job).wait()
+        h = c.save(2, {"w": np.full(1 << 20, 1.5, np.float32)}, job=job)  # copied and accepted
+        attack_as_member(d, 1.5, 666.0)
+        with pytest.raises(ckptd.CkptdError, match="changed after the client copied them") as e:
+            h.wait()
+        assert e.value.reason == "CORRUPT"
+        assert 2 not in c.steps(job)
+        with pytest.raises(ckptd.CkptdError):
+            c.load(2, job=job)
+        assert "the staged bytes changed after the client copied them" in d.logs()
