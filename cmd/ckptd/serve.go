@@ -37,7 +37,7 @@ func newServeCmd() *cobra.Command {
 	so.register(fs)
 	registerPeerFlags(fs, &o.Peers)
 	fs.StringVar(&o.Socket, "socket", "", "unix socket to listen on (default $CKPTD_SOCKET, else $XDG_RUNTIME_DIR/ckptd.sock, else /tmp/ckptd-<uid>/ckptd.sock)")
-	fs.StringVar(&o.SocketGroup, "socket-group", "", "group (name or gid) whose members may use the socket and map the arena, besides its owner")
+	fs.StringVar(&o.SocketGroup, "socket-group", "", "group (name or gid) whose members may use the socket and map the arena, besides its owner; their copies into the arena are then hashed and checked (docs/security.md)")
 	fs.StringVar(&o.ArenaDir, "arena-dir", "", "shared-memory folder of the staging arena (default /dev/shm/ckptd-<uid>-<hash of socket path>, or a fresh name recorded next to the socket if another user holds that one)")
 	fs.DurationVar(&o.StorageWait, "storage-wait", 15*time.Second, "how long the start waits for the checkpoint store to answer before failing, saying so (0: as long as --s3-retry-deadline, for a store that comes up after the daemon)")
 	fs.DurationVar(&o.RestartWait, "restart-wait", 30*time.Second, "how long to wait for a previous daemon that is exiting (killed a moment ago: unmapping a large arena takes seconds) to release the socket and the arena; a running one fails the start at once")
