@@ -3,6 +3,7 @@ package checkpoint
 import (
 	"errors"
 	"fmt"
+	"sort"
 
 	"github.com/ckptd/ckptd/checkpoint/codec"
 )
@@ -171,4 +172,73 @@ func (r *RegionHasher) Sums() ([]uint64, error) {
 		return nil, errors.New("the stream ended inside a chunk")
 	}
 	return r.hashes, nil
+}
+
+// Checked widens sel to the whole chunks of m that hold it, back to back
+// (the restored bytes then hold each chunk as m hashed it), and returns
+// the CopyCheck of those chunks: their ends in the restored bytes and
+// their hashes. A reader whose restore lands in an arena other users can
+// write copies the bytes out and checks them against it before it uses
+// them; the table still says where each tensor (or slice) lies.
+func (sel Selection) Checked(m *Manifest) (Selection, *CopyCheck, error) {
+	picked := sel.chunks(m)
+	check := &CopyCheck{Ends: make([]int64, 0, len(picked)), Hashes: make([]uint64, 0, len(picked))}
+	out := Selection{Whole: sel.Whole}
+	at := make([]int64, len(picked)) // where each picked chunk lies in the restored bytes
+	for k, i := range picked {
+		c := m.Chunks[i]
+		h, err := codec.ParseHash(c.Hash)
+		if err != nil {
+			return Selection{}, nil, fmt.Errorf("%w: chunk %d: %w", ErrCorrupt, i, err)
+		}
+		at[k] = out.Size
+		if k > 0 && picked[k-1] == i-1 { // contiguous in data space: one part
+			out.parts[len(out.parts)-1].n += c.Raw
+		} else {
+			out.parts = append(out.parts, part{src: c.RawOffset, n: c.Raw, dst: out.Size})
+		}
+		out.Size += c.Raw
+		check.Ends = append(check.Ends, out.Size)
+		check.Hashes = append(check.Hashes, h)
+	}
+	if sel.Whole {
+		out.Table, out.parts = sel.Table, nil
+		return out, check, nil
+	}
+	src := make(map[int64]int64, len(sel.parts)) // a tensor's place in sel -> in data space
+	for _, p := range sel.parts {
+		src[p.dst] = p.src
+	}
+	out.Table = make([]Tensor, len(sel.Table))
+	for j, t := range sel.Table {
+		s := src[t.Offset]
+		t.Offset = 0 // an empty tensor lies nowhere
+		if t.Length > 0 {
+			k := sort.Search(len(picked), func(k int) bool { c := m.Chunks[picked[k]]; return c.RawOffset+c.Raw > s })
+			t.Offset = at[k] + s - m.Chunks[picked[k]].RawOffset
+		}
+		out.Table[j] = t
+	}
+	return out, check, nil
+}
+
+// chunks are the indices of m's chunks that hold sel's bytes, in order.
+func (sel Selection) chunks(m *Manifest) []int {
+	if sel.Whole {
+		out := make([]int, len(m.Chunks))
+		for i := range out {
+			out[i] = i
+		}
+		return out
+	}
+	var out []int
+	for _, p := range sel.parts {
+		r := chunksOf(m, p.src, p.n)
+		for i := r.first; i < r.last; i++ {
+			if len(out) == 0 || out[len(out)-1] < i {
+				out = append(out, i)
+			}
+		}
+	}
+	return out
 }

@@ -1,6 +1,8 @@
 package checkpoint
 
 import (
+	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -89,6 +91,46 @@ func TestCopyCheckValidate(t *testing.T) {
 		c := &CopyCheck{Ends: tc.ends, Hashes: make([]uint64, tc.hashes)}
 		if err := c.Validate(l, true); !errors.Is(err, ErrInvalid) {
 			t.Errorf("ends %v with %d hashes: %v", tc.ends, tc.hashes, err)
+		}
+	}
+}
+
+// A checked selection restores whole chunks that hash as the check says,
+// with each selected tensor or slice where its table says, holding the
+// bytes the plain selection holds.
+func TestCheckedSelection(t *testing.T) {
+	store, m, _ := selectTestShard(t, codec.Zstd)
+	whole, _ := SelectTensors(m, nil)
+	some, _ := SelectTensors(m, []string{"tiny2", "none", "big"})
+	parts, _ := SelectSlices(m, []Slice{{"mid", 1000, 70_000}, {"last", 0, 8}, {"big", 300_000, 9}, {"tiny", 1, 0}})
+	for name, sel := range map[string]Selection{"whole": whole, "tensors": some, "slices": parts} {
+		want := make([]byte, sel.Size)
+		if err := store.ReadSelected(context.Background(), m, sel, want, ReadOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		wide, check, err := sel.Checked(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, wide.Size)
+		if err := store.ReadSelected(context.Background(), m, wide, got, ReadOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		var start int64
+		for i, end := range check.Ends {
+			if codec.Hash(got[start:end]) != check.Hashes[i] {
+				t.Fatalf("%s: chunk %d of the restored bytes does not hash as checked", name, i)
+			}
+			start = end
+		}
+		if start != wide.Size || len(wide.Table) != len(sel.Table) {
+			t.Fatalf("%s: checks end at %d of %d bytes; %d tensors for %d", name, start, wide.Size, len(wide.Table), len(sel.Table))
+		}
+		for j, tw := range wide.Table {
+			ts := sel.Table[j]
+			if tw.Name != ts.Name || tw.Length != ts.Length || !bytes.Equal(got[tw.Offset:tw.Offset+tw.Length], want[ts.Offset:ts.Offset+ts.Length]) {
+				t.Fatalf("%s: tensor %d (%s) differs", name, j, ts.Name)
+			}
 		}
 	}
 }

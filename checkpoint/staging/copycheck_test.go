@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -147,5 +148,29 @@ func TestCheckedStream(t *testing.T) {
 	}
 	if _, _, err := mgr.SaveFrom(context.Background(), Owner{}, target(4), table, nil, bytes.NewReader(stream[:1000])); !errors.Is(err, checkpoint.ErrInvalid) {
 		t.Fatalf("short stream: %v", err)
+	}
+}
+
+// With CheckCopies a restore hands out whole chunks and what they hash
+// to, so that the client can check its copy; the table still finds each
+// tensor.
+func TestCheckedRestore(t *testing.T) {
+	mgr, a := newManagerOn(t, memstore.New(), ManagerConfig{CheckCopies: true, Writer: checkpoint.WriterOptions{ChunkSize: 64 << 10}})
+	saveChecked(t, mgr, a, target(1))
+	_, data := checkedTable()
+	for _, names := range [][]string{nil, {"b"}} {
+		info, h, err := mgr.BeginRestore(context.Background(), Owner{}, RestoreRequest{Step: 1, Tensors: names})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := a.Bytes()[info.Offset : info.Offset+h.Size]
+		if h.Check == nil || !slices.Equal(copyHashes(got, h.Check.Ends), h.Check.Hashes) {
+			t.Fatalf("%v: restored bytes do not hash as the header says (%+v)", names, h.Check)
+		}
+		b := h.Tensors[len(h.Tensors)-1]
+		if !bytes.Equal(got[b.Offset:b.Offset+b.Length], data[100_000:]) {
+			t.Fatalf("%v: tensor b is not where the table says", names)
+		}
+		mgr.Release(Owner{}, info.ID)
 	}
 }

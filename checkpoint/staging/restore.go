@@ -30,6 +30,10 @@ type RestoreHeader struct {
 	// SkippedNonFinite, for Finite, are the newer committed steps passed
 	// over for holding NaN or Inf, newest first.
 	SkippedNonFinite []int64
+	// Check, when the Manager checks copies (its arena is shared with
+	// other users), is what the restored bytes hash to: whole chunks as
+	// the manifest hashed them, for the client to check its copy against.
+	Check *checkpoint.CopyCheck
 }
 
 // RestoreRequest names what BeginRestore restores.
@@ -94,6 +98,12 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
+	var check *checkpoint.CopyCheck
+	if mgr.cfg.CheckCopies {
+		if sel, check, err = sel.Checked(m); err != nil {
+			return LeaseInfo{}, nil, err
+		}
+	}
 	mgr.mu.Lock()
 	closing := mgr.closing
 	mgr.mu.Unlock()
@@ -132,7 +142,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 		return LeaseInfo{}, nil, err
 	}
 	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: sel.Table, Metadata: m.Metadata, Size: sel.Size,
-		Tier: src.Tier, SkippedStep: src.Skipped, SkippedNonFinite: skippedNonFinite}
+		Tier: src.Tier, SkippedStep: src.Skipped, SkippedNonFinite: skippedNonFinite, Check: check}
 	return l.info(), h, nil
 }
 

@@ -45,11 +45,7 @@ func (s *Checkpoint) BeginSave(ctx context.Context, req *pb.BeginSaveRequest) (*
 	}
 	resp := &pb.BeginSaveResponse{Lease: s.toLease(lease)}
 	if lease.CheckEnds != nil {
-		ends := make([]uint64, len(lease.CheckEnds))
-		for i, e := range lease.CheckEnds {
-			ends[i] = uint64(e)
-		}
-		resp.CopyCheck = &pb.CopyCheck{ChunkEnds: ends}
+		resp.CopyCheck = toCopyCheck(&checkpoint.CopyCheck{Ends: lease.CheckEnds})
 	}
 	return resp, nil
 }
@@ -269,7 +265,19 @@ func (s *Checkpoint) toLease(l staging.LeaseInfo) *pb.Lease {
 
 func toHeader(h *staging.RestoreHeader) *pb.RestoreHeader {
 	return &pb.RestoreHeader{Step: h.Step, WorldSize: int32(h.WorldSize), Attempt: h.Attempt, Tensors: toTensors(h.Tensors), Metadata: h.Metadata, Size: uint64(h.Size),
-		Tier: h.Tier, SkippedStep: h.SkippedStep, SkippedNonfinite: h.SkippedNonFinite}
+		Tier: h.Tier, SkippedStep: h.SkippedStep, SkippedNonfinite: h.SkippedNonFinite, CopyCheck: toCopyCheck(h.Check)}
+}
+
+// toCopyCheck is c on the wire (nil for none).
+func toCopyCheck(c *checkpoint.CopyCheck) *pb.CopyCheck {
+	if c == nil {
+		return nil
+	}
+	out := &pb.CopyCheck{ChunkEnds: make([]uint64, len(c.Ends)), ChunkHashes: c.Hashes}
+	for i, e := range c.Ends {
+		out.ChunkEnds[i] = uint64(e)
+	}
+	return out
 }
 
 func toState(s staging.State) pb.SaveState {

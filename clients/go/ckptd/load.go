@@ -3,10 +3,13 @@
 package ckptd
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+
+	"github.com/zeebo/xxh3"
 
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
@@ -67,7 +70,34 @@ func (c *Client) load(ctx context.Context, req *LoadRequest) (*Shard, error) {
 	if err != nil {
 		return nil, err
 	}
-	return shardFrom(resp.GetHeader(), region)
+	h := resp.GetHeader()
+	if h.GetCopyCheck() != nil && h.GetSize() <= uint64(len(region)) {
+		// Others can write the arena: use a copy that is ours alone, once
+		// it hashes as the daemon says.
+		region = bytes.Clone(region[:h.GetSize()])
+		if err := checkRestored(h.GetCopyCheck(), region); err != nil {
+			return nil, err
+		}
+	}
+	return shardFrom(h, region)
+}
+
+// checkRestored checks a private copy of a restore against the header's
+// CopyCheck: whole chunks, their ends in data and their hashes.
+func checkRestored(check *pb.CopyCheck, data []byte) error {
+	ends, want := check.GetChunkEnds(), check.GetChunkHashes()
+	if len(ends) != len(want) || len(ends) > 0 && ends[len(ends)-1] != uint64(len(data)) || len(ends) == 0 && len(data) > 0 {
+		return fmt.Errorf("%w: the daemon's copy check does not cover the %d restored bytes", ErrCorrupt, len(data))
+	}
+	var start uint64
+	for i, end := range ends {
+		if end < start || end > uint64(len(data)) || xxh3.Hash(data[start:end]) != want[i] {
+			return fmt.Errorf("%w: chunk %d of the restored bytes changed in the daemon's shared arena before this client "+
+				"copied it out (a member of its --socket-group?); nothing was loaded", ErrCorrupt, i)
+		}
+		start = end
+	}
+	return nil
 }
 
 // LoadStream restores one rank's shard over gRPC instead of shared memory.
@@ -102,6 +132,11 @@ func (c *Client) LoadStream(ctx context.Context, req *LoadRequest) (*Shard, erro
 	}
 	if uint64(len(data)) != h.GetSize() {
 		return nil, c.wrap(errors.New("RestoreStream: short stream"))
+	}
+	if h.GetCopyCheck() != nil { // the daemon streamed them out of its shared arena
+		if err := checkRestored(h.GetCopyCheck(), data); err != nil {
+			return nil, err
+		}
 	}
 	return shardFrom(h, data)
 }

@@ -4,8 +4,11 @@ package ckptd
 
 import (
 	"bytes"
+	"errors"
 	"math"
 	"testing"
+
+	"github.com/zeebo/xxh3"
 
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
@@ -61,4 +64,25 @@ func FuzzShardFrom(f *testing.F) {
 			}
 		}
 	})
+}
+
+// A restore's copy is refused unless it hashes as the daemon's check
+// says, and a check that does not cover the bytes is refused too.
+func TestCheckRestored(t *testing.T) {
+	data := []byte("0123456789")
+	good := &pb.CopyCheck{ChunkEnds: []uint64{4, 10}, ChunkHashes: []uint64{xxh3.Hash(data[:4]), xxh3.Hash(data[4:])}}
+	if err := checkRestored(good, data); err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range []*pb.CopyCheck{
+		{ChunkEnds: []uint64{4, 10}, ChunkHashes: []uint64{xxh3.Hash(data[:4]), 1}},
+		{ChunkEnds: []uint64{4, 9}, ChunkHashes: good.ChunkHashes},
+		{ChunkEnds: []uint64{6, 4, 10}, ChunkHashes: []uint64{0, 0, 0}},
+		{ChunkEnds: []uint64{10}, ChunkHashes: nil},
+		{},
+	} {
+		if err := checkRestored(bad, data); !errors.Is(err, ErrCorrupt) {
+			t.Errorf("%v: %v", bad, err)
+		}
+	}
 }

@@ -695,9 +695,15 @@ func (x *BeginSaveResponse) GetCopyCheck() *CopyCheck {
 // the shared region, and sends the hashes in CommitSaveRequest. The daemon
 // stores the save only if the bytes it reads back at drain hash the same,
 // so no other user of the arena can forge the save.
+//
+// In a RestoreHeader it goes the other way: the restored bytes are whole
+// chunks as the manifest hashed them, chunk_hashes says what each hashes
+// to, and the client copies the region out of the shared arena and checks
+// its copy before it uses it.
 type CopyCheck struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	ChunkEnds     []uint64               `protobuf:"varint,1,rep,packed,name=chunk_ends,json=chunkEnds,proto3" json:"chunk_ends,omitempty"`
+	ChunkHashes   []uint64               `protobuf:"fixed64,2,rep,packed,name=chunk_hashes,json=chunkHashes,proto3" json:"chunk_hashes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -735,6 +741,13 @@ func (*CopyCheck) Descriptor() ([]byte, []int) {
 func (x *CopyCheck) GetChunkEnds() []uint64 {
 	if x != nil {
 		return x.ChunkEnds
+	}
+	return nil
+}
+
+func (x *CopyCheck) GetChunkHashes() []uint64 {
+	if x != nil {
+		return x.ChunkHashes
 	}
 	return nil
 }
@@ -1652,8 +1665,12 @@ type RestoreHeader struct {
 	// For latest with finite: the newer committed steps passed over because
 	// their tensors hold NaN or Inf, newest first.
 	SkippedNonfinite []int64 `protobuf:"varint,9,rep,packed,name=skipped_nonfinite,json=skippedNonfinite,proto3" json:"skipped_nonfinite,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Set when the daemon's arena is shared with other users (serve
+	// --socket-group): the region holds whole chunks (size may exceed the
+	// tensors'), and the client checks its copy of them. See CopyCheck.
+	CopyCheck     *CopyCheck `protobuf:"bytes,10,opt,name=copy_check,json=copyCheck,proto3" json:"copy_check,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RestoreHeader) Reset() {
@@ -1745,6 +1762,13 @@ func (x *RestoreHeader) GetSkippedStep() int64 {
 func (x *RestoreHeader) GetSkippedNonfinite() []int64 {
 	if x != nil {
 		return x.SkippedNonfinite
+	}
+	return nil
+}
+
+func (x *RestoreHeader) GetCopyCheck() *CopyCheck {
+	if x != nil {
+		return x.CopyCheck
 	}
 	return nil
 }
@@ -4083,10 +4107,11 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x11BeginSaveResponse\x12%\n" +
 	"\x05lease\x18\x01 \x01(\v2\x0f.ckptd.v1.LeaseR\x05lease\x122\n" +
 	"\n" +
-	"copy_check\x18\x02 \x01(\v2\x13.ckptd.v1.CopyCheckR\tcopyCheck\"*\n" +
+	"copy_check\x18\x02 \x01(\v2\x13.ckptd.v1.CopyCheckR\tcopyCheck\"M\n" +
 	"\tCopyCheck\x12\x1d\n" +
 	"\n" +
-	"chunk_ends\x18\x01 \x03(\x04R\tchunkEnds\"m\n" +
+	"chunk_ends\x18\x01 \x03(\x04R\tchunkEnds\x12!\n" +
+	"\fchunk_hashes\x18\x02 \x03(\x06R\vchunkHashes\"m\n" +
 	"\x11CommitSaveRequest\x12\x19\n" +
 	"\blease_id\x18\x01 \x01(\tR\aleaseId\x12\x1a\n" +
 	"\bmetadata\x18\x02 \x01(\fR\bmetadata\x12!\n" +
@@ -4151,7 +4176,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\vTensorSlice\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x04R\x06offset\x12\x16\n" +
-	"\x06length\x18\x03 \x01(\x04R\x06length\"\x9c\x02\n" +
+	"\x06length\x18\x03 \x01(\x04R\x06length\"\xd0\x02\n" +
 	"\rRestoreHeader\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x1d\n" +
 	"\n" +
@@ -4162,7 +4187,10 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\aattempt\x18\x06 \x01(\tR\aattempt\x12\x12\n" +
 	"\x04tier\x18\a \x01(\tR\x04tier\x12!\n" +
 	"\fskipped_step\x18\b \x01(\x03R\vskippedStep\x12+\n" +
-	"\x11skipped_nonfinite\x18\t \x03(\x03R\x10skippedNonfinite\"n\n" +
+	"\x11skipped_nonfinite\x18\t \x03(\x03R\x10skippedNonfinite\x122\n" +
+	"\n" +
+	"copy_check\x18\n" +
+	" \x01(\v2\x13.ckptd.v1.CopyCheckR\tcopyCheck\"n\n" +
 	"\x14BeginRestoreResponse\x12%\n" +
 	"\x05lease\x18\x01 \x01(\v2\x0f.ckptd.v1.LeaseR\x05lease\x12/\n" +
 	"\x06header\x18\x02 \x01(\v2\x17.ckptd.v1.RestoreHeaderR\x06header\"g\n" +
@@ -4501,69 +4529,70 @@ var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
 	19, // 10: ckptd.v1.ListStepsResponse.steps:type_name -> ckptd.v1.StepInfo
 	22, // 11: ckptd.v1.BeginRestoreRequest.slices:type_name -> ckptd.v1.TensorSlice
 	4,  // 12: ckptd.v1.RestoreHeader.tensors:type_name -> ckptd.v1.Tensor
-	7,  // 13: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
-	23, // 14: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
-	23, // 15: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
-	29, // 16: ckptd.v1.OpenDatasetRequest.mixture:type_name -> ckptd.v1.MixtureSource
-	32, // 17: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
-	7,  // 18: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
-	33, // 19: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
-	34, // 20: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
-	43, // 21: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
-	44, // 22: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
-	45, // 23: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
-	46, // 24: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
-	57, // 25: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
-	42, // 26: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
-	58, // 27: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
-	5,  // 28: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
-	5,  // 29: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
-	34, // 30: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
-	50, // 31: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
-	52, // 32: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
-	2,  // 33: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
-	6,  // 34: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
-	10, // 35: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
-	12, // 36: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
-	15, // 37: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
-	16, // 38: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
-	18, // 39: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
-	21, // 40: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
-	21, // 41: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
-	26, // 42: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
-	28, // 43: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
-	31, // 44: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
-	36, // 45: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
-	38, // 46: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
-	40, // 47: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
-	53, // 48: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
-	55, // 49: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
-	49, // 50: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
-	47, // 51: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
-	3,  // 52: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	8,  // 53: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	11, // 54: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	13, // 55: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	11, // 56: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	17, // 57: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	20, // 58: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	24, // 59: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	25, // 60: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	27, // 61: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	30, // 62: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	35, // 63: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	37, // 64: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	39, // 65: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
-	41, // 66: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
-	54, // 67: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
-	53, // 68: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
-	51, // 69: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
-	48, // 70: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
-	52, // [52:71] is the sub-list for method output_type
-	33, // [33:52] is the sub-list for method input_type
-	33, // [33:33] is the sub-list for extension type_name
-	33, // [33:33] is the sub-list for extension extendee
-	0,  // [0:33] is the sub-list for field type_name
+	9,  // 13: ckptd.v1.RestoreHeader.copy_check:type_name -> ckptd.v1.CopyCheck
+	7,  // 14: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
+	23, // 15: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
+	23, // 16: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
+	29, // 17: ckptd.v1.OpenDatasetRequest.mixture:type_name -> ckptd.v1.MixtureSource
+	32, // 18: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
+	7,  // 19: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
+	33, // 20: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
+	34, // 21: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
+	43, // 22: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
+	44, // 23: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
+	45, // 24: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
+	46, // 25: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
+	57, // 26: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	42, // 27: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
+	58, // 28: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
+	5,  // 29: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
+	5,  // 30: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
+	34, // 31: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
+	50, // 32: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
+	52, // 33: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
+	2,  // 34: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
+	6,  // 35: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
+	10, // 36: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
+	12, // 37: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
+	15, // 38: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
+	16, // 39: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
+	18, // 40: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
+	21, // 41: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
+	21, // 42: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
+	26, // 43: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
+	28, // 44: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
+	31, // 45: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
+	36, // 46: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
+	38, // 47: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
+	40, // 48: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
+	53, // 49: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
+	55, // 50: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
+	49, // 51: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
+	47, // 52: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
+	3,  // 53: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	8,  // 54: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	11, // 55: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	13, // 56: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	11, // 57: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	17, // 58: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	20, // 59: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	24, // 60: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	25, // 61: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	27, // 62: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	30, // 63: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	35, // 64: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	37, // 65: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	39, // 66: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
+	41, // 67: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	54, // 68: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
+	53, // 69: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
+	51, // 70: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
+	48, // 71: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
+	53, // [53:72] is the sub-list for method output_type
+	34, // [34:53] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_ckptd_v1_ckptd_proto_init() }

@@ -144,10 +144,12 @@ class BeginSaveResponse(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., copy_check: _Optional[_Union[CopyCheck, _Mapping]] = ...) -> None: ...
 
 class CopyCheck(_message.Message):
-    __slots__ = ("chunk_ends",)
+    __slots__ = ("chunk_ends", "chunk_hashes")
     CHUNK_ENDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
     chunk_ends: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, chunk_ends: _Optional[_Iterable[int]] = ...) -> None: ...
+    chunk_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, chunk_ends: _Optional[_Iterable[int]] = ..., chunk_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitSaveRequest(_message.Message):
     __slots__ = ("lease_id", "metadata", "chunk_hashes")
@@ -297,7 +299,7 @@ class TensorSlice(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class RestoreHeader(_message.Message):
-    __slots__ = ("step", "world_size", "tensors", "metadata", "size", "attempt", "tier", "skipped_step", "skipped_nonfinite")
+    __slots__ = ("step", "world_size", "tensors", "metadata", "size", "attempt", "tier", "skipped_step", "skipped_nonfinite", "copy_check")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +309,7 @@ class RestoreHeader(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_STEP_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    COPY_CHECK_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -316,7 +319,8 @@ class RestoreHeader(_message.Message):
     tier: str
     skipped_step: int
     skipped_nonfinite: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metadata: _Optional[bytes] = ..., size: _Optional[int] = ..., attempt: _Optional[str] = ..., tier: _Optional[str] = ..., skipped_step: _Optional[int] = ..., skipped_nonfinite: _Optional[_Iterable[int]] = ...) -> None: ...
+    copy_check: CopyCheck
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metadata: _Optional[bytes] = ..., size: _Optional[int] = ..., attempt: _Optional[str] = ..., tier: _Optional[str] = ..., skipped_step: _Optional[int] = ..., skipped_nonfinite: _Optional[_Iterable[int]] = ..., copy_check: _Optional[_Union[CopyCheck, _Mapping]] = ...) -> None: ...
 
 class BeginRestoreResponse(_message.Message):
     __slots__ = ("lease", "header")
