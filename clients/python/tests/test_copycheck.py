@@ -17,8 +17,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from dcp_worker import diff as same
+from test_dcp_parity import both, load_both, sample
 
 import ckptd
+from ckptd import _copy
 
 NOBODY = 65534
 
@@ -52,6 +55,10 @@ def test_checked_save_commits_and_restores(make_daemon, job, transport):
     with d.client(transport=transport) as c:
         c.save(1, state, job=job).wait()
         got = c.load(1, job=job)
+        some = c.load(1, job=job, tensors=["small.299", "bf16"])  # whole chunks, checked
+    assert set(some) == {"small.299", "bf16"}
+    assert np.array_equal(some["small.299"], state["small.299"])
+    assert torch.equal(torch.as_tensor(some["bf16"]), state["bf16"])
     for name, want in state.items():
         if isinstance(want, torch.Tensor):
             assert torch.equal(torch.as_tensor(got[name]), want), name
@@ -63,11 +70,14 @@ ATTACK = r"""
 import mmap, sys
 import numpy as np
 path, victim, forged = sys.argv[1], np.float32(sys.argv[2]), np.float32(sys.argv[3])
+pattern = np.full(4096, victim).tobytes()
 with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
-    at = m.find(np.full(4096, victim).tobytes())
-    if at < 0:
+    at, found = m.find(pattern), 0
+    while at >= 0:  # every copy: the victim's, and any stale one of freed regions
+        m[at : at + len(pattern)] = np.full(4096, forged).tobytes()
+        at, found = m.find(pattern, at + len(pattern)), found + 1
+    if not found:
         sys.exit("the victim's bytes are not in the arena")
-    m[at : at + 16384] = np.full(4096, forged).tobytes()
 """
 
 
@@ -100,3 +110,32 @@ def test_group_member_cannot_forge_a_staged_save(make_daemon, job, memory):
         with pytest.raises(ckptd.CkptdError):
             c.load(2, job=job)
         assert "the staged bytes changed after the client copied them" in d.logs()
+
+
+def test_group_member_cannot_forge_what_a_client_loads(make_daemon, job, monkeypatch):
+    d = shared_daemon(make_daemon)
+    with d.client() as c:
+        c.save(1, {"w": np.full(1 << 20, 2.5, np.float32)}, job=job).wait()
+        real = _copy.copy
+
+        def copy_after_the_attack(pairs):  # the window between the restore and the copy out
+            attack_as_member(d, 2.5, 666.0)
+            monkeypatch.setattr(_copy, "copy", real)
+            real(pairs)
+
+        monkeypatch.setattr(_copy, "copy", copy_after_the_attack)
+        with pytest.raises(ckptd.DataLossError, match="changed in the daemon's shared arena"):
+            c.load(1, job=job)
+        assert np.all(c.load(1, job=job)["w"] == 2.5)  # no attack this time
+
+
+def test_dcp_through_a_shared_arena(make_daemon, job, tmp_path):
+    """ckptd.dcp's held saves answer the check, and its partial reads are checked."""
+    d = shared_daemon(make_daemon)
+    sd = sample()
+    with d.client() as c:
+        both(c, job, tmp_path, sd, 1)
+        fs, ours = load_both(c, job, tmp_path, sd, 1)
+        some = load_both(c, job, tmp_path, {"model": {"bf16": sd["model"]["bf16"]}}, 1)
+    assert same(ours, fs) == [] and same(ours, sd) == []
+    assert same(some[1], some[0]) == []

@@ -12,18 +12,23 @@ the same. A rewrite then fails the save instead of forging it.
 A tensor on a GPU is copied into the region by DMA and hashed from the
 region once the copy has finished: a rewrite in the milliseconds between
 the two is not caught (docs/security.md).
+
+Restores go the other way: such a daemon restores whole chunks and says
+in the RestoreHeader what each hashes to; the client copies the region
+out of the arena and checks its copy (check_restored) before it uses it.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
 
 from . import _copy, _tensors
-from ._errors import CkptdError
+from ._errors import CkptdError, DataLossError
 
 
 def hashes(leaves: Sequence[_tensors.Leaf], ends: Sequence[int], region: np.ndarray) -> list[int]:
@@ -72,3 +77,31 @@ def _sources(
         views.append(v)
         pos += leaf.nbytes
     return starts, views
+
+
+def check_restored(check: Any, data: np.ndarray, what: str) -> None:
+    """Raise DataLossError unless data, a private copy of a restore, hashes as check says.
+
+    check is the RestoreHeader's CopyCheck: whole chunks, their ends in
+    data and their hashes, from the manifest.
+    """
+    ends, want = list(check.chunk_ends), list(check.chunk_hashes)
+    if len(ends) != len(want) or (ends[-1] if ends else 0) != data.size:
+        raise DataLossError(
+            f"{what}: the daemon's check covers {ends[-1] if ends else 0} bytes in "
+            f"{len(ends)} chunks with {len(want)} hashes, the restore {data.size} bytes",
+            reason="CORRUPT",
+        )
+
+    def one(i: int) -> int:
+        return xxhash.xxh3_64_intdigest(data[(ends[i - 1] if i else 0) : ends[i]].data)
+
+    got = _copy.map_threads(one, len(ends), data.size)
+    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+    if bad:
+        raise DataLossError(
+            f"{what}: {len(bad)} of {len(ends)} chunks of the restored bytes changed in the "
+            "daemon's shared arena before this client copied them out (a member of its "
+            "--socket-group?); nothing was loaded",
+            reason="CORRUPT",
+        )

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from . import _copy, _kinds, _limits, _names, _tensors
+from . import _copy, _copycheck, _kinds, _limits, _names, _tensors
 from ._arena import Arena
 from ._errors import (
     CkptdError,
@@ -199,11 +199,18 @@ def _load_shm(
 ) -> tuple[pb.RestoreHeader, _T]:
     resp = conn.call("BeginRestore", req, what)
     release = pb.ReleaseRegionRequest(lease_id=resp.lease.id)
+    header = resp.header
+    private: np.ndarray | None = None
     try:
-        header = resp.header
         arena = conn.lease_mapping(resp.lease.arena_id)
         region = arena.region(resp.lease.offset, header.size)
-        result = use(header, region, arena)
+        if header.HasField("copy_check"):
+            # Others can write the arena: use a copy of the region that is
+            # ours alone, once it hashes as the daemon says.
+            private = np.empty(header.size, np.uint8)
+            _copy.copy([(private, region)])
+        else:
+            result = use(header, region, arena)
     except BaseException:
         # On failure the daemon reclaims the region after --lease-timeout.
         with contextlib.suppress(CkptdError):
@@ -217,6 +224,9 @@ def _load_shm(
         if e.reason not in (None, "UNKNOWN_LEASE"):
             raise
         raise LeaseLost(e) from None
+    if private is not None:
+        _copycheck.check_restored(header.copy_check, private, what)
+        result = use(header, private, None)
     return header, result
 
 
@@ -249,6 +259,8 @@ def _load_stream(
         raise conn.error(e, what) from None
     if n != data.size:
         raise CkptdError(f"{what}: the stream ended after {n} of {data.size} bytes")
+    if header.HasField("copy_check"):  # the daemon streamed them out of its shared arena
+        _copycheck.check_restored(header.copy_check, data, what)
     return header, use(header, data, None)
 
 
