@@ -17,8 +17,9 @@ weights) in the same process:
                      which is what ckptd gives once the save is committed)
     checked copy     save() to a daemon started with --socket-group, which
                      shares its arena with a group and so has the client
-                     hash what it copies (docs/security.md): its stall and
-                     its drain, against the plain save's
+                     hash what it copies (docs/security.md): its stall,
+                     its drain and a load (which the client copies out and
+                     checks), against the plain ones
 
 and, loading the same state back into a module that holds it as buffers:
 
@@ -256,7 +257,8 @@ def run(args: argparse.Namespace, size: int, work: Path, storage: Path, binary: 
             for _ in range(args.runs):
                 (base,) = timed(lambda: numpy_copy(arrays, mem), 1)
                 pairs.setdefault("checked", []).append((save(c2, state), base))
-        checked_drains = list(drains)
+            checked_drains = list(drains)
+            checked_loads = time_loads(c2, state, next(step), args.runs)
     t_ts = statistics.median(timed(lambda: torch_save(state, work / "torch.pt", False), args.runs))
     t_tsf = statistics.median(timed(lambda: torch_save(state, work / "torch.pt", True), args.runs))
     target_module = as_module({k: torch.empty_like(v) for k, v in state.items()})
@@ -298,6 +300,11 @@ def run(args: argparse.Namespace, size: int, work: Path, storage: Path, binary: 
         ("torch.load + load_state_dict", t_tl, "1.00x (load baseline)"),
         ("ckptd.torch.load_state_dict", loads[0], f"{loads[0] / t_tl:.2f}x torch.load"),
         ("Client.load + load_state_dict", loads[1], f"{loads[1] / t_tl:.2f}x torch.load"),
+        (
+            "  the same, checked copy",
+            checked_loads[1],
+            f"{checked_loads[1] / loads[1]:.2f}x the plain load",
+        ),
     ]
     print(
         f"\nckptd Python client, {nbytes / GiB:.2f} GiB state ({args.tensors} bf16 tensors), "

@@ -21,7 +21,7 @@ out of the arena and checks its copy (check_restored) before it uses it.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,13 +30,25 @@ import xxhash
 from . import _copy, _tensors
 from ._errors import CkptdError, DataLossError
 
+PIECE = 256 << 10  # copied then hashed while it is in the core's cache
 
-def hashes(leaves: Sequence[_tensors.Leaf], ends: Sequence[int], region: np.ndarray) -> list[int]:
-    """XXH3-64 of each chunk of the data space that ends cuts, from the leaves' own bytes.
 
-    Call after the copy into region: a leaf on a device is hashed from there.
+def copy_and_hash(
+    leaves: Sequence[_tensors.Leaf],
+    ends: Sequence[int],
+    region: np.ndarray,
+    copy_rest: Callable[[list[_tensors.Leaf]], None],
+) -> list[int]:
+    """Copy leaves into region and return the XXH3-64 of each chunk that ends cuts.
+
+    A host leaf held contiguous, little-endian, is copied and hashed a
+    piece at a time, from its own memory while the piece is in cache: one
+    pass over it. The others go through copy_rest first (a device's DMA, a
+    strided view's element copy), then are hashed: from a contiguous copy
+    of their own for host leaves, from the region for a device's.
     """
-    starts, views = _sources(leaves, region)
+    starts, views, dsts, rest = _sources(leaves, region)
+    copy_rest(rest)
     total = sum(v.size for v in views)
     covered = ends[-1] if ends else 0
     if covered != total:
@@ -47,9 +59,13 @@ def hashes(leaves: Sequence[_tensors.Leaf], ends: Sequence[int], region: np.ndar
         h = xxhash.xxh3_64()
         j = bisect.bisect_right(starts, a) - 1
         while a < b:
-            lo = a - starts[j]
-            hi = min(b - starts[j], views[j].size)
-            h.update(views[j][lo:hi].data)
+            lo, hi = a - starts[j], min(b - starts[j], views[j].size)
+            src, dst = views[j], dsts[j]
+            for k in range(lo, hi, PIECE):
+                piece = src[k : min(k + PIECE, hi)]
+                if dst is not None:
+                    np.copyto(dst[k : k + piece.size], piece)
+                h.update(piece.data)
             a, j = starts[j] + hi, j + 1
         return h.intdigest()
 
@@ -58,25 +74,36 @@ def hashes(leaves: Sequence[_tensors.Leaf], ends: Sequence[int], region: np.ndar
 
 def _sources(
     leaves: Sequence[_tensors.Leaf], region: np.ndarray
-) -> tuple[list[int], list[np.ndarray]]:
-    """Each non-empty leaf's data-space offset and its bytes as copied."""
+) -> tuple[list[int], list[np.ndarray], list[np.ndarray | None], list[_tensors.Leaf]]:
+    """Each non-empty leaf's data-space offset, bytes as stored, and place to copy them as hashed.
+
+    Also the leaves to copy apart first (place None): on a device, strided or big-endian.
+    """
     starts: list[int] = []
     views: list[np.ndarray] = []
+    dsts: list[np.ndarray | None] = []
+    rest: list[_tensors.Leaf] = []
     pos = 0
     for leaf in sorted(leaves, key=lambda x: x.offset):
         if leaf.nbytes == 0:
             continue
+        place = region[leaf.offset : leaf.offset + leaf.nbytes]
+        dst: np.ndarray | None = None
         if _tensors.on_device(leaf):
-            v = region[leaf.offset : leaf.offset + leaf.nbytes]
+            v = place
+            rest.append(leaf)
         else:
-            dst, src = _tensors.host_pair(leaf, region[leaf.offset : leaf.offset + leaf.nbytes])
-            # The bytes as stored: little-endian, back to back (a copy only
-            # for a strided or big-endian source).
-            v = np.ascontiguousarray(src, dtype=dst.dtype).reshape(-1).view(np.uint8)
+            typed, src = _tensors.host_pair(leaf, place)
+            if src.flags.c_contiguous and src.dtype == typed.dtype:
+                v, dst = src.reshape(-1).view(np.uint8), place
+            else:  # hashed from a contiguous little-endian copy of its own
+                v = np.ascontiguousarray(src, dtype=typed.dtype).reshape(-1).view(np.uint8)
+                rest.append(leaf)
         starts.append(pos)
         views.append(v)
+        dsts.append(dst)
         pos += leaf.nbytes
-    return starts, views
+    return starts, views, dsts, rest
 
 
 def check_restored(check: Any, data: np.ndarray, what: str) -> None:

@@ -380,9 +380,15 @@ def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, Arena, np.ndarray
             raise CkptdError(f"{what}: daemon leased {lease.length} bytes for a {size}-byte table")
         arena = conn.lease_mapping(lease.arena_id)  # the lease says which arena it is in
         region = arena.region(lease.offset, size)
-        _copy_leaves(shard.leaves, region, arena.pin)
         if resp.HasField("copy_check"):
-            hashes = _copycheck.hashes(shard.leaves, resp.copy_check.chunk_ends, region)
+            hashes = _copycheck.copy_and_hash(
+                shard.leaves,
+                resp.copy_check.chunk_ends,
+                region,
+                lambda rest: _copy_leaves(rest, region, arena.pin),
+            )
+        else:
+            _copy_leaves(shard.leaves, region, arena.pin)
     except BaseException:
         _abort(conn, lease.id)
         raise
