@@ -21,7 +21,7 @@ from dcp_worker import diff as same
 from test_dcp_parity import both, load_both, sample
 
 import ckptd
-from ckptd import _copy
+from ckptd import _copy, _save
 
 NOBODY = 65534
 
@@ -139,3 +139,18 @@ def test_dcp_through_a_shared_arena(make_daemon, job, tmp_path):
         some = load_both(c, job, tmp_path, {"model": {"bf16": sd["model"]["bf16"]}}, 1)
     assert same(ours, fs) == [] and same(ours, sd) == []
     assert same(some[1], some[0]) == []
+
+
+def test_held_save_made_again_from_a_rewritten_region_is_refused(make_daemon, job):
+    """ckptd.dcp's rank 0 may save its staged bytes again: only as they were hashed."""
+    d = shared_daemon(make_daemon)
+    with d.client() as c:
+        target = _save.target(job, 1, 0, 1, "a1")
+        held = _save.Held(c._conn, target, {"w": np.full(1 << 20, 4.5, np.float32)})
+        try:
+            assert np.all(held.staged_leaves()[0].value == 4.5)  # as staged: taken
+            attack_as_member(d, 4.5, 666.0)
+            with pytest.raises(ckptd.CkptdError, match="changed in the daemon's shared arena"):
+                held.staged_leaves()
+        finally:
+            held.abort()

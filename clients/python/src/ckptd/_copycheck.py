@@ -54,6 +54,14 @@ def copy_and_hash(
     if covered != total:
         raise CkptdError(f"the daemon's copy check covers {covered} bytes, the save {total}")
 
+    return _hash_chunks(starts, views, dsts, ends)
+
+
+def _hash_chunks(
+    starts: list[int], views: list[np.ndarray], dsts: list[np.ndarray | None], ends: Sequence[int]
+) -> list[int]:
+    """XXH3-64 of each chunk of the data space (views at starts), copying to dsts on the way."""
+
     def one(i: int) -> int:
         a, b = (ends[i - 1] if i else 0), ends[i]
         h = xxhash.xxh3_64()
@@ -69,7 +77,37 @@ def copy_and_hash(
             a, j = starts[j] + hi, j + 1
         return h.intdigest()
 
-    return _copy.map_threads(one, len(ends), total)
+    return _copy.map_threads(one, len(ends), sum(v.size for v in views))
+
+
+def check_copied(
+    leaves: Sequence[_tensors.Leaf],
+    copies: Sequence[_tensors.Leaf],
+    ends: Sequence[int],
+    want: Sequence[int],
+    what: str,
+) -> None:
+    """Raise CkptdError unless copies (of leaves, out of their region) hash as want.
+
+    For a save made again from its staged bytes: they are used only as they
+    were when the client hashed them.
+    """
+    order = sorted(range(len(leaves)), key=lambda i: leaves[i].offset)
+    starts: list[int] = []
+    views: list[np.ndarray] = []
+    pos = 0
+    for i in order:
+        if leaves[i].nbytes:
+            starts.append(pos)
+            views.append(np.asarray(copies[i].value).reshape(-1).view(np.uint8))
+            pos += leaves[i].nbytes
+    if (ends[-1] if ends else 0) != pos or _hash_chunks(
+        starts, views, [None] * len(views), ends
+    ) != list(want):
+        raise CkptdError(
+            f"{what}: the staged copy changed in the daemon's shared arena since it was "
+            "copied (a member of its --socket-group?); it is not saved again"
+        )
 
 
 def _sources(

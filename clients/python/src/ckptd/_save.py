@@ -134,7 +134,7 @@ class Held:
         self._arena: Arena | None = None  # the mapping the region is in
         self._region: np.ndarray | None = None
         self._private: list[_tensors.Leaf] | None = None
-        self._hashes: list[int] = []  # of what was staged, when the daemon checks copies
+        self._check: _Check = ([], [])  # of what was staged, when the daemon checks copies
         self._lost = False  # the lease failed at its commit
         outage = Outage(conn, self.shard.what)
         while True:
@@ -143,7 +143,8 @@ class Held:
                 if arena is None:
                     self._private = [_copy_leaf(x) for x in self.shard.leaves]
                 else:
-                    self._lease, self._arena, self._region, self._hashes = _stage(conn, self.shard)
+                    staged = _stage(conn, self.shard)
+                    self._lease, self._arena, self._region, self._check = staged
                 return
             except DaemonUnavailableError as e:
                 outage.pause(e)
@@ -179,7 +180,7 @@ class Held:
         lease = self._lease
         if lease is not None and not extra:
             try:
-                resp = _commit(conn, lease, meta, self.what, doubt, self._hashes)
+                resp = _commit(conn, lease, meta, self.what, doubt, self._check[1])
             except DaemonUnavailableError as e:
                 self._lost = True
                 outage.pause(e)
@@ -238,7 +239,11 @@ class Held:
                 "commit without this shard. Save a later step (dcp.save makes a lost "
                 "copy again from the state itself)"
             )
-        return [_copy_leaf(x, region) for x in self.shard.leaves]
+        copies = [_copy_leaf(x, region) for x in self.shard.leaves]
+        ends, hashes = self._check
+        if hashes:
+            _copycheck.check_copied(self.shard.leaves, copies, ends, hashes, self.what)
+        return copies
 
     def _region_kept(self, lease: pb.Lease, arena: Arena) -> bool:
         conn = self._conn
@@ -364,16 +369,21 @@ def _accepted(conn: Connection, target: pb.SaveTarget) -> bool:
     return bool(state in _ACCEPTED)
 
 
-def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, Arena, np.ndarray, list[int]]:
+_Check = tuple[list[int], list[int]]  # a copy check's chunk ends and the client's hashes
+
+
+def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, Arena, np.ndarray, _Check]:
     """Lease a region for shard and copy its leaves in; the region goes back if that fails.
 
     Returns the lease, the mapping its region is in, the region, and the
-    hashes of what was copied when the daemon checks copies (else none).
+    copy check's ends and hashes of what was copied when the daemon checks
+    copies (else none).
     """
     what, size = shard.what, shard.size
     begin = pb.BeginSaveRequest(target=shard.target, tensors=shard.table)
     resp = conn.call("BeginSave", begin, what)
     lease = resp.lease
+    ends: list[int] = []
     hashes: list[int] = []
     try:
         if lease.length < size:
@@ -381,9 +391,10 @@ def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, Arena, np.ndarray
         arena = conn.lease_mapping(lease.arena_id)  # the lease says which arena it is in
         region = arena.region(lease.offset, size)
         if resp.HasField("copy_check"):
+            ends = list(resp.copy_check.chunk_ends)
             hashes = _copycheck.copy_and_hash(
                 shard.leaves,
-                resp.copy_check.chunk_ends,
+                ends,
                 region,
                 lambda rest: _copy_leaves(rest, region, arena.pin),
             )
@@ -392,11 +403,11 @@ def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, Arena, np.ndarray
     except BaseException:
         _abort(conn, lease.id)
         raise
-    return lease, arena, region, hashes
+    return lease, arena, region, (ends, hashes)
 
 
 def _save_shm(conn: Connection, shard: _Shard, doubt: _Doubt) -> pb.CommitSaveResponse:
-    lease, _, _, hashes = _stage(conn, shard)
+    lease, _, _, (_, hashes) = _stage(conn, shard)
     try:
         return _commit(conn, lease, shard.meta, shard.what, doubt, hashes)
     except BaseException:
