@@ -19,8 +19,9 @@ var ErrStagedChanged = fmt.Errorf("%w: the staged bytes changed after the client
 // memory (not from the shared region) as it copied. A daemon whose arena
 // other users can write asks for it, and stores a save only when the
 // bytes it compresses, copied out of the arena first, hash the same: a
-// member of --socket-group can then spoil another user's save (it fails)
-// but never forge one.
+// member of --socket-group who rewrites another user's staged bytes then
+// fails the save instead of having them stored. XXH3 is a checksum, not a
+// MAC: bytes crafted to the same hashes would pass (docs/security.md).
 type CopyCheck struct {
 	// Ends are the data-space ends of the chunks, increasing, the last
 	// the layout's DataSize: the chunks the writer cuts (CheckEnds).

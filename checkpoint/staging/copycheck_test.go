@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"path/filepath"
 	"slices"
 	"testing"
 	"time"
@@ -11,6 +12,7 @@ import (
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/checkpoint/tiers"
+	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/storage/memstore"
 )
 
@@ -172,5 +174,43 @@ func TestCheckedRestore(t *testing.T) {
 			t.Fatalf("%v: tensor b is not where the table says", names)
 		}
 		mgr.Release(Owner{}, info.ID)
+	}
+}
+
+// A save journaled by a Manager that did not check copies, replayed by one
+// that does (a restart with --socket-group), is checked from its bytes as
+// the restart found them: it drains, and a rewrite afterwards fails it.
+func TestCheckedReplay(t *testing.T) {
+	b := memstore.New()
+	for _, rewrite := range []bool{false, true} {
+		mgr, a := newManagerOn(t, b, ManagerConfig{DrainDelay: time.Hour})
+		tg := target(1)
+		if rewrite {
+			tg = target(2)
+		}
+		saveBytes(t, mgr, a, tg, bytes.Repeat([]byte{9}, 300_000))
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		if n := mgr.Close(ctx); n != 1 {
+			t.Fatalf("%d saves left journaled", n)
+		}
+		cancel()
+		a.Close()
+		a2, err := arena.Open(arena.Options{Dir: filepath.Dir(a.Path()), Size: 8 << 20})
+		if err != nil {
+			t.Fatal(err)
+		}
+		mgr2, err := NewManager(shmArena{a2}, b, ManagerConfig{DefaultJob: "job", CheckCopies: true, DrainDelay: 200 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rewrite {
+			a2.Bytes()[1000] ^= 1
+		}
+		want := map[bool]State{false: StateCommitted, true: StateFailed}[rewrite]
+		if res := settled(t, mgr2, tg); res.State != want {
+			t.Fatalf("rewrite %v: %v %v", rewrite, res.State, res.Err)
+		}
+		mgr2.Close(context.Background())
+		a2.Close()
 	}
 }

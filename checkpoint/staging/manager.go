@@ -65,8 +65,8 @@ type ManagerConfig struct {
 	// CheckCopies asks every client that copies into the arena for the
 	// hashes of what it copied (checkpoint.CopyCheck), and stores a save
 	// only if its bytes still hash the same when they drain: set when other
-	// users may write the arena (the daemon's --socket-group), so that one
-	// cannot forge another's save.
+	// users may write the arena (the daemon's --socket-group), so that
+	// bytes one rewrote in another's save are not stored.
 	CheckCopies bool
 }
 

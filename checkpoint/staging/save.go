@@ -406,6 +406,9 @@ func (mgr *Manager) recover() error {
 		recovered[e.ID] = true
 		l.id = e.ID
 		l.recovered = true
+		if mgr.cfg.CheckCopies && l.copyCheck == nil {
+			mgr.checkRecovered(l)
+		}
 		mgr.leases.add(l, "")
 		mgr.leases.book(l) // even past the budget: it is acknowledged
 		mgr.saves.setWorld(keyOf(l.target), StateStaged, nil, l.target.WorldSize)
@@ -413,6 +416,19 @@ func (mgr *Manager) recover() error {
 		mgr.log.Info("recovered staged save", "target", l.target, "bytes", l.layout.DataSize)
 	}
 	return mgr.recoverSpilled(recovered) // older than the arena's: they go to the front of the queue
+}
+
+// checkRecovered gives a save journaled without a copy check one, hashed
+// now from the arena, before any client connects: it was staged while
+// only the daemon's user could write the arena, which from this start on
+// other users may, so what it holds now is what may drain.
+func (mgr *Manager) checkRecovered(l *lease) {
+	ends := mgr.w.CheckEnds(l.layout)
+	h := checkpoint.NewRegionHasher(l.layout, ends)
+	_, _ = h.Write(mgr.bytesOf(l))
+	if sums, err := h.Sums(); err == nil {
+		l.copyCheck = &checkpoint.CopyCheck{Ends: ends, Hashes: sums}
+	}
 }
 
 // leaseFromEntry rebuilds a journaled save from its entry; reserve takes

@@ -26,8 +26,8 @@ func (mgr *Manager) keepInMemory(l *lease) bool {
 	t := l.target
 	start := time.Now()
 	m, data, release, err := mgr.tiers.HoldInMemory(t, l.layout, mgr.bytesOf(l), l.metadata, mgr.w.Options().ChunkSize, l.copyCheck)
-	if errors.Is(err, checkpoint.ErrStagedChanged) {
-		mgr.refuse(l, err)
+	if errors.Is(err, checkpoint.ErrStagedChanged) || errors.Is(err, checkpoint.ErrInvalid) {
+		mgr.refuse(l, err) // a save that can never be stored: not the whole step to storage
 		return true
 	}
 	if err != nil {

@@ -694,7 +694,9 @@ func (x *BeginSaveResponse) GetCopyCheck() *CopyCheck {
 // hashes each chunk with XXH3-64 (seed 0) from its own memory, not from
 // the shared region, and sends the hashes in CommitSaveRequest. The daemon
 // stores the save only if the bytes it reads back at drain hash the same,
-// so no other user of the arena can forge the save.
+// so that bytes another user of the arena rewrote are not stored. (XXH3 is
+// a checksum, not a MAC: bytes crafted to the same hash pass; see
+// docs/security.md.)
 //
 // In a RestoreHeader it goes the other way: the restored bytes are whole
 // chunks as the manifest hashed them, chunk_hashes says what each hashes
