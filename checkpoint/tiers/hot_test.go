@@ -271,3 +271,28 @@ func TestReplicaOfNextStepTakesThePlace(t *testing.T) {
 	}
 	checkBudget(t, tr.hot)
 }
+
+// Keep with verify keeps a drained shard only if the region still holds
+// what was drained: a region others rewrote since is not kept (and its
+// buffer is given back).
+func TestKeepVerifies(t *testing.T) {
+	tr := New(Config{HotBytes: 1 << 20})
+	defer tr.Close()
+	const n = 300_000
+	layout, err := checkpoint.NewLayout([]checkpoint.Tensor{{Name: "w", DType: dtype.U8, Shape: []int64{n}, Length: n}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	region := bytes.Repeat([]byte{7}, n)
+	m := checkpoint.MemoryManifest(checkpoint.Target{Job: "job", Step: 1, WorldSize: 1, Attempt: "a"}, layout, nil, region, 64<<10)
+	region[n-1] = 8 // rewritten after the drain
+	if _, _, kept := tr.Keep(m, layout, region, true); kept || tr.Holds(m.Target()) {
+		t.Fatal("a rewritten region was kept")
+	}
+	if _, release, kept := tr.Keep(m, layout, region, false); !kept {
+		t.Fatal("not kept unverified")
+	} else {
+		release()
+	}
+	checkBudget(t, tr.hot)
+}
