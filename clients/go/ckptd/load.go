@@ -71,9 +71,12 @@ func (c *Client) load(ctx context.Context, req *LoadRequest) (*Shard, error) {
 		return nil, err
 	}
 	h := resp.GetHeader()
-	if h.GetCopyCheck() != nil && h.GetSize() <= uint64(len(region)) {
+	if h.GetCopyCheck() != nil {
 		// Others can write the arena: use a copy that is ours alone, once
 		// it hashes as the daemon says.
+		if h.GetSize() > uint64(len(region)) {
+			return nil, fmt.Errorf("%w: a %d-byte restore in a %d-byte region", ErrCorrupt, h.GetSize(), len(region))
+		}
 		region = bytes.Clone(region[:h.GetSize()])
 		if err := checkRestored(h.GetCopyCheck(), region); err != nil {
 			return nil, err

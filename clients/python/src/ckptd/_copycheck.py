@@ -9,9 +9,8 @@ own memory, not from the shared region, and sends the hashes with
 CommitSave; the daemon stores the save only if the bytes it drains hash
 the same. A rewrite then fails the save instead of forging it.
 
-A tensor on a GPU is copied into the region by DMA and hashed from the
-region once the copy has finished: a rewrite in the milliseconds between
-the two is not caught (docs/security.md).
+A tensor on a GPU is copied to host memory of the client's own first (not
+by DMA into the arena, as without the check), then copied as hashed.
 
 Restores go the other way: such a daemon restores whole chunks and says
 in the RestoreHeader what each hashes to; the client copies the region
@@ -43,9 +42,9 @@ def copy_and_hash(
 
     A host leaf held contiguous, little-endian, is copied and hashed a
     piece at a time, from its own memory while the piece is in cache: one
-    pass over it. The others go through copy_rest first (a device's DMA, a
-    strided view's element copy), then are hashed: from a contiguous copy
-    of their own for host leaves, from the region for a device's.
+    pass over it; so is a device's, from a host copy of its own. The others
+    (strided or big-endian views) go through copy_rest first, then are
+    hashed from a contiguous copy of their own.
     """
     starts, views, dsts, rest = _sources(leaves, region)
     copy_rest(rest)
@@ -115,7 +114,7 @@ def _sources(
 ) -> tuple[list[int], list[np.ndarray], list[np.ndarray | None], list[_tensors.Leaf]]:
     """Each non-empty leaf's data-space offset, bytes as stored, and place to copy them as hashed.
 
-    Also the leaves to copy apart first (place None): on a device, strided or big-endian.
+    Also the leaves to copy apart first (place None): strided or big-endian.
     """
     starts: list[int] = []
     views: list[np.ndarray] = []
@@ -128,8 +127,10 @@ def _sources(
         place = region[leaf.offset : leaf.offset + leaf.nbytes]
         dst: np.ndarray | None = None
         if _tensors.on_device(leaf):
-            v = place
-            rest.append(leaf)
+            # Through memory of our own, never hashed from the arena: a
+            # synchronous copy from the device, then copied as hashed.
+            v, dst = np.empty(leaf.nbytes, np.uint8), place
+            _tensors.copy_in(leaf, v, lambda: False)
         else:
             typed, src = _tensors.host_pair(leaf, place)
             if src.flags.c_contiguous and src.dtype == typed.dtype:
