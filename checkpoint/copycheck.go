@@ -3,7 +3,10 @@ package checkpoint
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"sort"
+
+	"golang.org/x/sync/errgroup"
 
 	"github.com/ckptd/ckptd/checkpoint/codec"
 )
@@ -15,19 +18,26 @@ import (
 var ErrStagedChanged = fmt.Errorf("%w: the staged bytes changed after the client copied them", ErrCorrupt)
 
 // CopyCheck is what a client says it copied into a staging region: the
-// XXH3-64 of each chunk of the save's data space, hashed from its own
-// memory (not from the shared region) as it copied. A daemon whose arena
-// other users can write asks for it, and stores a save only when the
-// bytes it compresses, copied out of the arena first, hash the same: a
-// member of --socket-group who rewrites another user's staged bytes then
-// fails the save instead of having them stored. XXH3 is a checksum, not a
-// MAC: bytes crafted to the same hashes would pass (docs/security.md).
+// MAC (codec.MAC, keyed BLAKE3) of each chunk of the save's data space,
+// under a key the daemon gave that lease alone, taken from the client's
+// own memory (not from the shared region) as it copied. A daemon whose
+// arena other users can write asks for it, and stores a save only when
+// the bytes it compresses, copied out of the arena first, have the same
+// MACs: a member of --socket-group, who cannot read the key, can spoil
+// another user's save (it fails) but not forge one.
 type CopyCheck struct {
 	// Ends are the data-space ends of the chunks, increasing, the last
 	// the layout's DataSize: the chunks the writer cuts (CheckEnds).
 	Ends []int64 `json:"ends"`
-	// Hashes are the client's, one per chunk; empty until it commits.
+	// Key keys the MACs: random, one per lease.
+	Key []byte `json:"key"`
+	// Hashes are the client's MACs, one per chunk; empty until it commits.
 	Hashes []uint64 `json:"hashes,omitempty"`
+}
+
+// NewCopyCheck is a check of chunks ending at ends, under a new key.
+func NewCopyCheck(ends []int64) *CopyCheck {
+	return &CopyCheck{Ends: ends, Key: codec.NewMACKey()}
 }
 
 // checkEnds are the data-space ends of the chunks planChunks cuts l into.
@@ -54,6 +64,9 @@ func (c *CopyCheck) Validate(l *Layout, hashes bool) error {
 	if prev != l.DataSize {
 		return fmt.Errorf("%w: copy check chunks end at %d, the data at %d", ErrInvalid, prev, l.DataSize)
 	}
+	if len(c.Key) != codec.MACKeySize {
+		return fmt.Errorf("%w: a copy check key of %d bytes", ErrInvalid, len(c.Key))
+	}
 	if hashes && len(c.Hashes) != len(c.Ends) {
 		return fmt.Errorf("%w: %d copy check hashes for %d chunks (this daemon's arena is shared with "+
 			"other users, so it needs the client to hash what it copies: use a client of this ckptd version)",
@@ -62,32 +75,70 @@ func (c *CopyCheck) Validate(l *Layout, hashes bool) error {
 	return nil
 }
 
-// verify compares the chunks a writer or MemoryManifest hashed (from its
-// own copy of the staged bytes) with the client's hashes.
-func (c *CopyCheck) verify(chunks []Chunk) error {
-	if len(chunks) != len(c.Hashes) {
-		return fmt.Errorf("%w: %d chunks for %d copy check hashes", ErrStagedChanged, len(chunks), len(c.Hashes))
+// mac returns a MAC under c's key (validated).
+func (c *CopyCheck) mac() *codec.MAC {
+	m, _ := codec.NewMAC(c.Key)
+	return m
+}
+
+// verify compares the MACs of the chunks a writer or MemoryManifest cut
+// (from its own copy of the staged bytes) with the client's.
+func (c *CopyCheck) verify(macs []uint64) error {
+	if len(macs) != len(c.Hashes) {
+		return fmt.Errorf("%w: %d chunks for %d copy check hashes", ErrStagedChanged, len(macs), len(c.Hashes))
 	}
-	for i, ch := range chunks {
-		if want := codec.FormatHash(c.Hashes[i]); ch.Hash != want {
-			return fmt.Errorf("%w: chunk %d (data bytes %d to %d) hashes %s, the client copied %s",
-				ErrStagedChanged, i, ch.RawOffset, ch.RawOffset+ch.Raw, ch.Hash, want)
+	var start int64
+	for i, m := range macs {
+		if m != c.Hashes[i] {
+			return fmt.Errorf("%w: chunk %d (data bytes %d to %d) is not what the client copied", ErrStagedChanged, i, start, c.Ends[i])
 		}
+		start = c.Ends[i]
 	}
 	return nil
 }
 
-// holds reports whether chunks are c's, cut at its ends with its hashes.
-func (c *CopyCheck) holds(chunks []Chunk) bool {
-	if len(chunks) != len(c.Ends) || c.verify(chunks) != nil {
+// holds reports whether chunks, stored, are c's: cut at its ends, and with
+// the hashes of data (a region of layout l) whose MACs are c's.
+func (c *CopyCheck) holds(chunks []Chunk, l *Layout, data []byte) bool {
+	if len(chunks) != len(c.Ends) || len(c.Hashes) != len(c.Ends) {
 		return false
 	}
-	for i, ch := range chunks {
-		if ch.RawOffset+ch.Raw != c.Ends[i] {
+	var buf []byte
+	mac := c.mac()
+	for i, p := range planEnds(l, c.Ends) {
+		raw := gather(data, p, &buf, true)
+		mac.Reset()
+		mac.Write(raw)
+		if chunks[i].RawOffset != p.rawOffset || chunks[i].Raw != p.raw || mac.Sum64() != c.Hashes[i] ||
+			codec.FormatHash(codec.Hash(raw)) != chunks[i].Hash {
 			return false
 		}
 	}
 	return true
+}
+
+// Sums returns the MACs of the chunks of data, a data space, that ends
+// cut, under key, on every CPU: a daemon's check of bytes it hands out.
+func Sums(key []byte, ends []int64, data []byte) ([]uint64, error) {
+	out := make([]uint64, len(ends))
+	var g errgroup.Group
+	g.SetLimit(runtime.GOMAXPROCS(0))
+	for i, end := range ends {
+		g.Go(func() error {
+			m, err := codec.NewMAC(key)
+			if err != nil {
+				return err
+			}
+			start := int64(0)
+			if i > 0 {
+				start = ends[i-1]
+			}
+			m.Write(data[start:end])
+			out[i] = m.Sum64()
+			return nil
+		})
+	}
+	return out, g.Wait()
 }
 
 // planEnds cuts l's data space at ends (validated), as planChunks would
@@ -126,13 +177,14 @@ type RegionHasher struct {
 	pos    int64 // region offset of the next byte
 	chunk  int
 	span   int
-	h      *codec.Hasher
+	h      *codec.MAC
 	hashes []uint64
 }
 
-// NewRegionHasher hashes the chunks ends cuts l into (ends validated).
-func NewRegionHasher(l *Layout, ends []int64) *RegionHasher {
-	return &RegionHasher{plan: planEnds(l, ends), h: codec.NewHasher()}
+// NewRegionHasher takes the MACs of the chunks c cuts l into (c validated
+// but for its hashes).
+func NewRegionHasher(l *Layout, c *CopyCheck) *RegionHasher {
+	return &RegionHasher{plan: planEnds(l, c.Ends), h: c.mac()}
 }
 
 // Write takes the region's next bytes.
@@ -175,23 +227,20 @@ func (r *RegionHasher) Sums() ([]uint64, error) {
 	return r.hashes, nil
 }
 
-// Checked widens sel to the whole chunks of m that hold it, back to back
-// (the restored bytes then hold each chunk as m hashed it), and returns
-// the CopyCheck of those chunks: their ends in the restored bytes and
-// their hashes. A reader whose restore lands in an arena other users can
-// write copies the bytes out and checks them against it before it uses
-// them; the table still says where each tensor (or slice) lies.
+// Checked widens sel to the whole chunks of m that hold it, back to back,
+// and returns a CopyCheck of those chunks (their ends in the restored
+// bytes, and a new key) for the caller to sum (Sums) from a copy of its
+// own once it has filled it. A reader whose restore lands in an arena
+// other users can write copies the bytes out and checks them against it
+// before it uses them; the table still says where each tensor (or slice)
+// lies.
 func (sel Selection) Checked(m *Manifest) (Selection, *CopyCheck, error) {
 	picked := sel.chunks(m)
-	check := &CopyCheck{Ends: make([]int64, 0, len(picked)), Hashes: make([]uint64, 0, len(picked))}
+	check := NewCopyCheck(make([]int64, 0, len(picked)))
 	out := Selection{Whole: sel.Whole}
 	at := make([]int64, len(picked)) // where each picked chunk lies in the restored bytes
 	for k, i := range picked {
 		c := m.Chunks[i]
-		h, err := codec.ParseHash(c.Hash)
-		if err != nil {
-			return Selection{}, nil, fmt.Errorf("%w: chunk %d: %w", ErrCorrupt, i, err)
-		}
 		at[k] = out.Size
 		if k > 0 && picked[k-1] == i-1 { // contiguous in data space: one part
 			out.parts[len(out.parts)-1].n += c.Raw
@@ -200,7 +249,6 @@ func (sel Selection) Checked(m *Manifest) (Selection, *CopyCheck, error) {
 		}
 		out.Size += c.Raw
 		check.Ends = append(check.Ends, out.Size)
-		check.Hashes = append(check.Hashes, h)
 	}
 	if sel.Whole {
 		out.Table, out.parts = sel.Table, nil

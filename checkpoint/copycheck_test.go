@@ -51,13 +51,12 @@ func TestCopyCheckChunks(t *testing.T) {
 		}
 		data := make([]byte, l.DataSize)
 		l.Pack(region, data)
-		var want []uint64
-		var start int64
-		for _, e := range ends {
-			want = append(want, codec.Hash(data[start:e]))
-			start = e
+		c := NewCopyCheck(ends)
+		want, err := Sums(c.Key, ends, data)
+		if err != nil {
+			t.Fatal(err)
 		}
-		h := NewRegionHasher(l, ends)
+		h := NewRegionHasher(l, c)
 		for rest := region; len(rest) > 0; {
 			n := min(len(rest), 1+r.IntN(9000))
 			_, _ = h.Write(rest[:n])
@@ -67,7 +66,7 @@ func TestCopyCheckChunks(t *testing.T) {
 		if err != nil || !reflect.DeepEqual(got, want) && len(want) > 0 {
 			t.Fatalf("layout %d: region hashes %v, %v; want %v", i, got, err, want)
 		}
-		c := &CopyCheck{Ends: ends, Hashes: want}
+		c.Hashes = want
 		if err := c.Validate(l, true); err != nil {
 			t.Fatal(err)
 		}
@@ -88,10 +87,13 @@ func TestCopyCheckValidate(t *testing.T) {
 		{nil, 0}, {[]int64{5000}, 1}, {[]int64{5000, 5000, 10000}, 3}, {[]int64{-1, 10000}, 2},
 		{[]int64{10000, 20000}, 2}, {[]int64{10000}, 0}, {[]int64{10000}, 2},
 	} {
-		c := &CopyCheck{Ends: tc.ends, Hashes: make([]uint64, tc.hashes)}
+		c := &CopyCheck{Ends: tc.ends, Key: codec.NewMACKey(), Hashes: make([]uint64, tc.hashes)}
 		if err := c.Validate(l, true); !errors.Is(err, ErrInvalid) {
 			t.Errorf("ends %v with %d hashes: %v", tc.ends, tc.hashes, err)
 		}
+	}
+	if err := (&CopyCheck{Ends: []int64{10000}, Key: []byte("short"), Hashes: []uint64{0}}).Validate(l, true); !errors.Is(err, ErrInvalid) {
+		t.Errorf("a short key: %v", err)
 	}
 }
 
@@ -117,9 +119,9 @@ func TestCheckedSelection(t *testing.T) {
 			t.Fatal(err)
 		}
 		var start int64
-		for i, end := range check.Ends {
-			if codec.Hash(got[start:end]) != check.Hashes[i] {
-				t.Fatalf("%s: chunk %d of the restored bytes does not hash as checked", name, i)
+		for i, end := range check.Ends { // whole chunks, as stored
+			if c := m.Chunks[sel.chunks(m)[i]]; end-start != c.Raw || codec.FormatHash(codec.Hash(got[start:end])) != c.Hash {
+				t.Fatalf("%s: chunk %d of the restored bytes is not a stored chunk", name, i)
 			}
 			start = end
 		}

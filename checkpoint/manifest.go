@@ -150,8 +150,8 @@ func (m *Manifest) Hash() string {
 }
 
 // Holds reports whether m describes exactly sh: same target, tensors and
-// metadata, and every chunk's hash that of sh's bytes (or, with a
-// CopyCheck, the client's hash of them: the staged bytes may have been
+// metadata, and every chunk's hash that of sh's bytes (with a CopyCheck,
+// bytes that also have the client's MACs: the staged bytes may have been
 // rewritten by another user since).
 func (m *Manifest) Holds(sh *Shard) bool {
 	if m.Target() != sh.Target || m.DataSize != sh.Layout.DataSize || !bytes.Equal(m.Metadata, sh.Metadata) ||
@@ -159,7 +159,7 @@ func (m *Manifest) Holds(sh *Shard) bool {
 		return false
 	}
 	if sh.Check != nil {
-		return sh.Check.holds(m.Chunks)
+		return sh.Check.holds(m.Chunks, sh.Layout, sh.Data)
 	}
 	var buf []byte
 	for _, c := range m.Chunks {

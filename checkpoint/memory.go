@@ -25,13 +25,17 @@ func MemoryManifest(t Target, layout *Layout, metadata, data []byte, chunkSize i
 
 // CheckedMemoryManifest is MemoryManifest with chunks cut at check's ends,
 // failing (ErrStagedChanged) unless data, the daemon's own copy of the
-// staged bytes, hashes as its client said it copied them.
+// staged bytes, has the MACs its client took as it copied them.
 func CheckedMemoryManifest(t Target, layout *Layout, metadata, data []byte, check *CopyCheck) (*Manifest, error) {
 	if err := check.Validate(layout, true); err != nil {
 		return nil, err
 	}
 	m := memoryManifest(t, layout, metadata, data, planEnds(layout, check.Ends))
-	if err := check.verify(m.Chunks); err != nil {
+	macs, err := Sums(check.Key, check.Ends, data)
+	if err == nil {
+		err = check.verify(macs)
+	}
+	if err != nil {
 		return nil, fmt.Errorf("%s: %w", t, err)
 	}
 	return m, nil

@@ -172,12 +172,12 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (_ *Manifest, err er
 		if w.opts.SpreadData {
 			obj = spreadDataObject(t.Step, t.Attempt, t.Rank)
 		}
-		chunks, nonFinite, err := w.writeData(ctx, t.Job, obj, sh.Data, plan, sh.Layout.Packed, base, sh.Check != nil)
+		chunks, macs, nonFinite, err := w.writeData(ctx, t.Job, obj, sh.Data, plan, sh.Layout.Packed, base, sh.Check)
 		if err != nil {
 			return nil, fmt.Errorf("write %s data: %w", t, err)
 		}
 		if sh.Check != nil { // before the manifest: without it nothing commits the data
-			if err := sh.Check.verify(chunks); err != nil {
+			if err := sh.Check.verify(macs); err != nil {
 				return nil, fmt.Errorf("%s: %w", t, err)
 			}
 		}
@@ -217,6 +217,7 @@ type pending struct {
 	chunk     Chunk
 	out       []byte        // stored bytes: a slice of data or of buf
 	ref       bool          // chunk is an earlier step's: nothing to write
+	mac       uint64        // with a check: the raw bytes' MAC
 	nonFinite []tensorCount // of the tensors the chunk holds, where not 0
 	done      chan struct{}
 }
@@ -239,15 +240,16 @@ type tensorCount struct {
 // while the chunk's bytes are in cache for the hash: nonFinite, by
 // tensor, is nil when there are none.
 //
-// private copies each chunk out of data before it is hashed and
+// With a check it copies each chunk out of data before it is hashed and
 // compressed, so that what is hashed is what is stored even if another
-// process rewrites data meanwhile (a shared arena).
-func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, plan []chunkPlan, tensors []Tensor, base *dedupBase, private bool) ([]Chunk, []int64, error) {
+// process rewrites data meanwhile (a shared arena), and returns each
+// chunk's MAC under the check's key.
+func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, plan []chunkPlan, tensors []Tensor, base *dedupBase, check *CopyCheck) ([]Chunk, []uint64, []int64, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	r := &chunkReader{w: w, obj: obj, want: len(plan), queue: make(chan *pending, cap(w.bufs)), tensors: len(tensors)}
 	go func() {
-		r.err = w.produce(ctx, data, plan, tensors, base, private, r.queue)
+		r.err = w.produce(ctx, data, plan, tensors, base, check, r.queue)
 		close(r.queue) // publishes r.err to the reader
 	}()
 	err := w.b.Put(ctx, inJob(job, obj), r, -1)
@@ -255,14 +257,14 @@ func (w *Writer) writeData(ctx context.Context, job, obj string, data []byte, pl
 	cancel()        // stop the producer if Put gave up early
 	r.drain()
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	return r.chunks, r.nonFinite, nil
+	return r.chunks, r.macs, r.nonFinite, nil
 }
 
 // produce starts one compression per chunk, in order, as buffers and CPU
 // slots allow, and queues them for the reader.
-func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, tensors []Tensor, base *dedupBase, private bool, queue chan<- *pending) error {
+func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, tensors []Tensor, base *dedupBase, check *CopyCheck, queue chan<- *pending) error {
 	for _, cp := range plan {
 		var buf *chunkBuf
 		select {
@@ -275,7 +277,7 @@ func (w *Writer) produce(ctx context.Context, data []byte, plan []chunkPlan, ten
 		w.cpu <- struct{}{}
 		go func() {
 			defer func() { <-w.cpu; close(p.done) }()
-			w.encode(data, p, tensors, base, private)
+			w.encode(data, p, tensors, base, check)
 		}()
 	}
 	return nil
@@ -295,6 +297,7 @@ type chunkReader struct {
 	cur     *pending
 	rest    []byte
 	chunks  []Chunk
+	macs    []uint64 // with a check
 	offset  int64
 	writing bool // the backend holds data from the last Read
 	// nonFinite sums the chunks' counts by tensor (of tensors in all);
@@ -335,6 +338,7 @@ func (r *chunkReader) read(p []byte) (int, error) {
 			r.offset += c.Stored
 		}
 		r.chunks = append(r.chunks, c)
+		r.macs = append(r.macs, next.mac)
 		for _, tc := range next.nonFinite {
 			if r.nonFinite == nil {
 				r.nonFinite = make([]int64, r.tensors)
@@ -380,9 +384,14 @@ func (r *chunkReader) drain() {
 // shrink is stored raw, and one that base holds is referenced (p.ref). With
 // codec.Auto the Selector picks the codec and learns from how long this
 // took and how well it shrank.
-func (w *Writer) encode(data []byte, p *pending, tensors []Tensor, base *dedupBase, private bool) {
+func (w *Writer) encode(data []byte, p *pending, tensors []Tensor, base *dedupBase, check *CopyCheck) {
 	start := time.Now()
-	raw := gather(data, p.plan, &p.buf.gather, private)
+	raw := gather(data, p.plan, &p.buf.gather, check != nil)
+	if check != nil {
+		mac := check.mac()
+		mac.Write(raw)
+		p.mac = mac.Sum64()
+	}
 	c := Chunk{RawOffset: p.plan.rawOffset, Raw: p.plan.raw, Hash: codec.FormatHash(codec.Hash(raw))}
 	p.nonFinite = countChunk(p.plan, raw, tensors)
 	if w.opts.Incremental {

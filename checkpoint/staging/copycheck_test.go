@@ -10,20 +10,17 @@ import (
 	"time"
 
 	"github.com/ckptd/ckptd/checkpoint"
-	"github.com/ckptd/ckptd/checkpoint/codec"
 	"github.com/ckptd/ckptd/checkpoint/tiers"
 	"github.com/ckptd/ckptd/internal/arena"
 	"github.com/ckptd/ckptd/storage/memstore"
 )
 
-// copyHashes is what a client hashes for a checked copy: each chunk of the
-// data space (data, the tensors back to back) that ends cuts.
-func copyHashes(data []byte, ends []int64) []uint64 {
-	var out []uint64
-	var start int64
-	for _, e := range ends {
-		out = append(out, codec.Hash(data[start:e]))
-		start = e
+// copyHashes is what a client sends for a checked copy: the MAC of each
+// chunk of the data space (data, the tensors back to back) that c cuts.
+func copyHashes(data []byte, c *checkpoint.CopyCheck) []uint64 {
+	out, err := checkpoint.Sums(c.Key, c.Ends, data)
+	if err != nil {
+		panic(err)
 	}
 	return out
 }
@@ -47,8 +44,8 @@ func stageChecked(t *testing.T, mgr *Manager, a arenaBytes, tg checkpoint.Target
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(info.CheckEnds) == 0 || info.CheckEnds[len(info.CheckEnds)-1] != int64(len(data)) {
-		t.Fatalf("check ends %v for %d bytes", info.CheckEnds, len(data))
+	if info.Check == nil || len(info.Check.Ends) == 0 || info.Check.Ends[len(info.Check.Ends)-1] != int64(len(data)) {
+		t.Fatalf("check %+v for %d bytes", info.Check, len(data))
 	}
 	region = a.Bytes()[info.Offset : info.Offset+info.Length]
 	copy(region, data[:100_000])
@@ -56,9 +53,9 @@ func stageChecked(t *testing.T, mgr *Manager, a arenaBytes, tg checkpoint.Target
 	if _, _, err := mgr.CommitSave(Owner{}, info.ID, nil, nil); !errors.Is(err, checkpoint.ErrInvalid) {
 		t.Fatalf("a commit without hashes: %v", err)
 	}
-	h := copyHashes(data, info.CheckEnds)
+	h := copyHashes(data, info.Check)
 	if hashes != nil {
-		h = hashes(info.CheckEnds)
+		h = hashes(info.Check.Ends)
 	}
 	_, _, err = mgr.CommitSave(Owner{}, info.ID, nil, h)
 	return region, err
@@ -166,7 +163,7 @@ func TestCheckedRestore(t *testing.T) {
 			t.Fatal(err)
 		}
 		got := a.Bytes()[info.Offset : info.Offset+h.Size]
-		if h.Check == nil || !slices.Equal(copyHashes(got, h.Check.Ends), h.Check.Hashes) {
+		if h.Check == nil || !slices.Equal(copyHashes(got, h.Check), h.Check.Hashes) {
 			t.Fatalf("%v: restored bytes do not hash as the header says (%+v)", names, h.Check)
 		}
 		b := h.Tensors[len(h.Tensors)-1]

@@ -83,15 +83,15 @@ type LeaseInfo struct {
 	ID     string
 	Offset int64
 	Length int64
-	// CheckEnds, for a save when the Manager checks copies, are the
-	// data-space ends of the chunks whose hashes CommitSave needs.
-	CheckEnds []int64
+	// Check, for a save when the Manager checks copies, has the ends and
+	// key of the chunks whose MACs CommitSave needs (no hashes).
+	Check *checkpoint.CopyCheck
 }
 
 func (l *lease) info() LeaseInfo {
 	i := LeaseInfo{ID: l.id, Offset: l.region.Offset, Length: l.size}
 	if l.copyCheck != nil {
-		i.CheckEnds = l.copyCheck.Ends
+		i.Check = &checkpoint.CopyCheck{Ends: l.copyCheck.Ends, Key: l.copyCheck.Key}
 	}
 	return i
 }

@@ -31,8 +31,9 @@ type RestoreHeader struct {
 	// over for holding NaN or Inf, newest first.
 	SkippedNonFinite []int64
 	// Check, when the Manager checks copies (its arena is shared with
-	// other users), is what the restored bytes hash to: whole chunks as
-	// the manifest hashed them, for the client to check its copy against.
+	// other users), is what the restored bytes, whole chunks, hash to
+	// (MACs under a key of this restore's), for the client to check its
+	// copy against.
 	Check *checkpoint.CopyCheck
 }
 
@@ -114,7 +115,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	if err != nil {
 		return LeaseInfo{}, nil, fmt.Errorf("restore step %d rank %d: %w", m.Step, rank, err)
 	}
-	if err := mgr.fill(ctx, src, store, sel, region); err != nil {
+	if err := mgr.fill(ctx, src, store, sel, region, check); err != nil {
 		mgr.m.failed("restore")
 		mgr.mu.Lock()
 		mgr.freeRegion(region)
@@ -148,11 +149,31 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 
 // fill restores sel of src into region. A selection of no bytes reads
 // nothing (a peer's copy would be fetched whole to select nothing).
-func (mgr *Manager) fill(ctx context.Context, src tiers.Source, store *checkpoint.Store, sel checkpoint.Selection, region Region) error {
+//
+// With a check it fills a buffer of the daemon's own, takes its MACs
+// (check.Hashes) and only then copies it into the region, which others
+// can write: the client checks its copy against MACs of bytes no one else
+// could touch. The buffer is the restore's size, on the heap, for as long
+// as the fill (at most ManagerConfig.Restores at once).
+func (mgr *Manager) fill(ctx context.Context, src tiers.Source, store *checkpoint.Store, sel checkpoint.Selection, region Region, check *checkpoint.CopyCheck) error {
 	if !sel.Whole && sel.Size == 0 {
 		return nil
 	}
-	return src.Fill(ctx, store, sel, mgr.arena.Bytes()[region.Offset:region.Offset+sel.Size], mgr.cfg.Read)
+	dst := mgr.arena.Bytes()[region.Offset : region.Offset+sel.Size]
+	if check == nil {
+		return src.Fill(ctx, store, sel, dst, mgr.cfg.Read)
+	}
+	own := make([]byte, sel.Size)
+	if err := src.Fill(ctx, store, sel, own, mgr.cfg.Read); err != nil {
+		return err
+	}
+	sums, err := checkpoint.Sums(check.Key, check.Ends, own)
+	if err != nil {
+		return err
+	}
+	check.Hashes = sums
+	copy(dst, own)
+	return nil
 }
 
 // selection is what of m req restores: the whole shard, some tensors,

@@ -31,7 +31,7 @@ func (mgr *Manager) BeginSave(ctx context.Context, o Owner, t checkpoint.Target,
 	}
 	l := &lease{id: newLeaseID(), kind: saveLease, size: layout.RegionSize, target: t, layout: layout, begun: start}
 	if mgr.cfg.CheckCopies {
-		l.copyCheck = &checkpoint.CopyCheck{Ends: mgr.w.CheckEnds(layout)}
+		l.copyCheck = checkpoint.NewCopyCheck(mgr.w.CheckEnds(layout))
 	}
 	if err := mgr.seenCommitted(t); err != nil {
 		return LeaseInfo{}, err
@@ -193,7 +193,8 @@ func (mgr *Manager) precheckResult(c *precheck) error {
 // CommitSave accepts a filled region: once it returns, the save is
 // journaled in shared memory and will become durable even if the daemon
 // crashes. hashes are the client's hashes of the chunks it copied, one
-// per LeaseInfo.CheckEnds: required when the lease has them, else unused.
+// per chunk of LeaseInfo.Check: required when the lease has one, else
+// unused.
 func (mgr *Manager) CommitSave(o Owner, id string, metadata []byte, hashes []uint64) (checkpoint.Target, int64, error) {
 	if len(metadata) > MaxMetadata {
 		return checkpoint.Target{}, 0, fmt.Errorf("%w: metadata is %d bytes, more than %d", checkpoint.ErrInvalid, len(metadata), MaxMetadata)
@@ -259,7 +260,7 @@ func (l *lease) checkHashes(hashes []uint64) error {
 	if l.copyCheck == nil {
 		return nil
 	}
-	c := &checkpoint.CopyCheck{Ends: l.copyCheck.Ends, Hashes: hashes}
+	c := &checkpoint.CopyCheck{Ends: l.copyCheck.Ends, Key: l.copyCheck.Key, Hashes: hashes}
 	if err := c.Validate(l.layout, true); err != nil {
 		return err
 	}
@@ -289,10 +290,10 @@ func (mgr *Manager) SaveFrom(ctx context.Context, o Owner, t checkpoint.Target, 
 	}
 	region := mgr.arena.Bytes()[info.Offset : info.Offset+info.Length]
 	var hashes []uint64
-	if info.CheckEnds == nil {
+	if info.Check == nil {
 		err = readExactly(r, region)
 	} else {
-		hashes, err = readHashing(r, region, tensors, info.CheckEnds)
+		hashes, err = readHashing(r, region, tensors, info.Check)
 	}
 	if err != nil {
 		_ = mgr.AbortSave(o, info.ID)
@@ -312,12 +313,12 @@ func readExactly(r io.Reader, dst []byte) error {
 // readHashing is readExactly into a shared region for a save whose copy is
 // checked: the daemon is the client that copies, so it hashes the stream
 // on its way in (through a buffer of its own), never the shared region.
-func readHashing(r io.Reader, dst []byte, tensors []checkpoint.Tensor, ends []int64) ([]uint64, error) {
+func readHashing(r io.Reader, dst []byte, tensors []checkpoint.Tensor, check *checkpoint.CopyCheck) ([]uint64, error) {
 	layout, err := checkpoint.NewLayout(tensors)
 	if err != nil {
 		return nil, err
 	}
-	h := checkpoint.NewRegionHasher(layout, ends)
+	h := checkpoint.NewRegionHasher(layout, check)
 	buf := make([]byte, min(len(dst), 1<<20))
 	for off := 0; off < len(dst); {
 		n, err := io.ReadFull(r, buf[:min(len(buf), len(dst)-off)])
@@ -423,11 +424,12 @@ func (mgr *Manager) recover() error {
 // only the daemon's user could write the arena, which from this start on
 // other users may, so what it holds now is what may drain.
 func (mgr *Manager) checkRecovered(l *lease) {
-	ends := mgr.w.CheckEnds(l.layout)
-	h := checkpoint.NewRegionHasher(l.layout, ends)
+	c := checkpoint.NewCopyCheck(mgr.w.CheckEnds(l.layout))
+	h := checkpoint.NewRegionHasher(l.layout, c)
 	_, _ = h.Write(mgr.bytesOf(l))
 	if sums, err := h.Sums(); err == nil {
-		l.copyCheck = &checkpoint.CopyCheck{Ends: ends, Hashes: sums}
+		c.Hashes = sums
+		l.copyCheck = c
 	}
 }
 

@@ -44,9 +44,7 @@ func (s *Checkpoint) BeginSave(ctx context.Context, req *pb.BeginSaveRequest) (*
 		return nil, toStatus(err)
 	}
 	resp := &pb.BeginSaveResponse{Lease: s.toLease(lease)}
-	if lease.CheckEnds != nil {
-		resp.CopyCheck = toCopyCheck(&checkpoint.CopyCheck{Ends: lease.CheckEnds})
-	}
+	resp.CopyCheck = toCopyCheck(lease.Check)
 	return resp, nil
 }
 
@@ -273,7 +271,7 @@ func toCopyCheck(c *checkpoint.CopyCheck) *pb.CopyCheck {
 	if c == nil {
 		return nil
 	}
-	out := &pb.CopyCheck{ChunkEnds: make([]uint64, len(c.Ends)), ChunkHashes: c.Hashes}
+	out := &pb.CopyCheck{ChunkEnds: make([]uint64, len(c.Ends)), ChunkHashes: c.Hashes, Key: c.Key}
 	for i, e := range c.Ends {
 		out.ChunkEnds[i] = uint64(e)
 	}

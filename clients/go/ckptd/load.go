@@ -9,8 +9,6 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/zeebo/xxh3"
-
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
@@ -92,9 +90,17 @@ func checkRestored(check *pb.CopyCheck, data []byte) error {
 	if len(ends) != len(want) || len(ends) > 0 && ends[len(ends)-1] != uint64(len(data)) || len(ends) == 0 && len(data) > 0 {
 		return fmt.Errorf("%w: the daemon's copy check does not cover the %d restored bytes", ErrCorrupt, len(data))
 	}
+	h, err := newMAC(check.GetKey())
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
 	var start uint64
 	for i, end := range ends {
-		if end < start || end > uint64(len(data)) || xxh3.Hash(data[start:end]) != want[i] {
+		if end >= start && end <= uint64(len(data)) {
+			h.Reset()
+			_, _ = h.Write(data[start:end])
+		}
+		if end < start || end > uint64(len(data)) || macSum(h) != want[i] {
 			return fmt.Errorf("%w: chunk %d of the restored bytes changed in the daemon's shared arena before this client "+
 				"copied it out (a member of its --socket-group?); nothing was loaded", ErrCorrupt, i)
 		}

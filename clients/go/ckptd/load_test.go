@@ -8,8 +8,6 @@ import (
 	"math"
 	"testing"
 
-	"github.com/zeebo/xxh3"
-
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
 )
 
@@ -66,23 +64,55 @@ func FuzzShardFrom(f *testing.F) {
 	})
 }
 
-// A restore's copy is refused unless it hashes as the daemon's check
+// A restore's copy is refused unless it has the MACs the daemon's check
 // says, and a check that does not cover the bytes is refused too.
 func TestCheckRestored(t *testing.T) {
+	key := make([]byte, 32)
+	mac := func(b []byte) uint64 {
+		h, err := newMAC(key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = h.Write(b)
+		return macSum(h)
+	}
 	data := []byte("0123456789")
-	good := &pb.CopyCheck{ChunkEnds: []uint64{4, 10}, ChunkHashes: []uint64{xxh3.Hash(data[:4]), xxh3.Hash(data[4:])}}
+	good := &pb.CopyCheck{ChunkEnds: []uint64{4, 10}, ChunkHashes: []uint64{mac(data[:4]), mac(data[4:])}, Key: key}
 	if err := checkRestored(good, data); err != nil {
 		t.Fatal(err)
 	}
 	for _, bad := range []*pb.CopyCheck{
-		{ChunkEnds: []uint64{4, 10}, ChunkHashes: []uint64{xxh3.Hash(data[:4]), 1}},
-		{ChunkEnds: []uint64{4, 9}, ChunkHashes: good.ChunkHashes},
-		{ChunkEnds: []uint64{6, 4, 10}, ChunkHashes: []uint64{0, 0, 0}},
-		{ChunkEnds: []uint64{10}, ChunkHashes: nil},
+		{ChunkEnds: []uint64{4, 10}, ChunkHashes: []uint64{mac(data[:4]), 1}, Key: key},
+		{ChunkEnds: []uint64{4, 9}, ChunkHashes: good.ChunkHashes, Key: key},
+		{ChunkEnds: []uint64{6, 4, 10}, ChunkHashes: []uint64{0, 0, 0}, Key: key},
+		{ChunkEnds: []uint64{10}, ChunkHashes: nil, Key: key},
+		{ChunkEnds: good.ChunkEnds, ChunkHashes: good.ChunkHashes, Key: []byte("short")},
 		{},
 	} {
 		if err := checkRestored(bad, data); !errors.Is(err, ErrCorrupt) {
 			t.Errorf("%v: %v", bad, err)
+		}
+	}
+}
+
+// The MAC is BLAKE3 keyed, its first 8 bytes little-endian: the values
+// the Python client (the blake3 package) computes for the same key.
+func TestMACAgreesWithPython(t *testing.T) {
+	key := make([]byte, 32)
+	for i := range key {
+		key[i] = byte(i)
+	}
+	for _, tc := range []struct {
+		data []byte
+		want uint64
+	}{{[]byte("abc"), 3111729887497725293}, {make([]byte, 1<<20), 6762411022668853654}} {
+		h, err := newMAC(key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = h.Write(tc.data)
+		if got := macSum(h); got != tc.want {
+			t.Errorf("%d bytes: %d, want %d", len(tc.data), got, tc.want)
 		}
 	}
 }

@@ -4,10 +4,11 @@ package ckptd
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 
-	"github.com/zeebo/xxh3"
+	"github.com/zeebo/blake3"
 
 	"github.com/ckptd/ckptd/checkpoint/attempt"
 	pb "github.com/ckptd/ckptd/proto/ckptd/v1"
@@ -94,7 +95,7 @@ func (c *Client) save(ctx context.Context, req *SaveRequest) (*SaveHandle, error
 	}
 	commit := &pb.CommitSaveRequest{LeaseId: lease.GetId(), Metadata: req.Metadata}
 	if check := resp.GetCopyCheck(); check != nil {
-		commit.ChunkHashes, err = copyHashes(req.Tensors, check.GetChunkEnds())
+		commit.ChunkHashes, err = copyHashes(req.Tensors, check)
 	}
 	var cr *pb.CommitSaveResponse
 	if err == nil {
@@ -117,12 +118,16 @@ func (c *Client) wrapIf(err error) error {
 }
 
 // copyHashes answers a daemon that shares its arena with other users
-// (CopyCheck in the proto): the XXH3-64 of each chunk of the data space
-// that ends cuts, hashed from the caller's tensors, never from the shared
+// (CopyCheck in the proto): the MAC of each chunk of the data space that
+// the check cuts, taken from the caller's tensors, never from the shared
 // region that others could rewrite meanwhile.
-func copyHashes(ts []Tensor, ends []uint64) ([]uint64, error) {
+func copyHashes(ts []Tensor, check *pb.CopyCheck) ([]uint64, error) {
+	ends := check.GetChunkEnds()
 	out := make([]uint64, 0, len(ends))
-	h := xxh3.New()
+	h, err := newMAC(check.GetKey())
+	if err != nil {
+		return nil, err
+	}
 	var pos uint64 // data-space offset of ts[i].Data[j]
 	i, j := 0, 0
 	for _, end := range ends {
@@ -137,10 +142,27 @@ func copyHashes(ts []Tensor, ends []uint64) ([]uint64, error) {
 			_, _ = h.Write(ts[i].Data[j : j+int(n)])
 			j, pos = j+int(n), pos+n
 		}
-		out = append(out, h.Sum64())
+		out = append(out, macSum(h))
 		h.Reset()
 	}
 	return out, nil
+}
+
+// newMAC is the check's MAC (see CopyCheck in the proto): BLAKE3 keyed
+// with the lease's key.
+func newMAC(key []byte) (*blake3.Hasher, error) {
+	h, err := blake3.NewKeyed(key)
+	if err != nil {
+		return nil, fmt.Errorf("%w: the daemon's copy check has a key of %d bytes", ErrInvalid, len(key))
+	}
+	return h, nil
+}
+
+// macSum is the first 8 bytes of h's output, little-endian.
+func macSum(h *blake3.Hasher) uint64 {
+	var b [8]byte
+	_, _ = h.Digest().Read(b[:])
+	return binary.LittleEndian.Uint64(b[:])
 }
 
 func (c *Client) handle(t *pb.SaveTarget) *SaveHandle {

@@ -691,21 +691,22 @@ func (x *BeginSaveResponse) GetCopyCheck() *CopyCheck {
 // CopyCheck cuts the save's data space (its tensors' bytes back to back,
 // in the order of their region offsets) into chunks: chunk i is the bytes
 // [chunk_ends[i-1], chunk_ends[i]), chunk 0 starting at 0. The client
-// hashes each chunk with XXH3-64 (seed 0) from its own memory, not from
-// the shared region, and sends the hashes in CommitSaveRequest. The daemon
-// stores the save only if the bytes it reads back at drain hash the same,
-// so that bytes another user of the arena rewrote are not stored. (XXH3 is
-// a checksum, not a MAC: bytes crafted to the same hash pass; see
-// docs/security.md.)
+// takes each chunk's MAC from its own memory, not from the shared region:
+// BLAKE3 keyed with key (32 random bytes, this lease's alone), the first 8
+// bytes of its output read as a little-endian integer. It sends the MACs
+// in CommitSaveRequest.chunk_hashes. The daemon stores the save only if
+// the bytes it reads back at drain have the same MACs, so another user of
+// the arena, who cannot read the key, cannot have other bytes stored.
 //
 // In a RestoreHeader it goes the other way: the restored bytes are whole
-// chunks as the manifest hashed them, chunk_hashes says what each hashes
-// to, and the client copies the region out of the shared arena and checks
-// its copy before it uses it.
+// chunks, chunk_hashes their MACs under key, taken by the daemon from its
+// own copy, and the client copies the region out of the shared arena and
+// checks its copy before it uses it.
 type CopyCheck struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	ChunkEnds     []uint64               `protobuf:"varint,1,rep,packed,name=chunk_ends,json=chunkEnds,proto3" json:"chunk_ends,omitempty"`
 	ChunkHashes   []uint64               `protobuf:"fixed64,2,rep,packed,name=chunk_hashes,json=chunkHashes,proto3" json:"chunk_hashes,omitempty"`
+	Key           []byte                 `protobuf:"bytes,3,opt,name=key,proto3" json:"key,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -754,13 +755,20 @@ func (x *CopyCheck) GetChunkHashes() []uint64 {
 	return nil
 }
 
+func (x *CopyCheck) GetKey() []byte {
+	if x != nil {
+		return x.Key
+	}
+	return nil
+}
+
 type CommitSaveRequest struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	LeaseId string                 `protobuf:"bytes,1,opt,name=lease_id,json=leaseId,proto3" json:"lease_id,omitempty"`
 	// Opaque trainer metadata (data-loader position, RNG state), stored in
 	// the manifest and returned by restore.
 	Metadata []byte `protobuf:"bytes,2,opt,name=metadata,proto3" json:"metadata,omitempty"`
-	// One XXH3-64 per chunk of BeginSaveResponse.copy_check, when it was set.
+	// One MAC per chunk of BeginSaveResponse.copy_check, when it was set.
 	ChunkHashes   []uint64 `protobuf:"fixed64,3,rep,packed,name=chunk_hashes,json=chunkHashes,proto3" json:"chunk_hashes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -4109,11 +4117,12 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x11BeginSaveResponse\x12%\n" +
 	"\x05lease\x18\x01 \x01(\v2\x0f.ckptd.v1.LeaseR\x05lease\x122\n" +
 	"\n" +
-	"copy_check\x18\x02 \x01(\v2\x13.ckptd.v1.CopyCheckR\tcopyCheck\"M\n" +
+	"copy_check\x18\x02 \x01(\v2\x13.ckptd.v1.CopyCheckR\tcopyCheck\"_\n" +
 	"\tCopyCheck\x12\x1d\n" +
 	"\n" +
 	"chunk_ends\x18\x01 \x03(\x04R\tchunkEnds\x12!\n" +
-	"\fchunk_hashes\x18\x02 \x03(\x06R\vchunkHashes\"m\n" +
+	"\fchunk_hashes\x18\x02 \x03(\x06R\vchunkHashes\x12\x10\n" +
+	"\x03key\x18\x03 \x01(\fR\x03key\"m\n" +
 	"\x11CommitSaveRequest\x12\x19\n" +
 	"\blease_id\x18\x01 \x01(\tR\aleaseId\x12\x1a\n" +
 	"\bmetadata\x18\x02 \x01(\fR\bmetadata\x12!\n" +

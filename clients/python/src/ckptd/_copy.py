@@ -106,7 +106,7 @@ def copy(pairs: Sequence[Pair]) -> None:
 def map_threads(fn: Callable[[int], T], n: int, nbytes: int) -> list[T]:
     """[fn(0), ..., fn(n - 1)], on the copy threads when the nbytes they read are many.
 
-    fn must release the GIL for its work to spread (numpy, xxhash do).
+    fn must release the GIL for its work to spread (numpy, blake3 do).
     """
     workers = threads()
     if workers == 1 or n == 1 or nbytes < SERIAL_BELOW:

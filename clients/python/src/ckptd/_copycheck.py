@@ -4,17 +4,19 @@ A daemon started with ``--socket-group`` lets the group's members map its
 arena, so one of them could rewrite another's staged bytes between the
 copy and the drain. Such a daemon answers BeginSave with a CopyCheck: the
 ends of the chunks of the save's data space (the tensors' bytes back to
-back, in region order). The client hashes each chunk with XXH3-64 from its
-own memory, not from the shared region, and sends the hashes with
-CommitSave; the daemon stores the save only if the bytes it drains hash
-the same. A rewrite then fails the save instead of forging it.
+back, in region order) and a key of that lease's alone. The client takes
+each chunk's MAC (BLAKE3 keyed with it) from its own memory, not from the
+shared region, and sends the MACs with CommitSave; the daemon stores the
+save only if the bytes it drains have the same MACs. A member, who cannot
+read the key, cannot make other bytes pass: a rewrite fails the save.
 
 A tensor on a GPU is copied to host memory of the client's own first (not
 by DMA into the arena, as without the check), then copied as hashed.
 
 Restores go the other way: such a daemon restores whole chunks and says
-in the RestoreHeader what each hashes to; the client copies the region
-out of the arena and checks its copy (check_restored) before it uses it.
+in the RestoreHeader their MACs (under a key of that restore's), taken
+from its own copy; the client copies the region out of the arena and
+checks its copy (check_restored) before it uses it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import bisect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import blake3
 import numpy as np
-import xxhash
 
 from . import _copy, _tensors
 from ._errors import CkptdError, DataLossError
@@ -35,10 +37,11 @@ PIECE = 256 << 10  # copied then hashed while it is in the core's cache
 def copy_and_hash(
     leaves: Sequence[_tensors.Leaf],
     ends: Sequence[int],
+    key: bytes,
     region: np.ndarray,
     copy_rest: Callable[[list[_tensors.Leaf]], None],
 ) -> list[int]:
-    """Copy leaves into region and return the XXH3-64 of each chunk that ends cuts.
+    """Copy leaves into region and return the MAC under key of each chunk that ends cuts.
 
     A host leaf held contiguous, little-endian, is copied and hashed a
     piece at a time, from its own memory while the piece is in cache: one
@@ -53,17 +56,34 @@ def copy_and_hash(
     if covered != total:
         raise CkptdError(f"the daemon's copy check covers {covered} bytes, the save {total}")
 
-    return _hash_chunks(starts, views, dsts, ends)
+    return _hash_chunks(starts, views, dsts, ends, key)
+
+
+def mac(key: bytes) -> Any:
+    """The check's MAC (CopyCheck in the proto): BLAKE3 keyed with the lease's key."""
+    if len(key) != 32:
+        raise CkptdError(f"the daemon's copy check has a key of {len(key)} bytes, not 32")
+    return blake3.blake3(key=key)
+
+
+def _sum(h: Any) -> int:
+    """A MAC's value: the first 8 bytes of its output, little-endian."""
+    return int.from_bytes(h.digest(8), "little")
 
 
 def _hash_chunks(
-    starts: list[int], views: list[np.ndarray], dsts: list[np.ndarray | None], ends: Sequence[int]
+    starts: list[int],
+    views: list[np.ndarray],
+    dsts: list[np.ndarray | None],
+    ends: Sequence[int],
+    key: bytes,
 ) -> list[int]:
-    """XXH3-64 of each chunk of the data space (views at starts), copying to dsts on the way."""
+    """The MAC of each chunk of the data space (views at starts), copying to dsts on the way."""
+    mac(key)  # a bad key fails here, not in a thread
 
     def one(i: int) -> int:
         a, b = (ends[i - 1] if i else 0), ends[i]
-        h = xxhash.xxh3_64()
+        h = mac(key)
         j = bisect.bisect_right(starts, a) - 1
         while a < b:
             lo, hi = a - starts[j], min(b - starts[j], views[j].size)
@@ -74,7 +94,7 @@ def _hash_chunks(
                     np.copyto(dst[k : k + piece.size], piece)
                 h.update(piece.data)
             a, j = starts[j] + hi, j + 1
-        return h.intdigest()
+        return _sum(h)
 
     return _copy.map_threads(one, len(ends), sum(v.size for v in views))
 
@@ -83,10 +103,11 @@ def check_copied(
     leaves: Sequence[_tensors.Leaf],
     copies: Sequence[_tensors.Leaf],
     ends: Sequence[int],
+    key: bytes,
     want: Sequence[int],
     what: str,
 ) -> None:
-    """Raise CkptdError unless copies (of leaves, out of their region) hash as want.
+    """Raise CkptdError unless copies (of leaves, out of their region) have the MACs want.
 
     For a save made again from its staged bytes: they are used only as they
     were when the client hashed them.
@@ -100,9 +121,8 @@ def check_copied(
             starts.append(pos)
             views.append(np.asarray(copies[i].value).reshape(-1).view(np.uint8))
             pos += leaves[i].nbytes
-    if (ends[-1] if ends else 0) != pos or _hash_chunks(
-        starts, views, [None] * len(views), ends
-    ) != list(want):
+    got = _hash_chunks(starts, views, [None] * len(views), ends, key)
+    if (ends[-1] if ends else 0) != pos or got != list(want):
         raise CkptdError(
             f"{what}: the staged copy changed in the daemon's shared arena since it was "
             "copied (a member of its --socket-group?); it is not saved again"
@@ -159,8 +179,13 @@ def check_restored(check: Any, data: np.ndarray, what: str) -> None:
             reason="CORRUPT",
         )
 
+    key = bytes(check.key)
+    mac(key)
+
     def one(i: int) -> int:
-        return xxhash.xxh3_64_intdigest(data[(ends[i - 1] if i else 0) : ends[i]].data)
+        h = mac(key)
+        h.update(data[(ends[i - 1] if i else 0) : ends[i]].data)
+        return _sum(h)
 
     got = _copy.map_threads(one, len(ends), data.size)
     bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]

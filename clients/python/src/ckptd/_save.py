@@ -134,7 +134,7 @@ class Held:
         self._arena: Arena | None = None  # the mapping the region is in
         self._region: np.ndarray | None = None
         self._private: list[_tensors.Leaf] | None = None
-        self._check: _Check = ([], [])  # of what was staged, when the daemon checks copies
+        self._check: _Check = ([], b"", [])  # of what was staged, when the daemon checks copies
         self._lost = False  # the lease failed at its commit
         outage = Outage(conn, self.shard.what)
         while True:
@@ -180,7 +180,7 @@ class Held:
         lease = self._lease
         if lease is not None and not extra:
             try:
-                resp = _commit(conn, lease, meta, self.what, doubt, self._check[1])
+                resp = _commit(conn, lease, meta, self.what, doubt, self._check[2])
             except DaemonUnavailableError as e:
                 self._lost = True
                 outage.pause(e)
@@ -240,9 +240,9 @@ class Held:
                 "copy again from the state itself)"
             )
         copies = [_copy_leaf(x, region) for x in self.shard.leaves]
-        ends, hashes = self._check
+        ends, key, hashes = self._check
         if hashes:
-            _copycheck.check_copied(self.shard.leaves, copies, ends, hashes, self.what)
+            _copycheck.check_copied(self.shard.leaves, copies, ends, key, hashes, self.what)
         return copies
 
     def _region_kept(self, lease: pb.Lease, arena: Arena) -> bool:
@@ -369,14 +369,14 @@ def _accepted(conn: Connection, target: pb.SaveTarget) -> bool:
     return bool(state in _ACCEPTED)
 
 
-_Check = tuple[list[int], list[int]]  # a copy check's chunk ends and the client's hashes
+_Check = tuple[list[int], bytes, list[int]]  # a copy check's chunk ends, key and client's MACs
 
 
 def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, Arena, np.ndarray, _Check]:
     """Lease a region for shard and copy its leaves in; the region goes back if that fails.
 
     Returns the lease, the mapping its region is in, the region, and the
-    copy check's ends and hashes of what was copied when the daemon checks
+    copy check's ends, key and MACs of what was copied when the daemon checks
     copies (else none).
     """
     what, size = shard.what, shard.size
@@ -384,6 +384,7 @@ def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, Arena, np.ndarray
     resp = conn.call("BeginSave", begin, what)
     lease = resp.lease
     ends: list[int] = []
+    key = b""
     hashes: list[int] = []
     try:
         if lease.length < size:
@@ -391,10 +392,11 @@ def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, Arena, np.ndarray
         arena = conn.lease_mapping(lease.arena_id)  # the lease says which arena it is in
         region = arena.region(lease.offset, size)
         if resp.HasField("copy_check"):
-            ends = list(resp.copy_check.chunk_ends)
+            ends, key = list(resp.copy_check.chunk_ends), bytes(resp.copy_check.key)
             hashes = _copycheck.copy_and_hash(
                 shard.leaves,
                 ends,
+                key,
                 region,
                 lambda rest: _copy_leaves(rest, region, arena.pin),
             )
@@ -403,11 +405,11 @@ def _stage(conn: Connection, shard: _Shard) -> tuple[pb.Lease, Arena, np.ndarray
     except BaseException:
         _abort(conn, lease.id)
         raise
-    return lease, arena, region, (ends, hashes)
+    return lease, arena, region, (ends, key, hashes)
 
 
 def _save_shm(conn: Connection, shard: _Shard, doubt: _Doubt) -> pb.CommitSaveResponse:
-    lease, _, _, (_, hashes) = _stage(conn, shard)
+    lease, _, _, (_, _, hashes) = _stage(conn, shard)
     try:
         return _commit(conn, lease, shard.meta, shard.what, doubt, hashes)
     except BaseException:

@@ -144,12 +144,14 @@ class BeginSaveResponse(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., copy_check: _Optional[_Union[CopyCheck, _Mapping]] = ...) -> None: ...
 
 class CopyCheck(_message.Message):
-    __slots__ = ("chunk_ends", "chunk_hashes")
+    __slots__ = ("chunk_ends", "chunk_hashes", "key")
     CHUNK_ENDS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     chunk_ends: _containers.RepeatedScalarFieldContainer[int]
     chunk_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, chunk_ends: _Optional[_Iterable[int]] = ..., chunk_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    key: bytes
+    def __init__(self, chunk_ends: _Optional[_Iterable[int]] = ..., chunk_hashes: _Optional[_Iterable[int]] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class CommitSaveRequest(_message.Message):
     __slots__ = ("lease_id", "metadata", "chunk_hashes")
