@@ -36,6 +36,10 @@ type Options struct {
 	// group is the trust boundary, as it is for the socket.
 	Shared    bool
 	SharedGID int
+	// DeferShare keeps a Shared arena private (0700, 0600) until Share:
+	// for a daemon that must read what an earlier process staged before
+	// any member can write it.
+	DeferShare bool
 	// LockWait bounds how long Open waits for the arena lock when its
 	// holder is not running: a daemon killed a moment ago keeps the lock
 	// until it has unmapped its (possibly large, mlocked) arena, which takes
@@ -69,10 +73,14 @@ type access struct {
 }
 
 func (o Options) access() access {
-	if o.Shared {
-		return access{dirMode: sharedDirMode, fileMode: sharedMode, gid: o.SharedGID}
+	if o.Shared && !o.DeferShare {
+		return o.sharedAccess()
 	}
 	return access{dirMode: dirMode, fileMode: privateMode, gid: -1}
+}
+
+func (o Options) sharedAccess() access {
+	return access{dirMode: sharedDirMode, fileMode: sharedMode, gid: o.SharedGID}
 }
 
 // Arena is the daemon's side of the staging arena: the mapping, the region
@@ -90,6 +98,7 @@ type Arena struct {
 	made    created
 	reused  bool      // the file held a crashed daemon's staged saves
 	fence   time.Time // no Alloc before this (Options.Fence)
+	share   *access   // Options.DeferShare: what Share gives the group
 
 	mu       sync.Mutex // guards mem and lockFile against Close
 	mem      []byte
@@ -195,6 +204,10 @@ func open(opts Options, want int64, log *slog.Logger, lf *os.File, made *created
 		fence:    fenceUntil(!made.file && !recorded, opts.Fence),
 		mem:      mem,
 		lockFile: lf,
+	}
+	if opts.Shared && opts.DeferShare {
+		ac := opts.sharedAccess()
+		a.share = &ac
 	}
 	if opts.Lock {
 		a.locked = lockMemory(mem, log)
@@ -600,4 +613,20 @@ func fileID(f *os.File) (string, error) {
 		return "", fmt.Errorf("arena: stat %s: %w", f.Name(), err)
 	}
 	return fmt.Sprintf("%d:%d", st.Dev, st.Ino), nil
+}
+
+// Share opens an arena kept private by Options.DeferShare to its group,
+// as Options.Shared would have at Open; it does nothing otherwise.
+func (a *Arena) Share() error {
+	if a.share == nil {
+		return nil
+	}
+	if err := setAccess(a.dir, a.share.dirMode, a.share.gid); err != nil {
+		return err
+	}
+	if err := setAccess(a.path, a.share.fileMode, a.share.gid); err != nil {
+		return err
+	}
+	a.share = nil
+	return nil
 }

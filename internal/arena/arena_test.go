@@ -394,6 +394,24 @@ func TestOpenShared(t *testing.T) {
 	checkMode(t, a.Path(), 0o600)
 }
 
+// With DeferShare a shared arena stays private until Share: a daemon reads
+// what an earlier process staged before any member can write it.
+func TestDeferShare(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "arena")
+	gid := os.Getgid()
+	a := mustOpen(t, Options{Dir: dir, Size: 1 * mib, Shared: true, SharedGID: gid, DeferShare: true})
+	checkMode(t, dir, os.ModeDir|0o700)
+	checkMode(t, a.Path(), 0o600)
+	if err := a.Share(); err != nil {
+		t.Fatal(err)
+	}
+	checkMode(t, dir, os.ModeDir|0o750)
+	checkMode(t, a.Path(), 0o660)
+	if err := a.Share(); err != nil { // once is enough; again does nothing
+		t.Fatal(err)
+	}
+}
+
 // A crashed daemon's arena file is replaced when nothing is staged in it,
 // so that a client still writing through its old mapping cannot reach the
 // regions the new daemon hands out; it is kept (Reused) when its journal

@@ -267,7 +267,7 @@ func (d *Daemon) openStore(ctx context.Context) (storage.Backend, error) {
 func (d *Daemon) openArena(context.Context) error {
 	a, place, err := openArena(d.o, d.sp, arena.Options{
 		Size: d.o.StagingBytes, Lock: true, Logger: d.log,
-		Shared: d.gid >= 0, SharedGID: d.gid, LockWait: d.o.RestartWait, Fence: d.o.ReuseFence, Owner: d.sp.path,
+		Shared: d.gid >= 0, SharedGID: d.gid, DeferShare: true, LockWait: d.o.RestartWait, Fence: d.o.ReuseFence, Owner: d.sp.path,
 	}, d.log)
 	if err != nil {
 		return err
@@ -310,6 +310,12 @@ func (d *Daemon) startManager(context.Context) error {
 		cancel() // recovered saves stay journaled
 		mgr.Close(stopNow)
 	})
+	// The Manager has summed what an earlier process journaled without a
+	// copy check (it stays private to here until then): now the group may
+	// map the arena.
+	if err := d.a.Share(); err != nil {
+		return err
+	}
 	return fault("manager")
 }
 
