@@ -117,6 +117,15 @@ func (c *CopyCheck) holds(chunks []Chunk, l *Layout, data []byte) bool {
 	return true
 }
 
+// Matches reports whether data, a copy of the data space, has c's MACs.
+func (c *CopyCheck) Matches(data []byte) bool {
+	if len(c.Ends) > 0 && c.Ends[len(c.Ends)-1] != int64(len(data)) {
+		return false
+	}
+	sums, err := Sums(c.Key, c.Ends, data)
+	return err == nil && c.verify(sums) == nil
+}
+
 // Sums returns the MACs of the chunks of data, a data space, that ends
 // cut, under key, on every CPU: a daemon's check of bytes it hands out.
 func Sums(key []byte, ends []int64, data []byte) ([]uint64, error) {

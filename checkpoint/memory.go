@@ -111,17 +111,6 @@ func CopyVerified(m *Manifest, data, dst []byte, where string) error {
 	return g.Wait()
 }
 
-// VerifyData checks every chunk of m in data, m's data space held in
-// memory, on every CPU.
-func VerifyData(m *Manifest, data []byte, where string) error {
-	var g errgroup.Group
-	g.SetLimit(runtime.GOMAXPROCS(0))
-	for i := range m.Chunks {
-		g.Go(func() error { return VerifyChunk(m, i, data, nil, where) })
-	}
-	return g.Wait()
-}
-
 // CopySelected copies sel's tensors out of data, m's data space, into
 // dst, checking every chunk they touch against its hash.
 func CopySelected(m *Manifest, data []byte, sel Selection, dst []byte, where string) error {

@@ -291,7 +291,7 @@ func (mgr *Manager) finishDrain(l *lease, m *checkpoint.Manifest, reused bool, s
 	// After the commit, so as not to delay it: the copy takes a while for a
 	// large shard. It is kept committed if the commit record pins it.
 	// Verified when others can write the arena: they may have since the drain.
-	data, release, _ := mgr.tiers.Keep(m, l.layout, mgr.bytesOf(l), l.copyCheck != nil)
+	data, release, _ := mgr.tiers.Keep(m, l.layout, mgr.bytesOf(l), l.copyCheck)
 	res, _, _ := mgr.saves.status(&saveKey{t.Job, t.Step, t.Rank, t.Attempt})
 	if mgr.tiers.HasPeers() && data != nil {
 		mgr.tiers.Replicate(m, data, res.State == StateCommitted, release)

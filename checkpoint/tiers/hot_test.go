@@ -272,8 +272,8 @@ func TestReplicaOfNextStepTakesThePlace(t *testing.T) {
 	checkBudget(t, tr.hot)
 }
 
-// Keep with verify keeps a drained shard only if the region still holds
-// what was drained: a region others rewrote since is not kept (and its
+// Keep with a check keeps a drained shard only if the region still has
+// the client's MACs: a region others rewrote since is not kept (and its
 // buffer is given back).
 func TestKeepVerifies(t *testing.T) {
 	tr := New(Config{HotBytes: 1 << 20})
@@ -285,11 +285,16 @@ func TestKeepVerifies(t *testing.T) {
 	}
 	region := bytes.Repeat([]byte{7}, n)
 	m := checkpoint.MemoryManifest(checkpoint.Target{Job: "job", Step: 1, WorldSize: 1, Attempt: "a"}, layout, nil, region, 64<<10)
+	check := checkpoint.NewCopyCheck([]int64{100_000, n})
+	check.Hashes, err = checkpoint.Sums(check.Key, check.Ends, region)
+	if err != nil {
+		t.Fatal(err)
+	}
 	region[n-1] = 8 // rewritten after the drain
-	if _, _, kept := tr.Keep(m, layout, region, true); kept || tr.Holds(m.Target()) {
+	if _, _, kept := tr.Keep(m, layout, region, check); kept || tr.Holds(m.Target()) {
 		t.Fatal("a rewritten region was kept")
 	}
-	if _, release, kept := tr.Keep(m, layout, region, false); !kept {
+	if _, release, kept := tr.Keep(m, layout, region, nil); !kept {
 		t.Fatal("not kept unverified")
 	} else {
 		release()

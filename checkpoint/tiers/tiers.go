@@ -136,16 +136,16 @@ func (t *Tiers) Stats() (used, budget int64, shards int) { return t.hot.stats() 
 
 // Keep keeps a drained shard, packed from its staging region, in the hot
 // tier if it fits (see hotTier); kept, it comes pinned: call release
-// when done with data. With verify, the packed copy is kept only if it
-// hashes as m says (a region others can write may have changed since it
-// was drained).
-func (t *Tiers) Keep(m *checkpoint.Manifest, layout *checkpoint.Layout, region []byte, verify bool) (data []byte, release func(), kept bool) {
+// when done with data. With a check (the client's MACs of what it
+// copied), the packed copy is kept only if it has them: a region others
+// can write may have changed since it was drained.
+func (t *Tiers) Keep(m *checkpoint.Manifest, layout *checkpoint.Layout, region []byte, check *checkpoint.CopyCheck) (data []byte, release func(), kept bool) {
 	data, ok := t.hot.buffer(keyOf(m), m.DataSize)
 	if !ok {
 		return nil, func() {}, false
 	}
 	layout.Pack(region, data)
-	if verify && checkpoint.VerifyData(m, data, "hot copy") != nil {
+	if check != nil && !check.Matches(data) {
 		t.hot.giveBack(data) // the region changed since the drain read it
 		return nil, func() {}, false
 	}
