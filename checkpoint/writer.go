@@ -178,6 +178,7 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (_ *Manifest, err er
 		}
 		if sh.Check != nil { // before the manifest: without it nothing commits the data
 			if err := sh.Check.verify(macs); err != nil {
+				_ = w.b.Delete(context.WithoutCancel(ctx), inJob(t.Job, obj)) // best effort: else prune's
 				return nil, fmt.Errorf("%s: %w", t, err)
 			}
 		}

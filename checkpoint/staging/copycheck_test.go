@@ -6,12 +6,14 @@ import (
 	"errors"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/tiers"
 	"github.com/ckptd/ckptd/internal/arena"
+	"github.com/ckptd/ckptd/storage"
 	"github.com/ckptd/ckptd/storage/memstore"
 )
 
@@ -82,7 +84,8 @@ func TestCheckedCopies(t *testing.T) {
 			if tc.memory {
 				cfg.Tiers = tiers.Config{HotBytes: 4 << 20, PersistEvery: 1000}
 			}
-			mgr, a := newManagerOn(t, memstore.New(), cfg)
+			b := memstore.New()
+			mgr, a := newManagerOn(t, b, cfg)
 			tg := target(7)
 			if tc.memory { // the policy persists a job's first step: make this the second
 				saveChecked(t, mgr, a, target(6))
@@ -103,6 +106,16 @@ func TestCheckedCopies(t *testing.T) {
 			}
 			if n := mgr.m.ErrorCounts()["copy_check"]; tc.rewrite != (n == 1) {
 				t.Fatalf("%d copy check failures counted", n)
+			}
+			var left []string // a refused save leaves no data behind
+			_ = b.List(context.Background(), "job/", func(o storage.ObjectInfo) error {
+				if strings.Contains(o.Name, "/000000000007/") {
+					left = append(left, o.Name)
+				}
+				return nil
+			})
+			if tc.rewrite && len(left) > 0 || tc.want == StateCommitted && len(left) == 0 {
+				t.Fatalf("step 7 in storage: %v", left)
 			}
 		})
 	}

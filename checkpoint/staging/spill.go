@@ -47,6 +47,9 @@ func openSpill(dir string, limit int64) (*spill, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("spill folder: %w", err)
 	}
+	if err := ownFolder(dir); err != nil {
+		return nil, err
+	}
 	lock, err := os.OpenFile(filepath.Join(dir, spillLock), os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("spill folder: %w", err)
@@ -360,4 +363,22 @@ func (mgr *Manager) recoverSpilled(recovered map[string]bool) error {
 func (s *spill) has(id string) bool {
 	_, err := os.Stat(s.path(id, spillEntry))
 	return err == nil
+}
+
+// ownFolder refuses a spill folder that is not a folder of the daemon's
+// user, and makes it 0700: the saves replayed from it are trusted as
+// staged (their copy checks included), so no one else may plant one.
+func ownFolder(dir string) error {
+	fi, err := os.Lstat(dir)
+	if err != nil {
+		return fmt.Errorf("spill folder: %w", err)
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !fi.IsDir() || !ok || int(st.Uid) != os.Geteuid() {
+		return fmt.Errorf("spill folder %s: not a folder of this user (uid %d); give the daemon one of its own", dir, os.Geteuid())
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return fmt.Errorf("spill folder: %w", err)
+	}
+	return nil
 }

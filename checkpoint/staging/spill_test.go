@@ -1,6 +1,8 @@
 package staging
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -41,5 +43,46 @@ func TestSpilledQueueOrder(t *testing.T) {
 	}
 	if strings.Join(got, ",") != "s1,s2,s3,a9" {
 		t.Fatalf("drain order %v, want the spilled oldest first, then the arena's", got)
+	}
+}
+
+// A spill folder is the daemon's own: its saves are replayed as staged
+// (copy checks included), so a link or another user's folder is refused,
+// and a folder others could write is made 0700.
+func TestSpillFolderIsOurs(t *testing.T) {
+	dir := t.TempDir()
+	wide := filepath.Join(dir, "wide")
+	if err := os.Mkdir(wide, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(wide, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	s, err := openSpill(wide, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.lock.Close()
+	if fi, _ := os.Stat(wide); fi.Mode().Perm() != 0o700 {
+		t.Fatalf("mode %v", fi.Mode())
+	}
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink(wide, link); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := openSpill(link, 0); err == nil {
+		t.Fatal("a link was taken")
+	}
+	if os.Geteuid() == 0 { // CI: a folder of another user
+		theirs := filepath.Join(dir, "theirs")
+		if err := os.Mkdir(theirs, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chown(theirs, 65534, 65534); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := openSpill(theirs, 0); err == nil {
+			t.Fatal("another user's folder was taken")
+		}
 	}
 }
