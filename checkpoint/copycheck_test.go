@@ -136,3 +136,27 @@ func TestCheckedSelection(t *testing.T) {
 		}
 	}
 }
+
+// CopySelected hands out what ReadSelected does from a shard held in
+// memory, and refuses a damaged chunk only where the selection touches it.
+func TestCopySelectedInMemory(t *testing.T) {
+	store, m, _ := selectTestShard(t, codec.None)
+	data := bytes.Clone(selectData)
+	sel, _ := SelectSlices(m, []Slice{{"mid", 1000, 70_000}, {"big", 300_000, 9}, {"tiny", 1, 2}})
+	want := make([]byte, sel.Size)
+	if err := store.ReadSelected(context.Background(), m, sel, want, ReadOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, sel.Size)
+	if err := CopySelected(m, data, sel, got, "test"); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("copied %v", err)
+	}
+	data[10] ^= 1 // in the first chunk: "big" starts there, but the slices do not touch it
+	if err := CopySelected(m, data, sel, got, "test"); err != nil {
+		t.Fatalf("an untouched chunk was checked: %v", err)
+	}
+	data[300_004] ^= 1
+	if err := CopySelected(m, data, sel, got, "test"); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("a damaged chunk: %v", err)
+	}
+}

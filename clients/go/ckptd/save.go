@@ -145,6 +145,11 @@ func copyHashes(ts []Tensor, check *pb.CopyCheck) ([]uint64, error) {
 		out = append(out, macSum(h))
 		h.Reset()
 	}
+	for ; i < len(ts); i, j = i+1, 0 {
+		if j < len(ts[i].Data) {
+			return nil, fmt.Errorf("%w: the daemon's copy check covers %d bytes, less than the save's", ErrInvalid, pos)
+		}
+	}
 	return out, nil
 }
 

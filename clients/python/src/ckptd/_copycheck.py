@@ -121,8 +121,8 @@ def check_copied(
             starts.append(pos)
             views.append(np.asarray(copies[i].value).reshape(-1).view(np.uint8))
             pos += leaves[i].nbytes
-    got = _hash_chunks(starts, views, [None] * len(views), ends, key)
-    if (ends[-1] if ends else 0) != pos or got != list(want):
+    fits = (ends[-1] if ends else 0) == pos and len(ends) == len(want)
+    if not fits or _hash_chunks(starts, views, [None] * len(views), ends, key) != list(want):
         raise CkptdError(
             f"{what}: the staged copy changed in the daemon's shared arena since it was "
             "copied (a member of its --socket-group?); it is not saved again"
