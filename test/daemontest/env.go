@@ -4,10 +4,12 @@ import (
 	"archive/tar"
 	"bytes"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/ckptd/ckptd/internal/miniotest"
@@ -34,15 +36,61 @@ func WithoutEndpoint(env []string) []string {
 }
 
 // ClosedAddr returns a 127.0.0.1 address nothing listens on (to refuse
-// connections, or for a server to take).
+// connections, or for a server to take later). Its port is below the
+// kernel's ephemeral range: a port from inside it (what listening on :0
+// gives) can be taken meanwhile by any outgoing connection on the
+// machine, which made a sidecar started seconds later fail with "address
+// already in use" while other suites ran beside it.
 func ClosedAddr(t *testing.T) string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	t.Helper()
+	lo, hi := 10000, ephemeralStart()
+	for range 1000 {
+		if hi <= lo {
+			break
+		}
+		port := lo + rand.IntN(hi-lo)
+		if !portsGiven.take(port) {
+			continue
+		}
+		addr := fmt.Sprintf("127.0.0.1:%d", port)
+		if l, err := net.Listen("tcp", addr); err == nil {
+			l.Close()
+			return addr
+		}
 	}
-	addr := l.Addr().String()
-	l.Close()
-	return addr
+	t.Fatal("no free port below the ephemeral range")
+	return ""
+}
+
+// portsGiven are the ports ClosedAddr gave in this process.
+var portsGiven = &portSet{given: map[int]bool{}}
+
+type portSet struct {
+	mu    sync.Mutex
+	given map[int]bool
+}
+
+// take marks port given unless it was, and says whether it did.
+func (s *portSet) take(port int) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.given[port] {
+		return false
+	}
+	s.given[port] = true
+	return true
+}
+
+// ephemeralStart is the first port of the kernel's ephemeral range.
+func ephemeralStart() int {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err == nil {
+		var start int
+		if _, err := fmt.Sscan(string(b), &start); err == nil {
+			return start
+		}
+	}
+	return 32768
 }
 
 // WriteShards writes n WebDataset shards of per samples ("cls" and "txt")
