@@ -243,7 +243,7 @@ func (r *RegionHasher) Sums() ([]uint64, error) {
 // other users can write copies the bytes out and checks them against it
 // before it uses them; the table still says where each tensor (or slice)
 // lies.
-func (sel Selection) Checked(m *Manifest) (Selection, *CopyCheck, error) {
+func (sel Selection) Checked(m *Manifest) (Selection, *CopyCheck) {
 	picked := sel.chunks(m)
 	check := NewCopyCheck(make([]int64, 0, len(picked)))
 	out := Selection{Whole: sel.Whole}
@@ -261,7 +261,7 @@ func (sel Selection) Checked(m *Manifest) (Selection, *CopyCheck, error) {
 	}
 	if sel.Whole {
 		out.Table, out.parts = sel.Table, nil
-		return out, check, nil
+		return out, check
 	}
 	src := make(map[int64]int64, len(sel.parts)) // a tensor's place in sel -> in data space
 	for _, p := range sel.parts {
@@ -277,7 +277,7 @@ func (sel Selection) Checked(m *Manifest) (Selection, *CopyCheck, error) {
 		}
 		out.Table[j] = t
 	}
-	return out, check, nil
+	return out, check
 }
 
 // chunks are the indices of m's chunks that hold sel's bytes, in order.

@@ -41,22 +41,6 @@ func CopyHash(dst, src []byte) uint64 {
 	return h.Sum64()
 }
 
-// Hasher is a streaming XXH3-64, whose Sum64 equals Hash of what it was
-// written.
-type Hasher struct{ h *xxh3.Hasher }
-
-// NewHasher returns an empty Hasher.
-func NewHasher() *Hasher { return &Hasher{h: xxh3.New()} }
-
-// Write adds b.
-func (h *Hasher) Write(b []byte) { _, _ = h.h.Write(b) }
-
-// Sum64 is the digest of what was written.
-func (h *Hasher) Sum64() uint64 { return h.h.Sum64() }
-
-// Reset empties h.
-func (h *Hasher) Reset() { h.h.Reset() }
-
 // FormatHash writes h in the manifest form "xxh3:" + 16 lowercase hex digits.
 func FormatHash(h uint64) string {
 	const digits = "0123456789abcdef"

@@ -101,9 +101,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	}
 	var check *checkpoint.CopyCheck
 	if mgr.cfg.CheckCopies {
-		if sel, check, err = sel.Checked(m); err != nil {
-			return LeaseInfo{}, nil, err
-		}
+		sel, check = sel.Checked(m)
 	}
 	mgr.mu.Lock()
 	closing := mgr.closing
