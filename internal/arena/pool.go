@@ -1,0 +1,189 @@
+package arena
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Pool is a shared-memory file whose pieces the daemon keeps data in
+// that clients may read in place: the hot tier's shards. The daemon maps
+// it read-write; clients map it read-only, so a restore can hand them
+// the hot copy's own pages instead of copying it into the arena first.
+//
+// Unlike the arena it holds nothing that must survive the daemon (the
+// hot tier is memory of the running process), so every OpenPool makes a
+// new file, and a client of a crashed daemon still reading the old one
+// reads unlinked pages no one writes. Pages are allocated when a piece
+// is taken, not at open: the file costs memory as the hot tier fills, as
+// the heap did, and a file system too small for a piece fails Take
+// instead of a SIGBUS on the first write.
+type Pool struct {
+	path  string
+	id    string
+	size  int64
+	alloc *allocator
+
+	mu  sync.Mutex // guards mem and f against Close
+	mem []byte
+	f   *os.File
+}
+
+// PoolFile is the pool's file name in the arena's folder.
+const PoolFile = "hot"
+
+// OpenPool makes the pool file in dir (the arena's folder, whose checks
+// clients apply to it too), size bytes rounded up to a whole page, and
+// maps it. The file is the daemon's user's alone to write: mode 0600.
+func OpenPool(dir string, size int64) (*Pool, error) {
+	if size <= 0 {
+		return nil, fmt.Errorf("%w: a pool of %d bytes", ErrInvalidRegion, size)
+	}
+	size = alignUp(size, hugePageSize)
+	path := filepath.Join(dir, PoolFile)
+	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("arena: replace %s: %w", path, err)
+	}
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, privateMode)
+	if err != nil {
+		return nil, fmt.Errorf("arena: open %s: %w", path, err)
+	}
+	p := &Pool{path: path, size: size, alloc: newAllocator(size), f: f}
+	if err = f.Truncate(size); err == nil {
+		p.mem, err = unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	}
+	if err == nil {
+		p.id, err = fileID(f)
+	}
+	if err == nil {
+		nonce := make([]byte, 8)
+		_, _ = rand.Read(nonce) // never fails (crypto/rand panics rather)
+		p.id += ":" + hex.EncodeToString(nonce)
+	}
+	if err != nil {
+		if p.mem != nil {
+			_ = unix.Munmap(p.mem)
+		}
+		f.Close()
+		_ = os.Remove(path)
+		return nil, fmt.Errorf("arena: pool %s: %w", path, err)
+	}
+	return p, nil
+}
+
+// Path is the file clients map (read-only); Size its length; ID its
+// identity, which the leases of its pieces carry.
+func (p *Pool) Path() string { return p.path }
+func (p *Pool) Size() int64  { return p.size }
+func (p *Pool) ID() string   { return p.id }
+
+// Take hands out n > 0 bytes of the pool with their pages allocated, or
+// reports that no free piece holds them or the file system has no room.
+// n == 0 gets an empty slice of no pool.
+func (p *Pool) Take(n int64) ([]byte, bool) {
+	if n == 0 {
+		return []byte{}, true
+	}
+	if n < 0 || n > p.size {
+		return nil, false
+	}
+	p.alloc.mu.Lock()
+	r, ok := p.alloc.take(n)
+	p.alloc.mu.Unlock()
+	if !ok {
+		return nil, false
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.mem == nil {
+		_ = p.alloc.freeRegion(r)
+		return nil, false
+	}
+	b := p.mem[r.Offset : r.Offset+n : r.Offset+n]
+	if err := p.populate(r.Offset, alignUp(n, pageSize)); err != nil {
+		_ = p.alloc.freeRegion(r)
+		return nil, false
+	}
+	return b, true
+}
+
+// populate allocates and maps the pages of [off, off+n) (page-aligned),
+// or fails where the file system has no room for them. Call with mu.
+func (p *Pool) populate(off, n int64) error {
+	err := unix.Madvise(p.mem[off:off+n], unix.MADV_POPULATE_WRITE)
+	if errors.Is(err, unix.EINVAL) { // before Linux 5.14: allocate them; the writes map them
+		err = unix.Fallocate(int(p.f.Fd()), 0, off, n)
+	}
+	return err
+}
+
+// Fits reports whether a Take of n bytes would find a free piece.
+func (p *Pool) Fits(n int64) bool {
+	if n <= 0 {
+		return n == 0
+	}
+	align, length := alignmentFor(n), alignUp(n, pageSize)
+	p.alloc.mu.Lock()
+	defer p.alloc.mu.Unlock()
+	for _, s := range p.alloc.free {
+		if alignUp(s.off, align)+length <= s.end {
+			return true
+		}
+	}
+	return false
+}
+
+// Give takes back a piece Take handed out; its pages stay allocated for
+// the next Take (the heap's spares did the same).
+func (p *Pool) Give(b []byte) {
+	if off, ok := p.Offset(b); ok {
+		if err := p.alloc.freeRegion(Region{Offset: off, Length: int64(len(b))}); err != nil {
+			panic(fmt.Sprintf("arena: pool give: %v", err)) // a piece given twice: the hot tier's books are wrong
+		}
+	}
+}
+
+// Offset returns where b, a piece Take handed out, starts in the file;
+// false for memory not of the pool (and empty pieces).
+func (p *Pool) Offset(b []byte) (int64, bool) {
+	if cap(b) == 0 {
+		return 0, false
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.mem == nil {
+		return 0, false
+	}
+	base := uintptr(unsafe.Pointer(unsafe.SliceData(p.mem)))
+	at := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	if at < base || at-base >= uintptr(p.size) || int64(at-base)+int64(len(b)) > p.size {
+		return 0, false
+	}
+	return int64(at - base), true
+}
+
+// Close unmaps the pool and removes its file. Pieces handed out are
+// invalid after it.
+func (p *Pool) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.mem == nil {
+		return nil
+	}
+	p.alloc.close()
+	err := errors.Join(unix.Munmap(p.mem), p.f.Close())
+	p.mem = nil
+	if rmErr := os.Remove(p.path); rmErr != nil && !errors.Is(rmErr, fs.ErrNotExist) {
+		err = errors.Join(err, rmErr)
+	}
+	return err
+}
