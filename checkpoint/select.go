@@ -14,7 +14,8 @@ type Selection struct {
 	Whole bool
 	Table []Tensor // the restored tensors, offsets in the restored bytes
 	Size  int64
-	parts []part // where each comes from, sorted by source offset
+	parts []part  // where each comes from, sorted by source offset
+	srcs  []int64 // where each entry of Table starts in the data space
 }
 
 // part is one tensor's bytes: at src in the shard's data space, n bytes,
@@ -79,6 +80,7 @@ func selectSlices(m *Manifest, want []Slice, whole bool) (Selection, error) {
 			return Selection{}, fmt.Errorf("%w: bytes [%d, +%d) of tensor %q, which has %d", ErrInvalid, sl.Offset, sl.Length, sl.Name, t.Length)
 		}
 		sel.parts = sel.add(part{src: t.Offset + sl.Offset, n: sl.Length, dst: sel.Size})
+		sel.srcs = append(sel.srcs, t.Offset+sl.Offset)
 		t.Offset, t.Length = sel.Size, sl.Length
 		sel.Table = append(sel.Table, t)
 		sel.Size += sl.Length
@@ -90,6 +92,32 @@ func selectSlices(m *Manifest, want []Slice, whole bool) (Selection, error) {
 		}
 	}
 	return sel, nil
+}
+
+// InPlace is the selection as it lies in m's data space, for a restore
+// that hands out the data space itself rather than a packed copy: the
+// span [lo, lo+size) holding every selected byte, and the table with its
+// offsets into that span. The span holds the bytes between the selected
+// ones too.
+func (s Selection) InPlace(m *Manifest) (lo, size int64, table []Tensor) {
+	if s.Whole {
+		return 0, m.DataSize, m.Tensors
+	}
+	if len(s.parts) == 0 {
+		lo = 0
+	} else {
+		lo = s.parts[0].src
+	}
+	hi := lo
+	for _, p := range s.parts {
+		hi = max(hi, p.src+p.n)
+	}
+	table = make([]Tensor, len(s.Table))
+	for i, t := range s.Table {
+		t.Offset = min(max(s.srcs[i]-lo, 0), hi-lo) // an empty slice may lie outside the span
+		table[i] = t
+	}
+	return lo, hi - lo, table
 }
 
 // add returns the parts with p, unless it is empty: an empty part copies

@@ -161,3 +161,58 @@ func TestSelectionReadsOnlyItsChunks(t *testing.T) {
 		t.Fatalf("read %d bytes for two slices within two 64 KiB chunks", got)
 	}
 }
+
+// A selection in place is the span of the data space holding what it
+// selects, each entry of its table pointing at its own bytes there, and
+// checking it verifies the chunks it touches: a spoilt one fails it, one
+// outside it does not.
+func TestSelectionInPlace(t *testing.T) {
+	_, m, _ := selectTestShard(t, codec.Zstd)
+	cases := []struct {
+		name string
+		sel  func() (Selection, error)
+	}{
+		{"whole", func() (Selection, error) { return SelectTensors(m, nil) }},
+		{"tensors out of order", func() (Selection, error) { return SelectTensors(m, []string{"tiny2", "none", "tiny"}) }},
+		{"slices", func() (Selection, error) {
+			return SelectSlices(m, []Slice{{"last", 100, 5000}, {"mid", 7, 9}, {"none", 0, 0}})
+		}},
+		{"nothing", func() (Selection, error) { return SelectSlices(m, []Slice{{"none", 0, 0}}) }},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			sel, err := tc.sel()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := VerifySelected(m, selectData, sel, "test"); err != nil {
+				t.Fatal(err)
+			}
+			lo, size, table := sel.InPlace(m)
+			span := selectData[lo : lo+size]
+			for i, tn := range table {
+				want := sel.Table[i]
+				if tn.Name != want.Name || tn.Length != want.Length || tn.Offset+tn.Length > size {
+					t.Fatalf("entry %d: %+v for %+v in a %d-byte span", i, tn, want, size)
+				}
+				src := tensorBytes(tn.Name)
+				if tc.name == "slices" && tn.Name != "none" {
+					src = map[string][]byte{"last": tensorBytes("last")[100:5100], "mid": tensorBytes("mid")[7:16]}[tn.Name]
+				}
+				if !bytes.Equal(span[tn.Offset:tn.Offset+tn.Length], src) {
+					t.Fatalf("entry %d (%s): wrong bytes at %d of the span", i, tn.Name, tn.Offset)
+				}
+			}
+		})
+	}
+	spoilt := bytes.Clone(selectData)
+	spoilt[0] ^= 1 // in "big"'s first chunk
+	sel, _ := SelectTensors(m, []string{"last"})
+	if err := VerifySelected(m, spoilt, sel, "test"); err != nil {
+		t.Fatalf("a chunk outside the selection was checked: %v", err)
+	}
+	sel, _ = SelectTensors(m, []string{"big"})
+	if err := VerifySelected(m, spoilt, sel, "test"); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("a spoilt chunk of the selection: %v", err)
+	}
+}
