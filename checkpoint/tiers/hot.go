@@ -41,12 +41,16 @@ import (
 // The buffers of dropped shards are kept as spares (within the budget) and
 // reused for the next shards of a size that fits: memory the kernel has
 // not handed out yet costs a page fault per page on first touch, which on
-// some machines takes longer than the copy into it.
+// some machines takes longer than the copy into it. With mem (shared
+// memory clients read in place) the buffers are its pieces instead, which
+// keep their pages when given back; room is then also made until a piece
+// of the size is free.
 type hotTier struct {
 	mu      sync.Mutex
 	budget  int64
 	steps   int
-	used    int64 // capacity of the shards' buffers, the spares and the buffers handed out
+	mem     Memory // nil: the heap
+	used    int64  // capacity of the shards' buffers, the spares and the buffers handed out
 	entries map[hotKey]*hotEntry
 	spares  [][]byte
 	jobs    map[string]*hotJob
@@ -97,8 +101,8 @@ var (
 	errPinned = errors.New("held here already and being read")
 )
 
-func newHotTier(budget int64, steps int) *hotTier {
-	return &hotTier{budget: budget, steps: steps, entries: map[hotKey]*hotEntry{}, jobs: map[string]*hotJob{}}
+func newHotTier(budget int64, steps int, mem Memory) *hotTier {
+	return &hotTier{budget: budget, steps: steps, mem: mem, entries: map[hotKey]*hotEntry{}, jobs: map[string]*hotJob{}}
 }
 
 func (h *hotTier) enabled() bool { return h != nil && h.budget > 0 }
@@ -121,8 +125,13 @@ func (h *hotTier) buffer(k hotKey, n int64) (b []byte, ok bool) {
 		h.spares = slices.Delete(h.spares, i, i+1)
 		return b, true // counted already
 	}
+	if h.mem == nil {
+		b = make([]byte, n)
+	} else if b, ok = h.mem.Take(n); !ok {
+		return nil, false
+	}
 	h.used += n
-	return make([]byte, n), true
+	return b, true
 }
 
 // giveBack takes back a buffer handed out and not kept: it becomes a
@@ -133,7 +142,18 @@ func (h *hotTier) giveBack(b []byte) {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.spares = append(h.spares, b[:0])
+	h.putBack(b)
+}
+
+// putBack makes b, a buffer of the tier's, a spare, or gives it back to
+// mem. Call with mu.
+func (h *hotTier) putBack(b []byte) {
+	if h.mem == nil {
+		h.spares = append(h.spares, b[:0])
+		return
+	}
+	h.used -= int64(cap(b))
+	h.mem.Give(b)
 }
 
 // fit returns the index of the smallest spare that holds n bytes without
@@ -165,7 +185,7 @@ func (h *hotTier) insert(m *checkpoint.Manifest, data []byte, f hotFlags) (relea
 	if old := h.entries[k]; old != nil {
 		switch {
 		case !f.origin && old.hash == hash:
-			h.spares = append(h.spares, data[:0])
+			h.putBack(data)
 			return func() {}, nil
 		case !f.origin:
 			err = errHeld
@@ -176,7 +196,7 @@ func (h *hotTier) insert(m *checkpoint.Manifest, data []byte, f hotFlags) (relea
 		}
 	}
 	if err != nil {
-		h.spares = append(h.spares, data[:0])
+		h.putBack(data)
 		return func() {}, err
 	}
 	h.seq++
@@ -230,7 +250,7 @@ func (h *hotTier) makeRoom(k hotKey, n int64) bool {
 		if keep >= 0 {
 			need = 0
 		}
-		if h.used+need <= h.budget {
+		if h.used+need <= h.budget && (h.mem == nil || h.mem.Fits(n)) {
 			return true
 		}
 		if h.freeSpare(keep) {
@@ -282,7 +302,7 @@ func (h *hotTier) freeSpare(keep int) bool {
 // with mu.
 func (h *hotTier) drop(k hotKey, e *hotEntry) {
 	delete(h.entries, k)
-	h.spares = append(h.spares, e.data[:0])
+	h.putBack(e.data)
 }
 
 // committed records rec, the commit record of step of job as this

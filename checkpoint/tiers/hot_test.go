@@ -7,6 +7,7 @@ import (
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/dtype"
+	"github.com/ckptd/ckptd/internal/arena"
 )
 
 // shard is a manifest of n bytes of one u8 tensor of job's step by rank
@@ -59,7 +60,7 @@ func checkBudget(t *testing.T, h *hotTier) {
 // Dropped shards' buffers are reused for the next shards (no fresh memory
 // in steady state), within the budget, and never while pinned.
 func TestHotTierReusesBuffers(t *testing.T) {
-	h := newHotTier(1<<20, 2)
+	h := newHotTier(1<<20, 2, nil)
 	add := func(step int64) []byte {
 		t.Helper()
 		m, data := shard("job", step, 0, 300_000, byte(step))
@@ -101,7 +102,7 @@ func TestHotTierReusesBuffers(t *testing.T) {
 // (it held up to twice its budget, counting shards by their size).
 func TestHotTierCountsCapacity(t *testing.T) {
 	const budget = 1 << 20
-	h := newHotTier(budget, 1)
+	h := newHotTier(budget, 1, nil)
 	big, data := shard("job", 1, 0, 600_000, 1)
 	if err := keep(h, big, data, hotFlags{origin: true}); err != nil {
 		t.Fatal(err)
@@ -122,7 +123,7 @@ func TestHotTierCountsCapacity(t *testing.T) {
 // sidecar's own shard (the original) stays, and a replica of the same
 // save with other bytes is refused; the same bytes again are taken.
 func TestReplicaNeverReplaces(t *testing.T) {
-	h := newHotTier(1<<20, 2)
+	h := newHotTier(1<<20, 2, nil)
 	own, data := shard("job", 5, 0, 1000, 1)
 	if err := keep(h, own, data, hotFlags{origin: true}); err != nil {
 		t.Fatal(err)
@@ -162,7 +163,7 @@ func TestReplicaNeverReplaces(t *testing.T) {
 // (it always lost, the oldest being judged by step number), and a shard
 // that would need another job's newest step finds no room.
 func TestEvictionByAge(t *testing.T) {
-	h := newHotTier(1<<20, 4)
+	h := newHotTier(1<<20, 4, nil)
 	const n = 200_000 // five fit
 	add := func(job string, step int64) error {
 		m, data := shard(job, step, 0, n, byte(step))
@@ -198,7 +199,7 @@ func TestEvictionByAge(t *testing.T) {
 	checkBudget(t, h)
 
 	// Only each job's newest step left to take: no room.
-	h2 := newHotTier(3*n, 4)
+	h2 := newHotTier(3*n, 4, nil)
 	for _, job := range []string{"a", "b", "c"} {
 		m, data := shard(job, 1, 0, n, 1)
 		if err := keep(h2, m, data, hotFlags{origin: true}); err != nil {
@@ -214,7 +215,7 @@ func TestEvictionByAge(t *testing.T) {
 // until a newer step of its job is committed: then room is made of it.
 func TestMemoryOnlyStepsProtected(t *testing.T) {
 	const n = 200_000
-	h := newHotTier(3*n, 1) // --hot-steps 1 does not apply to them
+	h := newHotTier(3*n, 1, nil) // --hot-steps 1 does not apply to them
 	for step := int64(1); step <= 3; step++ {
 		m, data := shard("job", step, 0, n, byte(step))
 		if err := keep(h, m, data, hotFlags{origin: true, memory: true}); err != nil {
@@ -300,4 +301,40 @@ func TestKeepVerifies(t *testing.T) {
 		release()
 	}
 	checkBudget(t, tr.hot)
+}
+
+// In shared memory the tier's buffers are pieces of it, and room is made
+// until a piece of the size is free, not only until the budget allows:
+// a shard that fits the budget but no free piece drops one more shard.
+func TestHotTierInSharedMemory(t *testing.T) {
+	const MiB = 1 << 20
+	pool, err := arena.OpenPool(t.TempDir(), 6*MiB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pool.Close() })
+	h := newHotTier(6*MiB, 100, pool)
+	for i, n := range []int64{2 * MiB, 2 * MiB, MiB} { // steps 1-3: pieces [0,2), [2,4), [4,5) MiB
+		m, data := shard("job", int64(i+1), 0, n, byte(i+1))
+		if err := keep(h, m, data, hotFlags{origin: true}); err != nil {
+			t.Fatalf("step %d: %v", i+1, err)
+		}
+	}
+	// 3 MiB: dropping step 1 makes room in the budget, but only [0,2) and
+	// [5,6) are free; step 2 goes too.
+	m, data := shard("job", 4, 0, 3*MiB, 4)
+	if err := keep(h, m, data, hotFlags{origin: true}); err != nil {
+		t.Fatal(err)
+	}
+	checkBudget(t, h)
+	for step, want := range map[int64]bool{1: false, 2: false, 3: true, 4: true} {
+		if h.holds(hotKey{"job", step, 0, "a"}) != want {
+			t.Fatalf("step %d held: %v, want %v", step, !want, want)
+		}
+	}
+	e, release := h.getAny("job", 4, 0, "a")
+	defer release()
+	if _, ok := pool.Offset(e.data); !ok || !bytes.Equal(e.data, data) {
+		t.Fatal("step 4 is not kept in the shared memory as saved")
+	}
 }

@@ -46,6 +46,26 @@ func (s Source) Release() {
 	}
 }
 
+// Hot returns the hot copy's bytes when the source is this sidecar's hot
+// tier, for a restore that may hand them out as they are (TakePin).
+func (s Source) Hot() []byte {
+	if s.Tier != "hot" {
+		return nil
+	}
+	return s.data
+}
+
+// TakePin takes over the pin that keeps the source's bytes (the hot
+// copy's) for the caller, who calls unpin once no one reads them any
+// more; Release then does nothing.
+func (s *Source) TakePin() (unpin func()) {
+	unpin, s.release = s.release, nil
+	if unpin == nil {
+		unpin = func() {}
+	}
+	return unpin
+}
+
 // PinnedBy reports whether the commit record names this very manifest for
 // rank (records before attempts pin none): a copy held in memory, a
 // peer's above all, is served only when it is exactly what the step

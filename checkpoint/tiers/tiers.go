@@ -21,6 +21,11 @@ type Config struct {
 	// peers send.
 	HotBytes int64
 	HotSteps int
+	// HotMemory, when set, is where the hot tier keeps its shards instead
+	// of the heap: shared memory clients map read-only, so that a restore
+	// can hand out the hot copy in place (Source.InPlace). It must hold
+	// HotBytes.
+	HotMemory Memory
 	// PersistEvery, above 1, drains only the steps it divides to storage:
 	// the others are kept in the hot tier and sent to the peers only (see
 	// memory.go). PersistInterval, above 0, drains a step whenever that
@@ -40,6 +45,18 @@ type Config struct {
 	// Failed counts a failed operation ("replicate").
 	Failed func(op string)
 	Logger *slog.Logger
+}
+
+// Memory is memory the hot tier keeps its shards in (Config.HotMemory).
+// Its methods are called under the hot tier's lock.
+type Memory interface {
+	// Take hands out n bytes (their capacity n), or reports that there is
+	// no free piece or no memory for them; Fits says whether a piece of n
+	// bytes is free.
+	Take(n int64) ([]byte, bool)
+	Fits(n int64) bool
+	// Give takes back what Take handed out.
+	Give(b []byte)
 }
 
 // ErrNoRoom: the hot tier cannot take a replica (it has no budget, or no
@@ -82,7 +99,7 @@ func New(cfg Config) *Tiers {
 		cfg.Failed = func(string) {}
 	}
 	t := &Tiers{
-		cfg: cfg, log: cfg.Logger, hot: newHotTier(cfg.HotBytes, cfg.HotSteps), policy: newPersistPolicy(),
+		cfg: cfg, log: cfg.Logger, hot: newHotTier(cfg.HotBytes, cfg.HotSteps, cfg.HotMemory), policy: newPersistPolicy(),
 		fetching: make(chan struct{}, 1), replicas: make(chan replica, replicaQueue),
 	}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
