@@ -282,7 +282,11 @@ type ArenaInfo struct {
 	// Identity of the arena file. Every lease carries it: a client whose
 	// mapping has another id (the daemon restarted and made a new file) must
 	// map the arena again before touching the region.
-	Id            string `protobuf:"bytes,5,opt,name=id,proto3" json:"id,omitempty"`
+	Id string `protobuf:"bytes,5,opt,name=id,proto3" json:"id,omitempty"`
+	// The hot tier's shared memory (serve --hot-bytes, without
+	// --socket-group), for restores in place (BeginRestoreRequest.in_place):
+	// map it read-only (MAP_SHARED, PROT_READ). Unset when there is none.
+	Hot           *MappedFile `protobuf:"bytes,6,opt,name=hot,proto3" json:"hot,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -352,6 +356,76 @@ func (x *ArenaInfo) GetId() string {
 	return ""
 }
 
+func (x *ArenaInfo) GetHot() *MappedFile {
+	if x != nil {
+		return x.Hot
+	}
+	return nil
+}
+
+// A shared-memory file of the daemon's that clients map: same checks as
+// the arena (owned by the daemon's user, in the arena's folder).
+type MappedFile struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Path  string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	Size  uint64                 `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
+	// Identity of the file; the leases of regions in it carry it as arena_id.
+	Id            string `protobuf:"bytes,3,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MappedFile) Reset() {
+	*x = MappedFile{}
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MappedFile) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MappedFile) ProtoMessage() {}
+
+func (x *MappedFile) ProtoReflect() protoreflect.Message {
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MappedFile.ProtoReflect.Descriptor instead.
+func (*MappedFile) Descriptor() ([]byte, []int) {
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *MappedFile) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *MappedFile) GetSize() uint64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *MappedFile) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
 // Tensor describes one tensor of a shard. offset and length are bytes
 // relative to the start of the region (or of the streamed bytes).
 type Tensor struct {
@@ -368,7 +442,7 @@ type Tensor struct {
 
 func (x *Tensor) Reset() {
 	*x = Tensor{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[2]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -380,7 +454,7 @@ func (x *Tensor) String() string {
 func (*Tensor) ProtoMessage() {}
 
 func (x *Tensor) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[2]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -393,7 +467,7 @@ func (x *Tensor) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Tensor.ProtoReflect.Descriptor instead.
 func (*Tensor) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{2}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Tensor) GetName() string {
@@ -449,7 +523,7 @@ type SaveTarget struct {
 
 func (x *SaveTarget) Reset() {
 	*x = SaveTarget{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[3]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -461,7 +535,7 @@ func (x *SaveTarget) String() string {
 func (*SaveTarget) ProtoMessage() {}
 
 func (x *SaveTarget) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[3]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -474,7 +548,7 @@ func (x *SaveTarget) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveTarget.ProtoReflect.Descriptor instead.
 func (*SaveTarget) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{3}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *SaveTarget) GetJob() string {
@@ -522,7 +596,7 @@ type BeginSaveRequest struct {
 
 func (x *BeginSaveRequest) Reset() {
 	*x = BeginSaveRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[4]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -534,7 +608,7 @@ func (x *BeginSaveRequest) String() string {
 func (*BeginSaveRequest) ProtoMessage() {}
 
 func (x *BeginSaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[4]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -547,7 +621,7 @@ func (x *BeginSaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BeginSaveRequest.ProtoReflect.Descriptor instead.
 func (*BeginSaveRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{4}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *BeginSaveRequest) GetTarget() *SaveTarget {
@@ -577,7 +651,7 @@ type Lease struct {
 
 func (x *Lease) Reset() {
 	*x = Lease{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[5]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -589,7 +663,7 @@ func (x *Lease) String() string {
 func (*Lease) ProtoMessage() {}
 
 func (x *Lease) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[5]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -602,7 +676,7 @@ func (x *Lease) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Lease.ProtoReflect.Descriptor instead.
 func (*Lease) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{5}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Lease) GetId() string {
@@ -646,7 +720,7 @@ type BeginSaveResponse struct {
 
 func (x *BeginSaveResponse) Reset() {
 	*x = BeginSaveResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[6]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -658,7 +732,7 @@ func (x *BeginSaveResponse) String() string {
 func (*BeginSaveResponse) ProtoMessage() {}
 
 func (x *BeginSaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[6]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -671,7 +745,7 @@ func (x *BeginSaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BeginSaveResponse.ProtoReflect.Descriptor instead.
 func (*BeginSaveResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{6}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *BeginSaveResponse) GetLease() *Lease {
@@ -713,7 +787,7 @@ type CopyCheck struct {
 
 func (x *CopyCheck) Reset() {
 	*x = CopyCheck{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[7]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -725,7 +799,7 @@ func (x *CopyCheck) String() string {
 func (*CopyCheck) ProtoMessage() {}
 
 func (x *CopyCheck) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[7]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -738,7 +812,7 @@ func (x *CopyCheck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CopyCheck.ProtoReflect.Descriptor instead.
 func (*CopyCheck) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{7}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CopyCheck) GetChunkEnds() []uint64 {
@@ -776,7 +850,7 @@ type CommitSaveRequest struct {
 
 func (x *CommitSaveRequest) Reset() {
 	*x = CommitSaveRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[8]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -788,7 +862,7 @@ func (x *CommitSaveRequest) String() string {
 func (*CommitSaveRequest) ProtoMessage() {}
 
 func (x *CommitSaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[8]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -801,7 +875,7 @@ func (x *CommitSaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitSaveRequest.ProtoReflect.Descriptor instead.
 func (*CommitSaveRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{8}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *CommitSaveRequest) GetLeaseId() string {
@@ -836,7 +910,7 @@ type CommitSaveResponse struct {
 
 func (x *CommitSaveResponse) Reset() {
 	*x = CommitSaveResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[9]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -848,7 +922,7 @@ func (x *CommitSaveResponse) String() string {
 func (*CommitSaveResponse) ProtoMessage() {}
 
 func (x *CommitSaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[9]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -861,7 +935,7 @@ func (x *CommitSaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitSaveResponse.ProtoReflect.Descriptor instead.
 func (*CommitSaveResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{9}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *CommitSaveResponse) GetTarget() *SaveTarget {
@@ -887,7 +961,7 @@ type AbortSaveRequest struct {
 
 func (x *AbortSaveRequest) Reset() {
 	*x = AbortSaveRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[10]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -899,7 +973,7 @@ func (x *AbortSaveRequest) String() string {
 func (*AbortSaveRequest) ProtoMessage() {}
 
 func (x *AbortSaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[10]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -912,7 +986,7 @@ func (x *AbortSaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortSaveRequest.ProtoReflect.Descriptor instead.
 func (*AbortSaveRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{10}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *AbortSaveRequest) GetLeaseId() string {
@@ -930,7 +1004,7 @@ type AbortSaveResponse struct {
 
 func (x *AbortSaveResponse) Reset() {
 	*x = AbortSaveResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[11]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -942,7 +1016,7 @@ func (x *AbortSaveResponse) String() string {
 func (*AbortSaveResponse) ProtoMessage() {}
 
 func (x *AbortSaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[11]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -955,7 +1029,7 @@ func (x *AbortSaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortSaveResponse.ProtoReflect.Descriptor instead.
 func (*AbortSaveResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{11}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{12}
 }
 
 type SaveStreamHeader struct {
@@ -969,7 +1043,7 @@ type SaveStreamHeader struct {
 
 func (x *SaveStreamHeader) Reset() {
 	*x = SaveStreamHeader{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[12]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -981,7 +1055,7 @@ func (x *SaveStreamHeader) String() string {
 func (*SaveStreamHeader) ProtoMessage() {}
 
 func (x *SaveStreamHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[12]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -994,7 +1068,7 @@ func (x *SaveStreamHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveStreamHeader.ProtoReflect.Descriptor instead.
 func (*SaveStreamHeader) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{12}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *SaveStreamHeader) GetTarget() *SaveTarget {
@@ -1031,7 +1105,7 @@ type SaveStreamRequest struct {
 
 func (x *SaveStreamRequest) Reset() {
 	*x = SaveStreamRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[13]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1043,7 +1117,7 @@ func (x *SaveStreamRequest) String() string {
 func (*SaveStreamRequest) ProtoMessage() {}
 
 func (x *SaveStreamRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[13]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1056,7 +1130,7 @@ func (x *SaveStreamRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveStreamRequest.ProtoReflect.Descriptor instead.
 func (*SaveStreamRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{13}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *SaveStreamRequest) GetMsg() isSaveStreamRequest_Msg {
@@ -1116,7 +1190,7 @@ type WaitSaveRequest struct {
 
 func (x *WaitSaveRequest) Reset() {
 	*x = WaitSaveRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[14]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1128,7 +1202,7 @@ func (x *WaitSaveRequest) String() string {
 func (*WaitSaveRequest) ProtoMessage() {}
 
 func (x *WaitSaveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[14]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1141,7 +1215,7 @@ func (x *WaitSaveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WaitSaveRequest.ProtoReflect.Descriptor instead.
 func (*WaitSaveRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{14}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *WaitSaveRequest) GetJob() string {
@@ -1201,7 +1275,7 @@ type WaitSaveResponse struct {
 
 func (x *WaitSaveResponse) Reset() {
 	*x = WaitSaveResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[15]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1213,7 +1287,7 @@ func (x *WaitSaveResponse) String() string {
 func (*WaitSaveResponse) ProtoMessage() {}
 
 func (x *WaitSaveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[15]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1226,7 +1300,7 @@ func (x *WaitSaveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WaitSaveResponse.ProtoReflect.Descriptor instead.
 func (*WaitSaveResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{15}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *WaitSaveResponse) GetState() SaveState {
@@ -1276,7 +1350,7 @@ type ListStepsRequest struct {
 
 func (x *ListStepsRequest) Reset() {
 	*x = ListStepsRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[16]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1288,7 +1362,7 @@ func (x *ListStepsRequest) String() string {
 func (*ListStepsRequest) ProtoMessage() {}
 
 func (x *ListStepsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[16]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1301,7 +1375,7 @@ func (x *ListStepsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListStepsRequest.ProtoReflect.Descriptor instead.
 func (*ListStepsRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{16}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ListStepsRequest) GetJob() string {
@@ -1344,7 +1418,7 @@ type StepInfo struct {
 
 func (x *StepInfo) Reset() {
 	*x = StepInfo{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[17]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1356,7 +1430,7 @@ func (x *StepInfo) String() string {
 func (*StepInfo) ProtoMessage() {}
 
 func (x *StepInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[17]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1369,7 +1443,7 @@ func (x *StepInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StepInfo.ProtoReflect.Descriptor instead.
 func (*StepInfo) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{17}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *StepInfo) GetStep() int64 {
@@ -1444,7 +1518,7 @@ type ListStepsResponse struct {
 
 func (x *ListStepsResponse) Reset() {
 	*x = ListStepsResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[18]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1456,7 +1530,7 @@ func (x *ListStepsResponse) String() string {
 func (*ListStepsResponse) ProtoMessage() {}
 
 func (x *ListStepsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[18]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1469,7 +1543,7 @@ func (x *ListStepsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListStepsResponse.ProtoReflect.Descriptor instead.
 func (*ListStepsResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{18}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ListStepsResponse) GetSteps() []*StepInfo {
@@ -1501,14 +1575,22 @@ type BeginRestoreRequest struct {
 	Slices []*TensorSlice `protobuf:"bytes,7,rep,name=slices,proto3" json:"slices,omitempty"`
 	// Restore no tensor: the header alone (step, world size, metadata),
 	// with an empty table and no bytes. Nothing of the shard's data is read.
-	HeaderOnly    bool `protobuf:"varint,8,opt,name=header_only,json=headerOnly,proto3" json:"header_only,omitempty"`
+	HeaderOnly bool `protobuf:"varint,8,opt,name=header_only,json=headerOnly,proto3" json:"header_only,omitempty"`
+	// The client maps ArenaInfo.hot (read-only): a restore served from the
+	// hot tier may hand out the hot copy where it lies there instead of
+	// copying it into the arena. Its lease's arena_id is then hot.id, and
+	// the region is the span of the shard's data space that holds what was
+	// asked for (the table says where each tensor or slice is in it; bytes
+	// between them belong to other tensors). Without it, or when the shard
+	// is not in the hot tier, the region is in the arena as always.
+	InPlace       bool `protobuf:"varint,9,opt,name=in_place,json=inPlace,proto3" json:"in_place,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *BeginRestoreRequest) Reset() {
 	*x = BeginRestoreRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[19]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1520,7 +1602,7 @@ func (x *BeginRestoreRequest) String() string {
 func (*BeginRestoreRequest) ProtoMessage() {}
 
 func (x *BeginRestoreRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[19]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1533,7 +1615,7 @@ func (x *BeginRestoreRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BeginRestoreRequest.ProtoReflect.Descriptor instead.
 func (*BeginRestoreRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{19}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *BeginRestoreRequest) GetJob() string {
@@ -1592,6 +1674,13 @@ func (x *BeginRestoreRequest) GetHeaderOnly() bool {
 	return false
 }
 
+func (x *BeginRestoreRequest) GetInPlace() bool {
+	if x != nil {
+		return x.InPlace
+	}
+	return false
+}
+
 // A byte range of one of a shard's tensors.
 type TensorSlice struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1605,7 +1694,7 @@ type TensorSlice struct {
 
 func (x *TensorSlice) Reset() {
 	*x = TensorSlice{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[20]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1617,7 +1706,7 @@ func (x *TensorSlice) String() string {
 func (*TensorSlice) ProtoMessage() {}
 
 func (x *TensorSlice) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[20]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1630,7 +1719,7 @@ func (x *TensorSlice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TensorSlice.ProtoReflect.Descriptor instead.
 func (*TensorSlice) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{20}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *TensorSlice) GetName() string {
@@ -1678,14 +1767,18 @@ type RestoreHeader struct {
 	// Set when the daemon's arena is shared with other users (serve
 	// --socket-group): the region holds whole chunks (size may exceed the
 	// tensors'), and the client checks its copy of them. See CopyCheck.
-	CopyCheck     *CopyCheck `protobuf:"bytes,10,opt,name=copy_check,json=copyCheck,proto3" json:"copy_check,omitempty"`
+	CopyCheck *CopyCheck `protobuf:"bytes,10,opt,name=copy_check,json=copyCheck,proto3" json:"copy_check,omitempty"`
+	// The region is the hot copy in place (BeginRestoreRequest.in_place), in
+	// the file the lease's arena_id names: the span of the shard's data
+	// space holding what was asked for, so size may exceed the tensors'.
+	InPlace       bool `protobuf:"varint,11,opt,name=in_place,json=inPlace,proto3" json:"in_place,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RestoreHeader) Reset() {
 	*x = RestoreHeader{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[21]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1697,7 +1790,7 @@ func (x *RestoreHeader) String() string {
 func (*RestoreHeader) ProtoMessage() {}
 
 func (x *RestoreHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[21]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1710,7 +1803,7 @@ func (x *RestoreHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreHeader.ProtoReflect.Descriptor instead.
 func (*RestoreHeader) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{21}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *RestoreHeader) GetStep() int64 {
@@ -1783,6 +1876,13 @@ func (x *RestoreHeader) GetCopyCheck() *CopyCheck {
 	return nil
 }
 
+func (x *RestoreHeader) GetInPlace() bool {
+	if x != nil {
+		return x.InPlace
+	}
+	return false
+}
+
 type BeginRestoreResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Lease         *Lease                 `protobuf:"bytes,1,opt,name=lease,proto3" json:"lease,omitempty"`
@@ -1793,7 +1893,7 @@ type BeginRestoreResponse struct {
 
 func (x *BeginRestoreResponse) Reset() {
 	*x = BeginRestoreResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[22]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1805,7 +1905,7 @@ func (x *BeginRestoreResponse) String() string {
 func (*BeginRestoreResponse) ProtoMessage() {}
 
 func (x *BeginRestoreResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[22]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1818,7 +1918,7 @@ func (x *BeginRestoreResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BeginRestoreResponse.ProtoReflect.Descriptor instead.
 func (*BeginRestoreResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{22}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *BeginRestoreResponse) GetLease() *Lease {
@@ -1848,7 +1948,7 @@ type RestoreStreamResponse struct {
 
 func (x *RestoreStreamResponse) Reset() {
 	*x = RestoreStreamResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[23]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1860,7 +1960,7 @@ func (x *RestoreStreamResponse) String() string {
 func (*RestoreStreamResponse) ProtoMessage() {}
 
 func (x *RestoreStreamResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[23]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1873,7 +1973,7 @@ func (x *RestoreStreamResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreStreamResponse.ProtoReflect.Descriptor instead.
 func (*RestoreStreamResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{23}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *RestoreStreamResponse) GetMsg() isRestoreStreamResponse_Msg {
@@ -1926,7 +2026,7 @@ type ReleaseRegionRequest struct {
 
 func (x *ReleaseRegionRequest) Reset() {
 	*x = ReleaseRegionRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1938,7 +2038,7 @@ func (x *ReleaseRegionRequest) String() string {
 func (*ReleaseRegionRequest) ProtoMessage() {}
 
 func (x *ReleaseRegionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[24]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1951,7 +2051,7 @@ func (x *ReleaseRegionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRegionRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRegionRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{24}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ReleaseRegionRequest) GetLeaseId() string {
@@ -1969,7 +2069,7 @@ type ReleaseRegionResponse struct {
 
 func (x *ReleaseRegionResponse) Reset() {
 	*x = ReleaseRegionResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1981,7 +2081,7 @@ func (x *ReleaseRegionResponse) String() string {
 func (*ReleaseRegionResponse) ProtoMessage() {}
 
 func (x *ReleaseRegionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[25]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1994,7 +2094,7 @@ func (x *ReleaseRegionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRegionResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseRegionResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{25}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{26}
 }
 
 type OpenDatasetRequest struct {
@@ -2057,7 +2157,7 @@ type OpenDatasetRequest struct {
 
 func (x *OpenDatasetRequest) Reset() {
 	*x = OpenDatasetRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2069,7 +2169,7 @@ func (x *OpenDatasetRequest) String() string {
 func (*OpenDatasetRequest) ProtoMessage() {}
 
 func (x *OpenDatasetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[26]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2082,7 +2182,7 @@ func (x *OpenDatasetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenDatasetRequest.ProtoReflect.Descriptor instead.
 func (*OpenDatasetRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{26}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *OpenDatasetRequest) GetSource() string {
@@ -2204,7 +2304,7 @@ type MixtureSource struct {
 
 func (x *MixtureSource) Reset() {
 	*x = MixtureSource{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2216,7 +2316,7 @@ func (x *MixtureSource) String() string {
 func (*MixtureSource) ProtoMessage() {}
 
 func (x *MixtureSource) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[27]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2229,7 +2329,7 @@ func (x *MixtureSource) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MixtureSource.ProtoReflect.Descriptor instead.
 func (*MixtureSource) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{27}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *MixtureSource) GetSource() string {
@@ -2264,7 +2364,7 @@ type OpenDatasetResponse struct {
 
 func (x *OpenDatasetResponse) Reset() {
 	*x = OpenDatasetResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2276,7 +2376,7 @@ func (x *OpenDatasetResponse) String() string {
 func (*OpenDatasetResponse) ProtoMessage() {}
 
 func (x *OpenDatasetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[28]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2289,7 +2389,7 @@ func (x *OpenDatasetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenDatasetResponse.ProtoReflect.Descriptor instead.
 func (*OpenDatasetResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{28}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *OpenDatasetResponse) GetSession() string {
@@ -2316,7 +2416,7 @@ type NextBatchRequest struct {
 
 func (x *NextBatchRequest) Reset() {
 	*x = NextBatchRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2328,7 +2428,7 @@ func (x *NextBatchRequest) String() string {
 func (*NextBatchRequest) ProtoMessage() {}
 
 func (x *NextBatchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[29]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2341,7 +2441,7 @@ func (x *NextBatchRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NextBatchRequest.ProtoReflect.Descriptor instead.
 func (*NextBatchRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{29}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *NextBatchRequest) GetSession() string {
@@ -2371,7 +2471,7 @@ type SampleField struct {
 
 func (x *SampleField) Reset() {
 	*x = SampleField{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2383,7 +2483,7 @@ func (x *SampleField) String() string {
 func (*SampleField) ProtoMessage() {}
 
 func (x *SampleField) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[30]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2396,7 +2496,7 @@ func (x *SampleField) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SampleField.ProtoReflect.Descriptor instead.
 func (*SampleField) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{30}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *SampleField) GetName() string {
@@ -2430,7 +2530,7 @@ type Sample struct {
 
 func (x *Sample) Reset() {
 	*x = Sample{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2442,7 +2542,7 @@ func (x *Sample) String() string {
 func (*Sample) ProtoMessage() {}
 
 func (x *Sample) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[31]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2455,7 +2555,7 @@ func (x *Sample) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sample.ProtoReflect.Descriptor instead.
 func (*Sample) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{31}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *Sample) GetKey() string {
@@ -2491,7 +2591,7 @@ type PrefetchStats struct {
 
 func (x *PrefetchStats) Reset() {
 	*x = PrefetchStats{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2503,7 +2603,7 @@ func (x *PrefetchStats) String() string {
 func (*PrefetchStats) ProtoMessage() {}
 
 func (x *PrefetchStats) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[32]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2516,7 +2616,7 @@ func (x *PrefetchStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PrefetchStats.ProtoReflect.Descriptor instead.
 func (*PrefetchStats) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{32}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *PrefetchStats) GetWaitStorageNs() int64 {
@@ -2597,7 +2697,7 @@ type NextBatchResponse struct {
 
 func (x *NextBatchResponse) Reset() {
 	*x = NextBatchResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2609,7 +2709,7 @@ func (x *NextBatchResponse) String() string {
 func (*NextBatchResponse) ProtoMessage() {}
 
 func (x *NextBatchResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[33]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2622,7 +2722,7 @@ func (x *NextBatchResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NextBatchResponse.ProtoReflect.Descriptor instead.
 func (*NextBatchResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{33}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *NextBatchResponse) GetLease() *Lease {
@@ -2676,7 +2776,7 @@ type CloseDatasetRequest struct {
 
 func (x *CloseDatasetRequest) Reset() {
 	*x = CloseDatasetRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2688,7 +2788,7 @@ func (x *CloseDatasetRequest) String() string {
 func (*CloseDatasetRequest) ProtoMessage() {}
 
 func (x *CloseDatasetRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[34]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2701,7 +2801,7 @@ func (x *CloseDatasetRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseDatasetRequest.ProtoReflect.Descriptor instead.
 func (*CloseDatasetRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{34}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *CloseDatasetRequest) GetSession() string {
@@ -2719,7 +2819,7 @@ type CloseDatasetResponse struct {
 
 func (x *CloseDatasetResponse) Reset() {
 	*x = CloseDatasetResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2731,7 +2831,7 @@ func (x *CloseDatasetResponse) String() string {
 func (*CloseDatasetResponse) ProtoMessage() {}
 
 func (x *CloseDatasetResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[35]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2744,7 +2844,7 @@ func (x *CloseDatasetResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseDatasetResponse.ProtoReflect.Descriptor instead.
 func (*CloseDatasetResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{35}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
 }
 
 type DatasetPositionRequest struct {
@@ -2757,7 +2857,7 @@ type DatasetPositionRequest struct {
 
 func (x *DatasetPositionRequest) Reset() {
 	*x = DatasetPositionRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2769,7 +2869,7 @@ func (x *DatasetPositionRequest) String() string {
 func (*DatasetPositionRequest) ProtoMessage() {}
 
 func (x *DatasetPositionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[36]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2782,7 +2882,7 @@ func (x *DatasetPositionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetPositionRequest.ProtoReflect.Descriptor instead.
 func (*DatasetPositionRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{36}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *DatasetPositionRequest) GetSession() string {
@@ -2810,7 +2910,7 @@ type DatasetPositionResponse struct {
 
 func (x *DatasetPositionResponse) Reset() {
 	*x = DatasetPositionResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2822,7 +2922,7 @@ func (x *DatasetPositionResponse) String() string {
 func (*DatasetPositionResponse) ProtoMessage() {}
 
 func (x *DatasetPositionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[37]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2835,7 +2935,7 @@ func (x *DatasetPositionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetPositionResponse.ProtoReflect.Descriptor instead.
 func (*DatasetPositionResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{37}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *DatasetPositionResponse) GetDelivered() []byte {
@@ -2860,7 +2960,7 @@ type GetStatusRequest struct {
 
 func (x *GetStatusRequest) Reset() {
 	*x = GetStatusRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2872,7 +2972,7 @@ func (x *GetStatusRequest) String() string {
 func (*GetStatusRequest) ProtoMessage() {}
 
 func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[38]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2885,7 +2985,7 @@ func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatusRequest.ProtoReflect.Descriptor instead.
 func (*GetStatusRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{38}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{39}
 }
 
 type DaemonStatus struct {
@@ -2914,7 +3014,7 @@ type DaemonStatus struct {
 
 func (x *DaemonStatus) Reset() {
 	*x = DaemonStatus{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2926,7 +3026,7 @@ func (x *DaemonStatus) String() string {
 func (*DaemonStatus) ProtoMessage() {}
 
 func (x *DaemonStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[39]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2939,7 +3039,7 @@ func (x *DaemonStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DaemonStatus.ProtoReflect.Descriptor instead.
 func (*DaemonStatus) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{39}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *DaemonStatus) GetVersion() string {
@@ -3046,7 +3146,7 @@ type HotTier struct {
 
 func (x *HotTier) Reset() {
 	*x = HotTier{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3058,7 +3158,7 @@ func (x *HotTier) String() string {
 func (*HotTier) ProtoMessage() {}
 
 func (x *HotTier) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[40]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3071,7 +3171,7 @@ func (x *HotTier) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HotTier.ProtoReflect.Descriptor instead.
 func (*HotTier) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{40}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *HotTier) GetBytes() uint64 {
@@ -3111,7 +3211,7 @@ type ArenaUsage struct {
 
 func (x *ArenaUsage) Reset() {
 	*x = ArenaUsage{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3123,7 +3223,7 @@ func (x *ArenaUsage) String() string {
 func (*ArenaUsage) ProtoMessage() {}
 
 func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[41]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3136,7 +3236,7 @@ func (x *ArenaUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ArenaUsage.ProtoReflect.Descriptor instead.
 func (*ArenaUsage) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{41}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *ArenaUsage) GetSize() uint64 {
@@ -3201,7 +3301,7 @@ type SaveActivity struct {
 
 func (x *SaveActivity) Reset() {
 	*x = SaveActivity{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3213,7 +3313,7 @@ func (x *SaveActivity) String() string {
 func (*SaveActivity) ProtoMessage() {}
 
 func (x *SaveActivity) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[42]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3226,7 +3326,7 @@ func (x *SaveActivity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SaveActivity.ProtoReflect.Descriptor instead.
 func (*SaveActivity) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{42}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *SaveActivity) GetTarget() *SaveTarget {
@@ -3280,7 +3380,7 @@ type LeaseState struct {
 
 func (x *LeaseState) Reset() {
 	*x = LeaseState{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3292,7 +3392,7 @@ func (x *LeaseState) String() string {
 func (*LeaseState) ProtoMessage() {}
 
 func (x *LeaseState) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[43]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3305,7 +3405,7 @@ func (x *LeaseState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaseState.ProtoReflect.Descriptor instead.
 func (*LeaseState) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{43}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *LeaseState) GetIdPrefix() string {
@@ -3386,7 +3486,7 @@ type DatasetState struct {
 
 func (x *DatasetState) Reset() {
 	*x = DatasetState{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3398,7 +3498,7 @@ func (x *DatasetState) String() string {
 func (*DatasetState) ProtoMessage() {}
 
 func (x *DatasetState) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[44]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3411,7 +3511,7 @@ func (x *DatasetState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DatasetState.ProtoReflect.Descriptor instead.
 func (*DatasetState) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{44}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *DatasetState) GetPeer() string {
@@ -3502,7 +3602,7 @@ type PersistRequest struct {
 
 func (x *PersistRequest) Reset() {
 	*x = PersistRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3514,7 +3614,7 @@ func (x *PersistRequest) String() string {
 func (*PersistRequest) ProtoMessage() {}
 
 func (x *PersistRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[45]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3527,7 +3627,7 @@ func (x *PersistRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PersistRequest.ProtoReflect.Descriptor instead.
 func (*PersistRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{45}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *PersistRequest) GetJob() string {
@@ -3559,7 +3659,7 @@ type PersistResponse struct {
 
 func (x *PersistResponse) Reset() {
 	*x = PersistResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3571,7 +3671,7 @@ func (x *PersistResponse) String() string {
 func (*PersistResponse) ProtoMessage() {}
 
 func (x *PersistResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[46]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3584,7 +3684,7 @@ func (x *PersistResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PersistResponse.ProtoReflect.Descriptor instead.
 func (*PersistResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{46}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{47}
 }
 
 type InventoryRequest struct {
@@ -3596,7 +3696,7 @@ type InventoryRequest struct {
 
 func (x *InventoryRequest) Reset() {
 	*x = InventoryRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3608,7 +3708,7 @@ func (x *InventoryRequest) String() string {
 func (*InventoryRequest) ProtoMessage() {}
 
 func (x *InventoryRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[47]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3621,7 +3721,7 @@ func (x *InventoryRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InventoryRequest.ProtoReflect.Descriptor instead.
 func (*InventoryRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{47}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *InventoryRequest) GetJob() string {
@@ -3656,7 +3756,7 @@ type HeldShard struct {
 
 func (x *HeldShard) Reset() {
 	*x = HeldShard{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3668,7 +3768,7 @@ func (x *HeldShard) String() string {
 func (*HeldShard) ProtoMessage() {}
 
 func (x *HeldShard) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[48]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3681,7 +3781,7 @@ func (x *HeldShard) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HeldShard.ProtoReflect.Descriptor instead.
 func (*HeldShard) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{48}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *HeldShard) GetStep() int64 {
@@ -3756,7 +3856,7 @@ type InventoryResponse struct {
 
 func (x *InventoryResponse) Reset() {
 	*x = InventoryResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3768,7 +3868,7 @@ func (x *InventoryResponse) String() string {
 func (*InventoryResponse) ProtoMessage() {}
 
 func (x *InventoryResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[49]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3781,7 +3881,7 @@ func (x *InventoryResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InventoryResponse.ProtoReflect.Descriptor instead.
 func (*InventoryResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{49}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *InventoryResponse) GetShards() []*HeldShard {
@@ -3814,7 +3914,7 @@ type ReplicaHeader struct {
 
 func (x *ReplicaHeader) Reset() {
 	*x = ReplicaHeader{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3826,7 +3926,7 @@ func (x *ReplicaHeader) String() string {
 func (*ReplicaHeader) ProtoMessage() {}
 
 func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[50]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3839,7 +3939,7 @@ func (x *ReplicaHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaHeader.ProtoReflect.Descriptor instead.
 func (*ReplicaHeader) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{50}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *ReplicaHeader) GetManifestSize() uint64 {
@@ -3922,7 +4022,7 @@ type ReplicaPiece struct {
 
 func (x *ReplicaPiece) Reset() {
 	*x = ReplicaPiece{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3934,7 +4034,7 @@ func (x *ReplicaPiece) String() string {
 func (*ReplicaPiece) ProtoMessage() {}
 
 func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[51]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3947,7 +4047,7 @@ func (x *ReplicaPiece) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplicaPiece.ProtoReflect.Descriptor instead.
 func (*ReplicaPiece) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{51}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *ReplicaPiece) GetHeader() *ReplicaHeader {
@@ -3972,7 +4072,7 @@ type PutReplicaResponse struct {
 
 func (x *PutReplicaResponse) Reset() {
 	*x = PutReplicaResponse{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[52]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3984,7 +4084,7 @@ func (x *PutReplicaResponse) String() string {
 func (*PutReplicaResponse) ProtoMessage() {}
 
 func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[52]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3997,7 +4097,7 @@ func (x *PutReplicaResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PutReplicaResponse.ProtoReflect.Descriptor instead.
 func (*PutReplicaResponse) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{52}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{53}
 }
 
 type GetReplicaRequest struct {
@@ -4016,7 +4116,7 @@ type GetReplicaRequest struct {
 
 func (x *GetReplicaRequest) Reset() {
 	*x = GetReplicaRequest{}
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[53]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4028,7 +4128,7 @@ func (x *GetReplicaRequest) String() string {
 func (*GetReplicaRequest) ProtoMessage() {}
 
 func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_ckptd_v1_ckptd_proto_msgTypes[53]
+	mi := &file_ckptd_v1_ckptd_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4041,7 +4141,7 @@ func (x *GetReplicaRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetReplicaRequest.ProtoReflect.Descriptor instead.
 func (*GetReplicaRequest) Descriptor() ([]byte, []int) {
-	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{53}
+	return file_ckptd_v1_ckptd_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *GetReplicaRequest) GetJob() string {
@@ -4084,14 +4184,20 @@ var File_ckptd_v1_ckptd_proto protoreflect.FileDescriptor
 const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\n" +
 	"\x14ckptd/v1/ckptd.proto\x12\bckptd.v1\"\x11\n" +
-	"\x0fGetArenaRequest\"|\n" +
+	"\x0fGetArenaRequest\"\xa4\x01\n" +
 	"\tArenaInfo\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x16\n" +
 	"\x06locked\x18\x03 \x01(\bR\x06locked\x12\x1f\n" +
 	"\vdefault_job\x18\x04 \x01(\tR\n" +
 	"defaultJob\x12\x0e\n" +
-	"\x02id\x18\x05 \x01(\tR\x02id\"x\n" +
+	"\x02id\x18\x05 \x01(\tR\x02id\x12&\n" +
+	"\x03hot\x18\x06 \x01(\v2\x14.ckptd.v1.MappedFileR\x03hot\"D\n" +
+	"\n" +
+	"MappedFile\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
+	"\x04size\x18\x02 \x01(\x04R\x04size\x12\x0e\n" +
+	"\x02id\x18\x03 \x01(\tR\x02id\"x\n" +
 	"\x06Tensor\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05dtype\x18\x02 \x01(\tR\x05dtype\x12\x14\n" +
@@ -4173,7 +4279,7 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\n" +
 	"ranks_held\x18\t \x01(\x05R\tranksHeld\"=\n" +
 	"\x11ListStepsResponse\x12(\n" +
-	"\x05steps\x18\x01 \x03(\v2\x12.ckptd.v1.StepInfoR\x05steps\"\xe9\x01\n" +
+	"\x05steps\x18\x01 \x03(\v2\x12.ckptd.v1.StepInfoR\x05steps\"\x84\x02\n" +
 	"\x13BeginRestoreRequest\x12\x10\n" +
 	"\x03job\x18\x01 \x01(\tR\x03job\x12\x12\n" +
 	"\x04step\x18\x02 \x01(\x03R\x04step\x12\x16\n" +
@@ -4183,11 +4289,12 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x06finite\x18\x06 \x01(\bR\x06finite\x12-\n" +
 	"\x06slices\x18\a \x03(\v2\x15.ckptd.v1.TensorSliceR\x06slices\x12\x1f\n" +
 	"\vheader_only\x18\b \x01(\bR\n" +
-	"headerOnly\"Q\n" +
+	"headerOnly\x12\x19\n" +
+	"\bin_place\x18\t \x01(\bR\ainPlace\"Q\n" +
 	"\vTensorSlice\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x04R\x06offset\x12\x16\n" +
-	"\x06length\x18\x03 \x01(\x04R\x06length\"\xd0\x02\n" +
+	"\x06length\x18\x03 \x01(\x04R\x06length\"\xeb\x02\n" +
 	"\rRestoreHeader\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x03R\x04step\x12\x1d\n" +
 	"\n" +
@@ -4201,7 +4308,8 @@ const file_ckptd_v1_ckptd_proto_rawDesc = "" +
 	"\x11skipped_nonfinite\x18\t \x03(\x03R\x10skippedNonfinite\x122\n" +
 	"\n" +
 	"copy_check\x18\n" +
-	" \x01(\v2\x13.ckptd.v1.CopyCheckR\tcopyCheck\"n\n" +
+	" \x01(\v2\x13.ckptd.v1.CopyCheckR\tcopyCheck\x12\x19\n" +
+	"\bin_place\x18\v \x01(\bR\ainPlace\"n\n" +
 	"\x14BeginRestoreResponse\x12%\n" +
 	"\x05lease\x18\x01 \x01(\v2\x0f.ckptd.v1.LeaseR\x05lease\x12/\n" +
 	"\x06header\x18\x02 \x01(\v2\x17.ckptd.v1.RestoreHeaderR\x06header\"g\n" +
@@ -4464,146 +4572,148 @@ func file_ckptd_v1_ckptd_proto_rawDescGZIP() []byte {
 }
 
 var file_ckptd_v1_ckptd_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 57)
+var file_ckptd_v1_ckptd_proto_msgTypes = make([]protoimpl.MessageInfo, 58)
 var file_ckptd_v1_ckptd_proto_goTypes = []any{
 	(ErrorReason)(0),                // 0: ckptd.v1.ErrorReason
 	(SaveState)(0),                  // 1: ckptd.v1.SaveState
 	(*GetArenaRequest)(nil),         // 2: ckptd.v1.GetArenaRequest
 	(*ArenaInfo)(nil),               // 3: ckptd.v1.ArenaInfo
-	(*Tensor)(nil),                  // 4: ckptd.v1.Tensor
-	(*SaveTarget)(nil),              // 5: ckptd.v1.SaveTarget
-	(*BeginSaveRequest)(nil),        // 6: ckptd.v1.BeginSaveRequest
-	(*Lease)(nil),                   // 7: ckptd.v1.Lease
-	(*BeginSaveResponse)(nil),       // 8: ckptd.v1.BeginSaveResponse
-	(*CopyCheck)(nil),               // 9: ckptd.v1.CopyCheck
-	(*CommitSaveRequest)(nil),       // 10: ckptd.v1.CommitSaveRequest
-	(*CommitSaveResponse)(nil),      // 11: ckptd.v1.CommitSaveResponse
-	(*AbortSaveRequest)(nil),        // 12: ckptd.v1.AbortSaveRequest
-	(*AbortSaveResponse)(nil),       // 13: ckptd.v1.AbortSaveResponse
-	(*SaveStreamHeader)(nil),        // 14: ckptd.v1.SaveStreamHeader
-	(*SaveStreamRequest)(nil),       // 15: ckptd.v1.SaveStreamRequest
-	(*WaitSaveRequest)(nil),         // 16: ckptd.v1.WaitSaveRequest
-	(*WaitSaveResponse)(nil),        // 17: ckptd.v1.WaitSaveResponse
-	(*ListStepsRequest)(nil),        // 18: ckptd.v1.ListStepsRequest
-	(*StepInfo)(nil),                // 19: ckptd.v1.StepInfo
-	(*ListStepsResponse)(nil),       // 20: ckptd.v1.ListStepsResponse
-	(*BeginRestoreRequest)(nil),     // 21: ckptd.v1.BeginRestoreRequest
-	(*TensorSlice)(nil),             // 22: ckptd.v1.TensorSlice
-	(*RestoreHeader)(nil),           // 23: ckptd.v1.RestoreHeader
-	(*BeginRestoreResponse)(nil),    // 24: ckptd.v1.BeginRestoreResponse
-	(*RestoreStreamResponse)(nil),   // 25: ckptd.v1.RestoreStreamResponse
-	(*ReleaseRegionRequest)(nil),    // 26: ckptd.v1.ReleaseRegionRequest
-	(*ReleaseRegionResponse)(nil),   // 27: ckptd.v1.ReleaseRegionResponse
-	(*OpenDatasetRequest)(nil),      // 28: ckptd.v1.OpenDatasetRequest
-	(*MixtureSource)(nil),           // 29: ckptd.v1.MixtureSource
-	(*OpenDatasetResponse)(nil),     // 30: ckptd.v1.OpenDatasetResponse
-	(*NextBatchRequest)(nil),        // 31: ckptd.v1.NextBatchRequest
-	(*SampleField)(nil),             // 32: ckptd.v1.SampleField
-	(*Sample)(nil),                  // 33: ckptd.v1.Sample
-	(*PrefetchStats)(nil),           // 34: ckptd.v1.PrefetchStats
-	(*NextBatchResponse)(nil),       // 35: ckptd.v1.NextBatchResponse
-	(*CloseDatasetRequest)(nil),     // 36: ckptd.v1.CloseDatasetRequest
-	(*CloseDatasetResponse)(nil),    // 37: ckptd.v1.CloseDatasetResponse
-	(*DatasetPositionRequest)(nil),  // 38: ckptd.v1.DatasetPositionRequest
-	(*DatasetPositionResponse)(nil), // 39: ckptd.v1.DatasetPositionResponse
-	(*GetStatusRequest)(nil),        // 40: ckptd.v1.GetStatusRequest
-	(*DaemonStatus)(nil),            // 41: ckptd.v1.DaemonStatus
-	(*HotTier)(nil),                 // 42: ckptd.v1.HotTier
-	(*ArenaUsage)(nil),              // 43: ckptd.v1.ArenaUsage
-	(*SaveActivity)(nil),            // 44: ckptd.v1.SaveActivity
-	(*LeaseState)(nil),              // 45: ckptd.v1.LeaseState
-	(*DatasetState)(nil),            // 46: ckptd.v1.DatasetState
-	(*PersistRequest)(nil),          // 47: ckptd.v1.PersistRequest
-	(*PersistResponse)(nil),         // 48: ckptd.v1.PersistResponse
-	(*InventoryRequest)(nil),        // 49: ckptd.v1.InventoryRequest
-	(*HeldShard)(nil),               // 50: ckptd.v1.HeldShard
-	(*InventoryResponse)(nil),       // 51: ckptd.v1.InventoryResponse
-	(*ReplicaHeader)(nil),           // 52: ckptd.v1.ReplicaHeader
-	(*ReplicaPiece)(nil),            // 53: ckptd.v1.ReplicaPiece
-	(*PutReplicaResponse)(nil),      // 54: ckptd.v1.PutReplicaResponse
-	(*GetReplicaRequest)(nil),       // 55: ckptd.v1.GetReplicaRequest
-	nil,                             // 56: ckptd.v1.WaitSaveResponse.MetadataEntry
-	nil,                             // 57: ckptd.v1.DaemonStatus.ErrorsEntry
-	nil,                             // 58: ckptd.v1.DaemonStatus.BackendErrorsEntry
+	(*MappedFile)(nil),              // 4: ckptd.v1.MappedFile
+	(*Tensor)(nil),                  // 5: ckptd.v1.Tensor
+	(*SaveTarget)(nil),              // 6: ckptd.v1.SaveTarget
+	(*BeginSaveRequest)(nil),        // 7: ckptd.v1.BeginSaveRequest
+	(*Lease)(nil),                   // 8: ckptd.v1.Lease
+	(*BeginSaveResponse)(nil),       // 9: ckptd.v1.BeginSaveResponse
+	(*CopyCheck)(nil),               // 10: ckptd.v1.CopyCheck
+	(*CommitSaveRequest)(nil),       // 11: ckptd.v1.CommitSaveRequest
+	(*CommitSaveResponse)(nil),      // 12: ckptd.v1.CommitSaveResponse
+	(*AbortSaveRequest)(nil),        // 13: ckptd.v1.AbortSaveRequest
+	(*AbortSaveResponse)(nil),       // 14: ckptd.v1.AbortSaveResponse
+	(*SaveStreamHeader)(nil),        // 15: ckptd.v1.SaveStreamHeader
+	(*SaveStreamRequest)(nil),       // 16: ckptd.v1.SaveStreamRequest
+	(*WaitSaveRequest)(nil),         // 17: ckptd.v1.WaitSaveRequest
+	(*WaitSaveResponse)(nil),        // 18: ckptd.v1.WaitSaveResponse
+	(*ListStepsRequest)(nil),        // 19: ckptd.v1.ListStepsRequest
+	(*StepInfo)(nil),                // 20: ckptd.v1.StepInfo
+	(*ListStepsResponse)(nil),       // 21: ckptd.v1.ListStepsResponse
+	(*BeginRestoreRequest)(nil),     // 22: ckptd.v1.BeginRestoreRequest
+	(*TensorSlice)(nil),             // 23: ckptd.v1.TensorSlice
+	(*RestoreHeader)(nil),           // 24: ckptd.v1.RestoreHeader
+	(*BeginRestoreResponse)(nil),    // 25: ckptd.v1.BeginRestoreResponse
+	(*RestoreStreamResponse)(nil),   // 26: ckptd.v1.RestoreStreamResponse
+	(*ReleaseRegionRequest)(nil),    // 27: ckptd.v1.ReleaseRegionRequest
+	(*ReleaseRegionResponse)(nil),   // 28: ckptd.v1.ReleaseRegionResponse
+	(*OpenDatasetRequest)(nil),      // 29: ckptd.v1.OpenDatasetRequest
+	(*MixtureSource)(nil),           // 30: ckptd.v1.MixtureSource
+	(*OpenDatasetResponse)(nil),     // 31: ckptd.v1.OpenDatasetResponse
+	(*NextBatchRequest)(nil),        // 32: ckptd.v1.NextBatchRequest
+	(*SampleField)(nil),             // 33: ckptd.v1.SampleField
+	(*Sample)(nil),                  // 34: ckptd.v1.Sample
+	(*PrefetchStats)(nil),           // 35: ckptd.v1.PrefetchStats
+	(*NextBatchResponse)(nil),       // 36: ckptd.v1.NextBatchResponse
+	(*CloseDatasetRequest)(nil),     // 37: ckptd.v1.CloseDatasetRequest
+	(*CloseDatasetResponse)(nil),    // 38: ckptd.v1.CloseDatasetResponse
+	(*DatasetPositionRequest)(nil),  // 39: ckptd.v1.DatasetPositionRequest
+	(*DatasetPositionResponse)(nil), // 40: ckptd.v1.DatasetPositionResponse
+	(*GetStatusRequest)(nil),        // 41: ckptd.v1.GetStatusRequest
+	(*DaemonStatus)(nil),            // 42: ckptd.v1.DaemonStatus
+	(*HotTier)(nil),                 // 43: ckptd.v1.HotTier
+	(*ArenaUsage)(nil),              // 44: ckptd.v1.ArenaUsage
+	(*SaveActivity)(nil),            // 45: ckptd.v1.SaveActivity
+	(*LeaseState)(nil),              // 46: ckptd.v1.LeaseState
+	(*DatasetState)(nil),            // 47: ckptd.v1.DatasetState
+	(*PersistRequest)(nil),          // 48: ckptd.v1.PersistRequest
+	(*PersistResponse)(nil),         // 49: ckptd.v1.PersistResponse
+	(*InventoryRequest)(nil),        // 50: ckptd.v1.InventoryRequest
+	(*HeldShard)(nil),               // 51: ckptd.v1.HeldShard
+	(*InventoryResponse)(nil),       // 52: ckptd.v1.InventoryResponse
+	(*ReplicaHeader)(nil),           // 53: ckptd.v1.ReplicaHeader
+	(*ReplicaPiece)(nil),            // 54: ckptd.v1.ReplicaPiece
+	(*PutReplicaResponse)(nil),      // 55: ckptd.v1.PutReplicaResponse
+	(*GetReplicaRequest)(nil),       // 56: ckptd.v1.GetReplicaRequest
+	nil,                             // 57: ckptd.v1.WaitSaveResponse.MetadataEntry
+	nil,                             // 58: ckptd.v1.DaemonStatus.ErrorsEntry
+	nil,                             // 59: ckptd.v1.DaemonStatus.BackendErrorsEntry
 }
 var file_ckptd_v1_ckptd_proto_depIdxs = []int32{
-	5,  // 0: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
-	4,  // 1: ckptd.v1.BeginSaveRequest.tensors:type_name -> ckptd.v1.Tensor
-	7,  // 2: ckptd.v1.BeginSaveResponse.lease:type_name -> ckptd.v1.Lease
-	9,  // 3: ckptd.v1.BeginSaveResponse.copy_check:type_name -> ckptd.v1.CopyCheck
-	5,  // 4: ckptd.v1.CommitSaveResponse.target:type_name -> ckptd.v1.SaveTarget
-	5,  // 5: ckptd.v1.SaveStreamHeader.target:type_name -> ckptd.v1.SaveTarget
-	4,  // 6: ckptd.v1.SaveStreamHeader.tensors:type_name -> ckptd.v1.Tensor
-	14, // 7: ckptd.v1.SaveStreamRequest.header:type_name -> ckptd.v1.SaveStreamHeader
-	1,  // 8: ckptd.v1.WaitSaveResponse.state:type_name -> ckptd.v1.SaveState
-	56, // 9: ckptd.v1.WaitSaveResponse.metadata:type_name -> ckptd.v1.WaitSaveResponse.MetadataEntry
-	19, // 10: ckptd.v1.ListStepsResponse.steps:type_name -> ckptd.v1.StepInfo
-	22, // 11: ckptd.v1.BeginRestoreRequest.slices:type_name -> ckptd.v1.TensorSlice
-	4,  // 12: ckptd.v1.RestoreHeader.tensors:type_name -> ckptd.v1.Tensor
-	9,  // 13: ckptd.v1.RestoreHeader.copy_check:type_name -> ckptd.v1.CopyCheck
-	7,  // 14: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
-	23, // 15: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
-	23, // 16: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
-	29, // 17: ckptd.v1.OpenDatasetRequest.mixture:type_name -> ckptd.v1.MixtureSource
-	32, // 18: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
-	7,  // 19: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
-	33, // 20: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
-	34, // 21: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
-	43, // 22: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
-	44, // 23: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
-	45, // 24: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
-	46, // 25: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
-	57, // 26: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
-	42, // 27: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
-	58, // 28: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
-	5,  // 29: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
-	5,  // 30: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
-	34, // 31: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
-	50, // 32: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
-	52, // 33: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
-	2,  // 34: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
-	6,  // 35: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
-	10, // 36: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
-	12, // 37: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
-	15, // 38: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
-	16, // 39: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
-	18, // 40: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
-	21, // 41: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
-	21, // 42: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
-	26, // 43: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
-	28, // 44: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
-	31, // 45: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
-	36, // 46: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
-	38, // 47: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
-	40, // 48: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
-	53, // 49: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
-	55, // 50: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
-	49, // 51: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
-	47, // 52: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
-	3,  // 53: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
-	8,  // 54: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
-	11, // 55: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
-	13, // 56: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
-	11, // 57: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
-	17, // 58: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
-	20, // 59: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
-	24, // 60: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
-	25, // 61: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
-	27, // 62: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
-	30, // 63: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
-	35, // 64: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
-	37, // 65: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
-	39, // 66: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
-	41, // 67: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
-	54, // 68: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
-	53, // 69: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
-	51, // 70: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
-	48, // 71: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
-	53, // [53:72] is the sub-list for method output_type
-	34, // [34:53] is the sub-list for method input_type
-	34, // [34:34] is the sub-list for extension type_name
-	34, // [34:34] is the sub-list for extension extendee
-	0,  // [0:34] is the sub-list for field type_name
+	4,  // 0: ckptd.v1.ArenaInfo.hot:type_name -> ckptd.v1.MappedFile
+	6,  // 1: ckptd.v1.BeginSaveRequest.target:type_name -> ckptd.v1.SaveTarget
+	5,  // 2: ckptd.v1.BeginSaveRequest.tensors:type_name -> ckptd.v1.Tensor
+	8,  // 3: ckptd.v1.BeginSaveResponse.lease:type_name -> ckptd.v1.Lease
+	10, // 4: ckptd.v1.BeginSaveResponse.copy_check:type_name -> ckptd.v1.CopyCheck
+	6,  // 5: ckptd.v1.CommitSaveResponse.target:type_name -> ckptd.v1.SaveTarget
+	6,  // 6: ckptd.v1.SaveStreamHeader.target:type_name -> ckptd.v1.SaveTarget
+	5,  // 7: ckptd.v1.SaveStreamHeader.tensors:type_name -> ckptd.v1.Tensor
+	15, // 8: ckptd.v1.SaveStreamRequest.header:type_name -> ckptd.v1.SaveStreamHeader
+	1,  // 9: ckptd.v1.WaitSaveResponse.state:type_name -> ckptd.v1.SaveState
+	57, // 10: ckptd.v1.WaitSaveResponse.metadata:type_name -> ckptd.v1.WaitSaveResponse.MetadataEntry
+	20, // 11: ckptd.v1.ListStepsResponse.steps:type_name -> ckptd.v1.StepInfo
+	23, // 12: ckptd.v1.BeginRestoreRequest.slices:type_name -> ckptd.v1.TensorSlice
+	5,  // 13: ckptd.v1.RestoreHeader.tensors:type_name -> ckptd.v1.Tensor
+	10, // 14: ckptd.v1.RestoreHeader.copy_check:type_name -> ckptd.v1.CopyCheck
+	8,  // 15: ckptd.v1.BeginRestoreResponse.lease:type_name -> ckptd.v1.Lease
+	24, // 16: ckptd.v1.BeginRestoreResponse.header:type_name -> ckptd.v1.RestoreHeader
+	24, // 17: ckptd.v1.RestoreStreamResponse.header:type_name -> ckptd.v1.RestoreHeader
+	30, // 18: ckptd.v1.OpenDatasetRequest.mixture:type_name -> ckptd.v1.MixtureSource
+	33, // 19: ckptd.v1.Sample.fields:type_name -> ckptd.v1.SampleField
+	8,  // 20: ckptd.v1.NextBatchResponse.lease:type_name -> ckptd.v1.Lease
+	34, // 21: ckptd.v1.NextBatchResponse.samples:type_name -> ckptd.v1.Sample
+	35, // 22: ckptd.v1.NextBatchResponse.stats:type_name -> ckptd.v1.PrefetchStats
+	44, // 23: ckptd.v1.DaemonStatus.arena:type_name -> ckptd.v1.ArenaUsage
+	45, // 24: ckptd.v1.DaemonStatus.saves:type_name -> ckptd.v1.SaveActivity
+	46, // 25: ckptd.v1.DaemonStatus.leases:type_name -> ckptd.v1.LeaseState
+	47, // 26: ckptd.v1.DaemonStatus.datasets:type_name -> ckptd.v1.DatasetState
+	58, // 27: ckptd.v1.DaemonStatus.errors:type_name -> ckptd.v1.DaemonStatus.ErrorsEntry
+	43, // 28: ckptd.v1.DaemonStatus.hot:type_name -> ckptd.v1.HotTier
+	59, // 29: ckptd.v1.DaemonStatus.backend_errors:type_name -> ckptd.v1.DaemonStatus.BackendErrorsEntry
+	6,  // 30: ckptd.v1.SaveActivity.target:type_name -> ckptd.v1.SaveTarget
+	6,  // 31: ckptd.v1.LeaseState.target:type_name -> ckptd.v1.SaveTarget
+	35, // 32: ckptd.v1.DatasetState.stats:type_name -> ckptd.v1.PrefetchStats
+	51, // 33: ckptd.v1.InventoryResponse.shards:type_name -> ckptd.v1.HeldShard
+	53, // 34: ckptd.v1.ReplicaPiece.header:type_name -> ckptd.v1.ReplicaHeader
+	2,  // 35: ckptd.v1.Checkpoint.GetArena:input_type -> ckptd.v1.GetArenaRequest
+	7,  // 36: ckptd.v1.Checkpoint.BeginSave:input_type -> ckptd.v1.BeginSaveRequest
+	11, // 37: ckptd.v1.Checkpoint.CommitSave:input_type -> ckptd.v1.CommitSaveRequest
+	13, // 38: ckptd.v1.Checkpoint.AbortSave:input_type -> ckptd.v1.AbortSaveRequest
+	16, // 39: ckptd.v1.Checkpoint.SaveStream:input_type -> ckptd.v1.SaveStreamRequest
+	17, // 40: ckptd.v1.Checkpoint.WaitSave:input_type -> ckptd.v1.WaitSaveRequest
+	19, // 41: ckptd.v1.Checkpoint.ListSteps:input_type -> ckptd.v1.ListStepsRequest
+	22, // 42: ckptd.v1.Checkpoint.BeginRestore:input_type -> ckptd.v1.BeginRestoreRequest
+	22, // 43: ckptd.v1.Checkpoint.RestoreStream:input_type -> ckptd.v1.BeginRestoreRequest
+	27, // 44: ckptd.v1.Checkpoint.ReleaseRegion:input_type -> ckptd.v1.ReleaseRegionRequest
+	29, // 45: ckptd.v1.Prefetch.OpenDataset:input_type -> ckptd.v1.OpenDatasetRequest
+	32, // 46: ckptd.v1.Prefetch.NextBatch:input_type -> ckptd.v1.NextBatchRequest
+	37, // 47: ckptd.v1.Prefetch.CloseDataset:input_type -> ckptd.v1.CloseDatasetRequest
+	39, // 48: ckptd.v1.Prefetch.DatasetPosition:input_type -> ckptd.v1.DatasetPositionRequest
+	41, // 49: ckptd.v1.Daemon.GetStatus:input_type -> ckptd.v1.GetStatusRequest
+	54, // 50: ckptd.v1.Peer.PutReplica:input_type -> ckptd.v1.ReplicaPiece
+	56, // 51: ckptd.v1.Peer.GetReplica:input_type -> ckptd.v1.GetReplicaRequest
+	50, // 52: ckptd.v1.Peer.Inventory:input_type -> ckptd.v1.InventoryRequest
+	48, // 53: ckptd.v1.Peer.Persist:input_type -> ckptd.v1.PersistRequest
+	3,  // 54: ckptd.v1.Checkpoint.GetArena:output_type -> ckptd.v1.ArenaInfo
+	9,  // 55: ckptd.v1.Checkpoint.BeginSave:output_type -> ckptd.v1.BeginSaveResponse
+	12, // 56: ckptd.v1.Checkpoint.CommitSave:output_type -> ckptd.v1.CommitSaveResponse
+	14, // 57: ckptd.v1.Checkpoint.AbortSave:output_type -> ckptd.v1.AbortSaveResponse
+	12, // 58: ckptd.v1.Checkpoint.SaveStream:output_type -> ckptd.v1.CommitSaveResponse
+	18, // 59: ckptd.v1.Checkpoint.WaitSave:output_type -> ckptd.v1.WaitSaveResponse
+	21, // 60: ckptd.v1.Checkpoint.ListSteps:output_type -> ckptd.v1.ListStepsResponse
+	25, // 61: ckptd.v1.Checkpoint.BeginRestore:output_type -> ckptd.v1.BeginRestoreResponse
+	26, // 62: ckptd.v1.Checkpoint.RestoreStream:output_type -> ckptd.v1.RestoreStreamResponse
+	28, // 63: ckptd.v1.Checkpoint.ReleaseRegion:output_type -> ckptd.v1.ReleaseRegionResponse
+	31, // 64: ckptd.v1.Prefetch.OpenDataset:output_type -> ckptd.v1.OpenDatasetResponse
+	36, // 65: ckptd.v1.Prefetch.NextBatch:output_type -> ckptd.v1.NextBatchResponse
+	38, // 66: ckptd.v1.Prefetch.CloseDataset:output_type -> ckptd.v1.CloseDatasetResponse
+	40, // 67: ckptd.v1.Prefetch.DatasetPosition:output_type -> ckptd.v1.DatasetPositionResponse
+	42, // 68: ckptd.v1.Daemon.GetStatus:output_type -> ckptd.v1.DaemonStatus
+	55, // 69: ckptd.v1.Peer.PutReplica:output_type -> ckptd.v1.PutReplicaResponse
+	54, // 70: ckptd.v1.Peer.GetReplica:output_type -> ckptd.v1.ReplicaPiece
+	52, // 71: ckptd.v1.Peer.Inventory:output_type -> ckptd.v1.InventoryResponse
+	49, // 72: ckptd.v1.Peer.Persist:output_type -> ckptd.v1.PersistResponse
+	54, // [54:73] is the sub-list for method output_type
+	35, // [35:54] is the sub-list for method input_type
+	35, // [35:35] is the sub-list for extension type_name
+	35, // [35:35] is the sub-list for extension extendee
+	0,  // [0:35] is the sub-list for field type_name
 }
 
 func init() { file_ckptd_v1_ckptd_proto_init() }
@@ -4611,11 +4721,11 @@ func file_ckptd_v1_ckptd_proto_init() {
 	if File_ckptd_v1_ckptd_proto != nil {
 		return
 	}
-	file_ckptd_v1_ckptd_proto_msgTypes[13].OneofWrappers = []any{
+	file_ckptd_v1_ckptd_proto_msgTypes[14].OneofWrappers = []any{
 		(*SaveStreamRequest_Header)(nil),
 		(*SaveStreamRequest_Data)(nil),
 	}
-	file_ckptd_v1_ckptd_proto_msgTypes[23].OneofWrappers = []any{
+	file_ckptd_v1_ckptd_proto_msgTypes[24].OneofWrappers = []any{
 		(*RestoreStreamResponse_Header)(nil),
 		(*RestoreStreamResponse_Data)(nil),
 	}
@@ -4625,7 +4735,7 @@ func file_ckptd_v1_ckptd_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_ckptd_v1_ckptd_proto_rawDesc), len(file_ckptd_v1_ckptd_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   57,
+			NumMessages:   58,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

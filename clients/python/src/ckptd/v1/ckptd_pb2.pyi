@@ -74,18 +74,30 @@ class GetArenaRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ArenaInfo(_message.Message):
-    __slots__ = ("path", "size", "locked", "default_job", "id")
+    __slots__ = ("path", "size", "locked", "default_job", "id", "hot")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     LOCKED_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_JOB_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
+    HOT_FIELD_NUMBER: _ClassVar[int]
     path: str
     size: int
     locked: bool
     default_job: str
     id: str
-    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., locked: _Optional[bool] = ..., default_job: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...
+    hot: MappedFile
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., locked: _Optional[bool] = ..., default_job: _Optional[str] = ..., id: _Optional[str] = ..., hot: _Optional[_Union[MappedFile, _Mapping]] = ...) -> None: ...
+
+class MappedFile(_message.Message):
+    __slots__ = ("path", "size", "id")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    id: str
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., id: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "length")
@@ -271,7 +283,7 @@ class ListStepsResponse(_message.Message):
     def __init__(self, steps: _Optional[_Iterable[_Union[StepInfo, _Mapping]]] = ...) -> None: ...
 
 class BeginRestoreRequest(_message.Message):
-    __slots__ = ("job", "step", "latest", "rank", "tensors", "finite", "slices", "header_only")
+    __slots__ = ("job", "step", "latest", "rank", "tensors", "finite", "slices", "header_only", "in_place")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +292,7 @@ class BeginRestoreRequest(_message.Message):
     FINITE_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
     HEADER_ONLY_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     latest: bool
@@ -288,7 +301,8 @@ class BeginRestoreRequest(_message.Message):
     finite: bool
     slices: _containers.RepeatedCompositeFieldContainer[TensorSlice]
     header_only: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., finite: _Optional[bool] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ..., header_only: _Optional[bool] = ...) -> None: ...
+    in_place: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., latest: _Optional[bool] = ..., rank: _Optional[int] = ..., tensors: _Optional[_Iterable[str]] = ..., finite: _Optional[bool] = ..., slices: _Optional[_Iterable[_Union[TensorSlice, _Mapping]]] = ..., header_only: _Optional[bool] = ..., in_place: _Optional[bool] = ...) -> None: ...
 
 class TensorSlice(_message.Message):
     __slots__ = ("name", "offset", "length")
@@ -301,7 +315,7 @@ class TensorSlice(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class RestoreHeader(_message.Message):
-    __slots__ = ("step", "world_size", "tensors", "metadata", "size", "attempt", "tier", "skipped_step", "skipped_nonfinite", "copy_check")
+    __slots__ = ("step", "world_size", "tensors", "metadata", "size", "attempt", "tier", "skipped_step", "skipped_nonfinite", "copy_check", "in_place")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +326,7 @@ class RestoreHeader(_message.Message):
     SKIPPED_STEP_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     COPY_CHECK_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     step: int
     world_size: int
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -322,7 +337,8 @@ class RestoreHeader(_message.Message):
     skipped_step: int
     skipped_nonfinite: _containers.RepeatedScalarFieldContainer[int]
     copy_check: CopyCheck
-    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metadata: _Optional[bytes] = ..., size: _Optional[int] = ..., attempt: _Optional[str] = ..., tier: _Optional[str] = ..., skipped_step: _Optional[int] = ..., skipped_nonfinite: _Optional[_Iterable[int]] = ..., copy_check: _Optional[_Union[CopyCheck, _Mapping]] = ...) -> None: ...
+    in_place: bool
+    def __init__(self, step: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., metadata: _Optional[bytes] = ..., size: _Optional[int] = ..., attempt: _Optional[str] = ..., tier: _Optional[str] = ..., skipped_step: _Optional[int] = ..., skipped_nonfinite: _Optional[_Iterable[int]] = ..., copy_check: _Optional[_Union[CopyCheck, _Mapping]] = ..., in_place: _Optional[bool] = ...) -> None: ...
 
 class BeginRestoreResponse(_message.Message):
     __slots__ = ("lease", "header")
