@@ -73,9 +73,20 @@ type lease struct {
 	spillBytes int64
 	check      *precheck // a save's look at storage for its step's commit record
 	copyCheck  *checkpoint.CopyCheck
-	cost       int64 // charged to TableBudget
+	inPlace    *inPlaceRead // a restore served from the hot mapping: no region
+	cost       int64        // charged to TableBudget
 	begun      time.Time
 	expires    time.Time
+}
+
+// inPlaceRead is what a restore lease in place holds: the hot copy's
+// bytes it hands out, where they lie in the hot mapping, and the pin that
+// keeps them there until the lease ends.
+type inPlaceRead struct {
+	arenaID string
+	offset  int64
+	data    []byte
+	unpin   func()
 }
 
 // LeaseInfo is what a client needs to use a region.
@@ -83,6 +94,9 @@ type LeaseInfo struct {
 	ID     string
 	Offset int64
 	Length int64
+	// ArenaID names the mapping of a restore in place (HotMapping.ID);
+	// empty for the arena.
+	ArenaID string
 	// Check, for a save when the Manager checks copies, has the ends and
 	// key of the chunks whose MACs CommitSave needs (no hashes).
 	Check *checkpoint.CopyCheck
@@ -90,6 +104,9 @@ type LeaseInfo struct {
 
 func (l *lease) info() LeaseInfo {
 	i := LeaseInfo{ID: l.id, Offset: l.region.Offset, Length: l.size}
+	if l.inPlace != nil {
+		i.Offset, i.ArenaID = l.inPlace.offset, l.inPlace.arenaID
+	}
 	if l.copyCheck != nil {
 		i.Check = &checkpoint.CopyCheck{Ends: l.copyCheck.Ends, Key: l.copyCheck.Key}
 	}
@@ -201,7 +218,17 @@ func (mgr *Manager) dropLease(l *lease) {
 	if l.kind == saveLease {
 		mgr.saves.clearStaging(l.target)
 	}
+	mgr.letGo(l)
+}
+
+// letGo frees what l holds: its region, or the pin of its bytes in place.
+// Call with mu.
+func (mgr *Manager) letGo(l *lease) {
 	mgr.freeRegion(l.region)
+	if l.inPlace != nil {
+		l.inPlace.unpin()
+		l.inPlace = nil
+	}
 }
 
 // leaseTable is the Manager's open leases by id, with what ending them

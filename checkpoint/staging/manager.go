@@ -68,6 +68,19 @@ type ManagerConfig struct {
 	// users may write the arena (the daemon's --socket-group), so that
 	// bytes one rewrote in another's save are not stored.
 	CheckCopies bool
+	// HotMapping, when set (and CheckCopies not), is shared memory the hot
+	// tier keeps its shards in, which clients map read-only: a restore
+	// from the hot tier that asks for it (RestoreRequest.InPlace) gets the
+	// hot copy's bytes there, verified, instead of a copy in the arena.
+	HotMapping HotMapping
+}
+
+// HotMapping is the hot tier's shared memory as restores hand it out: a
+// piece's offset in the file clients map, and the file's identity.
+type HotMapping interface {
+	tiers.Memory
+	Offset(b []byte) (int64, bool)
+	ID() string
 }
 
 // The ManagerConfig defaults; the daemon's flags default to them too.
@@ -162,7 +175,13 @@ func NewManager(a Arena, b storage.Backend, cfg ManagerConfig) (*Manager, error)
 		leases: newLeaseTable(cfg.TableBudget, cfg.Metrics.TableBytes), saves: newSaveStates(),
 		queue: drainQueue{wake: make(chan struct{}, 1)}, restores: make(chan struct{}, cfg.Restores),
 	}
+	if cfg.CheckCopies {
+		cfg.HotMapping = nil // others could rewrite what a client reads in place
+	}
 	tc := cfg.Tiers
+	if cfg.HotMapping != nil {
+		tc.HotMemory = cfg.HotMapping
+	}
 	tc.Backend, tc.Logger, tc.Failed, tc.PersistHeld = b, cfg.Logger, mgr.m.failed, mgr.persistHeld
 	mgr.m.followArena(a)
 	mgr.ctx, mgr.cancel = context.WithCancel(context.Background())

@@ -20,6 +20,9 @@ type Metrics struct {
 	// in earlier steps instead of writing them.
 	ReferencedBytes prometheus.Counter
 	Restored        prometheus.Counter
+	// RestoredInPlace counts the bytes restores read from the hot tier's
+	// shared memory as they lie there (none of them copied by the daemon).
+	RestoredInPlace prometheus.Counter
 	QueueDepth      prometheus.Gauge
 	ArenaUsed       prometheus.Gauge
 	SaveStall       prometheus.Histogram
@@ -108,6 +111,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "ckptd_referenced_bytes_total", Help: "Tensor bytes incremental saves referenced in an earlier step instead of writing them."}),
 		Restored: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ckptd_restored_bytes_total", Help: "Tensor bytes restored into the arena."}),
+		RestoredInPlace: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ckptd_restored_in_place_bytes_total", Help: "Bytes restores read straight from the hot tier's shared memory, not copied into the arena."}),
 		QueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "ckptd_drain_queue_depth", Help: "Staged saves not yet durable."}),
 		ArenaUsed: &arenaGauge{Gauge: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -147,7 +152,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "ckptd_spilled_bytes", Help: "Bytes of staged saves in the spill folder (moved out of the arena while storage did not take bytes)."}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.StagedBytes, m.DrainedBytes, m.StoredBytes, m.ReferencedBytes, m.Restored,
+		reg.MustRegister(m.StagedBytes, m.DrainedBytes, m.StoredBytes, m.ReferencedBytes, m.Restored, m.RestoredInPlace,
 			m.QueueDepth, m.ArenaUsed, m.SaveStall, m.DrainTime, m.Errors, m.CodecRaw, m.CodecStored,
 			m.TableBytes, m.LeasesReleased, m.Quarantined, m.Tiers, m.RestoreTiers, m.ReplicationFailures, m.LastCommitted, m.LastCommitTime,
 			m.NonFinite, m.Spilled)

@@ -35,6 +35,9 @@ type RestoreHeader struct {
 	// (MACs under a key of this restore's), for the client to check its
 	// copy against.
 	Check *checkpoint.CopyCheck
+	// InPlace: the region is the hot copy in place (RestoreRequest.
+	// InPlace), Size the span of the data space holding the tensors.
+	InPlace bool
 }
 
 // RestoreRequest names what BeginRestore restores.
@@ -55,6 +58,12 @@ type RestoreRequest struct {
 	// HeaderOnly restores no tensor, and reads none: the header alone,
 	// for the step's metadata.
 	HeaderOnly bool
+	// InPlace says the client maps the hot mapping (ManagerConfig.
+	// HotMapping): a restore from the hot tier may then hand out the hot
+	// copy's bytes there (the lease's ArenaID names the mapping), the
+	// selected ones where they lie in the shard's data space, with the
+	// bytes between them.
+	InPlace bool
 	// Finite, with Latest, restores the newest committed step whose
 	// tensors hold no NaN or Inf, as the drain counted them. Steps kept in
 	// memory only are not considered: their health is known rank by rank,
@@ -93,7 +102,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
-	defer src.Release()
+	defer func() { src.Release() }() // unless a lease in place took its pin
 	m := src.M
 	sel, err := selection(m, req)
 	if err != nil {
@@ -109,23 +118,20 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	if closing {
 		return LeaseInfo{}, nil, ErrClosing
 	}
-	region, err := mgr.alloc(ctx, sel.Size)
-	if err != nil {
-		return LeaseInfo{}, nil, fmt.Errorf("restore step %d rank %d: %w", m.Step, rank, err)
+	var l *lease
+	if req.InPlace && check == nil {
+		l, sel, err = mgr.inPlaceLease(&src, sel)
 	}
-	if err := mgr.fill(ctx, src, store, sel, region, check); err != nil {
+	if l == nil && err == nil {
+		l, err = mgr.copiedLease(ctx, src, store, sel, check)
+	}
+	if err != nil {
 		mgr.m.failed("restore")
-		mgr.mu.Lock()
-		mgr.freeRegion(region)
-		mgr.mu.Unlock()
-		return LeaseInfo{}, nil, err
+		return LeaseInfo{}, nil, fmt.Errorf("restore step %d rank %d: %w", m.Step, rank, err)
 	}
 	mgr.m.Restored.Add(float64(sel.Size))
 	mgr.m.RestoreTiers.WithLabelValues(src.Tier).Inc()
-	l := &lease{
-		id: newLeaseID(), kind: restoreLease, region: region, size: sel.Size,
-		begun: time.Now(), expires: time.Now().Add(mgr.cfg.LeaseTimeout),
-	}
+	info, inPlace := l.info(), l.inPlace != nil // before another goroutine may end it
 	mgr.mu.Lock()
 	// Each restore lease books a fixed cost of the table budget: one
 	// of a tensor-less (zero-byte) step takes no arena space, so nothing
@@ -134,15 +140,60 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	if err == nil {
 		err = mgr.addLease(l, o)
 	} else {
-		mgr.freeRegion(region)
+		mgr.letGo(l)
 	}
 	mgr.mu.Unlock()
 	if err != nil {
 		return LeaseInfo{}, nil, err
 	}
 	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: sel.Table, Metadata: m.Metadata, Size: sel.Size,
-		Tier: src.Tier, SkippedStep: src.Skipped, SkippedNonFinite: skippedNonFinite, Check: check}
-	return l.info(), h, nil
+		Tier: src.Tier, SkippedStep: src.Skipped, SkippedNonFinite: skippedNonFinite, Check: check, InPlace: inPlace}
+	return info, h, nil
+}
+
+// copiedLease is a restore lease of a region of the arena filled with sel
+// of src.
+func (mgr *Manager) copiedLease(ctx context.Context, src tiers.Source, store *checkpoint.Store, sel checkpoint.Selection, check *checkpoint.CopyCheck) (*lease, error) {
+	region, err := mgr.alloc(ctx, sel.Size)
+	if err != nil {
+		return nil, err
+	}
+	if err := mgr.fill(ctx, src, store, sel, region, check); err != nil {
+		mgr.mu.Lock()
+		mgr.freeRegion(region)
+		mgr.mu.Unlock()
+		return nil, err
+	}
+	return &lease{
+		id: newLeaseID(), kind: restoreLease, region: region, size: sel.Size,
+		begun: time.Now(), expires: time.Now().Add(mgr.cfg.LeaseTimeout),
+	}, nil
+}
+
+// inPlaceLease is a restore lease of src's hot copy where it lies in the
+// hot mapping, the span of it sel needs verified first, with the pin that
+// keeps it (sel as the lease hands it out: its table's offsets into the
+// span); nil when src is not a hot copy in the mapping.
+func (mgr *Manager) inPlaceLease(src *tiers.Source, sel checkpoint.Selection) (*lease, checkpoint.Selection, error) {
+	hm, data := mgr.cfg.HotMapping, src.Hot()
+	if hm == nil || data == nil {
+		return nil, sel, nil
+	}
+	base, ok := hm.Offset(data)
+	if !ok {
+		return nil, sel, nil
+	}
+	if err := checkpoint.VerifySelected(src.M, data, sel, "hot copy"); err != nil {
+		return nil, sel, err
+	}
+	lo, size, table := sel.InPlace(src.M)
+	sel.Table, sel.Size = table, size
+	mgr.m.RestoredInPlace.Add(float64(size))
+	return &lease{
+		id: newLeaseID(), kind: restoreLease, size: size,
+		inPlace: &inPlaceRead{arenaID: hm.ID(), offset: base + lo, data: data[lo : lo+size], unpin: src.TakePin()},
+		begun:   time.Now(), expires: time.Now().Add(mgr.cfg.LeaseTimeout),
+	}, sel, nil
 }
 
 // fill restores sel of src into region. A selection of no bytes reads
@@ -296,6 +347,9 @@ func (mgr *Manager) Bytes(o Owner, id string) ([]byte, error) {
 	l := mgr.leases.lookup(id, o)
 	if l == nil {
 		return nil, fmt.Errorf("%w: %q", ErrUnknownLease, id)
+	}
+	if l.inPlace != nil {
+		return l.inPlace.data, nil
 	}
 	return mgr.arena.Bytes()[l.region.Offset : l.region.Offset+l.size], nil
 }
