@@ -61,12 +61,13 @@ func memoryNeeds(t *testing.T, args []string) (arena, total int64) {
 	}
 	var need struct {
 		Arena int64 `json:"arena_bytes"`
+		Hot   int64 `json:"hot_file_bytes"`
 		Total int64 `json:"total_bytes"`
 	}
 	if err := json.Unmarshal(out, &need); err != nil {
 		t.Fatalf("ckptd serve --print-memory: %v\n%s", err, out)
 	}
-	return need.Arena, need.Total
+	return need.Arena + need.Hot, need.Total
 }
 
 // checkFlags fails for every --flag in args that `ckptd serve` lacks.
@@ -165,7 +166,7 @@ func checkPod(t *testing.T, spec *corev1.PodSpec) {
 	}
 	for _, v := range spec.Volumes {
 		if v.Name == "dshm" && (v.EmptyDir.SizeLimit == nil || v.EmptyDir.SizeLimit.Value() < arena) {
-			t.Errorf("/dev/shm's sizeLimit %v is less than the %d-byte arena", v.EmptyDir.SizeLimit, arena)
+			t.Errorf("/dev/shm's sizeLimit %v is less than the %d bytes of the arena and the hot tier's file", v.EmptyDir.SizeLimit, arena)
 		}
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"os/user"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
@@ -159,6 +160,7 @@ type Daemon struct {
 	sp        *socketPlace
 	b         storage.Backend
 	a         *arena.Arena
+	hot       *arena.Pool // the hot tier's memory, which clients map; nil: the heap
 	place     *arenaPlace
 	reg       *prometheus.Registry
 	berrs     *backendErrors
@@ -279,7 +281,28 @@ func (d *Daemon) openArena(context.Context) error {
 		return err
 	}
 	d.undo.push(place.undoPointer)
+	if err := d.openHot(); err != nil {
+		return err
+	}
 	return fault("arena")
+}
+
+// openHot makes the hot tier's memory a file beside the arena that
+// clients map read-only, so that a restore from it copies once (into the
+// trainer's tensors), not twice. Not with --socket-group: a copy a member
+// can read in place is one it could also have been handed to rewrite
+// before (the daemon checks what it copies out instead).
+func (d *Daemon) openHot() error {
+	if !d.o.hotFile() {
+		return nil
+	}
+	p, err := arena.OpenPool(filepath.Dir(d.a.Path()), d.o.HotBytes)
+	if err != nil {
+		return err
+	}
+	d.hot = p
+	d.undo.push(func() { _ = p.Close() })
+	return nil
 }
 
 func (d *Daemon) startManager(context.Context) error {
@@ -298,6 +321,7 @@ func (d *Daemon) startManager(context.Context) error {
 		DefaultJob: o.Job, StagingWait: o.StagingWait, LeaseTimeout: o.LeaseTimeout, TableBudget: o.TableBytes, ReuseFence: o.ReuseFence,
 		Drains: o.Drains, Restores: o.Restores, DrainDelay: o.DrainDelay, SpillDir: o.SpillDir, SpillBytes: o.SpillBytes, Logger: d.log, Metrics: staging.NewMetrics(d.reg),
 		CheckCopies: o.SocketGroup != "", // other users can write the arena
+		HotMapping:  d.hotMapping(),
 		Tiers:       tiers.Config{HotBytes: o.HotBytes, HotSteps: o.HotSteps, PersistEvery: o.PersistEvery, PersistInterval: o.PersistInterval, Peers: replicas},
 		Writer:      checkpoint.WriterOptions{ChunkSize: o.ChunkSize, Codec: d.codec, Workers: o.Workers, SpreadData: o.SpreadData, Incremental: o.Incremental},
 	})
@@ -317,6 +341,15 @@ func (d *Daemon) startManager(context.Context) error {
 		return err
 	}
 	return fault("manager")
+}
+
+// hotMapping is d.hot for the Manager: nil, not a nil *arena.Pool, when
+// there is none.
+func (d *Daemon) hotMapping() staging.HotMapping {
+	if d.hot == nil {
+		return nil
+	}
+	return d.hot
 }
 
 func (d *Daemon) startPeers(ctx context.Context) error {
@@ -390,7 +423,7 @@ func (d *Daemon) Serve(ctx context.Context) error {
 	intake := newIntake(d.reg)
 	srv := grpc.NewServer(slices.Concat(serverOptions(), intake.ServerOptions())...)
 	reg := intake.Registrar(srv)
-	server.Register(reg, d.mgr, a)
+	server.Register(reg, d.mgr, a, d.hot)
 	server.RegisterPrefetch(reg, d.pf, a)
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(reg, hs)
@@ -420,6 +453,9 @@ func (d *Daemon) Serve(ctx context.Context) error {
 	d.stopPeer()
 	d.pf.Close()
 	removed, err := shutdown(d.mgr, a, o.Grace, err)
+	if d.hot != nil { // after the Manager: no shard of it is read any more
+		err = errors.Join(err, d.hot.Close())
+	}
 	if removed {
 		d.place.removePointer()
 	}

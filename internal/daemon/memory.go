@@ -26,14 +26,21 @@ func memoryCeiling(o *Options, prefetchCeiling int64) int64 {
 	drainBuffers := 4 * int64(o.Workers) * 2 * int64(o.ChunkSize)
 	s3Parts := int64(o.Drains) * 8 * (16 << 20)
 	restores := int64(o.Restores) * (restoreReads*2*int64(o.ChunkSize) + restoreManifest)
-	hot := int64(o.HotBytes)
+	var hot int64
+	if !o.hotFile() {
+		hot = int64(o.HotBytes)
+	}
 	if len(o.Peers.Peers) > 0 || o.Peers.PeersFile != "" || o.Peers.PeersDNS != "" {
 		// A shard being fetched from a peer for a restore, up to
 		// --hot-bytes; replicas being received count inside the hot tier.
-		hot *= 2
+		hot += int64(o.HotBytes)
 	}
 	return int64(o.TableBytes) + drainBuffers + s3Parts + restores + hot + prefetchCeiling + server.DefaultIntake.Bytes() + memoryHeadroom
 }
+
+// hotFile reports whether the hot tier keeps its shards in a shared-memory
+// file beside the arena (see Daemon.openHot), not in the heap.
+func (o *Options) hotFile() bool { return o.HotBytes > 0 && o.SocketGroup == "" }
 
 // restoreReads is checkpoint.ReadOptions.Concurrency's default, the
 // chunks one restore holds at once; restoreManifest is what a typical
@@ -57,6 +64,7 @@ func (o *Options) prefetchConfig() prefetch.ServiceConfig {
 // memoryNeeds is what `ckptd serve --print-memory` prints.
 type memoryNeeds struct {
 	ArenaBytes   int64 `json:"arena_bytes"`        // shared memory: size /dev/shm for it
+	HotBytes     int64 `json:"hot_file_bytes"`     // shared memory too, beside the arena: the hot tier (0: none, or in the heap)
 	HeapCeiling  int64 `json:"heap_ceiling_bytes"` // the daemon's heap, whatever clients send
 	TotalBytes   int64 `json:"total_bytes"`        // what a container's memory limit must cover
 	Workers      int   `json:"workers"`            // the --workers the ceiling assumes
@@ -80,8 +88,12 @@ func PrintMemory(o *Options, out io.Writer) error {
 	heap := memoryCeiling(o, ds)
 	enc := json.NewEncoder(out)
 	enc.SetIndent("", "  ")
-	return enc.Encode(memoryNeeds{ArenaBytes: int64(o.StagingBytes), HeapCeiling: heap,
-		TotalBytes: int64(o.StagingBytes) + heap, Workers: o.Workers, DatasetBytes: ds, SocketBytes: server.DefaultIntake.Bytes()})
+	var hot int64
+	if o.hotFile() {
+		hot = int64(o.HotBytes)
+	}
+	return enc.Encode(memoryNeeds{ArenaBytes: int64(o.StagingBytes), HotBytes: hot, HeapCeiling: heap,
+		TotalBytes: int64(o.StagingBytes) + hot + heap, Workers: o.Workers, DatasetBytes: ds, SocketBytes: server.DefaultIntake.Bytes()})
 }
 
 // setMemoryLimit makes the garbage collector keep the heap under the

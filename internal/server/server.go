@@ -25,17 +25,23 @@ type Checkpoint struct {
 	pb.UnimplementedCheckpointServer
 	mgr   *staging.Manager
 	arena *arena.Arena
+	hot   *arena.Pool
 }
 
 // Register adds the checkpoint service for mgr to s; a is mgr's arena
-// (CheckpointArena(a)), which clients map.
-func Register(s grpc.ServiceRegistrar, mgr *staging.Manager, a *arena.Arena) {
-	pb.RegisterCheckpointServer(s, &Checkpoint{mgr: mgr, arena: a})
+// (CheckpointArena(a)), which clients map, and hot, when not nil, its
+// hot tier's memory (ManagerConfig.HotMapping), which they may map too.
+func Register(s grpc.ServiceRegistrar, mgr *staging.Manager, a *arena.Arena, hot *arena.Pool) {
+	pb.RegisterCheckpointServer(s, &Checkpoint{mgr: mgr, arena: a, hot: hot})
 }
 
 func (s *Checkpoint) GetArena(context.Context, *pb.GetArenaRequest) (*pb.ArenaInfo, error) {
 	a := s.arena
-	return &pb.ArenaInfo{Path: a.Path(), Size: uint64(a.Size()), Locked: a.Locked(), DefaultJob: s.mgr.DefaultJob(), Id: a.ID()}, nil
+	info := &pb.ArenaInfo{Path: a.Path(), Size: uint64(a.Size()), Locked: a.Locked(), DefaultJob: s.mgr.DefaultJob(), Id: a.ID()}
+	if s.hot != nil {
+		info.Hot = &pb.MappedFile{Path: s.hot.Path(), Size: uint64(s.hot.Size()), Id: s.hot.ID()}
+	}
+	return info, nil
 }
 
 func (s *Checkpoint) BeginSave(ctx context.Context, req *pb.BeginSaveRequest) (*pb.BeginSaveResponse, error) {
@@ -184,7 +190,9 @@ func (s *Checkpoint) BeginRestore(ctx context.Context, req *pb.BeginRestoreReque
 func (s *Checkpoint) RestoreStream(req *pb.BeginRestoreRequest, stream grpc.ServerStreamingServer[pb.RestoreStreamResponse]) error {
 	ctx := stream.Context()
 	o := owner(ctx)
-	lease, h, err := s.mgr.BeginRestore(ctx, o, fromRestoreRequest(req))
+	r := fromRestoreRequest(req)
+	r.InPlace = false // the bytes go on the wire: only those asked for
+	lease, h, err := s.mgr.BeginRestore(ctx, o, r)
 	if err != nil {
 		return toStatus(err)
 	}
@@ -218,7 +226,7 @@ func fromRestoreRequest(r *pb.BeginRestoreRequest) staging.RestoreRequest {
 		slices = append(slices, checkpoint.Slice{Name: sl.GetName(), Offset: clampInt64(sl.GetOffset()), Length: clampInt64(sl.GetLength())})
 	}
 	return staging.RestoreRequest{Job: r.GetJob(), Step: r.GetStep(), Latest: r.GetLatest(), Rank: int(r.GetRank()), Tensors: r.GetTensors(),
-		Finite: r.GetFinite(), Slices: slices, HeaderOnly: r.GetHeaderOnly()}
+		Finite: r.GetFinite(), Slices: slices, HeaderOnly: r.GetHeaderOnly(), InPlace: r.GetInPlace()}
 }
 
 func fromTarget(t *pb.SaveTarget) checkpoint.Target {
@@ -258,12 +266,16 @@ func toTensors(ts []checkpoint.Tensor) []*pb.Tensor {
 }
 
 func (s *Checkpoint) toLease(l staging.LeaseInfo) *pb.Lease {
-	return &pb.Lease{Id: l.ID, Offset: uint64(l.Offset), Length: uint64(l.Length), ArenaId: s.arena.ID()}
+	id := l.ArenaID
+	if id == "" {
+		id = s.arena.ID()
+	}
+	return &pb.Lease{Id: l.ID, Offset: uint64(l.Offset), Length: uint64(l.Length), ArenaId: id}
 }
 
 func toHeader(h *staging.RestoreHeader) *pb.RestoreHeader {
 	return &pb.RestoreHeader{Step: h.Step, WorldSize: int32(h.WorldSize), Attempt: h.Attempt, Tensors: toTensors(h.Tensors), Metadata: h.Metadata, Size: uint64(h.Size),
-		Tier: h.Tier, SkippedStep: h.SkippedStep, SkippedNonfinite: h.SkippedNonFinite, CopyCheck: toCopyCheck(h.Check)}
+		Tier: h.Tier, SkippedStep: h.SkippedStep, SkippedNonfinite: h.SkippedNonFinite, CopyCheck: toCopyCheck(h.Check), InPlace: h.InPlace}
 }
 
 // toCopyCheck is c on the wire (nil for none).

@@ -119,7 +119,7 @@ func startDaemonOn(cfg config, b storage.Backend, work, name string, hotBytes in
 		return nil, err
 	}
 	srv := grpc.NewServer()
-	server.Register(srv, mgr, a)
+	server.Register(srv, mgr, a, nil)
 	go func() { _ = srv.Serve(lis) }()
 	c, err := ckptd.Dial(sock)
 	if err != nil {
