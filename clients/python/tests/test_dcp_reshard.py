@@ -87,3 +87,33 @@ def test_small_values_ride_in_the_metadata(saved):
     steps = {f"optim.state.layers.{i}.weight.step" for i in range(4)}
     assert fqns == steps | {"optim.param_groups.0.lr"}, fqns
     assert all(len(b) <= ckptd.dcp.INLINE_ITEM for b in inline.values())
+
+
+@pytest.fixture(scope="module")
+def saved_hot(ckptd_bin, tmp_path_factory):
+    """As saved, by a daemon with a hot tier: its loads come from memory, in place."""
+    from conftest import Daemon
+
+    addr = f"127.0.0.1:{_free_port()}"
+    d = Daemon(ckptd_bin, "--chunk-size", "64KiB", "--hot-bytes", "64MiB", "--metrics-addr", addr)
+    out = tmp_path_factory.mktemp("reshard_hot")
+    try:
+        run_workers(WORKER, "save", 4, d.socket, "reshard", out)
+        yield d, addr, out
+    finally:
+        d.cleanup()
+
+
+@pytest.mark.parametrize("world", [4, 3])
+def test_a_load_from_the_hot_tier_reads_it_in_place(saved_hot, world):
+    """Whole shards and slices of them come from the hot copies as they lie, bit for bit."""
+    d, addr, out = saved_hot
+    read = 'ckptd_backend_read_bytes_total{backend="store"}'
+    in_place = "ckptd_restored_in_place_bytes_total"
+    before = (_metric(addr, read), _metric(addr, in_place))
+    run_workers(WORKER, "load", world, d.socket, "reshard", out)
+    loaded = sum(int((out / f"loaded_{world}_{r}").read_text()) for r in range(world))
+    assert loaded == STATE  # each worker checked its values
+    stored = _metric(addr, read) - before[0]
+    assert stored < loaded / 10, stored  # commit records and manifests, no shard data
+    assert _metric(addr, in_place) - before[1] >= loaded

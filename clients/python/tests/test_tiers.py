@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 import warnings
 
 import numpy as np
@@ -61,3 +62,47 @@ def test_not_replicated_warns(make_daemon):
             h.wait(1)  # warned once
             c.save(2, {"w": np.full(1000, 2, dtype=np.float32)}, rank=0, world_size=1).wait(120)
         assert c.load("latest", rank=0).step == 2
+
+
+def _load_hot(c: ckptd.Client, step: int, **kw) -> ckptd.LoadedState:
+    """Load step once the drain kept its hot copy (a moment after the commit)."""
+    for _ in range(300):
+        got = c.load(step, rank=0, **kw)
+        if got.tier == "hot":
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} never restored from the hot tier")
+
+
+def test_loads_from_the_hot_tier_in_place(make_daemon):
+    """A restore from the hot tier reads the daemon's copy where it lies, read-only.
+
+    Whole shards and some of their tensors load bit for bit from the hot
+    tier's file, which the client maps read-only; a restarted daemon's
+    new file is mapped anew.
+    """
+    d = make_daemon("--hot-bytes", "64MiB")
+    state = {
+        "a": np.arange(100_000, dtype=np.float32),
+        "b": np.arange(10, dtype=np.int64),
+        "c": np.ones((3, 4), dtype=np.float16),
+        "empty": np.zeros(0, dtype=np.float32),
+    }
+    with d.client() as c:
+        c.save(1, state, rank=0, world_size=1).wait(30)
+        got = _load_hot(c, 1)
+        assert all(np.array_equal(got[k], v) for k, v in state.items())
+        part = _load_hot(c, 1, tensors=["c", "a"])
+        assert set(part) == {"c", "a"}
+        assert np.array_equal(part["a"], state["a"]) and np.array_equal(part["c"], state["c"])
+        hot = c._conn._hot
+        assert hot is not None and not hot.writable
+        with pytest.raises(ValueError, match="read-only"):
+            hot.mem[0] = 1  # the client cannot change the daemon's copy
+
+        d.stop()
+        d.start()
+        c.save(2, state, rank=0, world_size=1).wait(30)
+        got = _load_hot(c, 2)
+        assert all(np.array_equal(got[k], v) for k, v in state.items())
+        assert c._conn._hot is not None and c._conn._hot is not hot

@@ -37,14 +37,26 @@ _MADV_POPULATE_READ = 22
 # The span whose pages a region's first use maps at once.
 _POPULATE_SPAN = 2 << 20
 
+# A restore in place hands out the hot tier's file, mapped read-only:
+# torch warns of tensors made on it, which ckptd only ever copies from.
+warnings.filterwarnings(
+    "ignore",
+    message="The given NumPy array is not writable",
+    category=UserWarning,
+    module=r"ckptd(\.|$)",
+)
+
 
 class Arena:
-    """A read-write MAP_SHARED view of the arena file.
+    """A MAP_SHARED view of the arena file: read-write, or read-only for the hot tier's.
 
     ``mem`` is the whole arena as a uint8 array; lease offsets index it.
+    The daemon's hot tier file (restores in place) is mapped read-only
+    (writable False): it holds the daemon's own copies, which no client
+    may change.
     """
 
-    def __init__(self, path: str, size: int, owner: int) -> None:
+    def __init__(self, path: str, size: int, owner: int, writable: bool = True) -> None:
         """Map the arena at path, after checking it is owner's (the daemon's uid).
 
         Raises:
@@ -54,7 +66,7 @@ class Arena:
         """
         if size <= 0:
             raise CkptdError(f"daemon reported an arena of {size} bytes at {path}")
-        fd = _trust.open_arena(path, owner)
+        fd = _trust.open_arena(path, owner, writable)
         try:
             st = os.fstat(fd)
             if st.st_size != size:
@@ -62,18 +74,19 @@ class Arena:
                     f"arena {path} is {st.st_size} bytes but the daemon says {size} "
                     "(was the daemon restarted with another --staging-bytes?)"
                 )
-            self._mm = _map(fd, size)
+            self._mm = _map(fd, size, 0, writable)
             # None: populated whole at mapping; else which spans are mapped yet.
             self._mapped: bytearray | None = None
             if _can_populate(self._mm):
                 self._mapped = bytearray(-(-size // _POPULATE_SPAN))
             else:
                 self._mm.close()
-                self._mm = _map(fd, size, getattr(mmap, "MAP_POPULATE", 0))
+                self._mm = _map(fd, size, getattr(mmap, "MAP_POPULATE", 0), writable)
         finally:
             os.close(fd)
         self.path = path
         self.size = size
+        self.writable = writable
         self._ident = (st.st_dev, st.st_ino)
         self.mem: np.ndarray = np.frombuffer(self._mm, dtype=np.uint8)
         self._pin_lock = threading.Lock()
@@ -136,6 +149,8 @@ class Arena:
         copies then go through pageable memory, synchronously.
         """
         with self._pin_lock:
+            if self._pinned is None and not self.writable:
+                self._pinned = False  # CUDA registers writable memory only
             if self._pinned is None:
                 self._pinned = _cuda_host_register(int(self.mem.ctypes.data), self.size)
             return self._pinned
@@ -155,9 +170,10 @@ class Arena:
             self._mm.close()
 
 
-def _map(fd: int, size: int, extra: int = 0) -> mmap.mmap:
+def _map(fd: int, size: int, extra: int = 0, writable: bool = True) -> mmap.mmap:
     flags = mmap.MAP_SHARED | extra
-    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    return mmap.mmap(fd, size, flags=flags, prot=prot)
 
 
 def _can_populate(mm: mmap.mmap) -> bool:

@@ -135,7 +135,9 @@ def load(
             out.pinned = arena.pin()
         return out.build(header, data)
 
-    header, items = restore(conn, req, what, build)
+    # Loads into CUDA copy from pinned memory, which the arena is and the
+    # hot tier's read-only file cannot be.
+    header, items = restore(conn, req, what, build, in_place=not out.needs_pin)
     result = LoadedState(_names.unflatten(items) if nested else dict(items))
     result.step, result.world_size, result.metadata, result.attempt = (
         header.step,
@@ -168,6 +170,7 @@ def restore(
     req: pb.BeginRestoreRequest,
     what: str,
     use: Callable[[pb.RestoreHeader, np.ndarray, Arena | None], _T],
+    in_place: bool = True,
 ) -> tuple[pb.RestoreHeader, _T]:
     """Restore req's shard (or its tensors) and return use(header, data, arena) on the bytes.
 
@@ -177,6 +180,10 @@ def restore(
     is waited for (conn's reconnect_timeout), and a restore whose region
     may have been handed on while use copied it is made again: use may run
     more than once, each time on all of the bytes.
+
+    With in_place, a restore from the daemon's hot tier may hand out the
+    hot copy itself, read-only (header.in_place): data is then the span of
+    the shard that holds the tensors, and the table says where each is.
     """
     outage = Outage(conn, what)
     while True:
@@ -184,6 +191,7 @@ def restore(
             arena = conn.mapping(refresh=outage.active)
             if arena is None:
                 return _load_stream(conn, req, use, what)
+            req.in_place = in_place and conn.in_place
             return _load_shm(conn, req, use, what)
         except DaemonUnavailableError as e:
             outage.pause(e)

@@ -122,6 +122,10 @@ class Connection:
         self._map_lock = threading.Lock()
         self.arena: Arena | None = None
         self._arena_id = ""
+        # The daemon's hot tier file (ArenaInfo.hot), mapped read-only on
+        # the first restore in place; _hot_info is what GetArena said of it.
+        self._hot_info: pb.MappedFile | None = None
+        self._hot: Arena | None = None
         self.closed = False
 
     def close(self) -> None:
@@ -134,6 +138,14 @@ class Connection:
             if self.arena is not None:
                 self.arena.close()
                 self.arena = None
+            self._drop_hot()
+
+    def _drop_hot(self) -> None:
+        """Unmap the hot tier file, if mapped. Call with _map_lock."""
+        if self._hot is not None:
+            self._hot.close()
+            self._hot = None
+        self._hot_info = None
 
     def call(self, method: str, request: Any, what: str, stub: Any = None) -> Any:
         """One unary call with the client's timeout, errors mapped.
@@ -193,6 +205,10 @@ class Connection:
             if self.arena is not None and not refresh:
                 return self.arena
             info = self.call("GetArena", pb.GetArenaRequest(), "get the staging arena")
+            hot = info.hot if info.HasField("hot") else None
+            if self._hot_info is None or hot is None or hot.id != self._hot_info.id:
+                self._drop_hot()
+                self._hot_info = hot
             if self.arena is not None:
                 if info.id == self._arena_id and self.arena.is_current():
                     return self.arena
@@ -219,12 +235,37 @@ class Connection:
         """ArenaInfo.id of the arena mapped now ("" before the first mapping)."""
         return self._arena_id
 
+    @property
+    def in_place(self) -> bool:
+        """Whether restores may be served in place: the daemon has a hot tier file to map."""
+        return self._hot_info is not None and self.transport != "stream"
+
+    def _hot_mapping(self, arena_id: str) -> Arena | None:
+        """The hot tier file of id arena_id, mapped read-only on first use; else None."""
+        with self._map_lock:
+            info = self._hot_info
+            if info is None or info.id != arena_id:
+                return None
+            if self._hot is None:
+                try:
+                    self._hot = Arena(
+                        info.path, info.size, self.ensure_trusted("map the hot tier").uid, False
+                    )
+                except OSError as e:
+                    raise CkptdError(f"cannot map the daemon's hot tier {info.path}: {e}") from e
+            return self._hot
+
     def lease_mapping(self, arena_id: str) -> Arena:
         """The mapping a lease of arena arena_id indexes, remapped if the daemon's changed.
 
         A daemon that restarted has a new arena file (and id); reading a
-        lease's offsets in the old mapping would return stale bytes.
+        lease's offsets in the old mapping would return stale bytes. A
+        restore in place names the hot tier file's id.
         """
+        if arena_id and arena_id != self._arena_id:
+            hot = self._hot_mapping(arena_id)
+            if hot is not None:
+                return hot
         arena = self.mapping()
         if arena is not None and (arena_id == self._arena_id if arena_id else arena.is_current()):
             return arena

@@ -228,8 +228,8 @@ def _groups() -> str:
     return ", ".join(_group(g) for g in gids)
 
 
-def open_arena(path: str, owner: int) -> int:
-    """Open the daemon's arena file read-write, refusing one it may not own.
+def open_arena(path: str, owner: int, writable: bool = True) -> int:
+    """Open the daemon's arena file (read-write, or read-only), refusing one it may not own.
 
     Returns:
         The descriptor (the caller maps and closes it).
@@ -248,7 +248,7 @@ def open_arena(path: str, owner: int) -> int:
     if problem is not None:
         raise _untrusted_arena(path, f"its folder {folder} {problem}")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise _untrusted_arena(path, "it is a symbolic link") from None

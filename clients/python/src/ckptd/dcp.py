@@ -1200,7 +1200,8 @@ def _copy_out(
     planner once the restore is known good.
     """
     table = {t.name: t for t in header.tensors}
-    widened = header.HasField("copy_check")  # whole chunks, checked: the table finds each slice
+    # Whole chunks (checked), or the hot copy in place: the table finds each slice.
+    widened = header.HasField("copy_check") or header.in_place
     if job.slices and not widened and header.size != sum(hi - lo for _, lo, hi in job.slices):
         raise CkptdError(
             f"the daemon restored {header.size} bytes for slices of "
