@@ -126,8 +126,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 		l, err = mgr.copiedLease(ctx, src, store, sel, check)
 	}
 	if err != nil {
-		mgr.m.failed("restore")
-		return LeaseInfo{}, nil, fmt.Errorf("restore step %d rank %d: %w", m.Step, rank, err)
+		return LeaseInfo{}, nil, err
 	}
 	mgr.m.Restored.Add(float64(sel.Size))
 	mgr.m.RestoreTiers.WithLabelValues(src.Tier).Inc()
@@ -156,9 +155,10 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 func (mgr *Manager) copiedLease(ctx context.Context, src tiers.Source, store *checkpoint.Store, sel checkpoint.Selection, check *checkpoint.CopyCheck) (*lease, error) {
 	region, err := mgr.alloc(ctx, sel.Size)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("restore step %d rank %d: %w", src.M.Step, src.M.Rank, err)
 	}
 	if err := mgr.fill(ctx, src, store, sel, region, check); err != nil {
+		mgr.m.failed("restore")
 		mgr.mu.Lock()
 		mgr.freeRegion(region)
 		mgr.mu.Unlock()
@@ -184,6 +184,7 @@ func (mgr *Manager) inPlaceLease(src *tiers.Source, sel checkpoint.Selection) (*
 		return nil, sel, nil
 	}
 	if err := checkpoint.VerifySelected(src.M, data, sel, "hot copy"); err != nil {
+		mgr.m.failed("restore")
 		return nil, sel, err
 	}
 	lo, size, table := sel.InPlace(src.M)
