@@ -48,11 +48,7 @@ func TestRestoreInPlace(t *testing.T) {
 	}
 	tg := checkpoint.Target{Job: "job", Step: 1, WorldSize: 1, Attempt: "a"}
 	saveTensors(t, mgr, a, tg, data, []checkpoint.Tensor{u8("a", 0, 1000), u8("b", 1000, 1000), u8("c", 2000, 1000)})
-	eventually(t, "step 1 in the hot tier", func() bool {
-		src, ok := mgr.tiers.Hot("job", 1, 0, "a")
-		src.Release()
-		return ok
-	})
+	eventually(t, "step 1 in the hot tier", func() bool { return holdsHot(mgr, 1) })
 	ctx := context.Background()
 
 	whole, h, err := mgr.BeginRestore(ctx, Owner{}, RestoreRequest{Job: "job", Step: 1, InPlace: true})
@@ -91,15 +87,9 @@ func TestRestoreInPlace(t *testing.T) {
 	// place pin it; once they end, step 3 does.
 	tg.Step = 2
 	saveTensors(t, mgr, a, tg, data, []checkpoint.Tensor{u8("a", 0, 3000)})
-	eventually(t, "step 2 in the hot tier", func() bool {
-		src, ok := mgr.tiers.Hot("job", 2, 0, "a")
-		src.Release()
-		return ok
-	})
-	if src, ok := mgr.tiers.Hot("job", 1, 0, "a"); !ok {
+	eventually(t, "step 2 in the hot tier", func() bool { return holdsHot(mgr, 2) })
+	if !holdsHot(mgr, 1) {
 		t.Fatal("a hot copy leased in place was dropped")
-	} else {
-		src.Release()
 	}
 	if got := inPlaceBytes(t, pool, whole, int64(len(data))); !bytes.Equal(got, data) {
 		t.Fatal("a hot copy leased in place changed under its lease")
@@ -108,11 +98,14 @@ func TestRestoreInPlace(t *testing.T) {
 	mgr.Release(Owner{}, some.ID)
 	tg.Step = 3
 	saveTensors(t, mgr, a, tg, data, []checkpoint.Tensor{u8("a", 0, 3000)})
-	eventually(t, "step 1 dropped once unpinned", func() bool {
-		src, ok := mgr.tiers.Hot("job", 1, 0, "a")
-		src.Release()
-		return !ok
-	})
+	eventually(t, "step 1 dropped once unpinned", func() bool { return !holdsHot(mgr, 1) })
+}
+
+// holdsHot reports whether mgr's hot tier holds rank 0 of step of "job".
+func holdsHot(mgr *Manager, step int64) bool {
+	src, ok := mgr.tiers.Hot("job", step, 0, "a")
+	src.Release()
+	return ok
 }
 
 // saveTensors saves data as tensors of tg through mgr, as a client would,

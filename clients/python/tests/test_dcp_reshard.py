@@ -47,19 +47,24 @@ def _metric(addr: str, name: str, labels: str = "") -> float:
     return float(m.group(1))
 
 
-@pytest.fixture(scope="module")
-def saved(ckptd_bin, tmp_path_factory):
-    """A daemon with /metrics and step 1 of job "reshard", saved by 4 ranks."""
+def _saved(ckptd_bin, tmp_path_factory, *flags: str):
+    """A daemon with /metrics (and flags) and step 1 of job "reshard", saved by 4 ranks."""
     from conftest import Daemon
 
     addr = f"127.0.0.1:{_free_port()}"
-    d = Daemon(ckptd_bin, "--chunk-size", "64KiB", "--metrics-addr", addr)
+    d = Daemon(ckptd_bin, "--chunk-size", "64KiB", "--metrics-addr", addr, *flags)
     out = tmp_path_factory.mktemp("reshard")
     try:
         run_workers(WORKER, "save", 4, d.socket, "reshard", out)
         yield d, addr, out
     finally:
         d.cleanup()
+
+
+@pytest.fixture(scope="module")
+def saved(ckptd_bin, tmp_path_factory):
+    """Step 1 saved by 4 ranks through a daemon without a hot tier: loads read storage."""
+    yield from _saved(ckptd_bin, tmp_path_factory)
 
 
 @pytest.mark.parametrize("world", [2, 1, 3])
@@ -92,16 +97,7 @@ def test_small_values_ride_in_the_metadata(saved):
 @pytest.fixture(scope="module")
 def saved_hot(ckptd_bin, tmp_path_factory):
     """As saved, by a daemon with a hot tier: its loads come from memory, in place."""
-    from conftest import Daemon
-
-    addr = f"127.0.0.1:{_free_port()}"
-    d = Daemon(ckptd_bin, "--chunk-size", "64KiB", "--hot-bytes", "64MiB", "--metrics-addr", addr)
-    out = tmp_path_factory.mktemp("reshard_hot")
-    try:
-        run_workers(WORKER, "save", 4, d.socket, "reshard", out)
-        yield d, addr, out
-    finally:
-        d.cleanup()
+    yield from _saved(ckptd_bin, tmp_path_factory, "--hot-bytes", "64MiB")
 
 
 @pytest.mark.parametrize("world", [4, 3])
