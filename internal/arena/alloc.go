@@ -45,6 +45,10 @@ type waiter struct {
 // can be tested and benchmarked without shared memory.
 type allocator struct {
 	size int64 // a multiple of pageSize
+	// pages aligns every region to a page only: for memory no one
+	// registers for DMA nor backs with huge pages (the hot tier's pool),
+	// where 2 MiB alignment would only waste room.
+	pages bool
 
 	mu      sync.Mutex
 	free    []span // sorted by off; neighbours never touch (always coalesced)
@@ -63,6 +67,14 @@ func newAllocator(size int64) *allocator {
 }
 
 func alignUp(x, a int64) int64 { return (x + a - 1) &^ (a - 1) }
+
+// alignmentFor is where a region of n bytes may start.
+func (a *allocator) alignmentFor(n int64) int64 {
+	if a.pages {
+		return pageSize
+	}
+	return alignmentFor(n)
+}
 
 func alignmentFor(n int64) int64 {
 	if n >= hugePageSize {
@@ -167,7 +179,7 @@ func (a *allocator) grant() {
 // request. Low addresses stay busy and the top of the arena stays in large
 // pieces for big requests.
 func (a *allocator) take(n int64) (Region, bool) {
-	align := alignmentFor(n)
+	align := a.alignmentFor(n)
 	length := alignUp(n, pageSize)
 	for i, s := range a.free {
 		start := alignUp(s.off, align)

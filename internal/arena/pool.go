@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"sync"
@@ -33,7 +34,7 @@ type Pool struct {
 	size  int64
 	alloc *allocator
 
-	mu  sync.Mutex // guards mem and f against Close
+	mu  sync.Mutex // guards f against Close; mem lives as long as the process
 	mem []byte
 	f   *os.File
 }
@@ -48,7 +49,7 @@ func OpenPool(dir string, size int64) (*Pool, error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("%w: a pool of %d bytes", ErrInvalidRegion, size)
 	}
-	size = alignUp(size, hugePageSize)
+	size = alignUp(size, pageSize)
 	path := filepath.Join(dir, PoolFile)
 	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("arena: replace %s: %w", path, err)
@@ -58,7 +59,11 @@ func OpenPool(dir string, size int64) (*Pool, error) {
 		return nil, fmt.Errorf("arena: open %s: %w", path, err)
 	}
 	p := &Pool{path: path, size: size, alloc: newAllocator(size), f: f}
-	if err = f.Truncate(size); err == nil {
+	p.alloc.pages = true
+	if err = checkRoom(f, size); err == nil {
+		err = f.Truncate(size)
+	}
+	if err == nil {
 		p.mem, err = unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	}
 	if err == nil {
@@ -104,13 +109,15 @@ func (p *Pool) Take(n int64) ([]byte, bool) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.mem == nil {
+	if p.f == nil {
 		_ = p.alloc.freeRegion(r)
 		return nil, false
 	}
 	b := p.mem[r.Offset : r.Offset+n : r.Offset+n]
 	if err := p.populate(r.Offset, alignUp(n, pageSize)); err != nil {
 		_ = p.alloc.freeRegion(r)
+		slog.Warn("arena: no memory for a piece of the hot tier's file; the shard is not kept there",
+			"path", p.path, "bytes", n, "err", err)
 		return nil, false
 	}
 	return b, true
@@ -131,7 +138,7 @@ func (p *Pool) Fits(n int64) bool {
 	if n <= 0 {
 		return n == 0
 	}
-	align, length := alignmentFor(n), alignUp(n, pageSize)
+	align, length := p.alloc.alignmentFor(n), alignUp(n, pageSize)
 	p.alloc.mu.Lock()
 	defer p.alloc.mu.Unlock()
 	for _, s := range p.alloc.free {
@@ -146,7 +153,7 @@ func (p *Pool) Fits(n int64) bool {
 // the next Take (the heap's spares did the same).
 func (p *Pool) Give(b []byte) {
 	if off, ok := p.Offset(b); ok {
-		if err := p.alloc.freeRegion(Region{Offset: off, Length: int64(len(b))}); err != nil {
+		if err := p.alloc.freeRegion(Region{Offset: off, Length: int64(len(b))}); err != nil && !errors.Is(err, ErrClosed) {
 			panic(fmt.Sprintf("arena: pool give: %v", err)) // a piece given twice: the hot tier's books are wrong
 		}
 	}
@@ -160,9 +167,6 @@ func (p *Pool) Offset(b []byte) (int64, bool) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.mem == nil {
-		return 0, false
-	}
 	base := uintptr(unsafe.Pointer(unsafe.SliceData(p.mem)))
 	at := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
 	if at < base || at-base >= uintptr(p.size) || int64(at-base)+int64(len(b)) > p.size {
@@ -171,17 +175,19 @@ func (p *Pool) Offset(b []byte) (int64, bool) {
 	return int64(at - base), true
 }
 
-// Close unmaps the pool and removes its file. Pieces handed out are
-// invalid after it.
+// Close removes the pool's file and takes no more pieces. The mapping
+// stays until the process exits: a peer's replica being sent or a
+// restore being verified as the daemon stops may still read a piece, and
+// unmapping under them would crash the daemon instead of letting it end.
 func (p *Pool) Close() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.mem == nil {
+	if p.f == nil {
 		return nil
 	}
 	p.alloc.close()
-	err := errors.Join(unix.Munmap(p.mem), p.f.Close())
-	p.mem = nil
+	err := p.f.Close()
+	p.f = nil
 	if rmErr := os.Remove(p.path); rmErr != nil && !errors.Is(rmErr, fs.ErrNotExist) {
 		err = errors.Join(err, rmErr)
 	}

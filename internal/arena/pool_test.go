@@ -11,7 +11,7 @@ import (
 // Close removes the file.
 func TestPool(t *testing.T) {
 	dir := t.TempDir()
-	p, err := OpenPool(dir, 3<<20) // rounded up to 4 MiB
+	p, err := OpenPool(dir, 4<<20-100) // rounded up to a page
 	if err != nil {
 		t.Fatal(err)
 	}
