@@ -3,8 +3,10 @@ package staging
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"testing"
+	"time"
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/tiers"
@@ -123,4 +125,46 @@ func saveTensors(t *testing.T, mgr *Manager, a arenaBytes, tg checkpoint.Target,
 	if res := settled(t, mgr, tg); res.State != StateCommitted {
 		t.Fatalf("step %d: %s (%v)", tg.Step, res.State, res.Err)
 	}
+}
+
+// A lease in place that expires while its client is connected keeps the
+// hot copy pinned (the client may still be copying out of it), as an
+// expired region is kept; once the client goes, the copy may go too.
+func TestExpiredInPlaceLeaseKeepsItsPin(t *testing.T) {
+	pool, err := arena.OpenPool(t.TempDir(), 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pool.Close() })
+	mgr, a := newManagerOn(t, memstore.New(), ManagerConfig{LeaseTimeout: 50 * time.Millisecond,
+		Tiers: tiers.Config{HotBytes: 1 << 20, HotSteps: 1}, HotMapping: pool})
+	data := bytes.Repeat([]byte{7}, 3000)
+	tg := checkpoint.Target{Job: "job", Step: 1, WorldSize: 1, Attempt: "a"}
+	saveTensors(t, mgr, a, tg, data, []checkpoint.Tensor{u8("a", 0, 3000)})
+	eventually(t, "step 1 in the hot tier", func() bool { return holdsHot(mgr, 1) })
+	done := make(chan struct{})
+	o := Owner{ID: "trainer", Done: done}
+	info, _, err := mgr.BeginRestore(context.Background(), o, RestoreRequest{Job: "job", Step: 1, InPlace: true})
+	if err != nil || info.ArenaID != pool.ID() {
+		t.Fatalf("restore in place: %v (arena %q)", err, info.ArenaID)
+	}
+	eventually(t, "the lease expired", func() bool {
+		_, err := mgr.Bytes(o, info.ID)
+		return errors.Is(err, ErrUnknownLease)
+	})
+	tg.Step = 2
+	saveTensors(t, mgr, a, tg, data, []checkpoint.Tensor{u8("a", 0, 3000)})
+	eventually(t, "step 2 in the hot tier", func() bool { return holdsHot(mgr, 2) })
+	if !holdsHot(mgr, 1) {
+		t.Fatal("the hot copy of an expired lease of a connected client was dropped")
+	}
+	close(done)
+	tg.Step = 3
+	eventually(t, "step 1 dropped once its reader went", func() bool {
+		if holdsHot(mgr, 3) {
+			return !holdsHot(mgr, 1)
+		}
+		saveTensors(t, mgr, a, tg, data, []checkpoint.Tensor{u8("a", 0, 3000)})
+		return false
+	})
 }

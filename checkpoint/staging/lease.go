@@ -146,7 +146,10 @@ func (mgr *Manager) watchOwner(o Owner) {
 	}
 	mgr.mu.Lock()
 	defer mgr.mu.Unlock()
-	open, held := mgr.leases.ownerGone(o.ID)
+	open, held, pins := mgr.leases.ownerGone(o.ID)
+	for _, unpin := range pins { // a reader's copies are void once it is gone
+		unpin()
+	}
 	for _, l := range open {
 		if l.kind == saveLease { // its writer may resume: see Owner
 			held = append(held, l.region)
@@ -241,6 +244,7 @@ type leaseTable struct {
 	byID     map[string]*lease
 	watching map[string]bool     // owners with a watchOwner goroutine
 	held     map[string][]Region // by owner: regions of its expired leases
+	pins     map[string][]func() // by owner: unpins of its expired leases in place
 	orphans  []orphan            // regions of gone owners whose processes may live
 	budget   int64               // ManagerConfig.TableBudget
 	tables   int64               // charged to budget
@@ -248,7 +252,7 @@ type leaseTable struct {
 }
 
 func newLeaseTable(budget int64, gauge prometheus.Gauge) leaseTable {
-	return leaseTable{byID: map[string]*lease{}, watching: map[string]bool{}, held: map[string][]Region{}, budget: budget, gauge: gauge}
+	return leaseTable{byID: map[string]*lease{}, watching: map[string]bool{}, held: map[string][]Region{}, pins: map[string][]func(){}, budget: budget, gauge: gauge}
 }
 
 // add records l as owner's.
@@ -297,11 +301,15 @@ func (t *leaseTable) expired(now time.Time) []*lease {
 	return out
 }
 
-// hold keeps l's region for its owner, to be freed when the owner goes,
-// and takes it from l.
+// hold keeps l's region (or its pin in place) for its owner, to be
+// freed when the owner goes, and takes it from l.
 func (t *leaseTable) hold(l *lease) {
 	t.held[l.owner] = append(t.held[l.owner], l.region)
 	l.region = Region{}
+	if l.inPlace != nil { // the client may still be copying out of it
+		t.pins[l.owner] = append(t.pins[l.owner], l.inPlace.unpin)
+		l.inPlace = nil
+	}
 }
 
 // orphan is what a gone owner held that its process may still write to.
@@ -362,9 +370,9 @@ func (o orphan) ended(now time.Time) bool {
 }
 
 // ownerGone stops watching owner and returns what it still held: its
-// uncommitted leases, and the regions of its expired ones (no longer
-// held).
-func (t *leaseTable) ownerGone(owner string) ([]*lease, []Region) {
+// uncommitted leases, and the regions and pins in place of its expired
+// ones (no longer held).
+func (t *leaseTable) ownerGone(owner string) ([]*lease, []Region, []func()) {
 	delete(t.watching, owner)
 	var open []*lease
 	for _, l := range t.byID {
@@ -372,9 +380,10 @@ func (t *leaseTable) ownerGone(owner string) ([]*lease, []Region) {
 			open = append(open, l)
 		}
 	}
-	held := t.held[owner]
+	held, pins := t.held[owner], t.pins[owner]
 	delete(t.held, owner)
-	return open, held
+	delete(t.pins, owner)
+	return open, held, pins
 }
 
 // journaled counts the committed save leases: saves accepted and not yet

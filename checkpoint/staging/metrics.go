@@ -110,7 +110,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		ReferencedBytes: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ckptd_referenced_bytes_total", Help: "Tensor bytes incremental saves referenced in an earlier step instead of writing them."}),
 		Restored: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "ckptd_restored_bytes_total", Help: "Tensor bytes restored into the arena."}),
+			Name: "ckptd_restored_bytes_total", Help: "Bytes restores handed out: copied into the arena, or read in place from the hot tier."}),
 		RestoredInPlace: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ckptd_restored_in_place_bytes_total", Help: "Bytes restores read straight from the hot tier's shared memory, not copied into the arena."}),
 		QueueDepth: prometheus.NewGauge(prometheus.GaugeOpts{

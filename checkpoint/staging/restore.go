@@ -119,7 +119,7 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 		return LeaseInfo{}, nil, ErrClosing
 	}
 	var l *lease
-	if req.InPlace && check == nil {
+	if req.InPlace && check == nil && sel.Size > 0 { // a header alone needs no mapping nor pin
 		l, sel, err = mgr.inPlaceLease(&src, sel)
 	}
 	if l == nil && err == nil {
@@ -144,6 +144,9 @@ func (mgr *Manager) BeginRestore(ctx context.Context, o Owner, req RestoreReques
 	mgr.mu.Unlock()
 	if err != nil {
 		return LeaseInfo{}, nil, err
+	}
+	if inPlace {
+		mgr.m.RestoredInPlace.Add(float64(sel.Size))
 	}
 	h := &RestoreHeader{Step: m.Step, WorldSize: m.WorldSize, Attempt: m.Attempt, Tensors: sel.Table, Metadata: m.Metadata, Size: sel.Size,
 		Tier: src.Tier, SkippedStep: src.Skipped, SkippedNonFinite: skippedNonFinite, Check: check, InPlace: inPlace}
@@ -189,7 +192,6 @@ func (mgr *Manager) inPlaceLease(src *tiers.Source, sel checkpoint.Selection) (*
 	}
 	lo, size, table := sel.InPlace(src.M)
 	sel.Table, sel.Size = table, size
-	mgr.m.RestoredInPlace.Add(float64(size))
 	return &lease{
 		id: newLeaseID(), kind: restoreLease, size: size,
 		inPlace: &inPlaceRead{arenaID: hm.ID(), offset: base + lo, data: data[lo : lo+size], unpin: src.TakePin()},
