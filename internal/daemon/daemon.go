@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
@@ -293,10 +294,15 @@ func (d *Daemon) openArena(context.Context) error {
 // can read in place is one it could also have been handed to rewrite
 // before (the daemon checks what it copies out instead).
 func (d *Daemon) openHot() error {
+	dir := filepath.Dir(d.a.Path())
 	if !d.o.hotFile() {
+		// A crashed daemon's file holds memory and nothing anyone needs.
+		if err := os.Remove(filepath.Join(dir, arena.PoolFile)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return err
+		}
 		return nil
 	}
-	p, err := arena.OpenPool(filepath.Dir(d.a.Path()), d.o.HotBytes)
+	p, err := arena.OpenPool(dir, d.o.HotBytes)
 	if err != nil {
 		return err
 	}
@@ -453,7 +459,7 @@ func (d *Daemon) Serve(ctx context.Context) error {
 	d.stopPeer()
 	d.pf.Close()
 	removed, err := shutdown(d.mgr, a, o.Grace, err)
-	if d.hot != nil { // after the Manager: no shard of it is read any more
+	if d.hot != nil { // its file goes; the mapping stays for what still reads it
 		err = errors.Join(err, d.hot.Close())
 	}
 	if removed {
