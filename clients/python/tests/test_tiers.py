@@ -102,7 +102,33 @@ def test_loads_from_the_hot_tier_in_place(make_daemon):
 
         d.stop()
         d.start()
-        c.save(2, state, rank=0, world_size=1).wait(30)
-        got = _load_hot(c, 2)
+        with d.client() as other:  # c's first call after the restart is a restore in place
+            other.save(2, state, rank=0, world_size=1).wait(30)
+            _load_hot(other, 2)
+        got = c.load(2, rank=0)
+        assert got.tier == "hot"
         assert all(np.array_equal(got[k], v) for k, v in state.items())
         assert c._conn._hot is not None and c._conn._hot is not hot
+
+
+def test_a_hot_tier_that_cannot_be_mapped_is_copied(make_daemon, monkeypatch):
+    """A client that cannot map the hot tier's file loads copies, with one warning."""
+    from ckptd import _transport
+
+    real = _transport.Arena
+
+    def no_read_only(path, size, owner, writable=True):
+        if not writable:
+            raise PermissionError(13, "Permission denied", path)
+        return real(path, size, owner, writable)
+
+    monkeypatch.setattr(_transport, "Arena", no_read_only)
+    d = make_daemon("--hot-bytes", "64MiB")
+    state = {"w": np.arange(50_000, dtype=np.float32)}
+    with d.client() as c:
+        c.save(1, state, rank=0, world_size=1).wait(30)
+        with pytest.warns(RuntimeWarning, match="copied into the arena"):
+            got = _load_hot(c, 1)
+        assert np.array_equal(got["w"], state["w"])
+        assert not c._conn.in_place
+        assert np.array_equal(_load_hot(c, 1)["w"], state["w"])

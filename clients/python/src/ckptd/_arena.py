@@ -79,7 +79,7 @@ class Arena:
             self._mapped: bytearray | None = None
             if _can_populate(self._mm):
                 self._mapped = bytearray(-(-size // _POPULATE_SPAN))
-            else:
+            elif writable:  # not the hot tier's file: mapping all of it would allocate its holes
                 self._mm.close()
                 self._mm = _map(fd, size, getattr(mmap, "MAP_POPULATE", 0), writable)
         finally:
@@ -87,7 +87,7 @@ class Arena:
         self.path = path
         self.size = size
         self.writable = writable
-        self._ident = (st.st_dev, st.st_ino)
+        self.ident = (st.st_dev, st.st_ino)
         self.mem: np.ndarray = np.frombuffer(self._mm, dtype=np.uint8)
         self._pin_lock = threading.Lock()
         self._pinned: bool | None = None
@@ -107,7 +107,7 @@ class Arena:
             st = os.stat(self.path)
         except OSError:
             return False
-        return (st.st_dev, st.st_ino) == self._ident
+        return (st.st_dev, st.st_ino) == self.ident
 
     def region(self, offset: int, length: int) -> np.ndarray:
         """The bytes of a lease, bounds-checked against the mapping."""

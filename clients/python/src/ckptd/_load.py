@@ -29,7 +29,7 @@ from ._errors import (
     InvalidArgumentError,
     NotFoundError,
 )
-from ._transport import Connection, LeaseLost, Outage
+from ._transport import Connection, LeaseLost, NotInPlace, Outage
 from .v1 import ckptd_pb2 as pb
 
 _LOG = logging.getLogger("ckptd")
@@ -197,6 +197,8 @@ def restore(
             outage.pause(e)
         except LeaseLost as e:
             outage.pause(e.error)
+        except NotInPlace:
+            pass  # conn.in_place is off now: the next try is copied
 
 
 def _load_shm(

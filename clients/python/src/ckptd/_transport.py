@@ -126,6 +126,7 @@ class Connection:
         # the first restore in place; _hot_info is what GetArena said of it.
         self._hot_info: pb.MappedFile | None = None
         self._hot: Arena | None = None
+        self._no_hot = False  # mapping the hot tier failed: restores are copied from then on
         self.closed = False
 
     def close(self) -> None:
@@ -238,21 +239,38 @@ class Connection:
     @property
     def in_place(self) -> bool:
         """Whether restores may be served in place: the daemon has a hot tier file to map."""
-        return self._hot_info is not None and self.transport != "stream"
+        return self._hot_info is not None and not self._no_hot and self.transport != "stream"
 
     def _hot_mapping(self, arena_id: str) -> Arena | None:
-        """The hot tier file of id arena_id, mapped read-only on first use; else None."""
+        """The hot tier file of id arena_id, mapped read-only on first use; else None.
+
+        Raises:
+            NotInPlace: the file cannot be mapped here; restores are
+                copied into the arena from now on.
+            DaemonUnavailableError: the file is not the one the daemon
+                named (it restarted meanwhile).
+        """
         with self._map_lock:
             info = self._hot_info
             if info is None or info.id != arena_id:
                 return None
             if self._hot is None:
+                uid = self.ensure_trusted("map the hot tier").uid
                 try:
-                    self._hot = Arena(
-                        info.path, info.size, self.ensure_trusted("map the hot tier").uid, False
-                    )
+                    hot = Arena(info.path, info.size, uid, False)
                 except OSError as e:
-                    raise CkptdError(f"cannot map the daemon's hot tier {info.path}: {e}") from e
+                    self._no_hot = True
+                    warnings.warn(
+                        f"ckptd: cannot map the daemon's hot tier {info.path} ({e}); "
+                        "restores from it are copied into the arena instead",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    raise NotInPlace(str(e)) from e
+                if ":".join(str(v) for v in hot.ident) != ":".join(info.id.split(":")[:2]):
+                    hot.close()
+                    raise DaemonUnavailableError(f"the daemon's hot tier {info.path} was made anew")
+                self._hot = hot
             return self._hot
 
     def lease_mapping(self, arena_id: str) -> Arena:
@@ -270,11 +288,19 @@ class Connection:
         if arena is not None and (arena_id == self._arena_id if arena_id else arena.is_current()):
             return arena
         fresh = self.mapping(refresh=True)
+        if fresh is not None and arena_id and arena_id != self._arena_id:
+            hot = self._hot_mapping(arena_id)  # the daemon's new hot tier
+            if hot is not None:
+                return hot
         if fresh is None or (arena_id and arena_id != self._arena_id):
             raise DaemonUnavailableError(
                 f"the daemon's arena changed (lease in arena {arena_id!r}) and cannot be mapped"
             )
         return fresh
+
+
+class NotInPlace(Exception):  # a signal within the client, never raised to callers
+    """A restore in place whose hot tier file cannot be mapped: make it again, copied."""
 
 
 class LeaseLost(Exception):  # a signal within the client, never raised to callers
