@@ -179,18 +179,44 @@ func (a *allocator) grant() {
 // request. Low addresses stay busy and the top of the arena stays in large
 // pieces for big requests.
 func (a *allocator) take(n int64) (Region, bool) {
+	i, start, end := a.firstFit(n)
+	if i < 0 {
+		return Region{}, false
+	}
+	a.carve(i, start, end)
+	a.allocs[start] = allocation{length: n, end: end}
+	a.used += end - start
+	return Region{Offset: start, Length: n}, true
+}
+
+// firstFit returns the free span take would carve n bytes out of, and
+// where; i is -1 when none holds them.
+func (a *allocator) firstFit(n int64) (i int, start, end int64) {
 	align := a.alignmentFor(n)
 	length := alignUp(n, pageSize)
 	for i, s := range a.free {
 		start := alignUp(s.off, align)
 		if end := start + length; end <= s.end {
-			a.carve(i, start, end)
-			a.allocs[start] = allocation{length: n, end: end}
-			a.used += end - start
-			return Region{Offset: start, Length: n}, true
+			return i, start, end
 		}
 	}
-	return Region{}, false
+	return -1, 0, 0
+}
+
+// tryTake is take without waiting, for a caller that has no queue of its
+// own: a region, or none.
+func (a *allocator) tryTake(n int64) (Region, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.take(n)
+}
+
+// fits reports whether take would find n bytes now.
+func (a *allocator) fits(n int64) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	i, _, _ := a.firstFit(n)
+	return i >= 0
 }
 
 // carve removes [start, end) from free span i, keeping what is left on

@@ -101,9 +101,7 @@ func (p *Pool) Take(n int64) ([]byte, bool) {
 	if n < 0 || n > p.size {
 		return nil, false
 	}
-	p.alloc.mu.Lock()
-	r, ok := p.alloc.take(n)
-	p.alloc.mu.Unlock()
+	r, ok := p.alloc.tryTake(n)
 	if !ok {
 		return nil, false
 	}
@@ -138,15 +136,7 @@ func (p *Pool) Fits(n int64) bool {
 	if n <= 0 {
 		return n == 0
 	}
-	align, length := p.alloc.alignmentFor(n), alignUp(n, pageSize)
-	p.alloc.mu.Lock()
-	defer p.alloc.mu.Unlock()
-	for _, s := range p.alloc.free {
-		if alignUp(s.off, align)+length <= s.end {
-			return true
-		}
-	}
-	return false
+	return p.alloc.fits(n)
 }
 
 // Give takes back a piece Take handed out; its pages stay allocated for
