@@ -115,15 +115,8 @@ func CopyVerified(m *Manifest, data, dst []byte, where string) error {
 // CopySelected copies sel's tensors out of data, m's data space, into
 // dst, checking every chunk they touch against its hash.
 func CopySelected(m *Manifest, data []byte, sel Selection, dst []byte, where string) error {
-	for _, r := range sel.ranges() {
-		for i, c := range m.Chunks {
-			if c.RawOffset >= r.off+r.n || c.RawOffset+c.Raw <= r.off {
-				continue
-			}
-			if err := VerifyChunk(m, i, data, nil, where); err != nil {
-				return err
-			}
-		}
+	if err := VerifySelected(m, data, sel, where); err != nil {
+		return err
 	}
 	for _, p := range sel.parts {
 		copy(dst[p.dst:p.dst+p.n], data[p.src:p.src+p.n])

@@ -103,9 +103,7 @@ func (s Selection) InPlace(m *Manifest) (lo, size int64, table []Tensor) {
 	if s.Whole {
 		return 0, m.DataSize, m.Tensors
 	}
-	if len(s.parts) == 0 {
-		lo = 0
-	} else {
+	if len(s.parts) > 0 {
 		lo = s.parts[0].src
 	}
 	hi := lo

@@ -23,7 +23,7 @@ type Config struct {
 	HotSteps int
 	// HotMemory, when set, is where the hot tier keeps its shards instead
 	// of the heap: shared memory clients map read-only, so that a restore
-	// can hand out the hot copy in place (Source.InPlace). It must hold
+	// can hand out the hot copy in place (Source.Hot, TakePin). It must hold
 	// HotBytes.
 	HotMemory Memory
 	// PersistEvery, above 1, drains only the steps it divides to storage:
