@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"sync"
 	"time"
@@ -78,8 +79,8 @@ func (s *Store) writeCommit(ctx context.Context, t Target, rec *CommitRecord) (*
 // committed by another attempt, so it is garbage (prune would remove it
 // later if this fails). Its data object may be in either layout.
 func (s *Store) RemoveRank(ctx context.Context, t Target) {
-	for _, name := range []string{manifestName(t), inJob(t.Job, dataObject(t.Step, t.Attempt, t.Rank)),
-		inJob(t.Job, spreadDataObject(t.Step, t.Attempt, t.Rank))} {
+	for _, name := range []string{t.manifestName(), inJob(t.Job, t.dataObject()),
+		inJob(t.Job, t.spreadDataObject())} {
 		if err := s.backend.Delete(ctx, name); err != nil {
 			s.log().Warn("could not remove the objects of a save its step will never use; prune removes them", "object", name, "err", err)
 		}
@@ -162,10 +163,10 @@ func (rec *CommitRecord) add(t Target, name string, m *Manifest, data []byte) er
 		return fmt.Errorf("%w: %s describes %s; attempt %q of step %d has ranks saved with a world size of %d",
 			ErrInvalid, name, m.Target(), t.Attempt, t.Step, t.WorldSize)
 	}
-	if name != manifestName(m.Target()) || rec.Manifests[m.Rank].Object != "" {
+	if name != m.Target().manifestName() || rec.Manifests[m.Rank].Object != "" {
 		return fmt.Errorf("%w: %s describes rank %d, stored elsewhere", ErrCorrupt, name, m.Rank)
 	}
-	rec.Manifests[m.Rank] = ManifestRef{Object: manifestObject(t.Step, t.Attempt, m.Rank), Hash: codec.FormatHash(codec.Hash(data))}
+	rec.Manifests[m.Rank] = ManifestRef{Object: Target{Step: t.Step, Attempt: t.Attempt, Rank: m.Rank}.manifestObject(), Hash: codec.HashString(data)}
 	rec.Bytes += m.DataSize
 	rec.StoredBytes += m.StoredSize
 	values, tensors := m.NonFinite()
@@ -178,7 +179,7 @@ func (rec *CommitRecord) add(t Target, name string, m *Manifest, data []byte) er
 // the store's root, like every name below).
 // RankManifest reads the manifest t's save stored, committed or not.
 func (s *Store) RankManifest(ctx context.Context, t Target) (*Manifest, error) {
-	return s.readManifest(ctx, manifestName(t))
+	return s.readManifest(ctx, t.manifestName())
 }
 
 func (s *Store) readManifest(ctx context.Context, name string) (*Manifest, error) {
@@ -197,7 +198,7 @@ func (s *Store) readManifestHash(ctx context.Context, name string) (*Manifest, s
 	if err != nil {
 		return nil, "", fmt.Errorf("%s: %w", name, err)
 	}
-	return m, codec.FormatHash(codec.Hash(data)), nil
+	return m, codec.HashString(data), nil
 }
 
 func (s *Store) readObject(ctx context.Context, name string, limit int64) ([]byte, error) {
@@ -211,4 +212,16 @@ func (s *Store) readObject(ctx context.Context, name string, limit int64) ([]byt
 		return nil, fmt.Errorf("read %s: %w", name, err)
 	}
 	return data, nil
+}
+
+// readAll reads a whole small object, refusing one larger than limit.
+func readAll(r io.Reader, limit int64) ([]byte, error) {
+	b, err := io.ReadAll(io.LimitReader(r, limit+1))
+	if err != nil {
+		return nil, err
+	}
+	if int64(len(b)) > limit {
+		return nil, fmt.Errorf("%w: object larger than %d bytes", ErrCorrupt, limit)
+	}
+	return b, nil
 }

@@ -117,7 +117,7 @@ func TestCommitByGroupsGuards(t *testing.T) {
 	t.Run("forged summary", func(t *testing.T) {
 		c, s, w := countedStore(t)
 		forged, _ := json.Marshal(groupSummary{Format: GroupFormat, Version: GroupVersion, Job: "job", Step: 9, Attempt: testAttempt,
-			WorldSize: world, FirstRank: 0, Manifests: []ManifestRef{{Object: manifestObject(9, testAttempt, 0), Hash: "xxh3:0123456789abcdef"}}})
+			WorldSize: world, FirstRank: 0, Manifests: []ManifestRef{{Object: Target{Step: 9, Attempt: testAttempt, Rank: 0}.manifestObject(), Hash: "xxh3:0123456789abcdef"}}})
 		if err := c.PutIfAbsent(ctx, inJob("job", groupObject(9, testAttempt, 0)), forged); err != nil {
 			t.Fatal(err)
 		}

@@ -40,16 +40,6 @@ func NewCopyCheck(ends []int64) *CopyCheck {
 	return &CopyCheck{Ends: ends, Key: codec.NewMACKey()}
 }
 
-// checkEnds are the data-space ends of the chunks planChunks cuts l into.
-func (l *Layout) checkEnds(size, alone int64) []int64 {
-	plan := planChunks(l, size, alone)
-	ends := make([]int64, len(plan))
-	for i, p := range plan {
-		ends[i] = p.rawOffset + p.raw
-	}
-	return ends
-}
-
 // Validate checks c against l: ends that cut l's data space into chunks
 // of 1 to MaxChunkSize bytes, and, when hashes says they must be there,
 // one hash per chunk.
@@ -105,12 +95,12 @@ func (c *CopyCheck) holds(chunks []Chunk, l *Layout, data []byte) bool {
 	}
 	var buf []byte
 	mac := c.mac()
-	for i, p := range planEnds(l, c.Ends) {
-		raw := gather(data, p, &buf, true)
+	for i, p := range l.planEnds(c.Ends) {
+		raw := p.gather(data, &buf, true)
 		mac.Reset()
 		mac.Write(raw)
 		if chunks[i].RawOffset != p.rawOffset || chunks[i].Raw != p.raw || mac.Sum64() != c.Hashes[i] ||
-			codec.FormatHash(codec.Hash(raw)) != chunks[i].Hash {
+			codec.HashString(raw) != chunks[i].Hash {
 			return false
 		}
 	}
@@ -150,33 +140,6 @@ func Sums(key []byte, ends []int64, data []byte) ([]uint64, error) {
 	return out, g.Wait()
 }
 
-// planEnds cuts l's data space at ends (validated), as planChunks would
-// have: the spans of each chunk, and the dtype of its first tensor.
-func planEnds(l *Layout, ends []int64) []chunkPlan {
-	out := make([]chunkPlan, 0, len(ends))
-	cur := chunkPlan{}
-	ti, tOff := 0, int64(0) // tensor of Region, and bytes of it already planned
-	for _, end := range ends {
-		cur.raw = end - cur.rawOffset
-		for need := cur.raw; need > 0; {
-			t := l.Region[ti]
-			if tOff == t.Length {
-				ti, tOff = ti+1, 0
-				continue
-			}
-			if len(cur.spans) == 0 {
-				cur.dtype = t.DType
-			}
-			n := min(need, t.Length-tOff)
-			cur.spans = appendSpan(cur.spans, span{t.Offset + tOff, n})
-			tOff, need = tOff+n, need-n
-		}
-		out = append(out, cur)
-		cur = chunkPlan{rawOffset: end}
-	}
-	return out
-}
-
 // RegionHasher hashes a region's bytes as they stream past, in order, into
 // the chunks of a CopyCheck: the daemon's own CopyCheck of a save a client
 // streams (SaveStream), taken from the stream before the bytes reach the
@@ -193,7 +156,7 @@ type RegionHasher struct {
 // NewRegionHasher takes the MACs of the chunks c cuts l into (c validated
 // but for its hashes).
 func NewRegionHasher(l *Layout, c *CopyCheck) *RegionHasher {
-	return &RegionHasher{plan: planEnds(l, c.Ends), h: c.mac()}
+	return &RegionHasher{plan: l.planEnds(c.Ends), h: c.mac()}
 }
 
 // Write takes the region's next bytes.

@@ -46,7 +46,7 @@ func TestCopyCheckChunks(t *testing.T) {
 		l, region := randomLayout(t, r)
 		alone := []int64{0, 1024}[i%2]
 		ends := l.checkEnds(4096, alone)
-		if p, q := planEnds(l, ends), planChunks(l, 4096, alone); len(p)+len(q) > 0 && !reflect.DeepEqual(p, q) {
+		if p, q := l.planEnds(ends), l.planChunks(4096, alone); len(p)+len(q) > 0 && !reflect.DeepEqual(p, q) {
 			t.Fatalf("layout %d: planEnds differs from planChunks:\n%+v\n%+v", i, p, q)
 		}
 		data := make([]byte, l.DataSize)
@@ -117,7 +117,7 @@ func TestCheckedSelection(t *testing.T) {
 		}
 		var start int64
 		for i, end := range check.Ends { // whole chunks, as stored
-			if c := m.Chunks[sel.chunks(m)[i]]; end-start != c.Raw || codec.FormatHash(codec.Hash(got[start:end])) != c.Hash {
+			if c := m.Chunks[sel.chunks(m)[i]]; end-start != c.Raw || codec.HashString(got[start:end]) != c.Hash {
 				t.Fatalf("%s: chunk %d of the restored bytes is not a stored chunk", name, i)
 			}
 			start = end
@@ -145,15 +145,15 @@ func TestCopySelectedInMemory(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := make([]byte, sel.Size)
-	if err := CopySelected(m, data, sel, got, "test"); err != nil || !bytes.Equal(got, want) {
+	if err := m.CopySelected(data, sel, got, "test"); err != nil || !bytes.Equal(got, want) {
 		t.Fatalf("copied %v", err)
 	}
 	data[10] ^= 1 // in the first chunk: "big" starts there, but the slices do not touch it
-	if err := CopySelected(m, data, sel, got, "test"); err != nil {
+	if err := m.CopySelected(data, sel, got, "test"); err != nil {
 		t.Fatalf("an untouched chunk was checked: %v", err)
 	}
 	data[300_004] ^= 1
-	if err := CopySelected(m, data, sel, got, "test"); !errors.Is(err, ErrCorrupt) {
+	if err := m.CopySelected(data, sel, got, "test"); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("a damaged chunk: %v", err)
 	}
 }

@@ -61,7 +61,7 @@ func FuzzNewLayout(f *testing.F) {
 			t.Fatalf("data size %d, tensors hold %d, region %d", l.DataSize, sum, l.RegionSize)
 		}
 		if l.RegionSize <= 64<<20 { // planning a huge region is the arena's to refuse
-			if n := len(planChunks(l, 4096, 0)); int64(n) > l.DataSize/4096+int64(len(l.Region))+1 {
+			if n := len(l.planChunks(4096, 0)); int64(n) > l.DataSize/4096+int64(len(l.Region))+1 {
 				t.Fatalf("%d chunks for %d bytes", n, l.DataSize)
 			}
 		}
@@ -73,8 +73,8 @@ func FuzzNewLayout(f *testing.F) {
 // manifests, and adds no negative count.
 func FuzzParseGroup(f *testing.F) {
 	want := Target{Job: "j", Step: 1, WorldSize: 102, Attempt: "a"}
-	refs := []ManifestRef{{Object: manifestObject(1, "a", 100), Hash: "xxh3:0123456789abcdef"},
-		{Object: manifestObject(1, "a", 101), Hash: "xxh3:0123456789abcdef"}}
+	refs := []ManifestRef{{Object: Target{Step: 1, Attempt: "a", Rank: 100}.manifestObject(), Hash: "xxh3:0123456789abcdef"},
+		{Object: Target{Step: 1, Attempt: "a", Rank: 101}.manifestObject(), Hash: "xxh3:0123456789abcdef"}}
 	good, _ := json.Marshal(groupSummary{Format: GroupFormat, Version: GroupVersion, Job: "j", Step: 1, Attempt: "a",
 		WorldSize: 102, FirstRank: 100, Manifests: refs, Bytes: 8, StoredBytes: 8})
 	f.Add(good, 100)
@@ -93,7 +93,7 @@ func FuzzParseGroup(f *testing.F) {
 			t.Fatalf("accepted %+v for ranks %d-%d of %+v", g, first, end-1, want)
 		}
 		for i, ref := range g.Manifests {
-			if ref.Object != manifestObject(want.Step, want.Attempt, first+i) {
+			if ref.Object != (Target{Step: want.Step, Attempt: want.Attempt, Rank: first + i}).manifestObject() {
 				t.Fatalf("rank %d's manifest %q is not the canonical name", first+i, ref.Object)
 			}
 		}
@@ -123,7 +123,7 @@ func FuzzParseCommit(f *testing.F) {
 		}
 		for rank := range c.WorldSize {
 			obj, _ := c.manifestObject(rank)
-			if obj != manifestObject(c.Step, c.Attempt, rank) {
+			if obj != (Target{Step: c.Step, Attempt: c.Attempt, Rank: rank}).manifestObject() {
 				t.Fatalf("rank %d's manifest %q is not the canonical name", rank, obj)
 			}
 		}

@@ -207,7 +207,7 @@ func parseGroup(b []byte, t Target, first int) (*groupSummary, error) {
 		return nil, fmt.Errorf("%w: negative counts in a group summary", ErrCorrupt)
 	}
 	for i, ref := range g.Manifests {
-		if want := manifestObject(t.Step, t.Attempt, first+i); ref.Object != want {
+		if want := (Target{Step: t.Step, Attempt: t.Attempt, Rank: first + i}).manifestObject(); ref.Object != want {
 			return nil, fmt.Errorf("%w: rank %d's manifest is %q, want %q", ErrCorrupt, first+i, ref.Object, want)
 		}
 		if _, err := codec.ParseHash(ref.Hash); err != nil {

@@ -51,7 +51,7 @@ var ErrPruneWindow = errors.New("prune ran past its deletion window")
 // Owns reports whether c is stored in the manifest's own data object, not
 // referenced in an earlier step's by an incremental save.
 func (m *Manifest) Owns(c Chunk) bool {
-	return c.Object == dataObject(m.Step, m.Attempt, m.Rank) || c.Object == spreadDataObject(m.Step, m.Attempt, m.Rank)
+	return c.Object == m.Target().dataObject() || c.Object == m.Target().spreadDataObject()
 }
 
 // pinName is the pin of t's save on base, in the store.

@@ -70,7 +70,7 @@ func saveFrozen(t *testing.T, b storage.Backend, w *Writer, step int64, world in
 
 func dataSize(t *testing.T, b storage.Backend, step int64, rank int) int64 {
 	t.Helper()
-	oi, err := b.Stat(context.Background(), inJob("job", dataObject(step, testAttempt, rank)))
+	oi, err := b.Stat(context.Background(), inJob("job", Target{Step: step, Attempt: testAttempt, Rank: rank}.dataObject()))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -113,13 +113,13 @@ func TestIncrementalReferencesUnchangedChunks(t *testing.T) {
 	if _, err := store.Verify(ctx, 4, false, ReadOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := b.Stat(ctx, inJob("job", dataObject(2, testAttempt, 0))); !errors.Is(err, storage.ErrNotFound) {
+	if _, err := b.Stat(ctx, inJob("job", (Target{Step: 2, Attempt: testAttempt, Rank: 0}).dataObject())); !errors.Is(err, storage.ErrNotFound) {
 		t.Fatalf("step 2's data (referenced by no kept step) is still there: %v", err)
 	}
 	// A rank the base lacks (the job grew) writes everything.
 	sh := frozenShard(5, 2, 3)
 	m, err := w.WriteShard(ctx, sh)
-	if err != nil || m.Chunks[0].Object != dataObject(5, testAttempt, 2) {
+	if err != nil || m.Chunks[0].Object != (Target{Step: 5, Attempt: testAttempt, Rank: 2}).dataObject() {
 		t.Fatalf("new rank: %v, first chunk in %q", err, m.Chunks[0].Object)
 	}
 }

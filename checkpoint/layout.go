@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"fmt"
+	"math"
 	"sort"
 
 	"github.com/ckptd/ckptd/checkpoint/dtype"
@@ -90,7 +91,7 @@ type chunkPlan struct {
 // that a change to a small neighbour leaves them as they were: what an
 // incremental save needs to reference a frozen weight's chunks while the
 // adapters packed beside it train.
-func planChunks(l *Layout, size, alone int64) []chunkPlan {
+func (l *Layout) planChunks(size, alone int64) []chunkPlan {
 	var out []chunkPlan
 	var cur chunkPlan
 	flush := func() {
@@ -124,6 +125,58 @@ func planChunks(l *Layout, size, alone int64) []chunkPlan {
 	}
 	flush()
 	return out
+}
+
+// checkEnds are the data-space ends of the chunks planChunks cuts l into.
+func (l *Layout) checkEnds(size, alone int64) []int64 {
+	plan := l.planChunks(size, alone)
+	ends := make([]int64, len(plan))
+	for i, p := range plan {
+		ends[i] = p.rawOffset + p.raw
+	}
+	return ends
+}
+
+// planEnds cuts the data space at ends (validated), as planChunks would
+// have: the spans of each chunk, and the dtype of its first tensor.
+func (l *Layout) planEnds(ends []int64) []chunkPlan {
+	out := make([]chunkPlan, 0, len(ends))
+	cur := chunkPlan{}
+	ti, tOff := 0, int64(0) // tensor of Region, and bytes of it already planned
+	for _, end := range ends {
+		cur.raw = end - cur.rawOffset
+		for need := cur.raw; need > 0; {
+			t := l.Region[ti]
+			if tOff == t.Length {
+				ti, tOff = ti+1, 0
+				continue
+			}
+			if len(cur.spans) == 0 {
+				cur.dtype = t.DType
+			}
+			n := min(need, t.Length-tOff)
+			cur.spans = appendSpan(cur.spans, span{t.Offset + tOff, n})
+			tOff, need = tOff+n, need-n
+		}
+		out = append(out, cur)
+		cur = chunkPlan{rawOffset: end}
+	}
+	return out
+}
+
+// gather returns the chunk's bytes: a slice of data when they are
+// contiguous (the usual case) and not private, else a copy into *buf.
+func (cp chunkPlan) gather(data []byte, buf *[]byte, private bool) []byte {
+	if len(cp.spans) == 1 && !private {
+		s := cp.spans[0]
+		return data[s.off : s.off+s.n]
+	}
+	b := (*buf)[:0]
+	for _, s := range cp.spans {
+		b = append(b, data[s.off:s.off+s.n]...)
+	}
+	*buf = b
+	return b
 }
 
 // appendSpan merges adjacent spans so that a packed table yields one span
@@ -161,4 +214,14 @@ func (l *Layout) Pack(region, data []byte) {
 		r := l.Region[i]
 		copy(data[p.Offset:p.Offset+p.Length], region[r.Offset:r.Offset+r.Length])
 	}
+}
+
+// addInt64 returns a+b for non-negative a and b, and false when the sum
+// does not fit: every size a client or a stored file hands over is summed
+// with it, so that a crafted 2^62 cannot wrap around to a small number.
+func addInt64(a, b int64) (int64, bool) {
+	if a < 0 || b < 0 || a > math.MaxInt64-b {
+		return 0, false
+	}
+	return a + b, true
 }

@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
-	"io"
-	"math"
 	"slices"
 	"strings"
 	"time"
@@ -146,7 +144,7 @@ func (m *Manifest) Hash() string {
 	if err != nil {
 		return ""
 	}
-	return codec.FormatHash(codec.Hash(b))
+	return codec.HashString(b)
 }
 
 // Holds reports whether m describes exactly sh: same target, tensors and
@@ -167,8 +165,8 @@ func (m *Manifest) Holds(sh *Shard) bool {
 		if !ok {
 			return false
 		}
-		raw := gather(sh.Data, chunkPlan{spans: spans}, &buf, false)
-		if codec.FormatHash(codec.Hash(raw)) != c.Hash {
+		raw := (chunkPlan{spans: spans}).gather(sh.Data, &buf, false)
+		if codec.HashString(raw) != c.Hash {
 			return false
 		}
 	}
@@ -287,16 +285,6 @@ func validatePacked(ts []Tensor) (int64, error) {
 		}
 	}
 	return off, nil
-}
-
-// addInt64 returns a+b for non-negative a and b, and false when the sum
-// does not fit: every size a client or a stored file hands over is summed
-// with it, so that a crafted 2^62 cannot wrap around to a small number.
-func addInt64(a, b int64) (int64, bool) {
-	if a < 0 || b < 0 || a > math.MaxInt64-b {
-		return 0, false
-	}
-	return a + b, true
 }
 
 // checkTensor validates one table entry's name, dtype and length.
@@ -437,7 +425,7 @@ func (c *CommitRecord) validate() error {
 	for rank, ref := range c.Manifests {
 		// Exactly the canonical name: a record cannot send a reader
 		// anywhere else in the store.
-		if want := manifestObject(c.Step, c.Attempt, rank); ref.Object != want {
+		if want := (Target{Step: c.Step, Attempt: c.Attempt, Rank: rank}).manifestObject(); ref.Object != want {
 			return fmt.Errorf("rank %d's manifest is %q, want %q", rank, ref.Object, want)
 		}
 		if _, err := codec.ParseHash(ref.Hash); err != nil {
@@ -451,7 +439,7 @@ func (c *CommitRecord) validate() error {
 // hash ("" for version 1, which records none).
 func (c *CommitRecord) manifestObject(rank int) (object, hash string) {
 	if c.Version == 1 {
-		return manifestObject(c.Step, "", rank), ""
+		return Target{Step: c.Step, Attempt: "", Rank: rank}.manifestObject(), ""
 	}
 	ref := c.Manifests[rank]
 	return ref.Object, ref.Hash
@@ -464,16 +452,4 @@ func (c *CommitRecord) manifestObject(rank int) (object, hash string) {
 func (c *CommitRecord) Pins(rank int, hash string) bool {
 	_, want := c.manifestObject(rank)
 	return want == "" || want == hash
-}
-
-// readAll reads a whole small object, refusing one larger than limit.
-func readAll(r io.Reader, limit int64) ([]byte, error) {
-	b, err := io.ReadAll(io.LimitReader(r, limit+1))
-	if err != nil {
-		return nil, err
-	}
-	if int64(len(b)) > limit {
-		return nil, fmt.Errorf("%w: object larger than %d bytes", ErrCorrupt, limit)
-	}
-	return b, nil
 }

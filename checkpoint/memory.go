@@ -21,7 +21,7 @@ import (
 // data object a persisted save would have, each with its hash, so that it
 // is served and sent to peers verified like any other.
 func MemoryManifest(t Target, layout *Layout, metadata, data []byte, chunkSize int64) *Manifest {
-	return memoryManifest(t, layout, metadata, data, planChunks(layout, chunkSize, 0))
+	return memoryManifest(t, layout, metadata, data, layout.planChunks(chunkSize, 0))
 }
 
 // CheckedMemoryManifest is MemoryManifest with chunks cut at check's ends,
@@ -31,7 +31,7 @@ func CheckedMemoryManifest(t Target, layout *Layout, metadata, data []byte, chec
 	if err := check.Validate(layout, true); err != nil {
 		return nil, err
 	}
-	m := memoryManifest(t, layout, metadata, data, planEnds(layout, check.Ends))
+	m := memoryManifest(t, layout, metadata, data, layout.planEnds(check.Ends))
 	macs, err := Sums(check.Key, check.Ends, data)
 	if err == nil {
 		err = check.verify(macs)
@@ -49,7 +49,7 @@ func memoryManifest(t Target, layout *Layout, metadata, data []byte, plan []chun
 		Created: time.Now().UTC(), DataSize: layout.DataSize, StoredSize: layout.DataSize,
 		Tensors: layout.Packed, Metadata: metadata, Chunks: make([]Chunk, len(plan)),
 	}
-	obj := dataObject(t.Step, t.Attempt, t.Rank)
+	obj := t.dataObject()
 	counts := make([][]tensorCount, len(plan))
 	var g errgroup.Group
 	g.SetLimit(runtime.GOMAXPROCS(0))
@@ -57,7 +57,7 @@ func memoryManifest(t Target, layout *Layout, metadata, data []byte, plan []chun
 		g.Go(func() error {
 			raw := data[p.rawOffset : p.rawOffset+p.raw]
 			m.Chunks[i] = Chunk{Object: obj, Offset: p.rawOffset, Stored: p.raw, RawOffset: p.rawOffset, Raw: p.raw,
-				Codec: codec.None, Hash: codec.FormatHash(codec.Hash(raw))}
+				Codec: codec.None, Hash: codec.HashString(raw)}
 			counts[i] = countChunk(p, raw, layout.Packed)
 			return nil
 		})
@@ -79,7 +79,7 @@ func memoryManifest(t Target, layout *Layout, metadata, data []byte, plan []chun
 // VerifyChunk checks chunk i of m in data, m's data space held in memory
 // (whose copy it is, where says, for the error); with dst it copies the
 // chunk there as it hashes it (one pass over memory).
-func VerifyChunk(m *Manifest, i int, data, dst []byte, where string) error {
+func (m *Manifest) VerifyChunk(i int, data, dst []byte, where string) error {
 	c := m.Chunks[i]
 	if c.RawOffset < 0 || c.Raw < 0 || c.RawOffset > int64(len(data))-c.Raw {
 		return fmt.Errorf("%w: %s of step %d rank %d: chunk %d outside its data", ErrCorrupt, where, m.Step, m.Rank, i)
@@ -100,22 +100,22 @@ func VerifyChunk(m *Manifest, i int, data, dst []byte, where string) error {
 // CopyVerified copies data, m's data space, into dst chunk by chunk, on
 // every CPU, checking each chunk against its hash as it copies it (one
 // pass over memory). dst holds garbage when it fails.
-func CopyVerified(m *Manifest, data, dst []byte, where string) error {
+func (m *Manifest) CopyVerified(data, dst []byte, where string) error {
 	if len(dst) < len(data) {
 		return fmt.Errorf("%w: %s of step %d rank %d: a region of %d bytes for %d", ErrCorrupt, where, m.Step, m.Rank, len(dst), len(data))
 	}
 	var g errgroup.Group
 	g.SetLimit(runtime.GOMAXPROCS(0))
 	for i := range m.Chunks {
-		g.Go(func() error { return VerifyChunk(m, i, data, dst, where) })
+		g.Go(func() error { return m.VerifyChunk(i, data, dst, where) })
 	}
 	return g.Wait()
 }
 
 // CopySelected copies sel's tensors out of data, m's data space, into
 // dst, checking every chunk they touch against its hash.
-func CopySelected(m *Manifest, data []byte, sel Selection, dst []byte, where string) error {
-	if err := VerifySelected(m, data, sel, where); err != nil {
+func (m *Manifest) CopySelected(data []byte, sel Selection, dst []byte, where string) error {
+	if err := m.VerifySelected(data, sel, where); err != nil {
 		return err
 	}
 	for _, p := range sel.parts {
@@ -127,7 +127,7 @@ func CopySelected(m *Manifest, data []byte, sel Selection, dst []byte, where str
 // VerifySelected checks every chunk of data, m's data space held in
 // memory, that sel touches (every chunk when whole) against its hash, on
 // every CPU, copying nothing: for a restore that hands data out as it is.
-func VerifySelected(m *Manifest, data []byte, sel Selection, where string) error {
+func (m *Manifest) VerifySelected(data []byte, sel Selection, where string) error {
 	touched := func(c Chunk) bool { return true }
 	if !sel.Whole {
 		rs := sel.ranges()
@@ -140,7 +140,7 @@ func VerifySelected(m *Manifest, data []byte, sel Selection, where string) error
 	g.SetLimit(runtime.GOMAXPROCS(0))
 	for i, c := range m.Chunks {
 		if touched(c) {
-			g.Go(func() error { return VerifyChunk(m, i, data, nil, where) })
+			g.Go(func() error { return m.VerifyChunk(i, data, nil, where) })
 		}
 	}
 	return g.Wait()
@@ -149,7 +149,7 @@ func VerifySelected(m *Manifest, data []byte, sel Selection, where string) error
 // VerifyArriving checks m's chunks in dst in order, each once arrived
 // says the bytes up to its end are there (a transfer's progress); it
 // drains arrived to its end whatever it finds.
-func VerifyArriving(m *Manifest, dst []byte, arrived <-chan int64, where string) error {
+func (m *Manifest) VerifyArriving(dst []byte, arrived <-chan int64, where string) error {
 	defer func() {
 		for range arrived {
 		}
@@ -163,7 +163,7 @@ func VerifyArriving(m *Manifest, dst []byte, arrived <-chan int64, where string)
 			}
 			have = n
 		}
-		if err := VerifyChunk(m, i, dst, nil, where); err != nil {
+		if err := m.VerifyChunk(i, dst, nil, where); err != nil {
 			return err
 		}
 	}

@@ -169,8 +169,8 @@ func attemptDir(step int64, attempt string) string {
 }
 
 // dataObject is a rank's chunk data, relative to the job.
-func dataObject(step int64, attempt string, rank int) string {
-	return fmt.Sprintf("%srank-%05d.data", attemptDir(step, attempt), rank)
+func (t Target) dataObject() string {
+	return fmt.Sprintf("%srank-%05d.data", attemptDir(t.Step, t.Attempt), t.Rank)
 }
 
 // spreadDataObject is where a rank's chunk data goes, relative to the job,
@@ -180,8 +180,8 @@ func dataObject(step int64, attempt string, rank int) string {
 // ranges, the same ones step after step, which S3 scales out under
 // sustained load; its manifests and COMMIT.json stay in the step folder,
 // and readers find the data through the manifests.
-func spreadDataObject(step int64, attempt string, rank int) string {
-	return fmt.Sprintf("steps/%s%02x/%srank-%05d.data", spreadPrefix, spreadOf(rank), attemptDir(step, attempt)[len("steps/"):], rank)
+func (t Target) spreadDataObject() string {
+	return fmt.Sprintf("steps/%s%02x/%srank-%05d.data", spreadPrefix, spreadOf(t.Rank), attemptDir(t.Step, t.Attempt)[len("steps/"):], t.Rank)
 }
 
 // spreadOf is rank's spread folder: the low byte of the CRC-32 (IEEE) of
@@ -192,13 +192,13 @@ func spreadOf(rank int) byte {
 }
 
 // manifestObject is a rank's manifest, relative to the job.
-func manifestObject(step int64, attempt string, rank int) string {
-	return fmt.Sprintf("%srank-%05d%s", attemptDir(step, attempt), rank, manifestSuffix)
+func (t Target) manifestObject() string {
+	return fmt.Sprintf("%srank-%05d%s", attemptDir(t.Step, t.Attempt), t.Rank, manifestSuffix)
 }
 
 // manifestName is a rank's manifest in the store.
-func manifestName(t Target) string {
-	return inJob(t.Job, manifestObject(t.Step, t.Attempt, t.Rank))
+func (t Target) manifestName() string {
+	return inJob(t.Job, t.manifestObject())
 }
 
 func commitName(job string, step int64) string {

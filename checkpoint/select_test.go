@@ -185,7 +185,7 @@ func TestSelectionInPlace(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := VerifySelected(m, selectData, sel, "test"); err != nil {
+			if err := m.VerifySelected(selectData, sel, "test"); err != nil {
 				t.Fatal(err)
 			}
 			lo, size, table := sel.InPlace(m)
@@ -208,11 +208,11 @@ func TestSelectionInPlace(t *testing.T) {
 	spoilt := bytes.Clone(selectData)
 	spoilt[0] ^= 1 // in "big"'s first chunk
 	sel, _ := SelectTensors(m, []string{"last"})
-	if err := VerifySelected(m, spoilt, sel, "test"); err != nil {
+	if err := m.VerifySelected(spoilt, sel, "test"); err != nil {
 		t.Fatalf("a chunk outside the selection was checked: %v", err)
 	}
 	sel, _ = SelectTensors(m, []string{"big"})
-	if err := VerifySelected(m, spoilt, sel, "test"); !errors.Is(err, ErrCorrupt) {
+	if err := m.VerifySelected(spoilt, sel, "test"); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("a spoilt chunk of the selection: %v", err)
 	}
 }

@@ -35,7 +35,7 @@ func TestSpreadData(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if want := spreadDataObject(step, testAttempt, sh.Target.Rank); m.Chunks[0].Object != want {
+			if want := (Target{Step: step, Attempt: testAttempt, Rank: sh.Target.Rank}).spreadDataObject(); m.Chunks[0].Object != want {
 				t.Fatalf("data object %q, want %q", m.Chunks[0].Object, want)
 			}
 		}
@@ -48,7 +48,7 @@ func TestSpreadData(t *testing.T) {
 		t.Fatalf("inventory %+v, %v; want 3 steps of 2 manifests and 2 data objects each", inv, err)
 	}
 	// Step 4: rank 0's data written, its writer gone before the manifest.
-	orphan := spreadDataObject(4, testAttempt, 0)
+	orphan := Target{Step: 4, Attempt: testAttempt, Rank: 0}.spreadDataObject()
 	if err := b.PutIfAbsent(ctx, inJob("job", orphan), []byte("data")); err != nil {
 		t.Fatal(err)
 	}
@@ -78,7 +78,7 @@ func TestSpreadData(t *testing.T) {
 		t.Fatalf("left %v", left)
 	}
 	store.RemoveRank(ctx, Target{Job: "job", Step: 3, Rank: 1, WorldSize: 2, Attempt: testAttempt})
-	if _, err := os.Stat(filepath.Join(dir, "job", spreadDataObject(3, testAttempt, 1))); !os.IsNotExist(err) {
+	if _, err := os.Stat(filepath.Join(dir, "job", Target{Step: 3, Attempt: testAttempt, Rank: 1}.spreadDataObject())); !os.IsNotExist(err) {
 		t.Fatalf("RemoveRank left the spread data: %v", err)
 	}
 }

@@ -77,7 +77,7 @@ func (s *Store) placeOf(name string) (int64, string) {
 func (s *Store) RemoveRankTemporaries(ctx context.Context, t Target) {
 	var temps []TemporaryInfo
 	for _, prefix := range []string{inJob(t.Job, attemptDir(t.Step, t.Attempt)) + fmt.Sprintf("rank-%05d.", t.Rank),
-		inJob(t.Job, strings.TrimSuffix(spreadDataObject(t.Step, t.Attempt, t.Rank), "data"))} {
+		inJob(t.Job, strings.TrimSuffix(t.spreadDataObject(), "data"))} {
 		more, err := s.temporaries(ctx, prefix)
 		if err != nil {
 			s.log().Warn("could not list what an earlier write of a replayed save left; prune removes it", "target", t, "err", err)

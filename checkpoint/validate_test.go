@@ -97,7 +97,7 @@ func TestLayoutAndChunks(t *testing.T) {
 	if l.DataSize != 36016 || l.RegionSize != 44304 || l.Packed[1].Offset != 4000 || l.Packed[0].Name != "a" {
 		t.Fatalf("layout %+v", l)
 	}
-	plan := planChunks(l, 8192, 0)
+	plan := l.planChunks(8192, 0)
 	var raw int64
 	for i, c := range plan {
 		if c.rawOffset != raw || c.raw > 8192 {
@@ -146,7 +146,7 @@ func TestChunksOfTheirOwn(t *testing.T) {
 		{100000, []int64{4096, 4096, 4096, 4096, 3916}},
 	} {
 		var got []int64
-		for _, c := range planChunks(l, 4096, tc.alone) {
+		for _, c := range l.planChunks(4096, tc.alone) {
 			got = append(got, c.raw)
 		}
 		if !slices.Equal(got, tc.want) {

@@ -168,9 +168,9 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (_ *Manifest, err er
 		return nil, err
 	}
 	if len(plan) > 0 {
-		obj := dataObject(t.Step, t.Attempt, t.Rank)
+		obj := t.dataObject()
 		if w.opts.SpreadData {
-			obj = spreadDataObject(t.Step, t.Attempt, t.Rank)
+			obj = t.spreadDataObject()
 		}
 		chunks, macs, nonFinite, err := w.writeData(ctx, t.Job, obj, sh.Data, plan, sh.Layout.Packed, base, sh.Check)
 		if err != nil {
@@ -192,7 +192,7 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (_ *Manifest, err er
 	if err != nil {
 		return nil, err
 	}
-	name := manifestName(t)
+	name := t.manifestName()
 	if err := w.b.Put(ctx, name, bytes.NewReader(b), int64(len(b))); err != nil {
 		return nil, fmt.Errorf("write %s manifest: %w", t, err)
 	}
@@ -203,12 +203,12 @@ func (w *Writer) WriteShard(ctx context.Context, sh *Shard) (_ *Manifest, err er
 // chunks its client hashed), else by the writer's options.
 func (w *Writer) plan(sh *Shard) ([]chunkPlan, error) {
 	if sh.Check == nil {
-		return planChunks(sh.Layout, w.opts.ChunkSize, w.alone()), nil
+		return sh.Layout.planChunks(w.opts.ChunkSize, w.alone()), nil
 	}
 	if err := sh.Check.Validate(sh.Layout, true); err != nil {
 		return nil, err
 	}
-	return planEnds(sh.Layout, sh.Check.Ends), nil
+	return sh.Layout.planEnds(sh.Check.Ends), nil
 }
 
 // pending is a chunk being compressed; done receives once it is ready.
@@ -387,13 +387,13 @@ func (r *chunkReader) drain() {
 // took and how well it shrank.
 func (w *Writer) encode(data []byte, p *pending, tensors []Tensor, base *dedupBase, check *CopyCheck) {
 	start := time.Now()
-	raw := gather(data, p.plan, &p.buf.gather, check != nil)
+	raw := p.plan.gather(data, &p.buf.gather, check != nil)
 	if check != nil {
 		mac := check.mac()
 		mac.Write(raw)
 		p.mac = mac.Sum64()
 	}
-	c := Chunk{RawOffset: p.plan.rawOffset, Raw: p.plan.raw, Hash: codec.FormatHash(codec.Hash(raw))}
+	c := Chunk{RawOffset: p.plan.rawOffset, Raw: p.plan.raw, Hash: codec.HashString(raw)}
 	p.nonFinite = countChunk(p.plan, raw, tensors)
 	if w.opts.Incremental {
 		c.Key = codec.Key(raw)
@@ -454,19 +454,4 @@ func (m *storageMeter) stop() {
 		m.sel.ObserveStorage(m.bytes, time.Since(m.since))
 		m.bytes = 0
 	}
-}
-
-// gather returns the chunk's bytes: a slice of data when they are
-// contiguous (the usual case) and not private, else a copy into *buf.
-func gather(data []byte, cp chunkPlan, buf *[]byte, private bool) []byte {
-	if len(cp.spans) == 1 && !private {
-		s := cp.spans[0]
-		return data[s.off : s.off+s.n]
-	}
-	b := (*buf)[:0]
-	for _, s := range cp.spans {
-		b = append(b, data[s.off:s.off+s.n]...)
-	}
-	*buf = b
-	return b
 }

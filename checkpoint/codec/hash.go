@@ -17,6 +17,9 @@ var ErrBadHash = errors.New("malformed hash")
 // Hash returns the XXH3-64 digest of b.
 func Hash(b []byte) uint64 { return xxh3.Hash(b) }
 
+// HashString returns b's digest in the form manifests store it.
+func HashString(b []byte) string { return FormatHash(Hash(b)) }
+
 // copyBlock is how much CopyHash hashes and copies at a time: small enough
 // to stay in a core's cache between the two, so the source is read from
 // memory once.

@@ -186,7 +186,7 @@ func (mgr *Manager) inPlaceLease(src *tiers.Source, sel checkpoint.Selection) (*
 	if !ok {
 		return nil, sel, nil
 	}
-	if err := checkpoint.VerifySelected(src.M, data, sel, "hot copy"); err != nil {
+	if err := src.M.VerifySelected(data, sel, "hot copy"); err != nil {
 		mgr.m.failed("restore")
 		return nil, sel, err
 	}

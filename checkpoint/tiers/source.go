@@ -86,14 +86,14 @@ func (s Source) Fill(ctx context.Context, store *checkpoint.Store, sel checkpoin
 			if err := s.fetch(ctx, peer, data, func(int64) {}); err != nil {
 				return err
 			}
-			return checkpoint.CopySelected(s.M, data, sel, dst, "replica from a peer")
+			return s.M.CopySelected(data, sel, dst, "replica from a peer")
 		})
 	case s.data == nil:
 		return store.ReadSelected(ctx, s.M, sel, dst, opts)
 	case sel.Whole:
-		return checkpoint.CopyVerified(s.M, s.data, dst, "hot copy")
+		return s.M.CopyVerified(s.data, dst, "hot copy")
 	default:
-		return checkpoint.CopySelected(s.M, s.data, sel, dst, "hot copy")
+		return s.M.CopySelected(s.data, sel, dst, "hot copy")
 	}
 }
 
@@ -107,7 +107,7 @@ func (s Source) fetchVerified(ctx context.Context, peer string, dst []byte) erro
 	}
 	arrived := make(chan int64, 64)
 	checked := make(chan error, 1)
-	go func() { checked <- checkpoint.VerifyArriving(m, dst, arrived, "replica from a peer") }()
+	go func() { checked <- m.VerifyArriving(dst, arrived, "replica from a peer") }()
 	err := s.fetch(ctx, peer, dst[:m.DataSize], func(n int64) { arrived <- n })
 	close(arrived)
 	return errors.Join(err, <-checked)
