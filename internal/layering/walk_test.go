@@ -100,12 +100,36 @@ func TestWalk(t *testing.T) {
 	}
 }
 
+// TestFileLinks prints, for the packages issue 23 split, how many pairs
+// of their files are linked (one names what the other declares), and how
+// many of those links also point back.
+func TestFileLinks(t *testing.T) {
+	if testing.Short() {
+		t.Skip("type-checks the module")
+	}
+	prog, err := loadModule()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, pkg := range []string{"checkpoint", "checkpoint/staging", "checkpoint/tiers"} {
+		links, back := 0, 0
+		for pair := range prog.links[pkg] {
+			links++
+			if prog.links[pkg][[2]string{pair[1], pair[0]}] {
+				back++
+			}
+		}
+		t.Logf("%s: %d links between its files, %d of them both ways", pkg, links, back)
+	}
+}
+
 // program is the module's packages, type-checked from source, with every
 // concrete function declaration indexed by its object.
 type program struct {
 	fset  *token.FileSet
 	decls map[*types.Func]funcDecl
 	byKey map[string]*types.Func
+	links map[string]map[[2]string]bool // package → file pairs: the first names what the second declares
 }
 
 type funcDecl struct {
@@ -150,7 +174,8 @@ func loadModule() (*program, error) {
 		return nil, err
 	}
 	l := &loader{
-		prog:    &program{fset: token.NewFileSet(), decls: map[*types.Func]funcDecl{}, byKey: map[string]*types.Func{}},
+		prog: &program{fset: token.NewFileSet(), decls: map[*types.Func]funcDecl{},
+			byKey: map[string]*types.Func{}, links: map[string]map[[2]string]bool{}},
 		pkgs:    pkgs,
 		root:    root,
 		checked: map[string]*types.Package{},
@@ -226,6 +251,39 @@ func (l *loader) index(tp *types.Package, files []*ast.File, info *types.Info) {
 			l.prog.byKey[funcKey(fn)] = fn
 		}
 	}
+	l.indexLinks(tp, info)
+}
+
+// indexLinks records which of the package's files name what another of
+// its files declares at package level.
+func (l *loader) indexLinks(tp *types.Package, info *types.Info) {
+	links := map[[2]string]bool{}
+	for id, obj := range info.Uses {
+		if obj.Pkg() != tp || !declaredAtTop(obj) {
+			continue
+		}
+		from := l.prog.fset.File(id.Pos()).Name()
+		to := l.prog.fset.File(obj.Pos()).Name()
+		if from != to {
+			links[[2]string{filepath.Base(from), filepath.Base(to)}] = true
+		}
+	}
+	l.prog.links[strings.TrimPrefix(tp.Path(), module)] = links
+}
+
+// declaredAtTop reports whether obj is a package-level name, or a method
+// or field (declared with its type).
+func declaredAtTop(obj types.Object) bool {
+	if obj.Parent() == obj.Pkg().Scope() {
+		return true
+	}
+	switch o := obj.(type) {
+	case *types.Func:
+		return o.Type().(*types.Signature).Recv() != nil
+	case *types.Var:
+		return o.IsField()
+	}
+	return false
 }
 
 // funcKey names fn as the walk cases do: module-relative package path,
