@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 )
 
@@ -75,13 +76,7 @@ var walks = []walkCase{
 // ceiling. Run with -v to see the walk, and WALK_TRACE=1 to see each
 // return.
 func TestWalk(t *testing.T) {
-	if testing.Short() {
-		t.Skip("type-checks the module")
-	}
-	prog, err := loadModule()
-	if err != nil {
-		t.Fatal(err)
-	}
+	prog := typeChecked(t)
 	for _, wc := range walks {
 		w, err := prog.walk(wc.entries)
 		if err != nil {
@@ -104,13 +99,7 @@ func TestWalk(t *testing.T) {
 // of their files are linked (one names what the other declares), and how
 // many of those links also point back.
 func TestFileLinks(t *testing.T) {
-	if testing.Short() {
-		t.Skip("type-checks the module")
-	}
-	prog, err := loadModule()
-	if err != nil {
-		t.Fatal(err)
-	}
+	prog := typeChecked(t)
 	for _, pkg := range []string{"checkpoint", "checkpoint/staging", "checkpoint/tiers"} {
 		links, back := 0, 0
 		for pair := range prog.links[pkg] {
@@ -121,6 +110,22 @@ func TestFileLinks(t *testing.T) {
 		}
 		t.Logf("%s: %d links between its files, %d of them both ways", pkg, links, back)
 	}
+}
+
+// loaded is the module type-checked once for all the tests that read it.
+var loaded = sync.OnceValues(loadModule)
+
+// typeChecked returns the module's program, or skips t with -short.
+func typeChecked(t *testing.T) *program {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("type-checks the module")
+	}
+	prog, err := loaded()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return prog
 }
 
 // program is the module's packages, type-checked from source, with every
