@@ -175,13 +175,13 @@ func (rec *CommitRecord) add(t Target, name string, m *Manifest, data []byte) er
 	return nil
 }
 
-// readManifest reads and parses the manifest object name (relative to
-// the store's root, like every name below).
 // RankManifest reads the manifest t's save stored, committed or not.
 func (s *Store) RankManifest(ctx context.Context, t Target) (*Manifest, error) {
 	return s.readManifest(ctx, t.manifestName())
 }
 
+// readManifest reads and parses the manifest object name (relative to
+// the store's root, like every name below).
 func (s *Store) readManifest(ctx context.Context, name string) (*Manifest, error) {
 	m, _, err := s.readManifestHash(ctx, name)
 	return m, err

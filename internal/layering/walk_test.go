@@ -95,9 +95,10 @@ func TestWalk(t *testing.T) {
 	}
 }
 
-// TestFileLinks prints, for the packages issue 23 split, how many pairs
-// of their files are linked (one names what the other declares), and how
-// many of those links also point back.
+// TestFileLinks prints, for the packages issue 23 split, how many
+// ordered pairs of their files are linked (the first names what the
+// second declares), and how many of those have their reverse too (a link
+// both ways counts as two).
 func TestFileLinks(t *testing.T) {
 	prog := typeChecked(t)
 	for _, pkg := range []string{"checkpoint", "checkpoint/staging", "checkpoint/tiers"} {
@@ -308,10 +309,12 @@ type walked struct {
 	why     []string       // each return: into which file, from which, for what
 }
 
-// unitOf is what a reader reads at once when opening fn's file, as go doc
-// groups it: a method or a constructor belongs to its type (the type's
-// methods in that file are read together); any other function stands
-// alone.
+// unitOf is what a reader reads at once when opening fn's file, much as
+// go doc groups it: a method, or a function whose first result is one of
+// the package's types (a constructor), belongs to that type, and the
+// type's methods in that file are read together; any other function
+// stands alone. (go doc also groups a function by a later result, or a
+// slice of the type; the walk does not.)
 func unitOf(fn *types.Func) types.Object {
 	sig := fn.Type().(*types.Signature)
 	if recv := sig.Recv(); recv != nil {
