@@ -155,9 +155,7 @@ func (p *Pool) Offset(b []byte) (int64, bool) {
 	if cap(b) == 0 {
 		return 0, false
 	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	base := uintptr(unsafe.Pointer(unsafe.SliceData(p.mem)))
+	base := uintptr(unsafe.Pointer(unsafe.SliceData(p.mem))) // set at open, never unmapped
 	at := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
 	if at < base || at-base >= uintptr(p.size) || int64(at-base)+int64(len(b)) > p.size {
 		return 0, false
