@@ -111,27 +111,45 @@ func (h *hotTier) enabled() bool { return h != nil && h.budget > 0 }
 // (insert) or give back (giveBack): a spare that fits, once room is made
 // as insert would, or new memory. They count against the budget from
 // now on. ok is false when no room can be made.
+//
+// New pieces of shared memory get their pages after the lock is let go:
+// a first piece of gigabytes takes a while to populate, and restores and
+// replicas look the tier up meanwhile.
 func (h *hotTier) buffer(k hotKey, n int64) (b []byte, ok bool) {
-	if !h.enabled() || n < 0 || n > h.budget {
+	b, fresh, ok := h.reserve(k, n)
+	if !ok || !fresh || n == 0 {
+		return b, ok
+	}
+	if h.mem.Populate(b) != nil {
+		h.giveBack(b)
 		return nil, false
+	}
+	return b, true
+}
+
+// reserve is buffer under the lock; fresh says b is a piece of mem still
+// to populate.
+func (h *hotTier) reserve(k hotKey, n int64) (b []byte, fresh, ok bool) {
+	if !h.enabled() || n < 0 || n > h.budget {
+		return nil, false, false
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if !h.makeRoom(k, n) {
-		return nil, false
+		return nil, false, false
 	}
 	if i := h.fit(n); i >= 0 {
 		b = h.spares[i][:n]
 		h.spares = slices.Delete(h.spares, i, i+1)
-		return b, true // counted already
+		return b, false, true // counted already
 	}
 	if h.mem == nil {
 		b = make([]byte, n)
-	} else if b, ok = h.mem.Take(n); !ok {
-		return nil, false
+	} else if b, ok = h.mem.Reserve(n); !ok {
+		return nil, false, false
 	}
 	h.used += n
-	return b, true
+	return b, h.mem != nil, true
 }
 
 // giveBack takes back a buffer handed out and not kept: it becomes a

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/ckptd/ckptd/checkpoint"
 	"github.com/ckptd/ckptd/checkpoint/dtype"
@@ -336,5 +337,67 @@ func TestHotTierInSharedMemory(t *testing.T) {
 	defer release()
 	if _, ok := pool.Offset(e.data); !ok || !bytes.Equal(e.data, data) {
 		t.Fatal("step 4 is not kept in the shared memory as saved")
+	}
+}
+
+// slowMemory is a pool whose Populate waits for let once it has said
+// so on started, and fails without pages when fail is set.
+type slowMemory struct {
+	*arena.Pool
+	started, let chan struct{}
+	fail         bool
+}
+
+func (m *slowMemory) Populate(b []byte) error {
+	close(m.started)
+	<-m.let
+	if m.fail {
+		return errNoRoomTest
+	}
+	return m.Pool.Populate(b)
+}
+
+// A new piece of shared memory gets its pages outside the tier's lock:
+// while it does, the tier answers lookups; a piece that gets none is
+// given back, its budget with it.
+func TestHotTierPopulatesOutsideItsLock(t *testing.T) {
+	const MiB = 1 << 20
+	for _, fail := range []bool{false, true} {
+		pool, err := arena.OpenPool(t.TempDir(), 4*MiB)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { pool.Close() })
+		mem := &slowMemory{Pool: pool, started: make(chan struct{}), let: make(chan struct{})}
+		close(mem.let)
+		h := newHotTier(4*MiB, 100, mem)
+		m1, d1 := shard("job", 1, 0, MiB, 1)
+		if err := keep(h, m1, d1, hotFlags{origin: true}); err != nil {
+			t.Fatal(err)
+		}
+		mem.started, mem.let, mem.fail = make(chan struct{}), make(chan struct{}), fail
+		m2, d2 := shard("job", 2, 0, 2*MiB, 2)
+		done := make(chan error, 1)
+		go func() { done <- keep(h, m2, d2, hotFlags{origin: true}) }()
+		<-mem.started
+		held := make(chan bool, 1)
+		go func() { held <- h.holds(hotKey{"job", 1, 0, "a"}) }()
+		select {
+		case ok := <-held:
+			if !ok {
+				t.Fatal("step 1 not held while step 2's piece is populated")
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a lookup waited for a piece's pages: the tier's lock is held while populating")
+		}
+		close(mem.let)
+		err = <-done
+		if fail != (err != nil) {
+			t.Fatalf("keep with a populate that fails=%v: %v", fail, err)
+		}
+		checkBudget(t, h)
+		if held, free := h.holds(hotKey{"job", 2, 0, "a"}), pool.Fits(3*MiB); held == fail || free != fail {
+			t.Fatalf("fail=%v: step 2 held %v, 3 MiB free %v", fail, held, free)
+		}
 	}
 }

@@ -48,14 +48,17 @@ type Config struct {
 }
 
 // Memory is memory the hot tier keeps its shards in (Config.HotMemory).
-// Its methods are called under the hot tier's lock.
+// Reserve, Fits and Give are called under the hot tier's lock; Populate,
+// which takes time in proportion to the pages, outside it.
 type Memory interface {
-	// Take hands out n bytes (their capacity n), or reports that there is
-	// no free piece or no memory for them; Fits says whether a piece of n
-	// bytes is free.
-	Take(n int64) ([]byte, bool)
+	// Reserve hands out n bytes (their capacity n), or reports that there
+	// is no free piece; Fits says whether a piece of n bytes is free.
+	Reserve(n int64) ([]byte, bool)
 	Fits(n int64) bool
-	// Give takes back what Take handed out.
+	// Populate gives the pages of a piece Reserve handed out their memory
+	// before it is written, or fails where there is none.
+	Populate(b []byte) error
+	// Give takes back what Reserve handed out.
 	Give(b []byte)
 }
 

@@ -92,9 +92,25 @@ func (p *Pool) Size() int64  { return p.size }
 func (p *Pool) ID() string   { return p.id }
 
 // Take hands out n > 0 bytes of the pool with their pages allocated, or
-// reports that no free piece holds them or the file system has no room.
-// n == 0 gets an empty slice of no pool.
+// reports that no free piece holds them or the file system has no room:
+// Reserve, then Populate.
 func (p *Pool) Take(n int64) ([]byte, bool) {
+	b, ok := p.Reserve(n)
+	if !ok || n == 0 {
+		return b, ok
+	}
+	if p.Populate(b) != nil {
+		p.Give(b)
+		return nil, false
+	}
+	return b, true
+}
+
+// Reserve hands out n > 0 bytes of the pool, their pages not yet
+// allocated: Populate them before writing there (a write to a page the
+// file system has no room for would raise SIGBUS). It reports false when
+// no free piece holds them. n == 0 gets an empty slice of no pool.
+func (p *Pool) Reserve(n int64) ([]byte, bool) {
 	if n == 0 {
 		return []byte{}, true
 	}
@@ -111,27 +127,43 @@ func (p *Pool) Take(n int64) ([]byte, bool) {
 		_ = p.alloc.freeRegion(r)
 		return nil, false
 	}
-	b := p.mem[r.Offset : r.Offset+n : r.Offset+n]
-	if err := p.populate(r.Offset, alignUp(n, pageSize)); err != nil {
-		_ = p.alloc.freeRegion(r)
-		slog.Warn("arena: no memory for a piece of the hot tier's file; the shard is not kept there",
-			"path", p.path, "bytes", n, "err", err)
-		return nil, false
-	}
-	return b, true
+	return p.mem[r.Offset : r.Offset+n : r.Offset+n], true
 }
 
-// populate allocates and maps the pages of [off, off+n) (page-aligned),
-// or fails where the file system has no room for them. Call with mu.
+// Populate allocates and maps the pages of b, a piece Reserve handed out,
+// or fails (and logs why) where the file system has no room for them.
+// It takes time in proportion to b's pages: its callers run it outside
+// their locks.
+func (p *Pool) Populate(b []byte) error {
+	off, ok := p.Offset(b)
+	if !ok {
+		return fmt.Errorf("%w: populate memory not of the pool", ErrInvalidRegion)
+	}
+	err := p.populate(off, alignUp(int64(len(b)), pageSize))
+	if err != nil {
+		slog.Warn("arena: no memory for a piece of the hot tier's file; the shard is not kept there",
+			"path", p.path, "bytes", len(b), "err", err)
+	}
+	return err
+}
+
+// populate allocates and maps the pages of [off, off+n) (page-aligned).
+// The mapping lives as long as the process, so only the fallback, which
+// needs the file, takes mu.
 func (p *Pool) populate(off, n int64) error {
 	err := unix.Madvise(p.mem[off:off+n], unix.MADV_POPULATE_WRITE)
 	if errors.Is(err, unix.EINVAL) { // before Linux 5.14: allocate them; the writes map them
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if p.f == nil {
+			return ErrClosed
+		}
 		err = unix.Fallocate(int(p.f.Fd()), 0, off, n)
 	}
 	return err
 }
 
-// Fits reports whether a Take of n bytes would find a free piece.
+// Fits reports whether a Reserve of n bytes would find a free piece.
 func (p *Pool) Fits(n int64) bool {
 	if n <= 0 {
 		return n == 0
@@ -139,7 +171,7 @@ func (p *Pool) Fits(n int64) bool {
 	return p.alloc.fits(n)
 }
 
-// Give takes back a piece Take handed out; its pages stay allocated for
+// Give takes back a piece Reserve or Take handed out; its pages stay allocated for
 // the next Take (the heap's spares did the same).
 func (p *Pool) Give(b []byte) {
 	if off, ok := p.Offset(b); ok {
