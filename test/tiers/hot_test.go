@@ -1,6 +1,7 @@
 package tiers
 
 import (
+	"bytes"
 	"strings"
 	"testing"
 
@@ -45,5 +46,45 @@ func TestHotTierRestoresWithoutStorage(t *testing.T) {
 	daemontest.CheckShard(t, got, want[6])
 	if _, err := c2.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 4}); err == nil {
 		t.Fatal("a step never saved loaded with storage down")
+	}
+}
+
+// The Go client restores from the hot tier in place: it reads the hot
+// copy where it lies in the daemon's hot file (mapped read-only), whole
+// or some tensors, bit for bit, and the daemon counts those bytes as
+// read in place rather than copied into the arena.
+func TestGoClientRestoresInPlace(t *testing.T) {
+	metrics := daemontest.ClosedAddr(t)
+	d := daemontest.Start(t, "", "--hot-bytes", "64MiB", "--metrics-addr", metrics, "--shutdown-grace", "1s")
+	c := d.Client()
+	want := daemontest.Shard(3, 0, 1)
+	if err := daemontest.Save(t, c, want).Wait(daemontest.Ctx(t)); err != nil {
+		t.Fatal(err)
+	}
+	daemontest.WaitUntil(t, "ckptd status shows the shard hot", func() bool {
+		out, _, err := daemontest.CLI(t, "status", "--socket", d.Socket)
+		return err == nil && strings.Contains(out, "1 rank shards")
+	})
+	got, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Tier != "hot" {
+		t.Fatalf("restored from %q, want hot", got.Tier)
+	}
+	daemontest.CheckShard(t, got, want)
+	whole := metric(t, metrics, "ckptd_restored_in_place_bytes_total")
+	if whole == "" || whole == "0" {
+		t.Fatalf("ckptd_restored_in_place_bytes_total %q after a restore from the hot tier", whole)
+	}
+	part, err := c.Load(daemontest.Ctx(t), &ckptd.LoadRequest{Step: 3, Tensors: []string{"optim.exp_avg"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(part.Tensors) != 1 || !bytes.Equal(part.Tensors[0].Data, want.Tensors[1].Data) {
+		t.Fatalf("the partial restore in place: %d tensors", len(part.Tensors))
+	}
+	if after := metric(t, metrics, "ckptd_restored_in_place_bytes_total"); after == whole {
+		t.Fatal("the partial restore was not read in place")
 	}
 }

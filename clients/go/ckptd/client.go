@@ -17,6 +17,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 
 	"google.golang.org/grpc"
@@ -54,6 +55,12 @@ type Client struct {
 	mu      sync.Mutex
 	mapping *mapping
 	retired []*mapping // old mappings; slices of them may still be in use
+	// The hot tier's file (ArenaInfo.hot at the last GetArena), its
+	// read-only mapping once a restore in place needs it, and whether it
+	// could not be mapped here (restores are then copied).
+	hotInfo *pb.MappedFile
+	hot     *mapping
+	noHot   bool
 }
 
 // Option configures Dial.
@@ -116,45 +123,112 @@ func (c *Client) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var errs []error
-	for _, m := range append(c.retired, c.mapping) {
+	for _, m := range append(c.retired, c.mapping, c.hot) {
 		if m != nil {
 			errs = append(errs, m.close())
 		}
 	}
-	c.mapping, c.retired = nil, nil
+	c.mapping, c.retired, c.hot = nil, nil, nil
 	return errors.Join(append(errs, c.conn.Close())...)
 }
 
 // API exposes the raw gRPC client, for tests of the protocol itself.
 func (c *Client) API() pb.CheckpointClient { return c.api }
 
-// region returns a lease's bytes in the client's mapping of the arena. The
-// arena is mapped once and kept (mapping per save would pay page faults on
-// every save), and mapped again only when the lease names another arena
-// file: a daemon restarted after a clean exit makes a new one, and bytes
-// copied into the old mapping would never reach it.
+// region returns a lease's bytes in the client's mapping of the arena, or
+// of the hot tier's file for a restore in place. The arena is mapped once
+// and kept (mapping per save would pay page faults on every save), and
+// mapped again only when the lease names another file: a daemon restarted
+// after a clean exit makes a new one, and bytes copied into the old
+// mapping would never reach it.
 func (c *Client) region(ctx context.Context, l *pb.Lease) ([]byte, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.mapping == nil || c.mapping.id != l.GetArenaId() {
+	id := l.GetArenaId()
+	if c.mapping == nil || c.mapping.id != id && !c.isHot(id) {
 		if err := c.remap(ctx); err != nil {
 			return nil, err
 		}
-		if c.mapping.id != l.GetArenaId() {
+		if c.mapping.id != id && !c.isHot(id) {
 			// The daemon restarted between granting the lease and naming
 			// its arena: the lease's offsets index a file no longer served,
 			// and copying into the new one could overwrite someone else's
 			// region. The lease died with that daemon; the caller retries.
 			return nil, fmt.Errorf("ckptd at %s: %w: %w: the lease is for arena %q, the daemon now serves %q",
-				c.socket, ErrDaemonUnavailable, errArenaMoved, l.GetArenaId(), c.mapping.id)
+				c.socket, ErrDaemonUnavailable, errArenaMoved, id, c.mapping.id)
 		}
 	}
-	mem := c.mapping.bytes()
+	m := c.mapping
+	if m.id != id {
+		var err error
+		if m, err = c.hotMapping(); err != nil {
+			return nil, err
+		}
+	}
+	mem := m.bytes()
 	off, n := l.GetOffset(), l.GetLength()
 	if off > uint64(len(mem)) || n > uint64(len(mem))-off {
-		return nil, fmt.Errorf("ckptd at %s: lease [%d, +%d) outside the %d-byte arena", c.socket, off, n, len(mem))
+		return nil, fmt.Errorf("ckptd at %s: lease [%d, +%d) outside the %d-byte file %s", c.socket, off, n, len(mem), m.path)
 	}
 	return mem[off : off+n : off+n], nil
+}
+
+// isHot says id names the hot tier's file. Call with mu held.
+func (c *Client) isHot(id string) bool { return c.hotInfo != nil && c.hotInfo.GetId() == id }
+
+// canReadInPlace says whether to ask for restores in place: the daemon
+// has a hot tier file this client has not failed to map. It maps the
+// arena first if it has not yet, to learn of the file.
+func (c *Client) canReadInPlace(ctx context.Context) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.mapping == nil && c.remap(ctx) != nil {
+		return false // the restore itself will say why
+	}
+	return c.hotInfo != nil && !c.noHot
+}
+
+// errNotInPlace: the hot tier's file cannot be mapped here; the restore is
+// made again, copied into the arena.
+var errNotInPlace = errors.New("the hot tier's file cannot be mapped here")
+
+// hotMapping maps the hot tier's file read-only on first use, after the
+// arena's checks, and checks it is the file the daemon's id names. Call
+// with mu held.
+func (c *Client) hotMapping() (*mapping, error) {
+	info := c.hotInfo
+	if c.hot != nil && c.hot.id == info.GetId() {
+		return c.hot, nil
+	}
+	m, err := mapFile(info.GetPath(), int64(info.GetSize()), int(c.dialer.daemonUID.Load()), false)
+	if errors.Is(err, ErrUntrustedDaemon) {
+		return nil, c.wrap(err)
+	}
+	if err != nil {
+		c.noHot = true
+		return nil, fmt.Errorf("%w: %w", errNotInPlace, err)
+	}
+	if m.ident != fileOfID(info.GetId()) {
+		_ = m.close()
+		return nil, fmt.Errorf("ckptd at %s: %w: %w: the hot tier's file %s was made anew",
+			c.socket, ErrDaemonUnavailable, errArenaMoved, info.GetPath())
+	}
+	m.id = info.GetId()
+	if c.hot != nil {
+		c.retired = append(c.retired, c.hot)
+	}
+	c.hot = m
+	return m, nil
+}
+
+// fileOfID is the device and inode a hot tier id ("dev:ino:nonce") names;
+// the nonce makes each opening's id its own.
+func fileOfID(id string) string {
+	parts := strings.SplitN(id, ":", 3)
+	if len(parts) < 2 {
+		return ""
+	}
+	return parts[0] + ":" + parts[1]
 }
 
 // errArenaMoved: a lease names an arena the daemon no longer serves (it
@@ -180,11 +254,12 @@ func (c *Client) remap(ctx context.Context) error {
 	if err != nil {
 		return c.wrap(err)
 	}
-	m, err := mapArena(info.GetPath(), int64(info.GetSize()), int(c.dialer.daemonUID.Load()))
+	m, err := mapFile(info.GetPath(), int64(info.GetSize()), int(c.dialer.daemonUID.Load()), true)
 	if err != nil {
 		return c.wrap(err)
 	}
 	m.id = info.GetId() // leases name the opening they belong to
+	c.hotInfo = info.GetHot()
 	if c.mapping != nil {
 		c.retired = append(c.retired, c.mapping)
 	}

@@ -26,8 +26,9 @@ type LoadRequest struct {
 	Finite bool
 }
 
-// Shard is a restored shard. Tensor data is copied out of the arena, so it
-// stays valid after the region is released.
+// Shard is a restored shard. Tensor data is copied out of the daemon's
+// shared memory (the arena, or the hot tier's file), so it stays valid
+// after the region is released.
 type Shard struct {
 	Step      int64
 	WorldSize int
@@ -50,13 +51,23 @@ func (r *LoadRequest) pb() *pb.BeginRestoreRequest {
 	return &pb.BeginRestoreRequest{Job: r.Job, Step: r.Step, Latest: r.Latest, Rank: int32(r.Rank), Tensors: r.Tensors, Finite: r.Finite}
 }
 
-// Load restores one rank's shard through the arena.
+// Load restores one rank's shard: from the daemon's hot tier where it
+// lies there (its file mapped read-only), else through the arena. A hot
+// tier file this client cannot map makes it copy through the arena.
 func (c *Client) Load(ctx context.Context, req *LoadRequest) (*Shard, error) {
-	return retryMoved(func() (*Shard, error) { return c.load(ctx, req) })
+	return retryMoved(func() (*Shard, error) {
+		s, err := c.load(ctx, req, c.canReadInPlace(ctx))
+		if errors.Is(err, errNotInPlace) {
+			return c.load(ctx, req, false)
+		}
+		return s, err
+	})
 }
 
-func (c *Client) load(ctx context.Context, req *LoadRequest) (*Shard, error) {
-	resp, err := c.api.BeginRestore(ctx, req.pb())
+func (c *Client) load(ctx context.Context, req *LoadRequest, inPlace bool) (*Shard, error) {
+	r := req.pb()
+	r.InPlace = inPlace
+	resp, err := c.api.BeginRestore(ctx, r)
 	if err != nil {
 		return nil, c.wrap(err)
 	}

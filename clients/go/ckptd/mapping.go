@@ -12,22 +12,25 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// mapping is the client's view of the daemon's arena. The client maps the
-// whole arena once and copies into it for every save; mapping per save
-// would pay the page faults every time.
+// mapping is the client's view of the daemon's arena, or of its hot tier's
+// file (read-only). The client maps the whole arena once and copies into
+// it for every save; mapping per save would pay the page faults every
+// time.
 type mapping struct {
-	mu  sync.Mutex
-	mem []byte
-	id  string // the daemon's ArenaInfo.id when this was mapped
+	mu    sync.Mutex
+	mem   []byte
+	id    string // the daemon's id of the file when this was mapped
+	path  string
+	ident string // "dev:ino" of the file mapped
 }
 
-// mapArena maps the arena file at path, which must be size bytes (both as
-// the daemon says), after checking that the daemon (uid daemonUID) made
-// it: opened without following a symlink, a regular file owned by the
+// mapFile maps the arena file at path (writable), or the hot tier's
+// (read-only), which must be size bytes (both as the daemon says), after
+// checking that the daemon (uid daemonUID) made it: opened without following a symlink, a regular file owned by the
 // daemon, writable by no one else outside its group, in a folder of the
 // daemon's that others cannot write into. A daemon cannot make the client
 // copy its weights over some other file.
-func mapArena(path string, size int64, daemonUID int) (*mapping, error) {
+func mapFile(path string, size int64, daemonUID int, writable bool) (*mapping, error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("ckptd arena %s: size %d", path, size)
 	}
@@ -39,7 +42,13 @@ func mapArena(path string, size int64, daemonUID int) (*mapping, error) {
 		return nil, fmt.Errorf("%w: the arena's folder %s (uid %d, mode %o) is not a folder of the daemon's (uid %d) closed to others",
 			ErrUntrustedDaemon, filepath.Dir(path), dst.Uid, dst.Mode&0o7777, daemonUID)
 	}
-	f, err := os.OpenFile(path, os.O_RDWR|unix.O_NOFOLLOW, 0)
+	mode, prot, flags := os.O_RDONLY, unix.PROT_READ, unix.MAP_SHARED
+	if writable {
+		// The arena's pages all exist: map them now. The hot tier's file
+		// has holes where no shard was kept; reading them would allocate.
+		mode, prot, flags = os.O_RDWR, prot|unix.PROT_WRITE, flags|unix.MAP_POPULATE
+	}
+	f, err := os.OpenFile(path, mode|unix.O_NOFOLLOW, 0)
 	if errors.Is(err, unix.ELOOP) {
 		return nil, fmt.Errorf("%w: the arena %s is a symbolic link, not the daemon's file", ErrUntrustedDaemon, path)
 	}
@@ -59,11 +68,11 @@ func mapArena(path string, size int64, daemonUID int) (*mapping, error) {
 		return nil, fmt.Errorf("ckptd arena %s: file is %d bytes, expected %d (was the daemon restarted with another size?)",
 			path, st.Size, size)
 	}
-	mem, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
+	mem, err := unix.Mmap(int(f.Fd()), 0, int(size), prot, flags)
 	if err != nil {
 		return nil, fmt.Errorf("ckptd arena: mmap %s (%d bytes): %w", path, size, err)
 	}
-	return &mapping{mem: mem}, nil
+	return &mapping{mem: mem, path: path, ident: fmt.Sprintf("%d:%d", st.Dev, st.Ino)}, nil
 }
 
 // bytes is the whole arena; region offsets index it directly. It is

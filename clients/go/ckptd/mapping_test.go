@@ -26,10 +26,11 @@ type arenaOnly struct {
 	pb.UnimplementedCheckpointServer
 	path string
 	id   string
+	hot  *pb.MappedFile
 }
 
 func (s *arenaOnly) GetArena(context.Context, *pb.GetArenaRequest) (*pb.ArenaInfo, error) {
-	return &pb.ArenaInfo{Path: s.path, Size: 1 << 16, Id: s.id}, nil
+	return &pb.ArenaInfo{Path: s.path, Size: 1 << 16, Id: s.id, Hot: s.hot}, nil
 }
 
 // A lease granted by a daemon that restarted before the client mapped its
@@ -140,13 +141,19 @@ func refusedArena(err error) bool {
 // arenaClient is a client of an in-process daemon whose arena is path.
 func arenaClient(t *testing.T, path string) *Client {
 	t.Helper()
+	return arenaClientHot(t, &arenaOnly{path: path, id: "a"})
+}
+
+// arenaClientHot is a client of the in-process daemon srv.
+func arenaClientHot(t *testing.T, daemon *arenaOnly) *Client {
+	t.Helper()
 	sock := filepath.Join(t.TempDir(), "ckptd.sock")
 	lis, err := net.Listen("unix", sock)
 	if err != nil {
 		t.Fatal(err)
 	}
 	srv := grpc.NewServer()
-	pb.RegisterCheckpointServer(srv, &arenaOnly{path: path, id: "a"})
+	pb.RegisterCheckpointServer(srv, daemon)
 	go func() { _ = srv.Serve(lis) }()
 	t.Cleanup(srv.Stop)
 	c, err := Dial(sock)
@@ -184,5 +191,48 @@ func must(t *testing.T, err error) {
 	t.Helper()
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// A lease of the hot tier's file (a restore in place) reads that file,
+// mapped read-only, once it is the file the daemon's id names; a file
+// made anew since is refused as a restart, and one that cannot be mapped
+// turns restores in place off for the client, which then copies.
+func TestLeaseOfTheHotFile(t *testing.T) {
+	dir := t.TempDir()
+	arenaPath, hotPath := filepath.Join(dir, "arena"), filepath.Join(dir, "hot")
+	writeArena(t, arenaPath, 0o600)
+	hot := bytes.Repeat([]byte("hot tier"), 1<<10)
+	must(t, os.WriteFile(hotPath, hot, 0o600))
+	var st unix.Stat_t
+	must(t, unix.Stat(hotPath, &st))
+	ident := fmt.Sprintf("%d:%d", st.Dev, st.Ino)
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name, path, id string
+		want           error
+	}{
+		{"the daemon's file", hotPath, ident + ":n1", nil},
+		{"a file made anew", hotPath, "1:2:n1", errArenaMoved},
+		{"a file that cannot be mapped", filepath.Join(dir, "gone"), ident + ":n1", errNotInPlace},
+	} {
+		daemon := &arenaOnly{path: arenaPath, id: "a", hot: &pb.MappedFile{Path: tc.path, Size: uint64(len(hot)), Id: tc.id}}
+		c := arenaClientHot(t, daemon)
+		if !c.canReadInPlace(ctx) {
+			t.Fatalf("%s: a daemon with a hot tier file is not asked for restores in place", tc.name)
+		}
+		mem, err := c.region(ctx, &pb.Lease{Id: "l", Offset: 8, Length: 16, ArenaId: tc.id})
+		if tc.want == nil {
+			if err != nil || !bytes.Equal(mem, hot[8:24]) {
+				t.Fatalf("%s: %q, %v", tc.name, mem, err)
+			}
+			continue
+		}
+		if !errors.Is(err, tc.want) {
+			t.Fatalf("%s: %v, want %v", tc.name, err, tc.want)
+		}
+		if again := c.canReadInPlace(ctx); again != (tc.want != errNotInPlace) {
+			t.Fatalf("%s: restores in place asked for after: %v", tc.name, again)
+		}
 	}
 }
