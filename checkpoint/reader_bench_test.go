@@ -11,8 +11,8 @@ import (
 // BenchmarkReadShard restores a 256 MiB shard from a page-cached POSIX
 // store into memory, one chunk at a time: the daemon's side of a restore
 // from storage. With -cpu 1 its time is one core's cost per byte. The
-// shard is bf16 or f32 weights, each coded as the auto policy would
-// (the float codec of its width) or raw.
+// shard is bf16 weights (raw, the float codec, zstd, lz4) or f32 weights
+// (raw, the float codec): what auto may choose, and the general codecs.
 func BenchmarkReadShard(b *testing.B) {
 	for _, tc := range []struct {
 		dt dtype.DType

@@ -171,8 +171,8 @@ func (p *Pool) Fits(n int64) bool {
 	return p.alloc.fits(n)
 }
 
-// Give takes back a piece Reserve or Take handed out; its pages stay allocated for
-// the next Take (the heap's spares did the same).
+// Give takes back a piece Reserve or Take handed out; its pages stay
+// allocated for the next one (the heap's spares did the same).
 func (p *Pool) Give(b []byte) {
 	if off, ok := p.Offset(b); ok {
 		if err := p.alloc.freeRegion(Region{Offset: off, Length: int64(len(b))}); err != nil && !errors.Is(err, ErrClosed) {
