@@ -45,6 +45,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for r in _reaper:
         if r.stdin is not None:
+            # A byte, not only EOF: a process forked from pytest and still
+            # alive (a DataLoader worker a failed test left) holds the pipe.
+            r.stdin.write(b"x")
             r.stdin.close()
         r.wait()
 

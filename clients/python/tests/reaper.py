@@ -1,10 +1,12 @@
 """The test session's reaper: what a killed pytest leaves, it removes.
 
 Started once per session (conftest), in a session of its own, with the
-prefix of every arena folder the session's daemons use. It waits for its
-standard input to close, which happens when pytest ends however it ends
-(a kill -9 too), then kills every process whose command line names the
-prefix (the session's daemons) and removes the folders.
+prefix of every arena folder the session's daemons use. It waits for a byte
+on its standard input, which pytest writes as it ends, or for the input to
+close, which happens when pytest dies however it dies (a kill -9 too, once
+the processes forked from it are gone). Then it kills every process whose
+command line names the prefix (the session's daemons) and removes the
+folders.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def main() -> None:
     prefix = sys.argv[1]
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    sys.stdin.buffer.read()  # until pytest is gone
+    sys.stdin.buffer.read(1)  # until pytest says it ends, or is gone (EOF)
     for pid in daemons(prefix.encode()):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
