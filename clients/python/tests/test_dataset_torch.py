@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from slow import scaled
 from torch.utils.data import DataLoader, default_collate
 from wds import write_shards
 
@@ -185,7 +186,24 @@ def test_bad_arguments_surface_from_the_workers(dataset_daemon, data):
     with pytest.raises(ckptd.InvalidArgumentError, match="batch_size must be positive"):
         list(loader(ds, 0))
     with pytest.raises(ValueError, match="batch_size must be positive"):
-        list(loader(ds, 2))
+        list(loader(ds, 2, timeout=scaled(60)))  # a hung worker fails, not the whole suite
+
+
+def test_workers_forked_right_after_the_parent_read_start(dataset_daemon, data):
+    """Workers forked while the parent's gRPC is busy read all the same.
+
+    grpcio's core hung about one such worker in twenty under load (CI saw
+    it); a forked worker's client now speaks HTTP/2 itself. timeout turns a
+    hang into a failure.
+    """
+    folder, want = data
+    ds = CkptdIterableDataset(
+        ckptd.DatasetSpec(folder, batch_size=BATCH), socket=dataset_daemon.socket
+    )
+    for _ in range(8):
+        assert len(keys_of(loader(ds, 0))) == len(want)
+        got = keys_of(loader(ds, 2, timeout=scaled(60)))
+        assert sorted(got) == sorted(want)
 
 
 def test_spawned_workers_with_a_client_open_in_the_parent(dataset_daemon, data):

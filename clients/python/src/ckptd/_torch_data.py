@@ -10,12 +10,13 @@ every rank, gets the same number of samples and batches, as a DDP job
 needs (a reader without a shard is padded; it never duplicates what
 others read, except as padding).
 
-gRPC channels do not survive fork(), so the dataset holds only its settings
-and every ``__iter__`` -- which the DataLoader runs inside the worker --
-opens a client of its own. Any multiprocessing context works (fork, spawn,
-forkserver). The epoch and the resume in effect live in a small block of
-shared memory that the workers inherit, so that ``set_epoch`` reaches
-persistent workers (``persistent_workers=True``) too.
+A client's connections cannot be shared across fork(), so the dataset holds
+only its settings and every ``__iter__`` -- which the DataLoader runs inside
+the worker -- opens a client of its own. Any multiprocessing context works
+(fork, spawn, forkserver): the client's channel is fork-safe (_h2). The
+epoch and the resume in effect live in a small block of shared memory that
+the workers inherit, so that ``set_epoch`` reaches persistent workers
+(``persistent_workers=True``) too.
 """
 
 from __future__ import annotations

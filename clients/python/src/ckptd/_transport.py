@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import grpc
 
-from . import _limits, _trust
+from . import _h2, _limits, _trust
 from ._arena import Arena
 from ._errors import (
     CkptdError,
@@ -100,18 +100,9 @@ class Connection:
         self.socket = os.path.abspath(socket or default_socket())
         self.timeout = timeout
         self.transport: Transport = transport
-        self.channel = grpc.insecure_channel(
-            f"unix://{self.socket}",
-            options=[
-                ("grpc.max_receive_message_length", -1),
-                ("grpc.max_send_message_length", _limits.MAX_MESSAGE),
-                # Reconnect fast after a daemon restart; the defaults back
-                # off up to two minutes.
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-        )
+        self.pid = os.getpid()
+        # Not grpcio's channel, whose core hangs a process that forks (see _h2).
+        self.channel = _h2.Channel(self.socket, _limits.MAX_MESSAGE)
         # The generated stubs are untyped: their calls are checked by the
         # daemon's answers, not by the type checker.
         self.stub: Any = pb_grpc.CheckpointStub(self.channel)
@@ -173,7 +164,14 @@ class Connection:
         Raises:
             UntrustedDaemonError: a check failed.
             DaemonUnavailableError: no daemon is there.
+            CkptdError: the client was made before a fork, in the parent.
         """
+        if os.getpid() != self.pid:
+            raise CkptdError(
+                f"{what}: this client was made in process {self.pid}, before the fork that "
+                f"made this one ({os.getpid()}); its channel cannot be used here: make a "
+                "new ckptd.Client in this process"
+            )
         peer = self._peer
         if peer is not None and not recheck:
             try:
