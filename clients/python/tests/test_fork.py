@@ -217,5 +217,5 @@ def test_one_connection_carries_concurrent_calls_and_comes_back(make_daemon):
     assert ch._conn is not first
     ch.close()
     assert ch._conn is None
-    first.reader.join(scaled(10))  # a dead connection's reader ends by itself
-    assert not first.reader.is_alive()
+    first.keeper.join(scaled(10))  # a dead connection's keeper ends by itself
+    assert not first.keeper.is_alive()

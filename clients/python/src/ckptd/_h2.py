@@ -13,10 +13,14 @@ So the client never starts grpcio's core. It speaks the gRPC wire protocol
 with h2, python-hyper's HTTP/2 state machine, over the unix socket. Like
 grpcio's channel it keeps one connection, which carries every call at once
 (the daemon ties what a client opens to its connection, and releases it
-when the connection closes), made again after the daemon went away. One
-thread reads it: it hands what arrives to the calls waiting for it, and
-answers the daemon's keepalive pings between calls. close() stops it; a
-``.future()`` call has a thread of its own until it ends.
+when the connection closes), made again after the daemon went away. A call
+waiting for an answer reads the socket itself, for every call (one at a
+time holds that turn; the others wait for what it hands them), so a lone
+call costs no switch between threads. Between calls a keeper thread reads
+what waits every few seconds: it answers the daemon's keepalive pings
+(unanswered, the daemon would cut the connection after 20 s) and notices
+its going away. close() stops it; a ``.future()`` call has a thread of its
+own until it ends.
 
 Channel does what the generated stubs and the client ask of a grpc.Channel:
 unary_unary (with ``.future``), unary_stream and stream_unary. A failed
@@ -31,6 +35,7 @@ import base64
 import concurrent.futures
 import contextlib
 import os
+import select
 import socket
 import threading
 import time
@@ -48,6 +53,7 @@ import h2.exceptions
 import h2.settings
 
 _WINDOW = (1 << 31) - 1  # HTTP/2's largest window: the daemon never waits on us
+_KEEP = 5.0  # seconds between the keeper's reads; well within the daemon's 20 s ping timeout
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 # gRPC's mapping of HTTP statuses, for an answer that is not gRPC at all.
 _HTTP_CODES = {
@@ -190,8 +196,9 @@ def _connect(path: str, deadline: float | None) -> socket.socket:
 class _Conn:
     """One HTTP/2 connection to the daemon, carrying any number of calls at once.
 
-    lock guards the h2 state, the streams and the socket's sending side;
-    changed is notified whenever something arrives or the connection dies.
+    lock guards the h2 state, the streams, the reading turn and the
+    socket's sending side; changed is notified whenever something arrived,
+    the turn is free, or the connection died.
     """
 
     def __init__(self, path: str, deadline: float | None) -> None:
@@ -210,14 +217,16 @@ class _Conn:
         self.changed = threading.Condition(self.lock)
         self.streams: dict[int, _Stream] = {}
         self.dead: RpcError | None = None
+        self.reading = False  # a thread holds the turn to read the socket
         _LIVE.add(self)
+        self.stop = threading.Event()
         with self.lock:
             self.h2.initiate_connection()
             self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW})
             self.h2.increment_flow_control_window(_WINDOW - self.h2.inbound_flow_control_window)
             self._flush()
-        self.reader = threading.Thread(target=self._read, name="ckptd-h2-reader", daemon=True)
-        self.reader.start()
+        self.keeper = threading.Thread(target=self._keep, name="ckptd-h2-keeper", daemon=True)
+        self.keeper.start()
 
     def _flush(self) -> None:
         """Send what h2 has queued (call with lock)."""
@@ -225,26 +234,45 @@ class _Conn:
         if data:
             self.sock.sendall(data)
 
-    def _read(self) -> None:
-        """The reader thread: until the socket ends, hand on what arrives."""
-        why = RpcError(grpc.StatusCode.UNAVAILABLE, "the daemon closed the connection")
-        while True:
-            try:
-                data = self.sock.recv(1 << 18)
-            except OSError as e:
-                why, data = RpcError(grpc.StatusCode.UNAVAILABLE, f"connection: {e}"), b""
+    def _keep(self) -> None:
+        """The keeper thread: between calls, read what waits, until the connection ends."""
+        while not self.stop.wait(_KEEP):
             with self.lock:
-                if data:
-                    try:
-                        self._handle(self.h2.receive_data(data))
-                        self._flush()
-                    except (OSError, h2.exceptions.ProtocolError) as e:
-                        why, data = RpcError(grpc.StatusCode.UNAVAILABLE, f"connection: {e}"), b""
-                if not data:
-                    self._die(why)
-                self.changed.notify_all()
-                if not data:
+                if self.dead is not None:
                     return
+                if self.reading:
+                    continue
+                self.reading = True
+            try:
+                self._read(0.0)
+            finally:
+                with self.lock:
+                    self.reading = False
+                    self.changed.notify_all()
+
+    def _read(self, timeout: float | None) -> None:
+        """Read once what arrives within timeout (None: wait) and hand it on.
+
+        Call holding the turn, not the lock. The end of the socket, or a
+        protocol error, kills the connection.
+        """
+        why = RpcError(grpc.StatusCode.UNAVAILABLE, "the daemon closed the connection")
+        try:
+            if timeout is not None and not select.select([self.sock], [], [], timeout)[0]:
+                return
+            data = self.sock.recv(1 << 18)
+        except OSError as e:
+            why, data = RpcError(grpc.StatusCode.UNAVAILABLE, f"connection: {e}"), b""
+        with self.lock:
+            if data:
+                try:
+                    self._handle(self.h2.receive_data(data))
+                    self._flush()
+                except (OSError, h2.exceptions.ProtocolError) as e:
+                    why, data = RpcError(grpc.StatusCode.UNAVAILABLE, f"connection: {e}"), b""
+            if not data:
+                self._die(why)
+            self.changed.notify_all()
 
     def _handle(self, events: list[h2.events.Event]) -> None:
         for ev in events:
@@ -273,23 +301,38 @@ class _Conn:
     def _die(self, why: RpcError) -> None:
         """The connection is gone: every call on it ends (call with lock)."""
         self.dead = self.dead or why
+        self.stop.set()  # the keeper's work is over
         for s in self.streams.values():
             s.end(why)
 
     def kill(self) -> None:
-        """End the connection from another thread (close()); the reader does the rest."""
+        """End the connection from another thread (close()): a read in progress returns."""
+        self.stop.set()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
 
     def wait(self, deadline: float | None) -> None:
-        """Wait for news (call with lock); DEADLINE_EXCEEDED past the deadline."""
-        if deadline is None:
-            self.changed.wait()
-            return
-        left = deadline - time.monotonic()
-        if left <= 0:
+        """Wait for news (call with lock); DEADLINE_EXCEEDED past the deadline.
+
+        With the turn free, this thread reads the socket itself (the lock
+        released meanwhile); else it waits for the reader to hand on news.
+        """
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
             raise _deadline_exceeded()
-        self.changed.wait(left)
+        if self.dead is not None:
+            return
+        if self.reading:
+            self.changed.wait(left)
+            return
+        self.reading = True
+        self.lock.release()
+        try:
+            self._read(left)
+        finally:
+            self.lock.acquire()
+            self.reading = False
+            self.changed.notify_all()
 
     def start(
         self, path: str, timeout: float | None, deadline: float | None
@@ -397,7 +440,7 @@ class Channel:
             conn, self._conn = self._conn, None
         if conn is not None and os.getpid() == self._pid:
             conn.kill()
-            conn.reader.join()
+            conn.keeper.join()
 
     def _connection(self, deadline: float | None) -> _Conn:
         """The live connection, made (again) when there is none."""
