@@ -99,7 +99,18 @@ type assembler struct {
 	batchCost int64
 	batchMeta int64
 
-	padding bool // reading shards again to pad the epoch (EvenPad)
+	padding bool  // reading shards again to pad the epoch (EvenPad)
+	swept   int64 // the cache's evictions when the window was last unaliased
+}
+
+// unalias copies out, once per shard read and only after the cache
+// evicted something, the bytes of the window's samples whose shard it
+// evicted (see mapping).
+func (a *assembler) unalias() {
+	if n := a.it.cache.evictions.Load(); n != a.swept {
+		a.swept = n
+		a.shuf.unalias()
+	}
 }
 
 // shard waits for one fetched shard (or opens one to stream) and feeds
@@ -127,6 +138,7 @@ func (a *assembler) shard(p *pendingShard) error {
 		return p.err
 	}
 	a.it.countFetch(p.how)
+	a.unalias()
 	a.ord = 0
 	var err error
 	if p.stream {
@@ -185,7 +197,7 @@ func (a *assembler) walk(p *pendingShard) error {
 			// The object is the sample: our buffer, or the cache's
 			// bytes (a mapping the sample keeps). A mapping the cache
 			// does not hold is copied: nothing would keep it mapped.
-			if p.data.m != nil && !p.held {
+			if p.data.m.borrowed() && !p.held {
 				return bytes.Clone(data), nil
 			}
 			return data, nil

@@ -49,7 +49,7 @@ func TestShardSwappedAfterListingIsRefused(t *testing.T) {
 			tc.swap(t, filepath.Join(data, tc.shard), outside)
 
 			for what, read := range map[string]func() error{
-				"readShard": func() error { _, err := readShard(context.Background(), b, sh); return err },
+				"readShard": func() error { _, err := readShard(context.Background(), b, sh, nil); return err },
 				"Get":       func() error { rc, err := b.Get(context.Background(), sh.Name, 0, -1); closeIf(rc, err); return err },
 				"mapShard":  func() error { _, err := b.mapShard(context.Background(), sh.Name, sh.Size); return err },
 			} {
@@ -224,7 +224,7 @@ func TestShardOfAMovedFolderIsRefused(t *testing.T) {
 	if err := os.Rename(data, moved); err != nil {
 		t.Fatal(err)
 	}
-	_, err = readShard(context.Background(), b, sh)
+	_, err = readShard(context.Background(), b, sh, nil)
 	if !errors.Is(err, ErrNotAllowed) || !strings.Contains(err.Error(), "train/a-small.tar") || !strings.Contains(err.Error(), moved) {
 		t.Fatalf("a shard of a folder moved out of the allowed one: %v", err)
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,6 +35,10 @@ type Cache struct {
 	// diskHits counts the shards it served.
 	disk     *diskCache
 	diskHits atomic.Int64
+	// mem is the memory of shards read into memory (see shardMem);
+	// evictions counts those the cache let go (letGo).
+	mem       *shardMem
+	evictions atomic.Int64
 
 	// Get holds life shared and Close whole, so that the ristretto cache is
 	// closed after every Get and every fill is over (a fill outlives the
@@ -65,7 +70,11 @@ func NewCache(budget int64) (*Cache, error) {
 		return nil, fmt.Errorf("%w: negative cache budget %d", ErrInvalid, budget)
 	}
 	c := &Cache{adm: newAdmission(budget, DefaultStaleAfter), ahead: newLookahead(), fills: map[string]*fill{}, counts: newSampleCounts(CountBytes), footers: newFooterCache(FooterBytes)}
-	gone := func(it *ristretto.Item[shardBytes]) { c.adm.release(it.Key, it.Conflict) }
+	c.mem = newShardMem(budget + shardMemSlack)
+	gone := func(it *ristretto.Item[shardBytes]) {
+		c.adm.release(it.Key, it.Conflict)
+		c.letGo(it.Value)
+	}
 	counters := max(budget/(1<<20)*10, 10_000) // ~10 per expected 1 MiB+ shard
 	rc, err := ristretto.NewCache(&ristretto.Config[string, shardBytes]{
 		NumCounters: counters, MaxCost: max(budget, 1), BufferItems: 64,
@@ -97,6 +106,7 @@ func (c *Cache) Close() {
 	}
 	c.running.Wait()
 	c.rc.Close()
+	c.mem.close()
 }
 
 // StorageReads is how many shard reads went to storage.
@@ -248,14 +258,14 @@ func (c *Cache) store(key, group string, data shardBytes, at readAt) bool {
 	c.storeMu.Lock()
 	defer c.storeMu.Unlock()
 	next, mine := c.ahead.distances(at, key)
-	evict, ok := c.adm.reserve(key, group, int64(len(data.b)), next, mine)
+	evict, ok := c.adm.reserve(key, group, data.cost(), next, mine)
 	if !ok {
 		return false
 	}
 	for _, k := range evict {
-		c.rc.Del(k)
+		c.drop(k)
 	}
-	if !c.rc.Set(key, data, int64(len(data.b))) {
+	if !c.rc.Set(key, data, data.cost()) {
 		h, conflict := z.KeyToHash(key)
 		c.adm.release(h, conflict) // dropped by a full buffer
 		return false
@@ -272,6 +282,15 @@ type shardBytes struct {
 	m *mapping
 }
 
+// cost is what the shard's bytes take in memory, which the cache's budget
+// counts: a pooled buffer's whole size class.
+func (d shardBytes) cost() int64 {
+	if d.m != nil && d.m.slot != nil {
+		return int64(len(d.m.slot.buf))
+	}
+	return int64(len(d.b))
+}
+
 // forget drops a shard from the cache and from admission's books (its
 // file changed under a mapping), under storeMu like the evictions store
 // makes.
@@ -281,8 +300,26 @@ func (c *Cache) forget(b storage.Backend, sh Shard) {
 	defer c.storeMu.Unlock()
 	h, conflict := z.KeyToHash(key)
 	c.adm.release(h, conflict)
-	c.rc.Del(key)
+	c.drop(key)
 	c.rc.Wait()
+}
+
+// drop deletes a shard from the ristretto cache, whose Del calls no
+// OnEvict, and lets its memory go.
+func (c *Cache) drop(key string) {
+	if data, ok := c.rc.Get(key); ok {
+		c.letGo(data)
+	}
+	c.rc.Del(key)
+}
+
+// letGo marks a shard's memory as no longer the cache's: the iterations
+// whose samples alias it copy them out (assembler.unalias), so that it
+// is freed or goes back to the pool.
+func (c *Cache) letGo(data shardBytes) {
+	if m := data.m; m != nil && !m.file && !m.evicted.Swap(true) {
+		c.evictions.Add(1)
+	}
 }
 
 // localOf finds a local source's backend beneath the decorators around
@@ -307,7 +344,7 @@ func localOf(b storage.Backend) (*localBackend, bool) {
 // it, if any.
 func (c *Cache) read(ctx context.Context, b storage.Backend, sh Shard, key string, at readAt) (shardBytes, func(), error) {
 	if _, local := localOf(b); c.disk == nil || local {
-		data, err := readShard(ctx, b, sh)
+		data, err := readShard(ctx, b, sh, c.mem)
 		if err == nil {
 			c.reads.Add(1)
 		}
@@ -319,12 +356,17 @@ func (c *Cache) read(ctx context.Context, b storage.Backend, sh Shard, key strin
 		c.diskHit()
 	} else {
 		var err error
-		if stored, err = readStored(ctx, b, sh); err != nil {
+		if stored, err = readStored(ctx, b, sh, c.mem); err != nil {
 			return shardBytes{}, nil, err
 		}
 		c.reads.Add(1)
 		next, mine := c.ahead.distances(at, key)
-		write = c.disk.store(key, stored.b, next, mine)
+		if w := c.disk.store(key, stored.b, next, mine); w != nil {
+			write = func() {
+				w()
+				runtime.KeepAlive(stored.m) // pooled bytes stay ours until written
+			}
+		}
 	}
 	data, err := decodeShard(sh, stored)
 	return data, write, err
@@ -393,8 +435,8 @@ func (c *Cache) diskHit() {
 }
 
 // readShard reads a whole shard and decodes it (decodeShard).
-func readShard(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, error) {
-	data, err := readStored(ctx, b, sh)
+func readShard(ctx context.Context, b storage.Backend, sh Shard, mem *shardMem) (shardBytes, error) {
+	data, err := readStored(ctx, b, sh, mem)
 	if err != nil {
 		return shardBytes{}, err
 	}
@@ -404,10 +446,10 @@ func readShard(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, er
 // readStored reads a shard's stored bytes, checking that it has the listed
 // size: a local source's larger shards are mapped instead (see mapAbove),
 // or read when mapping fails. A part of an object (a Parquet row group) is
-// a ranged read.
-func readStored(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, error) {
+// a ranged read. The bytes are mem's (nil: the Go heap's).
+func readStored(ctx context.Context, b storage.Backend, sh Shard, mem *shardMem) (shardBytes, error) {
 	if sh.objectName() != sh.Name {
-		return readRange(ctx, b, sh)
+		return readRange(ctx, b, sh, mem)
 	}
 	if lb, ok := localOf(b); ok && sh.Size > mapAbove {
 		m, err := lb.mapShard(ctx, sh.Name, sh.Size)
@@ -424,25 +466,24 @@ func readStored(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, e
 		return shardBytes{}, fmt.Errorf("read shard %s: %w", printable(sh.Name), err)
 	}
 	defer rc.Close()
-	data := make([]byte, sh.Size)
-	prefault(data)
-	if _, err := io.ReadFull(rc, data); err != nil {
+	data := mem.buf(sh.Size)
+	if _, err := io.ReadFull(rc, data.b); err != nil {
 		return shardBytes{}, fmt.Errorf("read shard %s: %w (expected %d bytes)", printable(sh.Name), err, sh.Size)
 	}
-	return shardBytes{b: data}, nil
+	return data, nil
 }
 
 // readRange reads the Size bytes of a shard that is a part of an object.
-func readRange(ctx context.Context, b storage.Backend, sh Shard) (shardBytes, error) {
+func readRange(ctx context.Context, b storage.Backend, sh Shard, mem *shardMem) (shardBytes, error) {
 	rc, err := b.Get(ctx, sh.objectName(), sh.offset(), sh.Size)
 	if err != nil {
 		return shardBytes{}, fmt.Errorf("read shard %s: %w", printable(sh.Name), err)
 	}
 	defer rc.Close()
-	data := make([]byte, sh.Size)
-	if _, err := io.ReadFull(rc, data); err != nil {
+	data := mem.buf(sh.Size)
+	if _, err := io.ReadFull(rc, data.b); err != nil {
 		return shardBytes{}, fmt.Errorf("read shard %s: %w (expected %d bytes at %d of %s)",
 			printable(sh.Name), err, sh.Size, sh.offset(), printable(sh.objectName()))
 	}
-	return shardBytes{b: data}, nil
+	return data, nil
 }

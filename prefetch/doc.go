@@ -91,8 +91,11 @@
 // ring. A shard larger than R/8 is streamed (archive/tar over a ranged
 // read, resumed where it failed) and never held whole nor cached; samples
 // of a shard the cache does not hold are copied out, so none keeps a
-// whole shard alive (those of a cached shard alias it, and the dataset's
-// cached shards are not evicted while an iteration on it is open). A
+// whole shard alive; those of a cached shard alias it, and when the cache
+// evicts it (the lookahead evicts within a dataset being read), the
+// window's samples still aliasing it get their own copy at the next shard
+// boundary, so that a few stragglers do not keep a whole shard's memory
+// that the cache's budget no longer counts. A
 // sample larger than the window or a batch part, or a batch larger than
 // R/4, fails with ErrTooLarge (a sample is skipped and counted with
 // skip_corrupt). A shard read nobody waits for any more is cancelled.
@@ -101,6 +104,10 @@
 // memory for the cache is paid; the cache counts them in its budget as
 // before, the samples cut from one keep it mapped, and a file truncated
 // under a mapping fails the shard (ErrShardChanged) where it is read.
+// Shards read into memory (from S3; local ones not mapped) above 1 MiB
+// go into buffers outside the Go heap that are used again once nothing
+// aliases them (shardmem.go), up to the cache's budget plus 64 MiB; past
+// that, into the heap. The cache counts such a shard's whole buffer.
 //
 // A dataset's listing (and the cache's plan of the epochs ahead) costs a
 // session about 512 bytes and twice the name per shard, within
@@ -110,10 +117,11 @@
 // S = dataset-arena-bytes / (ring-slots × slot-bytes) are open, and the
 // service holds at most (Service.MemoryCeiling)
 //
-//	cache-bytes + 96 MiB + S × (R + 256 KiB + L) + dataset-arena-bytes / slot-bytes × 4 MiB
+//	cache-bytes + 160 MiB + S × (R + 256 KiB + L) + dataset-arena-bytes / slot-bytes × 4 MiB
 //
-// where 96 MiB bounds the shards' sample counts (CountBytes, 32 MiB) and
-// the Parquet footers kept (FooterBytes, 64 MiB), 256 KiB is
+// where 160 MiB bounds the shards' sample counts (CountBytes, 32 MiB),
+// the Parquet footers kept (FooterBytes, 64 MiB) and the shard buffers
+// kept for reuse beyond the cache (shardMemSlack, 64 MiB), 256 KiB is
 // a streamed shard's read buffer and 4 MiB bounds the
 // keys and names of a delivery, one per ring slot however the rings grow;
 // the rings themselves are arena memory.

@@ -33,9 +33,24 @@ var mapAbove int64 = 1 << 20
 // so under readMapped, which turns that fault into ErrCorruptShard
 // instead of a crash. A file rewritten in place shows its new bytes: the
 // shards of a dataset are expected not to change while it is read.
+//
+// A shard read into memory has one too (see shardMem): a pooled buffer,
+// whose slot goes back to the pool instead of being unmapped, or the Go
+// heap's. When the cache evicts such a shard, the samples in a shuffle
+// window that still alias it copy their bytes out (see unalias), so that
+// a few stragglers do not keep a whole shard's memory, which the cache's
+// budget no longer counts. A mapped file's stay mapped (page cache the
+// kernel may reclaim).
 type mapping struct {
-	data []byte
+	data    []byte
+	slot    *memSlot // a pooled buffer (nil: the heap's, or a file)
+	file    bool
+	evicted atomic.Bool // the cache let it go (memory only)
 }
+
+// borrowed says the bytes are not the Go heap's (a file's, a pooled
+// buffer): whatever aliases them must keep the mapping.
+func (m *mapping) borrowed() bool { return m != nil && (m.file || m.slot != nil) }
 
 // Live mappings are capped at a quarter of vm.max_map_count: the Go
 // runtime needs areas of its own to grow the heap, and failing that is
@@ -78,7 +93,7 @@ func mapFile(f *os.File, size int64) (*mapping, error) {
 		unmap(data)
 		return nil, fmt.Errorf("%w: map %s: %w", ErrCorruptShard, f.Name(), err)
 	}
-	m := &mapping{data: data}
+	m := &mapping{data: data, file: true}
 	runtime.AddCleanup(m, unmap, data)
 	return m, nil
 }

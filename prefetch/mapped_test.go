@@ -223,15 +223,15 @@ func TestMappingCapFallsBackToReading(t *testing.T) {
 	sh := mustList(t, b)[0]
 	liveMappings.Add(mappingCap())
 	defer liveMappings.Add(-mappingCap())
-	got, err := readShard(context.Background(), b, sh)
-	if err != nil || got.m != nil || int64(len(got.b)) != sh.Size {
-		t.Fatalf("at the cap: mapped %v, %d bytes, %v; want %d bytes read", got.m != nil, len(got.b), err, sh.Size)
+	got, err := readShard(context.Background(), b, sh, nil)
+	if err != nil || got.m.borrowed() || int64(len(got.b)) != sh.Size {
+		t.Fatalf("at the cap: mapped %v, %d bytes, %v; want %d bytes read", got.m.borrowed(), len(got.b), err, sh.Size)
 	}
 	liveMappings.Add(-mappingCap())
-	got, err = readShard(context.Background(), b, sh)
+	got, err = readShard(context.Background(), b, sh, nil)
 	liveMappings.Add(mappingCap())
-	if err != nil || got.m == nil {
-		t.Fatalf("under the cap: mapped %v, %v; want mapped", got.m != nil, err)
+	if err != nil || !got.m.borrowed() {
+		t.Fatalf("under the cap: mapped %v, %v; want mapped", got.m.borrowed(), err)
 	}
 }
 

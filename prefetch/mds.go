@@ -377,7 +377,7 @@ func decodeMDS(sh Shard, data shardBytes) (shardBytes, error) {
 		if err != nil {
 			return err
 		}
-		data = shardBytes{b: raw}
+		data = heapBytes(raw)
 		return nil
 	})
 	if err != nil {

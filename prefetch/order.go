@@ -149,6 +149,17 @@ func (sh *shuffler) pop() Sample {
 
 func (sh *shuffler) len() int { return len(sh.window) }
 
+// unalias gives the window's samples whose shard the cache let go their
+// own copy of their bytes (see mapping): their cost is charged to the
+// window already, and the shard's memory is then freed.
+func (sh *shuffler) unalias() {
+	for i := range sh.window {
+		if k := sh.window[i].keep; k != nil && k.evicted.Load() {
+			sh.window[i].own()
+		}
+	}
+}
+
 // flush empties the window in random order at the end of the epoch.
 func (sh *shuffler) flush() []Sample {
 	sh.rng.Shuffle(len(sh.window), func(i, j int) { sh.window[i], sh.window[j] = sh.window[j], sh.window[i] })

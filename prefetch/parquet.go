@@ -494,7 +494,7 @@ func decodePQ(sh Shard, data shardBytes) (shardBytes, error) {
 	if err != nil {
 		return shardBytes{}, corrupt(sh, "%v", err)
 	}
-	return shardBytes{b: out}, nil
+	return heapBytes(out), nil
 }
 
 // rewritePQ is decodePQ on row group rg's bytes data, read at off of its

@@ -2,6 +2,7 @@ package prefetch
 
 import (
 	"archive/tar"
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -30,6 +31,16 @@ type Sample struct {
 	skip  bool     // delivered before a resume: passed over, not counted
 	pad   bool     // a repeat padding the rank's epoch (EvenPad)
 	keep  *mapping // the mapped shard its fields alias, kept mapped while they do
+}
+
+// own gives the sample a copy of its fields' bytes, which alias a shard
+// no longer kept.
+func (s *Sample) own() {
+	fields := make([]Field, len(s.Fields))
+	for i, f := range s.Fields {
+		fields[i] = Field{Name: f.Name, Data: bytes.Clone(f.Data)}
+	}
+	s.Fields, s.keep = fields, nil
 }
 
 // Size is the bytes of the sample's fields.

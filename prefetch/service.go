@@ -221,7 +221,7 @@ func (cfg ServiceConfig) MemoryCeiling(arenaSize int64) int64 {
 	}
 	cfg.setDefaults(arenaSize)
 	perSession := cfg.Options.ReadAheadBytes + streamBuffer + cfg.Options.ListBytes
-	return cfg.CacheBytes + CountBytes + FooterBytes + cfg.maxSessions()*perSession + cfg.ArenaBytes/cfg.SlotBytes*maxBatchMeta
+	return cfg.CacheBytes + shardMemSlack + CountBytes + FooterBytes + cfg.maxSessions()*perSession + cfg.ArenaBytes/cfg.SlotBytes*maxBatchMeta
 }
 
 // off reports whether datasets are off: Off, or no source allowed.
