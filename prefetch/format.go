@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"runtime"
 	"strings"
 
 	"github.com/ckptd/ckptd/budget"
@@ -213,6 +214,10 @@ func readSmall(ctx context.Context, b storage.Backend, name string, size, limit 
 // Parquet row group rewritten with its pages uncompressed. Plain shards
 // pass as they are.
 func decodeShard(sh Shard, data shardBytes) (shardBytes, error) {
+	// The bytes are read until the decoder returns: their mapping (a
+	// pooled buffer, a file) must live as long, whatever the decoder
+	// keeps of them.
+	defer runtime.KeepAlive(data)
 	switch {
 	case sh.unit == nil:
 		return data, nil
