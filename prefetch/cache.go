@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -39,6 +40,9 @@ type Cache struct {
 	// evictions counts those the cache let go (letGo).
 	mem       *shardMem
 	evictions atomic.Int64
+	// takeStop stops takeMemory's goroutine, which taking is.
+	takeStop chan struct{}
+	taking   sync.WaitGroup
 
 	// Get holds life shared and Close whole, so that the ristretto cache is
 	// closed after every Get and every fill is over (a fill outlives the
@@ -69,7 +73,7 @@ func NewCache(budget int64) (*Cache, error) {
 	if budget < 0 {
 		return nil, fmt.Errorf("%w: negative cache budget %d", ErrInvalid, budget)
 	}
-	c := &Cache{adm: newAdmission(budget, DefaultStaleAfter), ahead: newLookahead(), fills: map[string]*fill{}, counts: newSampleCounts(CountBytes), footers: newFooterCache(FooterBytes)}
+	c := &Cache{adm: newAdmission(budget, DefaultStaleAfter), ahead: newLookahead(), fills: map[string]*fill{}, counts: newSampleCounts(CountBytes), footers: newFooterCache(FooterBytes), takeStop: make(chan struct{})}
 	c.mem = newShardMem(budget + shardMemSlack)
 	gone := func(it *ristretto.Item[shardBytes]) {
 		c.adm.release(it.Key, it.Conflict)
@@ -106,7 +110,26 @@ func (c *Cache) Close() {
 	}
 	c.running.Wait()
 	c.rc.Close()
+	close(c.takeStop)
+	c.taking.Wait()
 	c.mem.close()
+}
+
+// takeMemory takes the cache's budget of memory for shard buffers now,
+// in the background (shardMem.takeAhead): the pages a first epoch from a
+// remote source would take as its shards come. It logs when done.
+func (c *Cache) takeMemory(log *slog.Logger) {
+	n := c.adm.budget
+	c.taking.Go(func() {
+		start := time.Now()
+		got, err := c.mem.takeAhead(n, c.takeStop)
+		if err != nil {
+			log.Warn("dataset shard memory: could not take all of it; the rest comes as shards do",
+				"bytes", got, "wanted", n, "err", err)
+			return
+		}
+		log.Info("dataset shard memory taken", "bytes", got, "seconds", time.Since(start).Seconds())
+	})
 }
 
 // StorageReads is how many shard reads went to storage.
@@ -270,13 +293,17 @@ func (c *Cache) store(key, group string, data shardBytes, at readAt) bool {
 		c.adm.release(h, conflict) // dropped by a full buffer
 		return false
 	}
+	c.mem.cached(data)
 	c.rc.Wait() // make it visible to the next Get
 	return true
 }
 
 // shardBytes is a shard read whole: its bytes, and the mapping they lie
-// in when it was mapped (see mapping), which whatever keeps the bytes
-// keeps too.
+// in (see mapping), which whatever keeps the bytes keeps too. Code that
+// reads b must keep the shardBytes (or m) alive until it is done: when
+// the mapping is unreachable, a file is unmapped and a pooled buffer is
+// handed to another shard, and the compiler may find it unreachable
+// before the last use of b (runtime.KeepAlive).
 type shardBytes struct {
 	b []byte
 	m *mapping
@@ -317,6 +344,7 @@ func (c *Cache) drop(key string) {
 // whose samples alias it copy them out (assembler.unalias), so that it
 // is freed or goes back to the pool.
 func (c *Cache) letGo(data shardBytes) {
+	c.mem.uncached(data)
 	if m := data.m; m != nil && !m.file && !m.evicted.Swap(true) {
 		c.evictions.Add(1)
 	}

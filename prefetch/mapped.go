@@ -46,6 +46,7 @@ type mapping struct {
 	slot    *memSlot // a pooled buffer (nil: the heap's, or a file)
 	file    bool
 	evicted atomic.Bool // the cache let it go (memory only)
+	counted atomic.Bool // in shardMem.cachedHeap
 }
 
 // borrowed says the bytes are not the Go heap's (a file's, a pooled

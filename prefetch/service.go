@@ -33,6 +33,12 @@ type ServiceConfig struct {
 	// kept on a local disk (see diskCache); no dir, no tier.
 	DiskCacheDir   string
 	DiskCacheBytes int64
+	// CacheAtStart takes the cache's budget of memory for shard buffers
+	// at start, in the background, when an S3 source is allowed (serve's
+	// --cache-memory-at-start): a first epoch from S3 then finds its
+	// pages taken instead of taking them as its shards come (see
+	// shardMem). Local sources' shards are mapped: they need none.
+	CacheAtStart bool
 	// NoLookahead makes a full cache keep what it holds instead of
 	// following the open sessions' known orders (Belady's rule): the
 	// policy the lookahead replaced, kept to compare against.
@@ -184,6 +190,9 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 		cfg: cfg, allow: allow, arena: a, budget: newArenaBudget(cfg.ArenaBytes), cache: c, stop: make(chan struct{}),
 		backends: newBackendPool(cfg.MaxBackends, cfg.BackendIdle),
 		sessions: map[string]*session{}, watched: map[string]bool{}, primeTimer: time.AfterFunc,
+	}
+	if cfg.CacheAtStart && !cfg.off() && len(allow.s3) > 0 {
+		c.takeMemory(cfg.Logger)
 	}
 	s.wg.Go(s.reapLoop)
 	cfg.Logger.Info("dataset service", "allow", cfg.Allow, "cache_bytes", cfg.CacheBytes,

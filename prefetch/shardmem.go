@@ -2,6 +2,7 @@ package prefetch
 
 import (
 	"errors"
+	"fmt"
 	"math/bits"
 	"runtime"
 	"sync"
@@ -27,20 +28,36 @@ import (
 //
 // Buffers come in size classes of four significant bits (at most 12.5%
 // more than asked, which the cache counts in its budget), so that shards
-// of about one size share buffers. It
-// holds at most limit bytes, handed out and free; past that, and below
-// poolAbove, shards are read into the Go heap as before. A buffer comes
-// back at the first garbage collection after its shard left the cache
-// and the shuffle windows copied out the samples aliasing it (see
-// mapping): the heap, which holds no shards, is collected often enough
-// (asking for collections when the pool ran dry cost more than it gave).
+// of about one size share buffers. The pool maps at most limit bytes,
+// handed out and free; past that, and below poolAbove, shards are read
+// into the Go heap. Those the cache keeps count with its buffers
+// (cached): when they need room, free buffers are unmapped. A buffer
+// comes back at the first garbage collection after its shard left the
+// cache and the shuffle windows copied out the samples aliasing it (see
+// mapping). Collections come often enough on their own; asking for one
+// when the pool ran dry cost more CPU than it saved.
+//
+// With an S3 source allowed, the daemon takes the cache's budget of this
+// memory at start (takeAhead), which a first epoch would otherwise take
+// page by page.
 type shardMem struct {
 	limit int64
 
 	mu     sync.Mutex
-	free   map[int64][][]byte // free buffers, by class
-	held   int64              // bytes of buffers mapped, handed out and free
+	free   map[int64][]*memSlot // free buffers, by class
+	held   int64                // bytes of buffers mapped, handed out and free
 	closed bool
+	// region is the memory taken ahead (takeAhead), carved into buffers
+	// as shards come: carved bytes of it are handed out, ready bytes
+	// have their pages.
+	region        []byte
+	carved, ready int64
+	// cachedHeap is the bytes of the cache's shards in the Go heap
+	// (small ones, decoded ones, those the pool had no room for): the
+	// pool keeps its buffers and these under its limit together, so
+	// that free buffers do not sit beside heap shards that took their
+	// place in the cache.
+	cachedHeap int64
 
 	reused atomic.Int64 // buffers handed out again, for tests and metrics
 }
@@ -59,11 +76,12 @@ const shardMemSlack = 64 << 20
 // must not point back at the mapping, or the mapping would never be
 // unreachable.
 type memSlot struct {
-	buf []byte // the whole buffer, of its class's size
+	buf    []byte // the whole buffer, of its class's size
+	carved bool   // a piece of the region, not a mapping of its own
 }
 
 func newShardMem(limit int64) *shardMem {
-	return &shardMem{limit: limit, free: map[int64][][]byte{}}
+	return &shardMem{limit: limit, free: map[int64][]*memSlot{}}
 }
 
 // sizeClass rounds n up to whole pages and then to four significant
@@ -82,9 +100,8 @@ func sizeClass(n int64) int64 {
 // bytes are not zeroed: the caller overwrites them all.
 func (m *shardMem) buf(size int64) shardBytes {
 	if m != nil && size >= poolAbove && int64(int(size)) == size {
-		if b := m.take(sizeClass(size)); b != nil {
-			slot := &memSlot{buf: b}
-			mp := &mapping{data: b[:size:size], slot: slot}
+		if slot := m.take(sizeClass(size)); slot != nil {
+			mp := &mapping{data: slot.buf[:size:size], slot: slot}
 			runtime.AddCleanup(mp, m.put, slot)
 			return shardBytes{b: mp.data, m: mp}
 		}
@@ -94,26 +111,70 @@ func (m *shardMem) buf(size int64) shardBytes {
 	return heapBytes(heap)
 }
 
+// cached counts a shard the cache now holds, if its bytes are the
+// heap's (see cachedHeap), unmapping free buffers to make room for it.
+func (m *shardMem) cached(d shardBytes) {
+	if d.m == nil || d.m.borrowed() || d.m.counted.Swap(true) {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.cachedHeap += int64(len(d.m.data))
+	if m.full(0) {
+		m.shed(func() bool { return m.full(0) })
+	}
+}
+
+// uncached counts a shard the cache let go (see cached).
+func (m *shardMem) uncached(d shardBytes) {
+	if d.m == nil || !d.m.counted.Swap(false) {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.cachedHeap -= int64(len(d.m.data))
+}
+
+// full says whether the pool's buffers and the cache's heap shards leave
+// no room for n bytes more. Call with mu.
+func (m *shardMem) full(n int64) bool { return m.held+m.cachedHeap+n > m.limit }
+
 // heapBytes is a shard's bytes in the Go heap, with a mapping that
 // carries the cache's eviction to the samples aliasing them.
 func heapBytes(b []byte) shardBytes {
 	return shardBytes{b: b, m: &mapping{data: b}}
 }
 
-// take pops a free buffer of the class, or maps a new one while the pool
-// holds less than its limit; nil when neither.
-func (m *shardMem) take(class int64) []byte {
+// take pops a free buffer of the class, or carves one out of what the
+// region has ready, or uses a free one up to twice as large, or maps a
+// new one while the pool holds less than its limit; nil when none.
+func (m *shardMem) take(class int64) *memSlot {
 	m.mu.Lock()
-	if l := m.free[class]; len(l) > 0 {
-		b := l[len(l)-1]
-		m.free[class] = l[:len(l)-1]
+	if s := m.pop(class); s != nil {
 		m.mu.Unlock()
 		m.reused.Add(1)
-		return b
+		return s
+	}
+	if m.carved+class <= m.ready {
+		b := m.region[m.carved : m.carved+class : m.carved+class]
+		m.carved += class
+		m.mu.Unlock()
+		return &memSlot{buf: b, carved: true}
+	}
+	if s := m.popLarger(class); s != nil {
+		m.mu.Unlock()
+		m.reused.Add(1)
+		return s
+	}
+	if !m.closed && m.held+class > m.limit { // free buffers of other sizes make room
+		m.shed(func() bool { return m.held+class > m.limit })
 	}
 	if m.closed || m.held+class > m.limit {
 		m.mu.Unlock()
 		return nil
+	}
+	if m.full(class) { // with the cache's heap shards: no free buffers beside them
+		m.shed(func() bool { return m.full(class) })
 	}
 	m.held += class
 	m.mu.Unlock()
@@ -124,7 +185,53 @@ func (m *shardMem) take(class int64) []byte {
 		m.mu.Unlock()
 		return nil
 	}
-	return b
+	return &memSlot{buf: b}
+}
+
+// shed unmaps free buffers while over says so. What the pool holds and
+// the cache's heap shards grow only in take and cached, which call it:
+// they stay under its limit, unless they are all in use. Call with mu.
+func (m *shardMem) shed(over func() bool) {
+	for c, l := range m.free {
+		for len(l) > 0 && over() {
+			s := l[len(l)-1]
+			l[len(l)-1] = nil
+			l = l[:len(l)-1]
+			m.release(s)
+		}
+		m.free[c] = l
+		if !over() {
+			return
+		}
+	}
+}
+
+// pop takes a free buffer of the class. Call with mu.
+func (m *shardMem) pop(class int64) *memSlot {
+	l := m.free[class]
+	if len(l) == 0 {
+		return nil
+	}
+	s := l[len(l)-1]
+	l[len(l)-1] = nil
+	m.free[class] = l[:len(l)-1]
+	return s
+}
+
+// popLarger takes the smallest free buffer larger than class, up to
+// twice it: shards of a new size use the memory of an old one (the cache
+// counting the whole buffer) rather than new pages. Call with mu.
+func (m *shardMem) popLarger(class int64) *memSlot {
+	best := int64(0)
+	for c, l := range m.free {
+		if c > class && c <= 2*class && len(l) > 0 && (best == 0 || c < best) {
+			best = c
+		}
+	}
+	if best == 0 {
+		return nil
+	}
+	return m.pop(best)
 }
 
 // mapAnon maps size bytes of private memory and asks for its pages now,
@@ -149,28 +256,109 @@ func mapAnon(size int64) ([]byte, error) {
 // put takes a buffer back once nothing aliases it (its mapping's
 // cleanup); a closed pool unmaps it.
 func (m *shardMem) put(s *memSlot) {
-	class := int64(len(s.buf))
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
-		m.held -= class
-		unmap(s.buf)
+		m.release(s)
 		return
 	}
-	m.free[class] = append(m.free[class], s.buf)
+	class := int64(len(s.buf))
+	m.free[class] = append(m.free[class], s)
 }
 
-// close unmaps the free buffers and makes put unmap those still handed
-// out, when their cleanup runs.
+// release unmaps a buffer: a closed pool's, or one shed. Call with mu.
+func (m *shardMem) release(s *memSlot) {
+	m.held -= int64(len(s.buf))
+	if s.carved {
+		_ = unix.Munmap(s.buf) // a piece of the region, which goes piece by piece
+		return
+	}
+	unmap(s.buf)
+}
+
+// close unmaps the free buffers and what the region has not handed out,
+// and makes put unmap those still handed out, when their cleanup runs.
 func (m *shardMem) close() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if m.closed {
+		return
+	}
 	m.closed = true
-	for class, l := range m.free {
-		for _, b := range l {
-			m.held -= class
-			unmap(b)
+	for _, l := range m.free {
+		for _, s := range l {
+			m.release(s)
 		}
 	}
 	clear(m.free)
+	if rest := m.region[m.carved:]; len(rest) > 0 {
+		m.held -= int64(len(rest))
+		_ = unix.Munmap(rest)
+	}
+	m.region, m.carved, m.ready = nil, 0, 0
+}
+
+// trim gives back the region past its first n bytes, whose pages were
+// not taken (stopped, or refused).
+func (m *shardMem) trim(n int64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed || n >= int64(len(m.region)) {
+		return
+	}
+	_ = unix.Munmap(m.region[n:])
+	m.held -= int64(len(m.region)) - n
+	m.region = m.region[:n:n]
+}
+
+// regionStep is how much of the region takeAhead asks pages for at a
+// time, so that shards use what is ready meanwhile and close stops it
+// soon.
+const regionStep = 64 << 20
+
+// takeAhead maps n bytes (whole pages) of the pool's limit and asks the
+// kernel for their pages, regionStep at a time, until stop is closed:
+// the memory a first epoch from S3 would otherwise take page by page as
+// shards come, taken before it (as the arena is). It returns how many
+// bytes have their pages, and the error that stopped it early. The
+// caller runs it once, and close after it returned.
+func (m *shardMem) takeAhead(n int64, stop <-chan struct{}) (int64, error) {
+	n = min(n, m.limit) &^ 4095
+	if n <= 0 || int64(int(n)) != n {
+		return 0, nil
+	}
+	b, err := unix.Mmap(-1, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return 0, fmt.Errorf("map %d bytes for shard buffers: %w", n, err)
+	}
+	m.mu.Lock()
+	if m.closed || m.region != nil || m.full(n) {
+		m.mu.Unlock()
+		_ = unix.Munmap(b)
+		return 0, nil
+	}
+	m.region, m.held = b, m.held+n
+	m.mu.Unlock()
+	for off := int64(0); off < n; off += regionStep {
+		select {
+		case <-stop:
+			m.trim(off)
+			return off, nil
+		default:
+		}
+		end := min(off+regionStep, n)
+		err := unix.Madvise(b[off:end], unix.MADV_POPULATE_WRITE)
+		if err != nil && !errors.Is(err, unix.EINVAL) { // EINVAL: before Linux 5.14, pages come as written
+			m.trim(off)
+			return off, fmt.Errorf("take %d bytes for shard buffers: %w", n, err)
+		}
+		m.mu.Lock()
+		if m.closed {
+			m.mu.Unlock()
+			return off, nil
+		}
+		m.ready = end
+		m.mu.Unlock()
+	}
+	return n, nil
 }

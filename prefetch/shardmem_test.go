@@ -9,6 +9,9 @@ import (
 	"testing"
 	"time"
 	"unsafe"
+
+	"github.com/ckptd/ckptd/internal/testtime"
+	"github.com/ckptd/ckptd/storage"
 )
 
 func TestSizeClass(t *testing.T) {
@@ -37,27 +40,40 @@ func TestSizeClass(t *testing.T) {
 	}
 }
 
-// waitReused collects garbage until the pool has handed out a buffer
-// again (cleanups run on a goroutine of their own, after a collection).
-func waitReused(t *testing.T, m *shardMem, size, want int64) shardBytes {
+// waitFree collects garbage until the pool holds a free buffer of the
+// class (cleanups run on a goroutine of their own, after a collection).
+func waitFree(t *testing.T, m *shardMem, class int64) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		runtime.GC()
-		got := m.buf(size)
-		if m.reused.Load() >= want {
-			return got
-		}
-		got = shardBytes{}
+	collectUntil(t, "a free buffer", func() bool {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return len(m.free[class]) > 0
+	})
+}
+
+// collectUntil collects garbage until ok.
+func collectUntil(t *testing.T, what string, ok func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(testtime.Scale(10 * time.Second))
+	for !ok() {
 		if time.Now().After(deadline) {
-			t.Fatalf("no buffer came back: %d reused, want %d", m.reused.Load(), want)
+			t.Fatalf("no %s after collections for %v", what, testtime.Scale(10*time.Second))
 		}
+		runtime.GC()
 		time.Sleep(time.Millisecond)
 	}
 }
 
+// setPoolAbove sets poolAbove for the test.
+func setPoolAbove(t *testing.T, n int64) {
+	old := poolAbove
+	poolAbove = n
+	t.Cleanup(func() { poolAbove = old })
+}
+
 func TestShardMemPoolsWithinItsLimit(t *testing.T) {
 	const size = 1 << 20
+	setPoolAbove(t, 64<<10)
 	m := newShardMem(2 * size)
 	a, b := m.buf(size), m.buf(size)
 	if !a.m.borrowed() || !b.m.borrowed() || len(a.b) != size {
@@ -70,25 +86,48 @@ func TestShardMemPoolsWithinItsLimit(t *testing.T) {
 	if small := m.buf(poolAbove - 1); small.m.borrowed() {
 		t.Fatal("a shard below poolAbove was pooled")
 	}
+	c = shardBytes{}
+
 	first := unsafe.SliceData(a.b)
 	a.b[0] = 7
-	a, c = shardBytes{}, shardBytes{}
-	again := waitReused(t, m, size, 1)
-	if unsafe.SliceData(again.b) != first || again.b[0] != 7 {
+	runtime.KeepAlive(a) // its bytes are the pool's while its mapping lives
+	a = shardBytes{}
+	waitFree(t, m, size)
+	again := m.buf(size)
+	if m.reused.Load() != 1 || unsafe.SliceData(again.b) != first || again.b[0] != 7 {
 		t.Fatal("the buffer handed out again is not the one let go (or was zeroed)")
 	}
+
+	// The cache's heap shards count with the pool's buffers: a free buffer
+	// beside one that fills the limit is unmapped.
 	runtime.KeepAlive(b)
+	b = shardBytes{}
+	waitFree(t, m, size)
+	h := heapBytes(make([]byte, size))
+	m.cached(h)
+	if m.heldBytes() != size {
+		t.Fatalf("a cached heap shard filling the limit left %d bytes mapped, want %d", m.heldBytes(), size)
+	}
+	m.uncached(h)
+	m.uncached(h) // once only
+	if m.cachedHeap != 0 {
+		t.Fatalf("%d bytes of cached heap shards after letting it go", m.cachedHeap)
+	}
+
+	// A shard no free buffer fits gets room by unmapping one.
+	x := m.buf(size)
+	runtime.KeepAlive(x)
+	x = shardBytes{}
+	waitFree(t, m, size)
+	other := m.buf(400 << 10)
+	if !other.m.borrowed() || m.heldBytes() != size+sizeClass(400<<10) {
+		t.Fatalf("a 400 KiB shard: pooled %v, %d bytes held; want the free buffer unmapped for it", other.m.borrowed(), m.heldBytes())
+	}
+	runtime.KeepAlive(other)
 
 	m.close()
-	b, again = shardBytes{}, shardBytes{}
-	deadline := time.Now().Add(10 * time.Second)
-	for m.heldBytes() != 0 {
-		if time.Now().After(deadline) {
-			t.Fatalf("after close: %d bytes still mapped", m.heldBytes())
-		}
-		runtime.GC()
-		time.Sleep(time.Millisecond)
-	}
+	again, other = shardBytes{}, shardBytes{}
+	collectUntil(t, "every buffer unmapped after close", func() bool { return m.heldBytes() == 0 })
 	if got := m.buf(size); got.m.borrowed() {
 		t.Fatal("a closed pool handed out a buffer")
 	}
@@ -120,47 +159,142 @@ func TestUnaliasCopiesOnlyEvictedShards(t *testing.T) {
 	}
 }
 
+// checkedEpoch reads an epoch of a makeTar dataset, checking that every
+// sample holds its own bytes, and calling between each batch; it returns
+// the samples read.
+func checkedEpoch(t *testing.T, b storage.Backend, prefix string, c *Cache, spec Spec, payload int, between func()) int {
+	t.Helper()
+	ctx := context.Background()
+	it, err := Open(ctx, b, prefix, c, spec, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer it.Close()
+	n := 0
+	for {
+		batch, err := it.Next(ctx)
+		if errors.Is(err, io.EOF) {
+			return n
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, smp := range batch.Samples {
+			want := bytes.Repeat([]byte(smp.Key), payload/len(smp.Key)+1)[:payload]
+			if !bytes.Equal(smp.Fields[1].Data, want) {
+				t.Fatalf("epoch %d: sample %s holds another's bytes", spec.Epoch, smp.Key)
+			}
+		}
+		n += len(batch.Samples)
+		between()
+	}
+}
+
 // Shards read from a store into pooled memory come back to the pool once
 // the cache evicted them and the windows copied their samples out, and
 // hold other shards then; every sample keeps its own shard's bytes, with
 // collections run as often as the pool could take buffers back.
 func TestPooledShardMemoryIsUsedAgain(t *testing.T) {
-	old := poolAbove
-	poolAbove = 4096
-	t.Cleanup(func() { poolAbove = old })
+	setPoolAbove(t, 4096)
 	const shards, per, payload = 12, 8, 8000
 	b := dataset(t, shards, per, payload)
 	c := newCache(t, 3*per*payload)
-	ctx := context.Background()
 	for epoch := range 3 {
-		it, err := Open(ctx, b, "train/", c, Spec{BatchSize: 4, WorldSize: 1, Seed: 1, Epoch: int64(epoch), ShuffleWindow: 12}, Options{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		n := 0
-		for {
-			batch, err := it.Next(ctx)
-			if errors.Is(err, io.EOF) {
-				break
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, s := range batch.Samples {
-				want := bytes.Repeat([]byte(s.Key), payload/len(s.Key)+1)[:payload]
-				if !bytes.Equal(s.Fields[1].Data, want) {
-					t.Fatalf("epoch %d: sample %s holds another's bytes", epoch, s.Key)
-				}
-			}
-			n += len(batch.Samples)
-			runtime.GC()
-		}
-		it.Close()
-		if n != shards*per {
+		spec := Spec{BatchSize: 4, WorldSize: 1, Seed: 1, Epoch: int64(epoch), ShuffleWindow: 12}
+		if n := checkedEpoch(t, b, "train/", c, spec, payload, runtime.GC); n != shards*per {
 			t.Fatalf("epoch %d: %d samples, want %d", epoch, n, shards*per)
 		}
 	}
 	if c.evictions.Load() == 0 || c.mem.reused.Load() == 0 {
 		t.Fatalf("%d shards evicted, %d buffers used again; want both", c.evictions.Load(), c.mem.reused.Load())
+	}
+}
+
+func (m *shardMem) state() (held, carved, ready int64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.held, m.carved, m.ready
+}
+
+// Memory taken ahead is carved into the first shards' buffers; past it
+// the pool maps buffers as before; a free buffer up to twice as large
+// serves a smaller shard; close gives all of it back.
+func TestShardMemTakesAhead(t *testing.T) {
+	const mib = 1 << 20
+	setPoolAbove(t, 64<<10)
+	m := newShardMem(16 * mib)
+	got, err := m.takeAhead(4*mib+100, make(chan struct{}))
+	if err != nil || got != 4*mib {
+		t.Fatalf("takeAhead: %d bytes, %v; want %d", got, err, 4*mib)
+	}
+	var bufs []shardBytes
+	for i := range 4 {
+		b := m.buf(mib)
+		if b.m.slot == nil || !b.m.slot.carved {
+			t.Fatalf("shard %d: not carved from the memory taken ahead", i)
+		}
+		bufs = append(bufs, b)
+	}
+	own := m.buf(mib)
+	if own.m.slot == nil || own.m.slot.carved {
+		t.Fatal("past the memory taken ahead: want a buffer of its own")
+	}
+	if held, carved, ready := m.state(); held != 5*mib || carved != 4*mib || ready != 4*mib {
+		t.Fatalf("held %d, carved %d, ready %d", held, carved, ready)
+	}
+
+	first := unsafe.SliceData(bufs[0].b)
+	bufs[0].b[0] = 9
+	runtime.KeepAlive(bufs[0])
+	bufs[0] = shardBytes{}
+	waitFree(t, m, mib)
+	again := m.buf(mib)
+	if unsafe.SliceData(again.b) != first || !again.m.slot.carved || again.b[0] != 9 {
+		t.Fatal("the carved buffer let go was not handed out again")
+	}
+
+	bufs[1] = shardBytes{}
+	waitFree(t, m, mib)
+	smaller := m.buf(700 << 10)
+	if len(smaller.b) != 700<<10 || len(smaller.m.slot.buf) != mib || smaller.cost() != mib {
+		t.Fatalf("a shard of 700 KiB got a buffer of %d, cost %d; want the free 1 MiB one", len(smaller.m.slot.buf), smaller.cost())
+	}
+	runtime.KeepAlive(own)
+
+	m.close()
+	bufs, own, again, smaller = nil, shardBytes{}, shardBytes{}, shardBytes{}
+	collectUntil(t, "every buffer unmapped after close", func() bool { return m.heldBytes() == 0 })
+}
+
+// takeAhead stops at once when told to, and close then gives back what
+// it mapped; the shards read meanwhile are the heap's or their own.
+func TestShardMemTakeAheadStops(t *testing.T) {
+	m := newShardMem(256 << 20)
+	stop := make(chan struct{})
+	close(stop)
+	got, err := m.takeAhead(256<<20, stop)
+	if err != nil || got != 0 {
+		t.Fatalf("takeAhead, stopped: %d bytes, %v; want 0", got, err)
+	}
+	if b := m.buf(1 << 20); b.m.slot == nil || b.m.slot.carved {
+		t.Fatal("carved from memory whose pages were not taken")
+	}
+	m.close()
+	if held, _, _ := m.state(); held != 1<<20 { // the buffer above, until collected
+		t.Fatalf("after close: %d bytes held, want the one buffer handed out", held)
+	}
+}
+
+// A service allowed an S3 source takes its cache's memory at start, and
+// the shards then read from the source land in it.
+func TestServiceTakesCacheMemoryForS3(t *testing.T) {
+	setPoolAbove(t, 4096)
+	const shards, per, payload = 4, 10, 1000
+	b := posixDataset(t, shards, per, payload)
+	s := newService(t, b, ServiceConfig{CacheBytes: 4 << 20, CacheAtStart: true})
+	waitFor(t, "shard memory taken", func() bool { _, _, ready := s.cache.mem.state(); return ready == 4<<20 })
+	n := checkedEpoch(t, b, "", s.cache, Spec{BatchSize: 8, WorldSize: 1}, payload, func() {})
+	if _, carved, _ := s.cache.mem.state(); n != shards*per || carved == 0 {
+		t.Fatalf("%d samples, %d bytes carved; want %d samples from the memory taken", n, carved, shards*per)
 	}
 }

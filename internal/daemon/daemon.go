@@ -74,6 +74,7 @@ type Options struct {
 	DrainDelay      time.Duration
 	CacheBytes      int64
 	CacheLookahead  bool
+	CacheAtStart    bool   // --cache-memory-at-start: take the cache's memory at start for S3 sources
 	DiskCacheDir    string // --disk-cache-dir: the disk tier of remote sources' shards
 	DiskCacheBytes  int64
 	Nice            int

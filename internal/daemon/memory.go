@@ -54,7 +54,7 @@ const (
 // prefetchConfig is the dataset service's configuration from the flags.
 func (o *Options) prefetchConfig() prefetch.ServiceConfig {
 	return prefetch.ServiceConfig{
-		CacheBytes: int64(o.CacheBytes), NoLookahead: !o.CacheLookahead, Slots: o.RingSlots, MaxSlots: o.RingSlotsMax, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
+		CacheBytes: int64(o.CacheBytes), CacheAtStart: o.CacheAtStart, NoLookahead: !o.CacheLookahead, Slots: o.RingSlots, MaxSlots: o.RingSlotsMax, SlotBytes: int64(o.SlotBytes), AllocWait: o.StagingWait,
 		ArenaBytes: int64(o.DatasetArena), Allow: o.DatasetAllow, Off: o.DatasetsOff,
 		DiskCacheDir: o.DiskCacheDir, DiskCacheBytes: o.DiskCacheBytes,
 		Options: prefetch.Options{ReadAheadBytes: int64(o.ReadAhead), ListBytes: int64(o.ListBytes)},
