@@ -52,6 +52,17 @@ def serve(binary: str, name: str, *args: str) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def wait_log(sock: str, text: str, timeout: float = 300) -> float:
+    """Wait until the log of the daemon serve() started on sock says text; the seconds waited."""
+    log = Path(sock).parent / "ckptd.log"
+    t0 = time.monotonic()
+    while text not in log.read_text(errors="replace"):
+        if time.monotonic() - t0 > timeout:
+            sys.exit(f"ckptd serve did not log {text!r} in {timeout:.0f}s:\n{log.read_text()}")
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
 def _wait_ready(sock: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 30
     while True:
