@@ -136,7 +136,11 @@ class Daemon:
         self.args = [
             str(binary), "serve", "--socket", self.socket, "--storage", str(self.storage),
             "--arena-dir", str(self.arena_dir), "--staging-bytes", staging, "--job", job,
-            "--workers", "2", "--dataset-allow", f"{tempfile.gettempdir()},s3://bucket", *extra,
+            "--workers", "2", "--dataset-allow", f"{tempfile.gettempdir()},s3://bucket",
+            # Allowed an S3 source, a daemon takes --cache-bytes (1 GiB) at
+            # start: hundreds of test daemons would take it for nothing.
+            # test_dataset_s3.py's daemons take it, as by default.
+            "--cache-memory-at-start=false", *extra,
         ]  # fmt: skip
         self.log = self.dir / "ckptd.log"
         self.proc: subprocess.Popen[bytes] | None = None

@@ -6,8 +6,11 @@ fails under CI like every skip.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from s3util import REGION, MinIO, minio_binary
+from slow import scaled
 from wds import make_samples, shard_bytes
 
 import ckptd
@@ -32,7 +35,8 @@ def s3_daemon(minio, make_daemon, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", minio.secret_key)
     monkeypatch.setenv("AWS_REGION", REGION)
     return make_daemon(
-        "--s3-endpoint", minio.endpoint, "--slot-bytes", "256KiB", "--dataset-allow", "s3://data,s3://bad"
+        "--s3-endpoint", minio.endpoint, "--slot-bytes", "256KiB", "--dataset-allow", "s3://data,s3://bad",
+        "--cache-bytes", "8MiB", "--cache-memory-at-start",  # the default, which conftest turns off
     )  # fmt: skip
 
 
@@ -103,3 +107,34 @@ def test_s3_corrupt_shard_and_empty_prefix(minio, s3_daemon):
         with pytest.raises(ckptd.CkptdError, match="not beneath any source") as e:
             c.dataset(ckptd.DatasetSpec("s3://unlisted/train", batch_size=BATCH))
         assert e.value.code == "PERMISSION_DENIED"
+
+
+def test_s3_shards_in_reused_memory_stay_intact(minio, request, monkeypatch):
+    """Shards over 1 MiB land in the memory the daemon took at start, then in
+    buffers evicted shards gave back (the cache holds a sixth of the dataset):
+    over three shuffled epochs every sample keeps its own bytes. GOGC=1 hands
+    buffers back as early as the daemon can, so that one handed back while a
+    sample still used it would show."""
+    monkeypatch.setenv("GOGC", "1")
+    s3_daemon = request.getfixturevalue("s3_daemon")
+    minio.make_bucket("data")
+    want = {}
+    for s in range(12):
+        samples = make_samples(s, 4, size=600 << 10)  # 2.4 MiB shards
+        want |= samples
+        minio.put("data", f"big/train-{s:03d}.tar", shard_bytes(samples))
+    deadline = time.monotonic() + scaled(30)
+    while "dataset shard memory taken" not in s3_daemon.logs():
+        assert time.monotonic() < deadline, s3_daemon.logs()
+        time.sleep(0.01)
+    with s3_daemon.client() as c:
+        for epoch in range(3):
+            spec = ckptd.DatasetSpec("s3://data/big", batch_size=4, epoch=epoch, shuffle_window=24)
+            with c.dataset(spec) as ds:
+                got = 0
+                for b in ds:
+                    for smp in b:
+                        assert smp["bin"] == want[smp["__key__"]]["bin"], smp["__key__"]
+                        got += 1
+                assert got == len(want)
+                assert ds.stats().cache_misses > 0
