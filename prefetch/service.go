@@ -39,6 +39,11 @@ type ServiceConfig struct {
 	// pages taken instead of taking them as its shards come (see
 	// shardMem). Local sources' shards are mapped: they need none.
 	CacheAtStart bool
+	// OffHeap, if set, is told the bytes of shard memory the service
+	// holds outside the Go heap whenever they change (see shardMem):
+	// ckptd serve lowers the heap's soft memory limit by them, since the
+	// garbage collector does not see them.
+	OffHeap func(bytes int64)
 	// NoLookahead makes a full cache keep what it holds instead of
 	// following the open sessions' known orders (Belady's rule): the
 	// policy the lookahead replaced, kept to compare against.
@@ -191,6 +196,7 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 		backends: newBackendPool(cfg.MaxBackends, cfg.BackendIdle),
 		sessions: map[string]*session{}, watched: map[string]bool{}, primeTimer: time.AfterFunc,
 	}
+	c.mem.onHeld = cfg.OffHeap
 	if cfg.CacheAtStart && !cfg.off() && len(allow.s3) > 0 {
 		c.takeMemory(cfg.Logger)
 	}

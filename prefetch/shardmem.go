@@ -60,6 +60,14 @@ type shardMem struct {
 	cachedHeap int64
 
 	reused atomic.Int64 // buffers handed out again, for tests and metrics
+
+	// onHeld is told the bytes mapped whenever they change (report): the
+	// daemon lowers the Go heap's soft limit by them, since the garbage
+	// collector does not see this memory. heldNow is held, for report.
+	onHeld   func(int64)
+	heldNow  atomic.Int64
+	reportMu sync.Mutex
+	reported int64 // under reportMu
 }
 
 // poolAbove is the shard size from which shards are read into pooled
@@ -117,6 +125,7 @@ func (m *shardMem) cached(d shardBytes) {
 	if d.m == nil || d.m.borrowed() || d.m.counted.Swap(true) {
 		return
 	}
+	defer m.report() // shed
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.cachedHeap += int64(len(d.m.data))
@@ -149,6 +158,7 @@ func heapBytes(b []byte) shardBytes {
 // region has ready, or uses a free one up to twice as large, or maps a
 // new one while the pool holds less than its limit; nil when none.
 func (m *shardMem) take(class int64) *memSlot {
+	defer m.report() // shed or mapped
 	m.mu.Lock()
 	if s := m.pop(class); s != nil {
 		m.mu.Unlock()
@@ -176,16 +186,36 @@ func (m *shardMem) take(class int64) *memSlot {
 	if m.full(class) { // with the cache's heap shards: no free buffers beside them
 		m.shed(func() bool { return m.full(class) })
 	}
-	m.held += class
+	m.addHeld(class)
 	m.mu.Unlock()
 	b, err := mapAnon(class)
 	if err != nil {
 		m.mu.Lock()
-		m.held -= class
+		m.addHeld(-class)
 		m.mu.Unlock()
 		return nil
 	}
 	return &memSlot{buf: b}
+}
+
+// addHeld changes held. Call with mu, and report after it.
+func (m *shardMem) addHeld(n int64) {
+	m.held += n
+	m.heldNow.Store(m.held)
+}
+
+// report tells onHeld the bytes mapped now: the latest, whatever the
+// order callers come in.
+func (m *shardMem) report() {
+	if m.onHeld == nil {
+		return
+	}
+	m.reportMu.Lock()
+	defer m.reportMu.Unlock()
+	if n := m.heldNow.Load(); n != m.reported {
+		m.reported = n
+		m.onHeld(n)
+	}
 }
 
 // shed unmaps free buffers while over says so. What the pool holds and
@@ -256,6 +286,7 @@ func mapAnon(size int64) ([]byte, error) {
 // put takes a buffer back once nothing aliases it (its mapping's
 // cleanup); a closed pool unmaps it.
 func (m *shardMem) put(s *memSlot) {
+	defer m.report()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
@@ -268,7 +299,7 @@ func (m *shardMem) put(s *memSlot) {
 
 // release unmaps a buffer: a closed pool's, or one shed. Call with mu.
 func (m *shardMem) release(s *memSlot) {
-	m.held -= int64(len(s.buf))
+	m.addHeld(-int64(len(s.buf)))
 	if s.carved {
 		_ = unix.Munmap(s.buf) // a piece of the region, which goes piece by piece
 		return
@@ -279,6 +310,7 @@ func (m *shardMem) release(s *memSlot) {
 // close unmaps the free buffers and what the region has not handed out,
 // and makes put unmap those still handed out, when their cleanup runs.
 func (m *shardMem) close() {
+	defer m.report()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
@@ -292,7 +324,7 @@ func (m *shardMem) close() {
 	}
 	clear(m.free)
 	if rest := m.region[m.carved:]; len(rest) > 0 {
-		m.held -= int64(len(rest))
+		m.addHeld(-int64(len(rest)))
 		_ = unix.Munmap(rest)
 	}
 	m.region, m.carved, m.ready = nil, 0, 0
@@ -301,13 +333,14 @@ func (m *shardMem) close() {
 // trim gives back the region past its first n bytes, whose pages were
 // not taken (stopped, or refused).
 func (m *shardMem) trim(n int64) {
+	defer m.report()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed || n >= int64(len(m.region)) {
 		return
 	}
 	_ = unix.Munmap(m.region[n:])
-	m.held -= int64(len(m.region)) - n
+	m.addHeld(-(int64(len(m.region)) - n))
 	m.region = m.region[:n:n]
 }
 
@@ -337,8 +370,10 @@ func (m *shardMem) takeAhead(n int64, stop <-chan struct{}) (int64, error) {
 		_ = unix.Munmap(b)
 		return 0, nil
 	}
-	m.region, m.held = b, m.held+n
+	m.region = b
+	m.addHeld(n)
 	m.mu.Unlock()
+	m.report()
 	for off := int64(0); off < n; off += regionStep {
 		select {
 		case <-stop:

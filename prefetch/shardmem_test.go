@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"runtime"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -223,9 +224,11 @@ func TestShardMemTakesAhead(t *testing.T) {
 	const mib = 1 << 20
 	setPoolAbove(t, 64<<10)
 	m := newShardMem(16 * mib)
+	var told atomic.Int64 // what the daemon is told it holds off the heap
+	m.onHeld = func(n int64) { told.Store(n) }
 	got, err := m.takeAhead(4*mib+100, make(chan struct{}))
-	if err != nil || got != 4*mib {
-		t.Fatalf("takeAhead: %d bytes, %v; want %d", got, err, 4*mib)
+	if err != nil || got != 4*mib || told.Load() != 4*mib {
+		t.Fatalf("takeAhead: %d bytes, %v, %d reported; want %d", got, err, told.Load(), 4*mib)
 	}
 	var bufs []shardBytes
 	for i := range 4 {
@@ -239,8 +242,8 @@ func TestShardMemTakesAhead(t *testing.T) {
 	if own.m.slot == nil || own.m.slot.carved {
 		t.Fatal("past the memory taken ahead: want a buffer of its own")
 	}
-	if held, carved, ready := m.state(); held != 5*mib || carved != 4*mib || ready != 4*mib {
-		t.Fatalf("held %d, carved %d, ready %d", held, carved, ready)
+	if held, carved, ready := m.state(); held != 5*mib || carved != 4*mib || ready != 4*mib || told.Load() != held {
+		t.Fatalf("held %d (%d reported), carved %d, ready %d", held, told.Load(), carved, ready)
 	}
 
 	first := unsafe.SliceData(bufs[0].b)
@@ -263,7 +266,7 @@ func TestShardMemTakesAhead(t *testing.T) {
 
 	m.close()
 	bufs, own, again, smaller = nil, shardBytes{}, shardBytes{}, shardBytes{}
-	collectUntil(t, "every buffer unmapped after close", func() bool { return m.heldBytes() == 0 })
+	collectUntil(t, "every buffer unmapped after close", func() bool { return m.heldBytes() == 0 && told.Load() == 0 })
 }
 
 // takeAhead stops at once when told to, and close then gives back what

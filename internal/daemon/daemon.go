@@ -397,13 +397,16 @@ func (d *Daemon) startPrefetch(context.Context) error {
 		b, err := o.open(ctx, url, false)
 		return b, d.berrs.countOpen(backendDataset, err)
 	}
-	pf, err := prefetch.NewService(server.PrefetchArena(d.a), pcfg)
+	pa := server.PrefetchArena(d.a)
+	limit := memoryCeiling(o, pcfg.MemoryCeiling(pa.Size()))
+	setMemoryLimit(limit, d.log)
+	pcfg.OffHeap = func(n int64) { lowerMemoryLimit(limit, n) }
+	pf, err := prefetch.NewService(pa, pcfg)
 	if err != nil {
 		return err
 	}
 	d.pf = pf
 	d.undo.push(pf.Close)
-	setMemoryLimit(memoryCeiling(o, pf.MemoryCeiling()), d.log)
 	return fault("prefetch")
 }
 

@@ -107,3 +107,14 @@ func setMemoryLimit(limit int64, log *slog.Logger) {
 	debug.SetMemoryLimit(limit)
 	log.Info("memory ceiling of the daemon's heap, besides the arena", "bytes", limit)
 }
+
+// lowerMemoryLimit sets the heap's soft limit to the ceiling less the
+// dataset shard memory held outside the heap (prefetch's shard buffers,
+// which the ceiling counts but the garbage collector does not see), so
+// that heap and buffers together stay under it.
+func lowerMemoryLimit(ceiling, offHeap int64) {
+	if os.Getenv("GOMEMLIMIT") != "" {
+		return
+	}
+	debug.SetMemoryLimit(max(ceiling-offHeap, ceiling/4))
+}
