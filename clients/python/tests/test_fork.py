@@ -148,13 +148,18 @@ def silent(tmp_path):
         s.close()
 
 
-def test_a_deadline_ends_a_call_the_daemon_never_answers(silent):
-    ch = _h2.Channel(silent, 1 << 20)
-    steps = ch.unary_unary(
+def list_steps(ch: _h2.Channel) -> Any:
+    """The channel's ListSteps call, as the generated stub makes it."""
+    return ch.unary_unary(
         "/ckptd.v1.Checkpoint/ListSteps",
         request_serializer=pb.ListStepsRequest.SerializeToString,
         response_deserializer=pb.ListStepsResponse.FromString,
     )
+
+
+def test_a_deadline_ends_a_call_the_daemon_never_answers(silent):
+    ch = _h2.Channel(silent, 1 << 20)
+    steps = list_steps(ch)
     t = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         steps(pb.ListStepsRequest(), timeout=0.3)
@@ -183,11 +188,7 @@ def test_close_ends_a_call_in_flight(silent):
 
 def test_oversized_messages_are_refused_before_sending(daemon):
     ch = _h2.Channel(daemon.socket, 1 << 10)
-    steps = ch.unary_unary(
-        "/ckptd.v1.Checkpoint/ListSteps",
-        request_serializer=pb.ListStepsRequest.SerializeToString,
-        response_deserializer=pb.ListStepsResponse.FromString,
-    )
+    steps = list_steps(ch)
     with pytest.raises(grpc.RpcError) as e:
         steps(pb.ListStepsRequest(job="x" * 4096), timeout=scaled(10))
     assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -198,11 +199,7 @@ def test_one_connection_carries_concurrent_calls_and_comes_back(make_daemon):
     """As grpcio's channel: the daemon ties what a client opens to its connection."""
     d = make_daemon()
     ch = _h2.Channel(d.socket, 1 << 20)
-    steps = ch.unary_unary(
-        "/ckptd.v1.Checkpoint/ListSteps",
-        request_serializer=pb.ListStepsRequest.SerializeToString,
-        response_deserializer=pb.ListStepsResponse.FromString,
-    )
+    steps = list_steps(ch)
     steps(pb.ListStepsRequest(), timeout=scaled(10))
     first = ch._conn
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
