@@ -115,11 +115,11 @@ func (c *Cache) Close() {
 	c.mem.close()
 }
 
-// takeMemory takes the cache's budget of memory for shard buffers now,
+// takeMemory takes the shard buffers' whole limit of memory now,
 // in the background (shardMem.takeAhead): the pages a first epoch from a
 // remote source would take as its shards come. It logs when done.
 func (c *Cache) takeMemory(log *slog.Logger) {
-	n := c.adm.budget
+	n := c.mem.limit
 	c.taking.Go(func() {
 		start := time.Now()
 		got, err := c.mem.takeAhead(n, c.takeStop)

@@ -106,10 +106,10 @@
 // under a mapping fails the shard (ErrShardChanged) where it is read.
 // Shards read into memory (from S3; local ones not mapped) above 1 MiB
 // go into buffers outside the Go heap that are used again once nothing
-// aliases them (shardmem.go), up to the cache's budget plus 64 MiB; past
-// that, into the heap. The cache counts such a shard's whole buffer.
-// With an S3 source allowed, the daemon takes the cache's budget of that
-// memory at start (ServiceConfig.CacheAtStart): a first epoch then finds
+// aliases them (shardmem.go), up to the cache's budget plus R (at least
+// 64 MiB); past that, into the heap. The cache counts such a shard's whole buffer.
+// With an S3 source allowed, the daemon takes all of that memory at
+// start (ServiceConfig.CacheAtStart): a first epoch then finds
 // its pages taken.
 //
 // A dataset's listing (and the cache's plan of the epochs ahead) costs a
@@ -120,11 +120,11 @@
 // S = dataset-arena-bytes / (ring-slots × slot-bytes) are open, and the
 // service holds at most (Service.MemoryCeiling)
 //
-//	cache-bytes + 160 MiB + S × (R + 256 KiB + L) + dataset-arena-bytes / slot-bytes × 4 MiB
+//	cache-bytes + 96 MiB + max(R, 64 MiB) + S × (R + 256 KiB + L) + dataset-arena-bytes / slot-bytes × 4 MiB
 //
-// where 160 MiB bounds the shards' sample counts (CountBytes, 32 MiB),
-// the Parquet footers kept (FooterBytes, 64 MiB) and the shard buffers
-// kept for reuse beyond the cache (shardMemSlack, 64 MiB), 256 KiB is
+// where 96 MiB bounds the shards' sample counts (CountBytes, 32 MiB) and
+// the Parquet footers kept (FooterBytes, 64 MiB), max(R, 64 MiB) the
+// shard buffers beyond the cache's (slack), 256 KiB is
 // a streamed shard's read buffer and 4 MiB bounds the
 // keys and names of a delivery, one per ring slot however the rings grow;
 // the rings themselves are arena memory.

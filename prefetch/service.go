@@ -33,8 +33,9 @@ type ServiceConfig struct {
 	// kept on a local disk (see diskCache); no dir, no tier.
 	DiskCacheDir   string
 	DiskCacheBytes int64
-	// CacheAtStart takes the cache's budget of memory for shard buffers
-	// at start, in the background, when an S3 source is allowed (serve's
+	// CacheAtStart takes the shard buffers' memory (the cache's budget
+	// and a session's read-ahead budget: see slack) at start, in the
+	// background, when an S3 source is allowed (serve's
 	// --cache-memory-at-start): a first epoch from S3 then finds its
 	// pages taken instead of taking them as its shards come (see
 	// shardMem). Local sources' shards are mapped: they need none.
@@ -197,6 +198,7 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 		sessions: map[string]*session{}, watched: map[string]bool{}, primeTimer: time.AfterFunc,
 	}
 	c.mem.onHeld = cfg.OffHeap
+	c.mem.limit = cfg.CacheBytes + slack(cfg.Options.ReadAheadBytes)
 	if cfg.CacheAtStart && !cfg.off() && len(allow.s3) > 0 {
 		c.takeMemory(cfg.Logger)
 	}
@@ -236,7 +238,7 @@ func (cfg ServiceConfig) MemoryCeiling(arenaSize int64) int64 {
 	}
 	cfg.setDefaults(arenaSize)
 	perSession := cfg.Options.ReadAheadBytes + streamBuffer + cfg.Options.ListBytes
-	return cfg.CacheBytes + shardMemSlack + CountBytes + FooterBytes + cfg.maxSessions()*perSession + cfg.ArenaBytes/cfg.SlotBytes*maxBatchMeta
+	return cfg.CacheBytes + slack(cfg.Options.ReadAheadBytes) + CountBytes + FooterBytes + cfg.maxSessions()*perSession + cfg.ArenaBytes/cfg.SlotBytes*maxBatchMeta
 }
 
 // off reports whether datasets are off: Off, or no source allowed.

@@ -75,10 +75,18 @@ type shardMem struct {
 // see mapAbove), and the heap serves small ones well.
 var poolAbove int64 = 1 << 20
 
-// shardMemSlack is the pool's room beyond the cache's budget (which
-// counts a pooled shard's whole buffer): shards read ahead, not yet in
-// the cache, and those it let go not yet collected.
+// shardMemSlack is the pool's least room beyond the cache's budget
+// (which counts a pooled shard's whole buffer): shards read ahead, not
+// yet in the cache, and those it let go not yet collected. A service
+// gives it a session's read-ahead budget when that is more (slack):
+// with less, a first epoch through a cache smaller than the dataset
+// read a third of its shards into new memory while evicted ones waited
+// for a collection.
 const shardMemSlack = 64 << 20
+
+// slack is the pool's room beyond the cache's budget for a read-ahead
+// budget of readAhead bytes a session.
+func slack(readAhead int64) int64 { return max(readAhead, shardMemSlack) }
 
 // memSlot is a pooled buffer, the argument of its mapping's cleanup: it
 // must not point back at the mapping, or the mapping would never be

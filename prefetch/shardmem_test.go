@@ -294,8 +294,13 @@ func TestServiceTakesCacheMemoryForS3(t *testing.T) {
 	setPoolAbove(t, 4096)
 	const shards, per, payload = 4, 10, 1000
 	b := posixDataset(t, shards, per, payload)
-	s := newService(t, b, ServiceConfig{CacheBytes: 4 << 20, CacheAtStart: true})
-	waitFor(t, "shard memory taken", func() bool { _, _, ready := s.cache.mem.state(); return ready == 4<<20 })
+	cfg := ServiceConfig{CacheBytes: 4 << 20, CacheAtStart: true, Options: Options{ReadAheadBytes: 8 << 20}}
+	s := newService(t, b, cfg)
+	want := int64(4<<20 + shardMemSlack) // the cache, and room beyond it (at least 64 MiB)
+	if s.cache.mem.limit != want {
+		t.Fatalf("shard memory limit %d, want %d", s.cache.mem.limit, want)
+	}
+	waitFor(t, "shard memory taken", func() bool { _, _, ready := s.cache.mem.state(); return ready == want })
 	n := checkedEpoch(t, b, "", s.cache, Spec{BatchSize: 8, WorldSize: 1}, payload, func() {})
 	if _, carved, _ := s.cache.mem.state(); n != shards*per || carved == 0 {
 		t.Fatalf("%d samples, %d bytes carved; want %d samples from the memory taken", n, carved, shards*per)

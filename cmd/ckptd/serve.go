@@ -67,7 +67,7 @@ func newServeCmd() *cobra.Command {
 	fs.Var((*byteSize)(&o.StallWritesAfter), "debug-stall-writes-after", "stall every checkpoint object's write after this many bytes, for an hour (for crash tests: a kill in the middle of a write)")
 	_ = fs.MarkHidden("debug-stall-writes-after")
 	fs.Var((*byteSize)(&o.CacheBytes), "cache-bytes", "dataset shard cache budget, shared by every rank on the node (0 disables it)")
-	fs.BoolVar(&o.CacheAtStart, "cache-memory-at-start", true, "with an s3:// source allowed, take --cache-bytes of memory for shards read from S3 at start, in the background, so that a first epoch does not take it page by page (folders' shards are mapped and need none)")
+	fs.BoolVar(&o.CacheAtStart, "cache-memory-at-start", true, "with an s3:// source allowed, take the memory of shards read from S3 (--cache-bytes + --read-ahead-bytes) at start, in the background, so that a first epoch does not take it page by page (folders' shards are mapped and need none)")
 	fs.IntVar(&o.Nice, "nice", 10, "run the daemon this many nice levels (0-19) below the priority it starts with, so that the trainer beside it wins a contended core; 0 keeps it. It orders the daemon against processes of its own cgroup only: give a sidecar container a small CPU request instead")
 	fs.StringVar(&o.DiskCacheDir, "disk-cache-dir", "", "a folder on a local disk (NVMe) that keeps the shards read from S3 sources, so a dataset larger than memory is read from the store once per node; a file cut or damaged there is read from the store again; needs --disk-cache-bytes")
 	fs.Var((*byteSize)(&o.DiskCacheBytes), "disk-cache-bytes", "what --disk-cache-dir may hold (required with it); when full it drops the shard the open sessions read farthest in the future")
