@@ -38,7 +38,8 @@ type ServiceConfig struct {
 	// background, when an S3 source is allowed (serve's
 	// --cache-memory-at-start): a first epoch from S3 then finds its
 	// pages taken instead of taking them as its shards come (see
-	// shardMem). Local sources' shards are mapped: they need none.
+	// shardMem). Local sources' shards are mapped: they need none; with
+	// no cache (CacheBytes 0) nothing is taken.
 	CacheAtStart bool
 	// OffHeap, if set, is told the bytes of shard memory the service
 	// holds outside the Go heap whenever they change (see shardMem):
@@ -199,7 +200,7 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	}
 	c.mem.onHeld = cfg.OffHeap
 	c.mem.limit = cfg.CacheBytes + slack(cfg.Options.ReadAheadBytes)
-	if cfg.CacheAtStart && !cfg.off() && len(allow.s3) > 0 {
+	if cfg.takesMemoryAtStart(allow) {
 		c.takeMemory(cfg.Logger)
 	}
 	s.wg.Go(s.reapLoop)
@@ -208,6 +209,12 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 		"read_ahead_bytes", s.cfg.Options.ReadAheadBytes, "arena_bytes", cfg.ArenaBytes,
 		"max_sessions", s.MaxSessions(), "memory_ceiling", s.MemoryCeiling())
 	return s, nil
+}
+
+// takesMemoryAtStart says whether the service takes its shard buffers'
+// memory at start (CacheAtStart): for a cache, and an S3 source to fill it.
+func (cfg *ServiceConfig) takesMemoryAtStart(allow *allowList) bool {
+	return cfg.CacheAtStart && !cfg.off() && cfg.CacheBytes > 0 && len(allow.s3) > 0
 }
 
 // MaxSessions is how many sessions the datasets' share of the arena holds

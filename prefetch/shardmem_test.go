@@ -306,3 +306,25 @@ func TestServiceTakesCacheMemoryForS3(t *testing.T) {
 		t.Fatalf("%d samples, %d bytes carved; want %d samples from the memory taken", n, carved, shards*per)
 	}
 }
+
+func TestMemoryTakenAtStartOnlyForACacheOfS3(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  ServiceConfig
+		want bool
+	}{
+		{"a cache and an S3 source", ServiceConfig{CacheAtStart: true, CacheBytes: 1 << 30, Allow: []string{"/data", "s3://b/p"}}, true},
+		{"turned off", ServiceConfig{CacheAtStart: false, CacheBytes: 1 << 30, Allow: []string{"s3://b"}}, false},
+		{"no cache", ServiceConfig{CacheAtStart: true, CacheBytes: 0, Allow: []string{"s3://b"}}, false},
+		{"folders only: mapped", ServiceConfig{CacheAtStart: true, CacheBytes: 1 << 30, Allow: []string{"/data"}}, false},
+		{"datasets off", ServiceConfig{CacheAtStart: true, CacheBytes: 1 << 30, Allow: []string{"s3://b"}, Off: true}, false},
+	} {
+		allow, err := newAllowList(tc.cfg.Allow, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := tc.cfg.takesMemoryAtStart(allow); got != tc.want {
+			t.Errorf("%s: takes memory at start %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
