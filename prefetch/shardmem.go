@@ -63,9 +63,8 @@ type shardMem struct {
 
 	// onHeld is told the bytes mapped whenever they change (report): the
 	// daemon lowers the Go heap's soft limit by them, since the garbage
-	// collector does not see this memory. heldNow is held, for report.
+	// collector does not see this memory.
 	onHeld   func(int64)
-	heldNow  atomic.Int64
 	reportMu sync.Mutex
 	reported int64 // under reportMu
 }
@@ -137,9 +136,7 @@ func (m *shardMem) cached(d shardBytes) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.cachedHeap += int64(len(d.m.data))
-	if m.full(0) {
-		m.shed(func() bool { return m.full(0) })
-	}
+	m.shed(0)
 }
 
 // uncached counts a shard the cache let go (see cached).
@@ -184,32 +181,25 @@ func (m *shardMem) take(class int64) *memSlot {
 		m.reused.Add(1)
 		return s
 	}
-	if !m.closed && m.held+class > m.limit { // free buffers of other sizes make room
-		m.shed(func() bool { return m.held+class > m.limit })
-	}
-	if m.closed || m.held+class > m.limit {
+	if m.closed {
 		m.mu.Unlock()
 		return nil
 	}
-	if m.full(class) { // with the cache's heap shards: no free buffers beside them
-		m.shed(func() bool { return m.full(class) })
+	m.shed(class) // free buffers of other sizes, or beside the cache's heap shards, make room
+	if m.held+class > m.limit {
+		m.mu.Unlock()
+		return nil
 	}
-	m.addHeld(class)
+	m.held += class
 	m.mu.Unlock()
 	b, err := mapAnon(class)
 	if err != nil {
 		m.mu.Lock()
-		m.addHeld(-class)
+		m.held -= class
 		m.mu.Unlock()
 		return nil
 	}
 	return &memSlot{buf: b}
-}
-
-// addHeld changes held. Call with mu, and report after it.
-func (m *shardMem) addHeld(n int64) {
-	m.held += n
-	m.heldNow.Store(m.held)
 }
 
 // report tells onHeld the bytes mapped now: the latest, whatever the
@@ -220,25 +210,29 @@ func (m *shardMem) report() {
 	}
 	m.reportMu.Lock()
 	defer m.reportMu.Unlock()
-	if n := m.heldNow.Load(); n != m.reported {
+	m.mu.Lock()
+	n := m.held
+	m.mu.Unlock()
+	if n != m.reported {
 		m.reported = n
 		m.onHeld(n)
 	}
 }
 
-// shed unmaps free buffers while over says so. What the pool holds and
-// the cache's heap shards grow only in take and cached, which call it:
-// they stay under its limit, unless they are all in use. Call with mu.
-func (m *shardMem) shed(over func() bool) {
+// shed unmaps free buffers while the pool's buffers and the cache's
+// heap shards leave no room for n bytes more. What they hold grows only
+// in take and cached, which call it: they stay under the limit, unless
+// all of it is in use. Call with mu.
+func (m *shardMem) shed(n int64) {
 	for c, l := range m.free {
-		for len(l) > 0 && over() {
+		for len(l) > 0 && m.full(n) {
 			s := l[len(l)-1]
 			l[len(l)-1] = nil
 			l = l[:len(l)-1]
 			m.release(s)
 		}
 		m.free[c] = l
-		if !over() {
+		if !m.full(n) {
 			return
 		}
 	}
@@ -272,8 +266,8 @@ func (m *shardMem) popLarger(class int64) *memSlot {
 	return m.pop(best)
 }
 
-// mapAnon maps size bytes of private memory and asks for its pages now,
-// in one call (see prefault), within the cap on mappings.
+// mapAnon maps size bytes of private memory and asks for its pages now
+// (prefault), within the cap on mappings.
 func mapAnon(size int64) ([]byte, error) {
 	if liveMappings.Add(1) > mappingCap() {
 		liveMappings.Add(-1)
@@ -284,10 +278,7 @@ func mapAnon(size int64) ([]byte, error) {
 		liveMappings.Add(-1)
 		return nil, err
 	}
-	if err := unix.Madvise(b, unix.MADV_POPULATE_WRITE); err != nil && !errors.Is(err, unix.EINVAL) {
-		unmap(b) // ENOMEM: no memory to back it; the heap will say so its own way
-		return nil, err
-	}
+	prefault(b)
 	return b, nil
 }
 
@@ -307,7 +298,7 @@ func (m *shardMem) put(s *memSlot) {
 
 // release unmaps a buffer: a closed pool's, or one shed. Call with mu.
 func (m *shardMem) release(s *memSlot) {
-	m.addHeld(-int64(len(s.buf)))
+	m.held -= int64(len(s.buf))
 	if s.carved {
 		_ = unix.Munmap(s.buf) // a piece of the region, which goes piece by piece
 		return
@@ -332,7 +323,7 @@ func (m *shardMem) close() {
 	}
 	clear(m.free)
 	if rest := m.region[m.carved:]; len(rest) > 0 {
-		m.addHeld(-int64(len(rest)))
+		m.held -= int64(len(rest))
 		_ = unix.Munmap(rest)
 	}
 	m.region, m.carved, m.ready = nil, 0, 0
@@ -348,7 +339,7 @@ func (m *shardMem) trim(n int64) {
 		return
 	}
 	_ = unix.Munmap(m.region[n:])
-	m.addHeld(-(int64(len(m.region)) - n))
+	m.held -= int64(len(m.region)) - n
 	m.region = m.region[:n:n]
 }
 
@@ -379,7 +370,7 @@ func (m *shardMem) takeAhead(n int64, stop <-chan struct{}) (int64, error) {
 		return 0, nil
 	}
 	m.region = b
-	m.addHeld(n)
+	m.held += n
 	m.mu.Unlock()
 	m.report()
 	for off := int64(0); off < n; off += regionStep {
