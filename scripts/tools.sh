@@ -34,6 +34,12 @@ install_go kubectl-validate "sigs.k8s.io/kubectl-validate@$KUBECTL_VALIDATE_VERS
 [[ "${1:-}" == go ]] && exit 0
 
 if [[ ! -x "$VENV/bin/python" ]]; then
+	# torch's PyPI wheel brings CUDA's libraries: the virtualenv takes about
+	# 7 GiB. Said first, so that a full disk is not found out as pip's ENOSPC.
+	free_kib="$(df -Pk . | awk 'NR == 2 { print $4 }')"
+	if ((free_kib < 8 * 1024 * 1024)); then
+		echo "warning: $((free_kib / 1024)) MiB free under $PWD; the virtualenv needs about 7 GiB" >&2
+	fi
 	echo "creating $VENV" >&2
 	python3 -m venv "$VENV"
 fi

@@ -16,8 +16,11 @@ MiB = 1 << 20
 
 
 def test_no_daemon_names_the_socket_and_says_what_to_do():
-    sock = os.path.join(tempfile.mkdtemp(prefix="ckptd-none-"), "absent.sock")
-    with ckptd.Client(sock, reconnect_timeout=0) as c:
+    # A short folder under /tmp: unix socket paths are limited to 108 bytes.
+    with (
+        tempfile.TemporaryDirectory(prefix="ckptd-none-") as folder,
+        ckptd.Client(sock := os.path.join(folder, "absent.sock"), reconnect_timeout=0) as c,
+    ):
         for call in (c.steps, lambda: c.save(1, {"a": np.zeros(1)}), lambda: c.load("latest")):
             with pytest.raises(ckptd.DaemonUnavailableError) as e:
                 call()

@@ -12,7 +12,6 @@ replica at 0 of the replicate dimension, and the others read it there.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,8 +38,8 @@ def tensor_bytes(tree: object) -> int:
     [("save", "load", ""), ("torch_save", "torch_load", "torch_")],
     ids=["ckptd.dcp", "ckptd.torch"],
 )
-def test_hsdp_state_is_stored_once_and_reshards(daemon, job, save, load, prefix):
-    out = Path(tempfile.mkdtemp(prefix="ckptd-hsdp-"))
+def test_hsdp_state_is_stored_once_and_reshards(daemon, job, save, load, prefix, tmp_path):
+    out = tmp_path
     launch(WORKER, save, 4, daemon.socket, job, out)
     one_copy = tensor_bytes(torch.load(out / f"{prefix}full.pt", weights_only=False))
     with ckptd.Client(daemon.socket) as c:

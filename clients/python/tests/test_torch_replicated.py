@@ -8,7 +8,6 @@ optimizer state bit for bit, and its own extra.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import torch
@@ -29,8 +28,8 @@ def same(a: object, b: object) -> bool:
     return a == b
 
 
-def test_ddp_state_is_stored_once(daemon, job):
-    out = Path(tempfile.mkdtemp(prefix="ckptd-ddp-"))
+def test_ddp_state_is_stored_once(daemon, job, tmp_path):
+    out = tmp_path
     launch(WORKER, "save", 4, daemon.socket, job, out)
     saved = [torch.load(out / f"saved-{r}.pt") for r in range(4)]
     with ckptd.Client(daemon.socket) as c:
