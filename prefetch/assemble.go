@@ -101,15 +101,18 @@ type assembler struct {
 
 	padding bool  // reading shards again to pad the epoch (EvenPad)
 	swept   int64 // the cache's evictions when the window was last unaliased
+	aliased bool  // the window kept aliasing evicted shards then
 }
 
 // unalias copies out, once per shard read and only after the cache
-// evicted something, the bytes of the window's samples whose shard it
-// evicted (see mapping).
+// evicted something or while evicted shards are kept aliased, the bytes
+// of the window's samples whose shard it evicted (see mapping): all but
+// those of the evicted shards it holds most of, up to the window's bound
+// in bytes of them.
 func (a *assembler) unalias() {
-	if n := a.it.cache.evictions.Load(); n != a.swept {
+	if n := a.it.cache.evictions.Load(); n != a.swept || a.aliased {
 		a.swept = n
-		a.shuf.unalias()
+		a.aliased = a.shuf.unalias(a.window)
 	}
 }
 
@@ -168,24 +171,39 @@ func (a *assembler) shard(p *pendingShard) error {
 }
 
 // whole parses a shard read whole. Samples alias the bytes the cache
-// holds; of a shard it does not, they are copied out, so that no sample
-// keeps a whole shard alive.
+// holds, and pooled buffers (see unalias); of a shard it does not, they
+// are copied out, so that no sample keeps a whole shard alive.
 func (a *assembler) whole(p *pendingShard) error {
 	if p.data.m == nil {
 		return a.walk(p)
 	}
-	if p.held {
+	if p.aliased() {
+		if !p.held {
+			// A pooled buffer the cache did not take is as good as
+			// evicted: the window copies its samples out as it would
+			// an evicted shard's (unalias), not all of them at once.
+			p.data.m.evicted.Store(true)
+			a.aliased = true
+		}
 		a.keep = p.data.m // samples alias the mapped shard: they keep the mapping
 		defer func() { a.keep = nil }()
 	}
 	return readMapped(func() error { return a.walk(p) })
 }
 
+// aliased says whether the samples cut from the shard may alias its
+// bytes: those of the cache (kept while it holds them, see unalias), or
+// a pooled buffer's. Others are copied out, so that none keeps a whole
+// shard alive.
+func (p *pendingShard) aliased() bool {
+	return p.held || p.data.m != nil && p.data.m.slot != nil
+}
+
 // walk cuts the samples out of a shard read whole.
 func (a *assembler) walk(p *pendingShard) error {
 	data, src := p.data.b, p.shard.src
 	own := func(field []byte) []byte {
-		if p.held {
+		if p.aliased() {
 			return field
 		}
 		return bytes.Clone(field)
@@ -195,9 +213,9 @@ func (a *assembler) walk(p *pendingShard) error {
 		key, ext := rawKey(p.shard.Name, src.prefix)
 		return a.member(p.shard, p.shard.Name, key, ext, int64(len(data)), func() ([]byte, error) {
 			// The object is the sample: our buffer, or the cache's
-			// bytes (a mapping the sample keeps). A mapping the cache
-			// does not hold is copied: nothing would keep it mapped.
-			if p.data.m.borrowed() && !p.held {
+			// bytes (a mapping the sample keeps). A file mapping the
+			// cache does not hold is copied: nothing would keep it mapped.
+			if p.data.m.borrowed() && !p.aliased() {
 				return bytes.Clone(data), nil
 			}
 			return data, nil

@@ -89,13 +89,19 @@
 // read ahead whole, half for the shuffle window and the sample being
 // read, a quarter for the batches being assembled and waiting for the
 // ring. A shard larger than R/8 is streamed (archive/tar over a ranged
-// read, resumed where it failed) and never held whole nor cached; samples
-// of a shard the cache does not hold are copied out, so none keeps a
-// whole shard alive; those of a cached shard alias it, and when the cache
-// evicts it (the lookahead evicts within a dataset being read), the
-// window's samples still aliasing it get their own copy at the next shard
-// boundary, so that a few stragglers do not keep a whole shard's memory
-// that the cache's budget no longer counts. A
+// read, resumed where it failed) and never held whole nor cached. The
+// samples of a cached shard alias it; when the cache evicts it (the
+// lookahead evicts within a dataset being read), the window's samples
+// still aliasing it get their own copy at the next shard boundary, so
+// that a few stragglers do not keep a whole shard's memory that the
+// cache's budget no longer counts. Those of a shard the cache did not
+// take are copied out at once, for the same reason. A pooled shard
+// (below) is the exception to both: the window keeps aliasing the pooled
+// buffers it holds the largest share of, up to R/2 bytes of them, out
+// of the pool's room beyond the cache, and copies them out as they drain
+// (assembler.unalias). With a cache smaller than the dataset most shards
+// are evicted, or not taken, right after they are read, and copying them
+// out then copied nearly all the data once more. A
 // sample larger than the window or a batch part, or a batch larger than
 // R/4, fails with ErrTooLarge (a sample is skipped and counted with
 // skip_corrupt). A shard read nobody waits for any more is cancelled.

@@ -178,7 +178,7 @@ type pendingShard struct {
 	shard   Shard
 	stream  bool
 	data    shardBytes
-	held    bool // data is the cache's: samples may alias it
+	held    bool // data is the cache's
 	how     fetch
 	err     error
 	miss    atomic.Bool

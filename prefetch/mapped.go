@@ -39,8 +39,10 @@ var mapAbove int64 = 1 << 20
 // heap's. When the cache evicts such a shard, the samples in a shuffle
 // window that still alias it copy their bytes out (see unalias), so that
 // a few stragglers do not keep a whole shard's memory, which the cache's
-// budget no longer counts. A mapped file's stay mapped (page cache the
-// kernel may reclaim).
+// budget no longer counts; but for the pooled buffers the window holds
+// most of, up to its bound in bytes, which it treats alike when the cache
+// did not take them. A mapped file's stay mapped (page cache the kernel
+// may reclaim).
 type mapping struct {
 	data    []byte
 	slot    *memSlot // a pooled buffer (nil: the heap's, or a file)

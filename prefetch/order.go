@@ -1,8 +1,10 @@
 package prefetch
 
 import (
+	"cmp"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 )
 
 // Spec is one rank's iteration over one epoch of a dataset.
@@ -151,13 +153,44 @@ func (sh *shuffler) len() int { return len(sh.window) }
 
 // unalias gives the window's samples whose shard the cache let go their
 // own copy of their bytes (see mapping): their cost is charged to the
-// window already, and the shard's memory is then freed.
-func (sh *shuffler) unalias() {
+// window already, and the shard's memory is then freed. A shard evicted
+// just after it was read is still mostly in the window, though, and
+// copying it out would cost nearly a copy of the data: so pooled
+// buffers, whose memory the pool's room beyond the cache counts, keep
+// being aliased while the window holds the largest share of them, up to
+// budget bytes of buffer in all. It reports whether it kept any, for the
+// caller to sweep again as they drain.
+func (sh *shuffler) unalias(budget int64) (kept bool) {
+	live := map[*mapping]int64{}
 	for i := range sh.window {
 		if k := sh.window[i].keep; k != nil && k.evicted.Load() {
+			live[k] += sh.window[i].Size()
+		}
+	}
+	if len(live) == 0 {
+		return false
+	}
+	pooled := make([]*mapping, 0, len(live))
+	for m := range live {
+		if m.slot != nil {
+			pooled = append(pooled, m)
+		}
+	}
+	share := func(m *mapping) float64 { return float64(live[m]) / float64(max(len(m.slot.buf), 1)) }
+	slices.SortFunc(pooled, func(a, b *mapping) int { return cmp.Compare(share(b), share(a)) })
+	keep := map[*mapping]bool{}
+	for _, m := range pooled {
+		if budget -= int64(len(m.slot.buf)); budget < 0 {
+			break
+		}
+		keep[m] = true
+	}
+	for i := range sh.window {
+		if _, evicted := live[sh.window[i].keep]; evicted && !keep[sh.window[i].keep] {
 			sh.window[i].own()
 		}
 	}
+	return len(keep) > 0
 }
 
 // flush empties the window in random order at the end of the epoch.

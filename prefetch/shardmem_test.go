@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"runtime"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -149,7 +150,7 @@ func TestUnaliasCopiesOnlyEvictedShards(t *testing.T) {
 		{Key: "a", Fields: []Field{{Name: "txt", Data: gone.b[:7]}}, keep: gone.m},
 		{Key: "b", Fields: []Field{{Name: "txt", Data: kept.b[:6]}}, keep: kept.m},
 	}}
-	sh.unalias()
+	sh.unalias(1 << 30)
 	a, b := sh.window[0], sh.window[1]
 	if a.keep != nil || string(a.Fields[0].Data) != "evicted" || unsafe.SliceData(a.Fields[0].Data) == unsafe.SliceData(gone.b) {
 		t.Fatalf("sample of an evicted shard: keep %v, %q, still aliasing %v",
@@ -157,6 +158,53 @@ func TestUnaliasCopiesOnlyEvictedShards(t *testing.T) {
 	}
 	if b.keep != kept.m || unsafe.SliceData(b.Fields[0].Data) != unsafe.SliceData(kept.b) {
 		t.Fatal("a sample of a cached shard was copied")
+	}
+}
+
+// An evicted pooled shard the window holds most of keeps being aliased,
+// the largest shares first, up to the budget in bytes of buffer; the rest
+// of the evicted shards' samples, and all of a heap shard's, are copied.
+func TestUnaliasKeepsTheShardsTheWindowHoldsMostOf(t *testing.T) {
+	pooled := func(evicted bool) *mapping {
+		buf := bytes.Repeat([]byte("x"), 1000)
+		m := &mapping{data: buf, slot: &memSlot{buf: buf}}
+		m.evicted.Store(evicted)
+		return m
+	}
+	most, half, little, cached := pooled(true), pooled(true), pooled(true), pooled(false)
+	heap := heapBytes(bytes.Repeat([]byte("h"), 1000)).m
+	heap.evicted.Store(true)
+	sample := func(m *mapping, n int) Sample {
+		return Sample{Key: "k", Fields: []Field{{Name: "bin", Data: m.data[:n]}}, keep: m}
+	}
+	of := []*mapping{most, little, half, heap, cached} // the window's samples' shards, in order
+	sizes := []int{900, 100, 500, 900, 10}
+	for _, tc := range []struct {
+		budget  int64
+		aliased []*mapping // besides cached
+	}{
+		{budget: 2000, aliased: []*mapping{most, half}},
+		{budget: 1999, aliased: []*mapping{most}},
+		{budget: 1 << 30, aliased: []*mapping{most, half, little}},
+		{budget: 0},
+	} {
+		sh := &shuffler{}
+		for i, m := range of {
+			sh.window = append(sh.window, sample(m, sizes[i]))
+		}
+		kept := sh.unalias(tc.budget)
+		if kept != (len(tc.aliased) > 0) {
+			t.Errorf("budget %d: unalias reported %v", tc.budget, kept)
+		}
+		for i, x := range sh.window {
+			m := of[i]
+			want := m == cached || slices.Contains(tc.aliased, m)
+			same := unsafe.SliceData(x.Fields[0].Data) == unsafe.SliceData(m.data)
+			if same != want || (x.keep != nil) != want || !bytes.Equal(x.Fields[0].Data, m.data[:len(x.Fields[0].Data)]) {
+				t.Errorf("budget %d: a sample of %d bytes aliasing %v, keeping %v; want %v",
+					tc.budget, len(x.Fields[0].Data), same, x.keep != nil, want)
+			}
+		}
 	}
 }
 
