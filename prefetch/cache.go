@@ -40,8 +40,10 @@ type Cache struct {
 	// evictions counts those the cache let go (letGo).
 	mem       *shardMem
 	evictions atomic.Int64
-	// takeStop stops takeMemory's goroutine, which taking is.
+	// takeStop stops takeMemory's goroutine, which taking is: closed
+	// once (endTake) by the first iteration or by Close.
 	takeStop chan struct{}
+	takeEnd  sync.Once
 	taking   sync.WaitGroup
 
 	// Get holds life shared and Close whole, so that the ristretto cache is
@@ -110,27 +112,38 @@ func (c *Cache) Close() {
 	}
 	c.running.Wait()
 	c.rc.Close()
-	close(c.takeStop)
+	c.endTake()
 	c.taking.Wait()
 	c.mem.close()
 }
 
 // takeMemory takes the shard buffers' whole limit of memory now,
 // in the background (shardMem.takeAhead): the pages a first epoch from a
-// remote source would take as its shards come. It logs when done.
+// remote source would take as its shards come, taken while the trainer
+// is still starting. The first iteration stops it (endTake): from then
+// on it would only compete with the reads for the CPU, and with a cache
+// larger than the dataset take memory the epoch never needs. It logs
+// how it ended.
 func (c *Cache) takeMemory(log *slog.Logger) {
 	n := c.mem.limit
 	c.taking.Go(func() {
 		start := time.Now()
 		got, err := c.mem.takeAhead(n, c.takeStop)
-		if err != nil {
+		switch {
+		case err != nil:
 			log.Warn("dataset shard memory: could not take all of it; the rest comes as shards do",
 				"bytes", got, "wanted", n, "err", err)
-			return
+		case got < n:
+			log.Info("dataset shard memory: stopped taking it (a dataset was opened, or the daemon is stopping); the rest comes as shards do",
+				"bytes", got, "wanted", n, "seconds", time.Since(start).Seconds())
+		default:
+			log.Info("dataset shard memory taken", "bytes", got, "seconds", time.Since(start).Seconds())
 		}
-		log.Info("dataset shard memory taken", "bytes", got, "seconds", time.Since(start).Seconds())
 	})
 }
+
+// endTake stops takeMemory, keeping what it took.
+func (c *Cache) endTake() { c.takeEnd.Do(func() { close(c.takeStop) }) }
 
 // StorageReads is how many shard reads went to storage.
 func (c *Cache) StorageReads() int64 { return c.reads.Load() }

@@ -115,8 +115,8 @@
 // aliases them (shardmem.go), up to the cache's budget plus R (at least
 // 64 MiB); past that, into the heap. The cache counts such a shard's whole buffer.
 // With an S3 source allowed, the daemon takes all of that memory at
-// start (ServiceConfig.CacheAtStart): a first epoch then finds
-// its pages taken.
+// start (ServiceConfig.CacheAtStart), until the first iteration opens:
+// a first epoch then finds its pages taken.
 //
 // A dataset's listing (and the cache's plan of the epochs ahead) costs a
 // session about 512 bytes and twice the name per shard, within

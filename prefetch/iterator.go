@@ -193,6 +193,7 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 		return nil, err
 	}
 	opts.setDefaults()
+	cache.endTake()
 	all, format, err := listDataset(ctx, b, prefix, spec.Format, opts.ListBytes, cache)
 	if err != nil {
 		return nil, err

@@ -38,8 +38,9 @@ type ServiceConfig struct {
 	// background, when an S3 source is allowed (serve's
 	// --cache-memory-at-start): a first epoch from S3 then finds its
 	// pages taken instead of taking them as its shards come (see
-	// shardMem). Local sources' shards are mapped: they need none; with
-	// no cache (CacheBytes 0) nothing is taken.
+	// shardMem). The first iteration opened stops it (Cache.endTake).
+	// Local sources' shards are mapped: they need none; with no cache
+	// (CacheBytes 0) nothing is taken.
 	CacheAtStart bool
 	// OffHeap, if set, is told the bytes of shard memory the service
 	// holds outside the Go heap whenever they change (see shardMem):

@@ -355,6 +355,26 @@ func TestServiceTakesCacheMemoryForS3(t *testing.T) {
 	}
 }
 
+// The first iteration stops the take at start: taking more would only
+// compete with its reads. What was taken stays, and the epoch reads as
+// it would have.
+func TestFirstIterationStopsTheTake(t *testing.T) {
+	setPoolAbove(t, 4096)
+	const shards, per, payload = 4, 10, 1000
+	b := posixDataset(t, shards, per, payload)
+	// 8 GiB of address space: populated 64 MiB at a time, it cannot
+	// all be taken before the iteration below opens.
+	cfg := ServiceConfig{CacheBytes: 8 << 30, CacheAtStart: true, Options: Options{ReadAheadBytes: 8 << 20}}
+	s := newService(t, b, cfg)
+	n := checkedEpoch(t, b, "", s.cache, Spec{BatchSize: 8, WorldSize: 1}, payload, func() {})
+	s.cache.taking.Wait()
+	held, _, ready := s.cache.mem.state()
+	if n != shards*per || ready >= s.cache.mem.limit || held >= s.cache.mem.limit/2 {
+		t.Fatalf("%d samples (want %d); %d of %d bytes taken, %d held: want the take stopped",
+			n, shards*per, ready, s.cache.mem.limit, held)
+	}
+}
+
 func TestMemoryTakenAtStartOnlyForACacheOfS3(t *testing.T) {
 	for _, tc := range []struct {
 		name string
