@@ -336,22 +336,35 @@ func TestShardMemTakeAheadStops(t *testing.T) {
 	}
 }
 
-// A service allowed an S3 source takes its cache's memory at start, and
-// the shards then read from the source land in it.
-func TestServiceTakesCacheMemoryForS3(t *testing.T) {
+// takingEpoch starts a service allowed an S3 source, which takes
+// cacheBytes and room beyond at start, calls before, and reads an epoch
+// checking every sample's bytes.
+func takingEpoch(t *testing.T, cacheBytes int64, before func(*Service)) *Service {
+	t.Helper()
 	setPoolAbove(t, 4096)
 	const shards, per, payload = 4, 10, 1000
 	b := posixDataset(t, shards, per, payload)
-	cfg := ServiceConfig{CacheBytes: 4 << 20, CacheAtStart: true, Options: Options{ReadAheadBytes: 8 << 20}}
+	cfg := ServiceConfig{CacheBytes: cacheBytes, CacheAtStart: true, Options: Options{ReadAheadBytes: 8 << 20}}
 	s := newService(t, b, cfg)
-	want := int64(4<<20 + shardMemSlack) // the cache, and room beyond it (at least 64 MiB)
-	if s.cache.mem.limit != want {
-		t.Fatalf("shard memory limit %d, want %d", s.cache.mem.limit, want)
+	before(s)
+	if n := checkedEpoch(t, b, "", s.cache, Spec{BatchSize: 8, WorldSize: 1}, payload, func() {}); n != shards*per {
+		t.Fatalf("%d samples, want %d", n, shards*per)
 	}
-	waitFor(t, "shard memory taken", func() bool { _, _, ready := s.cache.mem.state(); return ready == want })
-	n := checkedEpoch(t, b, "", s.cache, Spec{BatchSize: 8, WorldSize: 1}, payload, func() {})
-	if _, carved, _ := s.cache.mem.state(); n != shards*per || carved == 0 {
-		t.Fatalf("%d samples, %d bytes carved; want %d samples from the memory taken", n, carved, shards*per)
+	return s
+}
+
+// A service allowed an S3 source takes its cache's memory at start, and
+// the shards then read from the source land in it.
+func TestServiceTakesCacheMemoryForS3(t *testing.T) {
+	want := int64(4<<20 + shardMemSlack) // the cache, and room beyond it (at least 64 MiB)
+	s := takingEpoch(t, 4<<20, func(s *Service) {
+		if s.cache.mem.limit != want {
+			t.Fatalf("shard memory limit %d, want %d", s.cache.mem.limit, want)
+		}
+		waitFor(t, "shard memory taken", func() bool { _, _, ready := s.cache.mem.state(); return ready == want })
+	})
+	if _, carved, _ := s.cache.mem.state(); carved == 0 {
+		t.Fatal("no shard read into the memory taken")
 	}
 }
 
@@ -359,19 +372,12 @@ func TestServiceTakesCacheMemoryForS3(t *testing.T) {
 // compete with its reads. What was taken stays, and the epoch reads as
 // it would have.
 func TestFirstIterationStopsTheTake(t *testing.T) {
-	setPoolAbove(t, 4096)
-	const shards, per, payload = 4, 10, 1000
-	b := posixDataset(t, shards, per, payload)
 	// 8 GiB of address space: populated 64 MiB at a time, it cannot
-	// all be taken before the iteration below opens.
-	cfg := ServiceConfig{CacheBytes: 8 << 30, CacheAtStart: true, Options: Options{ReadAheadBytes: 8 << 20}}
-	s := newService(t, b, cfg)
-	n := checkedEpoch(t, b, "", s.cache, Spec{BatchSize: 8, WorldSize: 1}, payload, func() {})
+	// all be taken before the iteration opens.
+	s := takingEpoch(t, 8<<30, func(*Service) {})
 	s.cache.taking.Wait()
-	held, _, ready := s.cache.mem.state()
-	if n != shards*per || ready >= s.cache.mem.limit || held >= s.cache.mem.limit/2 {
-		t.Fatalf("%d samples (want %d); %d of %d bytes taken, %d held: want the take stopped",
-			n, shards*per, ready, s.cache.mem.limit, held)
+	if held, _, ready := s.cache.mem.state(); ready >= s.cache.mem.limit || held >= s.cache.mem.limit/2 {
+		t.Fatalf("%d of %d bytes taken, %d held: want the take stopped", ready, s.cache.mem.limit, held)
 	}
 }
 
