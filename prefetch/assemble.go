@@ -27,6 +27,7 @@ func (it *Iterator) assemble(ctx context.Context, queue <-chan *pendingShard, op
 		it: it, ctx: ctx, spec: &it.spec, shuf: newShuffler(&it.spec), opts: opts,
 		mem: it.samplesMem, window: opts.window(), batchLimit: opts.batches(),
 	}
+	defer a.dropKept()
 	for p := range queue {
 		err := a.shard(p)
 		p.release()
@@ -101,19 +102,30 @@ type assembler struct {
 
 	padding bool  // reading shards again to pad the epoch (EvenPad)
 	swept   int64 // the cache's evictions when the window was last unaliased
-	aliased bool  // the window kept aliasing evicted shards then
+	aliased bool  // the window may alias shards the cache let go
+	kept    int64 // bytes of such shards' buffers it kept then (shardMem.kept)
 }
 
 // unalias copies out, once per shard read and only after the cache
 // evicted something or while evicted shards are kept aliased, the bytes
 // of the window's samples whose shard it evicted (see mapping): all but
-// those of the evicted shards it holds most of, up to the window's bound
-// in bytes of them.
+// those of the pooled buffers it holds most of, up to the window's bound
+// in bytes of them, within what the pool leaves for all sessions'.
 func (a *assembler) unalias() {
 	if n := a.it.cache.evictions.Load(); n != a.swept || a.aliased {
 		a.swept = n
-		a.aliased = a.shuf.unalias(a.window)
+		mem := a.it.cache.mem
+		kept := a.shuf.unalias(min(a.window, mem.keepBudget(a.kept)))
+		mem.kept.Add(kept - a.kept)
+		a.kept, a.aliased = kept, kept > 0
 	}
+}
+
+// dropKept gives back the session's share of the pool's kept bytes: its
+// window is dropped with the iteration.
+func (a *assembler) dropKept() {
+	a.it.cache.mem.kept.Add(-a.kept)
+	a.kept = 0
 }
 
 // shard waits for one fetched shard (or opens one to stream) and feeds

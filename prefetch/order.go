@@ -158,9 +158,9 @@ func (sh *shuffler) len() int { return len(sh.window) }
 // copying it out would cost nearly a copy of the data: so pooled
 // buffers, whose memory the pool's room beyond the cache counts, keep
 // being aliased while the window holds the largest share of them, up to
-// budget bytes of buffer in all. It reports whether it kept any, for the
-// caller to sweep again as they drain.
-func (sh *shuffler) unalias(budget int64) (kept bool) {
+// budget bytes of buffer in all. It returns the bytes of the buffers it
+// kept, for the caller to sweep again as they drain.
+func (sh *shuffler) unalias(budget int64) (kept int64) {
 	live := map[*mapping]int64{}
 	for i := range sh.window {
 		if k := sh.window[i].keep; k != nil && k.evicted.Load() {
@@ -168,7 +168,7 @@ func (sh *shuffler) unalias(budget int64) (kept bool) {
 		}
 	}
 	if len(live) == 0 {
-		return false
+		return 0
 	}
 	pooled := make([]*mapping, 0, len(live))
 	for m := range live {
@@ -180,17 +180,18 @@ func (sh *shuffler) unalias(budget int64) (kept bool) {
 	slices.SortFunc(pooled, func(a, b *mapping) int { return cmp.Compare(share(b), share(a)) })
 	keep := map[*mapping]bool{}
 	for _, m := range pooled {
-		if budget -= int64(len(m.slot.buf)); budget < 0 {
+		if kept+int64(len(m.slot.buf)) > budget {
 			break
 		}
 		keep[m] = true
+		kept += int64(len(m.slot.buf))
 	}
 	for i := range sh.window {
 		if _, evicted := live[sh.window[i].keep]; evicted && !keep[sh.window[i].keep] {
 			sh.window[i].own()
 		}
 	}
-	return len(keep) > 0
+	return kept
 }
 
 // flush empties the window in random order at the end of the epoch.

@@ -61,6 +61,14 @@ type shardMem struct {
 
 	reused atomic.Int64 // buffers handed out again, for tests and metrics
 
+	// kept is the bytes of buffers the cache let go that shuffle
+	// windows keep aliasing (assembler.unalias), all sessions together,
+	// within keepRoom: half the pool's room beyond the cache, the other
+	// half being for shards read ahead and buffers not yet collected.
+	// Unlike those, kept buffers do not come back at a collection.
+	kept     atomic.Int64
+	keepRoom int64
+
 	// onHeld is told the bytes mapped whenever they change (report): the
 	// daemon lowers the Go heap's soft limit by them, since the garbage
 	// collector does not see this memory.
@@ -96,7 +104,13 @@ type memSlot struct {
 }
 
 func newShardMem(limit int64) *shardMem {
-	return &shardMem{limit: limit, free: map[int64][]*memSlot{}}
+	return &shardMem{limit: limit, keepRoom: shardMemSlack / 2, free: map[int64][]*memSlot{}}
+}
+
+// keepBudget is how many bytes of buffers a session that keeps mine of
+// them aliased may keep.
+func (m *shardMem) keepBudget(mine int64) int64 {
+	return max(0, m.keepRoom-(m.kept.Load()-mine))
 }
 
 // sizeClass rounds n up to whole pages and then to four significant

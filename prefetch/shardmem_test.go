@@ -192,9 +192,8 @@ func TestUnaliasKeepsTheShardsTheWindowHoldsMostOf(t *testing.T) {
 		for i, m := range of {
 			sh.window = append(sh.window, sample(m, sizes[i]))
 		}
-		kept := sh.unalias(tc.budget)
-		if kept != (len(tc.aliased) > 0) {
-			t.Errorf("budget %d: unalias reported %v", tc.budget, kept)
+		if kept, want := sh.unalias(tc.budget), int64(1000*len(tc.aliased)); kept != want {
+			t.Errorf("budget %d: unalias kept %d bytes, want %d", tc.budget, kept, want)
 		}
 		for i, x := range sh.window {
 			m := of[i]
@@ -204,6 +203,25 @@ func TestUnaliasKeepsTheShardsTheWindowHoldsMostOf(t *testing.T) {
 				t.Errorf("budget %d: a sample of %d bytes aliasing %v, keeping %v; want %v",
 					tc.budget, len(x.Fields[0].Data), same, x.keep != nil, want)
 			}
+		}
+	}
+}
+
+// The windows of all sessions keep at most the pool's keep room of
+// evicted buffers: a session is left what the others do not keep.
+func TestKeepBudgetIsSharedBySessions(t *testing.T) {
+	m := newShardMem(1 << 30)
+	m.keepRoom = 3000
+	for _, tc := range []struct{ all, mine, want int64 }{
+		{0, 0, 3000},
+		{2000, 500, 1500},
+		{3000, 0, 0},
+		{3500, 0, 0}, // sessions updating at once may overshoot a little
+		{3000, 3000, 3000},
+	} {
+		m.kept.Store(tc.all)
+		if got := m.keepBudget(tc.mine); got != tc.want {
+			t.Errorf("%d kept in all, %d of them mine: budget %d, want %d", tc.all, tc.mine, got, tc.want)
 		}
 	}
 }
@@ -252,6 +270,9 @@ func TestPooledShardMemoryIsUsedAgain(t *testing.T) {
 		spec := Spec{BatchSize: 4, WorldSize: 1, Seed: 1, Epoch: int64(epoch), ShuffleWindow: 12}
 		if n := checkedEpoch(t, b, "train/", c, spec, payload, runtime.GC); n != shards*per {
 			t.Fatalf("epoch %d: %d samples, want %d", epoch, n, shards*per)
+		}
+		if n := c.mem.kept.Load(); n != 0 {
+			t.Fatalf("epoch %d over: %d bytes still counted as kept by its window", epoch, n)
 		}
 	}
 	if c.evictions.Load() == 0 || c.mem.reused.Load() == 0 {
