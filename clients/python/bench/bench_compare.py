@@ -15,7 +15,11 @@ from the local disk (page cache evicted before epoch 0) and from a MinIO on
 loopback (each library's S3 path; a fresh local cache for each), epoch 0
 and epoch 1: samples per second delivered, and the CPU seconds per GB of
 every process of the loader (DataLoader's workers, the daemon) and of the
-consumer, MinIO's not counted (it stands for a remote store). Ratios are
+consumer, MinIO's not counted (it stands for a remote store). Then, with
+caches as cold again, an epoch 0 whose consumer trains for a fixed step
+after each batch (a sleep: --demand samples per second, within what every
+loader delivers): its stall is the share of the epoch, after the first
+batch, not spent in steps, as bench_dataset.py counts it. Ratios are
 against the best of the two others in the same run.
 
 It runs in a virtualenv of its own (`make bench-compare` makes it under
@@ -59,6 +63,15 @@ class Run:
     seconds: float
     nbytes: int
     cpu: float  # loader and consumer
+    batches: int = 0
+    first: float = 0.0  # the first batch's wait
+    step: float = 0.0  # what one training step (a sleep) takes alone; 0: none
+
+    @property
+    def stall(self) -> float:
+        """Share of the wall time after the first batch not spent in training steps."""
+        busy = self.seconds - self.first
+        return max(0.0, 1 - self.batches * self.step / busy) if busy > 0 else 0.0
 
     @property
     def rate(self) -> float:
@@ -79,6 +92,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dir", default=".bench", help="folder for the shards")
     p.add_argument("--ckptd", default=None, help="ckptd binary (default: build it)")
     p.add_argument("--timeout", type=float, default=300, help="seconds a loader may take")
+    p.add_argument(
+        "--demand", type=float, default=1500, help="samples per second the paced consumer takes"
+    )
     p.add_argument("--case", help=argparse.SUPPRESS)  # LOADER:local|S3, in a child
     p.add_argument("--write", help=argparse.SUPPRESS)  # mds|litdata, in a child
     p.add_argument("--work", help=argparse.SUPPRESS)
@@ -139,15 +155,36 @@ def own_cpu() -> float:
 
 
 def consume(
-    batches: Iterable[object], count: Callable[[object], int], extra_cpu: Callable[[], float]
+    batches: Iterable[object],
+    count: Callable[[object], int],
+    extra_cpu: Callable[[], float],
+    step: float = 0.0,
 ) -> Run:
-    """Take every batch; extra_cpu counts a process that is not our child (the daemon)."""
+    """Take every batch, sleeping step seconds after each (the training step).
+
+    extra_cpu counts a process that is not our child (the daemon).
+    """
+    nominal = sleep_takes(step) if step else 0.0
     c0, e0, t0 = own_cpu(), extra_cpu(), time.perf_counter()
-    n = 0
+    n = k = 0
+    first = 0.0
     for b in batches:
+        if k == 0:
+            first = time.perf_counter() - t0
         n += count(b)
+        k += 1
+        if step:
+            time.sleep(step)
     seconds = time.perf_counter() - t0
-    return Run(n, seconds, n * (100 << 10), own_cpu() - c0 + extra_cpu() - e0)
+    return Run(n, seconds, n * (100 << 10), own_cpu() - c0 + extra_cpu() - e0, k, first, nominal)
+
+
+def sleep_takes(step: float, n: int = 100) -> float:
+    """What time.sleep(step) really takes here, timer slack included: the ideal step."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        time.sleep(step)
+    return (time.perf_counter() - t0) / n
 
 
 def _count_dict(b: object) -> int:
@@ -155,8 +192,8 @@ def _count_dict(b: object) -> int:
     return len(b["label"])  # type: ignore[index]
 
 
-def mosaic(local: Path, remote: str | None, batch: int) -> list[Run]:
-    """Two epochs of Mosaic streaming through a DataLoader."""
+def mosaic(local: Path, remote: str | None, batch: int, step: float) -> list[Run]:
+    """Two epochs of Mosaic streaming through a DataLoader (one, paced, with a step)."""
     from streaming import StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
     from torch.utils.data import DataLoader
@@ -164,33 +201,38 @@ def mosaic(local: Path, remote: str | None, batch: int) -> list[Run]:
     clean_stale_shared_memory()
     ds = StreamingDataset(local=str(local), remote=remote, shuffle=True, batch_size=batch)
     runs = []
-    for _ in (0, 1):
+    for _ in epochs(step):
         dl = DataLoader(ds, batch_size=batch, num_workers=2)
-        runs.append(consume(dl, _count_dict, lambda: 0.0))
+        runs.append(consume(dl, _count_dict, lambda: 0.0, step))
     return runs
 
 
-def lit(input_dir: str, cache: Path, batch: int) -> list[Run]:
-    """Two epochs of litdata."""
+def epochs(step: float) -> tuple[int, ...]:
+    """The epochs a case reads: 0 and 1, or only 0 when paced."""
+    return (0,) if step else (0, 1)
+
+
+def lit(input_dir: str, cache: Path, batch: int, step: float) -> list[Run]:
+    """Two epochs of litdata (one, paced, with a step)."""
     import litdata
 
     ds = litdata.StreamingDataset(input_dir, shuffle=True, cache_dir=str(cache))
     runs = []
-    for _ in (0, 1):
+    for _ in epochs(step):
         dl = litdata.StreamingDataLoader(ds, batch_size=batch, num_workers=2)
-        runs.append(consume(dl, _count_dict, lambda: 0.0))
+        runs.append(consume(dl, _count_dict, lambda: 0.0, step))
     return runs
 
 
-def ckptd_runs(binary: str, flags: list[str], source: str, batch: int) -> list[Run]:
-    """Two epochs of Client.dataset through a fresh daemon."""
+def ckptd_runs(binary: str, flags: list[str], source: str, batch: int, step: float) -> list[Run]:
+    """Two epochs of Client.dataset through a fresh daemon (one, paced, with a step)."""
     with serve(binary, "cmpbench", *flags) as sock, ckptd.Client(sock) as c:
         pid = pid_of(sock)
         runs = []
-        for epoch in (0, 1):
+        for epoch in epochs(step):
             spec = ckptd.DatasetSpec(source, batch_size=batch, epoch=epoch, format="mds")
             with c.dataset(spec) as ds:
-                runs.append(consume(ds, len, lambda: cpu_seconds(pid)))
+                runs.append(consume(ds, len, lambda: cpu_seconds(pid), step))
         return runs
 
 
@@ -244,24 +286,28 @@ def case(args: argparse.Namespace) -> list[Run]:
     # DataLoader workers hand tensors over by file descriptor by default;
     # litdata's, one per sample, exhaust the limit.
     torch.multiprocessing.set_sharing_strategy("file_system")
-    name, where = args.case.split(":")
+    name, where, *paced = args.case.split(":")
+    # A paced case reads epoch 0 again, from caches of its own (cold).
+    step, cold = (args.batch / args.demand, "-paced") if paced else (0.0, "")
     work = Path(args.work)
     mds, litd = work / "mds", work / "litdata"
     store = ["--storage", str(work / "store"), "--staging-bytes", "256MiB", "--cache-bytes", "4GiB"]
     if where == "local":
         evict(work)
         return {
-            "Mosaic streaming": lambda: mosaic(mds, None, args.batch),
-            "litdata": lambda: lit(str(litd), work / "lit-cache-local", args.batch),
+            "Mosaic streaming": lambda: mosaic(mds, None, args.batch, step),
+            "litdata": lambda: lit(str(litd), work / f"lit-cache-local{cold}", args.batch, step),
             "ckptd": lambda: ckptd_runs(
-                args.ckptd, [*store, "--dataset-allow", str(work)], str(mds), args.batch
+                args.ckptd, [*store, "--dataset-allow", str(work)], str(mds), args.batch, step
             ),
         }[name]()
     s3 = [*store, "--s3-endpoint", os.environ["AWS_ENDPOINT_URL"], "--dataset-allow", "s3://data"]
     return {
-        "Mosaic streaming": lambda: mosaic(work / "mosaic-cache", "s3://data/mds", args.batch),
-        "litdata": lambda: lit("s3://data/litdata", work / "lit-cache-s3", args.batch),
-        "ckptd": lambda: ckptd_runs(args.ckptd, s3, "s3://data/mds", args.batch),
+        "Mosaic streaming": lambda: mosaic(
+            work / f"mosaic-cache{cold}", "s3://data/mds", args.batch, step
+        ),
+        "litdata": lambda: lit("s3://data/litdata", work / f"lit-cache-s3{cold}", args.batch, step),
+        "ckptd": lambda: ckptd_runs(args.ckptd, s3, "s3://data/mds", args.batch, step),
     }[name]()
 
 
@@ -274,6 +320,7 @@ def in_child(
     spawn), and the CPU of a child's workers is counted apart.
     """
     cmd = [sys.executable, __file__, "--work", str(work), "--batch", str(args.batch)]
+    cmd += ["--demand", str(args.demand)]
     cmd += ["--ckptd", args.ckptd, *what]
     with subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -324,17 +371,20 @@ def run(args: argparse.Namespace, work: Path) -> int:
             print(out.stderr[-2000:], file=sys.stderr)
             return 1
     gb = args.samples * (100 << 10) / 1e9
-    print(f"{args.samples} samples of 100 KiB ({gb:.2f} GB), batch {args.batch}, 2 loader workers")
+    print(f"{args.samples} samples of 100 KiB ({gb:.2f} GB), batch {args.batch}, 2 loader workers; "
+          f"paced consumer {args.demand:.0f} samples/s")  # fmt: skip
     results: dict[tuple[str, str], list[Run] | str] = {}
     for name in LOADERS:
         results[(name, "local")] = measured(args, work, name, "local")
+        results[(name, "local:paced")] = measured(args, work, name, "local:paced")
     try:
         with minio(work, {"mds": work / "mds", "litdata": work / "litdata"}):
             for name in LOADERS:
                 results[(name, "S3")] = measured(args, work, name, "S3")
+                results[(name, "S3:paced")] = measured(args, work, name, "S3:paced")
     except RuntimeError as e:
         for name in LOADERS:
-            results[(name, "S3")] = f"not run: {e}"
+            results[(name, "S3")] = results[(name, "S3:paced")] = f"not run: {e}"
     report(results)
     return 0
 
@@ -342,17 +392,21 @@ def run(args: argparse.Namespace, work: Path) -> int:
 def report(results: dict[tuple[str, str], list[Run] | str]) -> None:
     """Print the table and ckptd's ratios."""
     print()
-    head = ("epoch 0 /s", "epoch 1 /s", "CPU s/GB e0", "CPU s/GB e1")
+    head = ("epoch 0 /s", "epoch 1 /s", "CPU s/GB e0", "CPU s/GB e1", "stall e0")
     print(f"{'loader':<18}{'source':<7}" + "".join(f"{h:>13}" for h in head))
     for (name, where), r in results.items():
+        if where.endswith(":paced"):
+            continue
         if isinstance(r, str):
             print(f"{name:<18}{where:<7}  {r}")
             continue
+        paced = results[(name, f"{where}:paced")]
         cells = (
             f"{r[0].rate:.0f}",
             f"{r[1].rate:.0f}",
             f"{r[0].cpu_per_gb:.2f}",
             f"{r[1].cpu_per_gb:.2f}",
+            "failed" if isinstance(paced, str) else f"{paced[0].stall:.1%}",
         )
         print(f"{name:<18}{where:<7}" + "".join(f"{c:>13}" for c in cells))
     print()
