@@ -98,9 +98,8 @@
 // take are copied out at once, for the same reason. A pooled shard
 // (below) is the exception to both: the window keeps aliasing the pooled
 // buffers it holds the largest share of, up to R/2 bytes of them and all
-// sessions' together up to half the pool's room beyond the cache (the
-// rest is for shards read ahead and buffers not yet collected), and
-// copies them out as they drain (assembler.unalias). With a cache smaller than the dataset most shards
+// sessions' together up to the pool's room beyond the cache, and copies
+// them out as they drain (assembler.unalias). With a cache smaller than the dataset most shards
 // are evicted, or not taken, right after they are read, and copying them
 // out then copied nearly all the data once more. A
 // sample larger than the window or a batch part, or a batch larger than

@@ -201,7 +201,7 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 	}
 	c.mem.onHeld = cfg.OffHeap
 	c.mem.limit = cfg.CacheBytes + slack(cfg.Options.ReadAheadBytes)
-	c.mem.keepRoom = slack(cfg.Options.ReadAheadBytes) / 2
+	c.mem.keepRoom = slack(cfg.Options.ReadAheadBytes)
 	if cfg.takesMemoryAtStart(allow) {
 		c.takeMemory(cfg.Logger)
 	}

@@ -63,9 +63,10 @@ type shardMem struct {
 
 	// kept is the bytes of buffers the cache let go that shuffle
 	// windows keep aliasing (assembler.unalias), all sessions together,
-	// within keepRoom: half the pool's room beyond the cache, the other
-	// half being for shards read ahead and buffers not yet collected.
-	// Unlike those, kept buffers do not come back at a collection.
+	// within keepRoom: the pool's room beyond the cache, which buffers
+	// not yet collected share. Unlike those, kept buffers do not come
+	// back at a collection; past the room, shards are read into the heap,
+	// as when collections lag.
 	kept     atomic.Int64
 	keepRoom int64
 
@@ -104,7 +105,7 @@ type memSlot struct {
 }
 
 func newShardMem(limit int64) *shardMem {
-	return &shardMem{limit: limit, keepRoom: shardMemSlack / 2, free: map[int64][]*memSlot{}}
+	return &shardMem{limit: limit, keepRoom: shardMemSlack, free: map[int64][]*memSlot{}}
 }
 
 // keepBudget is how many bytes of buffers a session that keeps mine of
