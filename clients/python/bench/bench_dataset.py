@@ -69,6 +69,7 @@ import argparse
 import contextlib
 import io
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -458,7 +459,7 @@ def s3_epochs(
                 # its trainer's first epoch, so the epochs begin after it.
                 d0 = cpu_seconds(pid_of(sock))
                 took = wait_log(sock, "dataset shard memory taken")
-                taken.append((cache, took, cpu_seconds(pid_of(sock)) - d0))
+                taken.append((taken_bytes(sock), took, cpu_seconds(pid_of(sock)) - d0))
                 for epoch in range(epochs):
                     d0, t0 = cpu_seconds(pid_of(sock)), self_cpu()
                     spec = ckptd.DatasetSpec("s3://data/ds", batch_size=batch, epoch=epoch)
@@ -483,7 +484,17 @@ def s3_epochs(
         shutil.rmtree(data, ignore_errors=True)
 
 
-# What the S3 daemons took at start: cache bytes, seconds, CPU seconds.
+def taken_bytes(sock: str) -> int:
+    """The bytes of shard memory the daemon on sock logged it took at start.
+
+    That is its cache's budget and a session's read-ahead budget beyond it.
+    """
+    log = (Path(sock).parent / "ckptd.log").read_text(errors="replace")
+    line = next(x for x in log.splitlines() if "dataset shard memory taken" in x)
+    return int(re.search(r"\bbytes=(\d+)", line).group(1))  # type: ignore[union-attr]
+
+
+# What the S3 daemons took at start: bytes, seconds, CPU seconds.
 TAKEN: list[tuple[int, float, float]] = []
 
 
@@ -633,9 +644,9 @@ def s3_summary(s3: dict[str, Run] | str, local: Run) -> None:
     if not isinstance(s3, dict):
         print(f"ckptd epoch 0 from S3: {s3}")
         return
-    for cache, secs, cpu in sorted(TAKEN):
-        per = cpu / (cache / 1e9)
-        print(f"the S3 daemon took {cache / GiB:.2f} GiB of shard memory at start, before the "
+    for nbytes, secs, cpu in sorted(TAKEN):
+        per = cpu / (nbytes / 1e9)
+        print(f"the S3 daemon took {nbytes / GiB:.2f} GiB of shard memory at start, before the "
               f"epochs: {secs:.2f} s, {cpu:.2f} CPU-s ({per:.2f} per GB)")  # fmt: skip
     base = local.cpu_loader + local.cpu_trainer
     for what, r in s3.items():
