@@ -76,7 +76,7 @@ func NewCache(budget int64) (*Cache, error) {
 		return nil, fmt.Errorf("%w: negative cache budget %d", ErrInvalid, budget)
 	}
 	c := &Cache{adm: newAdmission(budget, DefaultStaleAfter), ahead: newLookahead(), fills: map[string]*fill{}, counts: newSampleCounts(CountBytes), footers: newFooterCache(FooterBytes), takeStop: make(chan struct{})}
-	c.mem = newShardMem(budget + shardMemSlack)
+	c.mem = newShardMem(budget, shardMemSlack)
 	gone := func(it *ristretto.Item[shardBytes]) {
 		c.adm.release(it.Key, it.Conflict)
 		c.letGo(it.Value)

@@ -193,7 +193,6 @@ func Open(ctx context.Context, b storage.Backend, prefix string, cache *Cache, s
 		return nil, err
 	}
 	opts.setDefaults()
-	cache.endTake()
 	all, format, err := listDataset(ctx, b, prefix, spec.Format, opts.ListBytes, cache)
 	if err != nil {
 		return nil, err
@@ -231,6 +230,7 @@ func start(ctx context.Context, srcs []*shardSource, order epochFunc, cache *Cac
 			"give the dataset at least as many shards as ranks (DataLoader workers multiply them), or pad", ErrInvalid, len(left), spec.WorldSize)
 	}
 	mine := deal(left, spec.Rank, spec.WorldSize)
+	cache.endTake() // its shards are read from now on
 	plan, unplan := cache.plan(future(order, mine, spec))
 	var unpins []func()
 	for _, src := range srcs {

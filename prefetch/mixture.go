@@ -60,7 +60,6 @@ func OpenMixture(ctx context.Context, sources []MixSource, cache *Cache, spec Sp
 		return nil, err
 	}
 	opts.setDefaults()
-	cache.endTake()
 	m := &mixture{seed: spec.Seed}
 	var srcs []*shardSource
 	var weights []float64

@@ -200,8 +200,7 @@ func NewService(a Arena, cfg ServiceConfig) (*Service, error) {
 		sessions: map[string]*session{}, watched: map[string]bool{}, primeTimer: time.AfterFunc,
 	}
 	c.mem.onHeld = cfg.OffHeap
-	c.mem.limit = cfg.CacheBytes + slack(cfg.Options.ReadAheadBytes)
-	c.mem.keepRoom = slack(cfg.Options.ReadAheadBytes)
+	c.mem.resize(cfg.CacheBytes, slack(cfg.Options.ReadAheadBytes))
 	if cfg.takesMemoryAtStart(allow) {
 		c.takeMemory(cfg.Logger)
 	}

@@ -63,12 +63,12 @@ type shardMem struct {
 
 	// kept is the bytes of buffers the cache let go that shuffle
 	// windows keep aliasing (assembler.unalias), all sessions together,
-	// within keepRoom: the pool's room beyond the cache, which buffers
+	// within room: the pool's room beyond the cache, which buffers
 	// not yet collected share. Unlike those, kept buffers do not come
 	// back at a collection; past the room, shards are read into the heap,
 	// as when collections lag.
-	kept     atomic.Int64
-	keepRoom int64
+	kept atomic.Int64
+	room int64
 
 	// onHeld is told the bytes mapped whenever they change (report): the
 	// daemon lowers the Go heap's soft limit by them, since the garbage
@@ -104,14 +104,21 @@ type memSlot struct {
 	carved bool   // a piece of the region, not a mapping of its own
 }
 
-func newShardMem(limit int64) *shardMem {
-	return &shardMem{limit: limit, keepRoom: shardMemSlack, free: map[int64][]*memSlot{}}
+// newShardMem makes a pool for a cache of cache bytes, with room bytes
+// beyond it (see slack).
+func newShardMem(cache, room int64) *shardMem {
+	m := &shardMem{free: map[int64][]*memSlot{}}
+	m.resize(cache, room)
+	return m
 }
+
+// resize sets the pool's limit, before it hands out anything.
+func (m *shardMem) resize(cache, room int64) { m.limit, m.room = cache+room, room }
 
 // keepBudget is how many bytes of buffers a session that keeps mine of
 // them aliased may keep.
 func (m *shardMem) keepBudget(mine int64) int64 {
-	return max(0, m.keepRoom-(m.kept.Load()-mine))
+	return max(0, m.room-(m.kept.Load()-mine))
 }
 
 // sizeClass rounds n up to whole pages and then to four significant

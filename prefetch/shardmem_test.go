@@ -76,7 +76,7 @@ func setPoolAbove(t *testing.T, n int64) {
 func TestShardMemPoolsWithinItsLimit(t *testing.T) {
 	const size = 1 << 20
 	setPoolAbove(t, 64<<10)
-	m := newShardMem(2 * size)
+	m := newShardMem(0, 2*size)
 	a, b := m.buf(size), m.buf(size)
 	if !a.m.borrowed() || !b.m.borrowed() || len(a.b) != size {
 		t.Fatalf("under the limit: pooled %v %v, %d bytes", a.m.borrowed(), b.m.borrowed(), len(a.b))
@@ -210,8 +210,7 @@ func TestUnaliasKeepsTheShardsTheWindowHoldsMostOf(t *testing.T) {
 // The windows of all sessions keep at most the pool's keep room of
 // evicted buffers: a session is left what the others do not keep.
 func TestKeepBudgetIsSharedBySessions(t *testing.T) {
-	m := newShardMem(1 << 30)
-	m.keepRoom = 3000
+	m := newShardMem(1<<30, 3000)
 	for _, tc := range []struct{ all, mine, want int64 }{
 		{0, 0, 3000},
 		{2000, 500, 1500},
@@ -292,7 +291,7 @@ func (m *shardMem) state() (held, carved, ready int64) {
 func TestShardMemTakesAhead(t *testing.T) {
 	const mib = 1 << 20
 	setPoolAbove(t, 64<<10)
-	m := newShardMem(16 * mib)
+	m := newShardMem(0, 16*mib)
 	var told atomic.Int64 // what the daemon is told it holds off the heap
 	m.onHeld = func(n int64) { told.Store(n) }
 	got, err := m.takeAhead(4*mib+100, make(chan struct{}))
@@ -341,7 +340,7 @@ func TestShardMemTakesAhead(t *testing.T) {
 // takeAhead stops at once when told to, and close then gives back what
 // it mapped; the shards read meanwhile are the heap's or their own.
 func TestShardMemTakeAheadStops(t *testing.T) {
-	m := newShardMem(256 << 20)
+	m := newShardMem(0, 256<<20)
 	stop := make(chan struct{})
 	close(stop)
 	got, err := m.takeAhead(256<<20, stop)
