@@ -246,14 +246,14 @@ func (m *shardMem) report() {
 // in take and cached, which call it: they stay under the limit, unless
 // all of it is in use. Call with mu.
 func (m *shardMem) shed(n int64) {
-	for c, l := range m.free {
-		for len(l) > 0 && m.full(n) {
-			s := l[len(l)-1]
-			l[len(l)-1] = nil
-			l = l[:len(l)-1]
+	for c := range m.free {
+		for m.full(n) {
+			s := m.pop(c)
+			if s == nil {
+				break
+			}
 			m.release(s)
 		}
-		m.free[c] = l
 		if !m.full(n) {
 			return
 		}
